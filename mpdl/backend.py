@@ -1,0 +1,210 @@
+"""Array backends: NumPy on the host, CuPy on a GPU, and a stand-in device type for CPU-only tests.
+
+One code path serves every backend: ``xp = get_array_module(x)`` and then ``xp.add(...)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import types
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")
+)
+
+
+@functools.lru_cache(maxsize=1)
+def cupy_module() -> types.ModuleType | None:
+    """CuPy if it imports and sees a GPU, else None. Imported lazily: it is slow to load."""
+    if os.environ.get("MPDL_NO_CUPY") == "1":
+        return None
+    try:
+        import cupy  # noqa: PLC0415
+    except Exception:
+        return None
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+    except Exception:
+        return None
+    return cupy
+
+
+def get_array_module(x: Any) -> types.ModuleType:
+    """The array module (numpy, cupy or the stand-in) that owns ``x``; numpy for anything else."""
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return np
+    if isinstance(x, standin.ndarray):
+        return standin
+    mod = type(x).__module__
+    if mod.startswith("cupy"):
+        import cupy  # noqa: PLC0415
+
+        return cupy
+    return np
+
+
+def is_device_array(x: Any) -> bool:
+    """True for arrays that live on a device (CuPy or the stand-in), False for NumPy arrays."""
+    return get_array_module(x) is not np
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A NumPy array with x's values (a copy for device arrays, x itself for NumPy arrays)."""
+    xp = get_array_module(x)
+    if xp is np:
+        return np.asarray(x)
+    return xp.asnumpy(x)
+
+
+def to_module(x: np.ndarray, xp: types.ModuleType) -> Any:
+    """x moved to the array module ``xp`` (no copy when xp is numpy)."""
+    if xp is np:
+        return x
+    return xp.asarray(x)
+
+
+def check_dtype(dtype: Any, argument: str = "x") -> np.dtype:
+    """The dtype if mpdl's collectives support it; TypeError naming it otherwise."""
+    dt = np.dtype(dtype)
+    if dt not in SUPPORTED_DTYPES:
+        allowed = ", ".join(d.name for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{argument}: unsupported dtype {dt.name!r}; expected one of {allowed}")
+    return dt
+
+
+class _StandInArray:
+    """A CPU array that pretends to live on a device.
+
+    MPI cannot read it (it exposes no buffer and refuses implicit conversion to NumPy), so every
+    transfer must go through ``standin.asnumpy`` / ``standin.asarray`` explicitly, as with CuPy.
+    It exists so that CI, which has no GPU, exercises the host-staging code path.
+    """
+
+    __slots__ = ("_a",)
+    __array_priority__ = 100
+
+    def __init__(self, a: np.ndarray):
+        self._a = a
+
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    size = property(lambda self: self._a.size)
+    ndim = property(lambda self: self._a.ndim)
+    nbytes = property(lambda self: self._a.nbytes)
+    itemsize = property(lambda self: self._a.itemsize)
+    flags = property(lambda self: self._a.flags)
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError("stand-in device array: implicit conversion to NumPy is not allowed; "
+                        "use standin.asnumpy()")
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __getitem__(self, key) -> _StandInArray:
+        return _StandInArray(self._a[key])
+
+    def __setitem__(self, key, value) -> None:
+        if isinstance(value, np.ndarray):
+            raise TypeError("stand-in device array: assigning a host array needs standin.asarray()")
+        self._a[key] = value._a if isinstance(value, _StandInArray) else value
+
+    def reshape(self, *shape) -> _StandInArray:
+        return _StandInArray(self._a.reshape(*shape))
+
+    def ravel(self) -> _StandInArray:
+        return _StandInArray(self._a.ravel())
+
+    def view(self, dtype) -> _StandInArray:
+        return _StandInArray(self._a.view(dtype))
+
+    def astype(self, dtype, copy: bool = True) -> _StandInArray:
+        return _StandInArray(self._a.astype(dtype, copy=copy))
+
+    def copy(self) -> _StandInArray:
+        return _StandInArray(self._a.copy())
+
+    def get(self) -> np.ndarray:
+        return standin.asnumpy(self)
+
+    def __repr__(self) -> str:
+        return f"standin.ndarray({self._a!r})"
+
+
+def _unwrap(v: Any) -> Any:
+    return v._a if isinstance(v, _StandInArray) else v
+
+
+def _standin_ufunc(name: str):
+    f = getattr(np, name)
+
+    def call(*args, out=None, **kwargs):
+        if any(isinstance(a, np.ndarray) for a in args) or isinstance(out, np.ndarray):
+            raise TypeError(f"standin.{name}: host and device arrays cannot be mixed")
+        result = f(*(_unwrap(a) for a in args), out=_unwrap(out), **kwargs)
+        return out if out is not None else _StandInArray(np.asarray(result))
+
+    call.__name__ = name
+    return call
+
+
+class _StandInModule(types.SimpleNamespace):
+    """The array module of the stand-in device: a tiny CuPy-like namespace."""
+
+    def asnumpy(self, x: _StandInArray, out: np.ndarray | None = None) -> np.ndarray:
+        self.transfers["d2h"] += 1
+        if out is None:
+            return x._a.copy()
+        np.copyto(out, x._a)
+        return out
+
+    def asarray(self, x: Any, dtype=None) -> _StandInArray:
+        if isinstance(x, _StandInArray):
+            return x if dtype is None else x.astype(dtype)
+        self.transfers["h2d"] += 1
+        return _StandInArray(np.array(x, dtype=dtype, copy=True))
+
+    def empty(self, shape, dtype=np.float64) -> _StandInArray:
+        return _StandInArray(np.empty(shape, dtype))
+
+    def zeros(self, shape, dtype=np.float64) -> _StandInArray:
+        return _StandInArray(np.zeros(shape, dtype))
+
+    def empty_like(self, x: _StandInArray) -> _StandInArray:
+        return _StandInArray(np.empty_like(x._a))
+
+    def copyto(self, dst: _StandInArray, src: _StandInArray) -> None:
+        if not isinstance(dst, _StandInArray) or not isinstance(src, _StandInArray):
+            raise TypeError("standin.copyto: both arrays must be stand-in device arrays")
+        np.copyto(dst._a, src._a)
+
+    def concatenate(self, arrays) -> _StandInArray:
+        return _StandInArray(np.concatenate([_unwrap(a) for a in arrays]))
+
+    def synchronize(self) -> None:
+        """Stands for ``cupy.cuda.get_current_stream().synchronize()``."""
+        self.transfers["sync"] += 1
+
+
+standin = _StandInModule(
+    __name__="mpdl.backend.standin",
+    ndarray=_StandInArray,
+    transfers={"h2d": 0, "d2h": 0, "sync": 0},
+    **{n: _standin_ufunc(n) for n in ("add", "multiply", "maximum", "minimum", "true_divide",
+                                       "floor_divide", "divide")},
+)
+
+
+def synchronize(xp: types.ModuleType) -> None:
+    """Wait for queued device work of module xp (a no-op on the host)."""
+    if xp is np:
+        return
+    if xp is standin:
+        standin.synchronize()
+        return
+    xp.cuda.get_current_stream().synchronize()
