@@ -208,3 +208,15 @@ def synchronize(xp: types.ModuleType) -> None:
         standin.synchronize()
         return
     xp.cuda.get_current_stream().synchronize()
+
+
+def upload(dst: Any, host: np.ndarray) -> None:
+    """Copy the host array into the device array dst (same shape and dtype)."""
+    xp = get_array_module(dst)
+    if xp is np:
+        np.copyto(dst, host)
+    elif xp is standin:
+        standin.transfers["h2d"] += 1
+        np.copyto(dst._a, host)
+    else:
+        dst.set(host)

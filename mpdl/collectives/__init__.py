@@ -1,0 +1,19 @@
+"""Hand-written collectives over point-to-point messages: any p, any count, bit-identical results.
+
+Public calls take NumPy or CuPy arrays and return the same kind. `comm` is an mpi4py communicator
+(default MPI.COMM_WORLD) or an mpdl Communicator (for example one rank of the in-process world).
+"""
+
+from mpdl.collectives.api import (
+    allgather,
+    allreduce,
+    allreduce_async,
+    broadcast,
+    reduce,
+    reduce_scatter,
+)
+from mpdl.collectives.handles import Handle
+from mpdl.collectives.registry import COLLECTIVES, REGISTRY, algorithms
+
+__all__ = ["allreduce", "allreduce_async", "reduce_scatter", "allgather", "broadcast", "reduce",
+           "algorithms", "Handle", "COLLECTIVES", "REGISTRY"]

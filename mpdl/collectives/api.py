@@ -1,0 +1,191 @@
+"""The public collectives: allreduce, reduce_scatter, allgather, broadcast, reduce (and async).
+
+Each call checks its arguments on every rank before any message is sent, copies the input into a
+flat result buffer, and hands that buffer to the chosen algorithm, which works in place.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from mpdl import backend
+from mpdl.collectives import registry
+from mpdl.collectives.handles import Handle, engine_for, run_in_order, serialized
+from mpdl.collectives.ops import block_bounds, check_array, check_op
+from mpdl.comm import CollectiveMismatch, Communicator, as_communicator
+
+
+def _pick(collective: str, algorithm: str, comm: Communicator, nbytes: int) -> registry.Algorithm:
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm: expected a name, got {type(algorithm).__name__}")
+    if algorithm == "auto":
+        nodes = len(comm.node_groups()) if comm.size > 1 else 1
+        shared = type(comm).shared_segments is not Communicator.shared_segments
+        algorithm = registry.choose(collective, nbytes, comm.size, nodes, shared)
+    return registry.resolve(collective, algorithm)
+
+
+def _check_root(root: Any, comm: Communicator) -> int:
+    if not isinstance(root, int | np.integer) or not 0 <= root < comm.size:
+        raise ValueError(f"root: expected a rank in [0, {comm.size}), got {root!r}")
+    return int(root)
+
+
+def _agree(comm: Communicator, signature: tuple) -> None:
+    """With MPDL_CHECK=1, make sure every rank called the same collective with the same arguments.
+
+    Costs one small all-gather of Python objects per call (tens of microseconds).
+    """
+    if os.environ.get("MPDL_CHECK", "0") in ("", "0"):
+        return
+    everyone = comm.allgather_object(signature)
+    if any(s != everyone[0] for s in everyone):
+        lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
+        raise CollectiveMismatch(f"{signature[0]}: ranks disagree on the call "
+                                 f"(collective, algorithm, shape, dtype, op, root): {lines}")
+
+
+def _flat_copy(x: Any, xp: Any, into: Any) -> Any:
+    flat = into.reshape(-1)
+    if into is not x:
+        xp.copyto(flat, x.reshape(-1))
+    return flat
+
+
+def _run(comm, algorithm: registry.Algorithm, collective: str, buf: Any, *args) -> None:
+    def work() -> None:
+        with serialized(comm, f"{collective}/{algorithm.name}"):
+            algorithm.run(comm, buf, *args)
+
+    run_in_order(comm, work)
+
+
+def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
+              out: Any = None) -> Any:
+    """Reduce x elementwise over all ranks; every rank gets the result (x's kind, shape, dtype).
+
+    x is left untouched unless `out is x`. Results are bit-identical on every rank.
+    """
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    check_op(op, dtype)
+    algo = _pick("allreduce", algorithm, c, x.nbytes)
+    if out is None:
+        out = xp.empty(x.shape, dtype=dtype)
+    else:
+        _check_out(out, x, xp)
+    _agree(c, ("allreduce", algo.name, tuple(x.shape), dtype.name, op, None))
+    _finish_allreduce(c, algo, _flat_copy(x, xp, out), op, xp)
+    return out
+
+
+def _finish_allreduce(c, algo, flat, op, xp) -> None:
+    _run(c, algo, "allreduce", flat, op)
+    if op == "avg":
+        xp.true_divide(flat, c.size, out=flat)
+
+
+def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
+                    out: Any = None) -> Handle:
+    """Start an all-reduce on the communicator's communication thread; return a handle whose
+    `.wait()` gives the result and `.test()` says whether it is done. Handles complete in the
+    order issued; x must not change until the handle is done."""
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    check_op(op, dtype)
+    algo = _pick("allreduce", algorithm, c, x.nbytes)
+    if out is None:
+        out = xp.empty(x.shape, dtype=dtype)
+    else:
+        _check_out(out, x, xp)
+    _agree(c, ("allreduce", algo.name, tuple(x.shape), dtype.name, op, None))
+    flat = _flat_copy(x, xp, out)
+
+    def work() -> Any:
+        _finish_allreduce(c, algo, flat, op, xp)
+        return out
+
+    return engine_for(c).submit(work)
+
+
+def _check_out(out: Any, x: Any, xp: Any) -> None:
+    if backend.get_array_module(out) is not xp:
+        raise TypeError("out: expected an array of the same kind as x (NumPy or CuPy)")
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out: expected shape {x.shape} and dtype {x.dtype}, "
+                         f"got {out.shape} and {out.dtype}")
+    if not out.flags["C_CONTIGUOUS"]:
+        raise ValueError("out: expected a C-contiguous array")
+
+
+def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None) -> Any:
+    """Reduce x over all ranks and return this rank's block of the flattened result.
+
+    Blocks follow numpy.array_split: the first count % p blocks are one element longer.
+    """
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    check_op(op, dtype)
+    algo = _pick("reduce_scatter", algorithm, c, x.nbytes)
+    _agree(c, ("reduce_scatter", algo.name, tuple(x.shape), dtype.name, op, None))
+    buf = c.workspace("api.reduce_scatter", x.size, dtype, xp)
+    xp.copyto(buf, x.reshape(-1))
+    bounds = block_bounds(x.size, c.size)
+    _run(c, algo, "reduce_scatter", buf, op, bounds)
+    mine = buf[bounds[c.rank]:bounds[c.rank + 1]].copy()
+    if op == "avg":
+        xp.true_divide(mine, c.size, out=mine)
+    return mine
+
+
+def allgather(x: Any, algorithm: str = "auto", comm: Any = None) -> Any:
+    """Every rank's x, flattened and concatenated in rank order (all ranks pass the same shape)."""
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    algo = _pick("allgather", algorithm, c, x.nbytes * c.size)
+    _agree(c, ("allgather", algo.name, tuple(x.shape), dtype.name, None, None))
+    result = xp.empty(x.size * c.size, dtype=dtype)
+    bounds = [i * x.size for i in range(c.size + 1)]
+    xp.copyto(result[bounds[c.rank]:bounds[c.rank + 1]], x.reshape(-1))
+    _run(c, algo, "allgather", result, bounds)
+    return result
+
+
+def broadcast(x: Any, root: int = 0, algorithm: str = "auto", comm: Any = None) -> Any:
+    """Root's x on every rank (every rank passes an array of the same shape and dtype)."""
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    root = _check_root(root, c)
+    algo = _pick("broadcast", algorithm, c, x.nbytes)
+    _agree(c, ("broadcast", algo.name, tuple(x.shape), dtype.name, None, root))
+    result = xp.empty(x.shape, dtype=dtype)
+    flat = result.reshape(-1)
+    if c.rank == root:
+        xp.copyto(flat, x.reshape(-1))
+    _run(c, algo, "broadcast", flat, root)
+    return result
+
+
+def reduce(x: Any, root: int = 0, op: str = "sum", algorithm: str = "auto",
+           comm: Any = None) -> Any:
+    """The elementwise reduction of x over all ranks on root; None on the other ranks."""
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    check_op(op, dtype)
+    root = _check_root(root, c)
+    algo = _pick("reduce", algorithm, c, x.nbytes)
+    _agree(c, ("reduce", algo.name, tuple(x.shape), dtype.name, op, root))
+    if c.rank == root:
+        result = xp.empty(x.shape, dtype=dtype)
+        flat = result.reshape(-1)
+    else:
+        result = None
+        flat = c.workspace("api.reduce", x.size, dtype, xp)
+    xp.copyto(flat, x.reshape(-1))
+    _run(c, algo, "reduce", flat, op, root)
+    if result is not None and op == "avg":
+        xp.true_divide(flat, c.size, out=flat)
+    return result

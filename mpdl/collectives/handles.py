@@ -1,0 +1,98 @@
+"""Asynchronous collectives: one communication thread per communicator runs them in issue order.
+
+mpi4py releases the GIL inside MPI calls and NumPy releases it in ufuncs and BLAS, so the thread
+makes real progress while the caller computes (for example, the rest of a backward pass).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+class Handle:
+    """A collective in flight: `.test()` says whether it finished, `.wait()` returns its result."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def test(self) -> bool:
+        """True once the collective has finished (successfully or not)."""
+        return self._done.is_set()
+
+    def wait(self) -> Any:
+        """Block until the collective finishes; return its result or raise its error."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+
+class Engine:
+    """A daemon thread that runs submitted work items one at a time, in submission order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._loop, name="mpdl-comm", daemon=True)
+        self.thread.start()
+
+    def submit(self, work: Callable[[], Any]) -> Handle:
+        handle = Handle()
+        with self._lock:
+            self._pending += 1
+        self._queue.put((work, handle))
+        return handle
+
+    def busy(self) -> bool:
+        """True while submitted work has not finished."""
+        return self._pending > 0
+
+    def _loop(self) -> None:
+        while True:
+            work, handle = self._queue.get()
+            try:
+                result, error = work(), None
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                result, error = None, exc
+            with self._lock:
+                self._pending -= 1
+            handle._finish(result, error)
+
+
+def engine_for(comm: Any) -> Engine:
+    """The communication thread of comm (started on first use)."""
+    engine = getattr(comm, "_engine", None)
+    if engine is None:
+        engine = comm._engine = Engine()
+    return engine
+
+
+def run_in_order(comm: Any, work: Callable[[], Any]) -> Any:
+    """Run work now, unless asynchronous collectives are still in flight on comm: then queue it
+    behind them, so that every rank issues its messages in the same order."""
+    engine = getattr(comm, "_engine", None)
+    if engine is None or threading.current_thread() is engine.thread or not engine.busy():
+        return work()
+    return engine.submit(work).wait()
+
+
+@contextmanager
+def serialized(comm: Any, name: str) -> Iterator[None]:
+    """Label the messages sent inside the block with the collective's name."""
+    previous = comm.collective
+    comm.collective = name
+    try:
+        yield
+    finally:
+        comm.collective = previous

@@ -1,0 +1,153 @@
+"""Which algorithms exist for each collective, what they cost, and how `auto` picks one.
+
+Every algorithm is registered with a one-line summary and its α-β-γ cost (DESIGN.md) so that
+`mpdl bench --list` and the cost model read from one table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mpdl.collectives import native
+from mpdl.collectives.hierarchical import hierarchical_allreduce
+from mpdl.collectives.ops import with_reducer
+from mpdl.collectives.recursive import rabenseifner_allreduce, recursive_doubling_allreduce
+from mpdl.collectives.ring import (
+    ring_allgather,
+    ring_allreduce,
+    ring_broadcast,
+    ring_reduce,
+    ring_reduce_scatter,
+)
+from mpdl.collectives.shm import shm_allreduce
+from mpdl.collectives.torus import torus2d_allreduce
+from mpdl.collectives.tree import (
+    double_tree_allreduce,
+    tree_allgather,
+    tree_allreduce,
+    tree_broadcast,
+    tree_reduce,
+    tree_reduce_scatter,
+)
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """A registered algorithm. `run` takes (comm, flat buffer, op, extra) per collective:
+    allreduce (op), reduce_scatter (op, bounds), allgather (bounds), broadcast (root), reduce (op, root)."""
+
+    name: str
+    run: Callable
+    summary: str
+    cost: str
+    baseline: bool = False
+
+
+def _a(name, run, summary, cost, baseline=False) -> Algorithm:
+    return Algorithm(name, run, summary, cost, baseline)
+
+
+_MPI = "the MPI library's own implementation (baseline, not ours)"
+
+REGISTRY: dict[str, dict[str, Algorithm]] = {
+    "allreduce": {a.name: a for a in [
+        _a("ring", with_reducer(ring_allreduce), "ring reduce-scatter + ring all-gather, "
+           "pipelined segments", "2(p-1)α + 2n(p-1)/p·β + n(p-1)/p·γ"),
+        _a("recursive_doubling", with_reducer(recursive_doubling_allreduce),
+           "lg p pairwise exchanges of the whole buffer (fold for p not 2^k)",
+           "lg p·α + n·lg p·(β+γ)"),
+        _a("rabenseifner", with_reducer(rabenseifner_allreduce),
+           "recursive-halving reduce-scatter + recursive-doubling all-gather",
+           "2 lg p·α + 2n(p-1)/p·β + n(p-1)/p·γ"),
+        _a("tree", with_reducer(tree_allreduce), "binomial reduce + binomial broadcast, "
+           "pipelined segments", "2 lg p·α + 2n·lg p·β + n·lg p·γ"),
+        _a("double_tree", with_reducer(double_tree_allreduce),
+           "two complementary binary trees, each reducing and broadcasting half the data",
+           "≈ 2 lg p·α + n·β·(1+ε) + n/2·γ"),
+        _a("hierarchical", with_reducer(hierarchical_allreduce),
+           "intra-node reduce-scatter, inter-node all-reduce of shards, intra-node all-gather",
+           "2(g-1)α_intra + 2n(g-1)/g·β_intra + inter-node all-reduce of n/g over p/g nodes"),
+        _a("torus2d", with_reducer(torus2d_allreduce),
+           "X×Y grid: reduce-scatter along rows, all-reduce along columns, all-gather along rows",
+           "2(X-1)+2(Y-1) α + ≈ 2n(p-1)/p·β"),
+        _a("shm", with_reducer(shm_allreduce),
+           "ranks of a node reduce straight from each other's memory (MPI shared window)",
+           "2 barriers + n·(copy in + copy out) + n(g-1)/g·γ, then inter-node of n/g"),
+        _a("mpi", native.mpi_allreduce, _MPI, "library's choice", baseline=True),
+    ]},
+    "reduce_scatter": {a.name: a for a in [
+        _a("ring", with_reducer(ring_reduce_scatter), "ring reduce-scatter",
+           "(p-1)α + n(p-1)/p·(β+γ)"),
+        _a("tree", with_reducer(tree_reduce_scatter), "binomial reduce to rank 0 + binomial scatter",
+           "2 lg p·α + n·lg p·(β+γ) + n·β"),
+        _a("mpi", native.mpi_reduce_scatter, _MPI, "library's choice", baseline=True),
+    ]},
+    "allgather": {a.name: a for a in [
+        _a("ring", ring_allgather, "ring all-gather", "(p-1)α + n(p-1)/p·β"),
+        _a("tree", tree_allgather, "binomial gather to rank 0 + binomial broadcast",
+           "2 lg p·α + n·(1 + lg p)·β"),
+        _a("mpi", native.mpi_allgather, _MPI, "library's choice", baseline=True),
+    ]},
+    "broadcast": {a.name: a for a in [
+        _a("ring", ring_broadcast, "pipelined chain root → root+1 → …", "(p-1 + segments)·α + n·β"),
+        _a("tree", tree_broadcast, "binomial tree, pipelined segments", "lg p·α + n·lg p·β"),
+        _a("mpi", native.mpi_broadcast, _MPI, "library's choice", baseline=True),
+    ]},
+    "reduce": {a.name: a for a in [
+        _a("ring", with_reducer(ring_reduce), "ring reduce-scatter + gather of blocks to root",
+           "2(p-1)α + 2n(p-1)/p·β + n(p-1)/p·γ"),
+        _a("tree", with_reducer(tree_reduce), "binomial tree, pipelined segments",
+           "lg p·α + n·lg p·(β+γ)"),
+        _a("mpi", native.mpi_reduce, _MPI, "library's choice", baseline=True),
+    ]},
+}
+
+
+def algorithms(collective: str) -> list[str]:
+    """The algorithm names available for a collective (plus "auto", always accepted)."""
+    if collective not in REGISTRY:
+        raise ValueError(f"collective: expected one of {', '.join(COLLECTIVES)}, got {collective!r}")
+    return list(REGISTRY[collective])
+
+
+#: below this size, allreduce is latency-bound and auto takes recursive doubling
+AUTO_SMALL_BYTES = 32 * 1024
+
+Chooser = Callable[[str, int, int, int, bool], str]
+
+
+def simple_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
+    """The size rule `auto` uses when no cost model is installed."""
+    if collective != "allreduce":
+        return "ring"
+    if nbytes <= AUTO_SMALL_BYTES:
+        return "recursive_doubling"
+    if shared_memory and nodes == 1:
+        return "shm"
+    return "hierarchical" if nodes > 1 else "ring"
+
+
+_chooser: list[Chooser] = [simple_choice]
+
+
+def set_chooser(chooser: Chooser) -> None:
+    """Install the function `auto` uses: (collective, nbytes, p, nodes, shared_memory) -> name.
+    It must depend on its arguments alone, so that every rank picks the same algorithm."""
+    _chooser[0] = chooser
+
+
+def choose(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
+    """The algorithm `auto` runs for this call."""
+    return _chooser[0](collective, nbytes, p, nodes, shared_memory)
+
+
+def resolve(collective: str, algorithm: str) -> Algorithm:
+    """The registered algorithm; ValueError naming the allowed names otherwise."""
+    table = REGISTRY[collective]
+    if algorithm not in table:
+        raise ValueError(f"algorithm: expected 'auto' or one of {', '.join(table)} for "
+                         f"{collective}, got {algorithm!r}")
+    return table[algorithm]

@@ -1,0 +1,135 @@
+"""An in-process world of p ranks, one thread each, with queues instead of MPI.
+
+The same collective code that runs over mpi4py runs here, so tests can check every algorithm for
+p = 1..32 in seconds, notebooks can run and draw an algorithm without mpiexec, and the recorder
+captures each message (collective, step, source, destination, bytes) for the cost model.
+It is a test and teaching double: every algorithm is also tested over real MPI.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mpdl import backend
+from mpdl.comm import Communicator, Request
+
+
+class ThreadWorld:
+    """The shared state of p in-process ranks: one mailbox per (source, destination) pair."""
+
+    def __init__(self, size: int, ranks_per_node: int | None = None, record: bool = False):
+        if size < 1:
+            raise ValueError(f"size: expected at least 1 rank, got {size}")
+        self.size = size
+        self.ranks_per_node = ranks_per_node or size
+        self.mailboxes = {(s, d): queue.SimpleQueue() for s in range(size) for d in range(size)}
+        self.schedule: list[tuple] | None = [] if record else None
+        self._lock = threading.Lock()
+        self._segments: dict[tuple, list[np.ndarray]] = {}
+        self._barriers: dict[tuple, threading.Barrier] = {}
+        self._gather: dict[int, list] = {}
+        self._gather_barrier = threading.Barrier(size)
+
+    def comm(self, rank: int) -> ThreadComm:
+        return ThreadComm(self, rank)
+
+    def run(self, fn: Callable[[ThreadComm], Any], timeout: float = 60.0) -> list[Any]:
+        """Run fn(comm) on every rank in its own thread; return the results in rank order.
+
+        The first exception raised by any rank is re-raised here.
+        """
+        results: list[Any] = [None] * self.size
+        errors: list[BaseException | None] = [None] * self.size
+
+        def body(rank: int) -> None:
+            try:
+                results[rank] = fn(self.comm(rank))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                errors[rank] = exc
+
+        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+            if t.is_alive():
+                raise TimeoutError(f"in-process world: a rank did not finish within {timeout} s")
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        return results
+
+
+class ThreadComm(Communicator):
+    """One rank of a ThreadWorld. Sends are buffered (they complete at once); receives block."""
+
+    def __init__(self, world: ThreadWorld, rank: int):
+        super().__init__()
+        self.world = world
+        self.rank = rank
+        self.size = world.size
+        self.recorder = world.schedule
+
+    def _isend(self, buf: Any, dest: int, step: Any) -> Request:
+        if not 0 <= dest < self.size:
+            raise ValueError(f"dest: expected a rank in [0, {self.size}), got {dest}")
+        self.world.mailboxes[(self.rank, dest)].put(backend.to_host(buf).copy())
+        return Request(None, dest, step, "send")
+
+    def _irecv(self, buf: Any, source: int, step: Any) -> Request:
+        if not 0 <= source < self.size:
+            raise ValueError(f"source: expected a rank in [0, {self.size}), got {source}")
+        return Request(buf, source, step, "recv")
+
+    def _wait_all(self, requests: Sequence[Request]) -> None:
+        for r in requests:
+            if r.kind != "recv" or r.handle is None:
+                continue
+            try:
+                data = self.world.mailboxes[(r.peer, self.rank)].get(timeout=self.timeout)
+            except queue.Empty:
+                raise self._timeout_error([r]) from None
+            dst = r.handle
+            if data.nbytes != dst.nbytes:
+                raise RuntimeError(f"{self.collective}: rank {self.rank} expected {dst.nbytes} "
+                                   f"bytes from rank {r.peer} at step {r.step}, got {data.nbytes}")
+            backend.upload(dst, data.view(dst.dtype).reshape(dst.shape))
+            r.handle = None
+
+    def node_of_rank(self) -> list[int]:
+        return [r // self.world.ranks_per_node for r in range(self.size)]
+
+    def shared_segments(self, nbytes: int):
+        size_class = 1 << max(nbytes - 1, 0).bit_length()
+        node = self.node_of_rank()[self.rank]
+        members = tuple(r for r, n in enumerate(self.node_of_rank()) if n == node)
+        with self.world._lock:
+            key = (members, size_class)
+            if key not in self.world._segments:
+                self.world._segments[key] = [np.empty(size_class, np.uint8) for _ in members]
+                self.world._barriers[key] = threading.Barrier(len(members))
+            segments, barrier = self.world._segments[key], self.world._barriers[key]
+        return segments, lambda: barrier.wait(self.timeout)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        world = self.world
+        with world._lock:
+            world._gather[self.rank] = obj
+        world._gather_barrier.wait(self.timeout)
+        result = [world._gather[r] for r in range(self.size)]
+        world._gather_barrier.wait(self.timeout)
+        return result
+
+
+def run_world(size: int, fn: Callable[[ThreadComm], Any], ranks_per_node: int | None = None,
+              record: bool = False) -> list[Any] | tuple[list[Any], list[tuple]]:
+    """Run fn(comm) on an in-process world of `size` ranks; with record=True also return the
+    message schedule as (collective, step, src, dst, nbytes) tuples."""
+    world = ThreadWorld(size, ranks_per_node, record)
+    results = world.run(fn)
+    return (results, world.schedule) if record else results
