@@ -55,7 +55,7 @@ def _erf_loop(x, out):
         flat_out[i] = math.erf(flat_x[i])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(name: str):
     import numba  # noqa: PLC0415  (slow import, only when a kernel is first needed)
 

@@ -1,0 +1,319 @@
+"""Optimizers (SGD, Adam, AdamW, LARS, LAMB) and learning-rate schedules.
+
+Updates happen in place on ``p.data`` so that references to parameter arrays stay valid, and in
+the parameters' own dtype (hyper-parameters are Python floats, which never upcast float32).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mpdl.autograd.tensor import Tensor
+from mpdl.backend import get_array_module, to_host
+
+
+class Optimizer:
+    """Base class: parameter groups (dicts with ``params`` and hyper-parameters) and per-parameter
+    state; subclasses implement ``_update(p, grad, state, group)``."""
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        params = list(params)
+        if not params:
+            raise ValueError(f"{type(self).__name__}: got an empty parameter list")
+        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        self.defaults = defaults
+        self.param_groups: list[dict[str, Any]] = []
+        for group in groups:
+            unknown = set(group) - set(defaults) - {"params"}
+            if unknown:
+                raise ValueError(f"{type(self).__name__}: unknown option(s) {sorted(unknown)}; "
+                                 f"allowed: {sorted(defaults)}")
+            merged = {**defaults, **group, "params": list(group["params"])}
+            for p in merged["params"]:
+                if not isinstance(p, Tensor) or not p.requires_grad:
+                    raise TypeError(f"{type(self).__name__}: parameters must be Tensors that "
+                                    f"require grad, got {type(p).__name__}")
+            self.param_groups.append(merged)
+        self.state: dict[Tensor, dict[str, Any]] = {}
+
+    @property
+    def lr(self) -> float:
+        """The learning rate (of the first group); setting it sets every group's."""
+        return self.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for group in self.param_groups:
+            group["lr"] = float(value)
+
+    def _params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def zero_grad(self) -> None:
+        """Set every parameter's gradient to None."""
+        for p in self._params():
+            p.grad = None
+
+    def step(self) -> None:
+        """Update every parameter that has a gradient."""
+        for group in self.param_groups:
+            hyper = {k: float(v) if isinstance(v, (int, float, np.floating)) and
+                     not isinstance(v, bool) else v for k, v in group.items() if k != "params"}
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, p.grad, self.state.setdefault(p, {}), hyper)
+
+    def _update(self, p: Tensor, grad: Any, state: dict[str, Any], group: dict[str, Any]
+                ) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Hyper-parameters and per-parameter state (NumPy arrays and plain Python values),
+        parameters referred to by their position across groups."""
+        index = {id(p): i for i, p in enumerate(self._params())}
+        state = {}
+        for p, entries in self.state.items():
+            state[index[id(p)]] = {k: np.array(to_host(v), copy=True) if hasattr(v, "shape")
+                                   else v for k, v in entries.items()}
+        groups = []
+        for group in self.param_groups:
+            g = {k: v for k, v in group.items() if k != "params"}
+            g["params"] = [index[id(p)] for p in group["params"]]
+            groups.append(g)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (keys may be ints or their strings)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+                len(g["params"]) != len(own["params"]) for g, own in zip(groups, self.param_groups)):
+            raise ValueError("load_state_dict: the saved parameter groups do not match this "
+                             "optimizer's groups in number or size")
+        params = self._params()
+        for group, own in zip(groups, self.param_groups):
+            own.update({k: v for k, v in group.items() if k != "params"})
+        self.state = {}
+        for key, entries in state_dict["state"].items():
+            p = params[int(key)]
+            xp = get_array_module(p.data)
+            restored = {}
+            for k, v in entries.items():
+                if hasattr(v, "shape") and np.ndim(v) > 0:
+                    if tuple(np.shape(v)) != p.shape:
+                        raise ValueError(f"load_state_dict: state {k!r} of parameter {key} has "
+                                         f"shape {np.shape(v)}, the parameter {p.shape}")
+                    restored[k] = xp.asarray(np.asarray(v, dtype=p.dtype))
+                else:
+                    restored[k] = v.item() if hasattr(v, "item") else v
+            self.state[p] = restored
+
+
+def _check(name: str, value: float, low: float = 0.0) -> None:
+    if not value >= low:
+        raise ValueError(f"{name} must be >= {low}, not {value!r}")
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with optional (Nesterov) momentum and L2 weight decay,
+    following PyTorch: v = μv + (1-dampening)(g + λw); w -= lr·(g + μv if nesterov else v)."""
+
+    def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False
+                 ) -> None:
+        _check("lr", lr)
+        _check("momentum", momentum)
+        _check("weight_decay", weight_decay)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("SGD: nesterov needs momentum > 0 and dampening = 0")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                      weight_decay=weight_decay, nesterov=nesterov))
+
+    def _update(self, p, grad, state, group):
+        d = grad
+        if group["weight_decay"]:
+            d = d + group["weight_decay"] * p.data
+        mu = group["momentum"]
+        if mu:
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = d.copy()
+            else:
+                buf *= mu
+                buf += (1 - group["dampening"]) * d
+            d = d + mu * buf if group["nesterov"] else buf
+        p.data -= group["lr"] * d
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba) with bias correction; ``weight_decay`` adds λw to the gradient."""
+
+    decoupled = False
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        _check("lr", lr)
+        _check("eps", eps)
+        _check("weight_decay", weight_decay)
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must lie in [0, 1), not {betas!r}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay))
+
+    def _update(self, p, grad, state, group):
+        xp = get_array_module(p.data)
+        b1, b2 = group["betas"]
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd and self.decoupled:
+            p.data *= 1 - lr * wd
+        elif wd:
+            grad = grad + wd * p.data
+        if not state:
+            state.update(step=0, exp_avg=xp.zeros_like(p.data), exp_avg_sq=xp.zeros_like(p.data))
+        state["step"] += 1
+        t = state["step"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m *= b1
+        m += (1 - b1) * grad
+        v *= b2
+        v += (1 - b2) * (grad * grad)
+        denom = xp.sqrt(v) * (1.0 / math.sqrt(1 - b2**t))
+        denom += group["eps"]
+        p.data -= (lr / (1 - b1**t)) * (m / denom)
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter): w -= lr·λ·w before the step."""
+
+    decoupled = True
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def _norm(xp: Any, a: Any) -> Any:
+    return xp.sqrt((a * a).sum())
+
+
+def _trust(xp: Any, numerator: Any, denominator: Any) -> Any:
+    """numerator / denominator where both are positive, else 1 (a 0-d array, no host sync)."""
+    ok = (numerator > 0) & (denominator > 0)
+    return xp.where(ok, numerator / xp.where(ok, denominator, 1), 1)
+
+
+class LARS(Optimizer):
+    """Layer-wise adaptive rate scaling (You et al. 2017) on top of momentum SGD.
+
+    Each adapted parameter's step g + λw is scaled by the trust ratio η‖w‖/(‖g‖ + λ‖w‖).
+    Parameters with ndim ≤ 1 (biases, norm scales) skip adaptation and weight decay unless
+    ``exclude_1d=False``.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.9,
+                 weight_decay: float = 0.0, eta: float = 0.001, exclude_1d: bool = True) -> None:
+        _check("lr", lr)
+        _check("momentum", momentum)
+        _check("weight_decay", weight_decay)
+        _check("eta", eta)
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      eta=eta, exclude_1d=exclude_1d))
+
+    def _update(self, p, grad, state, group):
+        xp = get_array_module(p.data)
+        wd = group["weight_decay"]
+        if group["exclude_1d"] and p.data.ndim <= 1:
+            d = grad
+        else:
+            w_norm, g_norm = _norm(xp, p.data), _norm(xp, grad)
+            trust = _trust(xp, group["eta"] * w_norm, g_norm + wd * w_norm).astype(p.dtype)
+            d = (grad + wd * p.data) * trust
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = xp.array(d, copy=True)
+        else:
+            buf *= group["momentum"]
+            buf += d
+        p.data -= group["lr"] * buf
+
+
+class LAMB(Optimizer):
+    """Layer-wise adaptive moments (You et al. 2019): the Adam direction r + λw, scaled by the
+    trust ratio ‖w‖/‖r + λw‖. Parameters with ndim ≤ 1 skip adaptation and weight decay unless
+    ``exclude_1d=False``."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0, exclude_1d: bool = True) -> None:
+        _check("lr", lr)
+        _check("eps", eps)
+        _check("weight_decay", weight_decay)
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must lie in [0, 1), not {betas!r}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay, exclude_1d=exclude_1d))
+
+    def _update(self, p, grad, state, group):
+        xp = get_array_module(p.data)
+        b1, b2 = group["betas"]
+        if not state:
+            state.update(step=0, exp_avg=xp.zeros_like(p.data), exp_avg_sq=xp.zeros_like(p.data))
+        state["step"] += 1
+        t = state["step"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m *= b1
+        m += (1 - b1) * grad
+        v *= b2
+        v += (1 - b2) * (grad * grad)
+        update = (m * (1.0 / (1 - b1**t))) / (xp.sqrt(v * (1.0 / (1 - b2**t))) + group["eps"])
+        if group["exclude_1d"] and p.data.ndim <= 1:
+            p.data -= group["lr"] * update
+            return
+        if group["weight_decay"]:
+            update += group["weight_decay"] * p.data
+        trust = _trust(xp, _norm(xp, p.data), _norm(xp, update)).astype(p.dtype)
+        p.data -= group["lr"] * trust * update
+
+
+class WarmupSchedule:
+    """Learning rate by step: linear warmup to ``base_lr`` over ``warmup_steps``, then
+    ``"constant"``, ``"cosine"`` (to ``min_lr`` at ``total_steps``) or ``"step"`` (× ``gamma`` at
+    each of ``milestones``, counted in steps from the start)."""
+
+    def __init__(self, base_lr: float, warmup_steps: int = 0, total_steps: int | None = None,
+                 kind: str = "cosine", milestones: Sequence[int] = (), gamma: float = 0.1,
+                 min_lr: float = 0.0) -> None:
+        if kind not in ("cosine", "step", "constant"):
+            raise ValueError(f"WarmupSchedule: kind must be 'cosine', 'step' or 'constant', "
+                             f"not {kind!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"WarmupSchedule: warmup_steps must be >= 0, not {warmup_steps}")
+        if kind == "cosine" and (total_steps is None or total_steps <= warmup_steps):
+            raise ValueError("WarmupSchedule: kind='cosine' needs total_steps > warmup_steps")
+        self.base_lr, self.warmup_steps, self.total_steps = float(base_lr), warmup_steps, total_steps
+        self.kind, self.milestones = kind, sorted(milestones)
+        self.gamma, self.min_lr = float(gamma), float(min_lr)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.base_lr * (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return self.base_lr
+        if self.kind == "step":
+            return self.base_lr * self.gamma ** sum(step >= m for m in self.milestones)
+        span = self.total_steps - self.warmup_steps
+        progress = min(step - self.warmup_steps, span) / span
+        return self.min_lr + (self.base_lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def scale_lr(lr: float, global_batch: int, base_batch: int = 256) -> float:
+    """The linear scaling rule (Goyal et al. 2017): lr × global_batch / base_batch."""
+    if global_batch <= 0 or base_batch <= 0:
+        raise ValueError(f"scale_lr: batch sizes must be positive, got global_batch="
+                         f"{global_batch}, base_batch={base_batch}")
+    return float(lr) * global_batch / base_batch
