@@ -259,7 +259,9 @@ class Conv2d(Function):
             gx = gpad[:, :, ph:ph + h, pw:pw + wd]
         if self.needs_input_grad[1]:
             gw = (g2.T @ self.cols).reshape(w.shape)
-        if len(self.needs_input_grad) == 3 and self.needs_input_grad[2]:
+        if len(self.needs_input_grad) == 2:
+            return gx, gw
+        if self.needs_input_grad[2]:
             gb = g2.sum(axis=0)
         return gx, gw, gb
 

@@ -89,12 +89,12 @@ class Optimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned (keys may be ints or their strings)."""
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(
-                len(g["params"]) != len(own["params"]) for g, own in zip(groups, self.param_groups)):
+        sizes = [len(g["params"]) for g in groups]
+        if sizes != [len(own["params"]) for own in self.param_groups]:
             raise ValueError("load_state_dict: the saved parameter groups do not match this "
                              "optimizer's groups in number or size")
         params = self._params()
-        for group, own in zip(groups, self.param_groups):
+        for group, own in zip(groups, self.param_groups, strict=True):
             own.update({k: v for k, v in group.items() if k != "params"})
         self.state = {}
         for key, entries in state_dict["state"].items():

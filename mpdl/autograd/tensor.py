@@ -355,7 +355,7 @@ def _topological_order(root: Tensor) -> list[Tensor]:
         if ctx.inputs is None:
             raise RuntimeError("backward(): the graph was freed by an earlier backward; pass "
                                "retain_graph=True to the first backward to run it again")
-        for inp, need in zip(ctx.inputs, ctx.needs_input_grad):
+        for inp, need in zip(ctx.inputs, ctx.needs_input_grad, strict=True):
             if need and id(inp) not in seen:
                 seen.add(id(inp))
                 stack.append((inp, False))
@@ -367,7 +367,7 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
     pending: dict[int, int] = {}
     for t in order:
         if t._ctx is not None:
-            for inp, need in zip(t._ctx.inputs, t._ctx.needs_input_grad):
+            for inp, need in zip(t._ctx.inputs, t._ctx.needs_input_grad, strict=True):
                 if need:
                     pending[id(inp)] = pending.get(id(inp), 0) + 1
 
@@ -387,7 +387,7 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
             in_grads = ctx.backward(g)
             if not isinstance(in_grads, tuple):
                 in_grads = (in_grads,)
-        for inp, need, gi in zip(ctx.inputs, ctx.needs_input_grad, in_grads):
+        for inp, need, gi in zip(ctx.inputs, ctx.needs_input_grad, in_grads, strict=True):
             if not need:
                 continue
             key = id(inp)
