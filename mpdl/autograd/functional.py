@@ -451,7 +451,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True,
         uniform = (rng or _default_rng).random(x.shape, dtype=np.float32)
         keep = xp.asarray(uniform) >= p
         mask = keep.astype(x.dtype) * (1.0 / (1.0 - p))
-    return Dropout.apply(x, Tensor(mask))
+    return Dropout.apply(x, mask=mask)
 
 
 def flatten(x: Tensor, start_dim: int = 1) -> Tensor:

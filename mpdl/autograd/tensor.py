@@ -553,11 +553,8 @@ class MatMul(Function):
         a, b = self.a, self.b
         a2 = a[None, :] if a.ndim == 1 else a
         b2 = b[:, None] if b.ndim == 1 else b
-        g = grad
-        if a.ndim == 1:
-            g = xp.expand_dims(g, -2)
-        if b.ndim == 1:
-            g = xp.expand_dims(g, -1)
+        batch = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
+        g = grad.reshape(batch + (a2.shape[-2], b2.shape[-1]))
         need_a, need_b = self.needs_input_grad
         ga = gb = None
         if need_a:
