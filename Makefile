@@ -1,0 +1,37 @@
+# The commands a user types. `make test` is what CI runs.
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+MPIEXEC   ?= $(VENV)/bin/mpiexec
+# World sizes the MPI tests run at, and the wall-clock limit (seconds) of each mpiexec run.
+MPI_SIZES ?= 1 2 3 4 5
+MPI_TIMEOUT ?= 420
+PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider --timeout=240
+
+.PHONY: install test test-unit test-mpi lint clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test,mpich]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: test-unit test-mpi
+
+test-unit: install
+	$(PY) -m pytest -q tests --ignore=tests/mpi -p no:cacheprovider --timeout=300
+
+# Each world size runs under `timeout`, and `python -m mpi4py` aborts the whole job when a rank
+# raises, so a deadlock or a crash fails the run instead of hanging it.
+test-mpi: install
+	@for n in $(MPI_SIZES); do \
+	  echo "== MPI tests, mpiexec -n $$n"; \
+	  timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PYTEST_MPI) tests/mpi || exit 1; \
+	done
+
+lint: install
+	$(VENV)/bin/ruff check mpdl tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

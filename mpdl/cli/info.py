@@ -1,0 +1,97 @@
+"""`mpdl info`: what this rank runs on (versions, MPI, nodes, GPU, CUDA-awareness).
+
+With --json, rank 0 prints one merged JSON object: the fields common to all ranks plus a `ranks`
+list with each rank's host, node, local rank and GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import socket
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print one merged JSON object on rank 0 instead of the table")
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def collect() -> dict[str, Any]:
+    """The facts `mpdl info` reports, as seen from this rank (MPI is initialised here)."""
+    import numpy  # noqa: PLC0415
+
+    import mpdl  # noqa: PLC0415
+    from mpdl import backend  # noqa: PLC0415
+    from mpdl.comm import as_communicator, cuda_aware_mpi, ranks_per_node_override  # noqa: PLC0415
+    from mpdl.mpi_runtime import load_mpi  # noqa: PLC0415
+
+    MPI = load_mpi()
+    comm = as_communicator(None)
+    nodes = comm.node_groups()
+    node = comm.node_of_rank()[comm.rank]
+    thread_levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                     MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    cupy = backend.cupy_module()
+    aware, how = cuda_aware_mpi()
+    return {
+        "mpdl": mpdl.__version__,
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "numba": _version("numba"),
+        "mpi4py": _version("mpi4py"),
+        "mpi_library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split()),
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
+        "thread_level": thread_levels.get(MPI.Query_thread(), "unknown"),
+        "world_size": comm.size,
+        "nodes": len(nodes),
+        "ranks_per_node": [len(g) for g in nodes],
+        "nodes_emulated": ranks_per_node_override() is not None,
+        "cupy": None if cupy is None else cupy.__version__,
+        "gpus": 0 if cupy is None else cupy.cuda.runtime.getDeviceCount(),
+        "cuda_aware_mpi": aware,
+        "cuda_aware_mpi_how": how,
+        "gpu_buffers": "direct to MPI" if aware == "yes" else "staged through host buffers",
+        "rank": comm.rank,
+        "host": socket.gethostname(),
+        "node": node,
+        "local_rank": nodes[node].index(comm.rank),
+    }
+
+
+_PER_RANK = ("rank", "host", "node", "local_rank")
+
+
+def run(args: argparse.Namespace) -> int:
+    mine = collect()
+    from mpdl.comm import as_communicator  # noqa: PLC0415
+
+    everyone = as_communicator(None).allgather_object(mine)
+    if mine["rank"] != 0:
+        return 0
+    merged = {k: v for k, v in mine.items() if k not in _PER_RANK}
+    merged["ranks"] = [{k: r[k] for k in _PER_RANK} for r in everyone]
+    if args.json:
+        print(json.dumps(merged))
+        return 0
+    width = max(len(k) for k in merged)
+    for key, value in merged.items():
+        if key == "ranks":
+            continue
+        if isinstance(value, list):
+            value = ", ".join(map(str, value))
+        print(f"{key:<{width}}  {value}")
+    for r in merged["ranks"]:
+        print(f"{'rank ' + str(r['rank']):<{width}}  host {r['host']}, node {r['node']}, "
+              f"local rank {r['local_rank']}")
+    return 0

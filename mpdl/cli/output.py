@@ -1,0 +1,28 @@
+"""Small output helpers shared by the verbs: which rank prints, JSON lines."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def world_rank() -> int:
+    """This process's rank from the launcher's environment, without initialising MPI."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def is_rank0() -> bool:
+    return world_rank() == 0
+
+
+def write_json_lines(path: str, rows: list[dict[str, Any]]) -> None:
+    """Write rows as JSON lines to path (atomically: a temporary file, then a rename)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,45 @@
+"""Loading the MPI library, and making a failing rank take the whole job down."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from types import ModuleType
+
+
+class MPIUnavailable(RuntimeError):
+    """mpi4py could not load an MPI library."""
+
+
+INSTALL_HINT = ("install an MPI runtime: `pip install \"mpdl[mpich]\"` (the MPICH wheel from PyPI) "
+                "or your system's MPI (e.g. `apt install mpich`, `module load mpi`), then reinstall "
+                "mpi4py against it")
+
+
+def load_mpi() -> ModuleType:
+    """mpi4py.MPI, or MPIUnavailable with a message that says how to install an MPI runtime."""
+    try:
+        from mpi4py import MPI  # noqa: PLC0415
+    except (ImportError, RuntimeError, OSError) as exc:
+        reason = str(exc).strip().splitlines()
+        detail = reason[-1] if reason else type(exc).__name__
+        raise MPIUnavailable(f"could not load an MPI library ({detail}); {INSTALL_HINT}") from None
+    return MPI
+
+
+def abort_on_uncaught_exception() -> None:
+    """Make an uncaught exception on any rank abort the whole MPI job instead of hanging its peers."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+            rank = MPI.COMM_WORLD.Get_rank()
+            sys.stderr.write(f"mpdl: rank {rank} failed; aborting the job\n")
+            traceback.print_exception(kind, value, tb)
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook

@@ -1,0 +1,185 @@
+"""Every collective algorithm against MPI's own result, over real mpiexec (any world size)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpdl import collectives as C
+
+pytestmark = pytest.mark.mpi
+
+COMM = MPI.COMM_WORLD
+P, RANK = COMM.Get_size(), COMM.Get_rank()
+DTYPES = ["float16", "float32", "float64", "int32", "int64"]
+OPS = ["sum", "prod", "max", "min", "avg"]
+COUNTS = sorted({0, 1, max(P - 1, 0), P, P + 1, 7, 13, 31})
+TOL = {"float16": 2e-2, "float32": 1e-5, "float64": 1e-12}
+_MPI_OP = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def local_data(count: int, dtype: str, op: str, seed: int = 0) -> np.ndarray:
+    """Different data on every rank; small values for prod so nothing overflows."""
+    rng = np.random.default_rng(seed * 1000 + RANK)
+    if op == "prod":
+        values = rng.uniform(0.5, 1.5, count) if dtype.startswith("float") else rng.integers(-2, 3, count)
+    elif dtype.startswith("float"):
+        values = rng.standard_normal(count)
+    else:
+        values = rng.integers(-1000, 1000, count)
+    return values.astype(dtype)
+
+
+def mpi_reference(x: np.ndarray, op: str) -> np.ndarray:
+    expected = np.empty_like(x)
+    COMM.Allreduce(x, expected, op=_MPI_OP[op])
+    if op == "avg":
+        expected = (expected / P).astype(x.dtype)
+    return expected
+
+
+def assert_same_everywhere(result: np.ndarray) -> None:
+    digest = hashlib.sha256(np.ascontiguousarray(result).tobytes()).hexdigest()
+    digests = COMM.allgather(digest)
+    assert len(set(digests)) == 1, f"ranks hold different results: {digests}"
+
+
+def assert_close(result: np.ndarray, expected: np.ndarray, dtype: str) -> None:
+    assert result.dtype == expected.dtype and result.shape == expected.shape
+    if dtype.startswith("float"):
+        scale = max(1.0, float(np.max(np.abs(expected.astype(np.float64)), initial=0.0)))
+        np.testing.assert_allclose(result.astype(np.float64), expected.astype(np.float64),
+                                   rtol=TOL[dtype], atol=TOL[dtype] * scale * P)
+    else:
+        np.testing.assert_array_equal(result, expected)
+
+
+ALLREDUCE = [a for a in C.algorithms("allreduce")]
+
+
+@pytest.mark.parametrize("algorithm", ALLREDUCE)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce_every_op_and_count(algorithm, dtype):
+    for op in OPS:
+        if op == "avg" and not dtype.startswith("float"):
+            continue
+        for count in COUNTS:
+            x = local_data(count, dtype, op)
+            before = x.copy()
+            result = C.allreduce(x, op=op, algorithm=algorithm)
+            np.testing.assert_array_equal(x, before, err_msg="input was modified")
+            assert_close(result, mpi_reference(x, op), dtype)
+            assert_same_everywhere(result)
+
+
+@pytest.mark.parametrize("algorithm", ALLREDUCE)
+def test_allreduce_large_count(algorithm):
+    count = 2**20 + 3
+    x = local_data(count, "float32", "sum", seed=1)
+    result = C.allreduce(x, algorithm=algorithm)
+    assert_close(result, mpi_reference(x, "sum"), "float32")
+    assert_same_everywhere(result)
+
+
+@pytest.mark.parametrize("algorithm", ALLREDUCE)
+def test_allreduce_in_place_and_multidimensional(algorithm):
+    x = local_data(3 * 5 * 7, "float64", "sum").reshape(3, 5, 7)
+    expected = mpi_reference(x, "sum")
+    out = C.allreduce(x, algorithm=algorithm, out=x)
+    assert out is x
+    assert_close(x, expected, "float64")
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "broadcast", "reduce"])
+def test_other_collectives_match_mpi(collective):
+    for algorithm in C.algorithms(collective):
+        for dtype in ("float32", "int64"):
+            for count in COUNTS + [100003]:
+                x = local_data(count, dtype, "sum", seed=2)
+                before = x.copy()
+                if collective == "reduce_scatter":
+                    for op in ("sum", "max"):
+                        mine = C.reduce_scatter(x, op=op, algorithm=algorithm)
+                        full = mpi_reference(x, op)
+                        assert_close(mine, np.array_split(full, P)[RANK], dtype)
+                elif collective == "allgather":
+                    result = C.allgather(x, algorithm=algorithm)
+                    expected = np.empty(count * P, dtype)
+                    COMM.Allgather(x, expected)
+                    np.testing.assert_array_equal(result, expected)
+                elif collective == "broadcast":
+                    for root in {0, P - 1}:
+                        result = C.broadcast(x, root=root, algorithm=algorithm)
+                        np.testing.assert_array_equal(result, COMM.bcast(x, root=root))
+                else:
+                    expected = mpi_reference(x, "sum")
+                    for root in {0, P - 1}:
+                        result = C.reduce(x, root=root, op="sum", algorithm=algorithm)
+                        if RANK == root:
+                            assert_close(result, expected, dtype)
+                        else:
+                            assert result is None
+                np.testing.assert_array_equal(x, before, err_msg="input was modified")
+
+
+def test_allreduce_async_completes_in_issue_order():
+    xs = [local_data(1000 * (i + 1), "float32", "sum", seed=i) for i in range(6)]
+    algorithms = ["ring", "tree", "recursive_doubling", "shm", "double_tree", "auto"]
+    handles = [C.allreduce_async(x, algorithm=a) for x, a in zip(xs, algorithms, strict=True)]
+    blocking = C.allreduce(xs[0], algorithm="rabenseifner")  # queued behind the async ones
+    for x, h in zip(xs, handles, strict=True):
+        assert_close(h.wait(), mpi_reference(x, "sum"), "float32")
+        assert h.test()
+    assert_close(blocking, mpi_reference(xs[0], "sum"), "float32")
+
+
+def test_bad_arguments_raise_on_every_rank_before_sending():
+    x = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="op"):
+        C.allreduce(np.ones(4, np.int32), op="avg")
+    with pytest.raises(TypeError, match="complex128"):
+        C.allreduce(np.ones(4, np.complex128))
+    with pytest.raises(ValueError, match="algorithm"):
+        C.allreduce(x, algorithm="butterfly")
+    with pytest.raises(ValueError, match="root"):
+        C.broadcast(x, root=P)
+    with pytest.raises(ValueError, match="out"):
+        C.allreduce(x, out=np.empty(5, np.float32))
+    # Nothing was left in flight: a following collective still works.
+    assert_close(C.allreduce(x, algorithm="ring"), np.full(4, P, np.float32), "float32")
+
+
+def test_check_mode_reports_mismatched_counts(monkeypatch):
+    if P == 1:
+        pytest.skip("a mismatch needs two ranks")
+    monkeypatch.setenv("MPDL_CHECK", "1")
+    x = np.ones(10 + RANK, np.float32)
+    with pytest.raises(ValueError, match="ranks disagree"):
+        C.allreduce(x, algorithm="ring")
+    with pytest.raises(ValueError, match="ranks disagree"):
+        C.allreduce(np.ones(4, np.float32 if RANK else np.float64), algorithm="tree")
+
+
+def test_device_arrays_are_staged_through_reused_host_buffers():
+    from mpdl.backend import standin
+    from mpdl.comm import as_communicator
+
+    comm = as_communicator(None)
+    for algorithm in ALLREDUCE:
+        for count in (0, 1, 13, 300001):
+            host = local_data(count, "float32", "sum", seed=3)
+            start = dict(standin.transfers)
+            result = C.allreduce(standin.asarray(host), algorithm=algorithm)
+            assert isinstance(result, standin.ndarray)
+            assert_close(standin.asnumpy(result), mpi_reference(host, "sum"), "float32")
+            if P > 1 and count > 0 and algorithm not in ("mpi", "shm"):
+                assert standin.transfers["d2h"] > start["d2h"] + 1, "nothing was staged"
+    pool = comm.staging_pool(standin)
+    assert not pool.in_flight, "a staging buffer was never released"
+    allocations = pool.allocations
+    for algorithm in ALLREDUCE:
+        C.allreduce(standin.asarray(local_data(300001, "float32", "sum")), algorithm=algorithm)
+    assert pool.allocations == allocations, "staging buffers were allocated again"

@@ -1,0 +1,159 @@
+"""Every collective algorithm on the in-process world: p = 1..32, awkward counts, recorded schedules.
+
+The same algorithm code also runs over real MPI in tests/mpi.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from mpdl import collectives as C
+from mpdl.backend import standin
+from mpdl.comm import CollectiveTimeout
+from mpdl.threadworld import run_world
+
+OURS = [a for a in C.algorithms("allreduce") if a != "mpi"]
+SIZES = list(range(1, 17)) + [24, 31, 32]
+
+
+def counts(p: int) -> list[int]:
+    return sorted({0, 1, max(p - 1, 0), p, p + 1, 13, 97})
+
+
+def data(p: int, n: int, dtype=np.float64) -> list[np.ndarray]:
+    rng = np.random.default_rng(p * 100 + n)
+    return [rng.standard_normal(n).astype(dtype) for _ in range(p)]
+
+
+@pytest.mark.parametrize("algorithm", OURS)
+def test_allreduce_every_p_and_count(algorithm):
+    for p in SIZES:
+        for n in counts(p):
+            xs = data(p, n)
+            expected = np.sum(xs, axis=0) if n else np.zeros(0)
+            results = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm=algorithm, comm=c),
+                                ranks_per_node=4 if p > 4 else None)
+            for r in results:
+                np.testing.assert_allclose(r, expected, rtol=1e-12, atol=1e-12)
+                assert r.tobytes() == results[0].tobytes(), f"p={p} n={n}: ranks differ"
+
+
+@pytest.mark.parametrize("algorithm", OURS)
+def test_allreduce_uneven_emulated_nodes(algorithm):
+    for p, per_node in [(5, 2), (7, 3), (6, 4)]:
+        xs = data(p, 101)
+        results = run_world(p, lambda c: C.allreduce(xs[c.rank], op="max", algorithm=algorithm, comm=c),
+                            ranks_per_node=per_node)
+        for r in results:
+            np.testing.assert_array_equal(r, np.max(xs, axis=0))
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "broadcast", "reduce"])
+def test_other_collectives_every_p(collective):
+    for algorithm in [a for a in C.algorithms(collective) if a != "mpi"]:
+        for p in (1, 2, 3, 5, 8, 13):
+            for n in counts(p):
+                xs = data(p, n)
+                root = p - 1
+                if collective == "reduce_scatter":
+                    res = run_world(p, lambda c: C.reduce_scatter(xs[c.rank], algorithm=algorithm, comm=c))
+                    for r, block in zip(res, np.array_split(np.sum(xs, axis=0), p), strict=True):
+                        np.testing.assert_allclose(r, block, rtol=1e-12, atol=1e-12)
+                elif collective == "allgather":
+                    res = run_world(p, lambda c: C.allgather(xs[c.rank], algorithm=algorithm, comm=c))
+                    for r in res:
+                        np.testing.assert_array_equal(r, np.concatenate(xs))
+                elif collective == "broadcast":
+                    res = run_world(p, lambda c: C.broadcast(xs[c.rank], root, algorithm=algorithm, comm=c))
+                    for r in res:
+                        np.testing.assert_array_equal(r, xs[root])
+                else:
+                    res = run_world(p, lambda c: C.reduce(xs[c.rank], root, algorithm=algorithm, comm=c))
+                    np.testing.assert_allclose(res[root], np.sum(xs, axis=0), rtol=1e-12, atol=1e-12)
+                    assert all(r is None for i, r in enumerate(res) if i != root)
+
+
+def test_ring_schedule_is_the_textbook_one():
+    p, n = 4, 4000
+    xs = data(p, n, np.float32)
+    _, schedule = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm="ring", comm=c), record=True)
+    for rank in range(p):
+        sent = [m for m in schedule if m[2] == rank]
+        assert {m[3] for m in sent} == {(rank + 1) % p}, "a ring rank only talks to its right"
+        assert sum(m[4] for m in sent) == 2 * (p - 1) * (n // p) * 4
+
+
+def test_recursive_doubling_sends_lg_p_whole_buffers():
+    p, n = 8, 100
+    xs = data(p, n)
+    _, schedule = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm="recursive_doubling", comm=c),
+                            record=True)
+    assert len(schedule) == p * 3 and all(m[4] == n * 8 for m in schedule)
+
+
+def test_workspace_is_reused_across_calls():
+    def twice(c):
+        C.allreduce(np.ones(1000), algorithm="ring", comm=c)
+        before = {k: id(v) for k, v in c._workspace.items()}
+        C.allreduce(np.ones(1000), algorithm="ring", comm=c)
+        return before == {k: id(v) for k, v in c._workspace.items()}
+
+    assert all(run_world(3, twice))
+
+
+def test_stand_in_device_arrays_reduce_on_the_device():
+    xs = data(4, 50)
+
+    def f(c):
+        result = C.allreduce(standin.asarray(xs[c.rank]), algorithm="ring", comm=c)
+        assert isinstance(result, standin.ndarray)
+        return standin.asnumpy(result)
+
+    for r in run_world(4, f):
+        np.testing.assert_allclose(r, np.sum(xs, axis=0))
+
+
+def test_a_missing_peer_times_out_naming_the_step(monkeypatch):
+    monkeypatch.setenv("MPDL_TIMEOUT", "0.3")
+
+    def f(c):
+        if c.rank == 1:
+            return None  # never joins
+        return C.allreduce(np.ones(8), algorithm="ring", comm=c)
+
+    with pytest.raises(CollectiveTimeout, match=r"allreduce/ring: rank [02] waited .* from rank [12] at step \d"):
+        run_world(3, f)
+
+
+def test_check_mode_catches_mismatched_dtypes(monkeypatch):
+    monkeypatch.setenv("MPDL_CHECK", "1")
+
+    def f(c):
+        return C.allreduce(np.ones(4, np.float32 if c.rank else np.float64), comm=c)
+
+    with pytest.raises(ValueError, match="ranks disagree"):
+        run_world(2, f)
+
+
+def test_async_handles_complete_in_order():
+    def f(c):
+        handles = [C.allreduce_async(np.full(100, float(i)), algorithm="ring", comm=c) for i in range(5)]
+        return [h.wait()[0] for h in handles]
+
+    assert run_world(3, f) == [[0.0, 3.0, 6.0, 9.0, 12.0]] * 3
+
+
+def test_algorithms_lists_every_collective():
+    assert "ring" in C.algorithms("allreduce") and "mpi" in C.algorithms("broadcast")
+    with pytest.raises(ValueError, match="collective"):
+        C.algorithms("alltoall")
+
+
+def test_timeout_setting_is_validated(monkeypatch):
+    monkeypatch.setenv("MPDL_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="MPDL_TIMEOUT"):
+        run_world(1, lambda c: None)
+    del os.environ["MPDL_TIMEOUT"]

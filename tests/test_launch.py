@@ -1,0 +1,66 @@
+"""The launcher contract: mpdl info under mpiexec, a failing rank ends the job, a missing MPI library."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+MPIEXEC = str(BIN / "mpiexec")
+
+
+def run(cmd: list[str], timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_info_reports_world_size_and_mpi_library():
+    out = run([MPIEXEC, "-n", "3", str(BIN / "mpdl"), "info", "--json"])
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["world_size"] == 3
+    assert info["mpi_library"].startswith("MPICH")
+    assert [r["rank"] for r in info["ranks"]] == [0, 1, 2]
+    assert info["cuda_aware_mpi"] in ("yes", "no", "unknown")
+
+
+def test_info_emulated_nodes_and_cuda_override():
+    out = run([MPIEXEC, "-n", "3", str(BIN / "mpdl"), "info", "--json"],
+              env={"MPDL_RANKS_PER_NODE": "2", "MPDL_CUDA_AWARE": "1"})
+    info = json.loads(out.stdout)
+    assert info["nodes"] == 2 and info["ranks_per_node"] == [2, 1]
+    assert info["cuda_aware_mpi"] == "yes" and "MPDL_CUDA_AWARE" in info["cuda_aware_mpi_how"]
+
+
+def test_info_without_mpiexec_prints_a_table():
+    out = run([str(BIN / "mpdl"), "info"])
+    assert out.returncode == 0, out.stderr
+    assert "world_size" in out.stdout and "mpi_library" in out.stdout
+
+
+def test_missing_mpi_library_gives_a_clear_error():
+    out = run([str(BIN / "mpdl"), "info"], env={"MPI4PY_LIBMPI": "/nonexistent/libmpi.so"})
+    assert out.returncode == 1
+    assert "could not load an MPI library" in out.stderr and "mpich" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_exception_on_one_rank_ends_the_job_quickly(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from mpi4py import MPI\n"
+        "from mpdl import collectives as C\n"
+        "if MPI.COMM_WORLD.Get_rank() == 1:\n"
+        "    raise RuntimeError('rank 1 fails on purpose')\n"
+        "C.allreduce(np.ones(10), algorithm='ring')  # the others wait for rank 1 forever\n")
+    start = time.monotonic()
+    out = run([MPIEXEC, "-n", "3", sys.executable, "-m", "mpi4py", str(script)], timeout=60)
+    elapsed = time.monotonic() - start
+    assert out.returncode != 0
+    assert "rank 1 fails on purpose" in out.stderr
+    assert elapsed < 30, f"the job took {elapsed:.1f} s to end"
