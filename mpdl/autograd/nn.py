@@ -153,14 +153,22 @@ class Module:
         return self
 
     # ------------------------------------------------------------------ checkpoints
+    def _named_state(self) -> Iterator[tuple[str, Tensor]]:
+        """Parameters then buffers of each module in turn (PyTorch's state-dict order)."""
+        seen: set[int] = set()
+        for prefix, module in self.named_modules():
+            for name, t in [*module._parameters.items(), *module._buffers.items()]:
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    yield (f"{prefix}.{name}" if prefix else name), t
+
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Host copies of every parameter and buffer, by name."""
-        entries = [*self.named_parameters(), *self.named_buffers()]
-        return {name: np.array(to_host(t.data), copy=True) for name, t in entries}
+        """Host copies of every parameter and buffer, by name, in PyTorch's order."""
+        return {name: np.array(to_host(t.data), copy=True) for name, t in self._named_state()}
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Copy values into the parameters and buffers in place; names and shapes must match."""
-        targets = dict([*self.named_parameters(), *self.named_buffers()])
+        targets = dict(self._named_state())
         missing = [k for k in targets if k not in state]
         unexpected = [k for k in state if k not in targets]
         if strict and (missing or unexpected):
