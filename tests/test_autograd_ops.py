@@ -239,7 +239,7 @@ def test_gradcheck_reports_a_wrong_gradient():
 @pytest.mark.parametrize("stride", [1, 2])
 def test_numba_kernels_match_the_array_path(stride):
     rng = np.random.default_rng(14)
-    cols = rng.standard_normal((2, 3, 4, 4, 3, 3)).astype(np.float32)
+    cols = rng.standard_normal((2, 3, 3, 3, 4, 4)).astype(np.float32)  # (N, C, kh, kw, OH, OW)
     shape = (2, 3, 3 + stride * 3, 3 + stride * 3)
     np.testing.assert_allclose(kernels.col2im(cols, shape, stride),
                                kernels.col2im(cols, shape, stride, force_array_path=True),

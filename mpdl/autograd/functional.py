@@ -231,38 +231,35 @@ def _check_image(x: Tensor, op: str, argument: str = "x") -> None:
 class Conv2d(Function):
     def forward(self, x, w, *bias, stride, padding):
         xp = get_array_module(x)
-        n, c = x.shape[:2]
-        o, _, kh, kw = w.shape
+        n = x.shape[0]
+        o, c, kh, kw = w.shape
         xpad = _pad(x, padding)
         win = kernels.windows(xpad, kh, kw, stride)
         oh, ow = win.shape[2:4]
-        cols = xp.ascontiguousarray(win.transpose(0, 2, 3, 1, 4, 5)).reshape(n * oh * ow, -1)
-        out = cols @ w.reshape(o, -1).T
+        cols = xp.ascontiguousarray(win.transpose(0, 1, 4, 5, 2, 3)).reshape(n, c * kh * kw, -1)
+        out = w.reshape(o, -1) @ cols
         if bias:
-            out += bias[0]
+            out += bias[0][:, None]
         self.cols, self.w, self.stride, self.padding = cols, w, stride, padding
         self.padded_shape, self.x_shape = xpad.shape, x.shape
-        return xp.ascontiguousarray(out.reshape(n, oh, ow, o).transpose(0, 3, 1, 2))
+        return out.reshape(n, o, oh, ow)
 
     def backward(self, grad):
         w = self.w
         o, c, kh, kw = w.shape
         n, _, oh, ow = grad.shape
-        g2 = grad.transpose(0, 2, 3, 1).reshape(-1, o)
+        g = grad.reshape(n, o, oh * ow)
         gx = gw = gb = None
         if self.needs_input_grad[0]:
-            gcols = (g2 @ w.reshape(o, -1)).reshape(n, oh, ow, c, kh, kw)
-            gpad = kernels.col2im(gcols.transpose(0, 3, 1, 2, 4, 5), self.padded_shape,
-                                  self.stride)
-            ph, pw = self.padding
-            h, wd = self.x_shape[2:]
-            gx = gpad[:, :, ph:ph + h, pw:pw + wd]
+            gcols = (w.reshape(o, -1).T @ g).reshape(n, c, kh, kw, oh, ow)
+            gpad = kernels.col2im(gcols, self.padded_shape, self.stride)
+            gx = _crop(gpad, self.padding, self.x_shape)
         if self.needs_input_grad[1]:
-            gw = (g2.T @ self.cols).reshape(w.shape)
+            gw = (g @ self.cols.transpose(0, 2, 1)).sum(axis=0).reshape(w.shape)
         if len(self.needs_input_grad) == 2:
             return gx, gw
         if self.needs_input_grad[2]:
-            gb = g2.sum(axis=0)
+            gb = g.sum(axis=(0, 2))
         return gx, gw, gb
 
 
@@ -317,7 +314,8 @@ class AvgPool2d(Function):
         xp = get_array_module(grad)
         kh, kw = self.kernel
         scaled = grad * (1.0 / (kh * kw))
-        cols = xp.broadcast_to(scaled[..., None, None], grad.shape + (kh, kw))
+        n, c, oh, ow = grad.shape
+        cols = xp.broadcast_to(scaled[:, :, None, None], (n, c, kh, kw, oh, ow))
         gpad = kernels.col2im(cols, self.padded_shape, self.stride)
         return _crop(gpad, self.padding, self.x_shape)
 

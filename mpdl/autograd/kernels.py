@@ -28,14 +28,14 @@ def windows(x: Any, kh: int, kw: int, stride: int) -> Any:
 
 
 def _col2im_loop(cols, out, stride):
-    n_, c_, oh_, ow_, kh_, kw_ = cols.shape
+    n_, c_, kh_, kw_, oh_, ow_ = cols.shape
     for n in range(n_):
         for c in range(c_):
-            for oh in range(oh_):
-                for ow in range(ow_):
-                    for i in range(kh_):
-                        for j in range(kw_):
-                            out[n, c, oh * stride + i, ow * stride + j] += cols[n, c, oh, ow, i, j]
+            for i in range(kh_):
+                for j in range(kw_):
+                    for oh in range(oh_):
+                        for ow in range(ow_):
+                            out[n, c, oh * stride + i, ow * stride + j] += cols[n, c, i, j, oh, ow]
 
 
 def _max_scatter_loop(grad, argmax, out, kw, stride):
@@ -64,16 +64,16 @@ def _compiled(name: str):
 
 def col2im(cols: Any, padded_shape: tuple[int, ...], stride: int, force_array_path: bool = False
            ) -> Any:
-    """Sum the windows ``cols`` (N, C, OH, OW, kh, kw) back into an NCHW array of padded_shape."""
+    """Sum the windows ``cols`` (N, C, kh, kw, OH, OW) back into an NCHW array of padded_shape."""
     xp = get_array_module(cols)
     out = xp.zeros(padded_shape, dtype=cols.dtype)
     if xp is np and not force_array_path:
         _compiled("_col2im_loop")(cols, out, stride)
         return out
-    _, _, oh, ow, kh, kw = cols.shape
+    _, _, kh, kw, oh, ow = cols.shape
     for i in range(kh):
         for j in range(kw):
-            out[:, :, i:i + stride * oh:stride, j:j + stride * ow:stride] += cols[..., i, j]
+            out[:, :, i:i + stride * oh:stride, j:j + stride * ow:stride] += cols[:, :, i, j]
     return out
 
 
