@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl import backend
+from mpdl import backend, emulation
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -315,6 +315,11 @@ class MPIComm(Communicator):
         self._windows: dict[int, Any] = {}
         self._pools: dict[str, StagingPool] = {}
         self._cuda_aware: bool | None = None
+        #: mpdl.emulation's delay hook, called as link_delay(dest, nbytes) before each send; None = off
+        self.link_delay: emulation.LinkDelay | None = None
+        emulated = emulation.from_environment()
+        if emulated is not None:
+            emulation.install(self, emulated)
 
     # -- device buffers ------------------------------------------------------------------------
     def cuda_aware(self) -> bool:
@@ -329,6 +334,8 @@ class MPIComm(Communicator):
         return pool
 
     def _isend(self, buf: Any, dest: int, step: Any) -> Request:
+        if self.link_delay is not None:
+            self.link_delay(dest, buf.nbytes)
         xp = backend.get_array_module(buf)
         if xp is np:
             handle = self.mpi.Isend([buf, self.MPI.BYTE], dest, self._TAG)
