@@ -1,0 +1,306 @@
+"""Data-parallel training: every rank holds a replica, gradients are averaged by all-reduce.
+
+`DistributedDataParallel` follows PyTorch's Reducer. Parameters are packed, in reverse
+registration order (roughly the order backward produces their gradients), into flat buckets: a
+small first bucket, then buckets of about `bucket_mb`. Each parameter's grad-ready hook copies its
+gradient into its bucket slot; when every slot of a bucket is filled, the bucket's all-reduce is
+handed to the communicator's communication thread and runs while backward goes on. `finish()`
+waits for the buckets in order and writes the averaged gradients back into `p.grad`; call it
+between `loss.backward()` and `optimizer.step()`.
+
+Buckets are launched in bucket order on every rank (a bucket that fills early waits for its
+predecessors), so all ranks issue the same collectives in the same order whatever their graphs.
+A parameter that got no gradient this step contributes zeros, filled in by `finish()`; no rank
+waits for a gradient that never comes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from mpdl.backend import get_array_module
+from mpdl.collectives import allreduce, broadcast
+from mpdl.collectives.handles import Handle, engine_for
+from mpdl.collectives.registry import resolve
+from mpdl.comm import Communicator, as_communicator
+
+MB = 1 << 20
+
+
+class Bucket:
+    """A flat gradient buffer for a run of parameters of one dtype and array module."""
+
+    def __init__(self, index: int, params: list[Any], xp: Any, dtype: np.dtype) -> None:
+        self.index = index
+        self.params = params
+        self.slots: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for p in params:
+            self.slots[id(p)] = (offset, p.size)
+            offset += p.size
+        self.buffer = xp.zeros(offset, dtype=dtype)
+        self.nbytes = int(self.buffer.nbytes)
+        self.ready: set[int] = set()
+        self.handle: Handle | None = None
+        #: (start, end) of the last all-reduce, in time.perf_counter seconds, measured on the
+        #: communication thread
+        self.span: tuple[float, float] = (0.0, 0.0)
+
+    def view(self, p: Any) -> Any:
+        offset, size = self.slots[id(p)]
+        return self.buffer[offset:offset + size].reshape(p.shape)
+
+    @property
+    def full(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+
+class DistributedDataParallel:
+    """Wrap `module` for data-parallel training over `comm` (default: MPI.COMM_WORLD).
+
+    At construction, every rank checks that parameter and buffer names, shapes and dtypes match
+    (ValueError naming the first difference otherwise) and then receives rank 0's values.
+    Gradients are summed with the mpdl all-reduce `algorithm` (any name of
+    `mpdl.collectives.algorithms("allreduce")`, or "auto") after each rank's local gradient is
+    multiplied by `grad_weight` (1/p by default, so the result is the average; see
+    `set_local_batch`). With `overlap=False` all buckets are reduced in `finish()`.
+    """
+
+    def __init__(self, module: Any, comm: Any = None, algorithm: str = "auto",
+                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, overlap: bool = True
+                 ) -> None:
+        if not isinstance(algorithm, str):
+            raise TypeError(f"algorithm: expected a name, got {type(algorithm).__name__}")
+        if algorithm != "auto":
+            resolve("allreduce", algorithm)
+        for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name}: expected a positive number of megabytes, got {value!r}")
+        self.module = module
+        self.comm: Communicator = as_communicator(comm)
+        self.algorithm = algorithm
+        self.overlap = bool(overlap)
+        self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
+        self.grad_weight = 1.0 / self.comm.size
+        self._sync = True
+        self._next_launch = 0
+        self._check_replicas()
+        self._broadcast_state()
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = self._make_buckets()
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._hooks = [p.register_grad_ready_hook(self._on_grad_ready) for p in self.params]
+        #: seconds of the last finish(): the main thread's wait (exposed communication) and the
+        #: communication thread's all-reduce time
+        self.last_exposed_s = 0.0
+        self.last_comm_s = 0.0
+
+    # -- construction ---------------------------------------------------------------------------
+    def _check_replicas(self) -> None:
+        mine = [(kind, name, tuple(t.shape), str(t.dtype)) for kind, items in
+                (("parameter", self.module.named_parameters()),
+                 ("buffer", self.module.named_buffers())) for name, t in items]
+        everyone = self.comm.allgather_object(mine)
+        for rank, theirs in enumerate(everyone):
+            if theirs == everyone[0]:
+                continue
+            for i in range(max(len(theirs), len(everyone[0]))):
+                a = everyone[0][i] if i < len(everyone[0]) else None
+                b = theirs[i] if i < len(theirs) else None
+                if a != b:
+                    raise ValueError(
+                        f"DistributedDataParallel: the model differs between ranks; entry {i} is "
+                        f"{_describe(a)} on rank 0 but {_describe(b)} on rank {rank}")
+
+    def _broadcast_state(self) -> None:
+        """Rank 0's parameters and buffers on every rank (one flat broadcast per dtype)."""
+        if self.comm.size == 1:
+            return
+        tensors = [t for _, t in self.module.named_parameters()] + self.module.buffers()
+        groups: dict[tuple[str, str], list[Any]] = {}
+        for t in tensors:
+            xp = get_array_module(t.data)
+            groups.setdefault((xp.__name__, str(t.data.dtype)), []).append(t)
+        for members in groups.values():
+            xp = get_array_module(members[0].data)
+            flat = xp.concatenate([t.data.reshape(-1) for t in members])
+            flat = broadcast(flat, root=0, comm=self.comm)
+            offset = 0
+            for t in members:
+                t.data[...] = flat[offset:offset + t.data.size].reshape(t.data.shape)
+                offset += t.data.size
+
+    def _make_buckets(self) -> list[Bucket]:
+        buckets: list[Bucket] = []
+        current: list[Any] = []
+        nbytes = 0
+
+        def close() -> None:
+            nonlocal current, nbytes
+            if current:
+                first = current[0].data
+                buckets.append(Bucket(len(buckets), current, get_array_module(first), first.dtype))
+            current, nbytes = [], 0
+
+        for p in reversed(self.params):
+            if current:
+                same_kind = (get_array_module(p.data) is get_array_module(current[0].data)
+                             and p.data.dtype == current[0].data.dtype)
+                cap = (self.first_bucket_mb if not buckets else self.bucket_mb) * MB
+                if not same_kind or nbytes + p.data.nbytes > cap:
+                    close()
+            current.append(p)
+            nbytes += p.data.nbytes
+        close()
+        return buckets
+
+    # -- the wrapped module ----------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def parameters(self) -> list[Any]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, Any]]:
+        return self.module.named_parameters()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        self.module.load_state_dict(state, strict)
+
+    def train(self, mode: bool = True) -> DistributedDataParallel:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> DistributedDataParallel:
+        return self.train(False)
+
+    # -- gradient weighting ----------------------------------------------------------------------
+    def set_local_batch(self, local: int, global_: int) -> None:
+        """Weight this rank's gradient by local/global_ before the sum, so that ranks with
+        slices of unequal size still produce the gradient of the global batch's mean loss
+        (each rank's loss being the mean over its own slice)."""
+        if global_ <= 0 or not 0 <= local <= global_:
+            raise ValueError(f"set_local_batch: expected 0 <= local <= global_ and global_ > 0, "
+                             f"got local={local}, global_={global_}")
+        self.grad_weight = local / global_
+
+    # -- gradient synchronisation ------------------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within the block, backward only accumulates local gradients (no communication); the
+        first synchronised backward after it reduces the accumulated sum."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _on_grad_ready(self, p: Any) -> None:
+        if not self._sync:
+            return
+        bucket = self._bucket_of[id(p)]
+        if bucket.handle is not None or id(p) in bucket.ready:
+            raise RuntimeError("DistributedDataParallel: a second backward ran before finish(); "
+                               "call finish() between backward and the optimizer step, or use "
+                               "no_sync() to accumulate gradients")
+        self._fill(bucket, p)
+        if self.overlap and bucket.full and bucket.index == self._next_launch:
+            self._launch_ready()
+
+    def _fill(self, bucket: Bucket, p: Any) -> None:
+        slot = bucket.view(p)
+        xp = get_array_module(slot)
+        if p.grad is None:
+            slot[...] = 0
+        elif self.grad_weight == 1.0:
+            xp.copyto(slot, p.grad)
+        else:
+            xp.multiply(p.grad, slot.dtype.type(self.grad_weight), out=slot)
+        bucket.ready.add(id(p))
+
+    def _launch_ready(self) -> None:
+        """Start the all-reduce of every full bucket from the next one on, in order."""
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].full:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        comm, algorithm, buf = self.comm, self.algorithm, bucket.buffer
+
+        def work() -> None:
+            start = time.perf_counter()
+            allreduce(buf, op="sum", algorithm=algorithm, comm=comm, out=buf)
+            bucket.span = (start, time.perf_counter())
+
+        bucket.handle = engine_for(comm).submit(work)
+
+    def finish(self) -> None:
+        """Fill in the gradients that never came (zeros), reduce what is left, wait for every
+        bucket in order and write the result into each parameter's `.grad`.
+
+        Does nothing inside `no_sync()`. Every rank must call it once per synchronised step.
+        """
+        if not self._sync:
+            return
+        for bucket in self.buckets[self._next_launch:]:
+            for p in bucket.params:
+                if id(p) not in bucket.ready:
+                    self._fill_missing(bucket, p)
+        self._launch_ready()
+        waited = 0.0
+        comm_s = 0.0
+        try:
+            for bucket in self.buckets:
+                start = time.perf_counter()
+                bucket.handle.wait()
+                waited += time.perf_counter() - start
+                comm_s += bucket.span[1] - bucket.span[0]
+                for p in bucket.params:
+                    if not p.requires_grad:
+                        continue
+                    result = bucket.view(p)
+                    if p.grad is None or p.grad.shape != result.shape:
+                        p.grad = result.copy()
+                    else:
+                        get_array_module(result).copyto(p.grad, result)
+        finally:
+            for bucket in self.buckets:
+                bucket.ready.clear()
+                bucket.handle = None
+            self._next_launch = 0
+        self.last_exposed_s, self.last_comm_s = waited, comm_s
+
+    synchronize = finish
+
+    @staticmethod
+    def _fill_missing(bucket: Bucket, p: Any) -> None:
+        """A parameter whose hook did not fire this step contributes zeros."""
+        bucket.view(p)[...] = 0
+        bucket.ready.add(id(p))
+
+    def bucket_spans(self) -> list[tuple[int, float, float]]:
+        """(bucket index, start, end) of each bucket's last all-reduce (time.perf_counter)."""
+        return [(b.index, *b.span) for b in self.buckets]
+
+    def remove_hooks(self) -> None:
+        """Detach from the module's parameters (the module keeps working on its own)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _describe(entry: tuple | None) -> str:
+    if entry is None:
+        return "missing"
+    kind, name, shape, dtype = entry
+    return f"{kind} {name!r} {shape} {dtype}"

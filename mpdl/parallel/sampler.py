@@ -1,0 +1,115 @@
+"""Which samples each rank trains on, so that p ranks follow the trajectory of one.
+
+The sampler works on global batches. Each epoch, the sample order is a permutation drawn from a
+generator seeded with (seed, epoch) — the same on every rank and for every number of ranks — and
+is cut into consecutive global batches of `global_batch_size` samples. Each global batch is then
+split into contiguous per-rank slices in rank order: with B samples and p ranks, the first B % p
+ranks get ⌈B/p⌉ samples and the others ⌊B/p⌋ (numpy.array_split's rule; a rank may get none when
+B < p). Weighting each rank's mean-loss gradient by its slice size / B before summing
+(`DistributedDataParallel.set_local_batch`) then gives exactly the gradient of the global batch,
+so p ranks with global batch B follow one rank with batch B, up to float round-off.
+
+When the dataset size is not a multiple of B, the last global batch of an epoch is short:
+- drop_last=True drops it;
+- drop_last=False, pad=False (default) keeps it as a smaller global batch, split by the same rule;
+- drop_last=False, pad=True fills it up to B with samples from the start of the epoch's order
+  (those samples are seen twice in that epoch), so every step has exactly B samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+
+def split_bounds(count: int, parts: int) -> list[int]:
+    """Offsets of `parts` contiguous slices of `count` items: the first count % parts slices
+    are one item longer."""
+    base, extra = divmod(count, parts)
+    bounds = [0]
+    for r in range(parts):
+        bounds.append(bounds[-1] + base + (1 if r < extra else 0))
+    return bounds
+
+
+class DistributedSampler:
+    """Global batches of a dataset of `dataset_size` samples, and this rank's slice of each.
+
+    Iterating yields (local_indices, global_batch) per step: the sample indices of this rank's
+    slice and the number of samples in the whole global batch.
+    """
+
+    def __init__(self, dataset_size: int, global_batch_size: int, rank: int = 0,
+                 num_replicas: int = 1, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, pad: bool = False) -> None:
+        for name, value, low in (("dataset_size", dataset_size, 1),
+                                 ("global_batch_size", global_batch_size, 1),
+                                 ("num_replicas", num_replicas, 1)):
+            if not isinstance(value, int | np.integer) or value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank: expected a rank in [0, {num_replicas}), got {rank!r}")
+        if drop_last and global_batch_size > dataset_size:
+            raise ValueError(f"global_batch_size: {global_batch_size} is larger than the dataset "
+                             f"({dataset_size} samples) and drop_last=True leaves no batch")
+        self.dataset_size = int(dataset_size)
+        self.global_batch_size = int(global_batch_size)
+        self.rank, self.num_replicas = int(rank), int(num_replicas)
+        self.shuffle, self.seed = bool(shuffle), int(seed)
+        self.drop_last, self.pad = bool(drop_last), bool(pad)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch's order on the next iteration (call at the start of every epoch)."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        """Steps per epoch."""
+        full, rest = divmod(self.dataset_size, self.global_batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def order(self, epoch: int | None = None) -> np.ndarray:
+        """The epoch's sample order (identical on every rank and for every number of ranks)."""
+        epoch = self.epoch if epoch is None else epoch
+        if not self.shuffle:
+            return np.arange(self.dataset_size)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size)
+
+    def global_batches(self, epoch: int | None = None) -> Iterator[np.ndarray]:
+        """The sample indices of each global batch of the epoch."""
+        order = self.order(epoch)
+        B = self.global_batch_size
+        for step in range(len(self)):
+            batch = order[step * B:(step + 1) * B]
+            if len(batch) < B and self.pad:
+                wrap = np.resize(order, B - len(batch))
+                batch = np.concatenate([batch, wrap])
+            yield batch
+
+    def local_slice(self, batch: np.ndarray) -> np.ndarray:
+        """This rank's contiguous slice of a global batch."""
+        bounds = split_bounds(len(batch), self.num_replicas)
+        return batch[bounds[self.rank]:bounds[self.rank + 1]]
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, int]]:
+        for batch in self.global_batches():
+            yield self.local_slice(batch), len(batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What determines the order (not the rank or number of ranks: a run may resume with
+        another number of ranks)."""
+        return {"dataset_size": self.dataset_size, "global_batch_size": self.global_batch_size,
+                "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last,
+                "pad": self.pad, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`; the dataset size and global batch must match."""
+        for key in ("dataset_size", "global_batch_size"):
+            if int(state[key]) != getattr(self, key):
+                raise ValueError(f"load_state_dict: {key} is {state[key]} in the saved state but "
+                                 f"{getattr(self, key)} here")
+        self.shuffle, self.seed = bool(state["shuffle"]), int(state["seed"])
+        self.drop_last, self.pad = bool(state["drop_last"]), bool(state["pad"])
+        self.epoch = int(state["epoch"])
