@@ -40,7 +40,8 @@ class Link:
         return self.latency + nbytes / self.bandwidth
 
     def describe(self) -> str:
-        return f"{self.bandwidth * 8 / 1e9:g}Gbit/s,{self.latency * 1e6:g}us"
+        parts = [] if self.bandwidth == float("inf") else [f"{self.bandwidth * 8 / 1e9:g}Gbit/s"]
+        return ",".join([*parts, f"{round(self.latency * 1e9) / 1e3:g}us"])
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,15 @@ def simple_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memor
     return "hierarchical" if nodes > 1 else "ring"
 
 
-_chooser: list[Chooser] = [simple_choice]
+def model_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
+    """The default chooser: the algorithm the cost model predicts fastest (calibrated parameters
+    when `mpdl calibrate` saved some, defaults otherwise); `simple_choice` when no model is usable."""
+    from mpdl.collectives import costmodel  # noqa: PLC0415 - costmodel imports this module
+
+    return costmodel.model_choice(collective, nbytes, p, nodes, shared_memory)
+
+
+_chooser: list[Chooser] = [model_choice]
 
 
 def set_chooser(chooser: Chooser) -> None:

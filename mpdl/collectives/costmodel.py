@@ -1,0 +1,495 @@
+"""The α-β-γ cost model of every collective algorithm, and the `auto` choice it drives.
+
+α is the time of one message (with Python's cost of posting and completing it, which dominates
+small messages here), β the time per byte on a link, γ the time per byte reduced (per dtype).
+Links inside a node and between nodes have their own α and β. `mpdl calibrate` measures them all
+while every rank communicates at once (as in a collective) and saves them as JSON; `load_params`
+reads that file (MPDL_COST_MODEL, or ~/.cache/mpdl/costmodel.json) and falls back to defaults.
+
+`predict(collective, algorithm, nbytes, p, nodes, params)` follows the algorithm's code: the number
+of sequential message steps, the bytes each step carries, pipeline segments (MPDL_SEGMENT_BYTES),
+and which steps cross a node boundary (nodes are taken as p/nodes consecutive ranks). An algorithm
+without a formula here is estimated from its message schedule, recorded on the in-process world.
+
+`choose` returns the algorithm with the smallest prediction. It is a pure function of its
+arguments and the parameter file, which every rank reads itself, so all ranks pick the same one;
+ties go to the algorithm registered first.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from mpdl import emulation as _emulation
+from mpdl.collectives import registry
+from mpdl.collectives.hierarchical import INTER_RING_BYTES
+from mpdl.collectives.ring import segment_elements
+from mpdl.collectives.shm import WINDOW_BYTES
+from mpdl.collectives.torus import grid_shape
+
+ENV = "MPDL_COST_MODEL"
+FORMAT_VERSION = 1
+#: MPICH's switch from recursive doubling to Rabenseifner (MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE)
+MPICH_SHORT_BYTES = 2048
+
+
+class ModelUnavailable(RuntimeError):
+    """The parameter file exists but cannot be used (or MPDL_COST_MODEL=off)."""
+
+
+@dataclass(frozen=True)
+class Params:
+    """Machine parameters in seconds (per message, per byte). `*_inter` default to the intra values."""
+
+    alpha: float = 20e-6
+    beta: float = 1 / 2.0e9
+    gamma: float = 1 / 2.0e9
+    alpha_inter: float | None = None
+    beta_inter: float | None = None
+    #: seconds per byte of a local memory copy (the API's input copy, the shm window)
+    copy: float = 1 / 5.0e9
+    #: one node barrier (the shm algorithm takes two per call)
+    barrier: float = 20e-6
+    #: the fixed cost of one call of the public API, before any message
+    call: float = 15e-6
+    #: the MPI library's own per-message latency (the `mpi` baseline has no Python in its loop)
+    alpha_native: float = 3e-6
+    #: γ per dtype name; `gamma` serves dtypes not listed
+    gammas: tuple[tuple[str, float], ...] = field(default=())
+    #: the world size the parameters were measured at (0: defaults)
+    ranks: int = 0
+    source: str = "defaults"
+
+    def link(self, inter: bool) -> tuple[float, float]:
+        """(α, β) of an intra-node or an inter-node link."""
+        if not inter:
+            return self.alpha, self.beta
+        return (self.alpha if self.alpha_inter is None else self.alpha_inter,
+                self.beta if self.beta_inter is None else self.beta_inter)
+
+    def gamma_for(self, dtype: str) -> float:
+        return dict(self.gammas).get(np.dtype(dtype).name, self.gamma)
+
+    def emulated(self, emu: _emulation.Emulation | None) -> Params:
+        """These parameters with the emulated links' latency and transfer time added."""
+        if emu is None:
+            return self
+        a_in, b_in = self.link(False)
+        a_out, b_out = self.link(True)
+        if emu.intra is not None:
+            a_in, b_in = a_in + emu.intra.latency, b_in + 1 / emu.intra.bandwidth
+        if emu.inter is not None:
+            a_out, b_out = a_out + emu.inter.latency, b_out + 1 / emu.inter.bandwidth
+        return replace(self, alpha=a_in, beta=b_in, alpha_inter=a_out, beta_inter=b_out,
+                       source=f"{self.source} + emulated {emu.describe()}")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["gammas"] = dict(self.gammas)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> Params:
+        known = {f for f in cls.__dataclass_fields__}
+        values = {k: v for k, v in d.items() if k in known}
+        values["gammas"] = tuple(sorted(dict(values.get("gammas", {})).items()))
+        params = cls(**values)
+        for name in ("alpha", "beta", "gamma", "copy", "barrier", "call", "alpha_native"):
+            value = getattr(params, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ModelUnavailable(f"parameter {name}={value!r} is not a time >= 0")
+        return params
+
+
+# -- the parameter file ------------------------------------------------------------------------
+def default_path() -> str:
+    """Where calibrate saves and auto reads: MPDL_COST_MODEL, else $XDG_CACHE_HOME/mpdl (~/.cache)."""
+    explicit = os.environ.get(ENV, "")
+    if explicit and explicit.lower() not in ("off", "none", "defaults"):
+        return os.path.expanduser(explicit)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "mpdl", "costmodel.json")
+
+
+def read_file(path: str) -> dict:
+    """The file's entries by world size ({} when the file does not exist)."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        entries = data["entries"]
+        if data.get("version") != FORMAT_VERSION or not isinstance(entries, dict):
+            raise ValueError("unknown format")
+        return {int(k): Params.from_json(v) for k, v in entries.items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelUnavailable(f"{path}: not a usable mpdl cost model ({exc}); "
+                               f"rerun `mpdl calibrate`") from None
+
+
+def save(path: str, params: Params) -> None:
+    """Store params under their world size in path, keeping the entries of other sizes."""
+    try:
+        entries = read_file(path)
+    except ModelUnavailable:
+        entries = {}
+    entries[params.ranks] = params
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"version": FORMAT_VERSION,
+                   "entries": {str(k): v.to_json() for k, v in sorted(entries.items())}}, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def load_params(ranks: int | None = None, path: str | None = None) -> Params:
+    """Calibrated parameters for a world of `ranks` (the entry measured at the nearest size; ties go
+    to the smaller), or the defaults when nothing was calibrated. ModelUnavailable for a broken file
+    or MPDL_COST_MODEL=off."""
+    if path is None:
+        if os.environ.get(ENV, "").lower() in ("off", "none"):
+            raise ModelUnavailable(f"{ENV}=off")
+        if os.environ.get(ENV, "").lower() == "defaults":
+            return Params()
+        path = default_path()
+    return _load(path, ranks, _mtime(path))
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str, ranks: int | None, _mtime: float) -> Params:
+    entries = read_file(path)
+    if not entries:
+        return Params()
+    if ranks is None:
+        return entries[max(entries)]
+    return entries[min(entries, key=lambda k: (abs(k - ranks), k))]
+
+
+# -- predictions -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    """One call: p ranks on `nodes` nodes of g consecutive ranks, n bytes of a dtype."""
+
+    p: int
+    nodes: int
+    n: float
+    params: Params
+    gamma: float
+    seg: int
+
+    @property
+    def g(self) -> int:
+        return max(1, -(-self.p // max(1, self.nodes)))
+
+    def node(self, rank: int) -> int:
+        return rank // self.g
+
+    def msg(self, nbytes: float, inter: bool = False, segmented: bool = False) -> float:
+        """One send of nbytes (in ceil(nbytes/segment) messages when the algorithm segments it)."""
+        alpha, beta = self.params.link(inter)
+        count = max(1, math.ceil(nbytes / self.seg)) if segmented else 1
+        return count * alpha + nbytes * beta
+
+    def crosses(self, pairs: list[tuple[int, int]]) -> bool:
+        return any(self.node(a) != self.node(b) for a, b in pairs)
+
+
+def _lg(p: int) -> int:
+    return max(0, (p - 1).bit_length())
+
+
+def _fold(s: Setting) -> tuple[int, float]:
+    """(power-of-two group size, cost of folding p onto it and back) for recursive algorithms."""
+    group = 1 << (s.p.bit_length() - 1)
+    if group == s.p:
+        return group, 0.0
+    inter = s.crosses([(r, r + 1) for r in range(0, 2 * (s.p - group), 2)])
+    return group, 2 * s.msg(s.n, inter) + s.n * s.gamma
+
+
+def _pair_crosses(s: Setting, d: int, group: int) -> bool:
+    """Does an exchange at distance d inside the power-of-two group cross a node boundary?"""
+    rem = s.p - group
+
+    def real(x: int) -> int:
+        return 2 * x + 1 if x < rem else x + rem
+
+    return s.crosses([(real(x), real(x ^ d)) for x in range(group) if x ^ d < group])
+
+
+def recursive_doubling(s: Setting) -> float:
+    group, t = _fold(s)
+    d = 1
+    while d < group:
+        t += s.msg(s.n, _pair_crosses(s, d, group)) + s.n * s.gamma
+        d *= 2
+    return t
+
+
+def rabenseifner(s: Setting) -> float:
+    group, t = _fold(s)
+    d, share = group // 2, s.n
+    while d >= 1:
+        share /= 2
+        inter = _pair_crosses(s, d, group)
+        t += s.msg(share, inter) + share * s.gamma  # halving
+        t += s.msg(share, inter)  # and the matching doubling step
+        d //= 2
+    return t
+
+
+def ring_reduce_scatter(s: Setting) -> float:
+    inter = s.nodes > 1
+    return (s.p - 1) * (s.msg(s.n / s.p, inter, segmented=True) + s.n / s.p * s.gamma)
+
+
+def ring_allgather(s: Setting) -> float:
+    return (s.p - 1) * s.msg(s.n / s.p, s.nodes > 1)
+
+
+def ring(s: Setting) -> float:
+    return ring_reduce_scatter(s) + ring_allgather(s)
+
+
+def _binomial_levels(s: Setting) -> list[bool]:
+    """For each level of a binomial tree rooted at rank 0: does it cross a node boundary?"""
+    levels, mask = [], 1
+    while mask < s.p:
+        levels.append(s.crosses([(r, r + mask) for r in range(0, s.p - mask, 2 * mask)]))
+        mask *= 2
+    return levels
+
+
+def tree_reduce(s: Setting) -> float:
+    # The root takes one message per level and segment, and reduces each.
+    return sum(s.msg(s.n, inter, segmented=True) + s.n * s.gamma for inter in _binomial_levels(s))
+
+
+def tree_broadcast(s: Setting) -> float:
+    return sum(s.msg(s.n, inter, segmented=True) for inter in _binomial_levels(s))
+
+
+def tree(s: Setting) -> float:
+    return tree_reduce(s) + tree_broadcast(s)
+
+
+def double_tree(s: Setting) -> float:
+    if s.p == 1:
+        return 0.0
+    height = s.p.bit_length() - 1  # edges from the root to the deepest leaf
+    children = min(2, s.p - 1)
+    half, inter = s.n / 2, s.nodes > 1
+    up = children * (s.msg(half, inter, segmented=True) + half * s.gamma)
+    down = s.msg(half, inter, segmented=True)
+    return height * (up + down)
+
+
+def _sub(s: Setting, p: int, n: float, nodes: int) -> Setting:
+    return replace(s, p=p, n=n, nodes=nodes)
+
+
+def _inter_node(s: Setting, shard: float, m: int) -> float:
+    """The all-reduce among m node representatives (each on its own node)."""
+    sub = _sub(s, m, shard, m)
+    return recursive_doubling(sub) if shard < INTER_RING_BYTES else ring(sub)
+
+
+def hierarchical(s: Setting) -> float:
+    if s.nodes <= 1:
+        return ring(s)
+    g, m = s.g, s.nodes
+    local = _sub(s, g, s.n, 1)
+    if s.p % m:  # uneven nodes: reduce to node leaders, all-reduce them, broadcast
+        return tree_reduce(local) + _inter_node(s, s.n, m) + tree_broadcast(local)
+    return ring_reduce_scatter(local) + _inter_node(s, s.n / g, m) + ring_allgather(local)
+
+
+def torus2d(s: Setting) -> float:
+    if s.p == 1:
+        return 0.0
+    nx, ny = grid_shape(s.p)
+    rows_intra = s.nodes <= 1 or (nx <= s.g and s.g % nx == 0)
+    row = _sub(s, nx, s.n, 1 if rows_intra else nx)
+    column = _sub(s, ny, s.n / nx, 1 if s.nodes <= 1 else ny)
+    return ring_reduce_scatter(row) + ring(column) + ring_allgather(row)
+
+
+def shm(s: Setting) -> float:
+    if s.p == 1:
+        return 0.0
+    g, m, c = s.g, max(1, s.nodes), s.params.copy
+    chunks = max(1, math.ceil(s.n / WINDOW_BYTES))
+    inter = 0.0 if m == 1 else _inter_node(s, s.n / g, m)
+    return (chunks * 2 * s.params.barrier + s.n * c + (g - 1) / g * s.n * (s.gamma + c)
+            + s.n * c + inter)
+
+
+def _native(s: Setting) -> Setting:
+    """The setting for the MPI library's own algorithms: its latency, no Python, no segments."""
+    a_in, a_out = s.params.link(False)[0], s.params.link(True)[0]
+    extra = a_out - a_in  # what a slower inter-node link adds to every message
+    return replace(s, params=replace(s.params, alpha=s.params.alpha_native,
+                                     alpha_inter=s.params.alpha_native + extra), seg=1 << 62)
+
+
+def mpi_allreduce(s: Setting) -> float:
+    """MPICH: recursive doubling for short messages, Rabenseifner for long ones."""
+    native = _native(s)
+    return recursive_doubling(native) if s.n <= MPICH_SHORT_BYTES else rabenseifner(native)
+
+
+def tree_reduce_scatter(s: Setting) -> float:
+    scatter = sum(s.msg(s.n / (2 << i), inter) for i, inter in enumerate(_binomial_levels(s)))
+    return tree_reduce(s) + scatter
+
+
+def tree_allgather(s: Setting) -> float:
+    gather = sum(s.msg(s.n / (2 << i), inter) for i, inter in enumerate(_binomial_levels(s)))
+    return gather + tree_broadcast(s)
+
+
+def ring_broadcast(s: Setting) -> float:
+    if s.p == 1:
+        return 0.0
+    k = max(1, math.ceil(s.n / s.seg))
+    return (k + s.p - 2) * s.msg(min(s.n, s.seg), s.nodes > 1)
+
+
+def ring_reduce(s: Setting) -> float:
+    if s.p == 1:
+        return 0.0
+    return ring_reduce_scatter(s) + s.msg(s.n * (s.p - 1) / s.p, s.nodes > 1)
+
+
+FORMULAS: dict[str, dict[str, Callable[[Setting], float]]] = {
+    "allreduce": {"ring": ring, "recursive_doubling": recursive_doubling,
+                  "rabenseifner": rabenseifner, "tree": tree, "double_tree": double_tree,
+                  "hierarchical": hierarchical, "torus2d": torus2d, "shm": shm,
+                  "mpi": mpi_allreduce},
+    "reduce_scatter": {"ring": ring_reduce_scatter, "tree": tree_reduce_scatter,
+                       "mpi": lambda s: ring_reduce_scatter(_native(s))},
+    "allgather": {"ring": ring_allgather, "tree": tree_allgather,
+                  "mpi": lambda s: ring_allgather(_native(s))},
+    "broadcast": {"ring": ring_broadcast, "tree": tree_broadcast,
+                  "mpi": lambda s: tree_broadcast(_native(s))},
+    "reduce": {"ring": ring_reduce, "tree": tree_reduce,
+               "mpi": lambda s: tree_reduce(_native(s))},
+}
+
+#: collectives that combine data (γ applies)
+_REDUCING = {"allreduce", "reduce_scatter", "reduce"}
+
+
+def predict(collective: str, algorithm: str, nbytes: int, p: int, nodes: int = 1,
+            params: Params | None = None, dtype: str = "float32") -> float:
+    """Predicted seconds of one call: `nbytes` is the whole array (the result, for allgather)."""
+    params = Params() if params is None else params
+    itemsize = np.dtype(dtype).itemsize
+    s = Setting(p=max(1, p), nodes=max(1, min(nodes, p)), n=float(nbytes), params=params,
+                gamma=params.gamma_for(dtype) if collective in _REDUCING else 0.0,
+                seg=segment_elements(itemsize) * itemsize)
+    formula = FORMULAS.get(collective, {}).get(algorithm)
+    if formula is None:
+        registry.resolve(collective, algorithm)  # ValueError for unknown names
+        body = schedule_estimate(collective, algorithm, nbytes, s.p, s.nodes, params, dtype)
+    else:
+        body = formula(s) if s.p > 1 else 0.0
+    return params.call + nbytes * params.copy + body
+
+
+# -- estimates from a recorded schedule --------------------------------------------------------
+#: the largest array the in-process world runs to record a schedule; bigger ones are scaled
+SCHEDULE_SAMPLE_BYTES = 1 << 16
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(collective: str, algorithm: str, p: int, ranks_per_node: int, count: int,
+              dtype: str) -> tuple[tuple[int, int, int], ...]:
+    """The (src, dst, bytes) of every message, sorted, from one run on the in-process world."""
+    from mpdl import collectives  # noqa: PLC0415
+    from mpdl.threadworld import run_world  # noqa: PLC0415
+
+    def call(comm):
+        x = np.ones(count, dtype=dtype)
+        kind = {"allreduce": lambda: collectives.allreduce(x, algorithm=algorithm, comm=comm),
+                "reduce_scatter": lambda: collectives.reduce_scatter(x, algorithm=algorithm,
+                                                                     comm=comm),
+                "allgather": lambda: collectives.allgather(x[: max(1, count // p)],
+                                                           algorithm=algorithm, comm=comm),
+                "broadcast": lambda: collectives.broadcast(x, algorithm=algorithm, comm=comm),
+                "reduce": lambda: collectives.reduce(x, algorithm=algorithm, comm=comm)}
+        return kind[collective]()
+
+    _, schedule = run_world(p, call, ranks_per_node=ranks_per_node, record=True)
+    return tuple(sorted((src, dst, nbytes) for _, _, src, dst, nbytes in schedule))
+
+
+def schedule_estimate(collective: str, algorithm: str, nbytes: int, p: int, nodes: int,
+                      params: Params, dtype: str = "float32") -> float:
+    """The busiest rank's messages (α + bytes·β each, γ on what it receives when reducing), from
+    the schedule recorded at min(nbytes, SCHEDULE_SAMPLE_BYTES) and scaled to nbytes."""
+    if p == 1:
+        return 0.0
+    itemsize = np.dtype(dtype).itemsize
+    sample = max(itemsize * p, min(nbytes, SCHEDULE_SAMPLE_BYTES))
+    g = max(1, -(-p // max(1, nodes)))
+    rows = _schedule(collective, algorithm, p, g, sample // itemsize, np.dtype(dtype).name)
+    scale = nbytes / sample
+    gamma = params.gamma_for(dtype) if collective in _REDUCING else 0.0
+    busy = [0.0] * p
+    for src, dst, b in rows:
+        alpha, beta = params.link(src // g != dst // g)
+        busy[src] += alpha + b * scale * beta
+        busy[dst] += b * scale * gamma
+    return max(busy)
+
+
+# -- auto --------------------------------------------------------------------------------------
+def candidates(collective: str, shared_memory: bool) -> list[str]:
+    """The algorithms auto may pick: every hand-written one (not the MPI baseline); shm only where
+    the communicator has shared memory."""
+    return [name for name, algo in registry.REGISTRY[collective].items()
+            if not algo.baseline and (name != "shm" or shared_memory)]
+
+
+def choose(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool,
+           params: Params | None = None, dtype: str = "float32") -> str:
+    """The algorithm with the smallest predicted time (ties: the one registered first)."""
+    params = Params() if params is None else params
+    names = candidates(collective, shared_memory)
+    times = [predict(collective, name, nbytes, p, nodes, params, dtype) for name in names]
+    return names[min(range(len(names)), key=lambda i: (times[i], i))]
+
+
+def current_params(p: int) -> Params:
+    """The parameters `auto` uses for a world of p ranks: the file, plus MPDL_EMULATE's links."""
+    return load_params(p).emulated(_cached_emulation(os.environ.get(_emulation.ENV, "")))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_emulation(_spec: str) -> _emulation.Emulation | None:
+    return _emulation.from_environment()
+
+
+def model_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
+    """The chooser `auto` uses: the cost model, or the simple size rule when no model is usable."""
+    try:
+        params = current_params(p)
+    except ModelUnavailable:
+        return registry.simple_choice(collective, nbytes, p, nodes, shared_memory)
+    return choose(collective, nbytes, p, nodes, shared_memory, params)
