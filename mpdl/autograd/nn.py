@@ -172,7 +172,7 @@ class Module:
         missing = [k for k in targets if k not in state]
         unexpected = [k for k in state if k not in targets]
         if strict and (missing or unexpected):
-            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys "
+            raise ValueError(f"load_state_dict: missing keys {missing}, unexpected keys "
                            f"{unexpected}")
         for name, t in targets.items():
             if name not in state:
