@@ -148,6 +148,7 @@ def save(path: str, params: Params) -> None:
                    "entries": {str(k): v.to_json() for k, v in sorted(entries.items())}}, f, indent=1)
         f.write("\n")
     os.replace(tmp, path)
+    forget()
 
 
 def load_params(ranks: int | None = None, path: str | None = None) -> Params:
@@ -160,18 +161,12 @@ def load_params(ranks: int | None = None, path: str | None = None) -> Params:
         if os.environ.get(ENV, "").lower() == "defaults":
             return Params()
         path = default_path()
-    return _load(path, ranks, _mtime(path))
-
-
-def _mtime(path: str) -> float:
-    try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return 0.0
+    return _load(path, ranks)
 
 
 @functools.lru_cache(maxsize=16)
-def _load(path: str, ranks: int | None, _mtime: float) -> Params:
+def _load(path: str, ranks: int | None) -> Params:
+    """Read once per process: a file rewritten during a run must not make ranks disagree."""
     entries = read_file(path)
     if not entries:
         return Params()
@@ -478,18 +473,28 @@ def choose(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool
 
 def current_params(p: int) -> Params:
     """The parameters `auto` uses for a world of p ranks: the file, plus MPDL_EMULATE's links."""
-    return load_params(p).emulated(_cached_emulation(os.environ.get(_emulation.ENV, "")))
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_emulation(_spec: str) -> _emulation.Emulation | None:
-    return _emulation.from_environment()
+    return load_params(p).emulated(_emulation.from_environment())
 
 
 def model_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
-    """The chooser `auto` uses: the cost model, or the simple size rule when no model is usable."""
+    """The chooser `auto` uses: the cost model, or the simple size rule when no model is usable.
+    Remembered per call signature (and environment), so a repeated call costs a dictionary lookup."""
+    env = os.environ
+    return _model_choice(collective, nbytes, p, nodes, shared_memory, env.get(ENV),
+                         env.get(_emulation.ENV), env.get("XDG_CACHE_HOME"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _model_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool,
+                  *_environment: str | None) -> str:
     try:
         params = current_params(p)
     except ModelUnavailable:
         return registry.simple_choice(collective, nbytes, p, nodes, shared_memory)
     return choose(collective, nbytes, p, nodes, shared_memory, params)
+
+
+def forget() -> None:
+    """Drop the loaded parameters and remembered choices (after writing a new parameter file)."""
+    _load.cache_clear()
+    _model_choice.cache_clear()

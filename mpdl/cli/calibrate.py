@@ -1,0 +1,210 @@
+"""`mpdl calibrate`: measure α, β and γ on this machine and save them for the cost model.
+
+Every rank takes part at once, as in a collective: ranks exchange messages in pairs (ping-pong by
+sendrecv) for α and β, inside a node and, with several nodes, between nodes; every rank reduces
+arrays for γ (per dtype) and copies them for the memory-copy rate. A collective's time is set by
+its slowest rank, so each figure is the maximum over ranks of that rank's median.
+The parameters are stored under this world size in $MPDL_COST_MODEL, or ~/.cache/mpdl/costmodel.json
+(XDG_CACHE_HOME is honoured); `auto` and `mpdl bench` read them from there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from mpdl.cli import UsageError
+
+#: message sizes of the ping-pong; α comes from the smallest, β from the slope of the others
+SMALL_BYTES = 8
+LARGE_BYTES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)
+REDUCE_BYTES = 1 << 22
+GAMMA_DTYPES = ("float16", "float32", "float64", "int32", "int64")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--iters", type=int, default=20,
+                        help="repetitions per measurement (default 20; the median is kept)")
+    parser.add_argument("-o", "--output", metavar="PATH",
+                        help="where to save (default: $MPDL_COST_MODEL or ~/.cache/mpdl/costmodel.json)")
+    parser.add_argument("--json", action="store_true", help="print the parameters as JSON on rank 0")
+
+
+def _quiet_barrier(mpi: Any) -> None:
+    """A barrier that sleeps while it waits, so idle ranks leave the cores to the measured ones."""
+    request = mpi.Ibarrier()
+    while not request.Test():
+        time.sleep(1e-4)
+
+
+def _median_time(fn, iters: int, batch: int = 1) -> float:
+    """The median over `iters` timings of `batch` calls of fn, per call."""
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        times.append((time.perf_counter() - t0) / batch)
+    return float(np.median(times))
+
+
+def _pairs(groups: list[list[int]], inter: bool) -> dict[int, int]:
+    """rank -> partner: neighbours inside a node, or equal local ranks of nodes 2j and 2j+1."""
+    partner: dict[int, int] = {}
+    if not inter:
+        for g in groups:
+            for i in range(0, len(g) - 1, 2):
+                partner[g[i]], partner[g[i + 1]] = g[i + 1], g[i]
+        return partner
+    for j in range(0, len(groups) - 1, 2):
+        for a, b in zip(groups[j], groups[j + 1], strict=False):
+            partner[a], partner[b] = b, a
+    return partner
+
+
+def _exchange_times(comm: Any, partner: int | None, iters: int) -> list[float]:
+    """Seconds per sendrecv with the partner at SMALL_BYTES and each of LARGE_BYTES (0: idle)."""
+    results = []
+    for nbytes in (SMALL_BYTES, *LARGE_BYTES):
+        send = np.ones(nbytes, np.uint8)
+        recv = np.empty(nbytes, np.uint8)
+        reps = iters if nbytes < (1 << 20) else max(3, iters // 4)
+        batch = 20 if nbytes <= SMALL_BYTES else 1
+        _quiet_barrier(comm.mpi)
+        if partner is None:
+            results.append(0.0)
+            continue
+        comm.sendrecv(send, partner, recv, partner, "calibrate")  # warm up the path
+        exchange = functools.partial(comm.sendrecv, send, partner, recv, partner, "calibrate")
+        results.append(_median_time(exchange, reps, batch))
+    return results
+
+
+def _fit(times: list[float]) -> tuple[float, float]:
+    """(α, β): α the small-message time, β the least-squares slope over the large messages."""
+    x = np.array(LARGE_BYTES, dtype=np.float64)
+    y = np.array(times[1:])
+    beta = float(np.polyfit(x, y, 1)[0]) if len(x) > 1 else float(y[0] / x[0])
+    return max(times[0], 1e-9), max(beta, 1e-13)
+
+
+def measure(comm: Any, iters: int) -> dict[str, Any]:
+    """Every parameter of the cost model, as the maximum over ranks (collective over comm)."""
+    from mpdl import collectives  # noqa: PLC0415
+    from mpdl.threadworld import ThreadWorld  # noqa: PLC0415
+
+    mpi = comm.mpi
+    groups = comm.node_groups()
+    figures: dict[str, float] = {}
+
+    intra = _exchange_times(comm, _pairs(groups, False).get(comm.rank), iters)
+    inter = _exchange_times(comm, _pairs(groups, True).get(comm.rank), iters) \
+        if len(groups) > 1 else None
+
+    # The MPI library's own latency, with no Python between the messages.
+    partner = _pairs(groups, False).get(comm.rank, _pairs(groups, True).get(comm.rank))
+    _quiet_barrier(mpi)
+    if partner is not None:
+        one, got = np.ones(1, np.float64), np.empty(1, np.float64)
+        exchange = lambda: mpi.Sendrecv(one, partner, recvbuf=got, source=partner)  # noqa: E731
+        exchange()
+        figures["alpha_native"] = _median_time(exchange, iters, batch=50)
+
+    # Reduction and copy rates, all ranks at once.
+    _quiet_barrier(mpi)
+    for dtype in GAMMA_DTYPES:
+        a = np.ones(REDUCE_BYTES // np.dtype(dtype).itemsize, dtype)
+        b = np.ones_like(a)
+        figures[f"gamma:{dtype}"] = _median_time(functools.partial(np.add, a, b, out=a),
+                                                 max(3, iters // 4)) / REDUCE_BYTES
+    src = np.ones(REDUCE_BYTES, np.uint8)
+    dst = np.empty_like(src)
+    figures["copy"] = _median_time(lambda: np.copyto(dst, src), max(3, iters // 4)) / REDUCE_BYTES
+
+    # A barrier of all ranks (the shm algorithm takes two per call), and the API's fixed cost.
+    comm.barrier()
+    figures["barrier"] = _median_time(comm.barrier, iters, batch=5)
+    alone = ThreadWorld(1).comm(0)  # a world of one: the call does everything but send
+    one = np.ones(1, np.float32)
+    figures["call"] = _median_time(lambda: collectives.allreduce(one, algorithm="ring", comm=alone),
+                                   iters, batch=20)
+    _quiet_barrier(mpi)
+
+    keys = sorted(figures)
+    local = np.array([figures.get(k, 0.0) for k in keys]
+                     + intra + (inter if inter is not None else []), dtype=np.float64)
+    worst = np.empty_like(local)
+    mpi.Allreduce(local, worst, op=comm.MPI.MAX)
+    merged = dict(zip(keys, worst[:len(keys)].tolist(), strict=True))
+    k = len(keys)
+    width = 1 + len(LARGE_BYTES)
+    merged["intra"] = worst[k:k + width].tolist()
+    merged["inter"] = worst[k + width:k + 2 * width].tolist() if inter is not None else None
+    return merged
+
+
+def to_params(measured: dict[str, Any], ranks: int, nodes: int, host: str) -> Any:
+    from mpdl.collectives.costmodel import Params  # noqa: PLC0415
+
+    intra_pairs = max(measured["intra"]) > 0
+    alpha, beta = _fit(measured["intra"] if intra_pairs else measured["inter"])
+    alpha_inter = beta_inter = None
+    if measured["inter"] is not None:
+        alpha_inter, beta_inter = _fit(measured["inter"])
+    gammas = tuple(sorted((d, measured[f"gamma:{d}"]) for d in GAMMA_DTYPES))
+    return Params(alpha=alpha, beta=beta, gamma=dict(gammas)["float32"], alpha_inter=alpha_inter,
+                  beta_inter=beta_inter, copy=measured["copy"], barrier=measured["barrier"],
+                  call=measured["call"], alpha_native=measured.get("alpha_native") or alpha,
+                  gammas=gammas, ranks=ranks,
+                  source=f"mpdl calibrate on {host}, {ranks} ranks, {nodes} node(s), "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
+
+
+def _rate(seconds_per_byte: float) -> str:
+    return f"{seconds_per_byte * 1e9:.3f} ns/B ({1e-9 / seconds_per_byte:.2f} GB/s)"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.iters < 1:
+        raise UsageError(f"--iters: expected a positive count, got {args.iters}")
+    import socket  # noqa: PLC0415
+
+    from mpdl import emulation  # noqa: PLC0415
+    from mpdl.collectives import costmodel  # noqa: PLC0415
+    from mpdl.comm import as_communicator  # noqa: PLC0415
+    from mpdl.mpi_runtime import load_mpi  # noqa: PLC0415
+
+    load_mpi()
+    comm = as_communicator(None)
+    if comm.size < 2:
+        raise UsageError("needs at least 2 ranks to measure links: mpiexec -n 2 mpdl calibrate")
+    emulation.install(comm, None)  # measure the machine itself; the model adds emulated links
+    path = args.output or costmodel.default_path()
+    nodes = len(comm.node_groups())
+    measured = measure(comm, args.iters)
+    if comm.rank == 0:
+        params = to_params(measured, comm.size, nodes, socket.gethostname())
+        costmodel.save(path, params)
+        if args.json:
+            print(json.dumps({"path": path, **params.to_json()}))
+        else:
+            print(f"# mpdl calibrate: {comm.size} ranks, {nodes} node(s); all ranks measured at once")
+            print(f"alpha           {params.alpha * 1e6:9.2f} us per message (intra-node, with Python)")
+            print(f"beta            {_rate(params.beta)}")
+            if params.alpha_inter is not None:
+                print(f"alpha_inter     {params.alpha_inter * 1e6:9.2f} us per message (inter-node)")
+                print(f"beta_inter      {_rate(params.beta_inter)}")
+            for dtype, gamma in params.gammas:
+                print(f"gamma {dtype:<9} {_rate(gamma)}")
+            print(f"copy            {_rate(params.copy)}")
+            print(f"barrier         {params.barrier * 1e6:9.2f} us")
+            print(f"call            {params.call * 1e6:9.2f} us per collective call (API overhead)")
+            print(f"alpha_native    {params.alpha_native * 1e6:9.2f} us per message (MPI library)")
+            print(f"saved {path}")
+    _quiet_barrier(comm.mpi)  # nobody reads the file before it is complete
+    return 0
