@@ -33,10 +33,9 @@ _TOLERANCE = {"float16": 1e-2, "float32": 1e-5, "float64": 1e-12}
 
 def parse_size(text: str) -> int:
     """'8', '1K', '64M', '1G' (also 1KB, 1KiB; binary multiples) -> bytes."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(?:i?[bB])?\s*", str(text))
     if not m:
-        raise argparse.ArgumentTypeError(f"expected a byte count such as 8, 1K, 64M or 1G, "
-                                         f"got {text!r}")
+        raise ValueError(f"expected a byte count such as 8, 1K, 64M or 1G, got {text!r}")
     return int(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
@@ -50,11 +49,12 @@ def bus_factor(collective: str, p: int) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("collective", nargs="?", default="allreduce", choices=COLLECTIVE_NAMES,
-                        help="the collective to measure (default allreduce)")
-    parser.add_argument("-b", "--min-bytes", type=parse_size, default=8, metavar="SIZE",
+    parser.add_argument("collective", nargs="?", default="allreduce",
+                        help=f"the collective to measure: {', '.join(COLLECTIVE_NAMES)} "
+                             f"(default allreduce)")
+    parser.add_argument("-b", "--min-bytes", default="8", metavar="SIZE",
                         help="smallest message (default 8; accepts 8, 1K, 64M)")
-    parser.add_argument("-e", "--max-bytes", type=parse_size, default=1 << 20, metavar="SIZE",
+    parser.add_argument("-e", "--max-bytes", default="1M", metavar="SIZE",
                         help="largest message (default 1M)")
     parser.add_argument("-f", "--factor", type=float, default=2.0,
                         help="multiply the size by this between steps (default 2)")
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", default="sum", help="sum (default), prod, max, min or avg")
     parser.add_argument("--inplace", action="store_true",
                         help="allreduce into the input array (out=x)")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "gpu"),
+    parser.add_argument("--device", default="cpu",
                         help="where the arrays live (default cpu)")
     parser.add_argument("--algorithms", default="all", metavar="LIST",
                         help="comma list of algorithms, or all (default: all, auto and the mpi "
@@ -91,9 +91,17 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     from mpdl.collectives import registry  # noqa: PLC0415
     from mpdl.collectives.ops import OPS  # noqa: PLC0415
 
-    if args.min_bytes < 0 or args.max_bytes < args.min_bytes:
-        raise UsageError(f"--max-bytes ({args.max_bytes}) must be at least --min-bytes "
-                         f"({args.min_bytes})")
+    if args.collective not in COLLECTIVE_NAMES:
+        raise UsageError(f"collective: expected one of {', '.join(COLLECTIVE_NAMES)}, "
+                         f"got {args.collective!r}")
+    if args.device not in ("cpu", "gpu"):
+        raise UsageError(f"--device: expected cpu or gpu, got {args.device!r}")
+    try:
+        min_bytes, max_bytes = parse_size(args.min_bytes), parse_size(args.max_bytes)
+    except ValueError as exc:
+        raise UsageError(f"--min-bytes/--max-bytes: {exc}") from None
+    if max_bytes < min_bytes:
+        raise UsageError(f"--max-bytes ({max_bytes}) must be at least --min-bytes ({min_bytes})")
     if not args.factor > 1:
         raise UsageError(f"--factor: expected a number above 1, got {args.factor:g}")
     if args.iters < 1 or args.warmup < 0:
@@ -135,8 +143,8 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     sizes = []
-    size = args.min_bytes
-    while size <= args.max_bytes:
+    size = min_bytes
+    while size <= max_bytes:
         sizes.append(size)
         size = max(size + 1, int(round(size * args.factor)))
     return {"names": names, "dtype": dtype, "sizes": sizes, "emulation": emulated,

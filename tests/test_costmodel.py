@@ -1,0 +1,163 @@
+"""The cost model, auto's choice, the parameter file, link emulation and the bench helpers."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from mpdl import collectives as C
+from mpdl import emulation
+from mpdl.cli.bench import bus_factor, parse_size
+from mpdl.collectives import costmodel as cm
+from mpdl.collectives import registry
+from mpdl.threadworld import run_world
+
+ZERO = cm.Params(alpha=0.0, beta=0.0, gamma=0.0, copy=0.0, barrier=0.0, call=0.0, alpha_native=0.0)
+SIZES = [0, 8, 1000, 1 << 16, 1 << 20, 1 << 26]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPDL_COST_MODEL", str(tmp_path / "model.json"))
+    monkeypatch.delenv("MPDL_EMULATE", raising=False)
+    cm.forget()
+    yield
+    cm.forget()
+
+
+@pytest.mark.parametrize("collective", registry.COLLECTIVES)
+def test_every_algorithm_has_a_positive_prediction_that_grows_with_size(collective):
+    for name in registry.algorithms(collective):
+        for p in (1, 2, 3, 4, 5, 8):
+            for nodes in (1, 2):
+                times = [cm.predict(collective, name, n, p, nodes) for n in SIZES]
+                assert all(t > 0 and math.isfinite(t) for t in times), (name, p, times)
+                assert times == sorted(times), (name, p, nodes, times)
+
+
+def test_ring_matches_the_textbook_formula():
+    params = cm.Params(alpha=10e-6, beta=1e-9, gamma=0.5e-9, copy=0.0, call=0.0)
+    n, p = 1 << 18, 4  # one segment per block
+    expected = 2 * (p - 1) * 10e-6 + 2 * n * (p - 1) / p * 1e-9 + n * (p - 1) / p * 0.5e-9
+    assert cm.predict("allreduce", "ring", n, p, 1, params) == pytest.approx(expected)
+    rd = math.log2(p) * 10e-6 + n * math.log2(p) * (1e-9 + 0.5e-9)
+    assert cm.predict("allreduce", "recursive_doubling", n, p, 1, params) == pytest.approx(rd)
+    rab = 2 * math.log2(p) * 10e-6 + 2 * n * (p - 1) / p * 1e-9 + n * (p - 1) / p * 0.5e-9
+    assert cm.predict("allreduce", "rabenseifner", n, p, 1, params) == pytest.approx(rab)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "rabenseifner", "tree"])
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_latency_terms_count_the_messages_of_the_recorded_schedule(algorithm, p):
+    """With α = 1 and nothing else, the prediction is the number of messages on the critical
+    path; for these algorithms that is what the busiest rank sends in the recorded schedule."""
+    x = np.ones(64, np.float32)
+    _, schedule = run_world(p, lambda c: C.allreduce(x, algorithm=algorithm, comm=c), record=True)
+    sent = Counter(src for _, _, src, _, _ in schedule)
+    alpha_only = cm.predict("allreduce", algorithm, x.nbytes, p, 1, replace(ZERO, alpha=1.0))
+    if algorithm == "tree":  # rank 0 receives lg p messages and sends lg p
+        assert alpha_only == 2 * math.log2(p)
+    else:
+        assert alpha_only == max(sent.values())
+
+
+def test_schedule_estimate_is_close_to_the_closed_form_for_ring():
+    params = cm.Params()
+    for n in (1 << 12, 1 << 20):
+        closed = cm.predict("allreduce", "ring", n, 4, 1, params) - params.call - n * params.copy
+        recorded = cm.schedule_estimate("allreduce", "ring", n, 4, 1, params)
+        assert 0.5 < recorded / closed < 2.0
+
+
+def test_hierarchical_wins_under_a_slow_inter_node_link():
+    slow = cm.Params().emulated(emulation.parse("inter=10Gbit/s,20us"))
+    for n in (1 << 22, 1 << 26):
+        ring = cm.predict("allreduce", "ring", n, 4, 2, slow)
+        hier = cm.predict("allreduce", "hierarchical", n, 4, 2, slow)
+        assert hier < ring
+    assert cm.choose("allreduce", 1 << 24, 4, 2, False, slow) in ("hierarchical", "torus2d")
+
+
+def test_choice_is_deterministic_excludes_the_baseline_and_breaks_ties_by_registration_order():
+    for collective in registry.COLLECTIVES:
+        first = next(iter(cm.candidates(collective, True)))
+        assert cm.choose(collective, 1 << 20, 4, 1, True, ZERO) == first
+        for n in SIZES:
+            picks = {cm.choose(collective, n, 4, 1, True) for _ in range(3)}
+            assert len(picks) == 1 and picks != {"mpi"}
+    assert all(cm.choose("allreduce", n, 4, 1, False) != "shm" for n in SIZES)
+
+
+def test_small_messages_go_to_few_steps_and_large_ones_to_bandwidth_optimal_algorithms():
+    params = cm.Params()
+    assert cm.choose("allreduce", 8, 8, 1, False, params) == "recursive_doubling"
+    assert cm.choose("allreduce", 64 << 20, 8, 1, False, params) in ("ring", "rabenseifner",
+                                                                      "torus2d")
+
+
+def test_parameter_file_round_trip_nearest_world_size_and_defaults(tmp_path):
+    path = str(tmp_path / "model.json")
+    assert cm.load_params(4) == cm.Params()  # nothing calibrated yet
+    cm.save(path, replace(cm.Params(), alpha=1e-6, ranks=2, gammas=(("float64", 3e-9),)))
+    cm.save(path, replace(cm.Params(), alpha=9e-6, ranks=8))
+    assert cm.load_params(2).alpha == 1e-6
+    assert cm.load_params(4).alpha == 1e-6  # |4-2| < |4-8|
+    assert cm.load_params(6).alpha == 9e-6
+    assert cm.load_params(2).gamma_for("float64") == 3e-9
+    assert sorted(json.load(open(path))["entries"]) == ["2", "8"]
+
+
+def test_a_broken_file_or_model_off_falls_back_to_the_simple_rule(tmp_path, monkeypatch):
+    (tmp_path / "model.json").write_text("{not json")
+    with pytest.raises(cm.ModelUnavailable, match="mpdl calibrate"):
+        cm.load_params(4)
+    for n in SIZES:
+        assert registry.choose("allreduce", n, 4, 1, True) == registry.simple_choice(
+            "allreduce", n, 4, 1, True)
+    monkeypatch.setenv("MPDL_COST_MODEL", "off")
+    assert registry.choose("reduce", 1 << 20, 4, 1, True) == "ring"
+
+
+def test_default_path_honours_xdg_cache_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("MPDL_COST_MODEL")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cm.default_path() == str(tmp_path / "mpdl" / "costmodel.json")
+
+
+def test_auto_runs_the_chosen_algorithm_on_the_in_process_world():
+    x = np.arange(10, dtype=np.float64)
+    results = run_world(3, lambda c: C.allreduce(x, algorithm="auto", comm=c))
+    for r in results:
+        np.testing.assert_array_equal(r, 3 * x)
+
+
+def test_emulation_spec_parsing():
+    e = emulation.parse("inter=10Gbit/s,20us")
+    assert e.inter == emulation.Link(1.25e9, pytest.approx(20e-6)) and e.intra is None
+    both = emulation.parse("inter=1.25GB/s, 0.5ms; intra=100Gbit/s,1us")
+    assert both.inter.latency == pytest.approx(5e-4) and both.intra.bandwidth == 12.5e9
+    assert emulation.parse(e.describe()) == e
+    for bad in ("", "inter", "outer=1Gbit/s", "inter=fast", "inter=1Gbit/s,2Gbit/s", "10us"):
+        with pytest.raises(ValueError, match="MPDL_EMULATE"):
+            emulation.parse(bad)
+
+
+def test_link_delay_applies_to_the_node_boundary_only():
+    hook = emulation.LinkDelay(emulation.parse("inter=1Gbit/s,5us"), [0, 0, 1, 1], rank=1)
+    assert hook.links[0] is None and hook.links[2] is hook.links[3] is not None
+    assert hook.links[2].delay(125) == pytest.approx(5e-6 + 1e-6)
+
+
+def test_bench_sizes_and_bus_factors():
+    assert [parse_size(s) for s in ("8", "1K", "64M", "1G", "2KiB")] == [8, 1024, 64 << 20,
+                                                                       1 << 30, 2048]
+    with pytest.raises(ValueError):
+        parse_size("lots")
+    assert bus_factor("allreduce", 4) == 1.5
+    assert bus_factor("allgather", 4) == bus_factor("reduce_scatter", 4) == 0.75
+    assert bus_factor("broadcast", 4) == bus_factor("reduce", 4) == 1.0
