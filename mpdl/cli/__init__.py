@@ -9,6 +9,7 @@ import sys
 VERBS = {
     "info": "versions, MPI library, world size, nodes, GPU and CUDA-awareness",
     "bench": "measure collective algorithms side by side (nccl-tests style), with predictions",
+    "train": "data-parallel training of a zoo model (default: an MLP on the shipped digits)",
     "calibrate": "measure this machine's α, β, γ for the cost model that drives algorithm='auto'",
 }
 

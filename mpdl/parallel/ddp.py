@@ -242,7 +242,12 @@ class DistributedDataParallel:
             allreduce(buf, op="sum", algorithm=algorithm, comm=comm, out=buf)
             bucket.span = (start, time.perf_counter())
 
-        bucket.handle = engine_for(comm).submit(work)
+        if comm.size == 1:
+            bucket.handle = Handle()
+            work()
+            bucket.handle._finish()
+        else:
+            bucket.handle = engine_for(comm).submit(work)
 
     def finish(self) -> None:
         """Fill in the gradients that never came (zeros), reduce what is left, wait for every
@@ -291,6 +296,12 @@ class DistributedDataParallel:
     def bucket_spans(self) -> list[tuple[int, float, float]]:
         """(bucket index, start, end) of each bucket's last all-reduce (time.perf_counter)."""
         return [(b.index, *b.span) for b in self.buckets]
+
+    def bucket_algorithms(self) -> list[str]:
+        """The all-reduce algorithm each bucket runs ("auto" resolved by bucket size)."""
+        from mpdl.collectives.api import _pick  # noqa: PLC0415
+
+        return [_pick("allreduce", self.algorithm, self.comm, b.nbytes).name for b in self.buckets]
 
     def remove_hooks(self) -> None:
         """Detach from the module's parameters (the module keeps working on its own)."""

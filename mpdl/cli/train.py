@@ -1,0 +1,143 @@
+"""`mpdl train`: data-parallel training of a zoo model (default: an MLP on the shipped UCI digits).
+
+    mpiexec -n P mpdl train [--model mlp|lenet|resnet8] [--dataset digits|mnist|synthetic] ...
+
+Rank 0 prints one line per epoch (loss, train and test accuracy, samples/s, and the step time
+split into compute, communication and exposed communication); --json writes the same as JSON
+lines plus a summary line, --timeline a Chrome trace with one track per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from mpdl.cli import UsageError
+
+_D = {"model": "mlp", "dataset": "digits", "epochs": 15, "global_batch_size": 64,
+      "optimizer": "sgd", "algorithm": "auto", "bucket_mb": 25.0, "first_bucket_mb": 1.0}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = ("example: mpiexec -n 4 mpdl train --epochs 10 --json train.jsonl "
+                "--timeline trace.json")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=_D["model"], metavar="{mlp,lenet,resnet8}",
+                   help="model from the zoo (default: %(default)s)")
+    g.add_argument("--dataset", default=_D["dataset"], metavar="{digits,mnist,synthetic}",
+                   help="digits: the shipped UCI 8x8 digits; mnist: IDX files or .npz at --data; "
+                        "synthetic: generated (default: %(default)s)")
+    g.add_argument("--data", metavar="PATH",
+                   help="MNIST folder with the standard IDX files (gzipped or not) or an .npz with "
+                        "x_train, y_train, x_test, y_test")
+    g.add_argument("--synthetic-shape", default="mnist", metavar="{mnist,cifar}",
+                   help="image shape of --dataset synthetic: 1x28x28 or 3x32x32 (default: "
+                        "%(default)s)")
+    g.add_argument("--synthetic-samples", type=int, default=4096, metavar="N",
+                   help="training samples of --dataset synthetic, plus N/4 test (default: "
+                        "%(default)s)")
+    g.add_argument("--dtype", default="float32", metavar="{float32,float64}")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=_D["epochs"],
+                   help="total epochs (a resumed run continues up to this) (default: %(default)s)")
+    g.add_argument("--global-batch-size", type=int, default=_D["global_batch_size"], metavar="B",
+                   help="samples per step over all ranks, split into contiguous per-rank slices "
+                        "(default: %(default)s)")
+    g.add_argument("--lr", type=float,
+                   help="learning rate (default: sgd 0.2, adam 0.001, lars 2, lamb 0.01)")
+    g.add_argument("--optimizer", default=_D["optimizer"], metavar="{sgd,adam,lars,lamb}",
+                   help="(default: %(default)s; sgd and lars use --momentum)")
+    g.add_argument("--momentum", type=float, default=0.9, help="(default: %(default)s)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="(default: %(default)s)")
+    g.add_argument("--warmup-epochs", type=float, default=0.0,
+                   help="linear learning-rate warmup (Goyal et al.) (default: %(default)s)")
+    g.add_argument("--scale-lr", action="store_true",
+                   help="linear scaling rule: --lr is the rate for a batch of 256, scaled by B/256")
+    g.add_argument("--lr-schedule", default="cosine", metavar="{constant,cosine}",
+                   help="after warmup (default: %(default)s)")
+    g.add_argument("--drop-last", action="store_true",
+                   help="drop each epoch's last, short global batch")
+    g.add_argument("--seed", type=int, default=0,
+                   help="model initialisation and data order (default: %(default)s)")
+    g = p.add_argument_group("communication")
+    g.add_argument("--algorithm", default=_D["algorithm"], metavar="NAME",
+                   help="gradient all-reduce: auto or any name of `mpdl bench --list` "
+                        "(default: %(default)s)")
+    g.add_argument("--bucket-mb", type=float, default=_D["bucket_mb"],
+                   help="gradient bucket size in MiB (default: %(default)s)")
+    g.add_argument("--first-bucket-mb", type=float, default=_D["first_bucket_mb"],
+                   help="size of the first (last layers') bucket (default: %(default)s)")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="reduce all buckets after backward instead of during it")
+    g.add_argument("--device", default="cpu", metavar="{cpu,gpu}",
+                   help="gpu needs CuPy and a GPU (default: %(default)s)")
+    g = p.add_argument_group("output and checkpoints")
+    g.add_argument("--checkpoint", metavar="DIR",
+                   help="rank 0 writes DIR/model.npz, optimizer.npz and state.json every epoch")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoint in --checkpoint DIR (any number of ranks; "
+                        "starts fresh when DIR holds none yet)")
+    g.add_argument("--json", metavar="PATH", help="one JSON line per epoch, then a summary line")
+    g.add_argument("--timeline", metavar="PATH",
+                   help="Chrome-trace JSON (Perfetto, chrome://tracing), one track per rank")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
+
+
+def config_from_args(args: argparse.Namespace):
+    from mpdl.training.loop import TrainConfig  # noqa: PLC0415
+
+    return TrainConfig(
+        model=args.model, dataset=args.dataset, data=args.data, epochs=args.epochs,
+        global_batch_size=args.global_batch_size, lr=args.lr, optimizer=args.optimizer,
+        momentum=args.momentum, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs,
+        scale_lr=args.scale_lr, lr_schedule=args.lr_schedule, algorithm=args.algorithm,
+        bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,
+        overlap=not args.no_overlap, seed=args.seed, checkpoint=args.checkpoint,
+        resume=args.resume, json=args.json, timeline=args.timeline, device=args.device,
+        dtype=args.dtype, synthetic_shape=args.synthetic_shape,
+        synthetic_samples=args.synthetic_samples, drop_last=args.drop_last,
+        progress=not args.no_progress)
+
+
+def limit_blas_threads() -> None:
+    """Like torchrun: with several ranks on a node, give each rank's BLAS cores/ranks threads
+    unless OMP_NUM_THREADS or OPENBLAS_NUM_THREADS says otherwise (oversubscribed BLAS thread
+    pools spin against each other and slow small matrix products down by orders of magnitude)."""
+    if any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")):
+        return
+    local = next((int(os.environ[v]) for v in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                               "SLURM_NTASKS_PER_NODE")
+                  if os.environ.get(v, "").isdigit()), 1)
+    if local <= 1:
+        return
+    try:
+        from threadpoolctl import threadpool_limits  # noqa: PLC0415
+    except ImportError:
+        return
+    threadpool_limits(max(1, (os.cpu_count() or 1) // local))
+
+
+def run(args: argparse.Namespace) -> int:
+    from mpdl.mpi_runtime import load_mpi  # noqa: PLC0415
+    from mpdl.training.loop import ConfigError, Trainer, validate  # noqa: PLC0415
+
+    config = config_from_args(args)
+    MPI = load_mpi()
+    try:
+        validate(config, MPI.COMM_WORLD.Get_size())
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if config.device == "gpu":
+        from mpdl.backend import cupy_module  # noqa: PLC0415
+
+        if cupy_module() is None:
+            raise UsageError("--device gpu: CuPy is not installed or sees no GPU (pip install "
+                             "\"mpdl[gpu]\"), or use --device cpu")
+    limit_blas_threads()
+    trainer = Trainer(config)
+    try:
+        trainer.setup()
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    trainer.run()
+    return 0

@@ -1,0 +1,1 @@
+"""Training: the data-parallel loop, checkpoints, the Chrome-trace timeline and the model zoo."""

@@ -1,0 +1,424 @@
+"""The data-parallel training loop behind `mpdl train`.
+
+Each step: this rank's slice of the global batch (DistributedSampler), forward, backward (the
+DDP hooks start each bucket's all-reduce as it fills), `ddp.finish()` (wait, write the averaged
+gradients back), optimizer step. Per epoch: loss, train and test accuracy, samples/s, and the
+mean step time split into compute, communication (time the communication thread spent in
+all-reduce) and exposed communication (time the main thread waited for it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import numpy as np
+
+from mpdl.parallel.sampler import split_bounds
+
+OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
+DATASETS = ("digits", "mnist", "synthetic")
+SCHEDULES = ("constant", "cosine")
+DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "lars": 2.0, "lamb": 1e-2}
+#: the batch size --lr refers to under --scale-lr (Goyal et al. 2017)
+BASE_BATCH = 256
+#: config fields a resumed run must share with the checkpoint
+RESUME_FIELDS = ("model", "dataset", "synthetic_shape", "synthetic_samples", "global_batch_size",
+                 "seed", "dtype")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything that defines a run (the flags of `mpdl train`)."""
+
+    model: str = "mlp"
+    dataset: str = "digits"
+    data: str | None = None
+    epochs: int = 15
+    global_batch_size: int = 64
+    lr: float | None = None
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    warmup_epochs: float = 0.0
+    scale_lr: bool = False
+    lr_schedule: str = "cosine"
+    algorithm: str = "auto"
+    bucket_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    overlap: bool = True
+    seed: int = 0
+    checkpoint: str | None = None
+    resume: bool = False
+    json: str | None = None
+    timeline: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    synthetic_shape: str = "mnist"
+    synthetic_samples: int = 4096
+    drop_last: bool = False
+    progress: bool = True
+
+    def base_lr(self) -> float:
+        lr = DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+        if self.scale_lr:
+            from mpdl.autograd.optim import scale_lr  # noqa: PLC0415
+
+            lr = scale_lr(lr, self.global_batch_size, BASE_BATCH)
+        return lr
+
+
+def validate(config: TrainConfig, world_size: int) -> None:
+    """ValueError with a one-line message for an inconsistent configuration (no communication:
+    every rank reaches the same verdict)."""
+    from mpdl.collectives.registry import algorithms  # noqa: PLC0415
+    from mpdl.training.models import MODELS  # noqa: PLC0415
+
+    choices = {"model": MODELS, "dataset": DATASETS, "optimizer": OPTIMIZERS,
+               "lr_schedule": SCHEDULES, "device": ("cpu", "gpu"),
+               "dtype": ("float32", "float64"), "synthetic_shape": ("mnist", "cifar"),
+               "algorithm": ("auto", *algorithms("allreduce"))}
+    for field, allowed in choices.items():
+        value = getattr(config, field)
+        if value not in allowed:
+            flag = "--" + field.replace("_", "-")
+            raise ValueError(f"{flag}: expected one of {', '.join(allowed)}, got {value!r}")
+    positive = {"epochs": config.epochs, "global_batch_size": config.global_batch_size,
+                "bucket_mb": config.bucket_mb, "first_bucket_mb": config.first_bucket_mb,
+                "synthetic_samples": config.synthetic_samples}
+    for field, value in positive.items():
+        if not value > 0:
+            raise ValueError(f"--{field.replace('_', '-')}: expected a positive number, got {value}")
+    for field in ("momentum", "weight_decay", "warmup_epochs"):
+        if getattr(config, field) < 0:
+            raise ValueError(f"--{field.replace('_', '-')}: expected a number >= 0, got "
+                             f"{getattr(config, field)}")
+    if config.lr is not None and not config.lr > 0:
+        raise ValueError(f"--lr: expected a positive learning rate, got {config.lr}")
+    if config.global_batch_size < world_size:
+        raise ValueError(f"--global-batch-size {config.global_batch_size} is smaller than the "
+                         f"number of ranks ({world_size}): every rank needs at least one sample")
+    if config.dataset == "mnist" and not config.data:
+        raise ValueError("--dataset mnist needs --data PATH (a folder with the IDX files, "
+                         "gzipped or not, or an .npz); nothing is downloaded")
+    if config.data and config.dataset != "mnist":
+        raise ValueError(f"--data is only read with --dataset mnist, not {config.dataset}")
+    if config.resume and not config.checkpoint:
+        raise ValueError("--resume needs --checkpoint DIR")
+    if config.lr_schedule == "cosine" and config.warmup_epochs >= config.epochs:
+        raise ValueError("--lr-schedule cosine needs --warmup-epochs below --epochs")
+
+
+def load_data(config: TrainConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x_train, y_train, x_test, y_test) with images as (N, C, H, W) in config.dtype."""
+    from mpdl import datasets  # noqa: PLC0415
+
+    if config.dataset == "digits":
+        xtr, ytr, xte, yte = datasets.load_digits(seed=0)
+        xtr, xte = xtr.reshape(-1, 1, 8, 8), xte.reshape(-1, 1, 8, 8)
+    elif config.dataset == "mnist":
+        xtr, ytr, xte, yte = datasets.load_mnist(config.data)
+    else:
+        n_test = max(config.synthetic_samples // 4, 1)
+        xtr, ytr, xte, yte = datasets.synthetic(config.synthetic_shape, config.synthetic_samples,
+                                                n_test, seed=config.seed)
+    dtype = np.dtype(config.dtype)
+    return xtr.astype(dtype, copy=False), ytr, xte.astype(dtype, copy=False), yte
+
+
+def agree(comm: Any, error: str | None) -> str | None:
+    """The first rank's error message if any rank has one (every rank gets the same answer)."""
+    errors = comm.allgather_object(error)
+    return next((e for e in errors if e), None)
+
+
+class ConfigError(ValueError):
+    """A configuration, data or checkpoint problem found on some rank, reported on all."""
+
+
+class Trainer:
+    """One training run over `comm` (default MPI.COMM_WORLD)."""
+
+    def __init__(self, config: TrainConfig, comm: Any = None, out: TextIO | None = None) -> None:
+        from mpdl.comm import as_communicator  # noqa: PLC0415
+
+        self.config = config
+        self.comm = as_communicator(comm)
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self.out = out if out is not None else sys.stdout
+        self.rows: list[dict[str, Any]] = []
+        self.timeline = None
+
+    # -- setup ------------------------------------------------------------------------------------
+    def _checked(self, fn: Callable[[], Any]) -> Any:
+        """fn() on every rank; if it fails on any rank, ConfigError with that message on all."""
+        from mpdl.datasets import DatasetError  # noqa: PLC0415
+        from mpdl.training.checkpoint import CheckpointError  # noqa: PLC0415
+
+        result, error = None, None
+        try:
+            result = fn()
+        except (DatasetError, CheckpointError, ValueError, OSError) as exc:
+            error = str(exc) or type(exc).__name__
+        error = agree(self.comm, error)
+        if error:
+            raise ConfigError(error)
+        return result
+
+    def setup(self) -> None:
+        from mpdl.autograd import optim  # noqa: PLC0415
+        from mpdl.parallel import DistributedDataParallel, DistributedSampler  # noqa: PLC0415
+        from mpdl.training import checkpoint  # noqa: PLC0415
+        from mpdl.training.models import build_model  # noqa: PLC0415
+
+        c = self.config
+        validate(c, self.size)
+        self.xtr, self.ytr, self.xte, self.yte = self._checked(lambda: load_data(c))
+        classes = int(max(self.ytr.max(), self.yte.max() if len(self.yte) else 0)) + 1
+        self.model = build_model(c.model, tuple(self.xtr.shape[1:]), classes, seed=c.seed,
+                                 dtype=np.dtype(c.dtype))
+        if c.device == "gpu":
+            self.model.to("gpu")
+        self.sampler = DistributedSampler(len(self.xtr), c.global_batch_size, rank=self.rank,
+                                          num_replicas=self.size, seed=c.seed,
+                                          drop_last=c.drop_last)
+        self.steps_per_epoch = len(self.sampler)
+        self.ddp = DistributedDataParallel(self.model, comm=self.comm, algorithm=c.algorithm,
+                                           bucket_mb=c.bucket_mb,
+                                           first_bucket_mb=c.first_bucket_mb, overlap=c.overlap)
+        params = self.model.parameters()
+        lr = c.base_lr()
+        if c.optimizer == "sgd":
+            self.optimizer = optim.SGD(params, lr=lr, momentum=c.momentum,
+                                       weight_decay=c.weight_decay)
+        elif c.optimizer == "adam":
+            self.optimizer = optim.Adam(params, lr=lr, weight_decay=c.weight_decay)
+        elif c.optimizer == "lars":
+            self.optimizer = optim.LARS(params, lr=lr, momentum=c.momentum,
+                                        weight_decay=c.weight_decay)
+        else:
+            self.optimizer = optim.LAMB(params, lr=lr, weight_decay=c.weight_decay)
+        total = c.epochs * self.steps_per_epoch
+        warmup = int(round(c.warmup_epochs * self.steps_per_epoch))
+        self.schedule = optim.WarmupSchedule(lr, warmup_steps=min(warmup, total),
+                                             total_steps=total, kind=c.lr_schedule)
+        self.start_epoch, self.step = 0, 0
+        if c.resume:
+            seen = self.comm.allgather_object(checkpoint.has_checkpoint(c.checkpoint))
+            if any(seen) and not all(seen):
+                raise ConfigError(f"--checkpoint {c.checkpoint}: the checkpoint is visible on "
+                                  f"some ranks only; put it on a filesystem every rank shares")
+            if all(seen):
+                self._checked(self._resume)
+            elif self.rank == 0:
+                print(f"# no checkpoint in {c.checkpoint} yet: starting from epoch 1",
+                      file=self.out)
+
+    def _resume(self) -> None:
+        from mpdl.training.checkpoint import CheckpointError, load_checkpoint  # noqa: PLC0415
+
+        model_state, optim_state, state = load_checkpoint(self.config.checkpoint)
+        saved = state.get("config", {})
+        for field in RESUME_FIELDS + (("epochs",) if self.config.lr_schedule == "cosine" else ()):
+            if field in saved and saved[field] != getattr(self.config, field):
+                raise CheckpointError(f"--resume: the checkpoint in {self.config.checkpoint} was "
+                                      f"written with {field}={saved[field]!r}, this run has "
+                                      f"{getattr(self.config, field)!r}")
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(optim_state)
+        self.sampler.load_state_dict(state["sampler"])
+        for name, module in self.model.named_modules():
+            rng = getattr(module, "rng", None)
+            if isinstance(rng, np.random.Generator) and name in state.get("rng", {}):
+                rng.bit_generator.state = state["rng"][name]
+        self.start_epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.rows = [r for r in state.get("history", []) if r.get("epoch", 0) <= self.start_epoch]
+
+    def _save(self, epoch: int) -> None:
+        from mpdl.training.checkpoint import save_checkpoint  # noqa: PLC0415
+
+        rngs = {name: module.rng.bit_generator.state for name, module in self.model.named_modules()
+                if isinstance(getattr(module, "rng", None), np.random.Generator)}
+        state = {"epoch": epoch, "step": self.step, "sampler": self.sampler.state_dict(),
+                 "rng": rngs, "config": dataclasses.asdict(self.config), "ranks": self.size,
+                 "history": self.rows}
+        save_checkpoint(self.config.checkpoint, self.model.state_dict(),
+                        self.optimizer.state_dict(), state)
+
+    # -- running ------------------------------------------------------------------------------------
+    def _to_device(self, a: np.ndarray) -> Any:
+        if self.config.device == "gpu":
+            from mpdl.backend import cupy_module  # noqa: PLC0415
+
+            return cupy_module().asarray(a)
+        return a
+
+    def train_epoch(self, epoch: int) -> dict[str, float]:
+        """One epoch; returns this rank's sums (loss·n, correct, n, times)."""
+        from mpdl.autograd import functional as F  # noqa: PLC0415
+        from mpdl.autograd.tensor import Tensor  # noqa: PLC0415
+
+        self.model.train()
+        self.sampler.set_epoch(epoch)
+        sums = dict.fromkeys(("loss", "correct", "n", "compute", "comm", "exposed", "wall"), 0.0)
+        bar = None
+        if self.config.progress and self.rank == 0:
+            from tqdm import tqdm  # noqa: PLC0415
+
+            bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}", file=sys.stderr,
+                       leave=False, disable=None, unit="step")
+        tl = self.timeline
+        epoch_start = time.perf_counter()
+        for idx, global_batch in self.sampler:
+            self.optimizer.lr = self.schedule(self.step)
+            self.ddp.set_local_batch(len(idx), global_batch)
+            t0 = time.perf_counter()
+            t1 = t2 = t0
+            if len(idx):
+                x, y = self._to_device(self.xtr[idx]), self.ytr[idx]
+                logits = self.model(Tensor(x))
+                loss = F.cross_entropy(logits, self._to_device(y))
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                sums["loss"] += float(loss.item()) * len(idx)
+                pred = logits.data.argmax(axis=1)
+                sums["correct"] += float((pred == self._to_device(y)).sum())
+                sums["n"] += len(idx)
+            self.ddp.finish()
+            t3 = time.perf_counter()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            t4 = time.perf_counter()
+            exposed = self.ddp.last_exposed_s
+            sums["compute"] += (t4 - t0) - exposed
+            sums["comm"] += self.ddp.last_comm_s
+            sums["exposed"] += exposed
+            if tl is not None:
+                tl.add("forward", t0, t1, step=self.step)
+                tl.add("backward", t1, t2, step=self.step)
+                tl.add("finish (wait for all-reduce)", t2, t3, cat="wait", step=self.step)
+                tl.add("optimizer step", t3, t4, step=self.step)
+                for b in self.ddp.buckets:
+                    tl.add(f"all-reduce bucket {b.index}", b.span[0], b.span[1], thread="comm",
+                           cat="communication", bytes=b.nbytes, step=self.step)
+            self.step += 1
+            if bar is not None:
+                bar.update()
+        sums["wall"] = time.perf_counter() - epoch_start
+        if bar is not None:
+            bar.close()
+        return sums
+
+    def evaluate(self) -> tuple[float, float]:
+        """(correct, count) of this rank's contiguous share of the test set."""
+        from mpdl.autograd.tensor import Tensor, no_grad  # noqa: PLC0415
+
+        self.model.eval()
+        bounds = split_bounds(len(self.xte), self.size)
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        correct = 0.0
+        with no_grad():
+            for start in range(lo, hi, 512):
+                stop = min(start + 512, hi)
+                logits = self.model(Tensor(self._to_device(self.xte[start:stop])))
+                correct += float((logits.data.argmax(axis=1) ==
+                                  self._to_device(self.yte[start:stop])).sum())
+        return correct, float(hi - lo)
+
+    def run(self) -> list[dict[str, Any]]:
+        """Train from start_epoch to config.epochs; return one row per epoch plus a summary."""
+        from mpdl.collectives import allreduce  # noqa: PLC0415
+        from mpdl.training.timeline import Timeline, write_trace  # noqa: PLC0415
+
+        c = self.config
+        if c.timeline:
+            self.comm.barrier()
+            self.timeline = Timeline(self.rank, time.perf_counter())
+        if self.rank == 0:
+            self._print_header()
+        run_start = time.perf_counter()
+        for epoch in range(self.start_epoch, c.epochs):
+            s = self.train_epoch(epoch)
+            test_correct, test_n = self.evaluate()
+            vec = np.array([s["loss"], s["correct"], s["n"], s["compute"], s["comm"],
+                            s["exposed"], s["wall"], test_correct, test_n], dtype=np.float64)
+            tot = allreduce(vec, op="sum", comm=self.comm)
+            steps, p = self.steps_per_epoch, self.size
+            row = {"epoch": epoch + 1, "loss": tot[0] / tot[2], "train_acc": tot[1] / tot[2],
+                   "test_acc": tot[7] / tot[8] if tot[8] else float("nan"),
+                   "samples_per_s": tot[2] / (tot[6] / p),
+                   "compute_s": tot[3] / p / steps, "comm_s": tot[4] / p / steps,
+                   "exposed_comm_s": tot[5] / p / steps, "ranks": p, "algorithm": c.algorithm,
+                   "lr": self.optimizer.lr}
+            self.rows.append(row)
+            if self.rank == 0:
+                self._print_row(row)
+                if c.checkpoint:
+                    self._save(epoch + 1)
+                if c.json:
+                    from mpdl.cli.output import write_json_lines  # noqa: PLC0415
+
+                    write_json_lines(c.json, self.rows)
+        summary = self._summary(time.perf_counter() - run_start)
+        if self.rank == 0:
+            self._print_summary(summary)
+            if c.json:
+                from mpdl.cli.output import write_json_lines  # noqa: PLC0415
+
+                write_json_lines(c.json, [*self.rows, summary])
+        if self.timeline is not None:
+            events = self.comm.allgather_object(self.timeline.metadata() + self.timeline.events)
+            if self.rank == 0:
+                write_trace(c.timeline, events)
+        return [*self.rows, summary]
+
+    def _summary(self, seconds: float) -> dict[str, Any]:
+        last = self.rows[-1] if self.rows else {}
+        buckets = [b.nbytes for b in self.ddp.buckets]
+        return {"summary": True, "epochs": self.config.epochs, "ranks": self.size,
+                "algorithm": self.config.algorithm,
+                "bucket_algorithms": self.ddp.bucket_algorithms(),
+                "buckets": len(buckets), "bucket_bytes": buckets,
+                "model": self.config.model, "dataset": self.config.dataset,
+                "global_batch_size": self.config.global_batch_size,
+                "optimizer": self.config.optimizer, "overlap": self.config.overlap,
+                "loss": last.get("loss"), "train_acc": last.get("train_acc"),
+                "test_acc": last.get("test_acc"),
+                "samples_per_s": (float(np.mean([r["samples_per_s"] for r in self.rows]))
+                                  if self.rows else None),
+                "seconds": seconds}
+
+    # -- output ---------------------------------------------------------------------------------
+    def _print_header(self) -> None:
+        c = self.config
+        per_rank = c.global_batch_size / self.size
+        bucket_sizes = ", ".join(f"{b.nbytes / 1024:.0f} KiB" for b in self.ddp.buckets)
+        print(f"# mpdl train: {c.model} on {c.dataset} ({len(self.xtr)} train / {len(self.xte)} "
+              f"test), {self.size} rank{'s' if self.size > 1 else ''}, global batch "
+              f"{c.global_batch_size} ({per_rank:g} per rank), {c.optimizer} lr "
+              f"{c.base_lr():g}, all-reduce {c.algorithm}, buckets [{bucket_sizes}], "
+              f"overlap {'on' if c.overlap else 'off'}", file=self.out)
+        if self.start_epoch:
+            print(f"# resumed from {c.checkpoint} after epoch {self.start_epoch}", file=self.out)
+        print(f"{'epoch':>5} {'loss':>8} {'train_acc':>9} {'test_acc':>8} {'samples/s':>10} "
+              f"{'step_ms':>8} {'compute':>8} {'comm':>8} {'exposed':>8}", file=self.out)
+        self.out.flush()
+
+    def _print_row(self, r: dict[str, Any]) -> None:
+        step_ms = (r["compute_s"] + r["exposed_comm_s"]) * 1e3
+        print(f"{r['epoch']:>5} {r['loss']:>8.4f} {r['train_acc']:>9.4f} {r['test_acc']:>8.4f} "
+              f"{r['samples_per_s']:>10.0f} {step_ms:>8.2f} {r['compute_s'] * 1e3:>8.2f} "
+              f"{r['comm_s'] * 1e3:>8.2f} {r['exposed_comm_s'] * 1e3:>8.2f}", file=self.out)
+        self.out.flush()
+
+    def _print_summary(self, s: dict[str, Any]) -> None:
+        acc = s["test_acc"]
+        acc_text = f"test accuracy {acc:.4f}, " if acc is not None else ""
+        print(f"# done: {acc_text}{s['seconds']:.2f} s; times are per step (ms), averaged over "
+              f"ranks; exposed = communication not hidden behind backward", file=self.out)
+        self.out.flush()
+
