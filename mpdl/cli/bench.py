@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true",
                         help="list the algorithms with their cost formulas and exit")
     parser.add_argument("--emulate", metavar="SPEC",
-                        help="emulate slower links, e.g. inter=10Gbit/s,20us (see MPDL_EMULATE)")
+                        help="emulate slower links, e.g. inter=10Gbit/s,20us, or off "
+                             "(default: MPDL_EMULATE)")
     parser.add_argument("--json", metavar="PATH", help="write one JSON line per (size, algorithm)")
     parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of busbw against size")
@@ -132,7 +133,9 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         if "mpi" not in names:
             names.append("mpi")  # the baseline every ratio refers to
     emulated = None
-    if args.emulate is not None:
+    if args.emulate is not None and args.emulate.strip().lower() in ("off", "none", "0"):
+        emulated = None
+    elif args.emulate is not None:
         try:
             emulated = emulation.parse(args.emulate)
         except ValueError as exc:
@@ -242,16 +245,34 @@ def run(args: argparse.Namespace) -> int:
             list_algorithms(args.collective)
         return 0
     config = validate(args)
-    from mpdl import backend, emulation  # noqa: PLC0415
-    from mpdl.collectives import costmodel  # noqa: PLC0415
-    from mpdl.comm import Communicator, as_communicator  # noqa: PLC0415
+    from mpdl import emulation  # noqa: PLC0415
+    from mpdl.comm import as_communicator  # noqa: PLC0415
     from mpdl.mpi_runtime import load_mpi  # noqa: PLC0415
 
     MPI = load_mpi()
-    if config["emulation"] is not None:
-        os.environ[emulation.ENV] = config["emulation"].describe()  # auto's model sees it too
     comm = as_communicator(None)
-    emulation.install(comm, config["emulation"])
+    previous_hook, previous_env = comm.link_delay, os.environ.get(emulation.ENV)
+    # For this run, the links (and auto's model, which reads MPDL_EMULATE) are the ones asked for.
+    if config["emulation"] is None:
+        os.environ.pop(emulation.ENV, None)
+    else:
+        os.environ[emulation.ENV] = config["emulation"].describe()
+    try:
+        emulation.install(comm, config["emulation"])
+        return _measure_all(args, config, comm, MPI)
+    finally:
+        comm.link_delay = previous_hook
+        if previous_env is None:
+            os.environ.pop(emulation.ENV, None)
+        else:
+            os.environ[emulation.ENV] = previous_env
+
+
+def _measure_all(args: argparse.Namespace, config: dict[str, Any], comm: Any, MPI: Any) -> int:
+    from mpdl import backend  # noqa: PLC0415
+    from mpdl.collectives import costmodel  # noqa: PLC0415
+    from mpdl.comm import Communicator  # noqa: PLC0415
+
     p, rank = comm.size, comm.rank
     if not 0 <= args.root < p:
         raise UsageError(f"--root: expected a rank in [0, {p}), got {args.root}")
