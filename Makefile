@@ -5,6 +5,8 @@ MPIEXEC   ?= $(VENV)/bin/mpiexec
 # World sizes the MPI tests run at, and the wall-clock limit (seconds) of each mpiexec run.
 MPI_SIZES ?= 1 2 3 4 5
 MPI_TIMEOUT ?= 420
+# World sizes the all-reduce tests run again at, with emulated nodes of 2 ranks (the last one uneven).
+NODE_SIZES ?= 4 5
 PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider --timeout=240
 
 .PHONY: install test test-unit test-mpi lint clean
@@ -28,6 +30,11 @@ test-mpi: install
 	@for n in $(MPI_SIZES); do \
 	  echo "== MPI tests, mpiexec -n $$n"; \
 	  timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PYTEST_MPI) tests/mpi || exit 1; \
+	done
+	@for n in $(NODE_SIZES); do \
+	  echo "== all-reduce tests, mpiexec -n $$n, emulated nodes of 2 ranks"; \
+	  MPDL_RANKS_PER_NODE=2 timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PYTEST_MPI) \
+	    tests/mpi/test_collectives.py -k allreduce || exit 1; \
 	done
 
 lint: install

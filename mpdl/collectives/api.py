@@ -55,10 +55,10 @@ def _flat_copy(x: Any, xp: Any, into: Any) -> Any:
     return flat
 
 
-def _run(comm, algorithm: registry.Algorithm, collective: str, buf: Any, *args) -> None:
+def _run(comm, algorithm: registry.Algorithm, collective: str, buf: Any, *args, **kwargs) -> None:
     def work() -> None:
         with serialized(comm, f"{collective}/{algorithm.name}"):
-            algorithm.run(comm, buf, *args)
+            algorithm.run(comm, buf, *args, **kwargs)
 
     run_in_order(comm, work)
 
@@ -78,12 +78,15 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None
     else:
         _check_out(out, x, xp)
     _agree(c, ("allreduce", algo.name, tuple(x.shape), dtype.name, op, None))
-    _finish_allreduce(c, algo, _flat_copy(x, xp, out), op, xp)
+    if algo.reads_input and out is not x:
+        _finish_allreduce(c, algo, out.reshape(-1), op, xp, src=x.reshape(-1))
+    else:
+        _finish_allreduce(c, algo, _flat_copy(x, xp, out), op, xp)
     return out
 
 
-def _finish_allreduce(c, algo, flat, op, xp) -> None:
-    _run(c, algo, "allreduce", flat, op)
+def _finish_allreduce(c, algo, flat, op, xp, **src) -> None:
+    _run(c, algo, "allreduce", flat, op, **src)
     if op == "avg":
         xp.true_divide(flat, c.size, out=flat)
 

@@ -50,7 +50,7 @@ def with_reducer(algorithm):
     """Adapt algorithm(comm, buf, reduce, *extra) to run(comm, buf, op, *extra)."""
 
     @functools.wraps(algorithm)
-    def run(comm, buf, op: str, *extra):
-        return algorithm(comm, buf, reducer(op, backend.get_array_module(buf)), *extra)
+    def run(comm, buf, op: str, *extra, **kwargs):
+        return algorithm(comm, buf, reducer(op, backend.get_array_module(buf)), *extra, **kwargs)
 
     return run

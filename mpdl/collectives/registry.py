@@ -44,10 +44,12 @@ class Algorithm:
     summary: str
     cost: str
     baseline: bool = False
+    #: reads the input from a separate `src` array (so the caller need not copy it into buf first)
+    reads_input: bool = False
 
 
-def _a(name, run, summary, cost, baseline=False) -> Algorithm:
-    return Algorithm(name, run, summary, cost, baseline)
+def _a(name, run, summary, cost, baseline=False, reads_input=False) -> Algorithm:
+    return Algorithm(name, run, summary, cost, baseline, reads_input)
 
 
 _MPI = "the MPI library's own implementation (baseline, not ours)"
@@ -75,7 +77,8 @@ REGISTRY: dict[str, dict[str, Algorithm]] = {
            "2(X-1)+2(Y-1) α + ≈ 2n(p-1)/p·β"),
         _a("shm", with_reducer(shm_allreduce),
            "ranks of a node reduce straight from each other's memory (MPI shared window)",
-           "2 barriers + n·(copy in + copy out) + n(g-1)/g·γ, then inter-node of n/g"),
+           "2 barriers + n·(copy in + copy out) + n(g-1)/g·γ, then inter-node of n/g",
+           reads_input=True),
         _a("mpi", native.mpi_allreduce, _MPI, "library's choice", baseline=True),
     ]},
     "reduce_scatter": {a.name: a for a in [

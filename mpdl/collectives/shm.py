@@ -19,25 +19,31 @@ from mpdl import backend
 from mpdl.collectives.hierarchical import inter_node_allreduce
 from mpdl.collectives.ops import block_bounds
 
-#: the largest chunk (bytes per rank) that goes through the window at once
-WINDOW_BYTES = 16 << 20
+#: bytes per rank that go through the window at once: small enough to stay in cache
+WINDOW_BYTES = 1 << 20
 
 
-def shm_allreduce(comm, buf, reduce_device) -> None:
-    """All-reduce buf in place through per-node shared memory, in chunks of WINDOW_BYTES."""
+def shm_allreduce(comm, buf, reduce_device, src=None) -> None:
+    """All-reduce in place through per-node shared memory, in chunks of WINDOW_BYTES.
+
+    When `src` is given, the input is read from it rather than from buf (saving one copy).
+    """
     if comm.size == 1 or buf.size == 0:
+        if src is not None and src is not buf:
+            backend.get_array_module(buf).copyto(buf, src)
         return
     xp = backend.get_array_module(buf)
     reduce = reduce_device if xp is np else getattr(np, reduce_device.__name__.removeprefix("cupy_"))
+    src = buf if src is None else src
     chunk = max(1, WINDOW_BYTES // buf.itemsize)
     segments, node_barrier = comm.shared_segments(2 * min(buf.size, chunk) * buf.itemsize)
     for start in range(0, buf.size, chunk):
         comm.shm_calls += 1
-        _allreduce_chunk(comm, buf[start:start + chunk], reduce, xp, segments,
-                         comm.shm_calls % 2, node_barrier)
+        _allreduce_chunk(comm, src[start:start + chunk], buf[start:start + chunk], reduce, xp,
+                         segments, comm.shm_calls % 2, node_barrier)
 
 
-def _allreduce_chunk(comm, part, reduce, xp, segments, half, node_barrier) -> None:
+def _allreduce_chunk(comm, src, part, reduce, xp, segments, half, node_barrier) -> None:
     n, dtype = part.size, part.dtype
     offset = half * (segments[0].nbytes // 2)
     views = [s[offset:offset + n * dtype.itemsize].view(dtype) for s in segments]
@@ -45,48 +51,29 @@ def _allreduce_chunk(comm, part, reduce, xp, segments, half, node_barrier) -> No
     node = comm.node_of_rank()[comm.rank]
     local_rank = groups[node].index(comm.rank)
     g = len(groups[node])
-    mine = views[local_rank]
     if xp is np:
-        np.copyto(mine, part)
+        np.copyto(views[local_rank], src)
     else:
-        xp.asnumpy(part, out=mine)
+        xp.asnumpy(src, out=views[local_rank])
     node_barrier()
 
+    # Slice [lo, hi) of every segment is read and written by this rank alone until the next
+    # barrier, so the reduced slice can be accumulated in place in segment 0, in rank order.
     bounds = block_bounds(n, g)
     lo, hi = bounds[local_rank], bounds[local_rank + 1]
-    acc = comm.workspace("shm.acc", hi - lo, dtype, np)
-    if g == 1:
-        np.copyto(acc, views[0][lo:hi])
-    else:
-        reduce(views[0][lo:hi], views[1][lo:hi], out=acc)
-        for v in views[2:]:
-            reduce(acc, v[lo:hi], out=acc)
+    result = views[0]
+    for v in views[1:]:
+        reduce(result[lo:hi], v[lo:hi], out=result[lo:hi])
     equal_nodes = len({len(grp) for grp in groups}) == 1
     if len(groups) > 1 and equal_nodes:
-        inter_node_allreduce(comm.sub([grp[local_rank] for grp in groups]), acc, reduce)
-    mine[lo:hi] = acc  # only this rank reads or writes this slice of its own segment now
+        inter_node_allreduce(comm.sub([grp[local_rank] for grp in groups]), result[lo:hi], reduce)
     node_barrier()
-
     if len(groups) > 1 and not equal_nodes:
-        # Uneven nodes: leaders combine whole node sums, then every rank reads its leader's copy.
-        whole = comm.workspace("shm.whole", n, dtype, np)
-        for r in range(g):
-            whole[bounds[r]:bounds[r + 1]] = views[r][bounds[r]:bounds[r + 1]]
+        # Uneven nodes: the leaders combine their node sums, then every rank reads its leader's.
         if local_rank == 0:
-            inter_node_allreduce(comm.sub([grp[0] for grp in groups]), whole, reduce)
-            views[0][:] = whole
+            inter_node_allreduce(comm.sub([grp[0] for grp in groups]), result, reduce)
         node_barrier()
-        _copy_out(part, xp, [(0, n, views[0])])
-        node_barrier()
-        return
-    _copy_out(part, xp, [(bounds[r], bounds[r + 1], views[r]) for r in range(g)])
-
-
-def _copy_out(part, xp, pieces) -> None:
-    for lo, hi, view in pieces:
-        if hi == lo:
-            continue
-        if xp is np:
-            np.copyto(part[lo:hi], view[lo:hi])
-        else:
-            backend.upload(part[lo:hi], view[lo:hi])
+    if xp is np:
+        np.copyto(part, result)
+    else:
+        backend.upload(part, result)
