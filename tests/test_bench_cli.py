@@ -1,0 +1,65 @@
+"""`mpdl bench` and `mpdl calibrate` as a user runs them: under mpiexec, in a subprocess."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+MPIEXEC = str(BIN / "mpiexec")
+MPDL = str(BIN / "mpdl")
+
+
+def run(n: int, args: list[str], env: dict | None = None, timeout: float = 90):
+    return subprocess.run(["timeout", "-k", "5", str(int(timeout)), MPIEXEC, "-n", str(n), MPDL,
+                           *args], capture_output=True, text=True, timeout=timeout + 10,
+                          env={**os.environ, **(env or {})})
+
+
+def test_calibrate_then_bench_under_emulated_nodes(tmp_path):
+    model = tmp_path / "model.json"
+    env = {"MPDL_COST_MODEL": str(model)}
+    out = run(2, ["calibrate", "-n", "3"], env)
+    assert out.returncode == 0, out.stderr
+    assert f"saved {model}" in out.stdout
+    entry = json.loads(model.read_text())["entries"]["2"]
+    assert entry["alpha"] > 0 and entry["beta"] > 0 and entry["gammas"]["float32"] > 0
+
+    rows_path, csv_path, png = tmp_path / "rows.json", tmp_path / "rows.csv", tmp_path / "bw.png"
+    out = run(2, ["bench", "-b", "1K", "-e", "16K", "-f", "4", "-n", "2", "-w", "1",
+                  "--algorithms", "ring,hierarchical,auto", "--emulate", "inter=10Gbit/s,20us",
+                  "--json", str(rows_path), "--csv", str(csv_path), "--plot", str(png)],
+              {**env, "MPDL_RANKS_PER_NODE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "EMULATED" in out.stdout and "auto→" in out.stdout and "x mpi" in out.stdout
+    assert "# predictions: mpdl calibrate on" in out.stdout
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    assert len(rows) == 3 * 4
+    assert all(r["nodes"] == 2 and r["emulated"] == "inter=10Gbit/s,20us" for r in rows)
+    with open(csv_path) as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_flag_is_one_line_from_rank_0_and_exit_2():
+    out = run(3, ["bench", "--algorithms", "ring,fastest"])
+    assert out.returncode == 2
+    assert out.stderr.count("mpdl bench: error:") == 1 and "'fastest'" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_list_gives_each_algorithm_and_its_cost():
+    out = run(1, ["bench", "allreduce", "--list"])
+    assert out.returncode == 0, out.stderr
+    for name in ("ring", "recursive_doubling", "hierarchical", "mpi", "auto"):
+        assert any(line.startswith(name) for line in out.stdout.splitlines()), name
+    assert "2(p-1)α" in out.stdout
+
+
+def test_calibrate_needs_two_ranks(tmp_path):
+    out = run(1, ["calibrate"], {"MPDL_COST_MODEL": str(tmp_path / "m.json")})
+    assert out.returncode == 2 and "at least 2 ranks" in out.stderr and "Traceback" not in out.stderr
