@@ -1,0 +1,128 @@
+"""How good is `auto`, how good is the cost model, and does hierarchical win on a slow network?
+
+Runs, for each world size P:
+  1. `mpdl calibrate` (into OUT/costmodel.json, via MPDL_COST_MODEL),
+  2. `mpdl bench allreduce` from MIN to MAX bytes with every algorithm, auto and the mpi baseline,
+and then, with MPDL_RANKS_PER_NODE=P/2 and an emulated inter-node link,
+  3. `mpdl bench allreduce` of ring, hierarchical and auto at large sizes.
+It prints: auto's time over the best algorithm's per size; the model's prediction over the
+measurement for ring, tree and recursive doubling at >= 64 KiB; hierarchical against ring under
+emulation, measured and predicted.
+
+    python benchmarks/bench_auto.py --ranks 2 4 --max-bytes 64M --out bench-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def mpdl(n: int, args: list[str], env: dict[str, str], timeout: int) -> None:
+    cmd = ["timeout", "-k", "10", str(timeout), str(BIN / "mpiexec"), "-n", str(n),
+           str(BIN / "mpdl"), *args]
+    print("$", " ".join(f"{k}={v}" for k, v in env.items()), " ".join(cmd[4:]), flush=True)
+    subprocess.run(cmd, check=True, env={**os.environ, **env}, stdout=subprocess.DEVNULL)
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def auto_vs_best(data: list[dict]) -> list[str]:
+    lines = [f"{'bytes':>10} {'best':>20} {'best us':>10} {'auto→':>20} {'auto us':>10} "
+             f"{'auto/best':>9} {'mpi us':>10}"]
+    worst = 0.0
+    for size in sorted({r["bytes"] for r in data}):
+        mine = {r["algorithm"]: r for r in data if r["bytes"] == size}
+        ours = [r for name, r in mine.items() if name not in ("auto", "mpi")]
+        best = min(ours, key=lambda r: r["time_us"])
+        auto = mine["auto"]
+        # auto ran its chosen algorithm: compare with the faster of its own run and that algorithm's
+        ratio = auto["time_us"] / best["time_us"]
+        worst = max(worst, ratio)
+        lines.append(f"{size:>10} {best['algorithm']:>20} {best['time_us']:>10.1f} "
+                     f"{auto['chosen']:>20} {auto['time_us']:>10.1f} {ratio:>9.2f} "
+                     f"{mine['mpi']['time_us']:>10.1f}")
+    within = sum(1 for line in lines[1:] if float(line.split()[5]) <= 1.10)
+    lines.append(f"auto within 10% of the best at {within}/{len(lines) - 1} sizes; worst ratio "
+                 f"{worst:.2f}")
+    return lines
+
+
+def prediction_vs_measured(data: list[dict], names=("ring", "tree", "recursive_doubling"),
+                           min_bytes: int = 64 << 10) -> list[str]:
+    lines = [f"{'bytes':>10} " + " ".join(f"{n + ' pred/meas':>30}" for n in names)]
+    inside = total = 0
+    for size in sorted({r["bytes"] for r in data if r["bytes"] >= min_bytes}):
+        mine = {r["algorithm"]: r for r in data if r["bytes"] == size}
+        cells = []
+        for n in names:
+            r = mine[n]
+            ratio = r["predicted_us"] / r["time_us"]
+            total += 1
+            inside += 0.5 <= ratio <= 2.0
+            cells.append(f"{r['predicted_us']:>10.0f}/{r['time_us']:>10.0f} = {ratio:5.2f}")
+        lines.append(f"{size:>10} " + " ".join(f"{c:>30}" for c in cells))
+    lines.append(f"within 2x: {inside}/{total}")
+    return lines
+
+
+def emulated_table(data: list[dict]) -> list[str]:
+    lines = [f"{'bytes':>10} {'ring us':>10} {'(pred)':>10} {'hier us':>10} {'(pred)':>10} "
+             f"{'ring/hier':>9} {'auto→':>14}"]
+    for size in sorted({r["bytes"] for r in data}):
+        mine = {r["algorithm"]: r for r in data if r["bytes"] == size}
+        ring, hier = mine["ring"], mine["hierarchical"]
+        lines.append(f"{size:>10} {ring['time_us']:>10.0f} {ring['predicted_us']:>10.0f} "
+                     f"{hier['time_us']:>10.0f} {hier['predicted_us']:>10.0f} "
+                     f"{ring['time_us'] / hier['time_us']:>9.2f} {mine['auto']['chosen']:>14}")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--min-bytes", default="8")
+    parser.add_argument("--max-bytes", default="64M")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--emulate", default="inter=10Gbit/s,20us")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument("--skip-calibrate", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {"MPDL_COST_MODEL": str(args.out / "costmodel.json")}
+    report: list[str] = []
+    for p in args.ranks:
+        if not args.skip_calibrate:
+            mpdl(p, ["calibrate"], env, 300)
+        sweep = args.out / f"allreduce_p{p}.json"
+        mpdl(p, ["bench", "allreduce", "-b", args.min_bytes, "-e", args.max_bytes, "-n",
+                 str(args.iters), "-w", "2", "--json", str(sweep),
+                 "--plot", str(args.out / f"allreduce_p{p}.png")], env, 3000)
+        data = rows(sweep)
+        report += [f"\n## p={p}: auto against the best algorithm", *auto_vs_best(data),
+                   f"\n## p={p}: cost model against measurement (>= 64 KiB)",
+                   *prediction_vs_measured(data)]
+        if p >= 4 and p % 2 == 0:
+            emulated = args.out / f"allreduce_p{p}_emulated.json"
+            mpdl(p, ["bench", "allreduce", "-b", "64K", "-e", args.max_bytes, "-f", "4", "-n",
+                     str(max(3, args.iters // 2)), "-w", "1", "--algorithms",
+                     "ring,hierarchical,auto", "--emulate", args.emulate, "--json", str(emulated)],
+                 {**env, "MPDL_RANKS_PER_NODE": str(p // 2)}, 3000)
+            report += [f"\n## p={p}, 2 emulated nodes ({args.emulate}): hierarchical against ring",
+                       *emulated_table(rows(emulated))]
+    text = "\n".join(report)
+    print(text)
+    (args.out / "report.txt").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
