@@ -377,6 +377,9 @@ class MPIComm(Communicator):
         deadline = None
         while not testall(handles):
             spins += 1
+            if spins & 63 == 0:
+                # Oversubscribed ranks (more ranks than cores) need the peer to run: let it.
+                os.sched_yield()
             if spins & 1023 == 0:
                 now = time.monotonic()
                 if deadline is None:
