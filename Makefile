@@ -7,6 +7,9 @@ MPI_SIZES ?= 1 2 3 4 5
 MPI_TIMEOUT ?= 420
 # World sizes the all-reduce tests run again at, with emulated nodes of 2 ranks (the last one uneven).
 NODE_SIZES ?= 4 5
+# One BLAS thread per rank: MPI ranks already fill the cores.
+export OMP_NUM_THREADS ?= 1
+export OPENBLAS_NUM_THREADS ?= 1
 PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider --timeout=240
 
 .PHONY: install test test-unit test-mpi lint clean
