@@ -220,3 +220,22 @@ def upload(dst: Any, host: np.ndarray) -> None:
         np.copyto(dst._a, host)
     else:
         dst.set(host)
+
+
+def use_local_gpu(local_rank: int, local_size: int) -> int:
+    """Make GPU (local_rank mod number of GPUs) current for this process; return its index.
+
+    Several ranks of a node may share one GPU (it works, slower); a warning says so.
+    """
+    cupy = cupy_module()
+    if cupy is None:
+        raise RuntimeError("no GPU: CuPy is not installed or sees no device (pip install \"mpdl[gpu]\")")
+    count = cupy.cuda.runtime.getDeviceCount()
+    device = local_rank % count
+    cupy.cuda.Device(device).use()
+    if local_size > count and local_rank == 0:
+        import warnings  # noqa: PLC0415
+
+        warnings.warn(f"{local_size} ranks share {count} GPU(s) on this node; each GPU is "
+                      f"time-shared by several ranks", RuntimeWarning, stacklevel=2)
+    return device

@@ -163,10 +163,12 @@ def test_check_mode_reports_mismatched_counts(monkeypatch):
         C.allreduce(np.ones(4, np.float32 if RANK else np.float64), algorithm="tree")
 
 
-def test_device_arrays_are_staged_through_reused_host_buffers():
+def test_device_arrays_are_staged_through_reused_host_buffers(monkeypatch):
     from mpdl.backend import standin
     from mpdl.comm import as_communicator
 
+    # Small segments: hundreds of staged messages in flight at once, each needing its own buffer.
+    monkeypatch.setenv("MPDL_SEGMENT_BYTES", "4096")
     comm = as_communicator(None)
     for algorithm in ALLREDUCE:
         for count in (0, 1, 13, 300001):
