@@ -202,6 +202,10 @@ class SubComm(Communicator):
     def collective(self) -> str:  # type: ignore[override]
         return self.parent.collective
 
+    @collective.setter
+    def collective(self, name: str) -> None:
+        self.parent.collective = name
+
     @property
     def recorder(self) -> list | None:  # type: ignore[override]
         return self.parent.recorder

@@ -158,3 +158,15 @@ def test_timeout_setting_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="MPDL_TIMEOUT"):
         run_world(1, lambda c: None)
     del os.environ["MPDL_TIMEOUT"]
+
+
+def test_public_calls_accept_a_sub_communicator():
+    def f(c):
+        evens = c.sub([r for r in range(c.size) if r % 2 == 0])
+        if c.rank % 2:
+            return None
+        return C.allreduce(np.full(3, float(c.rank)), algorithm="ring", comm=evens)
+
+    results = run_world(5, f)
+    for r in results[::2]:
+        np.testing.assert_array_equal(r, np.full(3, 0.0 + 2 + 4))
