@@ -162,9 +162,9 @@ def test_timeout_setting_is_validated(monkeypatch):
 
 def test_public_calls_accept_a_sub_communicator():
     def f(c):
-        evens = c.sub([r for r in range(c.size) if r % 2 == 0])
         if c.rank % 2:
             return None
+        evens = c.sub([r for r in range(c.size) if r % 2 == 0])
         return C.allreduce(np.full(3, float(c.rank)), algorithm="ring", comm=evens)
 
     results = run_world(5, f)
