@@ -11,6 +11,7 @@ VERBS = {
     "bench": "measure collective algorithms side by side (nccl-tests style), with predictions",
     "train": "data-parallel training of a zoo model (default: an MLP on the shipped digits)",
     "calibrate": "measure this machine's α, β, γ for the cost model that drives algorithm='auto'",
+    "simulate": "predict step time, speedup against N (up to 65,536), time and cost to train",
 }
 
 
