@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider --timeout=240
 
-.PHONY: install test test-unit test-mpi lint clean
+.PHONY: install test test-unit test-mpi lint train bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,6 +39,15 @@ test-mpi: install
 	  MPDL_RANKS_PER_NODE=2 timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PYTEST_MPI) \
 	    tests/mpi/test_collectives.py -k allreduce || exit 1; \
 	done
+
+# The main job: data-parallel training on the shipped UCI digits, 4 ranks.
+train: install
+	$(MPIEXEC) -n 4 $(VENV)/bin/mpdl train
+
+# All-reduce algorithms against the MPI library's own, side by side (p = 2 and 4).
+bench: install
+	$(MPIEXEC) -n 2 $(PY) benchmarks/bench_allreduce.py
+	$(MPIEXEC) -n 4 $(PY) benchmarks/bench_allreduce.py
 
 lint: install
 	$(VENV)/bin/ruff check mpdl tests benchmarks
