@@ -304,7 +304,8 @@ def exposed_seconds(bucket_s: float, k: int, backward_s: float, overlap: bool) -
     (i+1)·backward/k, reduced one after another (all after backward without overlap)."""
     if not overlap:
         return k * bucket_s
-    return max(backward_s / k + k * bucket_s, backward_s + bucket_s) - backward_s
+    end = max(backward_s / k + k * bucket_s, backward_s + bucket_s)
+    return min(end - backward_s, k * bucket_s)
 
 
 def comm_per_bucket(workload: Workload, strategy: Strategy, workers: int, nodes: int,

@@ -1,0 +1,200 @@
+"""mpdl simulate: the model's limits and monotonicity, the CLI, and agreement with measurements
+on this machine (calibrate, then bench and train under mpiexec -n 2)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mpdl import simulate as S
+from mpdl.collectives import costmodel as cm
+
+BIN = Path(sys.executable).parent
+MPIEXEC, MPDL = str(BIN / "mpiexec"), str(BIN / "mpdl")
+
+WORK = S.Workload("toy", 10_000_000, 1e-3, step_s=2e-3)
+NET = S.network("toy", 10e9, 5e-6, 1.25e9, 20e-6, per_node=4)
+JOB = S.Job(dataset_size=100_000, epochs=2, batch_per_worker=16)
+COUNTS = S.worker_counts(4096)
+
+
+def rows_for(strategy: S.Strategy, net: S.Network = NET, work: S.Workload = WORK,
+             job: S.Job = JOB, counts=COUNTS) -> list[S.Row]:
+    return S.simulate(work, net, [strategy], job, counts)
+
+
+def test_one_worker_is_compute_only():
+    for algorithm in S.ALGORITHMS:
+        row = rows_for(S.Strategy(algorithm), counts=[1])[0]
+        for regime in (row.per_worker, row.global_):
+            assert regime["comm_s"] == regime["exposed_comm_s"] == 0
+            assert regime["step_s"] == pytest.approx(WORK.compute(regime["batch_per_worker"]))
+            assert regime["speedup"] == pytest.approx(1) and regime["efficiency"] == pytest.approx(1)
+
+
+def test_infinite_bandwidth_gives_the_latency_only_bound():
+    fast = S.network("latency only", math.inf, 5e-6, math.inf, 20e-6, per_node=4, gamma=0.0)
+    strategy = S.Strategy("ring", overlap=False, bucket_bytes=S.MB)
+    k = S.buckets(WORK, strategy)[0]
+    for n in (2, 4, 8, 64, 1024):
+        comm = S.step_time(WORK, strategy, n, S.nodes_for(n, 4), fast.params, 16).comm
+        # 2(p-1) messages per bucket, each costing the (inter-node, when nodes > 1) latency
+        alpha = 5e-6 if n <= 4 else 20e-6
+        assert comm == pytest.approx(k * 2 * (n - 1) * alpha)
+        finite = S.step_time(WORK, strategy, n, S.nodes_for(n, 4), NET.params, 16)
+        assert finite.comm > comm
+    rd = S.Strategy("recursive_doubling", overlap=False, bucket_bytes=S.MB)
+    comm = S.step_time(WORK, rd, 1024, 1, fast.params, 16).comm
+    assert comm == pytest.approx(k * 10 * 5e-6)
+
+
+def test_efficiency_never_exceeds_one_and_exposed_never_exceeds_comm():
+    strategies = [S.Strategy(a, overlap=o, compression=c, bucket_bytes=b)
+                  for a in S.ALGORITHMS for o in (True, False) for c in (1, 8)
+                  for b in (S.MB, 100 * S.MB)]
+    for row in S.simulate(WORK, NET, strategies, JOB, S.worker_counts(65536, extra=[3, 12, 1000])):
+        for regime in (row.per_worker, row.global_):
+            if regime:
+                assert 0 < regime["efficiency"] <= 1 + 1e-12
+                assert 0 <= regime["exposed_comm_s"] <= regime["comm_s"] + 1e-15
+
+
+def test_monotonicity():
+    ring = S.Strategy("ring")
+    rows = rows_for(ring)
+    comm = [r.per_worker["comm_s"] for r in rows]
+    assert comm == sorted(comm), "a ring all-reduce gets no cheaper with more workers"
+    eff = [r.per_worker["efficiency"] for r in rows]
+    assert all(b <= a + 1e-12 for a, b in zip(eff, eff[1:], strict=False))
+    # more bandwidth, more compression, overlap: never slower
+    faster_net = S.network("fast", 100e9, 5e-6, 12.5e9, 20e-6, per_node=4)
+    for slow, fast in ((rows_for(ring), rows_for(ring, net=faster_net)),
+                       (rows_for(ring), rows_for(replace(ring, compression=4))),
+                       (rows_for(replace(ring, overlap=False)), rows_for(ring))):
+        for a, b in zip(slow, fast, strict=True):
+            assert b.per_worker["step_s"] <= a.per_worker["step_s"] + 1e-15
+    # more compute per sample hides the same communication better
+    heavy = replace(WORK, sample_s=1e-2)
+    for a, b in zip(rows_for(ring), rows_for(ring, work=heavy), strict=True):
+        assert b.per_worker["efficiency"] >= a.per_worker["efficiency"] - 1e-12
+
+
+def test_overlap_timeline():
+    # one bucket: nothing hides; many small buckets: all but the last hide behind backward
+    assert S.exposed_seconds(0.01, 1, 0.1, True) == pytest.approx(0.01)
+    assert S.exposed_seconds(0.001, 10, 0.1, True) == pytest.approx(0.001)
+    assert S.exposed_seconds(0.05, 10, 0.1, True) == pytest.approx(0.01 + 0.5 - 0.1)
+    assert S.exposed_seconds(0.001, 10, 0.1, False) == pytest.approx(0.01)
+
+
+def test_fast_formulas_equal_the_cost_model(monkeypatch):
+    monkeypatch.setattr(S, "EXACT_LIMIT", 0)
+    for params in (NET.params, cm.Params()):
+        for algorithm in S.ALGORITHMS:
+            for p, g in ((2, 1), (6, 4), (12, 3), (96, 8), (100, 4), (257, 8)):
+                for n in (1000, 3e6):
+                    m = S.nodes_for(p, g)
+                    assert S.allreduce_seconds(algorithm, n, p, m, params) == pytest.approx(
+                        cm.predict("allreduce", algorithm, int(n), p, m, params), rel=1e-12)
+
+
+def test_useful_limit():
+    assert S.useful_limit([1, 2, 4, 8], [1, 1.9, 2.0, 1.5]) == 4
+    assert S.useful_limit([1, 2, 4, 8], [1, 1.9, 2.0, 1.5], min_gain=0.1) == 2
+    assert S.useful_limit([1, 2, 4, 8], [1, 2, 4, 8]) is None
+    ring = S.Strategy("ring")
+    lim = S.limits(rows_for(ring))[ring.label()]
+    assert lim["fixed_global_batch"] is not None and lim["fixed_global_batch"] <= 4096
+
+
+def test_cli_sweep_to_65536_table_json_plot(tmp_path):
+    out = subprocess.run([MPDL, "simulate", "--profile", "resnet50-p100", "--nodes", "32",
+                          "--price-per-hour", "2.5", "--algorithms",
+                          "ring,hierarchical:overlap=off:compression=2:bucket=8M",
+                          "--json", str(tmp_path / "s.jsonl"), "--plot", str(tmp_path / "s.png")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "256 workers = 32 node(s) × 8" in out.stdout and "65536" in out.stdout
+    lines = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    rows, summary = lines[:-1], lines[-1]
+    assert {r["workers"] for r in rows} >= {1, 256, 65536} and len(rows) == 2 * 17
+    assert summary["limits"]["hierarchical (no-overlap, 2x)"]["fixed_global_batch"] >= 1
+    head = [r for r in rows if r["workers"] == 256]
+    assert all(r["cost"] == pytest.approx(r["worker_hours"] * 2.5) for r in head)
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--algorithms", "ring:overlap=maybe"], "bad option"),
+    (["--profile", "resnet50-k80"], "--profile"),
+    (["--params", "1M"], "--sample-ms"),
+    (["--global-batch", "8", "--nodes", "4"], "global batch of at least 16"),
+])
+def test_bad_flags_exit_2_with_one_line(flags, message):
+    out = subprocess.run([MPDL, "simulate", *flags], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1
+
+
+# -- agreement with this machine ---------------------------------------------------------------------
+TOLERANCE = 0.25
+
+
+def _mpirun(n: int, args: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
+    out = subprocess.run(["timeout", "-k", "5", str(timeout), MPIEXEC, "-n", str(n), MPDL, *args],
+                         capture_output=True, text=True, timeout=timeout + 10, env=env)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_predictions_match_bench_and_train_at_p2(tmp_path):
+    """After calibrate, the model against measurements at p = 2, in rounds that interleave
+    calibrate, bench (ring all-reduce of 512 KiB-2 MiB), the per-sample time of LeNet
+    (`simulate --measure`) and `mpdl train` of LeNet: the medians of predicted/measured over all
+    rounds must lie within ±25%. Skipped when the machine is so oversubscribed that no timing
+    means anything (load average above 3 per core)."""
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    if load > 3:
+        pytest.skip(f"load average {load:.1f} per core: timings are meaningless now")
+    env = {**os.environ, "MPDL_COST_MODEL": str(tmp_path / "model.json"), "OMP_NUM_THREADS": "1",
+           "OPENBLAS_NUM_THREADS": "1"}
+    for var in ("MPDL_EMULATE", "MPDL_RANKS_PER_NODE", "MPDL_SEGMENT_BYTES"):
+        env.pop(var, None)
+    bench_ratios, train_ratios = [], []
+    for round_ in range(2):
+        _mpirun(2, ["calibrate", "-n", "30"], env, 60)
+        params = cm.read_file(env["MPDL_COST_MODEL"])[2]
+        path = tmp_path / f"bench{round_}.jsonl"
+        _mpirun(2, ["bench", "-b", "512K", "-e", "2M", "-n", "9", "-w", "2", "--algorithms", "ring",
+                    "--json", str(path)], env, 60)
+        for r in (json.loads(x) for x in path.read_text().splitlines()):
+            if r["algorithm"] == "ring":
+                predicted = S.allreduce_seconds("ring", r["bytes"], 2, 1, params)
+                bench_ratios.append(predicted / (r["time_us"] * 1e-6))
+
+        sim_path, train_path = tmp_path / f"sim{round_}.jsonl", tmp_path / f"train{round_}.jsonl"
+        subprocess.run([MPDL, "simulate", "--measure", "lenet", "--measure-input", "mnist",
+                        "--network", "calibrated", "--nodes", "1", "--per-node", "2",
+                        "--max-workers", "2", "--algorithms", "ring", "--json", str(sim_path)],
+                       capture_output=True, text=True, timeout=60, env=env, check=True)
+        predicted = next(row["step_s"] for row in map(json.loads, sim_path.read_text().splitlines())
+                         if row.get("workers") == 2)
+        _mpirun(2, ["train", "--model", "lenet", "--dataset", "synthetic", "--synthetic-samples",
+                    "512", "--epochs", "3", "--algorithm", "ring", "--no-progress", "--json",
+                    str(train_path)], env, 120)
+        epochs = [json.loads(x) for x in train_path.read_text().splitlines()][:-1]
+        step = statistics.median(r["compute_s"] + r["exposed_comm_s"] for r in epochs)
+        train_ratios.append(predicted / step)
+    bench, train = statistics.median(bench_ratios), statistics.median(train_ratios)
+    print(f"predicted/measured at p=2: all-reduce {bench:.2f} "
+          f"({', '.join(f'{r:.2f}' for r in bench_ratios)}); train step {train:.2f} "
+          f"({', '.join(f'{r:.2f}' for r in train_ratios)})")
+    assert abs(bench - 1) <= TOLERANCE, f"all-reduce: predicted/measured = {bench:.2f}"
+    assert abs(train - 1) <= TOLERANCE, f"train step: predicted/measured = {train:.2f}"
