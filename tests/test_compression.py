@@ -252,3 +252,39 @@ def train_digits(name: str, p: int = 2, epochs: int = 20, batch: int = 64) -> fl
 def test_training_with_each_compressor_reaches_93_percent_on_digits(name):
     acc = train_digits(name)
     assert acc >= 0.93, f"{name}: test accuracy {acc:.3f}"
+
+
+@pytest.mark.parametrize("name", ["fp16", "topk", "qsgd", "signsgd", "powersgd"])
+def test_ddp_with_compression_keeps_replicas_identical(name):
+    from mpdl.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    xtr, ytr = DIGITS[0][:256], DIGITS[1][:256]
+
+    def fn(comm):
+        model = nn.Sequential(nn.Linear(64, 32, seed=comm.rank), nn.ReLU(),
+                              nn.Linear(32, 10, seed=comm.rank + 7))
+        ddp = DistributedDataParallel(model, comm=comm, compression=name, first_bucket_mb=1e-3,
+                                      bucket_mb=4e-3)
+        opt = SGD(model.parameters(), lr=0.2)
+        losses = []
+        for step in range(8):
+            idx = np.arange(step * 32, step * 32 + 32)[comm.rank::comm.size]
+            loss = F.cross_entropy(ddp(Tensor(xtr[idx])), ytr[idx])
+            loss.backward()
+            ddp.finish()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.item()))
+        assert len(ddp.buckets) > 1 and ddp.compression.wire_bytes < ddp.compression.dense_bytes
+        return np.concatenate([q.data.reshape(-1) for q in model.parameters()])
+
+    results = run_world(3, fn)
+    assert all(np.array_equal(r, results[0]) for r in results)
+
+
+def test_ddp_rejects_unknown_compression():
+    from mpdl.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    model = nn.Sequential(nn.Linear(2, 2, seed=0))
+    with pytest.raises(ValueError, match="compression: expected one of"):
+        run_world(1, lambda comm: DistributedDataParallel(model, comm=comm, compression="gzip"))

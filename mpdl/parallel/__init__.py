@@ -1,7 +1,12 @@
-"""Data parallelism: DistributedDataParallel (bucketed, overlapped gradient all-reduce) and the
-DistributedSampler that makes p ranks follow the trajectory of one."""
+"""Data parallelism: DistributedDataParallel (bucketed, overlapped gradient all-reduce), the
+DistributedSampler that makes p ranks follow the trajectory of one, gradient compression, local
+SGD and the parameter server."""
 
+from mpdl.parallel.compression import COMPRESSORS, GradientCompression, make_compression
 from mpdl.parallel.ddp import DistributedDataParallel
+from mpdl.parallel.localsgd import LocalSGD
+from mpdl.parallel.ps import ParameterServer
 from mpdl.parallel.sampler import DistributedSampler, split_bounds
 
-__all__ = ["DistributedDataParallel", "DistributedSampler", "split_bounds"]
+__all__ = ["DistributedDataParallel", "DistributedSampler", "split_bounds", "COMPRESSORS",
+           "GradientCompression", "make_compression", "LocalSGD", "ParameterServer"]
