@@ -88,6 +88,9 @@ class Communicator:
         self._workspace: dict[Any, Any] = {}
         self._subcomms: dict[Any, SubComm] = {}
         self.timeout = timeout_s()
+        #: MPDL_CHECK=1: compare every collective's arguments across ranks before it runs
+        self.check = os.environ.get("MPDL_CHECK", "0") not in ("", "0")
+        self._groups: list[list[int]] | None = None
         #: shared-memory all-reduces so far; their parity picks the half of the window to use
         self.shm_calls = 0
 
@@ -157,10 +160,17 @@ class Communicator:
 
     def node_groups(self) -> list[list[int]]:
         """The ranks of each node, in node order."""
-        groups: dict[int, list[int]] = {}
-        for r, node in enumerate(self.node_of_rank()):
-            groups.setdefault(node, []).append(r)
-        return [groups[k] for k in sorted(groups)]
+        if self._groups is None:
+            groups: dict[int, list[int]] = {}
+            for r, node in enumerate(self.node_of_rank()):
+                groups.setdefault(node, []).append(r)
+            self._groups = [groups[k] for k in sorted(groups)]
+        return self._groups
+
+    @property
+    def has_shared_memory(self) -> bool:
+        """Whether this communicator offers `shared_segments` (and so the shm algorithm)."""
+        return type(self).shared_segments is not Communicator.shared_segments
 
     def shared_segments(self, nbytes: int) -> tuple[list[np.ndarray], Callable[[], None]]:
         """Byte arrays of this node's ranks that all of them can read and write, and a node barrier.
@@ -197,6 +207,7 @@ class SubComm(Communicator):
         self.size = len(ranks)
         self.rank = ranks.index(parent.rank)
         self.timeout = parent.timeout
+        self.check = parent.check
 
     @property
     def collective(self) -> str:  # type: ignore[override]

@@ -6,14 +6,13 @@ flat result buffer, and hands that buffer to the chosen algorithm, which works i
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
 from mpdl import backend
 from mpdl.collectives import registry
-from mpdl.collectives.handles import Handle, engine_for, run_in_order, serialized
+from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.ops import block_bounds, check_array, check_op
 from mpdl.comm import CollectiveMismatch, Communicator, as_communicator
 
@@ -23,8 +22,7 @@ def _pick(collective: str, algorithm: str, comm: Communicator, nbytes: int) -> r
         raise TypeError(f"algorithm: expected a name, got {type(algorithm).__name__}")
     if algorithm == "auto":
         nodes = len(comm.node_groups()) if comm.size > 1 else 1
-        shared = type(comm).shared_segments is not Communicator.shared_segments
-        algorithm = registry.choose(collective, nbytes, comm.size, nodes, shared)
+        algorithm = registry.choose(collective, nbytes, comm.size, nodes, comm.has_shared_memory)
     return registry.resolve(collective, algorithm)
 
 
@@ -34,12 +32,10 @@ def _check_root(root: Any, comm: Communicator) -> int:
     return int(root)
 
 
-def _agree(comm: Communicator, signature: tuple) -> None:
-    """With MPDL_CHECK=1, make sure every rank called the same collective with the same arguments.
-
-    Costs one small all-gather of Python objects per call (tens of microseconds).
-    """
-    if os.environ.get("MPDL_CHECK", "0") in ("", "0"):
+def _agree(comm: Communicator, *signature: Any) -> None:
+    """With MPDL_CHECK=1 (`comm.check`), make sure every rank called the same collective with the
+    same arguments. Costs one small all-gather of Python objects per call (tens of microseconds)."""
+    if not comm.check:
         return
     everyone = comm.allgather_object(signature)
     if any(s != everyone[0] for s in everyone):
@@ -57,8 +53,11 @@ def _flat_copy(x: Any, xp: Any, into: Any) -> Any:
 
 def _run(comm, algorithm: registry.Algorithm, collective: str, buf: Any, *args, **kwargs) -> None:
     def work() -> None:
-        with serialized(comm, f"{collective}/{algorithm.name}"):
+        previous, comm.collective = comm.collective, f"{collective}/{algorithm.name}"
+        try:
             algorithm.run(comm, buf, *args, **kwargs)
+        finally:
+            comm.collective = previous
 
     run_in_order(comm, work)
 
@@ -77,7 +76,7 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None
         out = xp.empty(x.shape, dtype=dtype)
     else:
         _check_out(out, x, xp)
-    _agree(c, ("allreduce", algo.name, tuple(x.shape), dtype.name, op, None))
+    _agree(c, "allreduce", algo.name, x.shape, dtype, op, None)
     if algo.reads_input and out is not x:
         _finish_allreduce(c, algo, out.reshape(-1), op, xp, src=x.reshape(-1))
     else:
@@ -104,7 +103,7 @@ def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any 
         out = xp.empty(x.shape, dtype=dtype)
     else:
         _check_out(out, x, xp)
-    _agree(c, ("allreduce", algo.name, tuple(x.shape), dtype.name, op, None))
+    _agree(c, "allreduce", algo.name, x.shape, dtype, op, None)
     flat = _flat_copy(x, xp, out)
 
     def work() -> Any:
@@ -133,7 +132,7 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any =
     xp, dtype = check_array(x)
     check_op(op, dtype)
     algo = _pick("reduce_scatter", algorithm, c, x.nbytes)
-    _agree(c, ("reduce_scatter", algo.name, tuple(x.shape), dtype.name, op, None))
+    _agree(c, "reduce_scatter", algo.name, x.shape, dtype, op, None)
     buf = c.workspace("api.reduce_scatter", x.size, dtype, xp)
     xp.copyto(buf, x.reshape(-1))
     bounds = block_bounds(x.size, c.size)
@@ -149,7 +148,7 @@ def allgather(x: Any, algorithm: str = "auto", comm: Any = None) -> Any:
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     algo = _pick("allgather", algorithm, c, x.nbytes * c.size)
-    _agree(c, ("allgather", algo.name, tuple(x.shape), dtype.name, None, None))
+    _agree(c, "allgather", algo.name, x.shape, dtype, None, None)
     result = xp.empty(x.size * c.size, dtype=dtype)
     bounds = [i * x.size for i in range(c.size + 1)]
     xp.copyto(result[bounds[c.rank]:bounds[c.rank + 1]], x.reshape(-1))
@@ -163,7 +162,7 @@ def broadcast(x: Any, root: int = 0, algorithm: str = "auto", comm: Any = None) 
     xp, dtype = check_array(x)
     root = _check_root(root, c)
     algo = _pick("broadcast", algorithm, c, x.nbytes)
-    _agree(c, ("broadcast", algo.name, tuple(x.shape), dtype.name, None, root))
+    _agree(c, "broadcast", algo.name, x.shape, dtype, None, root)
     result = xp.empty(x.shape, dtype=dtype)
     flat = result.reshape(-1)
     if c.rank == root:
@@ -180,7 +179,7 @@ def reduce(x: Any, root: int = 0, op: str = "sum", algorithm: str = "auto",
     check_op(op, dtype)
     root = _check_root(root, c)
     algo = _pick("reduce", algorithm, c, x.nbytes)
-    _agree(c, ("reduce", algo.name, tuple(x.shape), dtype.name, op, root))
+    _agree(c, "reduce", algo.name, x.shape, dtype, op, root)
     if c.rank == root:
         result = xp.empty(x.shape, dtype=dtype)
         flat = result.reshape(-1)

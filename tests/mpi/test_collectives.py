@@ -155,7 +155,9 @@ def test_bad_arguments_raise_on_every_rank_before_sending():
 def test_check_mode_reports_mismatched_counts(monkeypatch):
     if P == 1:
         pytest.skip("a mismatch needs two ranks")
-    monkeypatch.setenv("MPDL_CHECK", "1")
+    from mpdl.comm import as_communicator
+
+    monkeypatch.setattr(as_communicator(None), "check", True)  # what MPDL_CHECK=1 sets at start
     x = np.ones(10 + RANK, np.float32)
     with pytest.raises(ValueError, match="ranks disagree"):
         C.allreduce(x, algorithm="ring")
