@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 
@@ -86,13 +85,3 @@ def run_in_order(comm: Any, work: Callable[[], Any]) -> Any:
         return work()
     return engine.submit(work).wait()
 
-
-@contextmanager
-def serialized(comm: Any, name: str) -> Iterator[None]:
-    """Label the messages sent inside the block with the collective's name."""
-    previous = comm.collective
-    comm.collective = name
-    try:
-        yield
-    finally:
-        comm.collective = previous
