@@ -69,6 +69,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="size of the first (last layers') bucket (default: %(default)s)")
     g.add_argument("--no-overlap", action="store_true",
                    help="reduce all buckets after backward instead of during it")
+    g.add_argument("--compression", default="none",
+                   metavar="{none,fp16,topk,qsgd,signsgd,powersgd}",
+                   help="gradient compression per bucket (default: %(default)s)")
+    g.add_argument("--ratio", type=float, default=0.01,
+                   help="topk: fraction of values sent (default: %(default)s)")
+    g.add_argument("--levels", type=int, default=127,
+                   help="qsgd: quantisation levels s, at most 127 (default: %(default)s)")
+    g.add_argument("--rank", type=int, default=2, help="powersgd: rank r (default: %(default)s)")
+    g.add_argument("--sync-every", type=int, default=1, metavar="H",
+                   help="local SGD: average parameters every H steps instead of gradients every "
+                        "step (default: %(default)s)")
+    g.add_argument("--post-local-warmup", type=int, default=0, metavar="STEPS",
+                   help="local SGD: all-reduce gradients for the first STEPS steps (default: "
+                        "%(default)s)")
+    g.add_argument("--mode", default="allreduce", metavar="{allreduce,ps}",
+                   help="ps: parameter server (default: %(default)s)")
+    g.add_argument("--servers", type=int, default=1, help="--mode ps: server ranks")
+    g.add_argument("--staleness", type=int, help="--mode ps: bounded staleness s (SSP)")
     g.add_argument("--device", default="cpu", metavar="{cpu,gpu}",
                    help="gpu needs CuPy and a GPU (default: %(default)s)")
     g = p.add_argument_group("output and checkpoints")
@@ -96,7 +114,10 @@ def config_from_args(args: argparse.Namespace):
         resume=args.resume, json=args.json, timeline=args.timeline, device=args.device,
         dtype=args.dtype, synthetic_shape=args.synthetic_shape,
         synthetic_samples=args.synthetic_samples, drop_last=args.drop_last,
-        progress=not args.no_progress)
+        progress=not args.no_progress, compression=args.compression, ratio=args.ratio,
+        levels=args.levels, rank=args.rank, sync_every=args.sync_every,
+        post_local_warmup=args.post_local_warmup, mode=args.mode, servers=args.servers,
+        staleness=args.staleness)
 
 
 def limit_blas_threads() -> None:

@@ -9,6 +9,7 @@ all-reduce) and exposed communication (time the main thread waited for it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -61,6 +62,15 @@ class TrainConfig:
     synthetic_samples: int = 4096
     drop_last: bool = False
     progress: bool = True
+    compression: str = "none"
+    ratio: float = 0.01
+    levels: int = 127
+    rank: int = 2
+    sync_every: int = 1
+    post_local_warmup: int = 0
+    mode: str = "allreduce"
+    servers: int = 1
+    staleness: int | None = None
 
     def base_lr(self) -> float:
         lr = DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
@@ -110,6 +120,45 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ValueError("--resume needs --checkpoint DIR")
     if config.lr_schedule == "cosine" and config.warmup_epochs >= config.epochs:
         raise ValueError("--lr-schedule cosine needs --warmup-epochs below --epochs")
+    validate_communication(config, world_size)
+
+
+def validate_communication(config: TrainConfig, world_size: int) -> None:
+    """The compression, local SGD and parameter-server flags, and their combinations."""
+    from mpdl.parallel.compression import COMPRESSORS, make_compression  # noqa: PLC0415
+    from mpdl.parallel.ps import check_config  # noqa: PLC0415
+
+    if config.mode not in ("allreduce", "ps"):
+        raise ValueError(f"--mode: expected one of allreduce, ps, got {config.mode!r}")
+    if config.compression not in COMPRESSORS:
+        raise ValueError(f"--compression: expected one of {', '.join(COMPRESSORS)}, got "
+                         f"{config.compression!r}")
+    make_compression(config.compression, ratio=config.ratio, levels=config.levels,
+                     rank=config.rank)
+    if config.sync_every < 1:
+        raise ValueError(f"--sync-every: expected a positive number of steps, got "
+                         f"{config.sync_every}")
+    if config.post_local_warmup < 0:
+        raise ValueError(f"--post-local-warmup: expected a number of steps >= 0, got "
+                         f"{config.post_local_warmup}")
+    if config.post_local_warmup and config.sync_every == 1:
+        raise ValueError("--post-local-warmup needs --sync-every H > 1 (local SGD)")
+    if config.sync_every > 1 and config.compression != "none":
+        raise ValueError("--sync-every (local SGD averages parameters) and --compression "
+                         "(compresses gradients) cannot be combined")
+    if config.mode != "ps":
+        if config.staleness is not None:
+            raise ValueError("--staleness needs --mode ps (bounded staleness is a "
+                             "parameter-server mode)")
+        if config.servers != 1:
+            raise ValueError("--servers needs --mode ps")
+        return
+    check_config(world_size, config.servers, "ssp" if config.staleness is not None else "sync",
+                 config.staleness)
+    if config.compression != "none" or config.sync_every > 1:
+        raise ValueError("--mode ps cannot be combined with --compression or --sync-every")
+    raise ValueError("--mode ps is not wired into mpdl train yet; use "
+                     "mpdl.parallel.ParameterServer (see benchmarks/bench_compression.py)")
 
 
 def load_data(config: TrainConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -186,13 +235,25 @@ class Trainer:
                                           num_replicas=self.size, seed=c.seed,
                                           drop_last=c.drop_last)
         self.steps_per_epoch = len(self.sampler)
+        from mpdl.parallel.compression import make_compression  # noqa: PLC0415
+        from mpdl.parallel.localsgd import LocalSGD  # noqa: PLC0415
+
+        dgc = c.compression == "topk" and c.optimizer == "sgd" and c.momentum > 0
+        compression = make_compression(c.compression, ratio=c.ratio, levels=c.levels, rank=c.rank,
+                                       momentum=c.momentum if dgc else 0.0,
+                                       algorithm=c.algorithm)
         self.ddp = DistributedDataParallel(self.model, comm=self.comm, algorithm=c.algorithm,
                                            bucket_mb=c.bucket_mb,
-                                           first_bucket_mb=c.first_bucket_mb, overlap=c.overlap)
+                                           first_bucket_mb=c.first_bucket_mb, overlap=c.overlap,
+                                           compression=compression)
+        self.local_sgd = (LocalSGD(self.model, comm=self.comm, sync_every=c.sync_every,
+                                   warmup_steps=c.post_local_warmup, algorithm=c.algorithm,
+                                   broadcast_initial=False) if c.sync_every > 1 else None)
         params = self.model.parameters()
         lr = c.base_lr()
         if c.optimizer == "sgd":
-            self.optimizer = optim.SGD(params, lr=lr, momentum=c.momentum,
+            # DGC: top-k's momentum correction takes the momentum over from the optimizer
+            self.optimizer = optim.SGD(params, lr=lr, momentum=0.0 if dgc else c.momentum,
                                        weight_decay=c.weight_decay)
         elif c.optimizer == "adam":
             self.optimizer = optim.Adam(params, lr=lr, weight_decay=c.weight_decay)
@@ -277,25 +338,29 @@ class Trainer:
             self.ddp.set_local_batch(len(idx), global_batch)
             t0 = time.perf_counter()
             t1 = t2 = t0
-            if len(idx):
-                x, y = self._to_device(self.xtr[idx]), self.ytr[idx]
-                logits = self.model(Tensor(x))
-                loss = F.cross_entropy(logits, self._to_device(y))
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                sums["loss"] += float(loss.item()) * len(idx)
-                pred = logits.data.argmax(axis=1)
-                sums["correct"] += float((pred == self._to_device(y)).sum())
-                sums["n"] += len(idx)
-            self.ddp.finish()
+            local = self.local_sgd is not None and self.local_sgd.local
+            with self.ddp.no_sync() if local else contextlib.nullcontext():
+                if len(idx):
+                    x, y = self._to_device(self.xtr[idx]), self.ytr[idx]
+                    logits = self.model(Tensor(x))
+                    loss = F.cross_entropy(logits, self._to_device(y))
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    t2 = time.perf_counter()
+                    sums["loss"] += float(loss.item()) * len(idx)
+                    pred = logits.data.argmax(axis=1)
+                    sums["correct"] += float((pred == self._to_device(y)).sum())
+                    sums["n"] += len(idx)
+                self.ddp.finish()
             t3 = time.perf_counter()
             self.optimizer.step()
             self.optimizer.zero_grad()
+            if self.local_sgd is not None:
+                self.local_sgd.step()
             t4 = time.perf_counter()
-            exposed = self.ddp.last_exposed_s
+            exposed = 0.0 if local else self.ddp.last_exposed_s
             sums["compute"] += (t4 - t0) - exposed
-            sums["comm"] += self.ddp.last_comm_s
+            sums["comm"] += 0.0 if local else self.ddp.last_comm_s
             sums["exposed"] += exposed
             if tl is not None:
                 tl.add("forward", t0, t1, step=self.step)
