@@ -49,9 +49,10 @@ class Run:
         self.model = mlp(hidden)
         dgc = name == "topk"
         compression = make_compression(name, ratio=args.ratio, levels=args.levels, rank=args.rank,
-                                       momentum=0.9 if dgc else 0.0, warmup_steps=20)
+                                       momentum=0.9 if dgc else 0.0, warmup_steps=20,
+                                       algorithm=args.algorithm)
         self.ddp = DistributedDataParallel(self.model, comm=comm, compression=compression,
-                                           overlap=False)
+                                           algorithm=args.algorithm, overlap=False)
         self.opt = SGD(self.model.parameters(), lr=args.lr,
                        momentum=0.0 if name in ("topk", "signsgd") else 0.9)
         self.times: list[float] = []
@@ -68,6 +69,9 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--levels", type=int, default=16)
     parser.add_argument("--rank", type=int, default=4)
+    parser.add_argument("--algorithm", default="ring",
+                        help="all-reduce/all-gather algorithm (default ring: its messages are "
+                             "counted; the shared-memory one sends none)")
     parser.add_argument("--no-ps", action="store_true", help="skip the parameter-server rows")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
@@ -108,8 +112,8 @@ def main() -> None:
         print(f"# {p} ranks, MLP 64-{args.hidden}-{args.hidden}-10 ({count} parameters, "
               f"{count * 4} B of float32 gradients), digits, global batch {args.batch}, "
               f"{args.epochs} epochs; link: {link.describe() if link else 'not emulated'}")
-        print(f"# topk ratio {args.ratio}, qsgd {args.levels} levels, powersgd rank {args.rank}; "
-              f"step time = median over steps of the slowest rank")
+        print(f"# collectives: {args.algorithm}; topk ratio {args.ratio}, qsgd {args.levels} "
+              f"levels, powersgd rank {args.rank}; step time = median over steps of the slowest rank")
         print(f"{'run':>14} {'sent B/step':>12} {'vs dense':>9} {'step ms':>8} {'vs none':>8} "
               f"{'test acc':>8}")
         dense_bytes, dense_t = rows[0][1], rows[0][2]
