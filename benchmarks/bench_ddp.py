@@ -68,7 +68,8 @@ def _mpdl_steps(args, widths, x, y) -> list[tuple[float, float, float]]:
         if i < len(widths) - 2:
             layers.append(nn.ReLU())
     model = nn.Sequential(*layers)
-    ddp = DistributedDataParallel(model, algorithm=args.algorithm, overlap=not args.no_overlap)
+    ddp = DistributedDataParallel(model, algorithm=args.algorithm, overlap=not args.no_overlap,
+                                  bucket_mb=args.bucket_mb)
     opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
     as_communicator().barrier()
     steps = []
@@ -117,13 +118,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(p: int, widths: str, batch: int, steps: int, extra: list[str]) -> dict:
+def launch(p: int, widths: str, batch: int, steps: int, extra: list[str],
+           env: dict[str, str] | None = None) -> dict:
     cmd = ["timeout", "-k", "5", "300", MPIEXEC, "-n", str(p), sys.executable, __file__, "worker",
            "--widths", widths, "--batch", str(batch), "--steps", str(steps), *extra]
     if "--torch" in extra:
         cmd += ["--port", str(_free_port())]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, **ONE_THREAD, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, **ONE_THREAD, "PYTHONPATH": str(ROOT), **(env or {})})
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -147,6 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--only", default="weak,overlap,torch")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--bucket-mb", default="25", help="overlap run: DDP bucket size (MiB)")
+    parser.add_argument("--emulate", metavar="SPEC",
+                        help="overlap run only: each rank is its own emulated node and messages "
+                             "between them pay this link, e.g. inter=1Gbit/s,50us")
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
     report: dict[str, dict] = {}
@@ -165,20 +171,25 @@ def main(argv: list[str] | None = None) -> None:
 
     if "overlap" in only:
         widths, batch = "1024,2048,2048,2048,10", 32
+        link = ({"MPDL_EMULATE": args.emulate, "MPDL_RANKS_PER_NODE": "1"} if args.emulate
+                else None)
         r = interleave(args.reps, {
-            "on": lambda: launch(2, widths, batch, args.steps, ["--first-bucket-mb", "1"]),
-            "off": lambda: launch(2, widths, batch, args.steps, ["--no-overlap"])})
+            "on": lambda: launch(2, widths, batch, args.steps, ["--bucket-mb", args.bucket_mb], link),
+            "off": lambda: launch(2, widths, batch, args.steps, ["--no-overlap"], link)})
         on, off = med(r["on"], "step_s"), med(r["off"], "step_s")
         comm_on, exposed_on = med(r["on"], "comm_s"), med(r["on"], "exposed_s")
         comm_off = med(r["off"], "comm_s")
         hidden = 1 - exposed_on / comm_on
         saved = (off - on) / comm_off
         report["overlap"] = {"model": f"mlp {widths}", "batch_per_rank": batch, "p": 2,
+                             "emulated_link": args.emulate,
                              "step_s_overlap": on, "step_s_no_overlap": off,
                              "comm_s_overlap": comm_on, "exposed_s_overlap": exposed_on,
                              "comm_s_no_overlap": comm_off, "hidden_fraction": hidden,
                              "step_time_saved_over_comm": saved}
-        print(f"overlap (mlp {widths}, {batch}/rank, p=2): step {on * 1e3:.1f} ms with overlap vs "
+        where = args.emulate or "shared memory"
+        print(f"overlap (mlp {widths}, {batch}/rank, p=2, link {where}): "
+              f"step {on * 1e3:.1f} ms with overlap vs "
               f"{off * 1e3:.1f} ms without; all-reduce {comm_on * 1e3:.1f} ms of which "
               f"{exposed_on * 1e3:.1f} ms exposed: hidden {hidden:.0%}; step time saved = "
               f"{saved:.0%} of the no-overlap all-reduce time", flush=True)
@@ -212,6 +223,7 @@ if __name__ == "__main__":
         p.add_argument("--warmup", type=int, default=5)
         p.add_argument("--algorithm", default="auto")
         p.add_argument("--first-bucket-mb", type=float, default=1.0)
+        p.add_argument("--bucket-mb", type=float, default=25.0)
         p.add_argument("--no-overlap", action="store_true")
         p.add_argument("--torch", action="store_true")
         p.add_argument("--port", type=int, default=29500)
