@@ -514,3 +514,62 @@ def measure_workload(model: str, shape: str = "digits", batch: int = 32, repeats
     return Workload(f"{model} ({shape} input)", params, sample_s, intercept + optimizer,
                     np.dtype(dtype).itemsize, min(max(backward_fraction, 0.0), 1.0),
                     source=f"measured on this machine: batches {sizes}, {repeats} repeats, medians")
+
+
+# -- published results --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Published:
+    """A published large-scale ResNet-50 run and the model inputs that describe its hardware."""
+
+    name: str
+    result: str
+    seconds: float
+    workload: Workload
+    network: str
+    workers: int
+    per_node: int
+    global_batch: int
+    algorithm: str
+    epochs: float = 90.0
+    note: str = ""
+
+
+#: Jia et al. ran on Tesla P40s, which have no published ResNet-50 training rate beside the paper:
+#: taken as the P100's per-sample time (P40: 12 TFLOP/s fp32, P100 SXM2: 10.6), with fp16 gradients
+RESNET50_P40 = replace(PROFILES["resnet50-p100"], name="resnet50-p40", bytes_per_param=2,
+                       source="assumed equal to the P100's per-sample time; fp16 gradients "
+                              "(Jia et al. 2018 train in mixed precision)")
+
+PUBLISHED = (
+    Published("Goyal et al. 2017", "256 P100, batch 8K, 1 h; ~90% scaling efficiency 8 -> 256",
+              3600.0, PROFILES["resnet50-p100"], "bigbasin", 256, 8, 8192, "hierarchical",
+              note="Gloo: intra-server reduce, inter-server all-reduce, intra-server broadcast"),
+    Published("Jia et al. 2018", "2048 P40, batch 64K, 6.6 min", 6.6 * 60, RESNET50_P40, "p40-ib",
+              2048, 8, 65536, "hierarchical",
+              note="hierarchical all-reduce with tensor fusion, fp16 gradients"),
+    Published("Mikami et al. 2018", "2176 V100, batch ~68K, 224 s", 224.0,
+              PROFILES["resnet50-v100"], "abci", 2176, 4, 2176 * 32, "torus2d",
+              note="2D-torus all-reduce, fp16 gradients, batch-size control"),
+)
+
+
+def predict_published(run: Published, bucket_bytes: float = 64 * MB) -> dict[str, Any]:
+    """The model's step time, time to train and scaling efficiency for a published run (the
+    efficiency against one node of the same hardware at the same per-worker batch)."""
+    net = NETWORKS[run.network]
+    strategy = Strategy(run.algorithm, overlap=True, bucket_bytes=bucket_bytes)
+    job = Job(IMAGENET_TRAIN, run.epochs, global_batch=run.global_batch)
+    rows = simulate(run.workload, net, [strategy], job, [1, run.per_node, run.workers],
+                    run.per_node, run.workers)
+    by_n = {r.workers: r.global_ for r in rows}
+    one_node, full = by_n[run.per_node], by_n[run.workers]
+    # at the same per-worker batch: per-worker throughput at N against one node's
+    node_step = step_time(run.workload, strategy, run.per_node, 1, net.params,
+                          full["batch_per_worker"])
+    node_rate = full["batch_per_worker"] / node_step.total
+    return {"name": run.name, "published": run.result, "published_s": run.seconds,
+            "predicted_s": full["time_to_train_s"], "step_s": full["step_s"],
+            "compute_s": full["compute_s"], "exposed_comm_s": full["exposed_comm_s"],
+            "efficiency_vs_one_worker": full["efficiency"],
+            "efficiency_vs_one_node": (full["samples_per_s"] / run.workers) / node_rate,
+            "one_node_step_s": one_node["step_s"], "ratio": full["time_to_train_s"] / run.seconds}
