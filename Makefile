@@ -54,3 +54,10 @@ lint: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# The teaching notebooks, executed top to bottom (nbclient), with the notebooks extra.
+.PHONY: notebooks
+notebooks: install
+	$(PY) -m pip install -q -e ".[notebooks]"
+	$(PY) -c "import nbclient, nbformat, ipykernel"
+	$(PY) -m pytest -q tests/test_notebooks.py -p no:cacheprovider --timeout=600
