@@ -165,9 +165,6 @@ def _environment(tmp_path: Path) -> dict:
     return env
 
 
-@pytest.mark.xfail(strict=False, reason="on this shared, oversubscribed 2-core machine the ratio "
-                   "seen ranged 0.83-1.62 between runs minutes apart (1.02-1.04 when quiet); kept "
-                   "so the figure is reported on every run")
 def test_predicted_train_step_matches_mpdl_train_at_p2(tmp_path):
     """After calibrate, in two rounds that interleave `simulate --measure lenet` (per-sample
     time on this machine) and `mpdl train` of LeNet under mpiexec -n 2: the median of
