@@ -20,7 +20,8 @@ _D = {"model": "mlp", "dataset": "digits", "epochs": 15, "global_batch_size": 64
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("example: mpiexec -n 4 mpdl train --epochs 10 --json train.jsonl "
-                "--timeline trace.json")
+                "--timeline trace.json; parameter server: mpiexec -n 3 mpdl train --mode ps "
+                "--servers 1 --staleness 2")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=_D["model"], metavar="{mlp,lenet,resnet8}",
                    help="model from the zoo (default: %(default)s)")
@@ -84,9 +85,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="local SGD: all-reduce gradients for the first STEPS steps (default: "
                         "%(default)s)")
     g.add_argument("--mode", default="allreduce", metavar="{allreduce,ps}",
-                   help="ps: parameter server (default: %(default)s)")
-    g.add_argument("--servers", type=int, default=1, help="--mode ps: server ranks")
-    g.add_argument("--staleness", type=int, help="--mode ps: bounded staleness s (SSP)")
+                   help="ps: parameter server; the last --servers ranks hold the parameters and "
+                        "run sgd, the others train; synchronous unless --staleness or --async "
+                        "(default: %(default)s)")
+    g.add_argument("--servers", type=int, default=1,
+                   help="--mode ps: server ranks (default: %(default)s)")
+    g.add_argument("--staleness", type=int, metavar="S",
+                   help="--mode ps: stale synchronous parallel, no worker more than S steps "
+                        "ahead of the slowest")
+    g.add_argument("--async", dest="ps_async", action="store_true",
+                   help="--mode ps: fully asynchronous (each push applied on arrival); with "
+                        "--staleness or --async each push is its own step at 2 x lr x the "
+                        "worker's share of the batch, server momentum at most 0.5")
+    g.add_argument("--emulate", metavar="SPEC",
+                   help="emulate slower links, e.g. inter=10Gbit/s,20us (nodes from "
+                        "MPDL_RANKS_PER_NODE), or off (default: MPDL_EMULATE)")
     g.add_argument("--device", default="cpu", metavar="{cpu,gpu}",
                    help="gpu needs CuPy and a GPU (default: %(default)s)")
     g = p.add_argument_group("output and checkpoints")
@@ -117,7 +130,7 @@ def config_from_args(args: argparse.Namespace):
         progress=not args.no_progress, compression=args.compression, ratio=args.ratio,
         levels=args.levels, rank=args.rank, sync_every=args.sync_every,
         post_local_warmup=args.post_local_warmup, mode=args.mode, servers=args.servers,
-        staleness=args.staleness)
+        staleness=args.staleness, ps_async=args.ps_async, emulate=args.emulate)
 
 
 def limit_blas_threads() -> None:

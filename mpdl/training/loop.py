@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -71,6 +72,16 @@ class TrainConfig:
     mode: str = "allreduce"
     servers: int = 1
     staleness: int | None = None
+    ps_async: bool = False
+    emulate: str | None = None
+
+    def ps_mode(self) -> str:
+        """The parameter server's synchronisation: sync, ssp (--staleness) or async (--async)."""
+        return "async" if self.ps_async else "ssp" if self.staleness is not None else "sync"
+
+    def data_ranks(self, world_size: int) -> int:
+        """Ranks that train on data: all of them, or the workers under --mode ps."""
+        return world_size - self.servers if self.mode == "ps" else world_size
 
     def base_lr(self) -> float:
         lr = DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
@@ -108,9 +119,13 @@ def validate(config: TrainConfig, world_size: int) -> None:
                              f"{getattr(config, field)}")
     if config.lr is not None and not config.lr > 0:
         raise ValueError(f"--lr: expected a positive learning rate, got {config.lr}")
-    if config.global_batch_size < world_size:
+    validate_communication(config, world_size)
+    ranks = config.data_ranks(world_size)
+    if config.global_batch_size < ranks:
+        what = "workers" if config.mode == "ps" else "ranks"
         raise ValueError(f"--global-batch-size {config.global_batch_size} is smaller than the "
-                         f"number of ranks ({world_size}): every rank needs at least one sample")
+                         f"number of {what} ({ranks}): every {what[:-1]} needs at least one "
+                         f"sample")
     if config.dataset == "mnist" and not config.data:
         raise ValueError("--dataset mnist needs --data PATH (a folder with the IDX files, "
                          "gzipped or not, or an .npz); nothing is downloaded")
@@ -120,7 +135,19 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ValueError("--resume needs --checkpoint DIR")
     if config.lr_schedule == "cosine" and config.warmup_epochs >= config.epochs:
         raise ValueError("--lr-schedule cosine needs --warmup-epochs below --epochs")
-    validate_communication(config, world_size)
+    parse_emulation(config.emulate)
+
+
+def parse_emulation(spec: str | None) -> Any:
+    """The mpdl.emulation.Emulation of --emulate SPEC: None for off, ValueError for a bad spec."""
+    from mpdl import emulation  # noqa: PLC0415
+
+    if spec is None or spec.strip().lower() in ("off", "none", "0"):
+        return None
+    try:
+        return emulation.parse(spec)
+    except ValueError as exc:
+        raise ValueError(f"--emulate: {exc}") from None
 
 
 def validate_communication(config: TrainConfig, world_size: int) -> None:
@@ -152,13 +179,23 @@ def validate_communication(config: TrainConfig, world_size: int) -> None:
                              "parameter-server mode)")
         if config.servers != 1:
             raise ValueError("--servers needs --mode ps")
+        if config.ps_async:
+            raise ValueError("--async needs --mode ps (asynchronous parameter server)")
         return
-    check_config(world_size, config.servers, "ssp" if config.staleness is not None else "sync",
-                 config.staleness)
+    if config.ps_async and config.staleness is not None:
+        raise ValueError("--async and --staleness exclude each other (--staleness s bounds the "
+                         "staleness, --async leaves it unbounded)")
+    check_config(world_size, config.servers, config.ps_mode(), config.staleness)
     if config.compression != "none" or config.sync_every > 1:
         raise ValueError("--mode ps cannot be combined with --compression or --sync-every")
-    raise ValueError("--mode ps is not wired into mpdl train yet; use "
-                     "mpdl.parallel.ParameterServer (see benchmarks/bench_compression.py)")
+    if config.optimizer != "sgd":
+        raise ValueError(f"--mode ps: the servers run sgd (with --momentum), not "
+                         f"--optimizer {config.optimizer}")
+    if config.device != "cpu":
+        raise ValueError("--mode ps runs on --device cpu only")
+    if config.checkpoint or config.resume:
+        raise ValueError("--mode ps cannot be combined with --checkpoint or --resume (the "
+                         "servers' shards and momentum are not saved)")
 
 
 def load_data(config: TrainConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -176,6 +213,18 @@ def load_data(config: TrainConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
                                                 n_test, seed=config.seed)
     dtype = np.dtype(config.dtype)
     return xtr.astype(dtype, copy=False), ytr, xte.astype(dtype, copy=False), yte
+
+
+def apply_emulation(comm: Any, emulated: Any) -> None:
+    """Slow comm's messages down as `emulated` (an mpdl.emulation.Emulation; None: off) says,
+    and every communicator made from now on, through MPDL_EMULATE. Collective over comm."""
+    from mpdl import emulation  # noqa: PLC0415
+
+    if emulated is None:
+        os.environ.pop(emulation.ENV, None)
+    else:
+        os.environ[emulation.ENV] = emulated.describe()
+    emulation.install(comm, emulated)
 
 
 def agree(comm: Any, error: str | None) -> str | None:
@@ -200,6 +249,10 @@ class Trainer:
         self.out = out if out is not None else sys.stdout
         self.rows: list[dict[str, Any]] = []
         self.timeline = None
+        self.ddp: Any = None
+        self.ps: Any = None
+        if config.emulate is not None:
+            apply_emulation(self.comm, parse_emulation(config.emulate))
 
     # -- setup ------------------------------------------------------------------------------------
     def _checked(self, fn: Callable[[], Any]) -> Any:
@@ -225,12 +278,25 @@ class Trainer:
 
         c = self.config
         validate(c, self.size)
-        self.xtr, self.ytr, self.xte, self.yte = self._checked(lambda: load_data(c))
-        classes = int(max(self.ytr.max(), self.yte.max() if len(self.yte) else 0)) + 1
-        self.model = build_model(c.model, tuple(self.xtr.shape[1:]), classes, seed=c.seed,
+        server = self.rank >= c.data_ranks(self.size)  # parameter servers read no data
+        data = self._checked(lambda: None if server else load_data(c))
+        if data is not None:
+            self.xtr, self.ytr, self.xte, self.yte = data
+            classes = int(max(self.ytr.max(), self.yte.max() if len(self.yte) else 0)) + 1
+            shape = (tuple(self.xtr.shape[1:]), classes, len(self.xtr))
+        if c.mode == "ps":
+            shape = self.comm.allgather_object(None if server else shape)[0]
+        self.model = build_model(c.model, shape[0], shape[1], seed=c.seed,
                                  dtype=np.dtype(c.dtype))
         if c.device == "gpu":
+            from mpdl.backend import use_local_gpu  # noqa: PLC0415
+
+            node = self.comm.node_groups()[self.comm.node_of_rank()[self.rank]]
+            use_local_gpu(node.index(self.rank), len(node))
             self.model.to("gpu")
+        if c.mode == "ps":
+            self._setup_ps(shape[2])
+            return
         self.sampler = DistributedSampler(len(self.xtr), c.global_batch_size, rank=self.rank,
                                           num_replicas=self.size, seed=c.seed,
                                           drop_last=c.drop_last)
@@ -277,6 +343,34 @@ class Trainer:
             elif self.rank == 0:
                 print(f"# no checkpoint in {c.checkpoint} yet: starting from epoch 1",
                       file=self.out)
+
+    def _setup_ps(self, train_samples: int) -> None:
+        from mpdl.autograd import optim  # noqa: PLC0415
+        from mpdl.parallel import DistributedSampler  # noqa: PLC0415
+        from mpdl.parallel.ps import ParameterServer  # noqa: PLC0415
+
+        c = self.config
+        self.ps = ParameterServer(self.model, comm=self.comm, servers=c.servers,
+                                  mode=c.ps_mode(), staleness=c.staleness)
+        self.workers = self.ps.workers
+        self.sampler = DistributedSampler(train_samples, c.global_batch_size,
+                                          rank=min(self.rank, self.workers - 1),
+                                          num_replicas=self.workers, seed=c.seed,
+                                          drop_last=c.drop_last)
+        self.steps_per_epoch = len(self.sampler)
+        lr = c.base_lr()
+        total = c.epochs * self.steps_per_epoch
+        warmup = int(round(c.warmup_epochs * self.steps_per_epoch))
+        self.schedule = optim.WarmupSchedule(lr, warmup_steps=min(warmup, total),
+                                             total_steps=total, kind=c.lr_schedule)
+        self.lr = lr
+        self.start_epoch, self.step = 0, 0
+
+    def server_momentum(self) -> float:
+        """The servers' SGD momentum: --momentum when synchronous; at most 0.5 otherwise, since
+        stale gradients already act as momentum (Mitliagkas et al. 2016)."""
+        c = self.config
+        return c.momentum if c.ps_mode() == "sync" else min(c.momentum, 0.5)
 
     def _resume(self) -> None:
         from mpdl.training.checkpoint import CheckpointError, load_checkpoint  # noqa: PLC0415
@@ -378,13 +472,15 @@ class Trainer:
             bar.close()
         return sums
 
-    def evaluate(self) -> tuple[float, float]:
-        """(correct, count) of this rank's contiguous share of the test set."""
+    def evaluate(self, rank: int | None = None, parts: int | None = None) -> tuple[float, float]:
+        """(correct, count) of this rank's contiguous share of the test set (share `rank` of
+        `parts`; default: this rank of all)."""
         from mpdl.autograd.tensor import Tensor, no_grad  # noqa: PLC0415
 
         self.model.eval()
-        bounds = split_bounds(len(self.xte), self.size)
-        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        rank = self.rank if rank is None else rank
+        bounds = split_bounds(len(self.xte), self.size if parts is None else parts)
+        lo, hi = bounds[rank], bounds[rank + 1]
         correct = 0.0
         with no_grad():
             for start in range(lo, hi, 512):
@@ -397,12 +493,14 @@ class Trainer:
     def run(self) -> list[dict[str, Any]]:
         """Train from start_epoch to config.epochs; return one row per epoch plus a summary."""
         from mpdl.collectives import allreduce  # noqa: PLC0415
-        from mpdl.training.timeline import Timeline, write_trace  # noqa: PLC0415
+        from mpdl.training.timeline import Timeline  # noqa: PLC0415
 
         c = self.config
         if c.timeline:
             self.comm.barrier()
             self.timeline = Timeline(self.rank, time.perf_counter())
+        if self.ps is not None:
+            return self._run_ps()
         if self.rank == 0:
             self._print_header()
         run_start = time.perf_counter()
@@ -412,23 +510,39 @@ class Trainer:
             vec = np.array([s["loss"], s["correct"], s["n"], s["compute"], s["comm"],
                             s["exposed"], s["wall"], test_correct, test_n], dtype=np.float64)
             tot = allreduce(vec, op="sum", comm=self.comm)
-            steps, p = self.steps_per_epoch, self.size
-            row = {"epoch": epoch + 1, "loss": tot[0] / tot[2], "train_acc": tot[1] / tot[2],
-                   "test_acc": tot[7] / tot[8] if tot[8] else float("nan"),
-                   "samples_per_s": tot[2] / (tot[6] / p),
-                   "compute_s": tot[3] / p / steps, "comm_s": tot[4] / p / steps,
-                   "exposed_comm_s": tot[5] / p / steps, "ranks": p, "algorithm": c.algorithm,
-                   "lr": self.optimizer.lr}
-            self.rows.append(row)
-            if self.rank == 0:
-                self._print_row(row)
-                if c.checkpoint:
-                    self._save(epoch + 1)
-                if c.json:
-                    from mpdl.cli.output import write_json_lines  # noqa: PLC0415
-
-                    write_json_lines(c.json, self.rows)
+            self._add_row(epoch, tot, self.size, self.optimizer.lr)
         summary = self._summary(time.perf_counter() - run_start)
+        self._finish(summary)
+        return [*self.rows, summary]
+
+    def _add_row(self, epoch: int, tot: np.ndarray, ranks: int, lr: float) -> None:
+        """Record, print and write the epoch's row from the sums over the `ranks` that train."""
+        c = self.config
+        steps = self.steps_per_epoch
+        row = {"epoch": epoch + 1, "loss": tot[0] / tot[2], "train_acc": tot[1] / tot[2],
+               "test_acc": tot[7] / tot[8] if tot[8] else float("nan"),
+               "samples_per_s": tot[2] / (tot[6] / ranks),
+               "compute_s": tot[3] / ranks / steps, "comm_s": tot[4] / ranks / steps,
+               "exposed_comm_s": tot[5] / ranks / steps, "ranks": self.size,
+               "algorithm": f"ps-{c.ps_mode()}" if self.ps is not None else c.algorithm,
+               "lr": lr, "mode": c.mode, "emulated": self.emulated()}
+        if self.ps is not None:
+            row.update(workers=self.workers, servers=c.servers, ps_mode=c.ps_mode())
+        self.rows.append(row)
+        if self.rank == 0:
+            self._print_row(row)
+            if c.checkpoint:
+                self._save(epoch + 1)
+            if c.json:
+                from mpdl.cli.output import write_json_lines  # noqa: PLC0415
+
+                write_json_lines(c.json, self.rows)
+
+    def _finish(self, summary: dict[str, Any]) -> None:
+        """Print and write the summary, gather and write the timeline."""
+        from mpdl.training.timeline import write_trace  # noqa: PLC0415
+
+        c = self.config
         if self.rank == 0:
             self._print_summary(summary)
             if c.json:
@@ -439,15 +553,116 @@ class Trainer:
             events = self.comm.allgather_object(self.timeline.metadata() + self.timeline.events)
             if self.rank == 0:
                 write_trace(c.timeline, events)
+
+    def emulated(self) -> str:
+        """The emulated links of this run ('' when none), e.g. 'inter=10Gbit/s,20us'."""
+        from mpdl import emulation  # noqa: PLC0415
+
+        active = emulation.active(self.comm)
+        return active.describe() if active is not None else ""
+
+    # -- parameter server -------------------------------------------------------------------------
+    def _run_ps(self) -> list[dict[str, Any]]:
+        """Servers serve until every worker is done; workers train, push and pull each step."""
+        from mpi4py import MPI  # noqa: PLC0415
+
+        from mpdl.autograd import optim  # noqa: PLC0415
+
+        c, ps = self.config, self.ps
+        run_start = time.perf_counter()
+        if ps.is_server:
+            ps.serve(lambda params: optim.SGD(params, lr=self.lr, momentum=self.server_momentum(),
+                                              weight_decay=c.weight_decay))
+            summary = self._summary(time.perf_counter() - run_start)
+        else:
+            if self.rank == 0:
+                self._print_header()
+            wrank = ps.worker_comm.Get_rank()
+            for epoch in range(self.start_epoch, c.epochs):
+                s = self._train_epoch_ps(epoch)
+                test_correct, test_n = self.evaluate(wrank, self.workers)
+                tot = np.array([s["loss"], s["correct"], s["n"], s["compute"], s["comm"],
+                                s["exposed"], s["wall"], test_correct, test_n], dtype=np.float64)
+                ps.worker_comm.Allreduce(MPI.IN_PLACE, tot, op=MPI.SUM)
+                self._add_row(epoch, tot, self.workers, self.lr)
+            ps.close()  # every worker now holds the servers' final parameters
+            final = np.array(self.evaluate(wrank, self.workers), dtype=np.float64)
+            ps.worker_comm.Allreduce(MPI.IN_PLACE, final, op=MPI.SUM)
+            summary = self._summary(time.perf_counter() - run_start)
+            summary["test_acc"] = final[0] / final[1] if final[1] else None
+        self._finish(summary)
+        ps.free()
         return [*self.rows, summary]
+
+    def _train_epoch_ps(self, epoch: int) -> dict[str, float]:
+        """One epoch on a worker: forward and backward on its slice of each global batch, then
+        push the gradient and pull the parameters; returns this worker's sums."""
+        from mpdl.autograd import functional as F  # noqa: PLC0415
+        from mpdl.autograd.tensor import Tensor  # noqa: PLC0415
+
+        synchronous = self.config.ps_mode() == "sync"
+        self.model.train()
+        self.sampler.set_epoch(epoch)
+        sums = dict.fromkeys(("loss", "correct", "n", "compute", "comm", "exposed", "wall"), 0.0)
+        bar = None
+        if self.config.progress and self.rank == 0:
+            from tqdm import tqdm  # noqa: PLC0415
+
+            bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}", file=sys.stderr,
+                       leave=False, disable=None, unit="step")
+        tl = self.timeline
+        epoch_start = time.perf_counter()
+        for idx, global_batch in self.sampler:
+            self.lr = self.schedule(self.step)
+            t0 = time.perf_counter()
+            t1 = t2 = t0
+            if len(idx):
+                x, y = self.xtr[idx], self.ytr[idx]
+                logits = self.model(Tensor(x))
+                loss = F.cross_entropy(logits, y)
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                sums["loss"] += float(loss.item()) * len(idx)
+                sums["correct"] += float((logits.data.argmax(axis=1) == y).sum())
+                sums["n"] += len(idx)
+            share = len(idx) / global_batch
+            # async and ssp apply each worker's mean gradient as a step of its own: the rate is
+            # scaled by the worker's share of the global batch (twice it: stale gradients damp)
+            self.ps.push_pull(self.lr if synchronous else 2 * self.lr * share, weight=share)
+            self.model.zero_grad()
+            t3 = time.perf_counter()
+            sums["compute"] += t2 - t0
+            sums["comm"] += t3 - t2
+            sums["exposed"] += t3 - t2
+            if tl is not None:
+                tl.add("forward", t0, t1, step=self.step)
+                tl.add("backward", t1, t2, step=self.step)
+                tl.add("push/pull", t2, t3, cat="communication", step=self.step)
+            self.step += 1
+            if bar is not None:
+                bar.update()
+        sums["wall"] = time.perf_counter() - epoch_start
+        if bar is not None:
+            bar.close()
+        return sums
 
     def _summary(self, seconds: float) -> dict[str, Any]:
         last = self.rows[-1] if self.rows else {}
-        buckets = [b.nbytes for b in self.ddp.buckets]
-        return {"summary": True, "epochs": self.config.epochs, "ranks": self.size,
-                "algorithm": self.config.algorithm,
-                "bucket_algorithms": self.ddp.bucket_algorithms(),
-                "buckets": len(buckets), "bucket_bytes": buckets,
+        if self.ps is not None:
+            stats = self.ps.stats
+            comm = {"algorithm": f"ps-{self.config.ps_mode()}", "mode": "ps",
+                    "ps_mode": stats["mode"], "servers": stats["servers"],
+                    "workers": stats["workers"], "staleness_bound": stats["staleness_bound"],
+                    "updates": stats["updates"], "worker_steps": stats["worker_steps"],
+                    "staleness": {str(k): v for k, v in stats["staleness"].items()}}
+        else:
+            buckets = [b.nbytes for b in self.ddp.buckets]
+            comm = {"algorithm": self.config.algorithm, "mode": "allreduce",
+                    "bucket_algorithms": self.ddp.bucket_algorithms(),
+                    "buckets": len(buckets), "bucket_bytes": buckets}
+        return {"summary": True, "epochs": self.config.epochs, "ranks": self.size, **comm,
+                "emulated": self.emulated(),
                 "model": self.config.model, "dataset": self.config.dataset,
                 "global_batch_size": self.config.global_batch_size,
                 "optimizer": self.config.optimizer, "overlap": self.config.overlap,
@@ -460,13 +675,25 @@ class Trainer:
     # -- output ---------------------------------------------------------------------------------
     def _print_header(self) -> None:
         c = self.config
-        per_rank = c.global_batch_size / self.size
-        bucket_sizes = ", ".join(f"{b.nbytes / 1024:.0f} KiB" for b in self.ddp.buckets)
+        emulated = self.emulated()
+        if self.ps is not None:
+            mode = c.ps_mode() + (f" (staleness <= {c.staleness})" if c.ps_mode() == "ssp"
+                                  else "")
+            servers = f"{c.servers} server{'s' if c.servers > 1 else ''}"
+            ranks = (f"{self.size} ranks ({self.workers} worker{'s' if self.workers > 1 else ''}, "
+                     f"{servers})")
+            per_rank = f"{c.global_batch_size / self.workers:g} per worker"
+            comm = (f"parameter server {mode}, server momentum {self.server_momentum():g}")
+        else:
+            ranks = f"{self.size} rank{'s' if self.size > 1 else ''}"
+            per_rank = f"{c.global_batch_size / self.size:g} per rank"
+            bucket_sizes = ", ".join(f"{b.nbytes / 1024:.0f} KiB" for b in self.ddp.buckets)
+            comm = (f"all-reduce {c.algorithm}, buckets [{bucket_sizes}], overlap "
+                    f"{'on' if c.overlap else 'off'}")
         print(f"# mpdl train: {c.model} on {c.dataset} ({len(self.xtr)} train / {len(self.xte)} "
-              f"test), {self.size} rank{'s' if self.size > 1 else ''}, global batch "
-              f"{c.global_batch_size} ({per_rank:g} per rank), {c.optimizer} lr "
-              f"{c.base_lr():g}, all-reduce {c.algorithm}, buckets [{bucket_sizes}], "
-              f"overlap {'on' if c.overlap else 'off'}", file=self.out)
+              f"test), {ranks}, global batch {c.global_batch_size} ({per_rank}), {c.optimizer} "
+              f"lr {c.base_lr():g}, {comm}"
+              + (f", EMULATED links {emulated}" if emulated else ""), file=self.out)
         if self.start_epoch:
             print(f"# resumed from {c.checkpoint} after epoch {self.start_epoch}", file=self.out)
         print(f"{'epoch':>5} {'loss':>8} {'train_acc':>9} {'test_acc':>8} {'samples/s':>10} "
@@ -481,6 +708,12 @@ class Trainer:
         self.out.flush()
 
     def _print_summary(self, s: dict[str, Any]) -> None:
+        if self.ps is not None:
+            from mpdl.parallel.ps import format_histogram  # noqa: PLC0415
+
+            print(f"# parameter server {s['ps_mode']}: {sum(s['updates'])} updates on "
+                  f"{s['servers']} server(s); {format_histogram(self.ps.stats['staleness'])}",
+                  file=self.out)
         acc = s["test_acc"]
         acc_text = f"test accuracy {acc:.4f}, " if acc is not None else ""
         print(f"# done: {acc_text}{s['seconds']:.2f} s; times are per step (ms), averaged over "
