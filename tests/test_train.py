@@ -76,6 +76,8 @@ def test_output_json_and_timeline(tmp_path):
     (["--dataset", "mnist", "--data", "/nonexistent/mnist"], "no such file or directory"),
     (["--resume"], "--resume needs --checkpoint"),
     (["--device", "gpu"], "--device gpu: CuPy is not installed or sees no GPU"),
+    (["--emulate", "inter=fast"], "--emulate: MPDL_EMULATE: latency 'fast'"),
+    (["--emulate", "outer=1Gbit/s"], "--emulate: MPDL_EMULATE: unknown link 'outer'"),
 ])
 def test_bad_input_exits_2_with_one_line(flags, message):
     out = train(2, *flags, timeout=60, env={"MPDL_NO_CUPY": "1"})
@@ -83,6 +85,23 @@ def test_bad_input_exits_2_with_one_line(flags, message):
     errors = out.stderr.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("mpdl train: error: "), out.stderr
     assert message in errors[0]
+
+
+def test_emulated_run_says_so(tmp_path):
+    """--emulate slows the links between the nodes of MPDL_RANKS_PER_NODE; the header and every
+    JSON row say so, and --emulate off overrides MPDL_EMULATE."""
+    out = train(2, "--epochs", "1", "--emulate", "inter=10Gbit/s,20us", "--json",
+                str(tmp_path / "e.jsonl"), env={"MPDL_RANKS_PER_NODE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].endswith(", EMULATED links inter=10Gbit/s,20us")
+    rows = json_lines(tmp_path / "e.jsonl")
+    assert all(r["emulated"] == "inter=10Gbit/s,20us" for r in rows)
+    out = train(2, "--epochs", "1", "--emulate", "off", "--json", str(tmp_path / "off.jsonl"),
+                env={"MPDL_EMULATE": "inter=1Gbit/s"})
+    assert out.returncode == 0, out.stderr
+    assert "EMULATED" not in out.stdout
+    rows = json_lines(tmp_path / "off.jsonl")
+    assert all(r["emulated"] == "" for r in rows) and rows[0]["mode"] == "allreduce"
 
 
 def write_idx(path: Path, array: np.ndarray, compress: bool) -> None:
