@@ -1,12 +1,12 @@
-"""mpdl simulate: the model's limits and monotonicity, the CLI, and agreement with measurements
-on this machine (calibrate, then bench and train under mpiexec -n 2)."""
+"""mpdl simulate: the model's limits and monotonicity, and the CLI.
+
+Agreement with measurements on this machine is a timing comparison, so it lives in
+benchmarks/simulate_agreement.py, not here."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -141,76 +141,3 @@ def test_cli_sweep_to_65536_table_json_plot(tmp_path):
 def test_bad_flags_exit_2_with_one_line(flags, message):
     out = subprocess.run([MPDL, "simulate", *flags], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1
-
-
-# -- agreement with this machine ---------------------------------------------------------------------
-TOLERANCE = 0.25
-
-
-def _mpirun(n: int, args: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
-    out = subprocess.run(["timeout", "-k", "5", str(timeout), MPIEXEC, "-n", str(n), MPDL, *args],
-                         capture_output=True, text=True, timeout=timeout + 10, env=env)
-    assert out.returncode == 0, out.stderr
-    return out
-
-
-def _environment(tmp_path: Path) -> dict:
-    load = os.getloadavg()[0] / (os.cpu_count() or 1)
-    if load > 3:
-        pytest.skip(f"load average {load:.1f} per core: timings are meaningless now")
-    env = {**os.environ, "MPDL_COST_MODEL": str(tmp_path / "model.json"), "OMP_NUM_THREADS": "1",
-           "OPENBLAS_NUM_THREADS": "1"}
-    for var in ("MPDL_EMULATE", "MPDL_RANKS_PER_NODE", "MPDL_SEGMENT_BYTES"):
-        env.pop(var, None)
-    return env
-
-
-def test_predicted_train_step_matches_mpdl_train_at_p2(tmp_path):
-    """After calibrate, in two rounds that interleave `simulate --measure lenet` (per-sample
-    time on this machine) and `mpdl train` of LeNet under mpiexec -n 2: the median of
-    predicted/measured step time (median over epochs) lies within ±25%. Skipped when the load
-    average is above 3 per core."""
-    env = _environment(tmp_path)
-    _mpirun(2, ["calibrate", "-n", "30"], env, 60)
-    ratios = []
-    for round_ in range(2):
-        sim_path, train_path = tmp_path / f"sim{round_}.jsonl", tmp_path / f"train{round_}.jsonl"
-        subprocess.run([MPDL, "simulate", "--measure", "lenet", "--measure-input", "mnist",
-                        "--network", "calibrated", "--nodes", "1", "--per-node", "2",
-                        "--max-workers", "2", "--algorithms", "ring", "--json", str(sim_path)],
-                       capture_output=True, text=True, timeout=60, env=env, check=True)
-        predicted = next(row["step_s"] for row in map(json.loads, sim_path.read_text().splitlines())
-                         if row.get("workers") == 2)
-        _mpirun(2, ["train", "--model", "lenet", "--dataset", "synthetic", "--synthetic-samples",
-                    "512", "--epochs", "3", "--algorithm", "ring", "--no-progress", "--json",
-                    str(train_path)], env, 120)
-        epochs = [json.loads(x) for x in train_path.read_text().splitlines()][:-1]
-        step = statistics.median(r["compute_s"] + r["exposed_comm_s"] for r in epochs)
-        ratios.append(predicted / step)
-    ratio = statistics.median(ratios)
-    print(f"train step at p=2, predicted/measured: {ratio:.2f} ({', '.join(f'{r:.2f}' for r in ratios)})")
-    assert abs(ratio - 1) <= TOLERANCE, f"train step: predicted/measured = {ratio:.2f}"
-
-
-@pytest.mark.xfail(strict=False, reason="on this shared 2-core machine the calibrated β varies "
-                   "up to 3x between runs minutes apart and the ring all-reduce measured by bench "
-                   "was 1.3-3.5x the prediction; kept so the figure is reported on every run")
-def test_predicted_allreduce_matches_mpdl_bench_at_p2(tmp_path):
-    """Calibrate, then bench the ring all-reduce of 512 KiB-2 MiB, back to back in two rounds:
-    the median predicted/measured over the six sizes lies within ±25%."""
-    env = _environment(tmp_path)
-    ratios = []
-    for round_ in range(2):
-        _mpirun(2, ["calibrate", "-n", "30"], env, 60)
-        params = cm.read_file(env["MPDL_COST_MODEL"])[2]
-        path = tmp_path / f"bench{round_}.jsonl"
-        _mpirun(2, ["bench", "-b", "512K", "-e", "2M", "-n", "9", "-w", "2", "--algorithms", "ring",
-                    "--json", str(path)], env, 60)
-        for r in (json.loads(x) for x in path.read_text().splitlines()):
-            if r["algorithm"] == "ring":
-                predicted = S.allreduce_seconds("ring", r["bytes"], 2, 1, params)
-                ratios.append(predicted / (r["time_us"] * 1e-6))
-    ratio = statistics.median(ratios)
-    print(f"ring all-reduce at p=2, predicted/measured: {ratio:.2f} "
-          f"({', '.join(f'{r:.2f}' for r in ratios)})")
-    assert abs(ratio - 1) <= TOLERANCE, f"all-reduce: predicted/measured = {ratio:.2f}"
