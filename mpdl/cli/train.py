@@ -4,7 +4,9 @@
 
 Rank 0 prints one line per epoch (loss, train and test accuracy, samples/s, and the step time
 split into compute, communication and exposed communication); --json writes the same as JSON
-lines plus a summary line, --timeline a Chrome trace with one track per rank.
+lines plus a summary line, --timeline a Chrome trace with one track per rank. --mode ps trains
+with a parameter server (synchronous, --staleness S or --async) and ends with the staleness
+histogram; --emulate SPEC slows the links like `mpdl bench --emulate`.
 """
 
 from __future__ import annotations

@@ -5,6 +5,12 @@ DDP hooks start each bucket's all-reduce as it fills), `ddp.finish()` (wait, wri
 gradients back), optimizer step. Per epoch: loss, train and test accuracy, samples/s, and the
 mean step time split into compute, communication (time the communication thread spent in
 all-reduce) and exposed communication (time the main thread waited for it).
+
+With --mode ps the last --servers ranks are parameter servers (mpdl.parallel.ps) that run SGD on
+their shards and read no data; the other ranks, the workers, split each global batch among
+themselves, and after backward push their gradient and pull the parameters (communication = the
+push/pull time, all of it exposed). Metrics are over the workers; the summary's test accuracy is
+that of the servers' final parameters.
 """
 
 from __future__ import annotations
