@@ -120,6 +120,7 @@ def test_a_broken_file_or_model_off_falls_back_to_the_simple_rule(tmp_path, monk
         assert registry.choose("allreduce", n, 4, 1, True) == registry.simple_choice(
             "allreduce", n, 4, 1, True)
     monkeypatch.setenv("MPDL_COST_MODEL", "off")
+    cm.forget()
     assert registry.choose("reduce", 1 << 20, 4, 1, True) == "ring"
 
 

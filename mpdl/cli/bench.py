@@ -246,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     config = validate(args)
     from mpdl import emulation  # noqa: PLC0415
+    from mpdl.collectives import costmodel  # noqa: PLC0415
     from mpdl.comm import as_communicator  # noqa: PLC0415
     from mpdl.mpi_runtime import load_mpi  # noqa: PLC0415
 
@@ -257,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ.pop(emulation.ENV, None)
     else:
         os.environ[emulation.ENV] = config["emulation"].describe()
+    costmodel.forget()
     try:
         emulation.install(comm, config["emulation"])
         return _measure_all(args, config, comm, MPI)
@@ -266,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
             os.environ.pop(emulation.ENV, None)
         else:
             os.environ[emulation.ENV] = previous_env
+        costmodel.forget()
 
 
 def _measure_all(args: argparse.Namespace, config: dict[str, Any], comm: Any, MPI: Any) -> int:

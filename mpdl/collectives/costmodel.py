@@ -55,8 +55,8 @@ class Params:
     beta_inter: float | None = None
     #: seconds per byte of a local memory copy (the API's input copy, the shm window)
     copy: float = 1 / 5.0e9
-    #: one node barrier (the shm algorithm takes two per call)
-    barrier: float = 20e-6
+    #: one node barrier (the shm algorithm takes two per call); by default a few messages' worth
+    barrier: float = 60e-6
     #: the fixed cost of one call of the public API, before any message
     call: float = 15e-6
     #: the MPI library's own per-message latency (the `mpi` baseline has no Python in its loop)
@@ -476,12 +476,23 @@ def current_params(p: int) -> Params:
     return load_params(p).emulated(_emulation.from_environment())
 
 
+_ENVIRONMENT: list[tuple[str | None, ...]] = []
+
+
+def _environment() -> tuple[str | None, ...]:
+    """The settings auto's choice depends on, read once (reading os.environ costs microseconds per
+    variable, too much for every collective call); `forget()` reads them again."""
+    if not _ENVIRONMENT:
+        env = os.environ
+        _ENVIRONMENT.append((env.get(ENV), env.get(_emulation.ENV), env.get("XDG_CACHE_HOME")))
+    return _ENVIRONMENT[0]
+
+
 def model_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
     """The chooser `auto` uses: the cost model, or the simple size rule when no model is usable.
-    Remembered per call signature (and environment), so a repeated call costs a dictionary lookup."""
-    env = os.environ
-    return _model_choice(collective, nbytes, p, nodes, shared_memory, env.get(ENV),
-                         env.get(_emulation.ENV), env.get("XDG_CACHE_HOME"))
+    Remembered per call signature, so a repeated call costs a dictionary lookup. Code that changes
+    MPDL_COST_MODEL or MPDL_EMULATE at run time calls `forget()`."""
+    return _model_choice(collective, nbytes, p, nodes, shared_memory, *_environment())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -495,6 +506,8 @@ def _model_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memor
 
 
 def forget() -> None:
-    """Drop the loaded parameters and remembered choices (after writing a new parameter file)."""
+    """Drop the loaded parameters, remembered choices and settings (after writing a new parameter
+    file or changing MPDL_COST_MODEL or MPDL_EMULATE)."""
     _load.cache_clear()
     _model_choice.cache_clear()
+    _ENVIRONMENT.clear()

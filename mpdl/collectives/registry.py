@@ -136,9 +136,14 @@ def simple_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memor
 def model_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
     """The default chooser: the algorithm the cost model predicts fastest (calibrated parameters
     when `mpdl calibrate` saved some, defaults otherwise); `simple_choice` when no model is usable."""
-    from mpdl.collectives import costmodel  # noqa: PLC0415 - costmodel imports this module
+    if not _costmodel:
+        from mpdl.collectives import costmodel  # noqa: PLC0415 - costmodel imports this module
 
-    return costmodel.model_choice(collective, nbytes, p, nodes, shared_memory)
+        _costmodel.append(costmodel.model_choice)
+    return _costmodel[0](collective, nbytes, p, nodes, shared_memory)
+
+
+_costmodel: list[Chooser] = []
 
 
 _chooser: list[Chooser] = [model_choice]

@@ -225,11 +225,13 @@ def apply_emulation(comm: Any, emulated: Any) -> None:
     """Slow comm's messages down as `emulated` (an mpdl.emulation.Emulation; None: off) says,
     and every communicator made from now on, through MPDL_EMULATE. Collective over comm."""
     from mpdl import emulation  # noqa: PLC0415
+    from mpdl.collectives import costmodel  # noqa: PLC0415
 
     if emulated is None:
         os.environ.pop(emulation.ENV, None)
     else:
         os.environ[emulation.ENV] = emulated.describe()
+    costmodel.forget()
     emulation.install(comm, emulated)
 
 
