@@ -22,7 +22,7 @@ from mpdl.cli import UsageError
 
 #: message sizes of the ping-pong; α comes from the smallest, β from the slope of the others
 SMALL_BYTES = 8
-LARGE_BYTES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)
+LARGE_BYTES = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 REDUCE_BYTES = 1 << 22
 GAMMA_DTYPES = ("float16", "float32", "float64", "int32", "int64")
 
