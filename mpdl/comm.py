@@ -390,9 +390,13 @@ class MPIComm(Communicator):
         testall = self.MPI.Request.Testall
         spins = 0
         deadline = None
+        # On the communication thread, pause between polls so the GIL goes to the compute thread.
+        background = threading.current_thread() is not threading.main_thread()
         while not testall(handles):
             spins += 1
-            if spins & 63 == 0:
+            if background and spins > 64:
+                time.sleep(20e-6)
+            elif spins & 63 == 0:
                 # Oversubscribed ranks (more ranks than cores) need the peer to run: let it.
                 os.sched_yield()
             if spins & 1023 == 0:
