@@ -68,6 +68,21 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None
 
     x is left untouched unless `out is x`. Results are bit-identical on every rank.
     """
+    return _prepare_allreduce(x, op, algorithm, comm, out)[1]()
+
+
+def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
+                    out: Any = None) -> Handle:
+    """Start an all-reduce on the communicator's communication thread; return a handle whose
+    `.wait()` gives the result and `.test()` says whether it is done. Handles complete in the
+    order issued; x must not change until the handle is done."""
+    c, work = _prepare_allreduce(x, op, algorithm, comm, out)
+    return engine_for(c).submit(work)
+
+
+def _prepare_allreduce(x: Any, op: str, algorithm: str, comm: Any, out: Any):
+    """Check the arguments (every rank, before any message) and return (communicator, work), where
+    work() runs the all-reduce and returns the result array."""
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     check_op(op, dtype)
@@ -78,39 +93,17 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None
         _check_out(out, x, xp)
     _agree(c, "allreduce", algo.name, x.shape, dtype, op, None)
     if algo.reads_input and out is not x:
-        _finish_allreduce(c, algo, out.reshape(-1), op, xp, src=x.reshape(-1))
+        flat, source = out.reshape(-1), {"src": x.reshape(-1)}
     else:
-        _finish_allreduce(c, algo, _flat_copy(x, xp, out), op, xp)
-    return out
-
-
-def _finish_allreduce(c, algo, flat, op, xp, **src) -> None:
-    _run(c, algo, "allreduce", flat, op, **src)
-    if op == "avg":
-        xp.true_divide(flat, c.size, out=flat)
-
-
-def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
-                    out: Any = None) -> Handle:
-    """Start an all-reduce on the communicator's communication thread; return a handle whose
-    `.wait()` gives the result and `.test()` says whether it is done. Handles complete in the
-    order issued; x must not change until the handle is done."""
-    c = as_communicator(comm)
-    xp, dtype = check_array(x)
-    check_op(op, dtype)
-    algo = _pick("allreduce", algorithm, c, x.nbytes)
-    if out is None:
-        out = xp.empty(x.shape, dtype=dtype)
-    else:
-        _check_out(out, x, xp)
-    _agree(c, "allreduce", algo.name, x.shape, dtype, op, None)
-    flat = _flat_copy(x, xp, out)
+        flat, source = _flat_copy(x, xp, out), {}
 
     def work() -> Any:
-        _finish_allreduce(c, algo, flat, op, xp)
+        _run(c, algo, "allreduce", flat, op, **source)
+        if op == "avg":
+            xp.true_divide(flat, c.size, out=flat)
         return out
 
-    return engine_for(c).submit(work)
+    return c, work
 
 
 def _check_out(out: Any, x: Any, xp: Any) -> None:

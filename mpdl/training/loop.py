@@ -419,6 +419,15 @@ class Trainer:
             return cupy_module().asarray(a)
         return a
 
+    def _progress_bar(self, epoch: int) -> Any:
+        """The epoch's progress bar on rank 0 (None elsewhere, or with --no-progress)."""
+        if not (self.config.progress and self.rank == 0):
+            return None
+        from tqdm import tqdm  # noqa: PLC0415
+
+        return tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}", file=sys.stderr,
+                    leave=False, disable=None, unit="step")
+
     def train_epoch(self, epoch: int) -> dict[str, float]:
         """One epoch; returns this rank's sums (loss·n, correct, n, times)."""
         from mpdl.autograd import functional as F  # noqa: PLC0415
@@ -427,12 +436,7 @@ class Trainer:
         self.model.train()
         self.sampler.set_epoch(epoch)
         sums = dict.fromkeys(("loss", "correct", "n", "compute", "comm", "exposed", "wall"), 0.0)
-        bar = None
-        if self.config.progress and self.rank == 0:
-            from tqdm import tqdm  # noqa: PLC0415
-
-            bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}", file=sys.stderr,
-                       leave=False, disable=None, unit="step")
+        bar = self._progress_bar(epoch)
         tl = self.timeline
         epoch_start = time.perf_counter()
         for idx, global_batch in self.sampler:
@@ -612,12 +616,7 @@ class Trainer:
         self.model.train()
         self.sampler.set_epoch(epoch)
         sums = dict.fromkeys(("loss", "correct", "n", "compute", "comm", "exposed", "wall"), 0.0)
-        bar = None
-        if self.config.progress and self.rank == 0:
-            from tqdm import tqdm  # noqa: PLC0415
-
-            bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}", file=sys.stderr,
-                       leave=False, disable=None, unit="step")
+        bar = self._progress_bar(epoch)
         tl = self.timeline
         epoch_start = time.perf_counter()
         for idx, global_batch in self.sampler:
