@@ -172,15 +172,7 @@ class Adam(Optimizer):
             p.data *= 1 - lr * wd
         elif wd:
             grad = grad + wd * p.data
-        if not state:
-            state.update(step=0, exp_avg=xp.zeros_like(p.data), exp_avg_sq=xp.zeros_like(p.data))
-        state["step"] += 1
-        t = state["step"]
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m *= b1
-        m += (1 - b1) * grad
-        v *= b2
-        v += (1 - b2) * (grad * grad)
+        m, v, t = _moments(state, p.data, grad, b1, b2)
         denom = xp.sqrt(v) * (1.0 / math.sqrt(1 - b2**t))
         denom += group["eps"]
         p.data -= (lr / (1 - b1**t)) * (m / denom)
@@ -261,15 +253,7 @@ class LAMB(Optimizer):
     def _update(self, p, grad, state, group):
         xp = get_array_module(p.data)
         b1, b2 = group["betas"]
-        if not state:
-            state.update(step=0, exp_avg=xp.zeros_like(p.data), exp_avg_sq=xp.zeros_like(p.data))
-        state["step"] += 1
-        t = state["step"]
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m *= b1
-        m += (1 - b1) * grad
-        v *= b2
-        v += (1 - b2) * (grad * grad)
+        m, v, t = _moments(state, p.data, grad, b1, b2)
         update = (m * (1.0 / (1 - b1**t))) / (xp.sqrt(v * (1.0 / (1 - b2**t))) + group["eps"])
         if group["exclude_1d"] and p.data.ndim <= 1:
             p.data -= group["lr"] * update
@@ -317,3 +301,17 @@ def scale_lr(lr: float, global_batch: int, base_batch: int = 256) -> float:
         raise ValueError(f"scale_lr: batch sizes must be positive, got global_batch="
                          f"{global_batch}, base_batch={base_batch}")
     return float(lr) * global_batch / base_batch
+
+
+def _moments(state: dict, data: Any, grad: Any, b1: float, b2: float) -> tuple[Any, Any, int]:
+    """Advance Adam's first and second moment estimates in state; return (m, v, step)."""
+    if not state:
+        xp = get_array_module(data)
+        state.update(step=0, exp_avg=xp.zeros_like(data), exp_avg_sq=xp.zeros_like(data))
+    state["step"] += 1
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    m *= b1
+    m += (1 - b1) * grad
+    v *= b2
+    v += (1 - b2) * (grad * grad)
+    return m, v, state["step"]
