@@ -162,3 +162,26 @@ def test_bench_sizes_and_bus_factors():
     assert bus_factor("allreduce", 4) == 1.5
     assert bus_factor("allgather", 4) == bus_factor("reduce_scatter", 4) == 0.75
     assert bus_factor("broadcast", 4) == bus_factor("reduce", 4) == 1.0
+
+
+def test_measured_exchange_curve_times_intra_node_messages():
+    table = ((8.0, 10e-6), (1024.0, 12e-6), (1 << 20, 300e-6), (1 << 22, 1300e-6))
+    params = cm.Params(exchange=table)
+    assert params.exchange_time(1) == 10e-6
+    assert params.exchange_time(512) == pytest.approx(10e-6 + (512 - 8) / (1024 - 8) * 2e-6)
+    # beyond the last size: the last slope
+    assert params.exchange_time(1 << 23) == pytest.approx(1300e-6 + (1 << 22) * (1000e-6 / (3 << 20)))
+    setting = cm.Setting(p=2, nodes=1, n=1 << 20, params=params, gamma=0.0, seg=1 << 20)
+    assert setting.msg(1 << 20) == pytest.approx(300e-6)
+    assert setting.msg(1 << 21, segmented=True) == pytest.approx(2 * 300e-6)
+    # the table survives the parameter file, and an emulated intra-node link replaces it
+    assert cm.Params.from_json(params.to_json()).exchange == table
+    from mpdl import emulation
+
+    assert params.emulated(emulation.parse("intra=1Gbit/s,10us")).exchange == ()
+
+
+def test_calibrated_curve_never_decreases():
+    from mpdl.cli.calibrate import _monotone
+
+    assert _monotone((8, 64, 128), [5e-6, 2e-6, 3e-6]) == ((8.0, 2e-6), (64.0, 2e-6), (128.0, 3e-6))

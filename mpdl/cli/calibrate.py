@@ -148,6 +148,13 @@ def measure(comm: Any, iters: int) -> dict[str, Any]:
     return merged
 
 
+def _monotone(sizes: tuple[int, ...], times: list[float]) -> tuple[tuple[float, float], ...]:
+    """(bytes, seconds) pairs where a larger message never takes less time than a smaller one
+    (a noisy small measurement is capped by the larger ones)."""
+    capped = np.minimum.accumulate(np.array(times, dtype=np.float64)[::-1])[::-1]
+    return tuple((float(b), float(t)) for b, t in zip(sizes, capped, strict=True))
+
+
 def to_params(measured: dict[str, Any], ranks: int, nodes: int, host: str) -> Any:
     from mpdl.collectives.costmodel import Params  # noqa: PLC0415
 
@@ -161,6 +168,8 @@ def to_params(measured: dict[str, Any], ranks: int, nodes: int, host: str) -> An
                   beta_inter=beta_inter, copy=measured["copy"], barrier=measured["barrier"],
                   call=measured["call"], alpha_native=measured.get("alpha_native") or alpha,
                   gammas=gammas, ranks=ranks,
+                  exchange=_monotone((SMALL_BYTES, *LARGE_BYTES), measured["intra"])
+                  if intra_pairs else (),
                   source=f"mpdl calibrate on {host}, {ranks} ranks, {nodes} node(s), "
                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
 

@@ -63,6 +63,9 @@ class Params:
     alpha_native: float = 3e-6
     #: γ per dtype name; `gamma` serves dtypes not listed
     gammas: tuple[tuple[str, float], ...] = field(default=())
+    #: measured (bytes, seconds) of one intra-node exchange, when calibrated: messages inside a
+    #: node are timed by interpolating these rather than by α + n·β (caches make the curve bend)
+    exchange: tuple[tuple[float, float], ...] = field(default=())
     #: the world size the parameters were measured at (0: defaults)
     ranks: int = 0
     source: str = "defaults"
@@ -74,6 +77,18 @@ class Params:
         return (self.alpha if self.alpha_inter is None else self.alpha_inter,
                 self.beta if self.beta_inter is None else self.beta_inter)
 
+    def exchange_time(self, nbytes: float) -> float:
+        """Seconds of one intra-node message of nbytes from the measured curve: linear between
+        measured sizes, the smallest size's time below them, the last slope beyond them."""
+        sizes = [b for b, _ in self.exchange]
+        times = [t for _, t in self.exchange]
+        if nbytes <= sizes[0]:
+            return times[0]
+        if nbytes >= sizes[-1]:
+            slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
+            return times[-1] + (nbytes - sizes[-1]) * max(slope, 0.0)
+        return float(np.interp(nbytes, sizes, times))
+
     def gamma_for(self, dtype: str) -> float:
         return dict(self.gammas).get(np.dtype(dtype).name, self.gamma)
 
@@ -83,12 +98,14 @@ class Params:
             return self
         a_in, b_in = self.link(False)
         a_out, b_out = self.link(True)
+        table = self.exchange
         if emu.intra is not None:
             a_in, b_in = a_in + emu.intra.latency, b_in + 1 / emu.intra.bandwidth
+            table = ()  # the emulated link is an α-β link
         if emu.inter is not None:
             a_out, b_out = a_out + emu.inter.latency, b_out + 1 / emu.inter.bandwidth
         return replace(self, alpha=a_in, beta=b_in, alpha_inter=a_out, beta_inter=b_out,
-                       source=f"{self.source} + emulated {emu.describe()}")
+                       exchange=table, source=f"{self.source} + emulated {emu.describe()}")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -100,6 +117,9 @@ class Params:
         known = {f for f in cls.__dataclass_fields__}
         values = {k: v for k, v in d.items() if k in known}
         values["gammas"] = tuple(sorted(dict(values.get("gammas", {})).items()))
+        values["exchange"] = tuple((float(b), float(t)) for b, t in values.get("exchange", ()))
+        if len(values["exchange"]) == 1:
+            raise ModelUnavailable("parameter exchange needs at least two measured sizes")
         params = cls(**values)
         for name in ("alpha", "beta", "gamma", "copy", "barrier", "call", "alpha_native"):
             value = getattr(params, name)
@@ -196,8 +216,10 @@ class Setting:
 
     def msg(self, nbytes: float, inter: bool = False, segmented: bool = False) -> float:
         """One send of nbytes (in ceil(nbytes/segment) messages when the algorithm segments it)."""
-        alpha, beta = self.params.link(inter)
         count = max(1, math.ceil(nbytes / self.seg)) if segmented else 1
+        if self.params.exchange and not (inter and self.params.alpha_inter is not None):
+            return count * self.params.exchange_time(nbytes / count)
+        alpha, beta = self.params.link(inter)
         return count * alpha + nbytes * beta
 
     def crosses(self, pairs: list[tuple[int, int]]) -> bool:
