@@ -91,6 +91,8 @@ class Communicator:
         #: MPDL_CHECK=1: compare every collective's arguments across ranks before it runs
         self.check = os.environ.get("MPDL_CHECK", "0") not in ("", "0")
         self._groups: list[list[int]] | None = None
+        #: algorithms `auto` picked, by (collective, bytes, generation of the choices)
+        self.auto_choices: dict[tuple, Any] = {}
         #: shared-memory all-reduces so far; their parity picks the half of the window to use
         self.shm_calls = 0
 

@@ -21,8 +21,14 @@ def _pick(collective: str, algorithm: str, comm: Communicator, nbytes: int) -> r
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm: expected a name, got {type(algorithm).__name__}")
     if algorithm == "auto":
-        nodes = len(comm.node_groups()) if comm.size > 1 else 1
-        algorithm = registry.choose(collective, nbytes, comm.size, nodes, comm.has_shared_memory)
+        # auto's choice is remembered per communicator until the chooser's inputs change
+        key = (collective, nbytes, registry.choices_generation[0])
+        chosen = comm.auto_choices.get(key)
+        if chosen is None:
+            nodes = len(comm.node_groups()) if comm.size > 1 else 1
+            name = registry.choose(collective, nbytes, comm.size, nodes, comm.has_shared_memory)
+            chosen = comm.auto_choices[key] = registry.resolve(collective, name)
+        return chosen
     return registry.resolve(collective, algorithm)
 
 

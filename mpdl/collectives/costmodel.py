@@ -533,3 +533,4 @@ def forget() -> None:
     _load.cache_clear()
     _model_choice.cache_clear()
     _ENVIRONMENT.clear()
+    registry.forget_choices()

@@ -149,10 +149,21 @@ _costmodel: list[Chooser] = []
 _chooser: list[Chooser] = [model_choice]
 
 
+#: bumped whenever auto's choices may change (a new chooser, parameters or settings), so that
+#: choices remembered by communicators are made again
+choices_generation = [0]
+
+
 def set_chooser(chooser: Chooser) -> None:
     """Install the function `auto` uses: (collective, nbytes, p, nodes, shared_memory) -> name.
     It must depend on its arguments alone, so that every rank picks the same algorithm."""
     _chooser[0] = chooser
+    forget_choices()
+
+
+def forget_choices() -> None:
+    """Make every communicator choose `auto`'s algorithms again on their next calls."""
+    choices_generation[0] += 1
 
 
 def choose(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
