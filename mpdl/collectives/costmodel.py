@@ -352,8 +352,8 @@ def shm(s: Setting) -> float:
     g, m, c = s.g, max(1, s.nodes), s.params.copy
     chunks = max(1, math.ceil(s.n / WINDOW_BYTES))
     inter = 0.0 if m == 1 else _inter_node(s, s.n / g, m)
-    return (chunks * 2 * s.params.barrier + s.n * c + (g - 1) / g * s.n * (s.gamma + c)
-            + s.n * c + inter)
+    # copy in, reduce this rank's slice in place (g-1 additions), copy the whole result out
+    return chunks * 2 * s.params.barrier + 2 * s.n * c + (g - 1) / g * s.n * s.gamma + inter
 
 
 def _native(s: Setting) -> Setting:
@@ -426,7 +426,9 @@ def predict(collective: str, algorithm: str, nbytes: int, p: int, nodes: int = 1
         body = schedule_estimate(collective, algorithm, nbytes, s.p, s.nodes, params, dtype)
     else:
         body = formula(s) if s.p > 1 else 0.0
-    return params.call + nbytes * params.copy + body
+    # the API copies the input into the result first, unless the algorithm reads it directly
+    reads_input = registry.REGISTRY[collective][algorithm].reads_input
+    return params.call + (0.0 if reads_input else nbytes * params.copy) + body
 
 
 # -- estimates from a recorded schedule --------------------------------------------------------
