@@ -9,10 +9,9 @@ from mpdl.comm import CollectiveTimeout, MPIComm
 pytestmark = pytest.mark.mpi
 
 
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() == 1, reason="needs a peer")
 def test_wait_timeout_names_collective_peer_and_step(monkeypatch):
     comm = MPI.COMM_WORLD
-    if comm.Get_size() == 1:
-        pytest.skip("needs a peer")
     monkeypatch.setenv("MPDL_TIMEOUT", "0.5")
     ours = MPIComm(comm.Dup())
     ours.collective = "allreduce/ring"
