@@ -49,8 +49,7 @@ def _environment(tmp_path: Path) -> dict:
 def train_step_ratio(tmp_path: Path) -> float:
     """After calibrate, in two rounds that interleave `simulate --measure lenet` (per-sample
     time on this machine) and `mpdl train` of LeNet under mpiexec -n 2: the median of
-    predicted/measured step time (median over epochs) lies within ±25%. Skipped when the load
-    average is above 3 per core."""
+    predicted/measured step time (median over epochs after the first) lies within ±25%."""
     env = _environment(tmp_path)
     _mpirun(2, ["calibrate", "-n", "30"], env, 60)
     ratios = []
@@ -63,9 +62,10 @@ def train_step_ratio(tmp_path: Path) -> float:
         predicted = next(row["step_s"] for row in map(json.loads, sim_path.read_text().splitlines())
                          if row.get("workers") == 2)
         _mpirun(2, ["train", "--model", "lenet", "--dataset", "synthetic", "--synthetic-samples",
-                    "512", "--epochs", "3", "--algorithm", "ring", "--no-progress", "--json",
+                    "2048", "--epochs", "3", "--algorithm", "ring", "--no-progress", "--json",
                     str(train_path)], env, 120)
-        epochs = [json.loads(x) for x in train_path.read_text().splitlines()][:-1]
+        # the first epoch pays for compiling kernels and first-touch allocations: leave it out
+        epochs = [json.loads(x) for x in train_path.read_text().splitlines()][1:-1]
         step = statistics.median(r["compute_s"] + r["exposed_comm_s"] for r in epochs)
         ratios.append(predicted / step)
     ratio = statistics.median(ratios)

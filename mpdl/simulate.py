@@ -466,7 +466,7 @@ def limits(rows: Sequence[Row], min_gain: float = 0.05) -> dict[str, dict[str, i
 INPUT_SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "cifar": (3, 32, 32)}
 
 
-def measure_workload(model: str, shape: str = "digits", batch: int = 32, repeats: int = 7,
+def measure_workload(model: str, shape: str = "digits", batch: int = 32, repeats: int = 15,
                      classes: int = 10, dtype: str = "float32", seed: int = 0) -> Workload:
     """Time forward, backward and an SGD step of an mpdl zoo model at batch/4 and batch samples
     (interleaved, medians) and fit sample_s (slope), step_s (intercept plus the optimizer) and the
@@ -487,7 +487,8 @@ def measure_workload(model: str, shape: str = "digits", batch: int = 32, repeats
     data = {b: (rng.standard_normal((b, *INPUT_SHAPES[shape])).astype(dtype),
                 rng.integers(0, classes, b)) for b in sizes}
     times: dict[int, list[tuple[float, float, float]]] = {b: [] for b in sizes}
-    for i in range(repeats + 2):
+    warmup = 5  # rounds that warm caches, allocations and compiled kernels up
+    for i in range(repeats + warmup):
         for b in sizes:
             x, y = data[b]
             t0 = time.perf_counter()
@@ -498,7 +499,7 @@ def measure_workload(model: str, shape: str = "digits", batch: int = 32, repeats
             opt.step()
             opt.zero_grad()
             t3 = time.perf_counter()
-            if i >= 2:  # the first two rounds warm caches and compiled kernels up
+            if i >= warmup:
                 times[b].append((t1 - t0, t2 - t1, t3 - t2))
     med = {b: np.median(np.array(times[b]), axis=0) for b in sizes}
     fwd_bwd = {b: float(med[b][0] + med[b][1]) for b in sizes}
