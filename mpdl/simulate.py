@@ -33,17 +33,12 @@ from typing import Any
 import numpy as np
 
 from mpdl.collectives import costmodel as cm
-from mpdl.collectives.hierarchical import INTER_RING_BYTES
-from mpdl.collectives.ring import segment_elements
 
 MB = 1 << 20
 #: ImageNet-1k training images
 IMAGENET_TRAIN = 1_281_167
 #: torchvision's ResNet-50
 RESNET50_PARAMS = 25_557_032
-#: beyond this many workers the recursive and tree formulas run vectorised here (the cost model's
-#: own loops are exact but take O(p) Python steps per message step)
-EXACT_LIMIT = 512
 ALGORITHMS = ("ring", "recursive_doubling", "rabenseifner", "tree", "double_tree", "hierarchical",
               "torus2d", "mpi")
 DEFAULT_ALGORITHMS = ("ring", "recursive_doubling", "tree", "hierarchical", "torus2d")
@@ -170,105 +165,14 @@ PROFILE_NETWORK = {"resnet50-p100": "bigbasin", "resnet50-v100": "abci",
 
 
 # -- the all-reduce of one bucket --------------------------------------------------------------------
-def _any_cross(s: cm.Setting, a: np.ndarray, b: np.ndarray) -> bool:
-    return bool(np.any(a // s.g != b // s.g))
-
-
-def _fold(s: cm.Setting) -> tuple[int, float]:
-    group = 1 << (s.p.bit_length() - 1)
-    if group == s.p:
-        return group, 0.0
-    r = np.arange(0, 2 * (s.p - group), 2)
-    return group, 2 * s.msg(s.n, _any_cross(s, r, r + 1)) + s.n * s.gamma
-
-
-def _pair_crosses(s: cm.Setting, d: int, group: int) -> bool:
-    rem = s.p - group
-    x = np.arange(group)
-    y = x ^ d
-    x, y = x[y < group], y[y < group]
-
-    def real(v: np.ndarray) -> np.ndarray:
-        return np.where(v < rem, 2 * v + 1, v + rem)
-
-    return _any_cross(s, real(x), real(y))
-
-
-def _recursive_doubling(s: cm.Setting) -> float:
-    group, t = _fold(s)
-    d = 1
-    while d < group:
-        t += s.msg(s.n, _pair_crosses(s, d, group)) + s.n * s.gamma
-        d *= 2
-    return t
-
-
-def _rabenseifner(s: cm.Setting) -> float:
-    group, t = _fold(s)
-    d, share = group // 2, s.n
-    while d >= 1:
-        share /= 2
-        inter = _pair_crosses(s, d, group)
-        t += 2 * s.msg(share, inter) + share * s.gamma
-        d //= 2
-    return t
-
-
-def _binomial_levels(s: cm.Setting) -> list[bool]:
-    levels, mask = [], 1
-    while mask < s.p:
-        r = np.arange(0, s.p - mask, 2 * mask)
-        levels.append(_any_cross(s, r, r + mask))
-        mask *= 2
-    return levels
-
-
-def _tree(s: cm.Setting) -> float:
-    levels = _binomial_levels(s)
-    reduce = sum(s.msg(s.n, inter, segmented=True) + s.n * s.gamma for inter in levels)
-    return reduce + sum(s.msg(s.n, inter, segmented=True) for inter in levels)
-
-
-def _inter_node(s: cm.Setting, shard: float, m: int) -> float:
-    sub = replace(s, p=m, n=shard, nodes=m)
-    return _recursive_doubling(sub) if shard < INTER_RING_BYTES else cm.ring(sub)
-
-
-def _hierarchical(s: cm.Setting) -> float:
-    if s.nodes <= 1:
-        return cm.ring(s)
-    g, m = s.g, s.nodes
-    local = replace(s, p=g, nodes=1)
-    if s.p % m:  # uneven nodes: reduce to node leaders, all-reduce them, broadcast
-        return cm.tree_reduce(local) + _inter_node(s, s.n, m) + cm.tree_broadcast(local)
-    return cm.ring_reduce_scatter(local) + _inter_node(s, s.n / g, m) + cm.ring_allgather(local)
-
-
-def _mpi(s: cm.Setting) -> float:
-    native = cm._native(s)
-    return _recursive_doubling(native) if s.n <= cm.MPICH_SHORT_BYTES else _rabenseifner(native)
-
-
-_FAST = {"recursive_doubling": _recursive_doubling, "rabenseifner": _rabenseifner, "tree": _tree,
-         "hierarchical": _hierarchical, "mpi": _mpi, "ring": cm.ring,
-         "double_tree": cm.double_tree, "torus2d": cm.torus2d}
-
-
 def allreduce_seconds(algorithm: str, nbytes: float, workers: int, nodes: int,
                       params: cm.Params, dtype: str = "float32") -> float:
     """Seconds of one all-reduce of nbytes over `workers` ranks on `nodes` nodes of consecutive
-    ranks: `mpdl.collectives.costmodel.predict` (the same formulas, evaluated with NumPy for
-    large worlds). One worker communicates nothing: 0."""
+    ranks (`mpdl.collectives.costmodel.predict`). One worker communicates nothing: 0."""
     if workers <= 1:
         return 0.0
     nodes = max(1, min(nodes, workers))
-    if workers <= EXACT_LIMIT or algorithm not in _FAST:
-        return cm.predict("allreduce", algorithm, int(round(nbytes)), workers, nodes, params,
-                          dtype)
-    itemsize = np.dtype(dtype).itemsize
-    s = cm.Setting(p=workers, nodes=nodes, n=float(nbytes), params=params,
-                   gamma=params.gamma_for(dtype), seg=segment_elements(itemsize) * itemsize)
-    return params.call + nbytes * params.copy + _FAST[algorithm](s)
+    return cm.predict("allreduce", algorithm, int(round(nbytes)), workers, nodes, params, dtype)
 
 
 # -- one step ----------------------------------------------------------------------------------------

@@ -185,3 +185,12 @@ def test_calibrated_curve_never_decreases():
     from mpdl.cli.calibrate import _monotone
 
     assert _monotone((8, 64, 128), [5e-6, 2e-6, 3e-6]) == ((8.0, 2e-6), (64.0, 2e-6), (128.0, 3e-6))
+
+
+def test_recursive_doubling_pays_the_inter_node_link_only_where_pairs_cross_nodes():
+    links = cm.Params(alpha=1.0, beta=0.0, gamma=0.0, alpha_inter=10.0, beta_inter=0.0)
+    # p=8 on 2 nodes of 4: distances 1 and 2 stay inside a node, distance 4 crosses
+    assert cm.recursive_doubling(cm.Setting(8, 2, 8.0, links, 0.0, 8)) == 1 + 1 + 10
+    # p=6 on 2 nodes of 3: the fold pairs (0,1), (2,3) cross (2 messages of 10); the group is
+    # ranks 1, 3, 4, 5 and both its exchanges, (1,3)/(4,5) and (1,4)/(3,5), cross
+    assert cm.recursive_doubling(cm.Setting(6, 2, 8.0, links, 0.0, 8)) == 20 + 10 + 10

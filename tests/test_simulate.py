@@ -95,15 +95,12 @@ def test_overlap_timeline():
     assert S.exposed_seconds(0.001, 10, 0.1, False) == pytest.approx(0.01)
 
 
-def test_fast_formulas_equal_the_cost_model(monkeypatch):
-    monkeypatch.setattr(S, "EXACT_LIMIT", 0)
-    for params in (NET.params, cm.Params()):
-        for algorithm in S.ALGORITHMS:
-            for p, g in ((2, 1), (6, 4), (12, 3), (96, 8), (100, 4), (257, 8)):
-                for n in (1000, 3e6):
-                    m = S.nodes_for(p, g)
-                    assert S.allreduce_seconds(algorithm, n, p, m, params) == pytest.approx(
-                        cm.predict("allreduce", algorithm, int(n), p, m, params), rel=1e-12)
+def test_allreduce_seconds_is_the_cost_model():
+    for algorithm in S.ALGORITHMS:
+        for p, g in ((2, 1), (12, 3), (4096, 8)):
+            m = S.nodes_for(p, g)
+            assert S.allreduce_seconds(algorithm, 3e6, p, m, NET.params) == cm.predict(
+                "allreduce", algorithm, 3_000_000, p, m, NET.params)
 
 
 def test_useful_limit():

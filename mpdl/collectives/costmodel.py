@@ -222,8 +222,9 @@ class Setting:
         alpha, beta = self.params.link(inter)
         return count * alpha + nbytes * beta
 
-    def crosses(self, pairs: list[tuple[int, int]]) -> bool:
-        return any(self.node(a) != self.node(b) for a, b in pairs)
+    def crosses(self, a: np.ndarray, b: np.ndarray) -> bool:
+        """Does any of the messages between ranks a[i] and b[i] cross a node boundary?"""
+        return bool(np.any(a // self.g != b // self.g))
 
 
 def _lg(p: int) -> int:
@@ -235,18 +236,22 @@ def _fold(s: Setting) -> tuple[int, float]:
     group = 1 << (s.p.bit_length() - 1)
     if group == s.p:
         return group, 0.0
-    inter = s.crosses([(r, r + 1) for r in range(0, 2 * (s.p - group), 2)])
+    r = np.arange(0, 2 * (s.p - group), 2)
+    inter = s.crosses(r, r + 1)
     return group, 2 * s.msg(s.n, inter) + s.n * s.gamma
 
 
 def _pair_crosses(s: Setting, d: int, group: int) -> bool:
     """Does an exchange at distance d inside the power-of-two group cross a node boundary?"""
     rem = s.p - group
+    x = np.arange(group)
+    y = x ^ d
+    x, y = x[y < group], y[y < group]
 
-    def real(x: int) -> int:
-        return 2 * x + 1 if x < rem else x + rem
+    def real(v: np.ndarray) -> np.ndarray:
+        return np.where(v < rem, 2 * v + 1, v + rem)
 
-    return s.crosses([(real(x), real(x ^ d)) for x in range(group) if x ^ d < group])
+    return s.crosses(real(x), real(y))
 
 
 def recursive_doubling(s: Setting) -> float:
@@ -287,7 +292,8 @@ def _binomial_levels(s: Setting) -> list[bool]:
     """For each level of a binomial tree rooted at rank 0: does it cross a node boundary?"""
     levels, mask = [], 1
     while mask < s.p:
-        levels.append(s.crosses([(r, r + mask) for r in range(0, s.p - mask, 2 * mask)]))
+        r = np.arange(0, s.p - mask, 2 * mask)
+        levels.append(s.crosses(r, r + mask))
         mask *= 2
     return levels
 
