@@ -156,11 +156,7 @@ class Adam(Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0) -> None:
-        _check("lr", lr)
-        _check("eps", eps)
-        _check("weight_decay", weight_decay)
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must lie in [0, 1), not {betas!r}")
+        _check_adam(lr, eps, weight_decay, betas)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
 
@@ -242,11 +238,7 @@ class LAMB(Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, exclude_1d: bool = True) -> None:
-        _check("lr", lr)
-        _check("eps", eps)
-        _check("weight_decay", weight_decay)
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must lie in [0, 1), not {betas!r}")
+        _check_adam(lr, eps, weight_decay, betas)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay, exclude_1d=exclude_1d))
 
@@ -315,3 +307,12 @@ def _moments(state: dict, data: Any, grad: Any, b1: float, b2: float) -> tuple[A
     v *= b2
     v += (1 - b2) * (grad * grad)
     return m, v, state["step"]
+
+
+def _check_adam(lr: float, eps: float, weight_decay: float, betas: tuple[float, float]) -> None:
+    """The argument checks Adam-family optimizers share."""
+    _check("lr", lr)
+    _check("eps", eps)
+    _check("weight_decay", weight_decay)
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must lie in [0, 1), not {betas!r}")

@@ -419,24 +419,25 @@ class Trainer:
             return cupy_module().asarray(a)
         return a
 
-    def _progress_bar(self, epoch: int) -> Any:
-        """The epoch's progress bar on rank 0 (None elsewhere, or with --no-progress)."""
+    def _start_epoch(self, epoch: int) -> tuple[dict[str, float], Any]:
+        """Enter training mode and the epoch's sample order; return zeroed sums and the progress
+        bar (on rank 0 only, and not with --no-progress)."""
+        self.model.train()
+        self.sampler.set_epoch(epoch)
+        sums = dict.fromkeys(("loss", "correct", "n", "compute", "comm", "exposed", "wall"), 0.0)
         if not (self.config.progress and self.rank == 0):
-            return None
+            return sums, None
         from tqdm import tqdm  # noqa: PLC0415
 
-        return tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}", file=sys.stderr,
-                    leave=False, disable=None, unit="step")
+        return sums, tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}", file=sys.stderr,
+                          leave=False, disable=None, unit="step")
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         """One epoch; returns this rank's sums (loss·n, correct, n, times)."""
         from mpdl.autograd import functional as F  # noqa: PLC0415
         from mpdl.autograd.tensor import Tensor  # noqa: PLC0415
 
-        self.model.train()
-        self.sampler.set_epoch(epoch)
-        sums = dict.fromkeys(("loss", "correct", "n", "compute", "comm", "exposed", "wall"), 0.0)
-        bar = self._progress_bar(epoch)
+        sums, bar = self._start_epoch(epoch)
         tl = self.timeline
         epoch_start = time.perf_counter()
         for idx, global_batch in self.sampler:
@@ -613,10 +614,7 @@ class Trainer:
         from mpdl.autograd.tensor import Tensor  # noqa: PLC0415
 
         synchronous = self.config.ps_mode() == "sync"
-        self.model.train()
-        self.sampler.set_epoch(epoch)
-        sums = dict.fromkeys(("loss", "correct", "n", "compute", "comm", "exposed", "wall"), 0.0)
-        bar = self._progress_bar(epoch)
+        sums, bar = self._start_epoch(epoch)
         tl = self.timeline
         epoch_start = time.perf_counter()
         for idx, global_batch in self.sampler:
