@@ -34,8 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         modules[verb] = module
     args = parser.parse_args(argv)
 
+    from mpdl.allocator import keep_heap  # noqa: PLC0415
     from mpdl.mpi_runtime import MPIUnavailable, abort_on_uncaught_exception  # noqa: PLC0415
 
+    keep_heap()
     try:
         abort_on_uncaught_exception()
         return modules[args.verb].run(args) or 0
