@@ -68,6 +68,35 @@ def to_module(x: np.ndarray, xp: types.ModuleType) -> Any:
     return xp.asarray(x)
 
 
+#: the distance at which a store can be mistaken for a recent load's address (4K aliasing)
+PAGE = 4096
+
+
+def empty_like_page_offset(x: Any) -> Any:
+    """An empty C-contiguous array of x's shape and dtype. For NumPy it starts at the same offset
+    within a 4 KiB page as x: copying x into it then never writes a few bytes behind the loads,
+    which on some CPUs (4K aliasing) makes a copy ten times slower. Heap arrays allocated one after
+    another are 16 bytes apart modulo 4 KiB, which is that case."""
+    xp = get_array_module(x)
+    if xp is not np:
+        return xp.empty(x.shape, dtype=x.dtype)
+    raw = np.empty(x.nbytes + PAGE, dtype=np.uint8)
+    start = (x.ctypes.data - raw.ctypes.data) % PAGE
+    return raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+
+
+def empty_half_page_in(count: int, dtype: Any, xp: Any) -> Any:
+    """An empty 1-D array that starts half a page into a 4 KiB page (NumPy): a scratch buffer that
+    a page-aligned array and it are never within a few bytes of each other modulo 4 KiB (see
+    empty_like_page_offset)."""
+    if xp is not np:
+        return xp.empty(count, dtype=dtype)
+    nbytes = count * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 2 * PAGE, dtype=np.uint8)
+    start = (PAGE // 2 - raw.ctypes.data) % PAGE
+    return raw[start:start + nbytes].view(dtype)
+
+
 def check_dtype(dtype: Any, argument: str = "x") -> np.dtype:
     """The dtype if mpdl's collectives support it; TypeError naming it otherwise."""
     dt = np.dtype(dtype)

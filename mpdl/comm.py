@@ -194,7 +194,7 @@ class Communicator:
         key = (name, np.dtype(dtype).str, xp.__name__)
         buf = self._workspace.get(key)
         if buf is None or buf.size < count:
-            buf = xp.empty(max(count, 1), dtype=dtype)
+            buf = backend.empty_half_page_in(max(count, 1), dtype, xp)
             self._workspace[key] = buf
         return buf[:count]
 

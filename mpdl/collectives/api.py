@@ -94,7 +94,7 @@ def _prepare_allreduce(x: Any, op: str, algorithm: str, comm: Any, out: Any):
     check_op(op, dtype)
     algo = _pick("allreduce", algorithm, c, x.nbytes)
     if out is None:
-        out = xp.empty(x.shape, dtype=dtype)
+        out = backend.empty_like_page_offset(x)
     else:
         _check_out(out, x, xp)
     _agree(c, "allreduce", algo.name, x.shape, dtype, op, None)
