@@ -1,7 +1,9 @@
 """`mpdl calibrate`: measure α, β and γ on this machine and save them for the cost model.
 
-Every rank takes part at once, as in a collective: ranks exchange messages in pairs (ping-pong by
-sendrecv) for α and β, inside a node and, with several nodes, between nodes; every rank reduces
+Every rank takes part at once, as in a collective. For α and β, the ranks of a node pass messages
+round a ring (each sends to the next and receives from the previous, as in one step of the ring
+algorithms) and, with several nodes, equal local ranks of paired nodes exchange them; each exchange
+is timed as `mpdl bench` times a call (barrier, one call, slowest rank); every rank reduces
 arrays for γ (per dtype) and copies them for the memory-copy rate. A collective's time is set by
 its slowest rank, so each figure is the maximum over ranks of that rank's median.
 The parameters are stored under this world size in $MPDL_COST_MODEL, or ~/.cache/mpdl/costmodel.json
@@ -67,21 +69,32 @@ def _pairs(groups: list[list[int]], inter: bool) -> dict[int, int]:
     return partner
 
 
-def _exchange_times(comm: Any, partner: int | None, iters: int) -> list[float]:
-    """Seconds per sendrecv with the partner at SMALL_BYTES and each of LARGE_BYTES (0: idle)."""
+def _shifts(groups: list[list[int]]) -> dict[int, tuple[int, int]]:
+    """rank -> (send to, receive from): the next and previous rank of its node, as in a ring step."""
+    return {g[i]: (g[(i + 1) % len(g)], g[i - 1]) for g in groups if len(g) > 1
+            for i in range(len(g))}
+
+
+def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int) -> list[float]:
+    """Seconds per sendrecv (to peers[0], from peers[1]) at SMALL_BYTES and each of LARGE_BYTES,
+    timed as `mpdl bench` times a collective: MPI barrier, one call, slowest rank; the median over
+    repetitions (0 where no rank had peers)."""
     results = []
     for nbytes in (SMALL_BYTES, *LARGE_BYTES):
         send = np.ones(nbytes, np.uint8)
         recv = np.empty(nbytes, np.uint8)
         reps = iters if nbytes < (1 << 20) else max(3, iters // 4)
-        batch = 20 if nbytes <= SMALL_BYTES else 1
-        _quiet_barrier(comm.mpi)
-        if partner is None:
-            results.append(0.0)
-            continue
-        comm.sendrecv(send, partner, recv, partner, "calibrate")  # warm up the path
-        exchange = functools.partial(comm.sendrecv, send, partner, recv, partner, "calibrate")
-        results.append(_median_time(exchange, reps, batch))
+        times = np.zeros(reps)
+        if peers is not None:
+            comm.sendrecv(send, peers[0], recv, peers[1], "calibrate")  # warm up the path
+        for i in range(reps):
+            comm.mpi.Barrier()
+            t0 = time.perf_counter()
+            if peers is not None:
+                comm.sendrecv(send, peers[0], recv, peers[1], "calibrate")
+                times[i] = time.perf_counter() - t0
+        comm.mpi.Allreduce(comm.MPI.IN_PLACE, times, op=comm.MPI.MAX)
+        results.append(float(np.median(times)))
     return results
 
 
@@ -102,13 +115,15 @@ def measure(comm: Any, iters: int) -> dict[str, Any]:
     groups = comm.node_groups()
     figures: dict[str, float] = {}
 
-    intra = _exchange_times(comm, _pairs(groups, False).get(comm.rank), iters)
-    inter = _exchange_times(comm, _pairs(groups, True).get(comm.rank), iters) \
+    intra = _exchange_times(comm, _shifts(groups).get(comm.rank), iters)
+    inter_partner = _pairs(groups, True).get(comm.rank)
+    inter = _exchange_times(comm, None if inter_partner is None else (inter_partner,) * 2, iters) \
         if len(groups) > 1 else None
 
     # The MPI library's own latency, with no Python between the messages.
     partner = _pairs(groups, False).get(comm.rank, _pairs(groups, True).get(comm.rank))
     _quiet_barrier(mpi)
+    figures["alpha_native"] = 0.0  # the rank left without a partner (odd p) adds nothing to the max
     if partner is not None:
         one, got = np.ones(1, np.float64), np.empty(1, np.float64)
         exchange = lambda: mpi.Sendrecv(one, partner, recvbuf=got, source=partner)  # noqa: E731
