@@ -1,7 +1,8 @@
-"""Does `mpdl simulate` predict this machine? Calibrate, then compare its predictions with measured
-`mpdl bench` (ring all-reduce, 512 KiB-2 MiB) and `mpdl train` (LeNet) step times at p=2.
+"""Does `mpdl simulate` predict this machine? For each world size p (default 2, 3 and 4): calibrate at
+p, then compare the model's predictions with measured `mpdl bench` (ring all-reduce, 512 KiB-2 MiB)
+and `mpdl train` (LeNet, 32 samples per rank) step times.
 
-    python benchmarks/simulate_agreement.py
+    python benchmarks/simulate_agreement.py [--ranks 2 3 4] [--rounds 2]
 
 Exits 1 when a median ratio predicted/measured lies outside ±25%. It is a benchmark, not a unit
 test: timings on a shared machine are noisy, so it is run by hand and its figures reported.
@@ -9,6 +10,7 @@ test: timings on a shared machine are noisy, so it is run by hand and its figure
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -46,63 +48,63 @@ def _environment(tmp_path: Path) -> dict:
     return env
 
 
-def train_step_ratio(tmp_path: Path) -> float:
-    """After calibrate, in two rounds that interleave `simulate --measure lenet` (per-sample
-    time on this machine) and `mpdl train` of LeNet under mpiexec -n 2: the median of
-    predicted/measured step time (median over epochs after the first) lies within ±25%."""
-    env = _environment(tmp_path)
-    _mpirun(2, ["calibrate", "-n", "30"], env, 60)
+def _calibrate(p: int, env: dict) -> None:
+    _mpirun(p, ["calibrate", "-n", "30"], env, 120)
+
+
+def train_step_ratios(p: int, env: dict, tmp_path: Path, rounds: int = 2) -> list[float]:
+    """predicted/measured LeNet step time at p ranks, 32 samples per rank, in `rounds` rounds that
+    interleave `mpiexec -n p mpdl simulate --measure lenet` (every rank measures at once) and
+    `mpiexec -n p mpdl train`. The measured step is the median over the epochs after the first,
+    which pays for compiling kernels."""
     ratios = []
-    for round_ in range(2):
-        sim_path, train_path = tmp_path / f"sim{round_}.jsonl", tmp_path / f"train{round_}.jsonl"
-        subprocess.run([MPDL, "simulate", "--measure", "lenet", "--measure-input", "mnist",
-                        "--network", "calibrated", "--nodes", "1", "--per-node", "2",
-                        "--max-workers", "2", "--algorithms", "ring", "--json", str(sim_path)],
-                       capture_output=True, text=True, timeout=60, env=env, check=True)
+    for round_ in range(rounds):
+        sim_path, train_path = tmp_path / f"sim{p}.{round_}.jsonl", tmp_path / f"train{p}.{round_}.jsonl"
+        _mpirun(p, ["simulate", "--measure", "lenet", "--measure-input", "mnist", "--network",
+                    "calibrated", "--nodes", "1", "--per-node", str(p), "--max-workers", str(p),
+                    "--batch-per-worker", "32", "--algorithms", "ring", "--json", str(sim_path)],
+                env, 120)
         predicted = next(row["step_s"] for row in map(json.loads, sim_path.read_text().splitlines())
-                         if row.get("workers") == 2)
-        _mpirun(2, ["train", "--model", "lenet", "--dataset", "synthetic", "--synthetic-samples",
-                    "2048", "--epochs", "3", "--algorithm", "ring", "--no-progress", "--json",
-                    str(train_path)], env, 120)
-        # the first epoch pays for compiling kernels and first-touch allocations: leave it out
+                         if row.get("workers") == p)
+        _mpirun(p, ["train", "--model", "lenet", "--dataset", "synthetic", "--synthetic-samples",
+                    str(2048 * p), "--global-batch-size", str(32 * p), "--epochs", "3",
+                    "--algorithm", "ring", "--no-progress", "--json", str(train_path)], env, 240)
         epochs = [json.loads(x) for x in train_path.read_text().splitlines()][1:-1]
         step = statistics.median(r["compute_s"] + r["exposed_comm_s"] for r in epochs)
         ratios.append(predicted / step)
-    ratio = statistics.median(ratios)
-    print(f"train step at p=2, predicted/measured: {ratio:.2f} ({', '.join(f'{r:.2f}' for r in ratios)})")
-    return ratio
+    return ratios
 
 
-def allreduce_ratio(tmp_path: Path) -> float:
-    """Calibrate, then bench the ring all-reduce of 512 KiB-2 MiB, back to back in two rounds:
-    the median predicted/measured over the six sizes lies within ±25%."""
-    env = _environment(tmp_path)
-    ratios = []
-    for round_ in range(2):
-        _mpirun(2, ["calibrate", "-n", "30"], env, 60)
-        params = cm.read_file(env["MPDL_COST_MODEL"])[2]
-        path = tmp_path / f"bench{round_}.jsonl"
-        _mpirun(2, ["bench", "-b", "512K", "-e", "2M", "-n", "9", "-w", "2", "--algorithms", "ring",
-                    "--json", str(path)], env, 60)
-        for r in (json.loads(x) for x in path.read_text().splitlines()):
-            if r["algorithm"] == "ring":
-                predicted = S.allreduce_seconds("ring", r["bytes"], 2, 1, params)
-                ratios.append(predicted / (r["time_us"] * 1e-6))
-    ratio = statistics.median(ratios)
-    print(f"ring all-reduce at p=2, predicted/measured: {ratio:.2f} "
-          f"({', '.join(f'{r:.2f}' for r in ratios)})")
-    return ratio
+def allreduce_ratios(p: int, env: dict, tmp_path: Path) -> list[float]:
+    """predicted/measured time of the ring all-reduce of 512 KiB-2 MiB at p ranks, just after
+    calibrating at p."""
+    params = cm.read_file(env["MPDL_COST_MODEL"])[p]
+    path = tmp_path / f"bench{p}.jsonl"
+    _mpirun(p, ["bench", "-b", "512K", "-e", "2M", "-n", "9", "-w", "2", "--algorithms", "ring",
+                "--json", str(path)], env, 120)
+    return [S.allreduce_seconds("ring", r["bytes"], p, 1, params) / (r["time_us"] * 1e-6)
+            for r in map(json.loads, path.read_text().splitlines()) if r["algorithm"] == "ring"]
 
 
 def main() -> int:
-    with tempfile.TemporaryDirectory() as tmp:
-        bench = allreduce_ratio(Path(tmp))
-        train = train_step_ratio(Path(tmp))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--rounds", type=int, default=2, help="train/simulate rounds per size")
+    args = parser.parse_args()
     ok = True
-    for what, ratio in (("ring all-reduce, mpdl bench", bench), ("LeNet step, mpdl train", train)):
-        verdict = "ok" if abs(ratio - 1) <= TOLERANCE else "outside ±25%"
-        ok &= verdict == "ok"
-        print(f"{what:<28} predicted/measured {ratio:.2f}  {verdict}")
+    print(f"{'p':>2}  {'what':<26} {'predicted/measured':>18}  {'each':<30} verdict")
+    with tempfile.TemporaryDirectory() as tmp:
+        env = _environment(Path(tmp))
+        for p in args.ranks:
+            _calibrate(p, env)
+            for what, ratios in (("ring all-reduce, bench", allreduce_ratios(p, env, Path(tmp))),
+                                 ("LeNet step, train", train_step_ratios(p, env, Path(tmp),
+                                                                         args.rounds))):
+                ratio = statistics.median(ratios)
+                verdict = "ok" if abs(ratio - 1) <= TOLERANCE else "outside ±25%"
+                ok &= verdict == "ok"
+                each = ", ".join(f"{r:.2f}" for r in ratios)
+                print(f"{p:>2}  {what:<26} {ratio:>18.2f}  {each:<30} {verdict}", flush=True)
     return 0 if ok else 1
 
 

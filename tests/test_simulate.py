@@ -138,3 +138,17 @@ def test_cli_sweep_to_65536_table_json_plot(tmp_path):
 def test_bad_flags_exit_2_with_one_line(flags, message):
     out = subprocess.run([MPDL, "simulate", *flags], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_measure_under_mpiexec_reports_once_with_every_rank_measuring(tmp_path):
+    """`mpiexec -n 2 mpdl simulate --measure`: both ranks time the model at once, rank 0 alone
+    prints, and the source says the slowest rank was kept."""
+    out = subprocess.run(["timeout", "-k", "5", "100", MPIEXEC, "-n", "2", MPDL, "simulate",
+                          "--measure", "mlp", "--network", "ethernet-10g", "--max-workers", "4",
+                          "--json", str(tmp_path / "m.jsonl")],
+                         capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("# mpdl simulate:") == 1
+    summary = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+    assert "2 ranks measuring at once, the slowest kept" in summary["model_source"]
+    assert summary["sample_s"] > 0 and summary["params"] > 0

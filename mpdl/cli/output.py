@@ -15,6 +15,14 @@ def world_rank() -> int:
     return 0
 
 
+def world_size() -> int:
+    """The number of ranks from the launcher's environment, without initialising MPI."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 1
+
+
 def is_rank0() -> bool:
     return world_rank() == 0
 

@@ -176,6 +176,25 @@ def choose_network(args: argparse.Namespace, default: str, ranks: int):
     return net
 
 
+def measure_on_every_rank(model: str, shape: str, batch: int):
+    """The workload measured on this machine. Under mpiexec every rank measures at the same time,
+    so the figures include what the ranks of a node take from each other (cores, caches, memory
+    bandwidth); the slowest rank's are kept, because a synchronous step waits for it."""
+    from mpdl import simulate as S  # noqa: PLC0415
+    from mpdl.cli.output import world_size  # noqa: PLC0415
+
+    if world_size() == 1:
+        return S.measure_workload(model, shape, batch=batch)
+    from mpdl.mpi_runtime import load_mpi  # noqa: PLC0415
+
+    world = load_mpi().COMM_WORLD
+    world.Barrier()
+    workloads = world.allgather(S.measure_workload(model, shape, batch=batch))
+    slowest = max(workloads, key=lambda w: w.compute(batch))
+    return replace(slowest, source=f"{slowest.source}; {len(workloads)} ranks measuring at once, "
+                                   f"the slowest kept")
+
+
 def choose_workload(args: argparse.Namespace):
     from mpdl import simulate as S  # noqa: PLC0415
 
@@ -203,8 +222,8 @@ def choose_workload(args: argparse.Namespace):
         if args.measure_input not in S.INPUT_SHAPES:
             raise UsageError(f"--measure-input: expected one of {', '.join(S.INPUT_SHAPES)}, "
                              f"got {args.measure_input!r}")
-        batch = int(args.batch_per_worker or 32)
-        workload = S.measure_workload(args.measure, args.measure_input, batch=max(1, batch))
+        batch = max(1, int(args.batch_per_worker or 32))
+        workload = measure_on_every_rank(args.measure, args.measure_input, batch)
         default_net = "calibrated"
     else:
         name = args.profile or "resnet50-v100"
@@ -323,7 +342,7 @@ def plot(path: str, rows, strategies, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mpdl import simulate as S  # noqa: PLC0415
-    from mpdl.cli.output import write_json_lines  # noqa: PLC0415
+    from mpdl.cli.output import is_rank0, write_json_lines  # noqa: PLC0415
 
     if args.list:
         for name, w in S.PROFILES.items():
@@ -368,6 +387,8 @@ def run(args: argparse.Namespace) -> int:
     counts = S.worker_counts(max(args.max_workers, 1), extra=[headline])
     rows = S.simulate(workload, net, strategies, job, counts, per_node, headline)
     lims = S.limits(rows, args.min_gain)
+    if not is_rank0():
+        return 0
     print_table(workload, net, job, headline, per_node, rows, lims, strategies, args.min_gain)
     if args.json:
         summary = {"summary": True, "model": workload.name, "params": workload.params,
