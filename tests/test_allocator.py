@@ -1,5 +1,6 @@
-"""keep_heap: a step that allocates and frees megabytes reuses the heap instead of faulting in
-fresh pages each time (counted as minor page faults, not timed)."""
+"""Where arrays live. keep_heap: a step that allocates and frees megabytes reuses the heap instead of
+faulting in fresh pages each time (counted as minor page faults, not timed). Page offsets: the
+collectives' output and scratch buffers are placed so copies avoid 4K aliasing."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import platform
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+from mpdl import backend
+
+glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="mallopt thresholds are a glibc feature")
 
 PROGRAM = """
@@ -35,15 +39,34 @@ def _faults_per_step(malloc: str) -> tuple[bool, float]:
     return out[0] == "True", float(out[1])
 
 
+@glibc_only
 def test_keep_heap_reuses_memory_between_steps():
     took, faults = _faults_per_step("keep")
     assert took
     assert faults < 100, f"{faults} page faults per step: the heap was trimmed and refilled"
 
 
+@glibc_only
 def test_default_malloc_faults_memory_in_every_step():
     """The control: without keep_heap the same loop faults in pages every step, so the test above
     measures what it claims."""
     took, faults = _faults_per_step("default")
     assert not took
     assert faults > 1000
+
+
+@pytest.mark.parametrize("offset", [0, 16, 48, 4080])
+def test_output_starts_at_the_inputs_page_offset(offset):
+    raw = np.empty(3 * 4096, np.uint8)
+    start = (offset - raw.ctypes.data) % 4096
+    x = raw[start:start + 4096].view(np.float32).reshape(32, 32)
+    out = backend.empty_like_page_offset(x)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.flags["C_CONTIGUOUS"]
+    assert out.ctypes.data % 4096 == x.ctypes.data % 4096 == offset
+    assert not np.shares_memory(out, x)
+
+
+def test_scratch_starts_half_a_page_in():
+    for count in (1, 1000, 1 << 16):
+        buf = backend.empty_half_page_in(count, np.float64, np)
+        assert buf.shape == (count,) and buf.ctypes.data % 4096 == 2048
