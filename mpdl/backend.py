@@ -251,6 +251,74 @@ def upload(dst: Any, host: np.ndarray) -> None:
         dst.set(host)
 
 
+# -- asynchronous copies between device and pinned host memory ------------------------------------
+class _StandInCopy:
+    """The stand-in's copy event: the data moves at once, but the event reports done only on the
+    second query, so callers exercise their waiting path as with a real device."""
+
+    __slots__ = ("queries",)
+
+    def __init__(self) -> None:
+        self.queries = 0
+
+    @property
+    def done(self) -> bool:
+        self.queries += 1
+        return self.queries > 1
+
+    def synchronize(self) -> None:
+        self.queries = 2
+
+
+@functools.cache
+def _copy_stream(device: int) -> Any:
+    """A non-blocking CUDA stream per device for staging copies, apart from the compute stream."""
+    import cupy  # noqa: PLC0415
+
+    with cupy.cuda.Device(device):
+        return cupy.cuda.Stream(non_blocking=True)
+
+
+def _stream_for(xp: types.ModuleType) -> Any:
+    return _copy_stream(xp.cuda.Device().id)
+
+
+def download_async(src: Any, host: np.ndarray) -> Any:
+    """Start copying the contiguous device array src into the pinned host array host; return an
+    event (see copy_done). The device data must be ready (see synchronize)."""
+    xp = get_array_module(src)
+    if xp is standin:
+        standin.transfers["d2h"] += 1
+        np.copyto(host, src._a)
+        return _StandInCopy()
+    stream = _stream_for(xp)
+    src.get(stream=stream, out=host, blocking=False)
+    return stream.record()
+
+
+def upload_async(dst: Any, host: np.ndarray) -> Any:
+    """Start copying the pinned host array host into the contiguous device array dst; return an
+    event. host must stay untouched until the event is done."""
+    xp = get_array_module(dst)
+    if xp is standin:
+        standin.transfers["h2d"] += 1
+        np.copyto(dst._a, host)
+        return _StandInCopy()
+    stream = _stream_for(xp)
+    dst.set(host, stream=stream)
+    return stream.record()
+
+
+def copy_done(event: Any) -> bool:
+    """Whether an asynchronous copy has finished (without waiting)."""
+    return event.done
+
+
+def wait_copy(event: Any) -> None:
+    """Block until an asynchronous copy has finished."""
+    event.synchronize()
+
+
 def use_local_gpu(local_rank: int, local_size: int) -> int:
     """Make GPU (local_rank mod number of GPUs) current for this process; return its index.
 

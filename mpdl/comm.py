@@ -42,6 +42,20 @@ def timeout_s() -> float:
     return value
 
 
+def staging_chunk_bytes() -> int:
+    """The chunk size of staged device messages, from MPDL_STAGING_CHUNK_BYTES (default 4 MiB)."""
+    raw = os.environ.get("MPDL_STAGING_CHUNK_BYTES", "")
+    if not raw:
+        return 4 << 20
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"MPDL_STAGING_CHUNK_BYTES: expected a positive number of bytes, got {raw!r}")
+    return value
+
+
 def ranks_per_node_override() -> int | None:
     """MPDL_RANKS_PER_NODE=k (emulated nodes of k consecutive ranks), or None when unset."""
     raw = os.environ.get("MPDL_RANKS_PER_NODE", "")
@@ -57,17 +71,22 @@ def ranks_per_node_override() -> int | None:
 
 
 class Request:
-    """A pending send or receive: the peer and step it belongs to, and what to do on completion."""
+    """A pending send or receive: the peer and step it belongs to, and what to do on completion.
 
-    __slots__ = ("handle", "peer", "step", "kind", "on_complete")
+    `handle` is one transport handle, or a list of them for a message sent in chunks; `progress`,
+    when given, is called while waiting (a staged receive uploads the chunks that have arrived)."""
+
+    __slots__ = ("handle", "peer", "step", "kind", "on_complete", "progress")
 
     def __init__(self, handle: Any, peer: int, step: Any, kind: str,
-                 on_complete: Callable[[], None] | None = None):
+                 on_complete: Callable[[], None] | None = None,
+                 progress: Callable[[], None] | None = None):
         self.handle = handle
         self.peer = peer
         self.step = step
         self.kind = kind
         self.on_complete = on_complete
+        self.progress = progress
 
 
 class Communicator:
@@ -332,6 +351,9 @@ class MPIComm(Communicator):
         self._windows: dict[int, Any] = {}
         self._pools: dict[str, StagingPool] = {}
         self._cuda_aware: bool | None = None
+        #: staged messages above this many bytes travel in chunks of it, so the device-host copies
+        #: of one chunk overlap the transfer of another (MPDL_STAGING_CHUNK_BYTES, default 4 MiB)
+        self.staging_chunk = staging_chunk_bytes()
         #: mpdl.emulation's delay hook, called as link_delay(dest, nbytes) before each send; None = off
         self.link_delay: emulation.LinkDelay | None = None
         emulated = emulation.from_environment()
@@ -363,9 +385,30 @@ class MPIComm(Communicator):
         pool = self.staging_pool(xp)
         host = pool.acquire(buf.nbytes)
         staged = host[: buf.nbytes].view(buf.dtype)
-        xp.asnumpy(buf, out=staged)
-        handle = self.mpi.Isend([staged, self.MPI.BYTE], dest, self._TAG)
+        if buf.nbytes <= self.staging_chunk:
+            xp.asnumpy(buf, out=staged)
+            handle = self.mpi.Isend([staged, self.MPI.BYTE], dest, self._TAG)
+        else:
+            handle = self._send_in_chunks(buf.reshape(-1), staged, dest)
         return Request(handle, dest, step, "send", lambda: pool.release(host))
+
+    def _chunks(self, count: int, itemsize: int) -> list[tuple[int, int]]:
+        """Element ranges of the chunks a staged message of count elements travels in."""
+        per = max(1, self.staging_chunk // itemsize)
+        return [(lo, min(lo + per, count)) for lo in range(0, count, per)]
+
+    def _send_in_chunks(self, flat: Any, staged: np.ndarray, dest: int) -> list[Any]:
+        """Queue every chunk's device-to-host copy at once and post each chunk's send as soon as
+        its copy is done: chunk i+1 is copied while chunk i is on the wire."""
+        bounds = self._chunks(flat.size, flat.itemsize)
+        copies = [backend.download_async(flat[lo:hi], staged[lo:hi]) for lo, hi in bounds]
+        handles: list[Any] = []
+        for (lo, hi), copy in zip(bounds, copies, strict=True):
+            while not backend.copy_done(copy):
+                if handles:
+                    self.MPI.Request.Testall(handles)  # keep the posted chunks moving
+            handles.append(self.mpi.Isend([staged[lo:hi], self.MPI.BYTE], dest, self._TAG))
+        return handles
 
     def _irecv(self, buf: Any, source: int, step: Any) -> Request:
         xp = backend.get_array_module(buf)
@@ -379,6 +422,9 @@ class MPIComm(Communicator):
         pool = self.staging_pool(xp)
         host = pool.acquire(buf.nbytes)
         staged = host[: buf.nbytes].view(buf.dtype)
+        if buf.nbytes > self.staging_chunk:
+            return self._recv_in_chunks(buf.reshape(-1), staged, source, step,
+                                        lambda: pool.release(host))
 
         def upload() -> None:
             backend.upload(buf, staged)
@@ -387,14 +433,40 @@ class MPIComm(Communicator):
         handle = self.mpi.Irecv([staged, self.MPI.BYTE], source, self._TAG)
         return Request(handle, source, step, "recv", upload)
 
+    def _recv_in_chunks(self, flat: Any, staged: np.ndarray, source: int, step: Any,
+                        release: Callable[[], None]) -> Request:
+        """Post every chunk's receive at once; while waiting, start the host-to-device copy of
+        each chunk that has arrived (in order), so uploads overlap the chunks still on the wire."""
+        bounds = self._chunks(flat.size, flat.itemsize)
+        handles = [self.mpi.Irecv([staged[lo:hi], self.MPI.BYTE], source, self._TAG)
+                   for lo, hi in bounds]
+        uploads: list[Any] = []
+
+        def progress() -> None:
+            while len(uploads) < len(handles) and handles[len(uploads)].Test():
+                lo, hi = bounds[len(uploads)]
+                uploads.append(backend.upload_async(flat[lo:hi], staged[lo:hi]))
+
+        def complete() -> None:
+            progress()
+            for upload in uploads:
+                backend.wait_copy(upload)
+            release()
+
+        return Request(handles, source, step, "recv", complete, progress)
+
     def _wait_all(self, requests: Sequence[Request]) -> None:
-        handles = [r.handle for r in requests]
+        handles = [h for r in requests for h in (r.handle if isinstance(r.handle, list)
+                                                  else (r.handle,))]
+        progressing = [r.progress for r in requests if r.progress is not None]
         testall = self.MPI.Request.Testall
         spins = 0
         deadline = None
         # On the communication thread, pause between polls so the GIL goes to the compute thread.
         background = threading.current_thread() is not threading.main_thread()
         while not testall(handles):
+            for progress in progressing:
+                progress()
             spins += 1
             if background and spins > 64:
                 time.sleep(20e-6)
@@ -406,8 +478,9 @@ class MPIComm(Communicator):
                 if deadline is None:
                     deadline = now + self.timeout
                 elif now > deadline:
-                    pending = [r for r, h in zip(requests, handles, strict=True)
-                               if h != self.MPI.REQUEST_NULL]
+                    pending = [r for r in requests if any(
+                        h != self.MPI.REQUEST_NULL
+                        for h in (r.handle if isinstance(r.handle, list) else (r.handle,)))]
                     raise self._timeout_error(pending or list(requests))
 
     # -- collectives we borrow from MPI -------------------------------------------------------

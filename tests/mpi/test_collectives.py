@@ -186,3 +186,35 @@ def test_device_arrays_are_staged_through_reused_host_buffers(monkeypatch):
     for algorithm in ALLREDUCE:
         C.allreduce(standin.asarray(local_data(300001, "float32", "sum")), algorithm=algorithm)
     assert pool.allocations == allocations, "staging buffers were allocated again"
+
+
+@pytest.mark.skipif(P == 1, reason="one rank sends nothing")
+def test_large_staged_messages_travel_in_chunks(monkeypatch):
+    """Above the staging chunk, a device message is copied and sent chunk by chunk (the copies of
+    one chunk overlap the transfer of another); the stand-in's copies report done only when asked
+    twice, so the waiting path runs. Results are exact and buffers are released and reused."""
+    from mpdl.backend import standin
+    from mpdl.comm import as_communicator
+
+    comm = as_communicator(None)
+    monkeypatch.setattr(comm, "staging_chunk", 4096)
+    monkeypatch.setenv("MPDL_SEGMENT_BYTES", str(1 << 20))
+    whole_buffer = [a for a in ("recursive_doubling", "rabenseifner", "tree", "ring")
+                    if a in ALLREDUCE]
+    for algorithm in whole_buffer:
+        for count in (0, 1, 1023, 1025, 4099, 300001):
+            host = local_data(count, "float32", "sum", seed=5)
+            start = dict(standin.transfers)
+            result = C.allreduce(standin.asarray(host), algorithm=algorithm)
+            assert_close(standin.asnumpy(result), mpi_reference(host, "sum"), "float32")
+            if count == 300001:
+                # the largest message of any algorithm here is at least count/P elements
+                chunks = (count // P) * 4 // 4096
+                assert standin.transfers["d2h"] - start["d2h"] >= chunks, "not sent in chunks"
+                assert standin.transfers["h2d"] - start["h2d"] >= chunks, "not received in chunks"
+    pool = comm.staging_pool(standin)
+    assert not pool.in_flight, "a staging buffer was never released"
+    allocations = pool.allocations
+    for algorithm in whole_buffer:
+        C.allreduce(standin.asarray(local_data(300001, "float32", "sum")), algorithm=algorithm)
+    assert pool.allocations == allocations, "staging buffers were allocated again"
