@@ -3,7 +3,8 @@
 #   1. installs CuPy from wheels (cupy-cuda12x) into the project's .venv,
 #   2. runs the GPU test subset (every autograd op on the GPU against the CPU result; collectives on
 #      CuPy arrays through host staging, since PyPI's MPICH is not CUDA-aware),
-#   3. runs `mpdl bench allreduce --device gpu` with 1, 2 and 4 ranks sharing the GPU,
+#   3. runs `mpdl bench allreduce --device gpu` with 1, 2 and 4 ranks sharing the GPU, and at
+#      16-64 MiB with staging in 4 MiB chunks against whole messages,
 #   4. runs `mpdl train --device gpu` on synthetic MNIST-shaped data, against the same run on CPU.
 # Everything goes to one folder: $OUT if set, else gpu_check_out/.
 # Without a GPU it says so and exits 0.
@@ -34,6 +35,15 @@ for n in 1 2 4; do
     --device gpu -b 1K -e 64M -f 4 -n 10 -w 2 --algorithms ring,recursive_doubling,tree,mpi \
     --json "$out/bench_gpu_p$n.jsonl" 2>&1 | tee "$out/bench_gpu_p$n.txt" | tail -12
 done
+# Staging in chunks (the copies of one chunk overlap the transfer of another) against whole messages.
+for chunk in 4194304 1073741824; do
+  export MPDL_STAGING_CHUNK_BYTES=$chunk
+  step "bench 16-64 MiB, 2 ranks, staging chunk $chunk B" 120 \
+    $mpiexec -n 2 .venv/bin/mpdl bench allreduce --device gpu -b 16M -e 64M -f 2 -n 10 -w 2 \
+    --algorithms recursive_doubling,ring --json "$out/bench_chunk_$chunk.jsonl" 2>&1 \
+    | tee "$out/bench_chunk_$chunk.txt" | tail -5
+done
+unset MPDL_STAGING_CHUNK_BYTES
 for device in cpu gpu; do
   step "train --device $device (lenet, synthetic MNIST, batch 256)" 150 .venv/bin/mpdl train \
     --device $device --model lenet --dataset synthetic --epochs 1 --global-batch-size 256 \
