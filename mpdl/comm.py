@@ -42,32 +42,30 @@ def timeout_s() -> float:
     return value
 
 
-def staging_chunk_bytes() -> int:
-    """The chunk size of staged device messages, from MPDL_STAGING_CHUNK_BYTES (default 4 MiB)."""
-    raw = os.environ.get("MPDL_STAGING_CHUNK_BYTES", "")
+def _positive_int_env(name: str) -> int | None:
+    """The positive integer in environment variable `name`, None when unset; ValueError naming the
+    variable otherwise."""
+    raw = os.environ.get(name, "")
     if not raw:
-        return 4 << 20
+        return None
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"MPDL_STAGING_CHUNK_BYTES: expected a positive number of bytes, got {raw!r}")
+        raise ValueError(f"{name}: expected a positive integer, got {raw!r}")
     return value
+
+
+def staging_chunk_bytes() -> int:
+    """The chunk size of staged device messages, from MPDL_STAGING_CHUNK_BYTES (default 4 MiB)."""
+    value = _positive_int_env("MPDL_STAGING_CHUNK_BYTES")
+    return 4 << 20 if value is None else value
 
 
 def ranks_per_node_override() -> int | None:
     """MPDL_RANKS_PER_NODE=k (emulated nodes of k consecutive ranks), or None when unset."""
-    raw = os.environ.get("MPDL_RANKS_PER_NODE", "")
-    if not raw:
-        return None
-    try:
-        k = int(raw)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise ValueError(f"MPDL_RANKS_PER_NODE: expected a positive integer, got {raw!r}")
-    return k
+    return _positive_int_env("MPDL_RANKS_PER_NODE")
 
 
 class Request:

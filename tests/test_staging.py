@@ -26,3 +26,18 @@ def test_stand_in_device_array_refuses_implicit_host_access():
     with pytest.raises(TypeError, match="mixed"):
         standin.add(x, np.ones(4))
     np.testing.assert_array_equal(standin.asnumpy(standin.add(x, x)), [0, 2, 4, 6])
+
+
+@pytest.mark.parametrize("variable, read", [("MPDL_STAGING_CHUNK_BYTES", "staging_chunk_bytes"),
+                                            ("MPDL_RANKS_PER_NODE", "ranks_per_node_override")])
+def test_size_variables_reject_what_is_not_a_positive_integer(monkeypatch, variable, read):
+    from mpdl import comm
+
+    for bad in ("0", "-4", "4M", "two"):
+        monkeypatch.setenv(variable, bad)
+        with pytest.raises(ValueError, match=f"{variable}: expected a positive integer"):
+            getattr(comm, read)()
+    monkeypatch.setenv(variable, "4096")
+    assert getattr(comm, read)() == 4096
+    monkeypatch.delenv(variable)
+    assert comm.staging_chunk_bytes() == 4 << 20 and comm.ranks_per_node_override() is None
