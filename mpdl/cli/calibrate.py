@@ -13,7 +13,6 @@ The parameters are stored under this world size in $MPDL_COST_MODEL, or ~/.cache
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 from typing import Any
@@ -26,6 +25,9 @@ from mpdl.cli import UsageError
 SMALL_BYTES = 8
 LARGE_BYTES = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 REDUCE_BYTES = 1 << 22
+#: pairs of REDUCE_BYTES arrays the rate measurements rotate through (32 MiB): far more than a
+#: core's private caches hold, as with a collective's buffers, which other cores wrote last
+STREAM_PAIRS = 4
 GAMMA_DTYPES = ("float16", "float32", "float64", "int32", "int64")
 
 
@@ -67,6 +69,23 @@ def _pairs(groups: list[list[int]], inter: bool) -> dict[int, int]:
         for a, b in zip(groups[j], groups[j + 1], strict=False):
             partner[a], partner[b] = b, a
     return partner
+
+
+def _stream_time(fn, dtype: np.dtype, iters: int) -> float:
+    """Seconds per call of fn(a, b) on REDUCE_BYTES arrays, taking the next of STREAM_PAIRS pairs
+    each time, so the data do not come from a core's private cache that a repeated call on one
+    pair keeps warm (a collective reduces and copies what other cores or MPI wrote last). The mean
+    over all calls, not a median: with more ranks than cores, the time slices a rank waits for
+    are part of the rate (every rank runs this at the same time)."""
+    pairs = [(np.ones(REDUCE_BYTES // dtype.itemsize, dtype),
+              np.ones(REDUCE_BYTES // dtype.itemsize, dtype)) for _ in range(STREAM_PAIRS)]
+    for a, b in pairs:
+        fn(a, b)
+    calls = max(iters, 2 * STREAM_PAIRS)
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(*pairs[i % STREAM_PAIRS])
+    return (time.perf_counter() - t0) / calls
 
 
 def _shifts(groups: list[list[int]]) -> dict[int, tuple[int, int]]:
@@ -130,16 +149,12 @@ def measure(comm: Any, iters: int) -> dict[str, Any]:
         exchange()
         figures["alpha_native"] = _median_time(exchange, iters, batch=50)
 
-    # Reduction and copy rates, all ranks at once.
+    # Reduction and copy rates, all ranks at once, on arrays that are not in cache (see _stream_time).
     _quiet_barrier(mpi)
     for dtype in GAMMA_DTYPES:
-        a = np.ones(REDUCE_BYTES // np.dtype(dtype).itemsize, dtype)
-        b = np.ones_like(a)
-        figures[f"gamma:{dtype}"] = _median_time(functools.partial(np.add, a, b, out=a),
-                                                 max(3, iters // 4)) / REDUCE_BYTES
-    src = np.ones(REDUCE_BYTES, np.uint8)
-    dst = np.empty_like(src)
-    figures["copy"] = _median_time(lambda: np.copyto(dst, src), max(3, iters // 4)) / REDUCE_BYTES
+        figures[f"gamma:{dtype}"] = _stream_time(
+            lambda a, b: np.add(a, b, out=a), np.dtype(dtype), max(3, iters // 4)) / REDUCE_BYTES
+    figures["copy"] = _stream_time(np.copyto, np.dtype(np.uint8), max(3, iters // 4)) / REDUCE_BYTES
 
     # A barrier of all ranks (the shm algorithm takes two per call), and the API's fixed cost.
     comm.barrier()
