@@ -28,6 +28,7 @@ def test_calibrate_then_bench_under_emulated_nodes(tmp_path):
     assert f"saved {model}" in out.stdout
     entry = json.loads(model.read_text())["entries"]["2"]
     assert entry["alpha"] > 0 and entry["beta"] > 0 and entry["gammas"]["float32"] > 0
+    assert entry["barrier"] > 0 and entry["ring_exchange"] == []  # a ring of two is a pair
 
     rows_path, csv_path, png = tmp_path / "rows.json", tmp_path / "rows.csv", tmp_path / "bw.png"
     out = run(2, ["bench", "-b", "1K", "-e", "16K", "-f", "4", "-n", "2", "-w", "1",
@@ -73,3 +74,6 @@ def test_calibrate_at_an_odd_world_size(tmp_path):
     assert out.returncode == 0, out.stderr
     entry = json.loads(model.read_text())["entries"]["3"]
     assert entry["alpha"] > 0 and entry["alpha_native"] > 0 and entry["beta"] > 0
+    # three ranks on a node: the ring curve is measured beside the pair curve
+    assert len(entry["ring_exchange"]) == len(entry["exchange"]) == 6
+    assert all(t > 0 for _, t in entry["ring_exchange"])

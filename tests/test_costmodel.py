@@ -181,6 +181,27 @@ def test_measured_exchange_curve_times_intra_node_messages():
     assert params.emulated(emulation.parse("intra=1Gbit/s,10us")).exchange == ()
 
 
+def test_ring_steps_use_the_ring_curve_and_pairwise_steps_the_pair_curve():
+    """With more ranks than cores a step round a ring of all ranks costs more than an exchange in
+    pairs; calibrate measures both, and the formulas take the curve of their pattern."""
+    pairs = ((8.0, 10e-6), (1 << 24, 10e-3))
+    ring = ((8.0, 100e-6), (1 << 24, 20e-3))
+    plain, both = cm.Params(exchange=pairs), cm.Params(exchange=pairs, ring_exchange=ring)
+    assert both.exchange_time(8, ring=True) == 100e-6 and both.exchange_time(8) == 10e-6
+    assert plain.exchange_time(8, ring=True) == 10e-6  # no ring curve: the pair curve serves
+    n = 1 << 20
+    # ring: 2(p-1) ring steps of n/p bytes; recursive doubling: log2(p) pairwise steps
+    ring_steps = 2 * 3 * (both.exchange_time(n / 4, ring=True) - plain.exchange_time(n / 4))
+    assert (cm.predict("allreduce", "ring", n, 4, 1, both)
+            - cm.predict("allreduce", "ring", n, 4, 1, plain)) == pytest.approx(ring_steps)
+    assert (cm.predict("allreduce", "recursive_doubling", n, 4, 1, both)
+            == cm.predict("allreduce", "recursive_doubling", n, 4, 1, plain))
+    assert cm.Params.from_json(both.to_json()).ring_exchange == ring
+    from mpdl import emulation
+
+    assert both.emulated(emulation.parse("intra=1Gbit/s,10us")).ring_exchange == ()
+
+
 def test_calibrated_curve_never_decreases():
     from mpdl.cli.calibrate import _monotone
 

@@ -1,11 +1,14 @@
 """`mpdl calibrate`: measure α, β and γ on this machine and save them for the cost model.
 
-Every rank takes part at once, as in a collective. For α and β, the ranks of a node pass messages
-round a ring (each sends to the next and receives from the previous, as in one step of the ring
-algorithms) and, with several nodes, equal local ranks of paired nodes exchange them; each exchange
-is timed as `mpdl bench` times a call (barrier, one call, slowest rank); every rank reduces
-arrays for γ (per dtype) and copies them for the memory-copy rate. A collective's time is set by
-its slowest rank, so each figure is the maximum over ranks of that rank's median.
+Every rank takes part at once, as in a collective. For α and β, neighbouring ranks of a node
+exchange messages in pairs; with three or more ranks on a node, they also pass them round a ring
+(each sends to the next and receives from the previous, as in one step of the ring algorithms),
+which with more ranks than cores is slower, since every rank must be scheduled; with several
+nodes, equal local ranks of paired nodes exchange them. Each exchange is timed as `mpdl bench`
+times a call (barrier, one call, slowest rank). Every rank reduces arrays for γ (per dtype) and
+copies them, on arrays not in cache, and copies a window chunk that stays in cache (the shm
+algorithm's); the barrier shm takes twice per call is measured inside an 8-byte shm all-reduce. A
+collective's time is set by its slowest rank, so each figure is the maximum over ranks.
 The parameters are stored under this world size in $MPDL_COST_MODEL, or ~/.cache/mpdl/costmodel.json
 (XDG_CACHE_HOME is honoured); `auto` and `mpdl bench` read them from there.
 """
@@ -13,6 +16,7 @@ The parameters are stored under this world size in $MPDL_COST_MODEL, or ~/.cache
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from typing import Any
@@ -20,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from mpdl.cli import UsageError
+from mpdl.collectives.shm import WINDOW_BYTES
 
 #: message sizes of the ping-pong; α comes from the smallest, β from the slope of the others
 SMALL_BYTES = 8
@@ -71,6 +76,12 @@ def _pairs(groups: list[list[int]], inter: bool) -> dict[int, int]:
     return partner
 
 
+def _shifts(groups: list[list[int]]) -> dict[int, tuple[int, int]]:
+    """rank -> (send to, receive from): the next and previous rank of its node, as in a ring step."""
+    return {g[i]: (g[(i + 1) % len(g)], g[i - 1]) for g in groups if len(g) > 1
+            for i in range(len(g))}
+
+
 def _stream_time(fn, dtype: np.dtype, iters: int) -> float:
     """Seconds per call of fn(a, b) on REDUCE_BYTES arrays, taking the next of STREAM_PAIRS pairs
     each time, so the data do not come from a core's private cache that a repeated call on one
@@ -88,32 +99,32 @@ def _stream_time(fn, dtype: np.dtype, iters: int) -> float:
     return (time.perf_counter() - t0) / calls
 
 
-def _shifts(groups: list[list[int]]) -> dict[int, tuple[int, int]]:
-    """rank -> (send to, receive from): the next and previous rank of its node, as in a ring step."""
-    return {g[i]: (g[(i + 1) % len(g)], g[i - 1]) for g in groups if len(g) > 1
-            for i in range(len(g))}
+def _bench_time(comm: Any, fn, reps: int) -> float:
+    """Seconds of fn timed as `mpdl bench` times a collective: MPI barrier, one call, slowest
+    rank; the median over reps (collective: every rank calls it, fn may be None on some)."""
+    times = np.zeros(reps)
+    for i in range(reps):
+        comm.mpi.Barrier()
+        t0 = time.perf_counter()
+        if fn is not None:
+            fn()
+            times[i] = time.perf_counter() - t0
+    comm.mpi.Allreduce(comm.MPI.IN_PLACE, times, op=comm.MPI.MAX)
+    return float(np.median(times))
 
 
 def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int) -> list[float]:
     """Seconds per sendrecv (to peers[0], from peers[1]) at SMALL_BYTES and each of LARGE_BYTES,
-    timed as `mpdl bench` times a collective: MPI barrier, one call, slowest rank; the median over
-    repetitions (0 where no rank had peers)."""
+    timed as bench times a call (see _bench_time; 0 where no rank had peers)."""
     results = []
     for nbytes in (SMALL_BYTES, *LARGE_BYTES):
         send = np.ones(nbytes, np.uint8)
         recv = np.empty(nbytes, np.uint8)
-        reps = iters if nbytes < (1 << 20) else max(3, iters // 4)
-        times = np.zeros(reps)
+        exchange = None
         if peers is not None:
-            comm.sendrecv(send, peers[0], recv, peers[1], "calibrate")  # warm up the path
-        for i in range(reps):
-            comm.mpi.Barrier()
-            t0 = time.perf_counter()
-            if peers is not None:
-                comm.sendrecv(send, peers[0], recv, peers[1], "calibrate")
-                times[i] = time.perf_counter() - t0
-        comm.mpi.Allreduce(comm.MPI.IN_PLACE, times, op=comm.MPI.MAX)
-        results.append(float(np.median(times)))
+            exchange = functools.partial(comm.sendrecv, send, peers[0], recv, peers[1], "calibrate")
+            exchange()  # warm up the path
+        results.append(_bench_time(comm, exchange, iters if nbytes < (1 << 20) else max(3, iters // 4)))
     return results
 
 
@@ -134,10 +145,14 @@ def measure(comm: Any, iters: int) -> dict[str, Any]:
     groups = comm.node_groups()
     figures: dict[str, float] = {}
 
-    intra = _exchange_times(comm, _shifts(groups).get(comm.rank), iters)
-    inter_partner = _pairs(groups, True).get(comm.rank)
-    inter = _exchange_times(comm, None if inter_partner is None else (inter_partner,) * 2, iters) \
-        if len(groups) > 1 else None
+    def pairwise(partner: int | None) -> list[float]:
+        return _exchange_times(comm, None if partner is None else (partner, partner), iters)
+
+    curves = {"intra": pairwise(_pairs(groups, False).get(comm.rank)),
+              # a ring of two is a pair: the ring curve is measured when a node has three ranks
+              "ring": _exchange_times(comm, _shifts(groups).get(comm.rank), iters)
+              if max(map(len, groups)) > 2 else None,
+              "inter": pairwise(_pairs(groups, True).get(comm.rank)) if len(groups) > 1 else None}
 
     # The MPI library's own latency, with no Python between the messages.
     partner = _pairs(groups, False).get(comm.rank, _pairs(groups, True).get(comm.rank))
@@ -155,27 +170,33 @@ def measure(comm: Any, iters: int) -> dict[str, Any]:
         figures[f"gamma:{dtype}"] = _stream_time(
             lambda a, b: np.add(a, b, out=a), np.dtype(dtype), max(3, iters // 4)) / REDUCE_BYTES
     figures["copy"] = _stream_time(np.copyto, np.dtype(np.uint8), max(3, iters // 4)) / REDUCE_BYTES
+    src, dst = np.ones(WINDOW_BYTES, np.uint8), np.empty(WINDOW_BYTES, np.uint8)
+    figures["copy_cached"] = _median_time(lambda: np.copyto(dst, src), iters, batch=4) / WINDOW_BYTES
 
-    # A barrier of all ranks (the shm algorithm takes two per call), and the API's fixed cost.
-    comm.barrier()
-    figures["barrier"] = _median_time(comm.barrier, iters, batch=5)
+    # The API's fixed cost, and the barrier the shm algorithm takes twice per call: half of what
+    # an 8-byte shm all-reduce takes beyond that cost (the node barriers of a shared window, with
+    # the ranks as out of step as a real call leaves them).
     alone = ThreadWorld(1).comm(0)  # a world of one: the call does everything but send
     one = np.ones(1, np.float32)
     figures["call"] = _median_time(lambda: collectives.allreduce(one, algorithm="ring", comm=alone),
                                    iters, batch=20)
+    small = np.ones(SMALL_BYTES // 4, np.float32)
+    shm_call = _bench_time(comm, lambda: collectives.allreduce(small, algorithm="shm", comm=comm),
+                           iters)
+    figures["barrier"] = max(shm_call - figures["call"], 1e-7) / 2
     _quiet_barrier(mpi)
 
     keys = sorted(figures)
-    local = np.array([figures.get(k, 0.0) for k in keys]
-                     + intra + (inter if inter is not None else []), dtype=np.float64)
+    measured = [name for name, curve in curves.items() if curve is not None]
+    local = np.array([figures[k] for k in keys] + [t for name in measured for t in curves[name]],
+                     dtype=np.float64)
     worst = np.empty_like(local)
     mpi.Allreduce(local, worst, op=comm.MPI.MAX)
-    merged = dict(zip(keys, worst[:len(keys)].tolist(), strict=True))
-    k = len(keys)
+    merged: dict[str, Any] = dict(zip(keys, worst[:len(keys)].tolist(), strict=True))
     width = 1 + len(LARGE_BYTES)
-    merged["intra"] = worst[k:k + width].tolist()
-    merged["inter"] = worst[k + width:k + 2 * width].tolist() if inter is not None else None
-    return merged
+    for i, name in enumerate(measured):
+        merged[name] = worst[len(keys) + i * width:len(keys) + (i + 1) * width].tolist()
+    return {"ring": None, "inter": None, **merged}
 
 
 def _monotone(sizes: tuple[int, ...], times: list[float]) -> tuple[tuple[float, float], ...]:
@@ -189,17 +210,19 @@ def to_params(measured: dict[str, Any], ranks: int, nodes: int, host: str) -> An
     from mpdl.collectives.costmodel import Params  # noqa: PLC0415
 
     intra_pairs = max(measured["intra"]) > 0
+    sizes = (SMALL_BYTES, *LARGE_BYTES)
     alpha, beta = _fit(measured["intra"] if intra_pairs else measured["inter"])
     alpha_inter = beta_inter = None
     if measured["inter"] is not None:
         alpha_inter, beta_inter = _fit(measured["inter"])
     gammas = tuple(sorted((d, measured[f"gamma:{d}"]) for d in GAMMA_DTYPES))
     return Params(alpha=alpha, beta=beta, gamma=dict(gammas)["float32"], alpha_inter=alpha_inter,
-                  beta_inter=beta_inter, copy=measured["copy"], barrier=measured["barrier"],
+                  beta_inter=beta_inter, copy=measured["copy"], copy_cached=measured["copy_cached"],
+                  barrier=measured["barrier"],
                   call=measured["call"], alpha_native=measured.get("alpha_native") or alpha,
                   gammas=gammas, ranks=ranks,
-                  exchange=_monotone((SMALL_BYTES, *LARGE_BYTES), measured["intra"])
-                  if intra_pairs else (),
+                  exchange=_monotone(sizes, measured["intra"]) if intra_pairs else (),
+                  ring_exchange=_monotone(sizes, measured["ring"]) if measured["ring"] else (),
                   source=f"mpdl calibrate on {host}, {ranks} ranks, {nodes} node(s), "
                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
 
@@ -240,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"beta_inter      {_rate(params.beta_inter)}")
             for dtype, gamma in params.gammas:
                 print(f"gamma {dtype:<9} {_rate(gamma)}")
-            print(f"copy            {_rate(params.copy)}")
+            print(f"copy            {_rate(params.copy)} (not in cache)")
+            print(f"copy_cached     {_rate(params.copy_cached)} (in cache)")
             print(f"barrier         {params.barrier * 1e6:9.2f} us")
             print(f"call            {params.call * 1e6:9.2f} us per collective call (API overhead)")
             print(f"alpha_native    {params.alpha_native * 1e6:9.2f} us per message (MPI library)")

@@ -53,8 +53,11 @@ class Params:
     gamma: float = 1 / 2.0e9
     alpha_inter: float | None = None
     beta_inter: float | None = None
-    #: seconds per byte of a local memory copy (the API's input copy, the shm window)
+    #: seconds per byte of a local memory copy of data not in cache (the API's input copy)
     copy: float = 1 / 5.0e9
+    #: the same for data a core's caches hold (the shm algorithm's window chunks); 0: as `copy`.
+    #: Its ratio to `copy` also scales the shm algorithm's reductions
+    copy_cached: float = 0.0
     #: one node barrier (the shm algorithm takes two per call); by default a few messages' worth
     barrier: float = 60e-6
     #: the fixed cost of one call of the public API, before any message
@@ -66,6 +69,9 @@ class Params:
     #: measured (bytes, seconds) of one intra-node exchange, when calibrated: messages inside a
     #: node are timed by interpolating these rather than by α + n·β (caches make the curve bend)
     exchange: tuple[tuple[float, float], ...] = field(default=())
+    #: the same for one step round a ring of all a node's ranks (each sends to the next): with more
+    #: ranks than cores a ring step needs every rank scheduled, a pairwise step only two
+    ring_exchange: tuple[tuple[float, float], ...] = field(default=())
     #: the world size the parameters were measured at (0: defaults)
     ranks: int = 0
     source: str = "defaults"
@@ -77,11 +83,13 @@ class Params:
         return (self.alpha if self.alpha_inter is None else self.alpha_inter,
                 self.beta if self.beta_inter is None else self.beta_inter)
 
-    def exchange_time(self, nbytes: float) -> float:
-        """Seconds of one intra-node message of nbytes from the measured curve: linear between
-        measured sizes, the smallest size's time below them, the last slope beyond them."""
-        sizes = [b for b, _ in self.exchange]
-        times = [t for _, t in self.exchange]
+    def exchange_time(self, nbytes: float, ring: bool = False) -> float:
+        """Seconds of one intra-node message of nbytes from the measured curve (the ring curve for
+        a ring step, when measured): linear between measured sizes, the smallest size's time
+        below them, the last slope beyond them."""
+        table = self.ring_exchange if ring and self.ring_exchange else self.exchange
+        sizes = [b for b, _ in table]
+        times = [t for _, t in table]
         if nbytes <= sizes[0]:
             return times[0]
         if nbytes >= sizes[-1]:
@@ -98,14 +106,15 @@ class Params:
             return self
         a_in, b_in = self.link(False)
         a_out, b_out = self.link(True)
-        table = self.exchange
+        table, ring_table = self.exchange, self.ring_exchange
         if emu.intra is not None:
             a_in, b_in = a_in + emu.intra.latency, b_in + 1 / emu.intra.bandwidth
-            table = ()  # the emulated link is an α-β link
+            table = ring_table = ()  # the emulated link is an α-β link
         if emu.inter is not None:
             a_out, b_out = a_out + emu.inter.latency, b_out + 1 / emu.inter.bandwidth
         return replace(self, alpha=a_in, beta=b_in, alpha_inter=a_out, beta_inter=b_out,
-                       exchange=table, source=f"{self.source} + emulated {emu.describe()}")
+                       exchange=table, ring_exchange=ring_table,
+                       source=f"{self.source} + emulated {emu.describe()}")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -117,11 +126,13 @@ class Params:
         known = {f for f in cls.__dataclass_fields__}
         values = {k: v for k, v in d.items() if k in known}
         values["gammas"] = tuple(sorted(dict(values.get("gammas", {})).items()))
-        values["exchange"] = tuple((float(b), float(t)) for b, t in values.get("exchange", ()))
-        if len(values["exchange"]) == 1:
-            raise ModelUnavailable("parameter exchange needs at least two measured sizes")
+        for curve in ("exchange", "ring_exchange"):
+            values[curve] = tuple((float(b), float(t)) for b, t in values.get(curve, ()))
+            if len(values[curve]) == 1:
+                raise ModelUnavailable(f"parameter {curve} needs at least two measured sizes")
         params = cls(**values)
-        for name in ("alpha", "beta", "gamma", "copy", "barrier", "call", "alpha_native"):
+        for name in ("alpha", "beta", "gamma", "copy", "copy_cached", "barrier", "call",
+                     "alpha_native"):
             value = getattr(params, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ModelUnavailable(f"parameter {name}={value!r} is not a time >= 0")
@@ -214,11 +225,13 @@ class Setting:
     def node(self, rank: int) -> int:
         return rank // self.g
 
-    def msg(self, nbytes: float, inter: bool = False, segmented: bool = False) -> float:
-        """One send of nbytes (in ceil(nbytes/segment) messages when the algorithm segments it)."""
+    def msg(self, nbytes: float, inter: bool = False, segmented: bool = False,
+            ring: bool = False) -> float:
+        """One send of nbytes (in ceil(nbytes/segment) messages when the algorithm segments it),
+        as one step round a ring when `ring`."""
         count = max(1, math.ceil(nbytes / self.seg)) if segmented else 1
         if self.params.exchange and not (inter and self.params.alpha_inter is not None):
-            return count * self.params.exchange_time(nbytes / count)
+            return count * self.params.exchange_time(nbytes / count, ring)
         alpha, beta = self.params.link(inter)
         return count * alpha + nbytes * beta
 
@@ -277,11 +290,11 @@ def rabenseifner(s: Setting) -> float:
 
 def ring_reduce_scatter(s: Setting) -> float:
     inter = s.nodes > 1
-    return (s.p - 1) * (s.msg(s.n / s.p, inter, segmented=True) + s.n / s.p * s.gamma)
+    return (s.p - 1) * (s.msg(s.n / s.p, inter, segmented=True, ring=True) + s.n / s.p * s.gamma)
 
 
 def ring_allgather(s: Setting) -> float:
-    return (s.p - 1) * s.msg(s.n / s.p, s.nodes > 1)
+    return (s.p - 1) * s.msg(s.n / s.p, s.nodes > 1, ring=True)
 
 
 def ring(s: Setting) -> float:
@@ -355,11 +368,13 @@ def torus2d(s: Setting) -> float:
 def shm(s: Setting) -> float:
     if s.p == 1:
         return 0.0
-    g, m, c = s.g, max(1, s.nodes), s.params.copy
+    g, m = s.g, max(1, s.nodes)
+    c = s.params.copy_cached or s.params.copy  # the window chunks stay in cache
+    gamma = s.gamma * c / s.params.copy if s.params.copy else s.gamma
     chunks = max(1, math.ceil(s.n / WINDOW_BYTES))
     inter = 0.0 if m == 1 else _inter_node(s, s.n / g, m)
     # copy in, reduce this rank's slice in place (g-1 additions), copy the whole result out
-    return chunks * 2 * s.params.barrier + 2 * s.n * c + (g - 1) / g * s.n * s.gamma + inter
+    return chunks * 2 * s.params.barrier + 2 * s.n * c + (g - 1) / g * s.n * gamma + inter
 
 
 def _native(s: Setting) -> Setting:
