@@ -2,7 +2,7 @@
 p, then compare the model's predictions with measured `mpdl bench` (ring all-reduce, 512 KiB-2 MiB)
 and `mpdl train` (LeNet, 32 samples per rank) step times.
 
-    python benchmarks/simulate_agreement.py [--ranks 2 3 4] [--rounds 3]
+    python benchmarks/simulate_agreement.py [--ranks 2 3 4] [--rounds 5]
 
 Each round calibrates again, then benches and trains right after, because this machine's speed
 drifts within minutes; the verdict is on the median over rounds.
@@ -89,8 +89,8 @@ def allreduce_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds of calibrate, bench, simulate and train per size (default 3)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds of calibrate, bench, simulate and train per size (default 5)")
     args = parser.parse_args()
     ok = True
     print(f"{'p':>2}  {'what':<26} {'predicted/measured':>18}  {'each round':<30} verdict")
