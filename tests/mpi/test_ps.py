@@ -75,7 +75,9 @@ def test_bad_setups_are_refused():
 @pytest.mark.parametrize("mode,staleness", [("sync", None), ("async", None), ("ssp", 1)])
 def test_each_mode_converges_on_digits(mode, staleness):
     servers = 2 if P >= 4 else 1
-    acc, flat, stats = train(mode, servers, staleness)
+    # stale gradients slow convergence, and how stale depends on timing: the asynchronous modes
+    # get more epochs, so an unlucky interleaving does not decide the test
+    acc, flat, stats = train(mode, servers, staleness, epochs=6 if mode == "sync" else 10)
     everyone = COMM.allgather((acc, flat))
     workers = P - servers
     assert all(np.array_equal(f, everyone[0][1]) for _, f in everyone), "ranks disagree at the end"
