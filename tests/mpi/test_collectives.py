@@ -164,6 +164,19 @@ def test_check_mode_reports_mismatched_counts(monkeypatch):
         C.allreduce(np.ones(4, np.float32 if RANK else np.float64), algorithm="tree")
 
 
+def assert_staging_buffers_released_and_reused(comm, algorithms) -> None:
+    """No staging buffer is still lent out, and a second round of large staged all-reduces
+    allocates none."""
+    from mpdl.backend import standin
+
+    pool = comm.staging_pool(standin)
+    assert not pool.in_flight, "a staging buffer was never released"
+    allocations = pool.allocations
+    for algorithm in algorithms:
+        C.allreduce(standin.asarray(local_data(300001, "float32", "sum")), algorithm=algorithm)
+    assert pool.allocations == allocations, "staging buffers were allocated again"
+
+
 def test_device_arrays_are_staged_through_reused_host_buffers(monkeypatch):
     from mpdl.backend import standin
     from mpdl.comm import as_communicator
@@ -180,12 +193,7 @@ def test_device_arrays_are_staged_through_reused_host_buffers(monkeypatch):
             assert_close(standin.asnumpy(result), mpi_reference(host, "sum"), "float32")
             if P > 1 and count > 0 and algorithm not in ("mpi", "shm"):
                 assert standin.transfers["d2h"] > start["d2h"] + 1, "nothing was staged"
-    pool = comm.staging_pool(standin)
-    assert not pool.in_flight, "a staging buffer was never released"
-    allocations = pool.allocations
-    for algorithm in ALLREDUCE:
-        C.allreduce(standin.asarray(local_data(300001, "float32", "sum")), algorithm=algorithm)
-    assert pool.allocations == allocations, "staging buffers were allocated again"
+    assert_staging_buffers_released_and_reused(comm, ALLREDUCE)
 
 
 @pytest.mark.skipif(P == 1, reason="one rank sends nothing")
@@ -212,9 +220,4 @@ def test_large_staged_messages_travel_in_chunks(monkeypatch):
                 chunks = (count // P) * 4 // 4096
                 assert standin.transfers["d2h"] - start["d2h"] >= chunks, "not sent in chunks"
                 assert standin.transfers["h2d"] - start["h2d"] >= chunks, "not received in chunks"
-    pool = comm.staging_pool(standin)
-    assert not pool.in_flight, "a staging buffer was never released"
-    allocations = pool.allocations
-    for algorithm in whole_buffer:
-        C.allreduce(standin.asarray(local_data(300001, "float32", "sum")), algorithm=algorithm)
-    assert pool.allocations == allocations, "staging buffers were allocated again"
+    assert_staging_buffers_released_and_reused(comm, whole_buffer)
