@@ -79,7 +79,7 @@ def allreduce_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
     at p ranks, benched just after calibrating."""
     params = cm.read_file(env["MPDL_COST_MODEL"])[p]
     path = tmp_path / f"bench{p}.{round_}.jsonl"
-    _mpirun(p, ["bench", "-b", "512K", "-e", "2M", "-n", "9", "-w", "2", "--algorithms", "ring",
+    _mpirun(p, ["bench", "-b", "512K", "-e", "2M", "-n", "40", "-w", "2", "--algorithms", "ring",
                 "--json", str(path)], env, 120)
     return statistics.median(
         S.allreduce_seconds("ring", r["bytes"], p, 1, params) / (r["time_us"] * 1e-6)
