@@ -73,16 +73,17 @@ PAGE = 4096
 
 
 def empty_like_page_offset(x: Any) -> Any:
-    """An empty C-contiguous array of x's shape and dtype. For NumPy it starts at the same offset
-    within a 4 KiB page as x: copying x into it then never writes a few bytes behind the loads,
-    which on some CPUs (4K aliasing) makes a copy ten times slower. Heap arrays allocated one after
-    another are 16 bytes apart modulo 4 KiB, which is that case."""
+    """An empty C-contiguous array of x's shape and dtype. For NumPy arrays of a page or more it
+    starts at the same offset within a 4 KiB page as x: copying x into it then never writes a few
+    bytes behind the loads, which on some CPUs (4K aliasing) makes a copy ten times slower. Heap
+    arrays allocated one after another are 16 bytes apart modulo 4 KiB, which is that case.
+    Below a page the slowdown is at most a microsecond or two, less than placing the array costs."""
     xp = get_array_module(x)
-    if xp is not np:
+    if xp is not np or x.nbytes < PAGE:
         return xp.empty(x.shape, dtype=x.dtype)
     raw = np.empty(x.nbytes + PAGE, dtype=np.uint8)
     start = (x.ctypes.data - raw.ctypes.data) % PAGE
-    return raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    return np.ndarray(x.shape, x.dtype, raw, start)
 
 
 def empty_half_page_in(count: int, dtype: Any, xp: Any) -> Any:

@@ -66,6 +66,14 @@ def test_output_starts_at_the_inputs_page_offset(offset):
     assert not np.shares_memory(out, x)
 
 
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (1023,), (3, 5)])
+def test_output_below_a_page_is_a_plain_array(shape):
+    x = np.ones(shape, np.float32)
+    out = backend.empty_like_page_offset(x)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.flags["C_CONTIGUOUS"]
+    assert out.flags["WRITEABLE"] and not np.shares_memory(out, x)
+
+
 def test_scratch_starts_half_a_page_in():
     for count in (1, 1000, 1 << 16):
         buf = backend.empty_half_page_in(count, np.float64, np)
