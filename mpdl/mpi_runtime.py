@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from types import ModuleType
@@ -25,6 +26,28 @@ def load_mpi() -> ModuleType:
         detail = reason[-1] if reason else type(exc).__name__
         raise MPIUnavailable(f"could not load an MPI library ({detail}); {INSTALL_HINT}") from None
     return MPI
+
+
+#: environment variables in which launchers give the number of ranks on this node
+LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def launcher_local_size() -> int | None:
+    """The number of ranks on this node as the launcher says (MPICH's Hydra, Open MPI, Slurm);
+    None where it says nothing."""
+    for variable in LOCAL_SIZE_VARIABLES:
+        value = os.environ.get(variable, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def oversubscribed() -> bool:
+    """Does this node run more ranks than this process may use cores (as far as the launcher
+    says)? Then a rank waiting for a message should give its core away at once: the peer it
+    waits for may be the one that needs it."""
+    local = launcher_local_size()
+    return local is not None and local > len(os.sched_getaffinity(0))
 
 
 def abort_on_uncaught_exception() -> None:

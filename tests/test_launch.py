@@ -64,3 +64,29 @@ def test_exception_on_one_rank_ends_the_job_quickly(tmp_path):
     assert out.returncode != 0
     assert "rank 1 fails on purpose" in out.stderr
     assert elapsed < 30, f"the job took {elapsed:.1f} s to end"
+
+
+def test_oversubscription_is_read_from_the_launcher(monkeypatch):
+    from mpdl import mpi_runtime
+
+    for variable in mpi_runtime.LOCAL_SIZE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert mpi_runtime.launcher_local_size() is None and not mpi_runtime.oversubscribed()
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    assert mpi_runtime.launcher_local_size() == 2 and not mpi_runtime.oversubscribed()
+    monkeypatch.setenv("MPI_LOCALNRANKS", "3")  # Hydra's, read first
+    assert mpi_runtime.launcher_local_size() == 3 and mpi_runtime.oversubscribed()
+    monkeypatch.setenv("MPI_LOCALNRANKS", "4(x2)")  # not a count: the next variable
+    assert mpi_runtime.launcher_local_size() == 2
+
+
+def test_waiting_ranks_yield_at_once_only_when_oversubscribed():
+    """Under mpiexec on this machine's cores: p ranks on len(affinity) cores."""
+    cores = len(os.sched_getaffinity(0))
+    code = ("from mpdl.comm import as_communicator; c = as_communicator(None); "
+            "print(c._yield_mask) if c.rank == 0 else None")
+    for p in (1, cores + 1):
+        out = run([MPIEXEC, "-n", str(p), sys.executable, "-c", code], timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert int(out.stdout) == (0 if p > cores else 63)

@@ -141,9 +141,9 @@ def limit_blas_threads() -> None:
     pools spin against each other and slow small matrix products down by orders of magnitude)."""
     if any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")):
         return
-    local = next((int(os.environ[v]) for v in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                                               "SLURM_NTASKS_PER_NODE")
-                  if os.environ.get(v, "").isdigit()), 1)
+    from mpdl.mpi_runtime import launcher_local_size  # noqa: PLC0415
+
+    local = launcher_local_size() or 1
     if local <= 1:
         return
     try:
