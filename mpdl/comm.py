@@ -352,9 +352,9 @@ class MPIComm(Communicator):
         #: staged messages above this many bytes travel in chunks of it, so the device-host copies
         #: of one chunk overlap the transfer of another (MPDL_STAGING_CHUNK_BYTES, default 4 MiB)
         self.staging_chunk = staging_chunk_bytes()
-        #: a waiting rank yields its core every (mask + 1) polls: at once when the node runs more
-        #: ranks than cores (the peer it waits for may need the core), else every 64 polls
-        self._yield_mask = 0 if mpi_runtime.oversubscribed() else 63
+        #: a waiting rank yields its core every this many polls: at every poll when the node runs
+        #: more ranks than cores (the peer it waits for may need the core), else every 64
+        self.yield_every = 1 if mpi_runtime.oversubscribed() else 64
         #: mpdl.emulation's delay hook, called as link_delay(dest, nbytes) before each send; None = off
         self.link_delay: emulation.LinkDelay | None = None
         emulated = emulation.from_environment()
@@ -461,6 +461,7 @@ class MPIComm(Communicator):
                                                   else (r.handle,))]
         progressing = [r.progress for r in requests if r.progress is not None]
         testall = self.MPI.Request.Testall
+        yield_every = self.yield_every
         spins = 0
         deadline = None
         # On the communication thread, pause between polls so the GIL goes to the compute thread.
@@ -471,7 +472,7 @@ class MPIComm(Communicator):
             spins += 1
             if background and spins > 64:
                 time.sleep(20e-6)
-            elif spins & self._yield_mask == 0:
+            elif spins % yield_every == 0:
                 # Oversubscribed ranks (more ranks than cores) need the peer to run: let it.
                 os.sched_yield()
             if spins & 1023 == 0:

@@ -26,6 +26,8 @@ def test_info_reports_world_size_and_mpi_library():
     assert info["mpi_library"].startswith("MPICH")
     assert [r["rank"] for r in info["ranks"]] == [0, 1, 2]
     assert info["cuda_aware_mpi"] in ("yes", "no", "unknown")
+    oversubscribed = 3 > info["cores"] >= 1
+    assert info["waiting_ranks_yield"].startswith("at every poll" if oversubscribed else "every 64")
 
 
 def test_info_emulated_nodes_and_cuda_override():
@@ -85,8 +87,8 @@ def test_waiting_ranks_yield_at_once_only_when_oversubscribed():
     """Under mpiexec on this machine's cores: p ranks on len(affinity) cores."""
     cores = len(os.sched_getaffinity(0))
     code = ("from mpdl.comm import as_communicator; c = as_communicator(None); "
-            "print(c._yield_mask) if c.rank == 0 else None")
+            "print(c.yield_every) if c.rank == 0 else None")
     for p in (1, cores + 1):
         out = run([MPIEXEC, "-n", str(p), sys.executable, "-c", code], timeout=60)
         assert out.returncode == 0, out.stderr
-        assert int(out.stdout) == (0 if p > cores else 63)
+        assert int(out.stdout) == (1 if p > cores else 64)

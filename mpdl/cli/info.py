@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import socket
 from typing import Any
@@ -62,6 +63,9 @@ def collect() -> dict[str, Any]:
         "cuda_aware_mpi": aware,
         "cuda_aware_mpi_how": how,
         "gpu_buffers": "direct to MPI" if aware == "yes" else "staged through host buffers",
+        "cores": len(os.sched_getaffinity(0)),
+        "waiting_ranks_yield": ("at every poll (more ranks on a node than cores)"
+                                if comm.yield_every == 1 else f"every {comm.yield_every} polls"),
         "rank": comm.rank,
         "host": socket.gethostname(),
         "node": node,
