@@ -3,9 +3,11 @@
 model.npz holds parameters and buffers by name; optimizer.npz the optimizer's per-parameter
 arrays (`state/<index>/<name>`) and, as JSON in `meta`, its parameter groups and scalar state;
 state.json the epoch, step, sampler and RNG state, the run's configuration and the SHA-256 of the
-two archives. Each file is written to a temporary name and moved into place with os.replace,
-state.json last, so a crash never leaves a half-written file; a crash between the moves leaves
-archives that do not match state.json, which `load_checkpoint` reports instead of loading.
+two archives. A save writes all three files into DIR/.staging first (each to a temporary name,
+then renamed), then moves them into DIR, state.json last. A crash at any moment leaves one whole
+checkpoint: while the staging files are written, DIR still holds the previous one; while they are
+moved, the staging files that are left, over those of DIR, make up the new one. `load_checkpoint`
+takes the newest whole set and reports a checkpoint that has none.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 import numpy as np
 
 FILES = ("model.npz", "optimizer.npz", "state.json")
+#: where a save writes the new files before moving them into the checkpoint directory
+STAGING = ".staging"
 
 
 class CheckpointError(ValueError):
@@ -70,39 +74,96 @@ def optimizer_state(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
 
 def save_checkpoint(directory: str | Path, model_state: dict[str, np.ndarray],
                     optimizer_state_dict: dict[str, Any], state: dict[str, Any]) -> None:
-    """Write the three files of a checkpoint into directory (created if needed)."""
+    """Write the three files of a checkpoint into directory (created if needed), so that a crash
+    at any moment leaves either the previous checkpoint or this one loadable."""
     directory = Path(directory)
+    staging = directory / STAGING
     directory.mkdir(parents=True, exist_ok=True)
+    _finish_interrupted_save(directory)
+    staging.mkdir(exist_ok=True)
     model_bytes = _npz_bytes(model_state)
     optim_bytes = _npz_bytes(optimizer_arrays(optimizer_state_dict))
     state = {**state, "sha256": {"model.npz": hashlib.sha256(model_bytes).hexdigest(),
                                  "optimizer.npz": hashlib.sha256(optim_bytes).hexdigest()}}
-    _write_atomic(directory / "model.npz", model_bytes)
-    _write_atomic(directory / "optimizer.npz", optim_bytes)
-    _write_atomic(directory / "state.json", (json.dumps(state, indent=1) + "\n").encode())
+    contents = (model_bytes, optim_bytes, (json.dumps(state, indent=1) + "\n").encode())
+    for name, data in zip(FILES, contents, strict=True):
+        _write_atomic(staging / name, data)
+    _sync_directory(staging)
+    for name in FILES:  # state.json last
+        os.replace(staging / name, directory / name)
+    _sync_directory(directory)
+    staging.rmdir()
+
+
+def _finish_interrupted_save(directory: Path) -> None:
+    """Complete the moves of a save that stopped while moving its files (its staging state.json is
+    still there), then drop what an earlier save left in staging."""
+    staging = directory / STAGING
+    if not staging.is_dir():
+        return
+    if (staging / "state.json").is_file():
+        for name in FILES:
+            if (staging / name).is_file():
+                os.replace(staging / name, directory / name)
+    for leftover in staging.iterdir():
+        leftover.unlink()
+
+
+def _sync_directory(path: Path) -> None:
+    """Make the renames inside path durable (where the platform allows opening a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def has_checkpoint(directory: str | Path) -> bool:
-    return (Path(directory) / "state.json").is_file()
+    directory = Path(directory)
+    return (directory / "state.json").is_file() or (directory / STAGING / "state.json").is_file()
+
+
+def _read_set(paths: dict[str, Path]) -> tuple[dict[str, Any], dict[str, bytes]] | str:
+    """(state, archive bytes) of one set of the three files, or why it is not a whole checkpoint."""
+    missing = [name for name, path in paths.items() if not path.is_file()]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    try:
+        state = json.loads(paths["state.json"].read_text())
+        blobs = {name: paths[name].read_bytes() for name in FILES[:2]}
+    except (OSError, ValueError) as exc:
+        return f"unreadable ({exc})"
+    for name, blob in blobs.items():
+        if hashlib.sha256(blob).hexdigest() != state.get("sha256", {}).get(name):
+            return f"{name} does not match state.json"
+    return state, blobs
 
 
 def load_checkpoint(directory: str | Path
                     ) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, Any]]:
-    """(model state, optimizer state_dict, run state) from directory; CheckpointError when a
-    file is missing, unreadable or does not match state.json."""
+    """(model state, optimizer state_dict, run state) from directory: the newest whole set of
+    files (see the module docstring); CheckpointError when there is none."""
     directory = Path(directory)
-    missing = [name for name in FILES if not (directory / name).is_file()]
-    if missing:
-        raise CheckpointError(f"{directory}: not a checkpoint (missing {', '.join(missing)})")
-    try:
-        state = json.loads((directory / "state.json").read_text())
-        blobs = {name: (directory / name).read_bytes() for name in FILES[:2]}
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{directory}: unreadable checkpoint ({exc})") from None
-    for name, blob in blobs.items():
-        if hashlib.sha256(blob).hexdigest() != state.get("sha256", {}).get(name):
-            raise CheckpointError(f"{directory}: {name} does not match state.json (a write was "
-                                  f"interrupted)")
+    staging = directory / STAGING
+    committed = {name: directory / name for name in FILES}
+    moving = {name: staging / name if (staging / name).is_file() else directory / name
+              for name in FILES}
+    reasons = []
+    for paths in ((moving, committed) if (staging / "state.json").is_file() else (committed,)):
+        found = _read_set(paths)
+        if not isinstance(found, str):
+            break
+        reasons.append(found)
+    else:
+        if all(r.startswith("missing") for r in reasons):
+            raise CheckpointError(f"{directory}: not a checkpoint ({reasons[-1]})")
+        raise CheckpointError(f"{directory}: no whole checkpoint ({'; '.join(reasons)})")
+    state, blobs = found
     with np.load(io.BytesIO(blobs["model.npz"]), allow_pickle=False) as archive:
         model = {k: archive[k] for k in archive.files}
     with np.load(io.BytesIO(blobs["optimizer.npz"]), allow_pickle=False) as archive:

@@ -1,0 +1,78 @@
+"""A checkpoint survives a crash at any moment of a save: the previous or the new one loads."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from mpdl.training import checkpoint as ck
+
+
+class Crash(Exception):
+    pass
+
+
+def _save(directory, value: float, epoch: int) -> None:
+    model = {"w": np.full((3, 4), value), "b": np.full(4, value)}
+    optimizer = {"state": {0: {"momentum": np.full((3, 4), -value), "step": epoch}},
+                 "param_groups": [{"lr": 0.1, "params": [0]}]}
+    ck.save_checkpoint(directory, model, optimizer, {"epoch": epoch})
+
+
+def _loaded(directory) -> tuple[int, float, float]:
+    model, optimizer, state = ck.load_checkpoint(directory)
+    return state["epoch"], float(model["w"][0, 0]), float(optimizer["state"]["0"]["momentum"][0, 0])
+
+
+def _crash_after(monkeypatch, target, name: str, calls: int) -> None:
+    """Make target.name raise Crash on its call number `calls` (counting from 0)."""
+    real, count = getattr(target, name), [0]
+
+    def fake(*args, **kwargs):
+        if count[0] == calls:
+            raise Crash
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, fake)
+
+
+@pytest.mark.parametrize("where", [("_write_atomic", k) for k in range(3)]
+                         + [("replace", k) for k in range(6)])
+def test_a_crash_anywhere_in_a_save_leaves_a_whole_checkpoint(tmp_path, monkeypatch, where):
+    """Saves write three files (_write_atomic) and rename them (os.replace: three in staging,
+    three into place); a crash before any of them must leave epoch 1 or epoch 2, never a mix, and
+    the next save must work."""
+    _save(tmp_path, 1.0, 1)
+    name, calls = where
+    with monkeypatch.context() as patch:
+        _crash_after(patch, ck if name == "_write_atomic" else ck.os, name, calls)
+        with pytest.raises(Crash):
+            _save(tmp_path, 2.0, 2)
+    assert _loaded(tmp_path) in ((1, 1.0, -1.0), (2, 2.0, -2.0))
+    assert ck.has_checkpoint(tmp_path)
+    _save(tmp_path, 3.0, 3)
+    assert _loaded(tmp_path) == (3, 3.0, -3.0)
+    assert sorted(os.listdir(tmp_path)) == sorted(ck.FILES)  # staging is gone
+
+
+def test_a_crash_while_moving_resumes_from_the_new_checkpoint(tmp_path, monkeypatch):
+    _save(tmp_path, 1.0, 1)
+    with monkeypatch.context() as patch:
+        _crash_after(patch, ck.os, "replace", 4)  # model.npz is in place, the others are not
+        with pytest.raises(Crash):
+            _save(tmp_path, 2.0, 2)
+    assert _loaded(tmp_path) == (2, 2.0, -2.0)
+
+
+def test_mismatched_files_without_staging_are_refused(tmp_path):
+    _save(tmp_path, 1.0, 1)
+    other = tmp_path / "other"
+    _save(other, 2.0, 2)
+    os.replace(other / "model.npz", tmp_path / "model.npz")
+    with pytest.raises(ck.CheckpointError, match="model.npz does not match state.json"):
+        ck.load_checkpoint(tmp_path)
+    with pytest.raises(ck.CheckpointError, match="not a checkpoint"):
+        ck.load_checkpoint(tmp_path / "nothing")
