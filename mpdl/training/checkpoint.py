@@ -12,6 +12,7 @@ takes the newest whole set and reports a checkpoint that has none.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -110,17 +111,13 @@ def _finish_interrupted_save(directory: Path) -> None:
 
 
 def _sync_directory(path: Path) -> None:
-    """Make the renames inside path durable (where the platform allows opening a directory)."""
-    try:
+    """Make the renames inside path durable (where the platform lets a directory be opened)."""
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def has_checkpoint(directory: str | Path) -> bool:
