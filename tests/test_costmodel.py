@@ -215,3 +215,32 @@ def test_recursive_doubling_pays_the_inter_node_link_only_where_pairs_cross_node
     # p=6 on 2 nodes of 3: the fold pairs (0,1), (2,3) cross (2 messages of 10); the group is
     # ranks 1, 3, 4, 5 and both its exchanges, (1,3)/(4,5) and (1,4)/(3,5), cross
     assert cm.recursive_doubling(cm.Setting(6, 2, 8.0, links, 0.0, 8)) == 20 + 10 + 10
+
+
+def test_calibrated_exchange_drops_a_sweep_a_slow_spell_fell_on(monkeypatch):
+    """Each size is timed in several sweeps; one sweep ten times slower (the machine paused) must
+    not move the figure, as it would with a mean or with a single sweep."""
+    from mpdl.cli import calibrate
+
+    sizes = (calibrate.SMALL_BYTES, *calibrate.LARGE_BYTES)
+    calls = iter(range(10_000))
+
+    def fake_bench_time(comm, fn, reps):
+        sweep, size = divmod(next(calls), len(sizes))
+        return (10.0 if sweep == 1 and size == 3 else 1.0) * (size + 1)
+
+    monkeypatch.setattr(calibrate, "_bench_time", fake_bench_time)
+    assert calibrate.SWEEPS >= 3
+    times = calibrate._exchange_times(comm=None, peers=None, iters=4)
+    assert times == [float(i + 1) for i in range(len(sizes))]
+
+
+@pytest.mark.parametrize("nbytes", [8, 1 << 16, 1 << 20])
+def test_calibrated_exchange_buffers_share_a_page_offset(nbytes):
+    """Not 16 bytes apart modulo 4 KiB, as two heap arrays allocated in a row are (4K aliasing)."""
+    from mpdl.cli.calibrate import exchange_buffers
+
+    send, recv = exchange_buffers(nbytes)
+    assert send.nbytes == recv.nbytes == nbytes and not np.shares_memory(send, recv)
+    assert send.ctypes.data % 4096 == recv.ctypes.data % 4096
+    assert (send == 1).all()

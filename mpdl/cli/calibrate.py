@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl import backend
 from mpdl.cli import UsageError
 from mpdl.collectives.shm import WINDOW_BYTES
 
@@ -33,6 +34,8 @@ REDUCE_BYTES = 1 << 22
 #: pairs of REDUCE_BYTES arrays the rate measurements rotate through (32 MiB): far more than a
 #: core's private caches hold, as with a collective's buffers, which other cores wrote last
 STREAM_PAIRS = 4
+#: sweeps over the message sizes (see _exchange_times)
+SWEEPS = 3
 GAMMA_DTYPES = ("float16", "float32", "float64", "int32", "int64")
 
 
@@ -85,18 +88,22 @@ def _shifts(groups: list[list[int]]) -> dict[int, tuple[int, int]]:
 def _stream_time(fn, dtype: np.dtype, iters: int) -> float:
     """Seconds per call of fn(a, b) on REDUCE_BYTES arrays, taking the next of STREAM_PAIRS pairs
     each time, so the data do not come from a core's private cache that a repeated call on one
-    pair keeps warm (a collective reduces and copies what other cores or MPI wrote last). The mean
-    over all calls, not a median: with more ranks than cores, the time slices a rank waits for
-    are part of the rate (every rank runs this at the same time)."""
+    pair keeps warm (a collective reduces and copies what other cores or MPI wrote last). Each of
+    `iters` blocks times a pass over all pairs twice and keeps the mean (with more ranks than
+    cores, the time slices a rank waits for are part of the rate: every rank runs this at the
+    same time); the median over blocks drops the blocks a slow spell of the machine hit."""
     pairs = [(np.ones(REDUCE_BYTES // dtype.itemsize, dtype),
               np.ones(REDUCE_BYTES // dtype.itemsize, dtype)) for _ in range(STREAM_PAIRS)]
     for a, b in pairs:
         fn(a, b)
-    calls = max(iters, 2 * STREAM_PAIRS)
-    t0 = time.perf_counter()
-    for i in range(calls):
-        fn(*pairs[i % STREAM_PAIRS])
-    return (time.perf_counter() - t0) / calls
+    calls = 2 * STREAM_PAIRS
+    blocks = []
+    for _ in range(max(1, iters)):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(*pairs[i % STREAM_PAIRS])
+        blocks.append((time.perf_counter() - t0) / calls)
+    return float(np.median(blocks))
 
 
 def _bench_time(comm: Any, fn, reps: int) -> float:
@@ -113,19 +120,37 @@ def _bench_time(comm: Any, fn, reps: int) -> float:
     return float(np.median(times))
 
 
+def exchange_buffers(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(send, receive) byte arrays at the same offset in a 4 KiB page. Heap arrays allocated one
+    after another lie 16 bytes apart modulo 4 KiB; a copy from a peer's send buffer into this
+    rank's receive buffer then runs 3-4x slower (4K aliasing), and calibrate would measure that
+    instead of the link (the collectives place their buffers to avoid it)."""
+    send = backend.empty_half_page_in(nbytes, np.uint8, np)
+    send[:] = 1
+    return send, backend.empty_half_page_in(nbytes, np.uint8, np)
+
+
 def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int) -> list[float]:
     """Seconds per sendrecv (to peers[0], from peers[1]) at SMALL_BYTES and each of LARGE_BYTES,
-    timed as bench times a call (see _bench_time; 0 where no rank had peers)."""
-    results = []
+    timed as bench times a call (see _bench_time; 0 where no rank had peers). Each size is
+    repeated back to back, as bench repeats a call (its buffers stay as warm as bench's), in
+    SWEEPS sweeps over the sizes; the median over sweeps drops a sweep that a slow spell of the
+    machine fell on."""
+    exchanges = []
     for nbytes in (SMALL_BYTES, *LARGE_BYTES):
-        send = np.ones(nbytes, np.uint8)
-        recv = np.empty(nbytes, np.uint8)
+        send, recv = exchange_buffers(nbytes)
         exchange = None
         if peers is not None:
             exchange = functools.partial(comm.sendrecv, send, peers[0], recv, peers[1], "calibrate")
-            exchange()  # warm up the path
-        results.append(_bench_time(comm, exchange, iters if nbytes < (1 << 20) else max(3, iters // 4)))
-    return results
+        exchanges.append((nbytes, exchange))
+    sweeps = np.zeros((SWEEPS, len(exchanges)))
+    for sweep in range(SWEEPS):
+        for j, (nbytes, exchange) in enumerate(exchanges):
+            if exchange is not None:
+                exchange()  # warm up the path and the buffers
+            reps = iters if nbytes < (1 << 20) else max(3, iters // 4)
+            sweeps[sweep, j] = _bench_time(comm, exchange, reps)
+    return np.median(sweeps, axis=0).tolist()
 
 
 def _fit(times: list[float]) -> tuple[float, float]:
