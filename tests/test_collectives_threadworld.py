@@ -12,6 +12,7 @@ import pytest
 
 from mpdl import collectives as C
 from mpdl.backend import standin
+from mpdl.collectives import ring
 from mpdl.comm import CollectiveTimeout
 from mpdl.threadworld import run_world
 
@@ -84,6 +85,34 @@ def test_ring_schedule_is_the_textbook_one():
         sent = [m for m in schedule if m[2] == rank]
         assert {m[3] for m in sent} == {(rank + 1) % p}, "a ring rank only talks to its right"
         assert sum(m[4] for m in sent) == 2 * (p - 1) * (n // p) * 4
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "double_tree", "hierarchical", "torus2d"])
+def test_allreduce_in_small_pipeline_segments(monkeypatch, algorithm):
+    """Blocks longer than a segment travel in several messages, each reduced as it lands."""
+    monkeypatch.setattr(ring, "SEGMENT_BYTES", 40)  # 5 float64 per segment
+    for p in (2, 3, 4, 5):
+        for n in (0, 1, p - 1, 13, 97):
+            xs = data(p, n)
+            results = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm=algorithm, comm=c),
+                                ranks_per_node=2)
+            for r in results:
+                np.testing.assert_allclose(r, np.sum(xs, axis=0), rtol=1e-12, atol=1e-12)
+    _, schedule = run_world(3, lambda c: C.allreduce(np.ones(97), algorithm="ring", comm=c),
+                            record=True)
+    # blocks of 33, 32 and 32 elements: 7 segments per reduce-scatter step, whole blocks after
+    assert len(schedule) == 3 * (2 * 7 + 2) and max(m[4] for m in schedule) == 33 * 8
+    assert sum(m[4] == 40 for m in schedule) == 3 * 2 * 6
+
+
+def test_segment_size_setting_is_validated(monkeypatch):
+    assert ring.read_segment_bytes() >= 1
+    for bad in ("1M", "0", "-4"):
+        monkeypatch.setenv("MPDL_SEGMENT_BYTES", bad)
+        with pytest.raises(ValueError, match="MPDL_SEGMENT_BYTES"):
+            ring.read_segment_bytes()
+    monkeypatch.setenv("MPDL_SEGMENT_BYTES", "4096")
+    assert ring.read_segment_bytes() == 4096
 
 
 def test_recursive_doubling_sends_lg_p_whole_buffers():

@@ -13,9 +13,24 @@ from mpdl.backend import get_array_module
 from mpdl.collectives.ops import block_bounds
 
 
+def read_segment_bytes() -> int:
+    """Bytes per pipeline segment: MPDL_SEGMENT_BYTES, default 1 MiB."""
+    value = os.environ.get("MPDL_SEGMENT_BYTES", "").strip() or str(1 << 20)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"MPDL_SEGMENT_BYTES: expected a positive number of bytes, got {value!r}")
+    return int(value)
+
+
+#: bytes per pipeline segment, read once: reading the environment costs microseconds, and on a
+#: node with more ranks than cores every microsecond a rank spends between messages is paid
+#: over again while its neighbours wait (code that changes MPDL_SEGMENT_BYTES at run time sets
+#: this from read_segment_bytes())
+SEGMENT_BYTES = read_segment_bytes()
+
+
 def segment_elements(itemsize: int) -> int:
-    """Elements per pipeline segment (MPDL_SEGMENT_BYTES, default 1 MiB)."""
-    return max(1, int(os.environ.get("MPDL_SEGMENT_BYTES", 1 << 20)) // itemsize)
+    """Elements per pipeline segment (SEGMENT_BYTES of them)."""
+    return max(1, SEGMENT_BYTES // itemsize)
 
 
 def ring_reduce_scatter(comm, buf, reduce, bounds: list[int]) -> None:
@@ -25,7 +40,7 @@ def ring_reduce_scatter(comm, buf, reduce, bounds: list[int]) -> None:
     if p == 1:
         return
     right, left = (r + 1) % p, (r - 1) % p
-    largest = max(bounds[i + 1] - bounds[i] for i in range(p))
+    largest = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
     incoming = comm.workspace("ring.incoming", largest, buf.dtype, get_array_module(buf))
     seg = segment_elements(buf.itemsize)
     for step in range(p - 1):
@@ -34,6 +49,12 @@ def ring_reduce_scatter(comm, buf, reduce, bounds: list[int]) -> None:
         out = buf[bounds[send_block]:bounds[send_block + 1]]
         acc = buf[bounds[recv_block]:bounds[recv_block + 1]]
         tmp = incoming[: acc.size]
+        if 0 < acc.size <= seg and 0 < out.size <= seg:  # one segment each way: the common case
+            recv, send = comm.irecv(tmp, left, step), comm.isend(out, right, step)
+            comm.waitall((recv,))
+            reduce(tmp, acc, out=acc)
+            comm.waitall((send,))
+            continue
         # Post every segment at once, then reduce each as it lands: reduction overlaps transfer.
         recvs = [comm.irecv(tmp[i:i + seg], left, step) for i in range(0, acc.size, seg)]
         sends = [comm.isend(out[i:i + seg], right, step) for i in range(0, out.size, seg)]
