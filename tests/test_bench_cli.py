@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec")
 MPDL = str(BIN / "mpdl")
@@ -77,3 +79,13 @@ def test_calibrate_at_an_odd_world_size(tmp_path):
     # three ranks on a node: the ring curve is measured beside the pair curve
     assert len(entry["ring_exchange"]) == len(entry["exchange"]) == 6
     assert all(t > 0 for _, t in entry["ring_exchange"])
+
+
+@pytest.mark.parametrize("iters", [1, 2, 3, 4, 5, 20, 41])
+def test_turns_time_every_iteration_once(iters):
+    from mpdl.cli.bench import ROUNDS, turns
+
+    rounds = turns(iters)
+    assert sorted(i for turn in rounds for i in turn) == list(range(iters))
+    assert len(rounds) == min(ROUNDS, iters)
+    assert max(map(len, rounds)) - min(map(len, rounds)) <= 1

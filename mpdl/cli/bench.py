@@ -1,7 +1,11 @@
 """`mpdl bench`: time collective algorithms side by side, in the style of nccl-tests.
 
-Per message size, every algorithm runs once per iteration in turn (A B C A B C ...), so a noisy
-machine treats them alike. One iteration is: MPI barrier, start the clock, call, stop the clock.
+Per message size, the algorithms take turns in rounds (A A A B B B C C C, A A A B B B ...), so a
+noisy machine that drifts treats them alike, while each call follows a call of the same algorithm,
+as in nccl-tests' loops: a call that follows another algorithm's (whose buffers and messages left
+the caches and the scheduler in another state) ran 1.15-1.35x slower at p=3 and 4 on 2 cores. Each
+turn starts with one untimed call. One iteration is: MPI barrier, start the clock, call, stop the
+clock.
 A collective's time is the slowest rank's (one MAX all-reduce of all the timings after the loop),
 and the table reports the median over iterations with min and max. Bandwidths follow nccl-tests:
 algbw = bytes / time, busbw = algbw × 2(p-1)/p (allreduce), × (p-1)/p (reduce_scatter, allgather),
@@ -327,9 +331,21 @@ def _measure_all(args: argparse.Namespace, config: dict[str, Any], comm: Any, MP
     return 0
 
 
+#: rounds the timed iterations of one size are split into (see the module docstring)
+ROUNDS = 4
+
+
+def turns(iters: int) -> list[range]:
+    """The iterations each algorithm times back to back in each of ROUNDS rounds (fewer rounds
+    when there are fewer iterations), as even as they come."""
+    rounds = max(1, min(ROUNDS, iters))
+    edges = [iters * k // rounds for k in range(rounds + 1)]
+    return [range(edges[k], edges[k + 1]) for k in range(rounds)]
+
+
 def measure_size(args, comm, MPI, size, names, dtype, op, xp, params, nodes, shared,
                  chosen_everywhere) -> list[dict[str, Any]]:
-    """Time every algorithm at one size, interleaved; the rows (complete on rank 0)."""
+    """Time every algorithm at one size, in turns; the rows (complete on rank 0)."""
     from mpdl.collectives import costmodel, registry  # noqa: PLC0415
 
     p, rank, collective = comm.size, comm.rank, args.collective
@@ -349,14 +365,16 @@ def measure_size(args, comm, MPI, size, names, dtype, op, xp, params, nodes, sha
             world.Barrier()
             case.call()
     times = np.zeros((len(cases), args.iters), dtype=np.float64)
-    for it in range(args.iters):
+    for turn in turns(args.iters):
         for i, case in enumerate(cases):
-            if case.reset is not None:
-                case.reset()
-            world.Barrier()
-            t0 = time.perf_counter()
-            result = case.call()
-            times[i, it] = time.perf_counter() - t0
+            for it in (None, *turn):  # None: the turn's untimed first call
+                if case.reset is not None:
+                    case.reset()
+                world.Barrier()
+                t0 = time.perf_counter()
+                result = case.call()
+                if it is not None:
+                    times[i, it] = time.perf_counter() - t0
             if args.check:  # keep results only when they are compared
                 case.result = result
     slowest = np.empty_like(times)
@@ -390,7 +408,8 @@ def measure_size(args, comm, MPI, size, names, dtype, op, xp, params, nodes, sha
 # -- output ------------------------------------------------------------------------------------
 def print_table(rows, args, p, nodes, emulated, params) -> None:
     print(f"# mpdl bench {args.collective}: {p} ranks, {nodes} node(s), {args.iters} iterations "
-          f"({args.warmup} warm-up), algorithms interleaved; time = slowest rank, median (min-max)")
+          f"({args.warmup} warm-up), algorithms taking turns in {len(turns(args.iters))} rounds; "
+          f"time = slowest rank, median (min-max)")
     print(f"# predictions: {params.source}")
     if emulated:
         print(f"# EMULATED links: {emulated} (nodes from MPDL_RANKS_PER_NODE); the mpi baseline "

@@ -130,17 +130,22 @@ def exchange_buffers(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
     return send, backend.empty_half_page_in(nbytes, np.uint8, np)
 
 
-def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int) -> list[float]:
+def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int,
+                    ring_steps: int = 1) -> list[float]:
     """Seconds per sendrecv (to peers[0], from peers[1]) at SMALL_BYTES and each of LARGE_BYTES,
-    timed as bench times a call (see _bench_time; 0 where no rank had peers). Each size is
-    repeated back to back, as bench repeats a call (its buffers stay as warm as bench's), in
-    SWEEPS sweeps over the sizes; the median over sweeps drops a sweep that a slow spell of the
+    timed as bench times a call (see _bench_time; 0 where no rank had peers). With ring_steps > 1,
+    one timed call is that many steps in a row, each forwarding the block received in the step
+    before (as the steps of a ring all-reduce follow each other), and the time is per step. Each
+    size is repeated back to back, as bench repeats a call (its buffers stay as warm as bench's),
+    in SWEEPS sweeps over the sizes; the median over sweeps drops a sweep that a slow spell of the
     machine fell on."""
     exchanges = []
     for nbytes in (SMALL_BYTES, *LARGE_BYTES):
-        send, recv = exchange_buffers(nbytes)
         exchange = None
-        if peers is not None:
+        if peers is not None and ring_steps > 1:
+            exchange = _ring_steps(comm, peers, nbytes, ring_steps)
+        elif peers is not None:
+            send, recv = exchange_buffers(nbytes)
             exchange = functools.partial(comm.sendrecv, send, peers[0], recv, peers[1], "calibrate")
         exchanges.append((nbytes, exchange))
     sweeps = np.zeros((SWEEPS, len(exchanges)))
@@ -149,8 +154,21 @@ def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int) -> lis
             if exchange is not None:
                 exchange()  # warm up the path and the buffers
             reps = iters if nbytes < (1 << 20) else max(3, iters // 4)
-            sweeps[sweep, j] = _bench_time(comm, exchange, reps)
+            sweeps[sweep, j] = _bench_time(comm, exchange, reps) / ring_steps
     return np.median(sweeps, axis=0).tolist()
+
+
+def _ring_steps(comm: Any, peers: tuple[int, int], nbytes: int, steps: int):
+    """A call of `steps` ring steps in a row over blocks of nbytes: step s sends block s (the one
+    received at step s-1) to peers[0] and receives block s+1 from peers[1]. The blocks lie one
+    after another in one buffer, as a ring all-reduce's blocks do."""
+    blocks = exchange_buffers(nbytes * (steps + 1))[0].reshape(steps + 1, nbytes)
+
+    def run() -> None:
+        for s in range(steps):
+            comm.sendrecv(blocks[s], peers[0], blocks[s + 1], peers[1], "calibrate")
+
+    return run
 
 
 def _fit(times: list[float]) -> tuple[float, float]:
@@ -175,7 +193,8 @@ def measure(comm: Any, iters: int) -> dict[str, Any]:
 
     curves = {"intra": pairwise(_pairs(groups, False).get(comm.rank)),
               # a ring of two is a pair: the ring curve is measured when a node has three ranks
-              "ring": _exchange_times(comm, _shifts(groups).get(comm.rank), iters)
+              "ring": _exchange_times(comm, _shifts(groups).get(comm.rank), iters,
+                                      ring_steps=2 * (max(map(len, groups)) - 1))
               if max(map(len, groups)) > 2 else None,
               "inter": pairwise(_pairs(groups, True).get(comm.rank)) if len(groups) > 1 else None}
 
