@@ -244,3 +244,22 @@ def test_calibrated_exchange_buffers_share_a_page_offset(nbytes):
     assert send.nbytes == recv.nbytes == nbytes and not np.shares_memory(send, recv)
     assert send.ctypes.data % 4096 == recv.ctypes.data % 4096
     assert (send == 1).all()
+
+
+def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
+    """The ring curve times 2(p-1) forwarding steps in one call and reports the time per step;
+    each step sends one block to the next rank and receives one from the previous."""
+    from mpdl.cli import calibrate
+    from mpdl.threadworld import run_world
+
+    monkeypatch.setattr(calibrate, "_bench_time", lambda comm, fn, reps: 6.0)
+    assert calibrate._exchange_times(None, None, 4, ring_steps=6) == [1.0] * (
+        1 + len(calibrate.LARGE_BYTES))
+
+    def chain(c):
+        calibrate._ring_steps(c, ((c.rank + 1) % c.size, (c.rank - 1) % c.size), 64, 4)()
+
+    _, schedule = run_world(3, chain, record=True)
+    for rank in range(3):
+        sent = [m for m in schedule if m[2] == rank]
+        assert [(m[3], m[4]) for m in sent] == [((rank + 1) % 3, 64)] * 4

@@ -3,7 +3,7 @@
 Per message size, the algorithms take turns in rounds (A A A B B B C C C, A A A B B B ...), so a
 noisy machine that drifts treats them alike, while each call follows a call of the same algorithm,
 as in nccl-tests' loops: a call that follows another algorithm's (whose buffers and messages left
-the caches and the scheduler in another state) ran 1.15-1.35x slower at p=3 and 4 on 2 cores. Each
+the caches and the scheduler in another state) ran 1.11-1.37x slower at p=3 and 4 on 2 cores. Each
 turn starts with one untimed call. One iteration is: MPI barrier, start the clock, call, stop the
 clock.
 A collective's time is the slowest rank's (one MAX all-reduce of all the timings after the loop),

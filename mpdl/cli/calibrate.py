@@ -2,8 +2,10 @@
 
 Every rank takes part at once, as in a collective. For α and β, neighbouring ranks of a node
 exchange messages in pairs; with three or more ranks on a node, they also pass them round a ring
-(each sends to the next and receives from the previous, as in one step of the ring algorithms),
-which with more ranks than cores is slower, since every rank must be scheduled; with several
+(each sends to the next and receives from the previous, 2(p-1) steps in a row, each forwarding
+what the step before brought, as in the ring algorithms), which with more ranks than cores is
+slower, since every rank must be scheduled, and slower still when each step waits on the one
+before instead of starting after a barrier; with several
 nodes, equal local ranks of paired nodes exchange them. Each exchange is timed as `mpdl bench`
 times a call (barrier, one call, slowest rank). Every rank reduces arrays for γ (per dtype) and
 copies them, on arrays not in cache, and copies a window chunk that stays in cache (the shm
