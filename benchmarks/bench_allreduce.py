@@ -2,8 +2,10 @@
 
     mpiexec -n 4 python benchmarks/bench_allreduce.py [--sizes 1K,16M] [--reps 30]
 
-Per size, the algorithms run interleaved (A B C … A B C …); each repetition's time is the slowest
-rank's; the table shows the median, busbw (nccl-tests: algbw·2(p-1)/p) and the ratio to `mpi`.
+Per size, the algorithms take turns as in `mpdl bench` (four rounds of A A A B B B C C C, each
+turn after one untimed call, so every timed call follows a call of the same algorithm); each
+repetition's time is the slowest rank's; the table shows the median, busbw (nccl-tests:
+algbw·2(p-1)/p) and the ratio to `mpi`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpdl import collectives as C
+from mpdl.cli.bench import turns
 
 
 def parse_size(text: str) -> int:
@@ -35,21 +38,24 @@ def main() -> None:
     p, rank = comm.Get_size(), comm.Get_rank()
     names = C.algorithms("allreduce") if args.algorithms == "all" else args.algorithms.split(",")
     if rank == 0:
-        print(f"# all-reduce, float32, sum, {p} ranks; median of {args.reps} interleaved repetitions, "
-              f"time = slowest rank")
+        print(f"# all-reduce, float32, sum, {p} ranks; median of {args.reps} repetitions taken in "
+              f"turns, time = slowest rank")
         print(f"{'size(B)':>10} {'algorithm':>18} {'time(us)':>10} {'busbw(GB/s)':>12} {'vs mpi':>8}")
     for size in [parse_size(s) for s in args.sizes.split(",")]:
         x = np.random.default_rng(rank).standard_normal(size // 4).astype(np.float32)
         out = np.empty_like(x)
         times = {n: np.empty(args.reps) for n in names}
-        for rep in range(-args.warmup, args.reps):
+        for _ in range(args.warmup):
             for name in names:
-                comm.Barrier()
-                t0 = time.perf_counter()
                 C.allreduce(x, algorithm=name, out=out)
-                elapsed = time.perf_counter() - t0
-                if rep >= 0:
-                    times[name][rep] = elapsed
+        for turn in turns(args.reps):
+            for name in names:
+                for rep in (None, *turn):  # None: the turn's untimed first call
+                    comm.Barrier()
+                    t0 = time.perf_counter()
+                    C.allreduce(x, algorithm=name, out=out)
+                    if rep is not None:
+                        times[name][rep] = time.perf_counter() - t0
         for name in names:
             comm.Allreduce(MPI.IN_PLACE, times[name], op=MPI.MAX)
         if rank == 0:
