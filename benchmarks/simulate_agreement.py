@@ -32,6 +32,12 @@ MPIEXEC, MPDL = str(BIN / "mpiexec"), str(BIN / "mpdl")
 TOLERANCE = 0.25
 
 
+def verdict(ratios: list[float]) -> tuple[float, bool]:
+    """(median ratio, whether it lies within ±TOLERANCE of 1)."""
+    ratio = statistics.median(ratios)
+    return ratio, abs(ratio - 1) <= TOLERANCE
+
+
 def _mpirun(n: int, args: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
     out = subprocess.run(["timeout", "-k", "5", str(timeout), MPIEXEC, "-n", str(n), MPDL, *args],
                          capture_output=True, text=True, timeout=timeout + 10, env=env)
@@ -103,11 +109,11 @@ def main() -> int:
                 bench.append(allreduce_ratio(p, env, Path(tmp), round_))
                 train.append(train_step_ratio(p, env, Path(tmp), round_))
             for what, ratios in (("ring all-reduce, bench", bench), ("LeNet step, train", train)):
-                ratio = statistics.median(ratios)
-                verdict = "ok" if abs(ratio - 1) <= TOLERANCE else "outside ±25%"
-                ok &= verdict == "ok"
+                ratio, agrees = verdict(ratios)
+                ok &= agrees
                 each = ", ".join(f"{r:.2f}" for r in ratios)
-                print(f"{p:>2}  {what:<26} {ratio:>18.2f}  {each:<30} {verdict}", flush=True)
+                print(f"{p:>2}  {what:<26} {ratio:>18.2f}  {each:<30} "
+                      f"{'ok' if agrees else 'outside ±25%'}", flush=True)
     return 0 if ok else 1
 
 

@@ -152,3 +152,18 @@ def test_measure_under_mpiexec_reports_once_with_every_rank_measuring(tmp_path):
     summary = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
     assert "2 ranks measuring at once, the slowest kept" in summary["model_source"]
     assert summary["sample_s"] > 0 and summary["params"] > 0
+
+
+def test_agreement_verdict_is_on_the_median_and_can_fail():
+    """benchmarks/simulate_agreement.py passes a median within ±25% and fails one outside."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "simulate_agreement.py"
+    spec = importlib.util.spec_from_file_location("simulate_agreement", path)
+    agreement = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agreement)
+    assert agreement.verdict([0.5, 0.9, 1.6]) == (0.9, True)  # one wild round does not decide
+    assert agreement.verdict([0.7, 0.74, 1.3]) == (0.74, False)
+    assert agreement.verdict([1.2, 1.3, 1.26]) == (1.26, False)
+    assert agreement.verdict([0.76, 0.8, 0.9])[1]
