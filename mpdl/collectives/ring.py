@@ -21,15 +21,18 @@ def read_segment_bytes() -> int:
     return int(value)
 
 
-#: bytes per pipeline segment, read once: reading the environment costs microseconds, and on a
-#: node with more ranks than cores every microsecond a rank spends between messages is paid
-#: over again while its neighbours wait (code that changes MPDL_SEGMENT_BYTES at run time sets
-#: this from read_segment_bytes())
-SEGMENT_BYTES = read_segment_bytes()
+#: bytes per pipeline segment, read at the first call that needs it and kept: reading the
+#: environment costs microseconds, and on a node with more ranks than cores every microsecond a
+#: rank spends between messages is paid over again while its neighbours wait (code that changes
+#: MPDL_SEGMENT_BYTES at run time sets this from read_segment_bytes())
+SEGMENT_BYTES: int | None = None
 
 
 def segment_elements(itemsize: int) -> int:
     """Elements per pipeline segment (SEGMENT_BYTES of them)."""
+    global SEGMENT_BYTES
+    if SEGMENT_BYTES is None:
+        SEGMENT_BYTES = read_segment_bytes()
     return max(1, SEGMENT_BYTES // itemsize)
 
 
