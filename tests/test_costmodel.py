@@ -263,3 +263,13 @@ def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
     for rank in range(3):
         sent = [m for m in schedule if m[2] == rank]
         assert [(m[3], m[4]) for m in sent] == [((rank + 1) % 3, 64)] * 4
+
+    # large blocks are reused in turn: memory stays within CHAIN_BYTES however long the chain
+    monkeypatch.setattr(calibrate, "CHAIN_BYTES", 4 * 64)
+    allocated = []
+    real_buffers = calibrate.exchange_buffers
+    monkeypatch.setattr(calibrate, "exchange_buffers",
+                        lambda n: allocated.append(n) or real_buffers(n))
+    _, schedule = run_world(3, lambda c: calibrate._ring_steps(
+        c, ((c.rank + 1) % 3, (c.rank - 1) % 3), 64, 10)(), record=True)
+    assert len(schedule) == 3 * 10 and allocated == [4 * 64] * 3

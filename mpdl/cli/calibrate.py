@@ -5,8 +5,8 @@ exchange messages in pairs; with three or more ranks on a node, they also pass t
 (each sends to the next and receives from the previous, 2(p-1) steps in a row, each forwarding
 what the step before brought, as in the ring algorithms), which with more ranks than cores is
 slower, since every rank must be scheduled, and slower still when each step waits on the one
-before instead of starting after a barrier; with several
-nodes, equal local ranks of paired nodes exchange them. Each exchange is timed as `mpdl bench`
+before instead of starting after a barrier; with several nodes, equal local ranks of paired
+nodes exchange them. Each exchange is timed as `mpdl bench`
 times a call (barrier, one call, slowest rank). Every rank reduces arrays for γ (per dtype) and
 copies them, on arrays not in cache, and copies a window chunk that stays in cache (the shm
 algorithm's); the barrier shm takes twice per call is measured inside an 8-byte shm all-reduce. A
@@ -38,6 +38,8 @@ REDUCE_BYTES = 1 << 22
 STREAM_PAIRS = 4
 #: sweeps over the message sizes (see _exchange_times)
 SWEEPS = 3
+#: the most memory the blocks of one size's chain of ring steps take (see _ring_steps)
+CHAIN_BYTES = 64 << 20
 GAMMA_DTYPES = ("float16", "float32", "float64", "int32", "int64")
 
 
@@ -161,14 +163,17 @@ def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int,
 
 
 def _ring_steps(comm: Any, peers: tuple[int, int], nbytes: int, steps: int):
-    """A call of `steps` ring steps in a row over blocks of nbytes: step s sends block s (the one
-    received at step s-1) to peers[0] and receives block s+1 from peers[1]. The blocks lie one
-    after another in one buffer, as a ring all-reduce's blocks do."""
-    blocks = exchange_buffers(nbytes * (steps + 1))[0].reshape(steps + 1, nbytes)
+    """A call of `steps` ring steps in a row over blocks of nbytes: each step sends the block the
+    step before received to peers[0] and receives the next block from peers[1]. The blocks lie
+    one after another in one buffer, as a ring all-reduce's blocks do; beyond CHAIN_BYTES they
+    are reused in turn (at least three, so a step never receives into the block it sends)."""
+    count = min(steps + 1, max(3, CHAIN_BYTES // max(nbytes, 1)))
+    blocks = exchange_buffers(nbytes * count)[0].reshape(count, nbytes)
 
     def run() -> None:
         for s in range(steps):
-            comm.sendrecv(blocks[s], peers[0], blocks[s + 1], peers[1], "calibrate")
+            comm.sendrecv(blocks[s % count], peers[0], blocks[(s + 1) % count], peers[1],
+                          "calibrate")
 
     return run
 

@@ -70,8 +70,8 @@ class Params:
     #: node are timed by interpolating these rather than by α + n·β (caches make the curve bend)
     exchange: tuple[tuple[float, float], ...] = field(default=())
     #: the same for one step round a ring of all a node's ranks (each sends to the next), timed
-    #: within 2(p-1) steps in a row as a ring all-reduce takes them: with more
-    #: ranks than cores a ring step needs every rank scheduled, a pairwise step only two
+    #: within 2(p-1) steps in a row as a ring all-reduce takes them: with more ranks than cores a
+    #: ring step needs every rank scheduled, a pairwise step only two
     ring_exchange: tuple[tuple[float, float], ...] = field(default=())
     #: the world size the parameters were measured at (0: defaults)
     ranks: int = 0
