@@ -42,12 +42,17 @@ def launcher_local_size() -> int | None:
     return None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
 def oversubscribed() -> bool:
     """Does this node run more ranks than this process may use cores (as far as the launcher
     says)? Then a rank waiting for a message should give its core away at once: the peer it
     waits for may be the one that needs it."""
     local = launcher_local_size()
-    return local is not None and local > len(os.sched_getaffinity(0))
+    return local is not None and local > usable_cores()
 
 
 def abort_on_uncaught_exception() -> None:

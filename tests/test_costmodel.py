@@ -257,7 +257,7 @@ def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
         1 + len(calibrate.LARGE_BYTES))
 
     def chain(c):
-        calibrate._ring_steps(c, ((c.rank + 1) % c.size, (c.rank - 1) % c.size), 64, 4)()
+        calibrate._ring_chain(c, ((c.rank + 1) % c.size, (c.rank - 1) % c.size), 64, 4)()
 
     _, schedule = run_world(3, chain, record=True)
     for rank in range(3):
@@ -270,6 +270,6 @@ def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
     real_buffers = calibrate.exchange_buffers
     monkeypatch.setattr(calibrate, "exchange_buffers",
                         lambda n: allocated.append(n) or real_buffers(n))
-    _, schedule = run_world(3, lambda c: calibrate._ring_steps(
+    _, schedule = run_world(3, lambda c: calibrate._ring_chain(
         c, ((c.rank + 1) % 3, (c.rank - 1) % 3), 64, 10)(), record=True)
     assert len(schedule) == 3 * 10 and allocated == [4 * 64] * 3

@@ -38,7 +38,7 @@ REDUCE_BYTES = 1 << 22
 STREAM_PAIRS = 4
 #: sweeps over the message sizes (see _exchange_times)
 SWEEPS = 3
-#: the most memory the blocks of one size's chain of ring steps take (see _ring_steps)
+#: the most memory the blocks of one size's chain of ring steps take (see _ring_chain)
 CHAIN_BYTES = 64 << 20
 GAMMA_DTYPES = ("float16", "float32", "float64", "int32", "int64")
 
@@ -147,7 +147,7 @@ def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int,
     for nbytes in (SMALL_BYTES, *LARGE_BYTES):
         exchange = None
         if peers is not None and ring_steps > 1:
-            exchange = _ring_steps(comm, peers, nbytes, ring_steps)
+            exchange = _ring_chain(comm, peers, nbytes, ring_steps)
         elif peers is not None:
             send, recv = exchange_buffers(nbytes)
             exchange = functools.partial(comm.sendrecv, send, peers[0], recv, peers[1], "calibrate")
@@ -162,7 +162,7 @@ def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int,
     return np.median(sweeps, axis=0).tolist()
 
 
-def _ring_steps(comm: Any, peers: tuple[int, int], nbytes: int, steps: int):
+def _ring_chain(comm: Any, peers: tuple[int, int], nbytes: int, steps: int):
     """A call of `steps` ring steps in a row over blocks of nbytes: each step sends the block the
     step before received to peers[0] and receives the next block from peers[1]. The blocks lie
     one after another in one buffer, as a ring all-reduce's blocks do; beyond CHAIN_BYTES they

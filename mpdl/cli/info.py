@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import socket
 from typing import Any
@@ -35,7 +34,7 @@ def collect() -> dict[str, Any]:
     import mpdl  # noqa: PLC0415
     from mpdl import backend  # noqa: PLC0415
     from mpdl.comm import as_communicator, cuda_aware_mpi, ranks_per_node_override  # noqa: PLC0415
-    from mpdl.mpi_runtime import load_mpi  # noqa: PLC0415
+    from mpdl.mpi_runtime import load_mpi, usable_cores  # noqa: PLC0415
 
     MPI = load_mpi()
     comm = as_communicator(None)
@@ -63,7 +62,7 @@ def collect() -> dict[str, Any]:
         "cuda_aware_mpi": aware,
         "cuda_aware_mpi_how": how,
         "gpu_buffers": "direct to MPI" if aware == "yes" else "staged through host buffers",
-        "cores": len(os.sched_getaffinity(0)),
+        "cores": usable_cores(),
         "waiting_ranks_yield": ("at every poll (more ranks on a node than cores)"
                                 if comm.yield_every == 1 else f"every {comm.yield_every} polls"),
         "rank": comm.rank,
