@@ -1,0 +1,159 @@
+"""The process's settings: every ``MPDL_*`` environment variable, read and validated in one place.
+
+``current()`` reads the environment once, the first time it is asked, and keeps the result; a bad
+value raises ``ValueError`` naming the variable and what it expects. Code that changes a setting
+at run time (``mpdl train --emulate``, ``mpdl bench --emulate``) calls ``use(...)`` or
+``update(...)`` instead of writing ``os.environ``; everything that depends on a setting reads it
+from ``current()`` (or from the communicator that was built with it).
+
+| variable | field | meaning (default) |
+|---|---|---|
+| MPDL_TIMEOUT | timeout | seconds a wait inside a collective may take before it raises (300) |
+| MPDL_CHECK | check | 1: compare every collective's arguments across ranks first (0) |
+| MPDL_SEGMENT_BYTES | segment_bytes | pipeline segment of ring and tree algorithms (1 MiB) |
+| MPDL_STAGING_CHUNK_BYTES | staging_chunk_bytes | chunk of a staged GPU message (4 MiB) |
+| MPDL_RANKS_PER_NODE | ranks_per_node | emulated nodes of k consecutive ranks (real nodes) |
+| MPDL_EMULATE | emulation | slowed links, e.g. ``inter=10Gbit/s,20us`` (none) |
+| MPDL_COST_MODEL | cost_model | parameter file of `auto`, or ``off`` / ``defaults`` (~/.cache/mpdl) |
+| MPDL_CUDA_AWARE | cuda_aware | 0 or 1: whether MPI takes GPU buffers (detected) |
+| MPDL_NO_CUPY | no_cupy | 1: act as if CuPy were not installed (0) |
+| MPDL_MALLOC | malloc | ``default``: keep glibc's malloc settings (tuned) |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from mpdl import emulation as _emulation
+from mpdl.emulation import Emulation
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting of mpdl, with its default; ``from_environment`` fills it from ``MPDL_*``."""
+
+    timeout: float = 300.0
+    check: bool = False
+    segment_bytes: int = 1 << 20
+    staging_chunk_bytes: int = 4 << 20
+    ranks_per_node: int | None = None
+    emulation: Emulation | None = None
+    #: the cost model's parameter file, or "off" (no model: the size rule) or "defaults"
+    cost_model: str = ""
+    cuda_aware: bool | None = None
+    no_cupy: bool = False
+    malloc: str = "tuned"
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0:
+            raise ValueError(f"timeout: expected a positive number of seconds, got {self.timeout!r}")
+        for name in ("segment_bytes", "staging_chunk_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive number of bytes, got {value!r}")
+        if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int)
+                                                or self.ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node: expected a positive integer or None, got "
+                             f"{self.ranks_per_node!r}")
+        if self.malloc not in ("tuned", "default"):
+            raise ValueError(f"malloc: expected 'tuned' or 'default', got {self.malloc!r}")
+        if not self.cost_model:
+            object.__setattr__(self, "cost_model", default_cost_model_path())
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """The settings the ``MPDL_*`` variables of ``env`` (default: ``os.environ``) ask for."""
+        env = os.environ if env is None else env
+        fields: dict = {}
+        raw = env.get("MPDL_TIMEOUT", "").strip()
+        if raw:
+            try:
+                fields["timeout"] = float(raw)
+            except ValueError:
+                raise ValueError(f"MPDL_TIMEOUT: expected a number of seconds, got {raw!r}") from None
+            if not fields["timeout"] > 0:
+                raise ValueError(f"MPDL_TIMEOUT: expected a positive number of seconds, got {raw!r}")
+        fields["check"] = env.get("MPDL_CHECK", "0").strip() not in ("", "0")
+        for var, field, unit in (("MPDL_SEGMENT_BYTES", "segment_bytes", "number of bytes"),
+                                 ("MPDL_STAGING_CHUNK_BYTES", "staging_chunk_bytes",
+                                  "number of bytes"),
+                                 ("MPDL_RANKS_PER_NODE", "ranks_per_node", "integer")):
+            value = _positive_int(env, var, unit)
+            if value is not None:
+                fields[field] = value
+        raw = env.get(_emulation.ENV, "").strip()
+        if raw and raw.lower() not in ("0", "off", "none"):
+            fields["emulation"] = _emulation.parse(raw)
+        raw = env.get("MPDL_COST_MODEL", "").strip()
+        if raw.lower() in ("off", "none"):
+            fields["cost_model"] = "off"
+        elif raw.lower() == "defaults":
+            fields["cost_model"] = "defaults"
+        elif raw:
+            fields["cost_model"] = os.path.expanduser(raw)
+        else:
+            fields["cost_model"] = default_cost_model_path(env)
+        raw = env.get("MPDL_CUDA_AWARE", "").strip()
+        if raw:
+            if raw not in ("0", "1"):
+                raise ValueError(f"MPDL_CUDA_AWARE: expected 0 or 1, got {raw!r}")
+            fields["cuda_aware"] = raw == "1"
+        fields["no_cupy"] = env.get("MPDL_NO_CUPY", "").strip() == "1"
+        if env.get("MPDL_MALLOC", "").strip().lower() == "default":
+            fields["malloc"] = "default"
+        return cls(**fields)
+
+    def describe(self) -> dict:
+        """The settings as plain values (for `mpdl info` and JSON output)."""
+        values = dataclasses.asdict(self)
+        values["emulation"] = self.emulation.describe() if self.emulation else None
+        return values
+
+
+def _positive_int(env: Mapping[str, str], var: str, unit: str) -> int | None:
+    raw = env.get(var, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{var}: expected a positive {unit}, got {raw!r}")
+    return value
+
+
+def default_cost_model_path(env: Mapping[str, str] | None = None) -> str:
+    """Where calibrate saves and `auto` reads by default: $XDG_CACHE_HOME/mpdl (~/.cache/mpdl)."""
+    env = os.environ if env is None else env
+    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "mpdl", "costmodel.json")
+
+
+_current: list[Settings] = []
+
+
+def current() -> Settings:
+    """This process's settings: the environment's, read at the first call, or what ``use`` set."""
+    if not _current:
+        _current.append(Settings.from_environment())
+    return _current[0]
+
+
+def use(settings: Settings | None) -> Settings:
+    """Make ``settings`` this process's settings (None: read the environment again at the next
+    ``current()``); returns the settings that were in force, so a caller can put them back."""
+    previous = current()
+    _current.clear()
+    if settings is not None:
+        _current.append(settings)
+    return previous
+
+
+def update(**changes: object) -> Settings:
+    """Change some settings for the rest of the process (``update(emulation=...)``); returns the
+    settings that were in force before."""
+    return use(dataclasses.replace(current(), **changes))
