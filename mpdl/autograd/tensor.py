@@ -338,48 +338,42 @@ def _plain_index(index: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- backward engine
-def _topological_order(root: Tensor) -> list[Tensor]:
-    """Tensors that lead to ``root`` through grad-requiring edges, inputs before outputs."""
-    order: list[Tensor] = []
-    seen = {id(root)}
-    stack: list[tuple[Tensor, bool]] = [(root, False)]
+def _consumer_counts(root: Tensor) -> dict[int, int]:
+    """For every tensor that leads to ``root`` through grad-requiring edges, the number of such
+    edges that leave it: how many gradient contributions it will receive in this backward."""
+    counts = {id(root): 0}
+    stack = [root]
     while stack:
-        t, expanded = stack.pop()
-        if expanded:
-            order.append(t)
-            continue
-        stack.append((t, True))
-        ctx = t._ctx
+        ctx = stack.pop()._ctx
         if ctx is None:
             continue
         if ctx.inputs is None:
             raise RuntimeError("backward(): the graph was freed by an earlier backward; pass "
                                "retain_graph=True to the first backward to run it again")
         for inp, need in zip(ctx.inputs, ctx.needs_input_grad, strict=True):
-            if need and id(inp) not in seen:
-                seen.add(id(inp))
-                stack.append((inp, False))
-    return order
+            if need:
+                if id(inp) not in counts:
+                    counts[id(inp)] = 0
+                    stack.append(inp)
+                counts[id(inp)] += 1
+    return counts
 
 
 def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
-    order = _topological_order(root)
-    pending: dict[int, int] = {}
-    for t in order:
-        if t._ctx is not None:
-            for inp, need in zip(t._ctx.inputs, t._ctx.needs_input_grad, strict=True):
-                if need:
-                    pending[id(inp)] = pending.get(id(inp), 0) + 1
-
+    """Kahn's algorithm from the output: a tensor's backward runs once all of its consumers have
+    added their contribution to its gradient (its pending count reached zero), so every gradient
+    is complete before it is used, however many paths of whatever lengths lead to it."""
+    pending = _consumer_counts(root)
     grads: dict[int, Any] = {id(root): grad}
     owned = {id(root)}  # tensors whose accumulated gradient array the engine created
     handed: set[int] = set()  # arrays given to leaves in this backward
-    for t in reversed(order):
+    if root._ctx is None:
+        _finish_leaf(root, grads.pop(id(root)), True, handed)
+        return
+    ready = [root]  # non-leaf tensors whose gradient is complete
+    while ready:
+        t = ready.pop()
         ctx = t._ctx
-        if ctx is None:
-            if t is root:
-                _finish_leaf(t, grads.pop(id(t)), True, handed)
-            continue
         g = grads.pop(id(t), None)
         if g is None:
             in_grads: tuple = (None,) * len(ctx.inputs)
@@ -401,8 +395,11 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
                     grads[key] = previous + gi
                     owned.add(key)
             pending[key] -= 1
-            if pending[key] == 0 and inp._ctx is None:
-                _finish_leaf(inp, grads.pop(key, None), key in owned, handed)
+            if pending[key] == 0:
+                if inp._ctx is None:  # a leaf: its gradient is final, fire its hooks now
+                    _finish_leaf(inp, grads.pop(key, None), key in owned, handed)
+                else:
+                    ready.append(inp)
         if not retain_graph:
             ctx.release()
 
