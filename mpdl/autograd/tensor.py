@@ -318,7 +318,7 @@ class Tensor:
         return Sigmoid.apply(self)
 
     def relu(self) -> Tensor:
-        return ReLU.apply(self)
+        return Rectify.apply(self)
 
 
 def _lift(value: Any, like: Tensor) -> Tensor:
@@ -677,7 +677,9 @@ class Sigmoid(Function):
         return grad * self.out * (1 - self.out)
 
 
-class ReLU(Function):
+class Rectify(Function):
+    """max(a, 0); the gradient passes where the output is positive."""
+
     def forward(self, a):
         out = get_array_module(a).maximum(a, 0)
         self.mask = out > 0
