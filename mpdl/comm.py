@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from mpdl import backend, emulation, mpi_runtime
+from mpdl import backend, emulation, mpi_runtime, settings
 
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = settings.Settings.timeout
 
 
 class CollectiveTimeout(RuntimeError):
@@ -29,43 +29,18 @@ class CollectiveMismatch(ValueError):
 
 
 def timeout_s() -> float:
-    """The wait timeout in seconds, from MPDL_TIMEOUT (default 300)."""
-    raw = os.environ.get("MPDL_TIMEOUT", "")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"MPDL_TIMEOUT: expected a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"MPDL_TIMEOUT: expected a positive number of seconds, got {raw!r}")
-    return value
-
-
-def _positive_int_env(name: str) -> int | None:
-    """The positive integer in environment variable `name`, None when unset; ValueError naming the
-    variable otherwise."""
-    raw = os.environ.get(name, "")
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{name}: expected a positive integer, got {raw!r}")
-    return value
+    """The wait timeout in seconds (settings: MPDL_TIMEOUT, default 300)."""
+    return settings.current().timeout
 
 
 def staging_chunk_bytes() -> int:
-    """The chunk size of staged device messages, from MPDL_STAGING_CHUNK_BYTES (default 4 MiB)."""
-    value = _positive_int_env("MPDL_STAGING_CHUNK_BYTES")
-    return 4 << 20 if value is None else value
+    """The chunk size of staged device messages (settings: MPDL_STAGING_CHUNK_BYTES, 4 MiB)."""
+    return settings.current().staging_chunk_bytes
 
 
 def ranks_per_node_override() -> int | None:
-    """MPDL_RANKS_PER_NODE=k (emulated nodes of k consecutive ranks), or None when unset."""
-    return _positive_int_env("MPDL_RANKS_PER_NODE")
+    """Emulated nodes of k consecutive ranks (settings: MPDL_RANKS_PER_NODE), or None."""
+    return settings.current().ranks_per_node
 
 
 class Request:
@@ -104,14 +79,12 @@ class Communicator:
     def __init__(self) -> None:
         self._workspace: dict[Any, Any] = {}
         self._subcomms: dict[Any, SubComm] = {}
-        self.timeout = timeout_s()
+        #: the settings this communicator was built with (timeout, check, staging, nodes, links)
+        self.settings = settings.current()
+        self.timeout = self.settings.timeout
         #: MPDL_CHECK=1: compare every collective's arguments across ranks before it runs
-        self.check = os.environ.get("MPDL_CHECK", "0") not in ("", "0")
+        self.check = self.settings.check
         self._groups: list[list[int]] | None = None
-        #: algorithms `auto` picked, by (collective, bytes, generation of the choices)
-        self.auto_choices: dict[tuple, Any] = {}
-        #: shared-memory all-reduces so far; their parity picks the half of the window to use
-        self.shm_calls = 0
 
     # -- point to point ------------------------------------------------------------------------
     def isend(self, buf: Any, dest: int, step: Any = None) -> Request:
@@ -301,11 +274,9 @@ def _pinned_allocator(xp: Any) -> Callable[[int], np.ndarray]:
 
 def cuda_aware_mpi() -> tuple[str, str]:
     """('yes'|'no'|'unknown', how it was decided) for the MPI library in use."""
-    override = os.environ.get("MPDL_CUDA_AWARE", "")
-    if override in ("0", "1"):
-        return ("yes" if override == "1" else "no"), "MPDL_CUDA_AWARE environment variable"
-    if override:
-        raise ValueError(f"MPDL_CUDA_AWARE: expected 0 or 1, got {override!r}")
+    override = settings.current().cuda_aware
+    if override is not None:
+        return ("yes" if override else "no"), "MPDL_CUDA_AWARE environment variable"
     from mpi4py import MPI  # noqa: PLC0415
 
     version = MPI.Get_library_version()
@@ -351,15 +322,14 @@ class MPIComm(Communicator):
         self._cuda_aware: bool | None = None
         #: staged messages above this many bytes travel in chunks of it, so the device-host copies
         #: of one chunk overlap the transfer of another (MPDL_STAGING_CHUNK_BYTES, default 4 MiB)
-        self.staging_chunk = staging_chunk_bytes()
+        self.staging_chunk = self.settings.staging_chunk_bytes
         #: a waiting rank yields its core every this many polls: at every poll when the node runs
         #: more ranks than cores (the peer it waits for may need the core), else every 64
         self.yield_every = 1 if mpi_runtime.oversubscribed() else 64
         #: mpdl.emulation's delay hook, called as link_delay(dest, nbytes) before each send; None = off
         self.link_delay: emulation.LinkDelay | None = None
-        emulated = emulation.from_environment()
-        if emulated is not None:
-            emulation.install(self, emulated)
+        if self.settings.emulation is not None:
+            emulation.install(self, self.settings.emulation)
 
     # -- device buffers ------------------------------------------------------------------------
     def cuda_aware(self) -> bool:
@@ -495,7 +465,7 @@ class MPIComm(Communicator):
     # -- nodes ---------------------------------------------------------------------------------
     def node_of_rank(self) -> list[int]:
         if self._nodes is None:
-            k = ranks_per_node_override()
+            k = self.settings.ranks_per_node
             if k is not None:
                 self._nodes = [r // k for r in range(self.size)]
             else:
