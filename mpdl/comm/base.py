@@ -1,12 +1,15 @@
 """The `Communicator` interface every collective algorithm is written against, and `SubComm`.
 
-An implementation provides three transport methods (`_isend`, `_irecv`, `_wait_all`), the node
-layout (`node_of_rank`) and `allgather_object`; shared memory (`shared_segments`) is optional.
-This base adds recording, blocking helpers, a barrier, sub-communicators and reusable buffers.
+An implementation provides four transport methods (`_isend`, `_irecv`, `_wait_all`, `_test`), the
+node layout (`node_of_rank`) and `allgather_object`; shared memory (`shared_segments`) is optional.
+This base adds recording, `waitall`/`waitany`/`test`, blocking helpers, a barrier,
+sub-communicators and reusable buffers.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,8 +55,9 @@ class Request:
 class Communicator:
     """The interface every collective algorithm is written against.
 
-    Subclasses provide `_isend`, `_irecv`, `_wait_all`, `node_of_rank` and `allgather_object`
-    (and `shared_segments` where the ranks of a node share memory); this base adds the message
+    Subclasses provide `_isend`, `_irecv`, `_wait_all`, `_test`, `node_of_rank` and
+    `allgather_object` (and `shared_segments` where the ranks of a node share memory); this base
+    adds the message
     recorder, blocking helpers, a barrier, sub-communicators and reusable work buffers. It holds the
     settings it was built with (`settings`: timeout, argument checks, staging, nodes, links).
     """
@@ -89,6 +93,11 @@ class Communicator:
         waiting); raise `_timeout_error(pending)` after `self.timeout` seconds."""
         raise NotImplementedError
 
+    def _test(self, request: Request) -> bool:
+        """Whether the request's transfer is done (never blocks; a receive that is done has landed
+        in its buffer, but its `on_complete` has not run)."""
+        raise NotImplementedError
+
     # -- point to point ------------------------------------------------------------------------
     def isend(self, buf: Any, dest: int, step: Any = None) -> Request:
         """Start sending the contiguous array buf to rank dest."""
@@ -108,6 +117,32 @@ class Communicator:
             for r in requests:
                 if r.on_complete is not None:
                     r.on_complete()
+
+    def test(self, request: Request) -> bool:
+        """Whether the request is done; completes it (once) when it is."""
+        if not self._test(request):
+            return False
+        if request.on_complete is not None:
+            request.on_complete()
+            request.on_complete = None
+        return True
+
+    def waitany(self, requests: Sequence[Request]) -> int:
+        """Wait until one of the requests is done, complete it and return its index; raise
+        CollectiveTimeout naming a peer and step after the timeout. Polls, yielding the core."""
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while True:
+            for i, r in enumerate(requests):
+                if self.test(r):
+                    return i
+            spins += 1
+            if spins < 2000:
+                os.sched_yield()
+            else:
+                time.sleep(1e-4)
+            if spins & 255 == 0 and time.monotonic() > deadline:
+                raise self._timeout_error(list(requests))
 
     def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, step: Any = None) -> None:
         """Send sendbuf to dest while receiving recvbuf from source."""
@@ -228,6 +263,9 @@ class SubComm(Communicator):
 
     def _wait_all(self, requests: Sequence[Request]) -> None:
         self.parent._wait_all(requests)
+
+    def _test(self, request: Request) -> bool:
+        return self.parent._test(request)
 
     def node_of_rank(self) -> list[int]:
         parent_nodes = self.parent.node_of_rank()

@@ -61,10 +61,10 @@ class MPIComm(Communicator, DeviceStaging):
     def _post_recv(self, host: np.ndarray, source: int) -> Any:
         return self.mpi.Irecv([host, self.MPI.BYTE], source, self._TAG)
 
-    def _test(self, handle: Any) -> bool:
+    def _handle_done(self, handle: Any) -> bool:
         return handle.Test()
 
-    def _test_all(self, handles: list[Any]) -> bool:
+    def _handles_done(self, handles: list[Any]) -> bool:
         return self.MPI.Request.Testall(handles)
 
     # -- the transport -------------------------------------------------------------------------
@@ -118,6 +118,12 @@ class MPIComm(Communicator, DeviceStaging):
                         h != self.MPI.REQUEST_NULL
                         for h in (r.handle if isinstance(r.handle, list) else (r.handle,)))]
                     raise self._timeout_error(pending or list(requests))
+
+    def _test(self, request: Request) -> bool:
+        if request.progress is not None:
+            request.progress()
+        handle = request.handle
+        return self._handles_done(handle if isinstance(handle, list) else [handle])
 
     def _wait_mpi(self, request: Any, step: str) -> None:
         """Wait for one MPI request (a barrier) under the wait policy."""

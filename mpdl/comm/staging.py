@@ -70,7 +70,7 @@ class DeviceStaging:
     The transport class provides `staging_chunk` (bytes), `_pools` (a dict, empty at first),
     `_post_send(host, dest)` and
     `_post_recv(host, source)` (each starts one host-buffer transfer and returns its handle),
-    `_test(handle)` and `_test_all(handles)`.
+    `_handle_done(handle)` and `_handles_done(handles)`.
     """
 
     staging_chunk: int
@@ -82,10 +82,10 @@ class DeviceStaging:
     def _post_recv(self, host: np.ndarray, source: int) -> Any:
         raise NotImplementedError
 
-    def _test(self, handle: Any) -> bool:
+    def _handle_done(self, handle: Any) -> bool:
         raise NotImplementedError
 
-    def _test_all(self, handles: list[Any]) -> bool:
+    def _handles_done(self, handles: list[Any]) -> bool:
         raise NotImplementedError
 
     def staging_pool(self, xp: Any) -> StagingPool:
@@ -136,7 +136,7 @@ class DeviceStaging:
         for (lo, hi), copy in zip(bounds, copies, strict=True):
             while not backend.copy_done(copy):
                 if handles:
-                    self._test_all(handles)  # keep the posted chunks moving
+                    self._handles_done(handles)  # keep the posted chunks moving
             handles.append(self._post_send(staged[lo:hi], dest))
         return handles
 
@@ -149,7 +149,7 @@ class DeviceStaging:
         uploads: list[Any] = []
 
         def progress() -> None:
-            while len(uploads) < len(handles) and self._test(handles[len(uploads)]):
+            while len(uploads) < len(handles) and self._handle_done(handles[len(uploads)]):
                 lo, hi = bounds[len(uploads)]
                 uploads.append(backend.upload_async(flat[lo:hi], staged[lo:hi]))
 
