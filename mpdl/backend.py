@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from typing import Any
 
 import numpy as np
@@ -328,8 +329,6 @@ def use_local_gpu(local_rank: int, local_size: int) -> int:
     device = local_rank % count
     cupy.cuda.Device(device).use()
     if local_size > count and local_rank == 0:
-        import warnings  # noqa: PLC0415
-
         warnings.warn(f"{local_size} ranks share {count} GPU(s) on this node; each GPU is "
                       f"time-shared by several ranks", RuntimeWarning, stacklevel=2)
     return device

@@ -35,9 +35,10 @@ from mpdl import emulation as _emulation
 from mpdl import settings
 from mpdl.collectives import registry
 from mpdl.collectives.hierarchical import INTER_RING_BYTES
-from mpdl.collectives.ops import segment_elements
+from mpdl.collectives.ops import block_bounds, segment_elements
 from mpdl.collectives.shm import WINDOW_BYTES
 from mpdl.collectives.torus import grid_shape
+from mpdl.threadworld import run_world
 
 ENV = "MPDL_COST_MODEL"
 FORMAT_VERSION = 1
@@ -479,20 +480,23 @@ SCHEDULE_SAMPLE_BYTES = 1 << 16
 @functools.lru_cache(maxsize=256)
 def _schedule(collective: str, algorithm: str, p: int, ranks_per_node: int, count: int,
               dtype: str) -> tuple[tuple[int, int, int], ...]:
-    """The (src, dst, bytes) of every message, sorted, from one run on the in-process world."""
-    from mpdl import collectives  # noqa: PLC0415
-    from mpdl.threadworld import run_world  # noqa: PLC0415
+    """The (src, dst, bytes) of every message, sorted, from one run of the registered algorithm on
+    the in-process world (the messages the public call sends: it checks, copies, then runs it)."""
+    run = registry.REGISTRY[collective][algorithm].run
 
     def call(comm):
         x = np.ones(count, dtype=dtype)
-        kind = {"allreduce": lambda: collectives.allreduce(x, algorithm=algorithm, comm=comm),
-                "reduce_scatter": lambda: collectives.reduce_scatter(x, algorithm=algorithm,
-                                                                     comm=comm),
-                "allgather": lambda: collectives.allgather(x[: max(1, count // p)],
-                                                           algorithm=algorithm, comm=comm),
-                "broadcast": lambda: collectives.broadcast(x, algorithm=algorithm, comm=comm),
-                "reduce": lambda: collectives.reduce(x, algorithm=algorithm, comm=comm)}
-        return kind[collective]()
+        if collective == "allreduce":
+            run(comm, x, "sum")
+        elif collective == "reduce_scatter":
+            run(comm, x, "sum", block_bounds(count, p))
+        elif collective == "allgather":  # every rank's max(1, count // p) elements
+            part = max(1, count // p)
+            run(comm, np.ones(part * p, dtype=dtype), [i * part for i in range(p + 1)])
+        elif collective == "broadcast":
+            run(comm, x, 0)
+        else:
+            run(comm, x, "sum", 0)
 
     _, schedule = run_world(p, call, ranks_per_node=ranks_per_node, record=True)
     return tuple(sorted((src, dst, nbytes) for _, _, src, dst, nbytes in schedule))
