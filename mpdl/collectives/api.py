@@ -21,7 +21,7 @@ def _pick(collective: str, algorithm: str, comm: Communicator, nbytes: int) -> r
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm: expected a name, got {type(algorithm).__name__}")
     if algorithm == "auto":
-        return auto.resolve(collective, nbytes, comm)
+        return auto.algorithm_for(collective, nbytes, comm)
     return registry.resolve(collective, algorithm)
 
 

@@ -59,7 +59,7 @@ def choose(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool
     return name
 
 
-def resolve(collective: str, nbytes: int, comm) -> registry.Algorithm:
+def algorithm_for(collective: str, nbytes: int, comm) -> registry.Algorithm:
     """The registered algorithm `auto` runs for a call of nbytes on comm (an mpdl Communicator)."""
     nodes = len(comm.node_groups()) if comm.size > 1 else 1
     return registry.resolve(collective, choose(collective, nbytes, comm.size, nodes,
