@@ -10,8 +10,9 @@ the memory freed by one step is reused by the next.
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
+
+from mpdl import settings
 
 #: glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -22,7 +23,7 @@ MMAP_THRESHOLD = 32 << 20
 def keep_heap(threshold: int = MMAP_THRESHOLD) -> bool:
     """Serve allocations below `threshold` bytes from the heap and never trim it below twice that.
     Returns whether the setting took effect: False off glibc, or with MPDL_MALLOC=default."""
-    if os.environ.get("MPDL_MALLOC", "").lower() == "default":
+    if settings.current().malloc == "default":
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False

@@ -6,11 +6,13 @@ One code path serves every backend: ``xp = get_array_module(x)`` and then ``xp.a
 from __future__ import annotations
 
 import functools
-import os
 import types
+import warnings
 from typing import Any
 
 import numpy as np
+
+from mpdl import settings
 
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
     np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")
@@ -20,7 +22,7 @@ SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
 @functools.lru_cache(maxsize=1)
 def cupy_module() -> types.ModuleType | None:
     """CuPy if it imports and sees a GPU, else None. Imported lazily: it is slow to load."""
-    if os.environ.get("MPDL_NO_CUPY") == "1":
+    if settings.current().no_cupy:
         return None
     try:
         import cupy  # noqa: PLC0415
@@ -46,11 +48,6 @@ def get_array_module(x: Any) -> types.ModuleType:
 
         return cupy
     return np
-
-
-def is_device_array(x: Any) -> bool:
-    """True for arrays that live on a device (CuPy or the stand-in), False for NumPy arrays."""
-    return get_array_module(x) is not np
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -332,8 +329,6 @@ def use_local_gpu(local_rank: int, local_size: int) -> int:
     device = local_rank % count
     cupy.cuda.Device(device).use()
     if local_size > count and local_rank == 0:
-        import warnings  # noqa: PLC0415
-
         warnings.warn(f"{local_size} ranks share {count} GPU(s) on this node; each GPU is "
                       f"time-shared by several ranks", RuntimeWarning, stacklevel=2)
     return device

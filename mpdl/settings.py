@@ -24,11 +24,103 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mpdl import emulation as _emulation
-from mpdl.emulation import Emulation
+#: the variable of link emulation (mpdl.emulation); its spec is parsed here like every setting's
+EMULATE_ENV = "MPDL_EMULATE"
+
+_BANDWIDTH = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(bit|b|byte)/s$", re.I)
+_LATENCY = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(ns|us|µs|ms|s)$", re.I)
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+@dataclass(frozen=True)
+class Link:
+    """An emulated link: bytes per second and seconds of latency per message."""
+
+    bandwidth: float
+    latency: float
+
+    def delay(self, nbytes: int) -> float:
+        """Seconds a message of nbytes takes on this link: latency + nbytes / bandwidth."""
+        return self.latency + nbytes / self.bandwidth
+
+    def describe(self) -> str:
+        parts = [] if self.bandwidth == float("inf") else [f"{self.bandwidth * 8 / 1e9:g}Gbit/s"]
+        return ",".join([*parts, f"{round(self.latency * 1e9) / 1e3:g}us"])
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """The emulated links: `inter` between nodes, `intra` inside a node (either may be None)."""
+
+    inter: Link | None = None
+    intra: Link | None = None
+
+    def describe(self) -> str:
+        """The spec in canonical form, e.g. 'inter=10Gbit/s,20us'."""
+        parts = [f"{name}={link.describe()}" for name, link in (("inter", self.inter),
+                                                                 ("intra", self.intra)) if link]
+        return ";".join(parts)
+
+
+def _parse_bandwidth(text: str) -> float:
+    m = _BANDWIDTH.match(text.strip())
+    if not m:
+        raise ValueError(f"bandwidth {text!r}: expected a number and a unit such as 10Gbit/s, "
+                         f"100Mbit/s or 1.25GB/s")
+    value = float(m.group(1)) * _PREFIX[m.group(2).lower()]
+    if m.group(3).lower() == "bit":
+        value /= 8  # bits to bytes
+    if value <= 0:
+        raise ValueError(f"bandwidth {text!r}: expected a positive rate")
+    return value
+
+
+def _parse_latency(text: str) -> float:
+    m = _LATENCY.match(text.strip())
+    if not m:
+        raise ValueError(f"latency {text!r}: expected a number and a unit such as 20us, 0.5ms or 1s")
+    return float(m.group(1)) * _SECONDS[m.group(2).lower()]
+
+
+def parse(spec: str) -> Emulation:
+    """Parse 'inter=10Gbit/s,20us' (optionally ';intra=100Gbit/s,1us'). A link may give its bandwidth,
+    its latency or both, in either order; ValueError names what is wrong."""
+    links: dict[str, dict[str, float]] = {}
+    current: str | None = None
+    for token in (t.strip() for t in re.split(r"[;,\s]+", spec.strip())):
+        if not token:
+            continue
+        if "=" in token:
+            current, _, token = token.partition("=")
+            current = current.strip().lower()
+            if current not in ("inter", "intra"):
+                raise ValueError(f"{EMULATE_ENV}: unknown link {current!r}; expected inter= or intra=")
+            if current in links:
+                raise ValueError(f"{EMULATE_ENV}: link {current!r} given twice")
+            links[current] = {}
+        if current is None:
+            raise ValueError(f"{EMULATE_ENV}: {spec!r} must start with inter= or intra=")
+        try:
+            if token.lower().endswith("/s"):
+                key, value = "bandwidth", _parse_bandwidth(token)
+            else:
+                key, value = "latency", _parse_latency(token)
+        except ValueError as exc:
+            raise ValueError(f"{EMULATE_ENV}: {exc}") from None
+        if key in links[current]:
+            raise ValueError(f"{EMULATE_ENV}: {current} link has two {key} values in {spec!r}")
+        links[current][key] = value
+    if not links:
+        raise ValueError(f"{EMULATE_ENV}: empty spec; expected e.g. inter=10Gbit/s,20us")
+    made = {name: Link(v.get("bandwidth", float("inf")), v.get("latency", 0.0))
+            for name, v in links.items()}
+    return Emulation(inter=made.get("inter"), intra=made.get("intra"))
+
 
 
 @dataclass(frozen=True)
@@ -77,16 +169,16 @@ class Settings:
             if not fields["timeout"] > 0:
                 raise ValueError(f"MPDL_TIMEOUT: expected a positive number of seconds, got {raw!r}")
         fields["check"] = env.get("MPDL_CHECK", "0").strip() not in ("", "0")
-        for var, field, unit in (("MPDL_SEGMENT_BYTES", "segment_bytes", "number of bytes"),
+        for var, field, unit in (("MPDL_SEGMENT_BYTES", "segment_bytes", "integer (bytes)"),
                                  ("MPDL_STAGING_CHUNK_BYTES", "staging_chunk_bytes",
-                                  "number of bytes"),
+                                  "integer (bytes)"),
                                  ("MPDL_RANKS_PER_NODE", "ranks_per_node", "integer")):
             value = _positive_int(env, var, unit)
             if value is not None:
                 fields[field] = value
-        raw = env.get(_emulation.ENV, "").strip()
+        raw = env.get(EMULATE_ENV, "").strip()
         if raw and raw.lower() not in ("0", "off", "none"):
-            fields["emulation"] = _emulation.parse(raw)
+            fields["emulation"] = parse(raw)
         raw = env.get("MPDL_COST_MODEL", "").strip()
         if raw.lower() in ("off", "none"):
             fields["cost_model"] = "off"
@@ -143,10 +235,11 @@ def current() -> Settings:
     return _current[0]
 
 
-def use(settings: Settings | None) -> Settings:
+def use(settings: Settings | None) -> Settings | None:
     """Make ``settings`` this process's settings (None: read the environment again at the next
-    ``current()``); returns the settings that were in force, so a caller can put them back."""
-    previous = current()
+    ``current()``); returns the settings that were in force, so a caller can put them back (None
+    when the environment had not been read yet: ``use(None)`` puts that back)."""
+    previous = _current[0] if _current else None
     _current.clear()
     if settings is not None:
         _current.append(settings)

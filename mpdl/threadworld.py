@@ -94,12 +94,25 @@ class ThreadComm(Communicator):
                 data = self.world.mailboxes[(r.peer, self.rank)].get(timeout=self.timeout)
             except queue.Empty:
                 raise self._timeout_error([r]) from None
-            dst = r.handle
-            if data.nbytes != dst.nbytes:
-                raise RuntimeError(f"{self.collective}: rank {self.rank} expected {dst.nbytes} "
-                                   f"bytes from rank {r.peer} at step {r.step}, got {data.nbytes}")
-            backend.upload(dst, data.view(dst.dtype).reshape(dst.shape))
-            r.handle = None
+            self._deliver(r, data)
+
+    def _test(self, request: Request) -> bool:
+        if request.kind != "recv" or request.handle is None:
+            return True
+        try:
+            data = self.world.mailboxes[(request.peer, self.rank)].get_nowait()
+        except queue.Empty:
+            return False
+        self._deliver(request, data)
+        return True
+
+    def _deliver(self, r: Request, data: np.ndarray) -> None:
+        dst = r.handle
+        if data.nbytes != dst.nbytes:
+            raise RuntimeError(f"{self.collective}: rank {self.rank} expected {dst.nbytes} "
+                               f"bytes from rank {r.peer} at step {r.step}, got {data.nbytes}")
+        backend.upload(dst, data.view(dst.dtype).reshape(dst.shape))
+        r.handle = None
 
     def node_of_rank(self) -> list[int]:
         return [r // self.world.ranks_per_node for r in range(self.size)]

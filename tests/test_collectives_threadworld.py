@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from mpdl import collectives as C
+from mpdl import settings
 from mpdl.backend import standin
-from mpdl.collectives import ring
 from mpdl.comm import CollectiveTimeout
 from mpdl.threadworld import run_world
 
@@ -90,7 +90,7 @@ def test_ring_schedule_is_the_textbook_one():
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "double_tree", "hierarchical", "torus2d"])
 def test_allreduce_in_small_pipeline_segments(monkeypatch, algorithm):
     """Blocks longer than a segment travel in several messages, each reduced as it lands."""
-    monkeypatch.setattr(ring, "SEGMENT_BYTES", 40)  # 5 float64 per segment
+    settings.update(segment_bytes=40)  # 5 float64 per segment
     for p in (2, 3, 4, 5):
         for n in (0, 1, p - 1, 13, 97):
             xs = data(p, n)
@@ -106,13 +106,14 @@ def test_allreduce_in_small_pipeline_segments(monkeypatch, algorithm):
 
 
 def test_segment_size_setting_is_validated(monkeypatch):
-    assert ring.read_segment_bytes() >= 1
+    assert settings.current().segment_bytes >= 1
     for bad in ("1M", "0", "-4"):
         monkeypatch.setenv("MPDL_SEGMENT_BYTES", bad)
         with pytest.raises(ValueError, match="MPDL_SEGMENT_BYTES"):
-            ring.read_segment_bytes()
+            settings.Settings.from_environment()
     monkeypatch.setenv("MPDL_SEGMENT_BYTES", "4096")
-    assert ring.read_segment_bytes() == 4096
+    settings.use(None)
+    assert settings.current().segment_bytes == 4096
 
 
 def test_recursive_doubling_sends_lg_p_whole_buffers():
@@ -147,6 +148,7 @@ def test_stand_in_device_arrays_reduce_on_the_device():
 
 def test_a_missing_peer_times_out_naming_the_step(monkeypatch):
     monkeypatch.setenv("MPDL_TIMEOUT", "0.3")
+    settings.use(None)
 
     def f(c):
         if c.rank == 1:
@@ -160,6 +162,7 @@ def test_a_missing_peer_times_out_naming_the_step(monkeypatch):
 
 def test_check_mode_catches_mismatched_dtypes(monkeypatch):
     monkeypatch.setenv("MPDL_CHECK", "1")
+    settings.use(None)
 
     def f(c):
         return C.allreduce(np.ones(4, np.float32 if c.rank else np.float64), comm=c)
@@ -184,6 +187,7 @@ def test_algorithms_lists_every_collective():
 
 def test_timeout_setting_is_validated(monkeypatch):
     monkeypatch.setenv("MPDL_TIMEOUT", "soon")
+    settings.use(None)
     with pytest.raises(ValueError, match="MPDL_TIMEOUT"):
         run_world(1, lambda c: None)
     del os.environ["MPDL_TIMEOUT"]

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from mpdl import collectives as C
-from mpdl import emulation
+from mpdl import emulation, settings
 from mpdl.cli.bench import bus_factor, parse_size
+from mpdl.collectives import auto, registry
 from mpdl.collectives import costmodel as cm
-from mpdl.collectives import registry
 from mpdl.threadworld import run_world
 
 ZERO = cm.Params(alpha=0.0, beta=0.0, gamma=0.0, copy=0.0, barrier=0.0, call=0.0, alpha_native=0.0)
@@ -25,9 +25,10 @@ SIZES = [0, 8, 1000, 1 << 16, 1 << 20, 1 << 26]
 def _isolated_model(tmp_path, monkeypatch):
     monkeypatch.setenv("MPDL_COST_MODEL", str(tmp_path / "model.json"))
     monkeypatch.delenv("MPDL_EMULATE", raising=False)
-    cm.forget()
+    settings.use(None)
+    auto.forget()
     yield
-    cm.forget()
+    auto.forget()
 
 
 @pytest.mark.parametrize("collective", registry.COLLECTIVES)
@@ -117,16 +118,17 @@ def test_a_broken_file_or_model_off_falls_back_to_the_simple_rule(tmp_path, monk
     with pytest.raises(cm.ModelUnavailable, match="mpdl calibrate"):
         cm.load_params(4)
     for n in SIZES:
-        assert registry.choose("allreduce", n, 4, 1, True) == registry.simple_choice(
+        assert auto.choose("allreduce", n, 4, 1, True) == auto.simple_choice(
             "allreduce", n, 4, 1, True)
     monkeypatch.setenv("MPDL_COST_MODEL", "off")
-    cm.forget()
-    assert registry.choose("reduce", 1 << 20, 4, 1, True) == "ring"
+    settings.use(None)
+    assert auto.choose("reduce", 1 << 20, 4, 1, True) == "ring"
 
 
 def test_default_path_honours_xdg_cache_home(tmp_path, monkeypatch):
     monkeypatch.delenv("MPDL_COST_MODEL")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    settings.use(None)
     assert cm.default_path() == str(tmp_path / "mpdl" / "costmodel.json")
 
 
@@ -211,10 +213,10 @@ def test_calibrated_curve_never_decreases():
 def test_recursive_doubling_pays_the_inter_node_link_only_where_pairs_cross_nodes():
     links = cm.Params(alpha=1.0, beta=0.0, gamma=0.0, alpha_inter=10.0, beta_inter=0.0)
     # p=8 on 2 nodes of 4: distances 1 and 2 stay inside a node, distance 4 crosses
-    assert cm.recursive_doubling(cm.Setting(8, 2, 8.0, links, 0.0, 8)) == 1 + 1 + 10
+    assert cm.recursive_doubling_time(cm.Setting(8, 2, 8.0, links, 0.0, 8)) == 1 + 1 + 10
     # p=6 on 2 nodes of 3: the fold pairs (0,1), (2,3) cross (2 messages of 10); the group is
     # ranks 1, 3, 4, 5 and both its exchanges, (1,3)/(4,5) and (1,4)/(3,5), cross
-    assert cm.recursive_doubling(cm.Setting(6, 2, 8.0, links, 0.0, 8)) == 20 + 10 + 10
+    assert cm.recursive_doubling_time(cm.Setting(6, 2, 8.0, links, 0.0, 8)) == 20 + 10 + 10
 
 
 def test_calibrated_exchange_drops_a_sweep_a_slow_spell_fell_on(monkeypatch):

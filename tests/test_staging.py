@@ -31,13 +31,16 @@ def test_stand_in_device_array_refuses_implicit_host_access():
 @pytest.mark.parametrize("variable, read", [("MPDL_STAGING_CHUNK_BYTES", "staging_chunk_bytes"),
                                             ("MPDL_RANKS_PER_NODE", "ranks_per_node_override")])
 def test_size_variables_reject_what_is_not_a_positive_integer(monkeypatch, variable, read):
-    from mpdl import comm
+    from mpdl import comm, settings
 
     for bad in ("0", "-4", "4M", "two"):
         monkeypatch.setenv(variable, bad)
+        settings.use(None)
         with pytest.raises(ValueError, match=f"{variable}: expected a positive integer"):
             getattr(comm, read)()
     monkeypatch.setenv(variable, "4096")
+    settings.use(None)
     assert getattr(comm, read)() == 4096
     monkeypatch.delenv(variable)
+    settings.use(None)
     assert comm.staging_chunk_bytes() == 4 << 20 and comm.ranks_per_node_override() is None

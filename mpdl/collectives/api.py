@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import backend
-from mpdl.collectives import registry
+from mpdl.collectives import auto, registry
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.ops import block_bounds, check_array, check_op
 from mpdl.comm import CollectiveMismatch, Communicator, as_communicator
@@ -21,14 +21,7 @@ def _pick(collective: str, algorithm: str, comm: Communicator, nbytes: int) -> r
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm: expected a name, got {type(algorithm).__name__}")
     if algorithm == "auto":
-        # auto's choice is remembered per communicator until the chooser's inputs change
-        key = (collective, nbytes, registry.choices_generation[0])
-        chosen = comm.auto_choices.get(key)
-        if chosen is None:
-            nodes = len(comm.node_groups()) if comm.size > 1 else 1
-            name = registry.choose(collective, nbytes, comm.size, nodes, comm.has_shared_memory)
-            chosen = comm.auto_choices[key] = registry.resolve(collective, name)
-        return chosen
+        return auto.algorithm_for(collective, nbytes, comm)
     return registry.resolve(collective, algorithm)
 
 

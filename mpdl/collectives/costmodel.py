@@ -13,7 +13,11 @@ without a formula here is estimated from its message schedule, recorded on the i
 
 `choose` returns the algorithm with the smallest prediction. It is a pure function of its
 arguments and the parameter file, which every rank reads itself, so all ranks pick the same one;
-ties go to the algorithm registered first.
+ties go to the algorithm registered first. `mpdl.collectives.auto` remembers its choices.
+
+The formulas are named after what they time (`ring_reduce_scatter_time` times the algorithm
+`ring_reduce_scatter`); `FORMULAS` maps each registered (collective, algorithm) of
+`registry.REGISTRY` to one, and is checked against that table when this module loads.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from mpdl import emulation as _emulation
+from mpdl import settings
 from mpdl.collectives import registry
 from mpdl.collectives.hierarchical import INTER_RING_BYTES
-from mpdl.collectives.ring import segment_elements
+from mpdl.collectives.ops import block_bounds, segment_elements
 from mpdl.collectives.shm import WINDOW_BYTES
 from mpdl.collectives.torus import grid_shape
+from mpdl.threadworld import run_world
 
 ENV = "MPDL_COST_MODEL"
 FORMAT_VERSION = 1
@@ -142,12 +148,12 @@ class Params:
 
 # -- the parameter file ------------------------------------------------------------------------
 def default_path() -> str:
-    """Where calibrate saves and auto reads: MPDL_COST_MODEL, else $XDG_CACHE_HOME/mpdl (~/.cache)."""
-    explicit = os.environ.get(ENV, "")
-    if explicit and explicit.lower() not in ("off", "none", "defaults"):
-        return os.path.expanduser(explicit)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "mpdl", "costmodel.json")
+    """Where calibrate saves and auto reads: the settings' cost_model (MPDL_COST_MODEL), else
+    $XDG_CACHE_HOME/mpdl (~/.cache)."""
+    path = settings.current().cost_model
+    if path in ("off", "defaults"):
+        return settings.default_cost_model_path()
+    return path
 
 
 def read_file(path: str) -> dict:
@@ -188,9 +194,10 @@ def load_params(ranks: int | None = None, path: str | None = None) -> Params:
     to the smaller), or the defaults when nothing was calibrated. ModelUnavailable for a broken file
     or MPDL_COST_MODEL=off."""
     if path is None:
-        if os.environ.get(ENV, "").lower() in ("off", "none"):
+        configured = settings.current().cost_model
+        if configured == "off":
             raise ModelUnavailable(f"{ENV}=off")
-        if os.environ.get(ENV, "").lower() == "defaults":
+        if configured == "defaults":
             return Params()
         path = default_path()
     return _load(path, ranks)
@@ -241,10 +248,6 @@ class Setting:
         return bool(np.any(a // self.g != b // self.g))
 
 
-def _lg(p: int) -> int:
-    return max(0, (p - 1).bit_length())
-
-
 def _fold(s: Setting) -> tuple[int, float]:
     """(power-of-two group size, cost of folding p onto it and back) for recursive algorithms."""
     group = 1 << (s.p.bit_length() - 1)
@@ -268,7 +271,7 @@ def _pair_crosses(s: Setting, d: int, group: int) -> bool:
     return s.crosses(real(x), real(y))
 
 
-def recursive_doubling(s: Setting) -> float:
+def recursive_doubling_time(s: Setting) -> float:
     group, t = _fold(s)
     d = 1
     while d < group:
@@ -277,7 +280,7 @@ def recursive_doubling(s: Setting) -> float:
     return t
 
 
-def rabenseifner(s: Setting) -> float:
+def rabenseifner_time(s: Setting) -> float:
     group, t = _fold(s)
     d, share = group // 2, s.n
     while d >= 1:
@@ -289,17 +292,17 @@ def rabenseifner(s: Setting) -> float:
     return t
 
 
-def ring_reduce_scatter(s: Setting) -> float:
+def ring_reduce_scatter_time(s: Setting) -> float:
     inter = s.nodes > 1
     return (s.p - 1) * (s.msg(s.n / s.p, inter, segmented=True, ring=True) + s.n / s.p * s.gamma)
 
 
-def ring_allgather(s: Setting) -> float:
+def ring_allgather_time(s: Setting) -> float:
     return (s.p - 1) * s.msg(s.n / s.p, s.nodes > 1, ring=True)
 
 
-def ring(s: Setting) -> float:
-    return ring_reduce_scatter(s) + ring_allgather(s)
+def ring_time(s: Setting) -> float:
+    return ring_reduce_scatter_time(s) + ring_allgather_time(s)
 
 
 def _binomial_levels(s: Setting) -> list[bool]:
@@ -312,20 +315,20 @@ def _binomial_levels(s: Setting) -> list[bool]:
     return levels
 
 
-def tree_reduce(s: Setting) -> float:
+def tree_reduce_time(s: Setting) -> float:
     # The root takes one message per level and segment, and reduces each.
     return sum(s.msg(s.n, inter, segmented=True) + s.n * s.gamma for inter in _binomial_levels(s))
 
 
-def tree_broadcast(s: Setting) -> float:
+def tree_broadcast_time(s: Setting) -> float:
     return sum(s.msg(s.n, inter, segmented=True) for inter in _binomial_levels(s))
 
 
-def tree(s: Setting) -> float:
-    return tree_reduce(s) + tree_broadcast(s)
+def tree_time(s: Setting) -> float:
+    return tree_reduce_time(s) + tree_broadcast_time(s)
 
 
-def double_tree(s: Setting) -> float:
+def double_tree_time(s: Setting) -> float:
     if s.p == 1:
         return 0.0
     height = s.p.bit_length() - 1  # edges from the root to the deepest leaf
@@ -343,30 +346,31 @@ def _sub(s: Setting, p: int, n: float, nodes: int) -> Setting:
 def _inter_node(s: Setting, shard: float, m: int) -> float:
     """The all-reduce among m node representatives (each on its own node)."""
     sub = _sub(s, m, shard, m)
-    return recursive_doubling(sub) if shard < INTER_RING_BYTES else ring(sub)
+    return recursive_doubling_time(sub) if shard < INTER_RING_BYTES else ring_time(sub)
 
 
-def hierarchical(s: Setting) -> float:
+def hierarchical_time(s: Setting) -> float:
     if s.nodes <= 1:
-        return ring(s)
+        return ring_time(s)
     g, m = s.g, s.nodes
     local = _sub(s, g, s.n, 1)
     if s.p % m:  # uneven nodes: reduce to node leaders, all-reduce them, broadcast
-        return tree_reduce(local) + _inter_node(s, s.n, m) + tree_broadcast(local)
-    return ring_reduce_scatter(local) + _inter_node(s, s.n / g, m) + ring_allgather(local)
+        return tree_reduce_time(local) + _inter_node(s, s.n, m) + tree_broadcast_time(local)
+    return (ring_reduce_scatter_time(local) + _inter_node(s, s.n / g, m)
+            + ring_allgather_time(local))
 
 
-def torus2d(s: Setting) -> float:
+def torus2d_time(s: Setting) -> float:
     if s.p == 1:
         return 0.0
     nx, ny = grid_shape(s.p)
     rows_intra = s.nodes <= 1 or (nx <= s.g and s.g % nx == 0)
     row = _sub(s, nx, s.n, 1 if rows_intra else nx)
     column = _sub(s, ny, s.n / nx, 1 if s.nodes <= 1 else ny)
-    return ring_reduce_scatter(row) + ring(column) + ring_allgather(row)
+    return ring_reduce_scatter_time(row) + ring_time(column) + ring_allgather_time(row)
 
 
-def shm(s: Setting) -> float:
+def shm_time(s: Setting) -> float:
     if s.p == 1:
         return 0.0
     g, m = s.g, max(1, s.nodes)
@@ -386,49 +390,64 @@ def _native(s: Setting) -> Setting:
                                      alpha_inter=s.params.alpha_native + extra), seg=1 << 62)
 
 
-def mpi_allreduce(s: Setting) -> float:
+def mpi_allreduce_time(s: Setting) -> float:
     """MPICH: recursive doubling for short messages, Rabenseifner for long ones."""
     native = _native(s)
-    return recursive_doubling(native) if s.n <= MPICH_SHORT_BYTES else rabenseifner(native)
+    if s.n <= MPICH_SHORT_BYTES:
+        return recursive_doubling_time(native)
+    return rabenseifner_time(native)
 
 
-def tree_reduce_scatter(s: Setting) -> float:
+def tree_reduce_scatter_time(s: Setting) -> float:
     scatter = sum(s.msg(s.n / (2 << i), inter) for i, inter in enumerate(_binomial_levels(s)))
-    return tree_reduce(s) + scatter
+    return tree_reduce_time(s) + scatter
 
 
-def tree_allgather(s: Setting) -> float:
+def tree_allgather_time(s: Setting) -> float:
     gather = sum(s.msg(s.n / (2 << i), inter) for i, inter in enumerate(_binomial_levels(s)))
-    return gather + tree_broadcast(s)
+    return gather + tree_broadcast_time(s)
 
 
-def ring_broadcast(s: Setting) -> float:
+def ring_broadcast_time(s: Setting) -> float:
     if s.p == 1:
         return 0.0
     k = max(1, math.ceil(s.n / s.seg))
     return (k + s.p - 2) * s.msg(min(s.n, s.seg), s.nodes > 1)
 
 
-def ring_reduce(s: Setting) -> float:
+def ring_reduce_time(s: Setting) -> float:
     if s.p == 1:
         return 0.0
-    return ring_reduce_scatter(s) + s.msg(s.n * (s.p - 1) / s.p, s.nodes > 1)
+    return ring_reduce_scatter_time(s) + s.msg(s.n * (s.p - 1) / s.p, s.nodes > 1)
 
 
 FORMULAS: dict[str, dict[str, Callable[[Setting], float]]] = {
-    "allreduce": {"ring": ring, "recursive_doubling": recursive_doubling,
-                  "rabenseifner": rabenseifner, "tree": tree, "double_tree": double_tree,
-                  "hierarchical": hierarchical, "torus2d": torus2d, "shm": shm,
-                  "mpi": mpi_allreduce},
-    "reduce_scatter": {"ring": ring_reduce_scatter, "tree": tree_reduce_scatter,
-                       "mpi": lambda s: ring_reduce_scatter(_native(s))},
-    "allgather": {"ring": ring_allgather, "tree": tree_allgather,
-                  "mpi": lambda s: ring_allgather(_native(s))},
-    "broadcast": {"ring": ring_broadcast, "tree": tree_broadcast,
-                  "mpi": lambda s: tree_broadcast(_native(s))},
-    "reduce": {"ring": ring_reduce, "tree": tree_reduce,
-               "mpi": lambda s: tree_reduce(_native(s))},
+    "allreduce": {"ring": ring_time, "recursive_doubling": recursive_doubling_time,
+                  "rabenseifner": rabenseifner_time, "tree": tree_time,
+                  "double_tree": double_tree_time, "hierarchical": hierarchical_time,
+                  "torus2d": torus2d_time, "shm": shm_time, "mpi": mpi_allreduce_time},
+    "reduce_scatter": {"ring": ring_reduce_scatter_time, "tree": tree_reduce_scatter_time,
+                       "mpi": lambda s: ring_reduce_scatter_time(_native(s))},
+    "allgather": {"ring": ring_allgather_time, "tree": tree_allgather_time,
+                  "mpi": lambda s: ring_allgather_time(_native(s))},
+    "broadcast": {"ring": ring_broadcast_time, "tree": tree_broadcast_time,
+                  "mpi": lambda s: tree_broadcast_time(_native(s))},
+    "reduce": {"ring": ring_reduce_time, "tree": tree_reduce_time,
+               "mpi": lambda s: tree_reduce_time(_native(s))},
 }
+
+
+def _check_formulas() -> None:
+    """Every formula belongs to a registered algorithm (an algorithm without one is estimated from
+    its recorded schedule)."""
+    for collective, formulas in FORMULAS.items():
+        unknown = set(formulas) - set(registry.REGISTRY.get(collective, ()))
+        if unknown:
+            raise RuntimeError(f"costmodel.FORMULAS[{collective!r}] names algorithms the registry "
+                               f"does not have: {sorted(unknown)}")
+
+
+_check_formulas()
 
 #: collectives that combine data (γ applies)
 _REDUCING = {"allreduce", "reduce_scatter", "reduce"}
@@ -461,20 +480,23 @@ SCHEDULE_SAMPLE_BYTES = 1 << 16
 @functools.lru_cache(maxsize=256)
 def _schedule(collective: str, algorithm: str, p: int, ranks_per_node: int, count: int,
               dtype: str) -> tuple[tuple[int, int, int], ...]:
-    """The (src, dst, bytes) of every message, sorted, from one run on the in-process world."""
-    from mpdl import collectives  # noqa: PLC0415
-    from mpdl.threadworld import run_world  # noqa: PLC0415
+    """The (src, dst, bytes) of every message, sorted, from one run of the registered algorithm on
+    the in-process world (the messages the public call sends: it checks, copies, then runs it)."""
+    run = registry.REGISTRY[collective][algorithm].run
 
     def call(comm):
         x = np.ones(count, dtype=dtype)
-        kind = {"allreduce": lambda: collectives.allreduce(x, algorithm=algorithm, comm=comm),
-                "reduce_scatter": lambda: collectives.reduce_scatter(x, algorithm=algorithm,
-                                                                     comm=comm),
-                "allgather": lambda: collectives.allgather(x[: max(1, count // p)],
-                                                           algorithm=algorithm, comm=comm),
-                "broadcast": lambda: collectives.broadcast(x, algorithm=algorithm, comm=comm),
-                "reduce": lambda: collectives.reduce(x, algorithm=algorithm, comm=comm)}
-        return kind[collective]()
+        if collective == "allreduce":
+            run(comm, x, "sum")
+        elif collective == "reduce_scatter":
+            run(comm, x, "sum", block_bounds(count, p))
+        elif collective == "allgather":  # every rank's max(1, count // p) elements
+            part = max(1, count // p)
+            run(comm, np.ones(part * p, dtype=dtype), [i * part for i in range(p + 1)])
+        elif collective == "broadcast":
+            run(comm, x, 0)
+        else:
+            run(comm, x, "sum", 0)
 
     _, schedule = run_world(p, call, ranks_per_node=ranks_per_node, record=True)
     return tuple(sorted((src, dst, nbytes) for _, _, src, dst, nbytes in schedule))
@@ -518,43 +540,22 @@ def choose(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool
 
 
 def current_params(p: int) -> Params:
-    """The parameters `auto` uses for a world of p ranks: the file, plus MPDL_EMULATE's links."""
-    return load_params(p).emulated(_emulation.from_environment())
+    """The parameters `auto` uses for a world of p ranks: the file, plus the settings' emulated
+    links (MPDL_EMULATE)."""
+    return load_params(p).emulated(settings.current().emulation)
 
 
-_ENVIRONMENT: list[tuple[str | None, ...]] = []
+#: bumped by forget(), so that `auto` chooses again with the parameters read afresh
+_generation = [0]
 
 
-def _environment() -> tuple[str | None, ...]:
-    """The settings auto's choice depends on, read once (reading os.environ costs microseconds per
-    variable, too much for every collective call); `forget()` reads them again."""
-    if not _ENVIRONMENT:
-        env = os.environ
-        _ENVIRONMENT.append((env.get(ENV), env.get(_emulation.ENV), env.get("XDG_CACHE_HOME")))
-    return _ENVIRONMENT[0]
-
-
-def model_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
-    """The chooser `auto` uses: the cost model, or the simple size rule when no model is usable.
-    Remembered per call signature, so a repeated call costs a dictionary lookup. Code that changes
-    MPDL_COST_MODEL or MPDL_EMULATE at run time calls `forget()`."""
-    return _model_choice(collective, nbytes, p, nodes, shared_memory, *_environment())
-
-
-@functools.lru_cache(maxsize=4096)
-def _model_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool,
-                  *_environment: str | None) -> str:
-    try:
-        params = current_params(p)
-    except ModelUnavailable:
-        return registry.simple_choice(collective, nbytes, p, nodes, shared_memory)
-    return choose(collective, nbytes, p, nodes, shared_memory, params)
+def generation() -> int:
+    """How many times the parameter files were forgotten (auto's choices are valid for one)."""
+    return _generation[0]
 
 
 def forget() -> None:
-    """Drop the loaded parameters, remembered choices and settings (after writing a new parameter
-    file or changing MPDL_COST_MODEL or MPDL_EMULATE)."""
+    """Drop the loaded parameter files, and with them `auto`'s remembered choices (after writing a
+    new parameter file; a settings change needs no forget)."""
     _load.cache_clear()
-    _model_choice.cache_clear()
-    _ENVIRONMENT.clear()
-    registry.forget_choices()
+    _generation[0] += 1

@@ -15,11 +15,12 @@ from mpdl import backend
 _MPI_OPS = {"sum": "SUM", "avg": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
 
 
-def _mpi(comm) -> Any:
+def _mpi(comm) -> tuple[Any, Any]:
+    """(the mpi4py communicator, the mpi4py.MPI module) of an MPIComm."""
     mpi = getattr(comm, "mpi", None)
     if mpi is None:
         raise ValueError(f"algorithm: 'mpi' needs an MPI communicator, not {type(comm).__name__}")
-    return mpi
+    return mpi, comm.MPI
 
 
 def _host(buf, comm):
@@ -35,42 +36,38 @@ def _host(buf, comm):
 
 
 def mpi_allreduce(comm, buf, op: str) -> None:
-    from mpi4py import MPI  # noqa: PLC0415
-
+    mpi, MPI = _mpi(comm)
     host, back = _host(buf, comm)
-    _mpi(comm).Allreduce(MPI.IN_PLACE, host, op=getattr(MPI, _MPI_OPS[op]))
+    mpi.Allreduce(MPI.IN_PLACE, host, op=getattr(MPI, _MPI_OPS[op]))
     back()
 
 
 def mpi_reduce_scatter(comm, buf, op: str, bounds: list[int]) -> None:
-    from mpi4py import MPI  # noqa: PLC0415
-
+    mpi, MPI = _mpi(comm)
     host, back = _host(buf, comm)
     counts = [bounds[i + 1] - bounds[i] for i in range(comm.size)]
     mine = host[bounds[comm.rank]:bounds[comm.rank + 1]]
-    _mpi(comm).Reduce_scatter(host.copy(), mine, recvcounts=counts, op=getattr(MPI, _MPI_OPS[op]))
+    mpi.Reduce_scatter(host.copy(), mine, recvcounts=counts, op=getattr(MPI, _MPI_OPS[op]))
     back()
 
 
 def mpi_allgather(comm, buf, bounds: list[int]) -> None:
-    from mpi4py import MPI  # noqa: PLC0415
-
+    mpi, MPI = _mpi(comm)
     host, back = _host(buf, comm)
-    _mpi(comm).Allgather(MPI.IN_PLACE, host)
+    mpi.Allgather(MPI.IN_PLACE, host)
     back()
 
 
 def mpi_broadcast(comm, buf, root: int) -> None:
+    mpi, _ = _mpi(comm)
     host, back = _host(buf, comm)
-    _mpi(comm).Bcast(host, root=root)
+    mpi.Bcast(host, root=root)
     back()
 
 
 def mpi_reduce(comm, buf, op: str, root: int) -> None:
-    from mpi4py import MPI  # noqa: PLC0415
-
+    mpi, MPI = _mpi(comm)
     host, back = _host(buf, comm)
-    mpi = _mpi(comm)
     if comm.rank == root:
         mpi.Reduce(MPI.IN_PLACE, host, op=getattr(MPI, _MPI_OPS[op]), root=root)
     else:

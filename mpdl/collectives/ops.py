@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl import backend
+from mpdl import backend, settings
 
 #: op name -> the ufunc name that combines two arrays elementwise
 OPS: dict[str, str] = {"sum": "add", "prod": "multiply", "max": "maximum", "min": "minimum",
@@ -44,6 +44,12 @@ def block_bounds(count: int, parts: int) -> list[int]:
     for i in range(parts):
         bounds.append(bounds[-1] + base + (1 if i < extra else 0))
     return bounds
+
+
+def segment_elements(itemsize: int) -> int:
+    """Elements per pipeline segment of the ring and tree algorithms: the settings' segment_bytes
+    (MPDL_SEGMENT_BYTES, default 1 MiB) of them, at least one."""
+    return max(1, settings.current().segment_bytes // itemsize)
 
 
 def with_reducer(algorithm):

@@ -1,7 +1,8 @@
-"""Which algorithms exist for each collective, what they cost, and how `auto` picks one.
+"""The one table of algorithms: which exist for each collective, what each does and costs.
 
-Every algorithm is registered with a one-line summary and its α-β-γ cost (DESIGN.md) so that
-`mpdl bench --list` and the cost model read from one table.
+Every algorithm is registered with a one-line summary and its α-β-γ cost (Thakur, Rabenseifner &
+Gropp 2005) so that `mpdl bench --list`, the cost model (`costmodel.FORMULAS` is checked against
+this table) and `auto` (`mpdl.collectives.auto`) read the same names. It imports no cost model.
 """
 
 from __future__ import annotations
@@ -114,61 +115,6 @@ def algorithms(collective: str) -> list[str]:
     if collective not in REGISTRY:
         raise ValueError(f"collective: expected one of {', '.join(COLLECTIVES)}, got {collective!r}")
     return list(REGISTRY[collective])
-
-
-#: below this size, allreduce is latency-bound and auto takes recursive doubling
-AUTO_SMALL_BYTES = 32 * 1024
-
-Chooser = Callable[[str, int, int, int, bool], str]
-
-
-def simple_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
-    """The size rule `auto` uses when no cost model is installed."""
-    if collective != "allreduce":
-        return "ring"
-    if nbytes <= AUTO_SMALL_BYTES:
-        return "recursive_doubling"
-    if shared_memory and nodes == 1:
-        return "shm"
-    return "hierarchical" if nodes > 1 else "ring"
-
-
-def model_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
-    """The default chooser: the algorithm the cost model predicts fastest (calibrated parameters
-    when `mpdl calibrate` saved some, defaults otherwise); `simple_choice` when no model is usable."""
-    if not _costmodel:
-        from mpdl.collectives import costmodel  # noqa: PLC0415 - costmodel imports this module
-
-        _costmodel.append(costmodel.model_choice)
-    return _costmodel[0](collective, nbytes, p, nodes, shared_memory)
-
-
-_costmodel: list[Chooser] = []
-
-
-_chooser: list[Chooser] = [model_choice]
-
-
-#: bumped whenever auto's choices may change (a new chooser, parameters or settings), so that
-#: choices remembered by communicators are made again
-choices_generation = [0]
-
-
-def set_chooser(chooser: Chooser) -> None:
-    """Install the function `auto` uses: (collective, nbytes, p, nodes, shared_memory) -> name.
-    It must depend on its arguments alone, so that every rank picks the same algorithm."""
-    _chooser[0] = chooser
-    forget_choices()
-
-
-def forget_choices() -> None:
-    """Make every communicator choose `auto`'s algorithms again on their next calls."""
-    choices_generation[0] += 1
-
-
-def choose(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
-    """The algorithm `auto` runs for this call."""
-    return _chooser[0](collective, nbytes, p, nodes, shared_memory)
 
 
 def resolve(collective: str, algorithm: str) -> Algorithm:

@@ -7,33 +7,8 @@ sends 2(p-1)/p of the data whatever p is: bandwidth-optimal, but 2(p-1) latency 
 
 from __future__ import annotations
 
-import os
-
 from mpdl.backend import get_array_module
-from mpdl.collectives.ops import block_bounds
-
-
-def read_segment_bytes() -> int:
-    """Bytes per pipeline segment: MPDL_SEGMENT_BYTES, default 1 MiB."""
-    value = os.environ.get("MPDL_SEGMENT_BYTES", "").strip() or str(1 << 20)
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"MPDL_SEGMENT_BYTES: expected a positive number of bytes, got {value!r}")
-    return int(value)
-
-
-#: bytes per pipeline segment, read at the first call that needs it and kept: reading the
-#: environment costs microseconds, and on a node with more ranks than cores every microsecond a
-#: rank spends between messages is paid over again while its neighbours wait (code that changes
-#: MPDL_SEGMENT_BYTES at run time sets this from read_segment_bytes())
-SEGMENT_BYTES: int | None = None
-
-
-def segment_elements(itemsize: int) -> int:
-    """Elements per pipeline segment (SEGMENT_BYTES of them)."""
-    global SEGMENT_BYTES
-    if SEGMENT_BYTES is None:
-        SEGMENT_BYTES = read_segment_bytes()
-    return max(1, SEGMENT_BYTES // itemsize)
+from mpdl.collectives.ops import block_bounds, segment_elements
 
 
 def ring_reduce_scatter(comm, buf, reduce, bounds: list[int]) -> None:

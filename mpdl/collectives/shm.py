@@ -13,6 +13,8 @@ Device arrays are staged through the host window; the reductions then run on the
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from mpdl import backend
@@ -21,6 +23,9 @@ from mpdl.collectives.ops import block_bounds
 
 #: bytes per rank that go through the window at once: small enough to stay in cache
 WINDOW_BYTES = 1 << 20
+
+#: chunks each communicator has all-reduced so far; their parity picks the half of the window
+_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def shm_allreduce(comm, buf, reduce_device, src=None) -> None:
@@ -38,9 +43,9 @@ def shm_allreduce(comm, buf, reduce_device, src=None) -> None:
     chunk = max(1, WINDOW_BYTES // buf.itemsize)
     segments, node_barrier = comm.shared_segments(2 * min(buf.size, chunk) * buf.itemsize)
     for start in range(0, buf.size, chunk):
-        comm.shm_calls += 1
+        calls = _calls[comm] = _calls.get(comm, 0) + 1
         _allreduce_chunk(comm, src[start:start + chunk], buf[start:start + chunk], reduce, xp,
-                         segments, comm.shm_calls % 2, node_barrier)
+                         segments, calls % 2, node_barrier)
 
 
 def _allreduce_chunk(comm, src, part, reduce, xp, segments, half, node_barrier) -> None:

@@ -4,7 +4,7 @@ trees. Segments flow through the tree one after another, so large messages pipel
 from __future__ import annotations
 
 from mpdl.backend import get_array_module
-from mpdl.collectives.ring import segment_elements
+from mpdl.collectives.ops import segment_elements
 
 
 def binomial_parent_children(rel: int, p: int) -> tuple[int | None, list[int]]:

@@ -1,10 +1,11 @@
-"""A parameter server over nonblocking MPI point-to-point messages.
+"""A parameter server over the nonblocking point-to-point messages of an mpdl Communicator.
 
 The last `servers` ranks are servers, the others workers. The model's parameters, flattened into
-one vector, are split into `servers` contiguous shards (numpy.array_split); server s holds shard s
-and runs the optimizer on it. Each step a worker pushes its gradient's shards (Isend to every
-server) and pulls fresh shards back (Irecv from every server). A server posts one Irecv from any
-source with any tag and handles messages in whatever order they arrive:
+one vector, are split into `servers` contiguous shards (numpy.array_split: the first count % servers
+shards are one element longer); server s holds shard s and runs the optimizer on it. Each step a
+worker pushes its gradient's shards (isend to every server) and pulls fresh shards back (irecv
+from every server). A server keeps one receive posted from every worker that is not done and
+handles messages in whatever order they arrive (`waitany`):
 
 * ``sync``: the server waits for every worker's gradient of the round, applies their weighted sum
   as one update (in worker order, so the result does not depend on arrival order), then answers
@@ -18,16 +19,17 @@ Staleness of an update = updates applied to the shard since the version the work
 gradient on; every server keeps a histogram. Shutdown: each worker sends DONE to every server
 after its last answer; a server leaves its loop when all workers are done, waits for its sends,
 and sends its final shard to every worker, so all workers end with the same parameters (rank 0
-then broadcasts them to the servers too). Every
-wait has the MPDL_TIMEOUT deadline and raises naming the peer instead of hanging.
+then broadcasts them to the servers too). Every wait has the communicator's timeout (MPDL_TIMEOUT)
+and raises CollectiveTimeout naming the peer instead of hanging; emulated links slow the messages
+as they slow every message of the communicator.
 
-Messages are raw bytes: a 32-byte header (int64 clock, int64 version, float64 lr, float64 weight)
-followed by float32/float64 values.
+Messages are raw bytes of one size per shard: a 40-byte header (int64 kind, clock and version,
+float64 lr and weight) followed by the shard's float32/float64 values. Messages between two ranks
+arrive in the order they were sent, which is all the protocol needs to tell them apart.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,11 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from mpdl.comm import MPIComm, as_communicator, timeout_s
+from mpdl.autograd.nn import Parameter
+from mpdl.collectives import broadcast
+from mpdl.collectives.ops import block_bounds
+from mpdl.comm import Communicator, MPIComm, Request, as_communicator
 
 MODES = ("sync", "async", "ssp")
-TAG_PUSH, TAG_DONE, TAG_PARAMS, TAG_FINAL = 11, 12, 13, 14
-HEADER = 32
+#: what a message is (the header's first field)
+PUSH, DONE, PARAMS, FINAL = 1, 2, 3, 4
+HEADER = 40
 
 
 def check_config(world_size: int, servers: int, mode: str, staleness: int | None) -> None:
@@ -60,43 +66,21 @@ def check_config(world_size: int, servers: int, mode: str, staleness: int | None
             raise ValueError(f"--staleness: expected an integer >= 0, got {staleness!r}")
 
 
-def _wait(requests: list[Any], MPI: Any, what: Callable[[], str], statuses: list | None = None
-          ) -> None:
-    """Test the requests until all complete, yielding the core; RuntimeError after MPDL_TIMEOUT."""
-    deadline = time.monotonic() + timeout_s()
-    spins = 0
-    while not (MPI.Request.Testall(requests, statuses) if statuses is not None
-               else MPI.Request.Testall(requests)):
-        spins += 1
-        if spins < 2000:
-            os.sched_yield()
-        else:
-            time.sleep(1e-4)
-        if spins & 255 == 0 and time.monotonic() > deadline:
-            raise RuntimeError(f"parameter server: {what()} took longer than {timeout_s():g} s "
-                               f"(MPDL_TIMEOUT sets the limit)")
-
-
 class ParameterServer:
-    """This rank's side of a parameter-server job over `comm` (an mpi4py communicator, default
-    MPI.COMM_WORLD). Collective at construction: every rank passes the same model architecture;
-    rank 0's parameters become everyone's.
+    """This rank's side of a parameter-server job over `comm` (an mpdl Communicator or an mpi4py
+    communicator, default MPI.COMM_WORLD). Collective at construction: every rank passes the same
+    model architecture; rank 0's parameters become everyone's.
 
     Servers call `serve(make_optimizer)`; workers call `push_pull(lr, weight)` after each backward
-    and `close()` at the end. Both return the same statistics on every rank.
+    and `close()` at the end. Both return the same statistics on every rank. The job's messages
+    travel on comm: no other point-to-point traffic may use it while the job runs.
     """
 
     def __init__(self, module: Any, comm: Any = None, servers: int = 1, mode: str = "sync",
                  staleness: int | None = None) -> None:
-        base = as_communicator(comm)
-        if not isinstance(base, MPIComm):
-            raise TypeError("comm: the parameter server runs over MPI (an mpi4py communicator or "
-                            "an mpdl MPIComm), not an in-process world")
-        check_config(base.size, servers, mode, staleness)
-        self.MPI = base.MPI
-        self.comm = base.mpi.Dup()
-        self.rank, self.size = base.rank, base.size
-        self.link_delay = base.link_delay
+        self.comm: Communicator = as_communicator(comm)
+        check_config(self.comm.size, servers, mode, staleness)
+        self.rank, self.size = self.comm.rank, self.comm.size
         self.servers, self.mode = int(servers), mode
         self.staleness = (0 if mode == "sync" else None if mode == "async"
                           else int(staleness or 0))
@@ -110,12 +94,15 @@ class ParameterServer:
                              f"{sorted(map(str, dtypes))}")
         self.dtype = np.dtype(dtypes.pop())
         self.count = sum(p.size for p in self.params)
-        self.bounds = [int(b) for b in np.linspace(0, self.count, self.servers + 1)
-                       .round().astype(np.int64)]
-        flat = self._flat(grads=False)
-        self.comm.Bcast(flat, root=0)
-        self._write(flat)
-        self.worker_comm = self.comm.Split(0 if not self.is_server else 1, self.rank)
+        self.bounds = block_bounds(self.count, self.servers)
+        self._write(broadcast(self._flat(grads=False), root=0, comm=self.comm))
+        role = range(self.workers, self.size) if self.is_server else range(self.workers)
+        #: the ranks of this rank's role (the workers, or the servers) as an mpdl sub-communicator
+        self.group = self.comm.sub(role)
+        #: the same ranks as an mpi4py communicator, for callers that reduce over the workers with
+        #: mpi4py (None when comm is not MPI's)
+        self.worker_comm = (self.comm.mpi.Split(int(self.is_server), self.rank)
+                            if isinstance(self.comm, MPIComm) else None)
         self.versions = [0] * self.servers
         self.clock = 0
         self.stats: dict[str, Any] = {}
@@ -135,20 +122,29 @@ class ParameterServer:
             p.data[...] = flat[offset:offset + p.size].reshape(p.shape)
             offset += p.size
 
-    def _message(self, clock: int, version: int, lr: float, weight: float,
-                 values: np.ndarray | None) -> np.ndarray:
-        body = 0 if values is None else values.nbytes
-        buf = np.empty(HEADER + body, np.uint8)
-        buf[:16].view(np.int64)[:] = (clock, version)
-        buf[16:32].view(np.float64)[:] = (lr, weight)
+    def _width(self, server: int) -> int:
+        return self.bounds[server + 1] - self.bounds[server]
+
+    def _message(self, kind: int, server: int, clock: int = 0, version: int = 0, lr: float = 0.0,
+                 weight: float = 0.0, values: np.ndarray | None = None) -> np.ndarray:
+        """A message to or from `server`: the header, then its shard's values (zeros if None)."""
+        buf = np.zeros(HEADER + self._width(server) * self.dtype.itemsize, np.uint8)
+        buf[:24].view(np.int64)[:] = (kind, clock, version)
+        buf[24:40].view(np.float64)[:] = (lr, weight)
         if values is not None:
             buf[HEADER:] = values.view(np.uint8)
         return buf
 
-    def _isend(self, buf: np.ndarray, dest: int, tag: int) -> Any:
-        if self.link_delay is not None:
-            self.link_delay(dest, buf.nbytes)
-        return self.comm.Isend([buf, self.MPI.BYTE], dest, tag)
+    def _wait(self, requests: list[Request], any_of: bool = False) -> int | None:
+        """waitall (or waitany) on the job's requests; a timeout names the parameter server."""
+        previous, self.comm.collective = self.comm.collective, f"parameter server/{self.mode}"
+        try:
+            if any_of:
+                return self.comm.waitany(requests)
+            self.comm.waitall(requests)
+            return None
+        finally:
+            self.comm.collective = previous
 
     def server_of(self, rank: int) -> int:
         return rank - self.workers
@@ -161,19 +157,18 @@ class ParameterServer:
         if self.is_server:
             raise RuntimeError("push_pull: this rank is a server; call serve()")
         grad = self._flat(grads=True)
-        sends, recvs, replies = [], [], []
+        pushes, replies, requests = [], [], []
         for s in range(self.servers):
             lo, hi = self.bounds[s], self.bounds[s + 1]
-            buf = self._message(self.clock, self.versions[s], lr, weight, grad[lo:hi])
-            sends.append((buf, self._isend(buf, self.workers + s, TAG_PUSH)))
-            reply = np.empty(HEADER + (hi - lo) * self.dtype.itemsize, np.uint8)
-            replies.append(reply)
-            recvs.append(self.comm.Irecv([reply, self.MPI.BYTE], self.workers + s, TAG_PARAMS))
-        _wait([r for _, r in sends] + recvs, self.MPI,
-              lambda: f"worker {self.rank} at step {self.clock} waiting for the servers")
+            pushes.append(self._message(PUSH, s, self.clock, self.versions[s], lr, weight,
+                                        grad[lo:hi]))
+            replies.append(self._message(PARAMS, s))
+            requests.append(self.comm.isend(pushes[-1], self.workers + s, self.clock))
+            requests.append(self.comm.irecv(replies[-1], self.workers + s, self.clock))
+        self._wait(requests)
         flat = np.empty(self.count, self.dtype)
         for s, reply in enumerate(replies):
-            self.versions[s] = int(reply[:16].view(np.int64)[1])
+            self.versions[s] = int(reply[:24].view(np.int64)[2])
             flat[self.bounds[s]:self.bounds[s + 1]] = reply[HEADER:].view(self.dtype)
         self._write(flat)
         self.clock += 1
@@ -183,40 +178,35 @@ class ParameterServer:
         worker) and return the job's statistics."""
         if self.is_server:
             raise RuntimeError("close: this rank is a server; serve() ends by itself")
-        done = [self._message(self.clock, 0, 0.0, 0.0, None) for _ in range(self.servers)]
-        reqs = [self._isend(b, self.workers + s, TAG_DONE) for s, b in enumerate(done)]
-        replies = [np.empty((self.bounds[s + 1] - self.bounds[s]) * self.dtype.itemsize, np.uint8)
-                   for s in range(self.servers)]
-        reqs += [self.comm.Irecv([r, self.MPI.BYTE], self.workers + s, TAG_FINAL)
-                 for s, r in enumerate(replies)]
-        _wait(reqs, self.MPI, lambda: f"worker {self.rank} waiting for the final parameters")
-        flat = np.concatenate([r.view(self.dtype) for r in replies])
-        self.comm.Bcast(flat, root=0)
-        self._write(flat)
+        done = [self._message(DONE, s, self.clock) for s in range(self.servers)]
+        finals = [self._message(FINAL, s) for s in range(self.servers)]
+        requests = [self.comm.isend(b, self.workers + s, "done") for s, b in enumerate(done)]
+        requests += [self.comm.irecv(b, self.workers + s, "final") for s, b in enumerate(finals)]
+        self._wait(requests)
+        flat = np.concatenate([b[HEADER:].view(self.dtype) for b in finals])
+        self._write(broadcast(flat, root=0, comm=self.comm))
         return self._gather_stats({"role": "worker", "rank": self.rank, "steps": self.clock})
 
     # -- server side ------------------------------------------------------------------------------------
     def serve(self, make_optimizer: Callable[[list[Any]], Any]) -> dict[str, Any]:
         """Run this server until every worker is done; `make_optimizer([shard])` builds the
         optimizer of the shard (an mpdl.autograd.optim optimizer; its lr is set from each push)."""
-        from mpdl.autograd.nn import Parameter  # noqa: PLC0415
-
         if not self.is_server:
             raise RuntimeError("serve: this rank is a worker; call push_pull() and close()")
-        MPI, W = self.MPI, self.workers
+        W = self.workers
         s = self.server_of(self.rank)
         lo, hi = self.bounds[s], self.bounds[s + 1]
         shard = Parameter(self._flat(grads=False)[lo:hi].copy())
         optimizer = make_optimizer([shard])
         width = hi - lo
-        inbox = np.empty(HEADER + width * self.dtype.itemsize, np.uint8)
-        version = 0
+        inboxes = [self._message(PUSH, s) for _ in range(W)]
+        posted = {w: self.comm.irecv(inboxes[w], w, "push") for w in range(W)}
+        version, last = 0, -1
         clocks, done = [0] * W, [False] * W
         waiting: set[int] = set()  # workers whose answer is held back (sync round, ssp bound)
         round_grads: dict[int, tuple[np.ndarray, float, float]] = {}
         histogram: Counter = Counter()
-        sends: list[tuple[np.ndarray, Any]] = []
-        status = MPI.Status()
+        sends: list[tuple[np.ndarray, Request]] = []
         started = time.perf_counter()
 
         def apply(grad: np.ndarray, lr: float) -> None:
@@ -228,8 +218,8 @@ class ParameterServer:
             version += 1
 
         def answer(w: int) -> None:
-            buf = self._message(clocks[w], version, 0.0, 0.0, shard.data)
-            sends.append((buf, self._isend(buf, w, TAG_PARAMS)))
+            buf = self._message(PARAMS, s, clocks[w], version, values=shard.data)
+            sends.append((buf, self.comm.isend(buf, w, clocks[w])))
 
         def release() -> None:
             live = [clocks[w] for w in range(W) if not done[w]]
@@ -240,16 +230,18 @@ class ParameterServer:
                     answer(w)
 
         while not all(done):
-            request = self.comm.Irecv([inbox, MPI.BYTE], MPI.ANY_SOURCE, MPI.ANY_TAG)
-            _wait([request], MPI, lambda: f"server {self.rank} waiting for any worker "
-                  f"(done: {sum(done)} of {W})", [status])
-            w, tag = status.Get_source(), status.Get_tag()
-            if tag == TAG_DONE:
+            # every worker's next message, starting after the one served last (no worker starves)
+            order = sorted(posted, key=lambda v: (v - last - 1) % W)
+            w = last = order[self._wait([posted[v] for v in order], any_of=True)]
+            inbox = inboxes[w]
+            kind, clock, used = (int(v) for v in inbox[:24].view(np.int64))
+            if kind == DONE:
                 done[w] = True
-            elif tag == TAG_PUSH:
-                clock, used = (int(v) for v in inbox[:16].view(np.int64))
-                lr, weight = (float(v) for v in inbox[16:32].view(np.float64))
+                del posted[w]
+            elif kind == PUSH:
+                lr, weight = (float(v) for v in inbox[24:40].view(np.float64))
                 grad = inbox[HEADER:].view(self.dtype).copy()
+                posted[w] = self.comm.irecv(inbox, w, clock + 1)
                 clocks[w] = clock + 1
                 histogram[version - used] += 1
                 if self.mode == "sync":
@@ -262,8 +254,8 @@ class ParameterServer:
                     apply(grad, lr)
                     waiting.add(w)
             else:
-                raise RuntimeError(f"parameter server {self.rank}: unexpected tag {tag} from "
-                                   f"rank {w}")
+                raise RuntimeError(f"parameter server {self.rank}: unexpected message kind {kind} "
+                                   f"from rank {w}")
             if self.mode == "sync":
                 live = [v for v in range(W) if not done[v]]
                 if live and all(v in round_grads for v in live):
@@ -278,20 +270,18 @@ class ParameterServer:
                     waiting.clear()
             elif self.mode == "ssp":
                 release()
-            sends = [(b, r) for b, r in sends if not r.Test()]
-        _wait([r for _, r in sends], MPI, lambda: f"server {self.rank} finishing its sends")
-        final = shard.data.copy()
-        _wait([self._isend(final.view(np.uint8), w, TAG_FINAL) for w in range(W)], MPI,
-              lambda: f"server {self.rank} sending the final parameters")
-        flat = np.empty(self.count, self.dtype)
-        self.comm.Bcast(flat, root=0)  # every shard, from worker 0, so servers end complete too
-        self._write(flat)
+            sends = [(b, r) for b, r in sends if not self.comm.test(r)]
+        self._wait([r for _, r in sends])
+        finals = [self._message(FINAL, s, values=shard.data) for _ in range(W)]
+        self._wait([self.comm.isend(b, w, "final") for w, b in enumerate(finals)])
+        # every shard, from worker 0, so servers end complete too
+        self._write(broadcast(np.empty(self.count, self.dtype), root=0, comm=self.comm))
         return self._gather_stats({"role": "server", "rank": self.rank, "updates": version,
                                    "staleness": dict(histogram),
                                    "seconds": time.perf_counter() - started})
 
     def _gather_stats(self, mine: dict[str, Any]) -> dict[str, Any]:
-        everyone = self.comm.allgather(mine)
+        everyone = self.comm.allgather_object(mine)
         histogram: Counter = Counter()
         for entry in everyone:
             histogram.update(entry.get("staleness", {}))
@@ -303,9 +293,10 @@ class ParameterServer:
         return self.stats
 
     def free(self) -> None:
-        """Release the duplicated communicators (before MPI finalizes)."""
-        self.worker_comm.Free()
-        self.comm.Free()
+        """Release the workers' mpi4py communicator (before MPI finalizes)."""
+        if self.worker_comm is not None:
+            self.worker_comm.Free()
+            self.worker_comm = None
 
 
 def format_histogram(histogram: dict[int, int]) -> str:

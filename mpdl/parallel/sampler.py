@@ -23,15 +23,8 @@ from typing import Any
 
 import numpy as np
 
-
-def split_bounds(count: int, parts: int) -> list[int]:
-    """Offsets of `parts` contiguous slices of `count` items: the first count % parts slices
-    are one item longer."""
-    base, extra = divmod(count, parts)
-    bounds = [0]
-    for r in range(parts):
-        bounds.append(bounds[-1] + base + (1 if r < extra else 0))
-    return bounds
+# the slices of a global batch are the collectives' blocks: numpy.array_split's rule
+from mpdl.collectives.ops import block_bounds as split_bounds
 
 
 class DistributedSampler:

@@ -8,9 +8,10 @@ import os
 import pytest
 from mpi4py import MPI
 
+from mpdl import settings
 from mpdl.cli import main
 from mpdl.cli.bench import bus_factor
-from mpdl.collectives import costmodel, registry
+from mpdl.collectives import auto, costmodel, registry
 from mpdl.comm import as_communicator
 
 pytestmark = pytest.mark.mpi
@@ -85,11 +86,13 @@ def test_emulated_rows_say_so(shared_dir):
     assert as_communicator(None).link_delay is None  # the run's emulation ends with it
     assert "MPDL_EMULATE" not in os.environ
     os.environ["MPDL_EMULATE"] = "inter=1Gbit/s"
+    settings.use(None)
     try:
         rows = bench(["-b", "8", "-e", "8", "-n", "1", "-w", "0", "--algorithms", "ring",
                       "--emulate", "off"], shared_dir)
     finally:
         del os.environ["MPDL_EMULATE"]
+        settings.use(None)
     assert all(r["emulated"] == "" for r in rows)
 
 
@@ -120,13 +123,15 @@ def test_auto_is_identical_on_all_ranks(shared_dir):
         costmodel.save(path, costmodel.Params(alpha=3e-6, beta=2e-10, ranks=P))
     COMM.Barrier()
     os.environ["MPDL_COST_MODEL"] = path
+    settings.use(None)
     try:
-        costmodel.forget()
-        picks = [registry.choose(c, n, P, nodes, shm) for c in registry.COLLECTIVES
+        auto.forget()
+        picks = [auto.choose(c, n, P, nodes, shm) for c in registry.COLLECTIVES
                  for n in (0, 8, 1 << 12, 1 << 16, 1 << 20, 1 << 26) for nodes in (1, 2)
                  for shm in (True, False)]
     finally:
         del os.environ["MPDL_COST_MODEL"]
-        costmodel.forget()
+        settings.use(None)
+        auto.forget()
     everyone = COMM.allgather(picks)
     assert all(e == everyone[0] for e in everyone)

@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from mpdl import collectives as C
-from mpdl.collectives import ring
+from mpdl import settings
 
 pytestmark = pytest.mark.mpi
 
@@ -183,7 +183,7 @@ def test_device_arrays_are_staged_through_reused_host_buffers(monkeypatch):
     from mpdl.comm import as_communicator
 
     # Small segments: hundreds of staged messages in flight at once, each needing its own buffer.
-    monkeypatch.setattr(ring, "SEGMENT_BYTES", 4096)
+    settings.update(segment_bytes=4096)
     comm = as_communicator(None)
     for algorithm in ALLREDUCE:
         for count in (0, 1, 13, 300001):
@@ -207,7 +207,7 @@ def test_large_staged_messages_travel_in_chunks(monkeypatch):
 
     comm = as_communicator(None)
     monkeypatch.setattr(comm, "staging_chunk", 4096)
-    monkeypatch.setattr(ring, "SEGMENT_BYTES", 1 << 20)
+    settings.update(segment_bytes=1 << 20)
     whole_buffer = [a for a in ("recursive_doubling", "rabenseifner", "tree", "ring")
                     if a in ALLREDUCE]
     for algorithm in whole_buffer:

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpdl import settings
 from mpdl.comm import CollectiveTimeout, MPIComm
 
 pytestmark = pytest.mark.mpi
@@ -13,6 +14,7 @@ pytestmark = pytest.mark.mpi
 def test_wait_timeout_names_collective_peer_and_step(monkeypatch):
     comm = MPI.COMM_WORLD
     monkeypatch.setenv("MPDL_TIMEOUT", "0.5")
+    settings.use(None)
     ours = MPIComm(comm.Dup())
     ours.collective = "allreduce/ring"
     buf = np.empty(4, np.float32)

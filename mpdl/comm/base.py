@@ -1,0 +1,272 @@
+"""The `Communicator` interface every collective algorithm is written against, and `SubComm`.
+
+An implementation provides four transport methods (`_isend`, `_irecv`, `_wait_all`, `_test`), the
+node layout (`node_of_rank`) and `allgather_object`; shared memory (`shared_segments`) is optional.
+This base adds recording, `waitall`/`waitany`/`test`, blocking helpers, a barrier,
+sub-communicators and reusable buffers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mpdl import backend, settings
+
+DEFAULT_TIMEOUT_S = settings.Settings.timeout
+
+
+class CollectiveTimeout(RuntimeError):
+    """A point-to-point wait inside a collective took longer than MPDL_TIMEOUT seconds."""
+
+
+class CollectiveMismatch(ValueError):
+    """Ranks called a collective with different arguments (detected with MPDL_CHECK=1)."""
+
+
+def timeout_s() -> float:
+    """The wait timeout in seconds (settings: MPDL_TIMEOUT, default 300)."""
+    return settings.current().timeout
+
+
+class Request:
+    """A pending send or receive: the peer and step it belongs to, and what to do on completion.
+
+    `handle` is one transport handle, or a list of them for a message sent in chunks; `progress`,
+    when given, is called while waiting (a staged receive uploads the chunks that have arrived)."""
+
+    __slots__ = ("handle", "peer", "step", "kind", "on_complete", "progress")
+
+    def __init__(self, handle: Any, peer: int, step: Any, kind: str,
+                 on_complete: Callable[[], None] | None = None,
+                 progress: Callable[[], None] | None = None):
+        self.handle = handle
+        self.peer = peer
+        self.step = step
+        self.kind = kind
+        self.on_complete = on_complete
+        self.progress = progress
+
+
+class Communicator:
+    """The interface every collective algorithm is written against.
+
+    Subclasses provide `_isend`, `_irecv`, `_wait_all`, `_test`, `node_of_rank` and
+    `allgather_object` (and `shared_segments` where the ranks of a node share memory); this base
+    adds the message
+    recorder, blocking helpers, a barrier, sub-communicators and reusable work buffers. It holds the
+    settings it was built with (`settings`: timeout, argument checks, staging, nodes, links).
+    """
+
+    rank: int
+    size: int
+    #: the collective now running, for error messages and the recorder (set by mpdl.collectives)
+    collective: str = "p2p"
+    #: when a list, every message sent is appended as (collective, step, src, dst, nbytes)
+    recorder: list | None = None
+
+    def __init__(self) -> None:
+        self._workspace: dict[Any, Any] = {}
+        self._subcomms: dict[Any, SubComm] = {}
+        #: the settings this communicator was built with (timeout, check, staging, nodes, links)
+        self.settings = settings.current()
+        self.timeout = self.settings.timeout
+        #: MPDL_CHECK=1: compare every collective's arguments across ranks before it runs
+        self.check = self.settings.check
+        self._groups: list[list[int]] | None = None
+
+    # -- the transport (what an implementation provides) ---------------------------------------
+    def _isend(self, buf: Any, dest: int, step: Any) -> Request:
+        """Start sending the contiguous array buf to rank dest; return its request."""
+        raise NotImplementedError
+
+    def _irecv(self, buf: Any, source: int, step: Any) -> Request:
+        """Start receiving from rank source into the contiguous array buf; return its request."""
+        raise NotImplementedError
+
+    def _wait_all(self, requests: Sequence[Request]) -> None:
+        """Block until every request's transfer is done (calling each one's `progress` while
+        waiting); raise `_timeout_error(pending)` after `self.timeout` seconds."""
+        raise NotImplementedError
+
+    def _test(self, request: Request) -> bool:
+        """Whether the request's transfer is done (never blocks; a receive that is done has landed
+        in its buffer, but its `on_complete` has not run)."""
+        raise NotImplementedError
+
+    # -- point to point ------------------------------------------------------------------------
+    def isend(self, buf: Any, dest: int, step: Any = None) -> Request:
+        """Start sending the contiguous array buf to rank dest."""
+        if self.recorder is not None:
+            self.recorder.append((self.collective, step, self.world_rank(self.rank),
+                                  self.world_rank(dest), buf.nbytes))
+        return self._isend(buf, dest, step)
+
+    def irecv(self, buf: Any, source: int, step: Any = None) -> Request:
+        """Start receiving from rank source into the contiguous array buf."""
+        return self._irecv(buf, source, step)
+
+    def waitall(self, requests: Sequence[Request]) -> None:
+        """Wait for every request; raise CollectiveTimeout naming the peer and step if one stalls."""
+        if requests:
+            self._wait_all(requests)
+            for r in requests:
+                if r.on_complete is not None:
+                    r.on_complete()
+
+    def test(self, request: Request) -> bool:
+        """Whether the request is done; completes it (once) when it is."""
+        if not self._test(request):
+            return False
+        if request.on_complete is not None:
+            request.on_complete()
+            request.on_complete = None
+        return True
+
+    def waitany(self, requests: Sequence[Request]) -> int:
+        """Wait until one of the requests is done, complete it and return its index; raise
+        CollectiveTimeout naming a peer and step after the timeout. Polls, yielding the core."""
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while True:
+            for i, r in enumerate(requests):
+                if self.test(r):
+                    return i
+            spins += 1
+            if spins < 2000:
+                os.sched_yield()
+            else:
+                time.sleep(1e-4)
+            if spins & 255 == 0 and time.monotonic() > deadline:
+                raise self._timeout_error(list(requests))
+
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, step: Any = None) -> None:
+        """Send sendbuf to dest while receiving recvbuf from source."""
+        self.waitall([self.irecv(recvbuf, source, step), self.isend(sendbuf, dest, step)])
+
+    def send(self, buf: Any, dest: int, step: Any = None) -> None:
+        self.waitall([self.isend(buf, dest, step)])
+
+    def recv(self, buf: Any, source: int, step: Any = None) -> None:
+        self.waitall([self.irecv(buf, source, step)])
+
+    def barrier(self) -> None:
+        """Dissemination barrier over point-to-point messages (works on every communicator)."""
+        token = self.workspace("barrier", 2, np.uint8, np)
+        distance = 1
+        while distance < self.size:
+            self.sendrecv(token[:1], (self.rank + distance) % self.size,
+                          token[1:], (self.rank - distance) % self.size, step="barrier")
+            distance *= 2
+
+    def _timeout_error(self, pending: Sequence[Request]) -> CollectiveTimeout:
+        r = pending[0]
+        what = "receiving from" if r.kind == "recv" else "sending to"
+        return CollectiveTimeout(
+            f"{self.collective}: rank {self.world_rank(self.rank)} waited more than "
+            f"{self.timeout:g} s {what} rank {self.world_rank(r.peer)} at step {r.step} "
+            f"(MPDL_TIMEOUT sets the limit)")
+
+    # -- structure -------------------------------------------------------------------------------
+    def world_rank(self, rank: int) -> int:
+        """The rank in the outermost communicator (for messages and the recorder)."""
+        return rank
+
+    def sub(self, ranks: Sequence[int]) -> SubComm:
+        """A communicator over the given ranks of this one (cached; no communication)."""
+        key = tuple(ranks)
+        sub = self._subcomms.get(key)
+        if sub is None:
+            sub = self._subcomms[key] = SubComm(self, key)
+        return sub
+
+    def node_of_rank(self) -> list[int]:
+        """The node index of every rank (nodes numbered by their lowest rank's order)."""
+        raise NotImplementedError
+
+    def node_groups(self) -> list[list[int]]:
+        """The ranks of each node, in node order."""
+        if self._groups is None:
+            groups: dict[int, list[int]] = {}
+            for r, node in enumerate(self.node_of_rank()):
+                groups.setdefault(node, []).append(r)
+            self._groups = [groups[k] for k in sorted(groups)]
+        return self._groups
+
+    @property
+    def has_shared_memory(self) -> bool:
+        """Whether this communicator offers `shared_segments` (and so the shm algorithm)."""
+        return type(self).shared_segments is not Communicator.shared_segments
+
+    def shared_segments(self, nbytes: int) -> tuple[list[np.ndarray], Callable[[], None]]:
+        """Byte arrays of this node's ranks that all of them can read and write, and a node barrier.
+
+        Collective over the ranks of this rank's node. Segments are cached per size class.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no shared memory")
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's obj, in rank order (small Python objects; used for argument checks)."""
+        raise NotImplementedError
+
+    # -- buffers -------------------------------------------------------------------------------
+    def workspace(self, name: str, count: int, dtype: Any, xp: Any) -> Any:
+        """A reusable 1-D buffer of at least `count` elements, owned by this communicator.
+
+        The buffer only grows: calls after the first of the same size allocate nothing.
+        """
+        key = (name, np.dtype(dtype).str, xp.__name__)
+        buf = self._workspace.get(key)
+        if buf is None or buf.size < count:
+            buf = backend.empty_half_page_in(max(count, 1), dtype, xp)
+            self._workspace[key] = buf
+        return buf[:count]
+
+
+class SubComm(Communicator):
+    """A view of some ranks of a parent communicator; messages travel through the parent."""
+
+    def __init__(self, parent: Communicator, ranks: tuple[int, ...]):
+        super().__init__()
+        self.parent = parent
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.rank = ranks.index(parent.rank)
+        self.settings = parent.settings
+        self.timeout = parent.timeout
+        self.check = parent.check
+
+    @property
+    def collective(self) -> str:  # type: ignore[override]
+        return self.parent.collective
+
+    @collective.setter
+    def collective(self, name: str) -> None:
+        self.parent.collective = name
+
+    @property
+    def recorder(self) -> list | None:  # type: ignore[override]
+        return self.parent.recorder
+
+    def world_rank(self, rank: int) -> int:
+        return self.parent.world_rank(self.ranks[rank])
+
+    def isend(self, buf: Any, dest: int, step: Any = None) -> Request:
+        return self.parent.isend(buf, self.ranks[dest], step)
+
+    def irecv(self, buf: Any, source: int, step: Any = None) -> Request:
+        return self.parent.irecv(buf, self.ranks[source], step)
+
+    def _wait_all(self, requests: Sequence[Request]) -> None:
+        self.parent._wait_all(requests)
+
+    def _test(self, request: Request) -> bool:
+        return self.parent._test(request)
+
+    def node_of_rank(self) -> list[int]:
+        parent_nodes = self.parent.node_of_rank()
+        return [parent_nodes[r] for r in self.ranks]

@@ -1,0 +1,185 @@
+"""The mpi4py transport: `MPIComm` and its wait policy, and `as_communicator`.
+
+Device arrays go to MPI directly when the library is CUDA-aware, otherwise through host staging
+(`mpdl.comm.staging`). A wait polls the requests, yields the core as the node's load asks, and
+raises `CollectiveTimeout` naming the peer and step after the settings' timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mpdl import backend, emulation, mpi_runtime
+from mpdl.comm import nodes
+from mpdl.comm.base import Communicator, Request
+from mpdl.comm.cuda import cuda_aware_mpi
+from mpdl.comm.staging import DeviceStaging, StagingPool
+
+
+class MPIComm(Communicator, DeviceStaging):
+    """The mpi4py transport. Device arrays are staged through host buffers unless MPI is CUDA-aware."""
+
+    _TAG = 7331
+
+    def __init__(self, mpi_comm: Any = None):
+        super().__init__()
+        MPI = mpi_runtime.load_mpi()
+        self.MPI = MPI
+        self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self.rank = self.mpi.Get_rank()
+        self.size = self.mpi.Get_size()
+        self._nodes: list[int] | None = None
+        self._shared: nodes.SharedWindows | None = None
+        self._pools: dict[str, StagingPool] = {}
+        self._cuda_aware: bool | None = None
+        #: staged messages above this many bytes travel in chunks of it, so the device-host copies
+        #: of one chunk overlap the transfer of another (MPDL_STAGING_CHUNK_BYTES, default 4 MiB)
+        self.staging_chunk = self.settings.staging_chunk_bytes
+        #: a waiting rank yields its core every this many polls: at every poll when the node runs
+        #: more ranks than cores (the peer it waits for may need the core), else every 64
+        self.yield_every = 1 if mpi_runtime.oversubscribed() else 64
+        #: mpdl.emulation's delay hook, called as link_delay(dest, nbytes) before each send; None = off
+        self.link_delay: emulation.LinkDelay | None = None
+        if self.settings.emulation is not None:
+            emulation.install(self, self.settings.emulation)
+
+    # -- device buffers ------------------------------------------------------------------------
+    def cuda_aware(self) -> bool:
+        if self._cuda_aware is None:
+            self._cuda_aware = cuda_aware_mpi()[0] == "yes"
+        return self._cuda_aware
+
+    def _post_send(self, host: np.ndarray, dest: int) -> Any:
+        return self.mpi.Isend([host, self.MPI.BYTE], dest, self._TAG)
+
+    def _post_recv(self, host: np.ndarray, source: int) -> Any:
+        return self.mpi.Irecv([host, self.MPI.BYTE], source, self._TAG)
+
+    def _handle_done(self, handle: Any) -> bool:
+        return handle.Test()
+
+    def _handles_done(self, handles: list[Any]) -> bool:
+        return self.MPI.Request.Testall(handles)
+
+    # -- the transport -------------------------------------------------------------------------
+    def _isend(self, buf: Any, dest: int, step: Any) -> Request:
+        if self.link_delay is not None:
+            self.link_delay(dest, buf.nbytes)
+        xp = backend.get_array_module(buf)
+        if xp is np:
+            return Request(self._post_send(buf, dest), dest, step, "send")
+        backend.synchronize(xp)
+        if self.cuda_aware() and xp is not backend.standin:
+            return Request(self._post_send(buf, dest), dest, step, "send")
+        return self._staged_isend(buf, xp, dest, step)
+
+    def _irecv(self, buf: Any, source: int, step: Any) -> Request:
+        xp = backend.get_array_module(buf)
+        if xp is np:
+            return Request(self._post_recv(buf, source), source, step, "recv")
+        backend.synchronize(xp)
+        if self.cuda_aware() and xp is not backend.standin:
+            return Request(self._post_recv(buf, source), source, step, "recv")
+        return self._staged_irecv(buf, xp, source, step)
+
+    def _wait_all(self, requests: Sequence[Request]) -> None:
+        """The wait policy: poll; yield the core every `yield_every` polls (a background thread
+        sleeps instead, leaving the GIL to the compute thread); time out after `self.timeout`."""
+        handles = [h for r in requests for h in (r.handle if isinstance(r.handle, list)
+                                                  else (r.handle,))]
+        progressing = [r.progress for r in requests if r.progress is not None]
+        testall = self.MPI.Request.Testall
+        yield_every = self.yield_every
+        spins = 0
+        deadline = None
+        # On the communication thread, pause between polls so the GIL goes to the compute thread.
+        background = threading.current_thread() is not threading.main_thread()
+        while not testall(handles):
+            for progress in progressing:
+                progress()
+            spins += 1
+            if background and spins > 64:
+                time.sleep(20e-6)
+            elif spins % yield_every == 0:
+                # Oversubscribed ranks (more ranks than cores) need the peer to run: let it.
+                os.sched_yield()
+            if spins & 1023 == 0:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.timeout
+                elif now > deadline:
+                    pending = [r for r in requests if any(
+                        h != self.MPI.REQUEST_NULL
+                        for h in (r.handle if isinstance(r.handle, list) else (r.handle,)))]
+                    raise self._timeout_error(pending or list(requests))
+
+    def _test(self, request: Request) -> bool:
+        if request.progress is not None:
+            request.progress()
+        handle = request.handle
+        return self._handles_done(handle if isinstance(handle, list) else [handle])
+
+    def _wait_mpi(self, request: Any, step: str) -> None:
+        """Wait for one MPI request (a barrier) under the wait policy."""
+        self._wait_all([Request(request, -1, step, "barrier")])
+
+    # -- collectives we borrow from MPI -------------------------------------------------------
+    def barrier(self) -> None:
+        self._wait_mpi(self.mpi.Ibarrier(), "barrier")
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self.mpi.allgather(obj)
+
+    # -- nodes ---------------------------------------------------------------------------------
+    def node_of_rank(self) -> list[int]:
+        if self._nodes is None:
+            self._nodes = nodes.node_of_rank(self.mpi, self.MPI, self.settings.ranks_per_node)
+        return self._nodes
+
+    def shared_segments(self, nbytes: int) -> tuple[list[np.ndarray], Callable[[], None]]:
+        if self._shared is None:
+            # a real MPI communicator over this rank's node (real shared memory, emulated split)
+            shared = self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
+            node_comm = shared.Split(self.node_of_rank()[self.rank], key=self.rank)
+            shared.Free()
+            self._shared = nodes.SharedWindows(self.MPI, node_comm,
+                                               lambda r: self._wait_mpi(r, "shm barrier"))
+        return self._shared.segments(nbytes)
+
+    def free(self) -> None:
+        """Release the shared-memory windows and node communicator (before MPI finalizes)."""
+        if self._shared is not None:
+            self._shared.free()
+            self._shared = None
+
+
+_world: MPIComm | None = None
+_wrapped: dict[int, MPIComm] = {}
+
+
+def as_communicator(comm: Any = None) -> Communicator:
+    """mpdl's communicator for comm: None means MPI.COMM_WORLD; an mpi4py communicator is wrapped
+    (once, then cached); an mpdl Communicator is returned as is."""
+    global _world
+    if isinstance(comm, Communicator):
+        return comm
+    if comm is None:
+        if _world is None:
+            _world = MPIComm()
+        return _world
+    MPI = mpi_runtime.load_mpi()
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(f"comm: expected None, an mpi4py communicator or an mpdl Communicator, "
+                        f"got {type(comm).__name__}")
+    if comm == MPI.COMM_WORLD:
+        return as_communicator(None)
+    key = MPI._handleof(comm)
+    if key not in _wrapped:
+        _wrapped[key] = MPIComm(comm)
+    return _wrapped[key]

@@ -1,0 +1,78 @@
+"""Which ranks share a node, and shared-memory windows among them (over an mpi4py communicator).
+
+Nodes are the real shared-memory nodes (MPI's COMM_TYPE_SHARED split), or, with the settings'
+ranks_per_node k (MPDL_RANKS_PER_NODE), emulated nodes of k consecutive ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mpdl import settings
+
+
+def ranks_per_node_override() -> int | None:
+    """Emulated nodes of k consecutive ranks (settings: MPDL_RANKS_PER_NODE), or None."""
+    return settings.current().ranks_per_node
+
+
+def node_of_rank(mpi: Any, MPI: Any, ranks_per_node: int | None) -> list[int]:
+    """The node index of every rank of the mpi4py communicator `mpi` (nodes numbered by their
+    lowest rank's order). Collective over mpi unless ranks_per_node is given."""
+    rank, size = mpi.Get_rank(), mpi.Get_size()
+    if ranks_per_node is not None:
+        return [r // ranks_per_node for r in range(size)]
+    shared = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    leader = shared.allreduce(rank, op=MPI.MIN)
+    shared.Free()
+    leaders = mpi.allgather(leader)
+    order = {lead: i for i, lead in enumerate(sorted(set(leaders)))}
+    return [order[lead] for lead in leaders]
+
+
+class SharedWindows:
+    """Shared-memory windows of one node, one per size class, with a node barrier each.
+
+    `node_comm` is a real MPI communicator over this rank's node (emulated nodes are real
+    shared-memory subsets); `wait(request)` waits for an MPI request under the caller's wait policy.
+    """
+
+    def __init__(self, MPI: Any, node_comm: Any, wait: Callable[[Any], None]):
+        self.MPI = MPI
+        self.node = node_comm
+        self._wait = wait
+        self._windows: dict[int, tuple[Any, list[np.ndarray], Callable[[], None]]] = {}
+
+    def segments(self, nbytes: int) -> tuple[list[np.ndarray], Callable[[], None]]:
+        """Byte arrays of every rank of the node (at least nbytes each) and a node barrier.
+        Collective over the node the first time a size class is asked for."""
+        size_class = 1 << max(nbytes - 1, 0).bit_length()
+        entry = self._windows.get(size_class)
+        if entry is None:
+            MPI, node = self.MPI, self.node
+            win = MPI.Win.Allocate_shared(size_class, 1, comm=node)
+            win.Lock_all(MPI.MODE_NOCHECK)
+            segments = []
+            for r in range(node.Get_size()):
+                mem, _ = win.Shared_query(r)
+                segments.append(np.frombuffer(mem, dtype=np.uint8, count=size_class))
+
+            def node_barrier() -> None:
+                win.Sync()
+                self._wait(node.Ibarrier())
+                win.Sync()
+
+            entry = self._windows[size_class] = (win, segments, node_barrier)
+        _, segments, node_barrier = entry
+        return segments, node_barrier
+
+    def free(self) -> None:
+        """Release the windows and the node communicator (before MPI finalizes)."""
+        for win, _, _ in self._windows.values():
+            win.Unlock_all()
+            win.Free()
+        self._windows.clear()
+        self.node.Free()

@@ -1,0 +1,56 @@
+"""The settings object: what the environment asks for, and who follows a change made at run time."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpdl import emulation, settings
+from mpdl.collectives import auto
+from mpdl.collectives import costmodel as cm
+
+
+def test_environment_is_read_once_and_validated(monkeypatch):
+    monkeypatch.setenv("MPDL_TIMEOUT", "12")
+    monkeypatch.setenv("MPDL_EMULATE", "inter=1Gbit/s,5us")
+    settings.use(None)
+    first = settings.current()
+    assert first.timeout == 12.0 and first.emulation == emulation.parse("inter=1Gbit/s,5us")
+    monkeypatch.setenv("MPDL_TIMEOUT", "13")
+    assert settings.current() is first  # read once
+    for var, bad in (("MPDL_CUDA_AWARE", "yes"), ("MPDL_EMULATE", "outer=1Gbit/s"),
+                     ("MPDL_RANKS_PER_NODE", "0")):
+        with pytest.raises(ValueError, match=var):
+            settings.Settings.from_environment({var: bad})
+
+
+def test_a_communicator_built_after_a_change_gets_its_links():
+    from mpi4py import MPI
+
+    from mpdl.comm import MPIComm
+
+    slow = emulation.parse("inter=1Gbit/s,20us")
+    previous = settings.update(emulation=slow)
+    comm = MPIComm(MPI.COMM_SELF.Dup())
+    try:
+        assert emulation.active(comm) == slow and emulation.from_environment() == slow
+    finally:
+        comm.mpi.Free()
+    settings.use(previous)
+    assert emulation.from_environment() == previous.emulation
+
+
+def test_auto_follows_a_settings_change():
+    call = ("allreduce", 1 << 24, 4, 2, False)
+    settings.update(cost_model="off")
+    assert auto.choose(*call) == auto.simple_choice(*call)
+    slow = emulation.parse("inter=10Gbit/s,20us")
+    settings.update(cost_model="defaults", emulation=slow)
+    assert auto.choose(*call) == cm.choose(*call, cm.Params().emulated(slow))
+    assert auto.choose(*call) in ("hierarchical", "torus2d")
+
+
+def test_every_formula_times_a_registered_algorithm():
+    from mpdl.collectives import registry
+
+    for collective, formulas in cm.FORMULAS.items():
+        assert set(formulas) <= set(registry.REGISTRY[collective])
