@@ -203,7 +203,7 @@ def test_ring_steps_use_the_ring_curve_and_pairwise_steps_the_pair_curve():
 
 
 def test_calibrated_curve_never_decreases():
-    from mpdl.cli.calibrate import _monotone
+    from mpdl.perf.calibrate import _monotone
 
     assert _monotone((8, 64, 128), [5e-6, 2e-6, 3e-6]) == ((8.0, 2e-6), (64.0, 2e-6), (128.0, 3e-6))
 
@@ -220,7 +220,7 @@ def test_recursive_doubling_pays_the_inter_node_link_only_where_pairs_cross_node
 def test_calibrated_exchange_drops_a_sweep_a_slow_spell_fell_on(monkeypatch):
     """Each size is timed in several sweeps; one sweep ten times slower (the machine paused) must
     not move the figure, as it would with a mean or with a single sweep."""
-    from mpdl.cli import calibrate
+    from mpdl.perf import calibrate
 
     sizes = (calibrate.SMALL_BYTES, *calibrate.LARGE_BYTES)
     calls = iter(range(10_000))
@@ -238,7 +238,7 @@ def test_calibrated_exchange_drops_a_sweep_a_slow_spell_fell_on(monkeypatch):
 @pytest.mark.parametrize("nbytes", [8, 1 << 16, 1 << 20])
 def test_calibrated_exchange_buffers_share_a_page_offset(nbytes):
     """Not 16 bytes apart modulo 4 KiB, as two heap arrays allocated in a row are (4K aliasing)."""
-    from mpdl.cli.calibrate import exchange_buffers
+    from mpdl.perf.calibrate import exchange_buffers
 
     send, recv = exchange_buffers(nbytes)
     assert send.nbytes == recv.nbytes == nbytes and not np.shares_memory(send, recv)
@@ -249,7 +249,7 @@ def test_calibrated_exchange_buffers_share_a_page_offset(nbytes):
 def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
     """The ring curve times 2(p-1) forwarding steps in one call and reports the time per step;
     each step sends one block to the next rank and receives one from the previous."""
-    from mpdl.cli import calibrate
+    from mpdl.perf import calibrate
     from mpdl.threadworld import run_world
 
     monkeypatch.setattr(calibrate, "_bench_time", lambda comm, fn, reps: 6.0)
