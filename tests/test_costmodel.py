@@ -12,9 +12,11 @@ import pytest
 
 from mpdl import collectives as C
 from mpdl import emulation
-from mpdl.cli.bench import bus_factor, parse_size
 from mpdl.collectives import costmodel as cm
 from mpdl.collectives import registry
+from mpdl.perf import bench
+from mpdl.perf.bench import bus_factor
+from mpdl.perf.units import parse_size
 from mpdl.threadworld import run_world
 
 ZERO = cm.Params(alpha=0.0, beta=0.0, gamma=0.0, copy=0.0, barrier=0.0, call=0.0, alpha_native=0.0)
@@ -162,6 +164,17 @@ def test_bench_sizes_and_bus_factors():
     assert bus_factor("allreduce", 4) == 1.5
     assert bus_factor("allgather", 4) == bus_factor("reduce_scatter", 4) == 0.75
     assert bus_factor("broadcast", 4) == bus_factor("reduce", 4) == 1.0
+
+
+def test_bench_reads_its_names_from_the_registry():
+    assert bench.COLLECTIVES == tuple(registry.REGISTRY)
+    for collective in registry.REGISTRY:
+        assert bench.algorithm_names(collective) == [*registry.algorithms(collective), "auto"]
+    assert bench.algorithm_names("allreduce", ["tree", "auto", "tree"]) == ["tree", "auto", "mpi"]
+    with pytest.raises(ValueError, match="'shm' for broadcast"):
+        bench.algorithm_names("broadcast", ["ring", "shm"])
+    assert bench.sizes(8, 128, 4) == [8, 32, 128] and bench.sizes(8, 127, 4) == [8, 32]
+    assert bench.sizes(5, 7, 1.01) == [5, 6, 7]
 
 
 def test_measured_exchange_curve_times_intra_node_messages():
