@@ -17,13 +17,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpdl import collectives as C
-from mpdl.cli.bench import turns
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+from mpdl.perf.bench import turns
+from mpdl.perf.units import parse_size
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
+from threadpoolctl import threadpool_limits  # noqa: E402
 
 import mpdl.autograd.functional as F  # noqa: E402
 from mpdl.autograd import Tensor, nn, optim  # noqa: E402
@@ -99,7 +100,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch  # noqa: PLC0415  (optional: only the benchmark needs it)
-    from threadpoolctl import threadpool_limits  # noqa: PLC0415
 
     torch.set_num_threads(1)
     threadpool_limits(1)

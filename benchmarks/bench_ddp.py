@@ -26,6 +26,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from mpdl.autograd import functional as F
+from mpdl.autograd import nn
+from mpdl.autograd.optim import SGD
+from mpdl.autograd.tensor import Tensor
+from mpdl.comm import as_communicator
+from mpdl.parallel import DistributedDataParallel
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec")
@@ -34,8 +43,6 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THRE
 
 # ---------------------------------------------------------------------- worker (under mpiexec)
 def worker(args: argparse.Namespace) -> None:
-    import numpy as np  # noqa: PLC0415
-
     widths = [int(w) for w in args.widths.split(",")]
     rank = int(os.environ.get("PMI_RANK", "0"))
     size = int(os.environ.get("PMI_SIZE", "1"))
@@ -55,13 +62,6 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _mpdl_steps(args, widths, x, y) -> list[tuple[float, float, float]]:
-    from mpdl.autograd import functional as F  # noqa: PLC0415
-    from mpdl.autograd import nn  # noqa: PLC0415
-    from mpdl.autograd.optim import SGD  # noqa: PLC0415
-    from mpdl.autograd.tensor import Tensor  # noqa: PLC0415
-    from mpdl.comm import as_communicator  # noqa: PLC0415
-    from mpdl.parallel import DistributedDataParallel  # noqa: PLC0415
-
     layers: list = []
     for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
         layers.append(nn.Linear(a, b, seed=i))

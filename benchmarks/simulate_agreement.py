@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mpdl import simulate as S
 from mpdl.collectives import costmodel as cm
+from mpdl.perf import simulate as S
 
 BIN = Path(sys.executable).parent
 MPIEXEC, MPDL = str(BIN / "mpiexec"), str(BIN / "mpdl")

@@ -20,17 +20,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mpdl import settings
 from mpdl.settings import EMULATE_ENV as ENV
 from mpdl.settings import Emulation, Link, parse
 
-__all__ = ["ENV", "Emulation", "Link", "LinkDelay", "active", "from_environment", "install", "parse"]
-
-
-def from_environment() -> Emulation | None:
-    """The emulation the settings ask for (MPDL_EMULATE, unless changed with `settings.update`),
-    or None when it is unset, empty or 'off'."""
-    return settings.current().emulation
+__all__ = ["ENV", "Emulation", "Link", "LinkDelay", "active", "install", "parse"]
 
 
 class LinkDelay:

@@ -83,7 +83,7 @@ def test_calibrate_at_an_odd_world_size(tmp_path):
 
 @pytest.mark.parametrize("iters", [1, 2, 3, 4, 5, 20, 41])
 def test_turns_time_every_iteration_once(iters):
-    from mpdl.cli.bench import ROUNDS, turns
+    from mpdl.perf.bench import ROUNDS, turns
 
     rounds = turns(iters)
     assert sorted(i for turn in rounds for i in turn) == list(range(iters))

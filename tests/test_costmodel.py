@@ -12,9 +12,11 @@ import pytest
 
 from mpdl import collectives as C
 from mpdl import emulation, settings
-from mpdl.cli.bench import bus_factor, parse_size
 from mpdl.collectives import auto, registry
 from mpdl.collectives import costmodel as cm
+from mpdl.perf import bench
+from mpdl.perf.bench import bus_factor
+from mpdl.perf.units import parse_size
 from mpdl.threadworld import run_world
 
 ZERO = cm.Params(alpha=0.0, beta=0.0, gamma=0.0, copy=0.0, barrier=0.0, call=0.0, alpha_native=0.0)
@@ -166,6 +168,17 @@ def test_bench_sizes_and_bus_factors():
     assert bus_factor("broadcast", 4) == bus_factor("reduce", 4) == 1.0
 
 
+def test_bench_reads_its_names_from_the_registry():
+    assert bench.COLLECTIVES == tuple(registry.REGISTRY)
+    for collective in registry.REGISTRY:
+        assert bench.algorithm_names(collective) == [*registry.algorithms(collective), "auto"]
+    assert bench.algorithm_names("allreduce", ["tree", "auto", "tree"]) == ["tree", "auto", "mpi"]
+    with pytest.raises(ValueError, match="'shm' for broadcast"):
+        bench.algorithm_names("broadcast", ["ring", "shm"])
+    assert bench.sizes(8, 128, 4) == [8, 32, 128] and bench.sizes(8, 127, 4) == [8, 32]
+    assert bench.sizes(5, 7, 1.01) == [5, 6, 7]
+
+
 def test_measured_exchange_curve_times_intra_node_messages():
     table = ((8.0, 10e-6), (1024.0, 12e-6), (1 << 20, 300e-6), (1 << 22, 1300e-6))
     params = cm.Params(exchange=table)
@@ -205,7 +218,7 @@ def test_ring_steps_use_the_ring_curve_and_pairwise_steps_the_pair_curve():
 
 
 def test_calibrated_curve_never_decreases():
-    from mpdl.cli.calibrate import _monotone
+    from mpdl.perf.calibrate import _monotone
 
     assert _monotone((8, 64, 128), [5e-6, 2e-6, 3e-6]) == ((8.0, 2e-6), (64.0, 2e-6), (128.0, 3e-6))
 
@@ -222,7 +235,7 @@ def test_recursive_doubling_pays_the_inter_node_link_only_where_pairs_cross_node
 def test_calibrated_exchange_drops_a_sweep_a_slow_spell_fell_on(monkeypatch):
     """Each size is timed in several sweeps; one sweep ten times slower (the machine paused) must
     not move the figure, as it would with a mean or with a single sweep."""
-    from mpdl.cli import calibrate
+    from mpdl.perf import calibrate
 
     sizes = (calibrate.SMALL_BYTES, *calibrate.LARGE_BYTES)
     calls = iter(range(10_000))
@@ -240,7 +253,7 @@ def test_calibrated_exchange_drops_a_sweep_a_slow_spell_fell_on(monkeypatch):
 @pytest.mark.parametrize("nbytes", [8, 1 << 16, 1 << 20])
 def test_calibrated_exchange_buffers_share_a_page_offset(nbytes):
     """Not 16 bytes apart modulo 4 KiB, as two heap arrays allocated in a row are (4K aliasing)."""
-    from mpdl.cli.calibrate import exchange_buffers
+    from mpdl.perf.calibrate import exchange_buffers
 
     send, recv = exchange_buffers(nbytes)
     assert send.nbytes == recv.nbytes == nbytes and not np.shares_memory(send, recv)
@@ -251,7 +264,7 @@ def test_calibrated_exchange_buffers_share_a_page_offset(nbytes):
 def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
     """The ring curve times 2(p-1) forwarding steps in one call and reports the time per step;
     each step sends one block to the next rank and receives one from the previous."""
-    from mpdl.cli import calibrate
+    from mpdl.perf import calibrate
     from mpdl.threadworld import run_world
 
     monkeypatch.setattr(calibrate, "_bench_time", lambda comm, fn, reps: 6.0)

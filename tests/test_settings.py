@@ -32,11 +32,11 @@ def test_a_communicator_built_after_a_change_gets_its_links():
     previous = settings.update(emulation=slow)
     comm = MPIComm(MPI.COMM_SELF.Dup())
     try:
-        assert emulation.active(comm) == slow and emulation.from_environment() == slow
+        assert emulation.active(comm) == slow and settings.current().emulation == slow
     finally:
         comm.mpi.Free()
     settings.use(previous)
-    assert emulation.from_environment() == previous.emulation
+    assert settings.current().emulation == previous.emulation
 
 
 def test_auto_follows_a_settings_change():

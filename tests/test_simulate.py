@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mpdl import simulate as S
 from mpdl.collectives import costmodel as cm
+from mpdl.perf import simulate as S
 
 BIN = Path(sys.executable).parent
 MPIEXEC, MPDL = str(BIN / "mpiexec"), str(BIN / "mpdl")

@@ -1,10 +1,19 @@
-"""The `mpdl` command: one module per verb (info, bench, calibrate, train, simulate)."""
+"""The `mpdl` command: one module per verb (info, bench, calibrate, train, simulate).
+
+Only the verb asked for is imported (with what it needs), so that a verb's start-up, which every
+mpiexec rank pays, does not include the other verbs' dependencies.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from mpdl import __version__
+from mpdl.allocator import keep_heap
+from mpdl.cli.output import is_rank0
+from mpdl.mpi_runtime import MPIUnavailable, abort_on_uncaught_exception
 
 VERBS = {
     "info": "versions, MPI library, world size, nodes, GPU and CUDA-awareness",
@@ -19,34 +28,37 @@ class UsageError(Exception):
     """Bad flags or an inconsistent configuration: exit code 2 with a one-line message."""
 
 
+def _verb_in(argv: list[str]) -> str | None:
+    """The verb argv names: its first word that is not an option (mpdl's own options take no
+    value), when it is one of VERBS."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in VERBS else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `mpdl` console script."""
-    from mpdl import __version__  # noqa: PLC0415
-
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="mpdl", description="mpdl: transparent MPI data-parallel "
                                      "deep learning. Launch with mpiexec -n P mpdl VERB ...")
     parser.add_argument("--version", action="version", version=f"mpdl {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
-    modules = {}
+    wanted = _verb_in(argv)
+    module = None
     for verb, help_text in VERBS.items():
-        module = importlib.import_module(f"mpdl.cli.{verb}")
-        module.add_arguments(verbs.add_parser(verb, help=help_text, description=help_text))
-        modules[verb] = module
+        sub = verbs.add_parser(verb, help=help_text, description=help_text)
+        if verb == wanted:
+            module = importlib.import_module(f"mpdl.cli.{verb}")
+            module.add_arguments(sub)
     args = parser.parse_args(argv)
-
-    from mpdl.allocator import keep_heap  # noqa: PLC0415
-    from mpdl.mpi_runtime import MPIUnavailable, abort_on_uncaught_exception  # noqa: PLC0415
 
     keep_heap()
     try:
         abort_on_uncaught_exception()
-        return modules[args.verb].run(args) or 0
+        return module.run(args) or 0
     except MPIUnavailable as exc:
         print(f"mpdl {args.verb}: {exc}", file=sys.stderr)
         return 1
     except UsageError as exc:
-        from mpdl.cli.output import is_rank0  # noqa: PLC0415
-
         if is_rank0():
             print(f"mpdl {args.verb}: error: {exc}", file=sys.stderr)
         return 2

@@ -1,15 +1,7 @@
 """`mpdl bench`: time collective algorithms side by side, in the style of nccl-tests.
 
-Per message size, the algorithms take turns in rounds (A A A B B B C C C, A A A B B B ...), so a
-noisy machine that drifts treats them alike, while each call follows a call of the same algorithm,
-as in nccl-tests' loops: a call that follows another algorithm's (whose buffers and messages left
-the caches and the scheduler in another state) ran 1.11-1.37x slower at p=3 and 4 on 2 cores. Each
-turn starts with one untimed call. One iteration is: MPI barrier, start the clock, call, stop the
-clock.
-A collective's time is the slowest rank's (one MAX all-reduce of all the timings after the loop),
-and the table reports the median over iterations with min and max. Bandwidths follow nccl-tests:
-algbw = bytes / time, busbw = algbw × 2(p-1)/p (allreduce), × (p-1)/p (reduce_scatter, allgather),
-× 1 (broadcast, reduce); bytes is the whole array (the result, for allgather).
+The timing engine is `mpdl.perf.bench` (how the algorithms take turns, what a row holds, busbw);
+this verb checks the flags and prints the table, the CSV, the JSON lines and the plot.
 Beside each measurement is the cost model's prediction (`mpdl calibrate` sets its parameters).
 """
 
@@ -18,43 +10,25 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import re
 import sys
-import time
 from typing import Any
 
-import numpy as np
+from tqdm import tqdm
 
+from mpdl import backend, emulation, settings
 from mpdl.cli import UsageError
-
-COLLECTIVE_NAMES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
-FIELDS = ["collective", "algorithm", "chosen", "ranks", "nodes", "bytes", "count", "dtype", "op",
-          "time_us", "time_us_min", "time_us_max", "algbw_gbs", "busbw_gbs", "wrong",
-          "predicted_us", "emulated"]
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-_TOLERANCE = {"float16": 1e-2, "float32": 1e-5, "float64": 1e-12}
-
-
-def parse_size(text: str) -> int:
-    """'8', '1K', '64M', '1G' (also 1KB, 1KiB; binary multiples) -> bytes."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(?:i?[bB])?\s*", str(text))
-    if not m:
-        raise ValueError(f"expected a byte count such as 8, 1K, 64M or 1G, got {text!r}")
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
-
-
-def bus_factor(collective: str, p: int) -> float:
-    """nccl-tests' busbw / algbw ratio."""
-    if collective == "allreduce":
-        return 2 * (p - 1) / p
-    if collective in ("reduce_scatter", "allgather"):
-        return (p - 1) / p
-    return 1.0
+from mpdl.cli.output import is_rank0, write_json_lines
+from mpdl.collectives import REGISTRY
+from mpdl.collectives.ops import OPS
+from mpdl.comm import as_communicator
+from mpdl.mpi_runtime import load_mpi
+from mpdl.perf import bench
+from mpdl.perf.units import parse_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("collective", nargs="?", default="allreduce",
-                        help=f"the collective to measure: {', '.join(COLLECTIVE_NAMES)} "
+                        help=f"the collective to measure: {', '.join(bench.COLLECTIVES)} "
                              f"(default allreduce)")
     parser.add_argument("-b", "--min-bytes", default="8", metavar="SIZE",
                         help="smallest message (default 8; accepts 8, 1K, 64M)")
@@ -89,15 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- validation: every rank reaches the same verdict from the same argv, before any message -------
-def validate(args: argparse.Namespace) -> dict[str, Any]:
+def validate(args: argparse.Namespace) -> bench.Config:
     """The checked configuration; UsageError with a one-line message otherwise."""
-    from mpdl import emulation  # noqa: PLC0415
-    from mpdl.backend import SUPPORTED_DTYPES  # noqa: PLC0415
-    from mpdl.collectives import registry  # noqa: PLC0415
-    from mpdl.collectives.ops import OPS  # noqa: PLC0415
-
-    if args.collective not in COLLECTIVE_NAMES:
-        raise UsageError(f"collective: expected one of {', '.join(COLLECTIVE_NAMES)}, "
+    if args.collective not in bench.COLLECTIVES:
+        raise UsageError(f"collective: expected one of {', '.join(bench.COLLECTIVES)}, "
                          f"got {args.collective!r}")
     if args.device not in ("cpu", "gpu"):
         raise UsageError(f"--device: expected cpu or gpu, got {args.device!r}")
@@ -112,7 +81,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     if args.iters < 1 or args.warmup < 0:
         raise UsageError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and "
                          f"{args.warmup}")
-    dtypes = {d.name: d for d in SUPPORTED_DTYPES}
+    dtypes = {d.name: d for d in backend.SUPPORTED_DTYPES}
     if args.dtype not in dtypes:
         raise UsageError(f"--dtype: expected one of {', '.join(dtypes)}, got {args.dtype!r}")
     dtype = dtypes[args.dtype]
@@ -123,20 +92,18 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--op avg needs a floating-point --dtype, got {args.dtype}")
     if args.inplace and args.collective != "allreduce":
         raise UsageError("--inplace applies to allreduce only")
-    known = list(registry.REGISTRY[args.collective])
-    if args.algorithms.strip() == "all":
-        names = [*known, "auto"]
-    else:
-        names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-        unknown = [a for a in names if a not in (*known, "auto")]
-        if unknown or not names:
-            raise UsageError(f"--algorithms: unknown {', '.join(map(repr, unknown)) or 'empty list'}"
-                             f" for {args.collective}; expected all or a comma list of "
-                             f"{', '.join([*known, 'auto'])}")
-        names = list(dict.fromkeys(names))
-        if "mpi" not in names:
-            names.append("mpi")  # the baseline every ratio refers to
-    emulated = None
+    chosen = None
+    if args.algorithms.strip() != "all":
+        chosen = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    try:
+        names = bench.algorithm_names(args.collective, chosen)
+    except ValueError as exc:
+        raise UsageError(f"--algorithms: {exc}") from None
+    try:
+        environment = settings.current()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    emulated = environment.emulation
     if args.emulate is not None and args.emulate.strip().lower() in ("off", "none", "0"):
         emulated = None
     elif args.emulate is not None:
@@ -144,24 +111,15 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
             emulated = emulation.parse(args.emulate)
         except ValueError as exc:
             raise UsageError(f"--emulate: {exc}") from None
-    else:
-        try:
-            emulated = emulation.from_environment()
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-    sizes = []
-    size = min_bytes
-    while size <= max_bytes:
-        sizes.append(size)
-        size = max(size + 1, int(round(size * args.factor)))
-    return {"names": names, "dtype": dtype, "sizes": sizes, "emulation": emulated,
-            "op": args.op if reducing else None}
+    return bench.Config(collective=args.collective, algorithms=tuple(names), dtype=dtype,
+                        sizes=tuple(bench.sizes(min_bytes, max_bytes, args.factor)),
+                        op=args.op if reducing else None, iters=args.iters, warmup=args.warmup,
+                        root=args.root, inplace=args.inplace, check=args.check,
+                        device=args.device, emulation=emulated)
 
 
 def list_algorithms(collective: str) -> None:
-    from mpdl.collectives import registry  # noqa: PLC0415
-
-    table = registry.REGISTRY[collective]
+    table = REGISTRY[collective]
     width = max(len(n) for n in [*table, "auto"])
     print(f"# {collective}: algorithm, what it is, cost (α latency, β s/byte, γ reduction s/byte, "
           f"n bytes, p ranks, g ranks per node)")
@@ -171,244 +129,46 @@ def list_algorithms(collective: str) -> None:
           f"and nodes (mpdl calibrate)")
 
 
-# -- the measurement ---------------------------------------------------------------------------
-class Case:
-    """One (size, algorithm): how to call it, and what it produced on this rank."""
-
-    def __init__(self, collective: str, algorithm: str, x: Any, op: str | None, root: int,
-                 inplace: bool, comm: Any):
-        from mpdl import collectives as C  # noqa: PLC0415
-
-        self.algorithm = algorithm
-        self.result = None
-        #: restores the input before an iteration (in-place runs overwrite it); outside the clock
-        self.reset = None
-        if collective == "allreduce":
-            if inplace:
-                original = x.copy()
-                self.reset = lambda: x.__setitem__(Ellipsis, original)
-                self.call = lambda: C.allreduce(x, op=op, algorithm=algorithm, comm=comm, out=x)
-            else:
-                self.call = lambda: C.allreduce(x, op=op, algorithm=algorithm, comm=comm)
-        elif collective == "reduce_scatter":
-            self.call = lambda: C.reduce_scatter(x, op=op, algorithm=algorithm, comm=comm)
-        elif collective == "allgather":
-            self.call = lambda: C.allgather(x, algorithm=algorithm, comm=comm)
-        elif collective == "broadcast":
-            self.call = lambda: C.broadcast(x, root=root, algorithm=algorithm, comm=comm)
-        else:
-            self.call = lambda: C.reduce(x, root=root, op=op, algorithm=algorithm, comm=comm)
-
-
-def _input(collective: str, nbytes: int, dtype: np.dtype, p: int, rank: int, xp: Any) -> tuple:
-    """(this rank's input array, the size in bytes the row reports, its element count)."""
-    count = nbytes // dtype.itemsize
-    if collective == "allgather":
-        count -= count % p  # every rank contributes count/p elements
-        local = count // p
-    else:
-        local = count
-    values = ((np.arange(local, dtype=np.int64) + rank) % 3 + 1).astype(dtype)
-    return xp.asarray(values) if xp is not np else values, count * dtype.itemsize, count
-
-
-def _wrong(result: Any, reference: Any, dtype: np.dtype) -> int:
-    """How many elements differ from the baseline (with a tolerance for float sums)."""
-    from mpdl.backend import to_host  # noqa: PLC0415
-
-    if result is None and reference is None:
-        return 0
-    if result is None or reference is None:
-        return max(getattr(result, "size", 0), getattr(reference, "size", 0), 1)
-    a, b = to_host(result).reshape(-1), to_host(reference).reshape(-1)
-    if a.shape != b.shape:
-        return max(a.size, b.size)
-    if dtype.kind == "f":
-        a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        tol = _TOLERANCE[dtype.name]
-        close = np.isclose(a64, b64, rtol=tol, atol=tol, equal_nan=True) | (a64 == b64)
-        return int(np.count_nonzero(~close))
-    return int(np.count_nonzero(a != b))
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm  # noqa: PLC0415
-
-    return tqdm(total=total, file=sys.stderr, unit="size", desc="mpdl bench", leave=False,
-                disable=None)
-
-
 def run(args: argparse.Namespace) -> int:
+    config = validate(args)
     if args.list:
-        validate(args)
-        from mpdl.cli.output import is_rank0  # noqa: PLC0415
-
         if is_rank0():
             list_algorithms(args.collective)
         return 0
-    config = validate(args)
-    from mpdl import emulation  # noqa: PLC0415
-    from mpdl.collectives import costmodel  # noqa: PLC0415
-    from mpdl.comm import as_communicator  # noqa: PLC0415
-    from mpdl.mpi_runtime import load_mpi  # noqa: PLC0415
-
-    MPI = load_mpi()
+    load_mpi()
     comm = as_communicator(None)
-    previous_hook, previous_env = comm.link_delay, os.environ.get(emulation.ENV)
-    # For this run, the links (and auto's model, which reads MPDL_EMULATE) are the ones asked for.
-    if config["emulation"] is None:
-        os.environ.pop(emulation.ENV, None)
-    else:
-        os.environ[emulation.ENV] = config["emulation"].describe()
-    costmodel.forget()
+    bar = None
+    if comm.rank == 0:
+        bar = tqdm(total=len(config.sizes), file=sys.stderr, unit="size", desc="mpdl bench",
+                   leave=False, disable=None)
     try:
-        emulation.install(comm, config["emulation"])
-        return _measure_all(args, config, comm, MPI)
+        result = bench.run(config, comm, progress=None if bar is None else lambda: bar.update(1))
+    except bench.Unusable as exc:
+        raise UsageError(f"--{exc}") from None
     finally:
-        comm.link_delay = previous_hook
-        if previous_env is None:
-            os.environ.pop(emulation.ENV, None)
-        else:
-            os.environ[emulation.ENV] = previous_env
-        costmodel.forget()
-
-
-def _measure_all(args: argparse.Namespace, config: dict[str, Any], comm: Any, MPI: Any) -> int:
-    from mpdl import backend  # noqa: PLC0415
-    from mpdl.collectives import costmodel  # noqa: PLC0415
-    from mpdl.comm import Communicator  # noqa: PLC0415
-
-    p, rank = comm.size, comm.rank
-    if not 0 <= args.root < p:
-        raise UsageError(f"--root: expected a rank in [0, {p}), got {args.root}")
-    xp = np
-    if args.device == "gpu":
-        cupy = backend.cupy_module()
-        if not all(comm.allgather_object(cupy is not None)):
-            raise UsageError("--device gpu: CuPy with a visible GPU is needed on every rank")
-        xp = cupy
-    nodes = len(comm.node_groups())
-    shared = type(comm).shared_segments is not Communicator.shared_segments
-    try:
-        params = costmodel.load_params(p).emulated(config["emulation"])
-    except costmodel.ModelUnavailable as exc:
-        if rank == 0:
-            print(f"# cost model unavailable ({exc}); predictions use the defaults", file=sys.stderr)
-        params = costmodel.Params().emulated(config["emulation"])
-
-    names, dtype, op = config["names"], config["dtype"], config["op"]
-    rows: list[dict[str, Any]] = []
-    bar = _progress(len(config["sizes"]), rank == 0)
-    chosen_everywhere: list[tuple[int, str]] = []
-    for size in config["sizes"]:
-        rows.extend(measure_size(args, comm, MPI, size, names, dtype, op, xp, params, nodes,
-                                 shared, chosen_everywhere))
         if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-
-    # auto must pick the same algorithm on every rank: check it, loudly.
-    everyone = comm.allgather_object(chosen_everywhere)
-    if any(c != everyone[0] for c in everyone):
-        raise RuntimeError(f"auto chose differently on different ranks: {everyone}")
-
-    if rank == 0:
-        emulated = config["emulation"].describe() if config["emulation"] else ""
-        for row in rows:
-            row["emulated"] = emulated
-        print_table(rows, args, p, nodes, emulated, params)
-        if args.json:
-            from mpdl.cli.output import write_json_lines  # noqa: PLC0415
-
-            write_json_lines(args.json, rows)
-        if args.csv:
-            write_csv(args.csv, rows)
-        if args.plot:
-            plot(args.plot, rows, args.collective, p, emulated)
+            bar.close()
+    if comm.rank != 0:
+        return 0
+    if result.note is not None:
+        print(f"# cost model unavailable ({result.note}); predictions use the defaults",
+              file=sys.stderr)
+    emulated = config.emulation.describe() if config.emulation else ""
+    print_table(result.rows, args, result.ranks, result.nodes, emulated, result.params)
+    if args.json:
+        write_json_lines(args.json, result.rows)
+    if args.csv:
+        write_csv(args.csv, result.rows)
+    if args.plot:
+        plot(args.plot, result.rows, args.collective, result.ranks, emulated)
     return 0
-
-
-#: rounds the timed iterations of one size are split into (see the module docstring)
-ROUNDS = 4
-
-
-def turns(iters: int) -> list[range]:
-    """The iterations each algorithm times back to back in each of ROUNDS rounds (fewer rounds
-    when there are fewer iterations), as even as they come."""
-    rounds = max(1, min(ROUNDS, iters))
-    edges = [iters * k // rounds for k in range(rounds + 1)]
-    return [range(edges[k], edges[k + 1]) for k in range(rounds)]
-
-
-def measure_size(args, comm, MPI, size, names, dtype, op, xp, params, nodes, shared,
-                 chosen_everywhere) -> list[dict[str, Any]]:
-    """Time every algorithm at one size, in turns; the rows (complete on rank 0)."""
-    from mpdl.collectives import costmodel, registry  # noqa: PLC0415
-
-    p, rank, collective = comm.size, comm.rank, args.collective
-    x, nbytes, count = _input(collective, size, dtype, p, rank, xp)
-    model_bytes = nbytes
-    cases = [Case(collective, a, x.copy() if args.inplace else x, op, args.root, args.inplace, comm)
-             for a in names]
-    chosen = {a: a for a in names}
-    if "auto" in names:
-        chosen["auto"] = registry.choose(collective, model_bytes, p, nodes, shared)
-        chosen_everywhere.append((size, chosen["auto"]))
-    world = comm.mpi
-    for _ in range(args.warmup):
-        for case in cases:
-            if case.reset is not None:
-                case.reset()
-            world.Barrier()
-            case.call()
-    times = np.zeros((len(cases), args.iters), dtype=np.float64)
-    for turn in turns(args.iters):
-        for i, case in enumerate(cases):
-            for it in (None, *turn):  # None: the turn's untimed first call
-                if case.reset is not None:
-                    case.reset()
-                world.Barrier()
-                t0 = time.perf_counter()
-                result = case.call()
-                if it is not None:
-                    times[i, it] = time.perf_counter() - t0
-            if args.check:  # keep results only when they are compared
-                case.result = result
-    slowest = np.empty_like(times)
-    world.Allreduce(times, slowest, op=MPI.MAX)
-
-    wrong = np.zeros(len(cases), dtype=np.int64)
-    if args.check:
-        reference = cases[names.index("mpi")].result
-        for i, case in enumerate(cases):
-            wrong[i] = _wrong(case.result, reference, dtype)
-        world.Allreduce(MPI.IN_PLACE, wrong, op=MPI.SUM)
-    if rank != 0:
-        return []
-    rows = []
-    for i, case in enumerate(cases):
-        median = float(np.median(slowest[i]))
-        algbw = nbytes / median / 1e9 if median > 0 else 0.0
-        predicted = costmodel.predict(collective, chosen[case.algorithm], model_bytes, p, nodes,
-                                      params, dtype.name)
-        rows.append({"collective": collective, "algorithm": case.algorithm,
-                     "chosen": chosen[case.algorithm], "ranks": p, "nodes": nodes,
-                     "bytes": nbytes, "count": count, "dtype": dtype.name, "op": op or "none",
-                     "time_us": median * 1e6, "time_us_min": float(slowest[i].min()) * 1e6,
-                     "time_us_max": float(slowest[i].max()) * 1e6, "algbw_gbs": algbw,
-                     "busbw_gbs": algbw * bus_factor(collective, p),
-                     "wrong": int(wrong[i]) if args.check else None,
-                     "predicted_us": predicted * 1e6, "emulated": ""})
-    return rows
 
 
 # -- output ------------------------------------------------------------------------------------
 def print_table(rows, args, p, nodes, emulated, params) -> None:
+    rounds = len(bench.turns(args.iters))
     print(f"# mpdl bench {args.collective}: {p} ranks, {nodes} node(s), {args.iters} iterations "
-          f"({args.warmup} warm-up), algorithms taking turns in {len(turns(args.iters))} rounds; "
+          f"({args.warmup} warm-up), algorithms taking turns in {rounds} rounds; "
           f"time = slowest rank, median (min-max)")
     print(f"# predictions: {params.source}")
     if emulated:
@@ -451,7 +211,7 @@ def _label(row) -> str:
 def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer = csv.DictWriter(f, fieldnames=bench.FIELDS)
         writer.writeheader()
         writer.writerows(rows)
     os.replace(tmp, path)

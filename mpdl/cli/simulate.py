@@ -4,7 +4,7 @@
     mpdl simulate --params 25.6M --sample-ms 0.8 --inter 100Gbit/s,5us --algorithms ring,torus2d
     mpdl simulate --measure lenet --network calibrated --nodes 1 --per-node 2
 
-The model (mpdl/simulate.py): compute = batch × per-sample time + per-step time; the gradient
+The model (mpdl/perf/simulate.py): compute = batch × per-sample time + per-step time; the gradient
 goes out in buckets, each all-reduced with the α-β-γ cost model of the chosen algorithm; with
 overlap, buckets are reduced during backward and only what sticks out is exposed. No MPI needed:
 run it on a laptop. Sweeps N = 1, 2, 4, ... up to --max-workers (default 65,536) in seconds.
@@ -13,34 +13,28 @@ run it on a laptop. Sweeps N = 1, 2, 4, ... up to --max-workers (default 65,536)
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import os
-import re
 from dataclasses import replace
 from typing import Any
 
+from mpdl import emulation
 from mpdl.cli import UsageError
-
-_COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kKmMgGbB]?)\s*$")
-_SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}
-
-
-def parse_count(text: str) -> float:
-    """'25557032', '25.6M', '1.2k', '3e6' -> a number (decimal multiples)."""
-    m = _COUNT.match(str(text))
-    if not m:
-        raise ValueError(f"expected a count such as 25557032, 25.6M or 1.2k, got {text!r}")
-    return float(m.group(1)) * _SCALE[m.group(2).lower()]
+from mpdl.cli.output import is_rank0, world_size, write_json_lines
+from mpdl.collectives import costmodel
+from mpdl.mpi_runtime import load_mpi
+from mpdl.perf import simulate as S
+from mpdl.perf.units import parse_count, parse_size
+from mpdl.training.models import MODELS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mpdl.simulate import DEFAULT_ALGORITHMS, NETWORKS, PROFILES  # noqa: PLC0415
-
     parser.epilog = ("algorithms take per-algorithm options after colons, e.g. "
                      "--algorithms 'ring,hierarchical:overlap=off:compression=2:bucket=8M'")
     g = parser.add_argument_group("the model (one of)")
     g.add_argument("--profile", metavar="NAME",
-                   help=f"a published model and GPU: {', '.join(PROFILES)} (default resnet50-v100)")
+                   help=f"a published model and GPU: {', '.join(S.PROFILES)} (default resnet50-v100)")
     g.add_argument("--params", metavar="COUNT", help="parameter count (e.g. 25.6M), with --sample-ms")
     g.add_argument("--sample-ms", type=float, help="forward + backward milliseconds per sample")
     g.add_argument("--step-ms", type=float, default=0.0,
@@ -59,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-workers", type=int, default=65536,
                    help="the sweep goes 1, 2, 4, ... up to this (default 65536)")
     g.add_argument("--network", metavar="NAME",
-                   help=f"{', '.join(NETWORKS)}, or calibrated (this machine, after mpdl "
+                   help=f"{', '.join(S.NETWORKS)}, or calibrated (this machine, after mpdl "
                         f"calibrate); default: the profile's, calibrated with --measure")
     g.add_argument("--intra", metavar="BW,LAT", help="intra-node link, e.g. 25GB/s,5us")
     g.add_argument("--inter", metavar="BW,LAT", help="inter-node link, e.g. 100Gbit/s,5us")
@@ -73,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--epochs", type=float, default=90.0, help="epochs (default 90)")
     g.add_argument("--price-per-hour", type=float, help="price of one worker-hour")
     g = parser.add_argument_group("communication")
-    g.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS), metavar="LIST",
+    g.add_argument("--algorithms", default=",".join(S.DEFAULT_ALGORITHMS), metavar="LIST",
                    help="comma list of all-reduce algorithms, each with optional "
                         ":overlap=on|off:compression=R:bucket=SIZE (default: %(default)s)")
     g.add_argument("--no-overlap", action="store_true", help="default overlap off")
@@ -91,24 +85,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- parsing ---------------------------------------------------------------------------------------
-def _size(text: str) -> float:
-    from mpdl.cli.bench import parse_size  # noqa: PLC0415
-
-    return float(parse_size(text))
-
-
 def parse_strategies(text: str, overlap: bool, compression: float, bucket_bytes: float) -> list:
     """'ring,tree:overlap=off:compression=2:bucket=8M' -> Strategies (defaults from the flags)."""
-    from mpdl.simulate import ALGORITHMS, Strategy  # noqa: PLC0415
-
     out = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
         name, *options = [o.strip() for o in item.split(":")]
-        if name not in ALGORITHMS:
+        if name not in S.ALGORITHMS:
             raise UsageError(f"--algorithms: unknown algorithm {name!r}; expected one of "
-                             f"{', '.join(ALGORITHMS)}")
+                             f"{', '.join(S.ALGORITHMS)}")
         values: dict[str, Any] = {"overlap": overlap, "compression": compression,
                                   "bucket_bytes": bucket_bytes}
         for option in options:
@@ -120,7 +106,7 @@ def parse_strategies(text: str, overlap: bool, compression: float, bucket_bytes:
                 elif key == "compression":
                     values["compression"] = float(value)
                 elif key == "bucket":
-                    values["bucket_bytes"] = _size(value)
+                    values["bucket_bytes"] = float(parse_size(value))
                 else:
                     raise ValueError
             except ValueError:
@@ -131,15 +117,13 @@ def parse_strategies(text: str, overlap: bool, compression: float, bucket_bytes:
                              f"{values['compression']:g}")
         if not values["bucket_bytes"] > 0:
             raise UsageError(f"--algorithms: bucket of {name} must be positive")
-        out.append(Strategy(name, **values))
+        out.append(S.Strategy(name, **values))
     if not out:
         raise UsageError("--algorithms: empty list")
     return out
 
 
 def _link(flag: str, text: str) -> tuple[float, float]:
-    from mpdl import emulation  # noqa: PLC0415
-
     try:
         link = emulation.parse(f"inter={text}").inter
     except ValueError as exc:
@@ -148,9 +132,6 @@ def _link(flag: str, text: str) -> tuple[float, float]:
 
 
 def choose_network(args: argparse.Namespace, default: str, ranks: int):
-    from mpdl import simulate as S  # noqa: PLC0415
-    from mpdl.collectives import costmodel  # noqa: PLC0415
-
     name = args.network or default
     if name == "calibrated":
         try:
@@ -180,13 +161,8 @@ def measure_on_every_rank(model: str, shape: str, batch: int):
     """The workload measured on this machine. Under mpiexec every rank measures at the same time,
     so the figures include what the ranks of a node take from each other (cores, caches, memory
     bandwidth); the slowest rank's are kept, because a synchronous step waits for it."""
-    from mpdl import simulate as S  # noqa: PLC0415
-    from mpdl.cli.output import world_size  # noqa: PLC0415
-
     if world_size() == 1:
         return S.measure_workload(model, shape, batch=batch)
-    from mpdl.mpi_runtime import load_mpi  # noqa: PLC0415
-
     world = load_mpi().COMM_WORLD
     world.Barrier()
     workloads = world.allgather(S.measure_workload(model, shape, batch=batch))
@@ -196,8 +172,6 @@ def measure_on_every_rank(model: str, shape: str, batch: int):
 
 
 def choose_workload(args: argparse.Namespace):
-    from mpdl import simulate as S  # noqa: PLC0415
-
     given = [flag for flag, on in (("--profile", args.profile), ("--params", args.params),
                                    ("--measure", args.measure)) if on]
     if len(given) > 1:
@@ -214,8 +188,6 @@ def choose_workload(args: argparse.Namespace):
         workload = S.Workload("custom", int(count), args.sample_ms / 1e3, source="given")
         default_net = "ethernet-10g"
     elif args.measure:
-        from mpdl.training.models import MODELS  # noqa: PLC0415
-
         if args.measure not in MODELS:
             raise UsageError(f"--measure: expected one of {', '.join(MODELS)}, got "
                              f"{args.measure!r}")
@@ -253,8 +225,6 @@ def _duration(seconds: float) -> str:
 
 def print_table(workload, net, job, headline: int, per_node: int, rows, lims, strategies,
                 min_gain: float) -> None:
-    from mpdl.simulate import MB  # noqa: PLC0415
-
     regime = "fixed per-worker batch" if job.global_batch is None else "fixed global batch"
     print(f"# mpdl simulate: {workload.name}, {workload.params / 1e6:.2f}M parameters × "
           f"{workload.bytes_per_param} B, {workload.sample_s * 1e3:.3f} ms/sample + "
@@ -277,7 +247,7 @@ def print_table(workload, net, job, headline: int, per_node: int, rows, lims, st
           f"{'worker-h':>10}" + (f" {'cost':>10}" if cost else ""))
     for r in head:
         m = r.main
-        line = (f"{r.strategy.label():<28} {r.strategy.bucket_bytes / MB:>5.0f}MB "
+        line = (f"{r.strategy.label():<28} {r.strategy.bucket_bytes / S.MB:>5.0f}MB "
                 f"{m['step_s'] * 1e3:>9.2f} {m['compute_s'] * 1e3:>9.2f} {m['comm_s'] * 1e3:>9.2f} "
                 f"{m['exposed_comm_s'] * 1e3:>9.2f} {m['samples_per_s']:>11.0f} "
                 f"{m['speedup']:>9.1f} {m['efficiency']:>5.2f} {_duration(m['time_to_train_s']):>10} "
@@ -341,9 +311,6 @@ def plot(path: str, rows, strategies, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mpdl import simulate as S  # noqa: PLC0415
-    from mpdl.cli.output import is_rank0, write_json_lines  # noqa: PLC0415
-
     if args.list:
         for name, w in S.PROFILES.items():
             print(f"profile {name:<20} {w.params / 1e6:.2f}M params, {w.sample_s * 1e3:.3f} "
@@ -402,8 +369,6 @@ def run(args: argparse.Namespace) -> int:
                    "limits": lims}
         write_json_lines(args.json, [r.to_json() for r in rows] + [summary])
     if args.csv:
-        import csv  # noqa: PLC0415
-
         records = [r.to_json() for r in rows]
         fields = list(dict.fromkeys(k for rec in records for k in rec))
         with open(args.csv, "w", newline="") as f:

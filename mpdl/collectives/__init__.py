@@ -4,7 +4,6 @@ Public calls take NumPy or CuPy arrays and return the same kind. `comm` is an mp
 (default MPI.COMM_WORLD) or an mpdl Communicator (for example one rank of the in-process world).
 """
 
-from mpdl.collectives import auto, registry
 from mpdl.collectives.api import (
     allgather,
     allreduce,
@@ -15,10 +14,6 @@ from mpdl.collectives.api import (
 )
 from mpdl.collectives.handles import Handle
 from mpdl.collectives.registry import COLLECTIVES, REGISTRY, algorithms
-
-#: the old name of `auto.choose`, kept while `mpdl.cli.bench` calls it (the registry itself is a
-#: plain table and imports no cost model)
-registry.choose = auto.choose
 
 __all__ = ["allreduce", "allreduce_async", "reduce_scatter", "allgather", "broadcast", "reduce",
            "algorithms", "Handle", "COLLECTIVES", "REGISTRY"]

@@ -10,9 +10,9 @@ from mpi4py import MPI
 
 from mpdl import settings
 from mpdl.cli import main
-from mpdl.cli.bench import bus_factor
 from mpdl.collectives import auto, costmodel, registry
 from mpdl.comm import as_communicator
+from mpdl.perf.bench import bus_factor
 
 pytestmark = pytest.mark.mpi
 
@@ -94,6 +94,16 @@ def test_emulated_rows_say_so(shared_dir):
         del os.environ["MPDL_EMULATE"]
         settings.use(None)
     assert all(r["emulated"] == "" for r in rows)
+
+
+def test_emulation_is_a_setting_of_the_run_alone(shared_dir):
+    """--emulate reaches auto's model through the settings object, for the run only; it writes
+    no environment variable."""
+    before = settings.current()
+    rows = bench(["-b", "8", "-e", "8", "-n", "1", "-w", "0", "--algorithms", "auto",
+                  "--emulate", "intra=1Gbit/s,5us"], shared_dir)
+    assert all(r["emulated"] == "intra=1Gbit/s,5us" for r in rows)
+    assert settings.current() is before and "MPDL_EMULATE" not in os.environ
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -32,15 +32,21 @@ from typing import Any
 
 import numpy as np
 
+from mpdl.autograd import functional as F
+from mpdl.autograd import optim
+from mpdl.autograd.tensor import Tensor
+from mpdl.collectives import algorithms
 from mpdl.collectives import costmodel as cm
+from mpdl.training.models import build_model
 
 MB = 1 << 20
 #: ImageNet-1k training images
 IMAGENET_TRAIN = 1_281_167
 #: torchvision's ResNet-50
 RESNET50_PARAMS = 25_557_032
-ALGORITHMS = ("ring", "recursive_doubling", "rabenseifner", "tree", "double_tree", "hierarchical",
-              "torus2d", "mpi")
+#: the all-reduce algorithms a simulated cluster can run: the registry's, but shm, which needs
+#: ranks that share one machine's memory
+ALGORITHMS = tuple(name for name in algorithms("allreduce") if name != "shm")
 DEFAULT_ALGORITHMS = ("ring", "recursive_doubling", "tree", "hierarchical", "torus2d")
 
 
@@ -375,11 +381,6 @@ def measure_workload(model: str, shape: str = "digits", batch: int = 32, repeats
     """Time forward, backward and an SGD step of an mpdl zoo model at batch/4 and batch samples
     (interleaved, medians) and fit sample_s (slope), step_s (intercept plus the optimizer) and the
     backward share."""
-    from mpdl.autograd import functional as F  # noqa: PLC0415
-    from mpdl.autograd import optim  # noqa: PLC0415
-    from mpdl.autograd.tensor import Tensor  # noqa: PLC0415
-    from mpdl.training.models import build_model  # noqa: PLC0415
-
     if shape not in INPUT_SHAPES:
         raise ValueError(f"shape: expected one of {', '.join(INPUT_SHAPES)}, got {shape!r}")
     if batch < 1 or repeats < 1:

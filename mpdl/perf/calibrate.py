@@ -1,0 +1,287 @@
+"""Measure α, β and γ on this machine and fit the cost model's parameters (`mpdl calibrate`).
+
+Every rank takes part at once, as in a collective. For α and β, neighbouring ranks of a node
+exchange messages in pairs; with three or more ranks on a node, they also pass them round a ring
+(each sends to the next and receives from the previous, 2(p-1) steps in a row, each forwarding
+what the step before brought, as in the ring algorithms), which with more ranks than cores is
+slower, since every rank must be scheduled, and slower still when each step waits on the one
+before instead of starting after a barrier; with several nodes, equal local ranks of paired
+nodes exchange them. Each exchange is timed as `mpdl bench`
+times a call (barrier, one call, slowest rank). Every rank reduces arrays for γ (per dtype) and
+copies them, on arrays not in cache, and copies a window chunk that stays in cache (the shm
+algorithm's); the barrier shm takes twice per call is measured inside an 8-byte shm all-reduce. A
+collective's time is set by its slowest rank, so each figure is the maximum over ranks.
+`calibrate` stores the parameters under this world size in the cost model's file
+($MPDL_COST_MODEL, or ~/.cache/mpdl/costmodel.json; XDG_CACHE_HOME is honoured); `auto` and
+`mpdl bench` read them from there.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from mpdl import backend, collectives, emulation
+from mpdl.collectives import costmodel
+from mpdl.collectives.costmodel import Params
+from mpdl.collectives.shm import WINDOW_BYTES
+from mpdl.threadworld import ThreadWorld
+
+#: message sizes of the ping-pong; α comes from the smallest, β from the slope of the others
+SMALL_BYTES = 8
+LARGE_BYTES = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+REDUCE_BYTES = 1 << 22
+#: pairs of REDUCE_BYTES arrays the rate measurements rotate through (32 MiB): far more than a
+#: core's private caches hold, as with a collective's buffers, which other cores wrote last
+STREAM_PAIRS = 4
+#: sweeps over the message sizes (see _exchange_times)
+SWEEPS = 3
+#: the most memory the blocks of one size's chain of ring steps take (see _ring_chain)
+CHAIN_BYTES = 64 << 20
+GAMMA_DTYPES = ("float16", "float32", "float64", "int32", "int64")
+
+
+def quiet_barrier(mpi: Any) -> None:
+    """A barrier that sleeps while it waits, so idle ranks leave the cores to the measured ones."""
+    request = mpi.Ibarrier()
+    while not request.Test():
+        time.sleep(1e-4)
+
+
+def _median_time(fn, iters: int, batch: int = 1) -> float:
+    """The median over `iters` timings of `batch` calls of fn, per call."""
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        times.append((time.perf_counter() - t0) / batch)
+    return float(np.median(times))
+
+
+def _pairs(groups: list[list[int]], inter: bool) -> dict[int, int]:
+    """rank -> partner: neighbours inside a node, or equal local ranks of nodes 2j and 2j+1."""
+    partner: dict[int, int] = {}
+    if not inter:
+        for g in groups:
+            for i in range(0, len(g) - 1, 2):
+                partner[g[i]], partner[g[i + 1]] = g[i + 1], g[i]
+        return partner
+    for j in range(0, len(groups) - 1, 2):
+        for a, b in zip(groups[j], groups[j + 1], strict=False):
+            partner[a], partner[b] = b, a
+    return partner
+
+
+def _shifts(groups: list[list[int]]) -> dict[int, tuple[int, int]]:
+    """rank -> (send to, receive from): the next and previous rank of its node, as in a ring step."""
+    return {g[i]: (g[(i + 1) % len(g)], g[i - 1]) for g in groups if len(g) > 1
+            for i in range(len(g))}
+
+
+def _stream_time(fn, dtype: np.dtype, iters: int) -> float:
+    """Seconds per call of fn(a, b) on REDUCE_BYTES arrays, taking the next of STREAM_PAIRS pairs
+    each time, so the data do not come from a core's private cache that a repeated call on one
+    pair keeps warm (a collective reduces and copies what other cores or MPI wrote last). Each of
+    `iters` blocks times a pass over all pairs twice and keeps the mean (with more ranks than
+    cores, the time slices a rank waits for are part of the rate: every rank runs this at the
+    same time); the median over blocks drops the blocks a slow spell of the machine hit."""
+    pairs = [(np.ones(REDUCE_BYTES // dtype.itemsize, dtype),
+              np.ones(REDUCE_BYTES // dtype.itemsize, dtype)) for _ in range(STREAM_PAIRS)]
+    for a, b in pairs:
+        fn(a, b)
+    calls = 2 * STREAM_PAIRS
+    blocks = []
+    for _ in range(max(1, iters)):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(*pairs[i % STREAM_PAIRS])
+        blocks.append((time.perf_counter() - t0) / calls)
+    return float(np.median(blocks))
+
+
+def _bench_time(comm: Any, fn, reps: int) -> float:
+    """Seconds of fn timed as `mpdl bench` times a collective: MPI barrier, one call, slowest
+    rank; the median over reps (collective: every rank calls it, fn may be None on some)."""
+    times = np.zeros(reps)
+    for i in range(reps):
+        comm.mpi.Barrier()
+        t0 = time.perf_counter()
+        if fn is not None:
+            fn()
+            times[i] = time.perf_counter() - t0
+    comm.mpi.Allreduce(comm.MPI.IN_PLACE, times, op=comm.MPI.MAX)
+    return float(np.median(times))
+
+
+def exchange_buffers(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(send, receive) byte arrays at the same offset in a 4 KiB page. Heap arrays allocated one
+    after another lie 16 bytes apart modulo 4 KiB; a copy from a peer's send buffer into this
+    rank's receive buffer then runs 3-4x slower (4K aliasing), and calibrate would measure that
+    instead of the link (the collectives place their buffers to avoid it)."""
+    send = backend.empty_half_page_in(nbytes, np.uint8, np)
+    send[:] = 1
+    return send, backend.empty_half_page_in(nbytes, np.uint8, np)
+
+
+def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int,
+                    ring_steps: int = 1) -> list[float]:
+    """Seconds per sendrecv (to peers[0], from peers[1]) at SMALL_BYTES and each of LARGE_BYTES,
+    timed as bench times a call (see _bench_time; 0 where no rank had peers). With ring_steps > 1,
+    one timed call is that many steps in a row, each forwarding the block received in the step
+    before (as the steps of a ring all-reduce follow each other), and the time is per step. Each
+    size is repeated back to back, as bench repeats a call (its buffers stay as warm as bench's),
+    in SWEEPS sweeps over the sizes; the median over sweeps drops a sweep that a slow spell of the
+    machine fell on."""
+    exchanges = []
+    for nbytes in (SMALL_BYTES, *LARGE_BYTES):
+        exchange = None
+        if peers is not None and ring_steps > 1:
+            exchange = _ring_chain(comm, peers, nbytes, ring_steps)
+        elif peers is not None:
+            send, recv = exchange_buffers(nbytes)
+            exchange = functools.partial(comm.sendrecv, send, peers[0], recv, peers[1], "calibrate")
+        exchanges.append((nbytes, exchange))
+    sweeps = np.zeros((SWEEPS, len(exchanges)))
+    for sweep in range(SWEEPS):
+        for j, (nbytes, exchange) in enumerate(exchanges):
+            if exchange is not None:
+                exchange()  # warm up the path and the buffers
+            reps = iters if nbytes < (1 << 20) else max(3, iters // 4)
+            sweeps[sweep, j] = _bench_time(comm, exchange, reps) / ring_steps
+    return np.median(sweeps, axis=0).tolist()
+
+
+def _ring_chain(comm: Any, peers: tuple[int, int], nbytes: int, steps: int):
+    """A call of `steps` ring steps in a row over blocks of nbytes: each step sends the block the
+    step before received to peers[0] and receives the next block from peers[1]. The blocks lie
+    one after another in one buffer, as a ring all-reduce's blocks do; beyond CHAIN_BYTES they
+    are reused in turn (at least three, so a step never receives into the block it sends)."""
+    count = min(steps + 1, max(3, CHAIN_BYTES // max(nbytes, 1)))
+    blocks = exchange_buffers(nbytes * count)[0].reshape(count, nbytes)
+
+    def run() -> None:
+        for s in range(steps):
+            comm.sendrecv(blocks[s % count], peers[0], blocks[(s + 1) % count], peers[1],
+                          "calibrate")
+
+    return run
+
+
+def _fit(times: list[float]) -> tuple[float, float]:
+    """(α, β): α the small-message time, β the least-squares slope over the large messages."""
+    x = np.array(LARGE_BYTES, dtype=np.float64)
+    y = np.array(times[1:])
+    beta = float(np.polyfit(x, y, 1)[0]) if len(x) > 1 else float(y[0] / x[0])
+    return max(times[0], 1e-9), max(beta, 1e-13)
+
+
+def measure(comm: Any, iters: int) -> dict[str, Any]:
+    """Every parameter of the cost model, as the maximum over ranks (collective over comm)."""
+    mpi = comm.mpi
+    groups = comm.node_groups()
+    figures: dict[str, float] = {}
+
+    def pairwise(partner: int | None) -> list[float]:
+        return _exchange_times(comm, None if partner is None else (partner, partner), iters)
+
+    curves = {"intra": pairwise(_pairs(groups, False).get(comm.rank)),
+              # a ring of two is a pair: the ring curve is measured when a node has three ranks
+              "ring": _exchange_times(comm, _shifts(groups).get(comm.rank), iters,
+                                      ring_steps=2 * (max(map(len, groups)) - 1))
+              if max(map(len, groups)) > 2 else None,
+              "inter": pairwise(_pairs(groups, True).get(comm.rank)) if len(groups) > 1 else None}
+
+    # The MPI library's own latency, with no Python between the messages.
+    partner = _pairs(groups, False).get(comm.rank, _pairs(groups, True).get(comm.rank))
+    quiet_barrier(mpi)
+    figures["alpha_native"] = 0.0  # the rank left without a partner (odd p) adds nothing to the max
+    if partner is not None:
+        one, got = np.ones(1, np.float64), np.empty(1, np.float64)
+        exchange = lambda: mpi.Sendrecv(one, partner, recvbuf=got, source=partner)  # noqa: E731
+        exchange()
+        figures["alpha_native"] = _median_time(exchange, iters, batch=50)
+
+    # Reduction and copy rates, all ranks at once, on arrays that are not in cache (see _stream_time).
+    quiet_barrier(mpi)
+    for dtype in GAMMA_DTYPES:
+        figures[f"gamma:{dtype}"] = _stream_time(
+            lambda a, b: np.add(a, b, out=a), np.dtype(dtype), max(3, iters // 4)) / REDUCE_BYTES
+    figures["copy"] = _stream_time(np.copyto, np.dtype(np.uint8), max(3, iters // 4)) / REDUCE_BYTES
+    src, dst = np.ones(WINDOW_BYTES, np.uint8), np.empty(WINDOW_BYTES, np.uint8)
+    figures["copy_cached"] = _median_time(lambda: np.copyto(dst, src), iters, batch=4) / WINDOW_BYTES
+
+    # The API's fixed cost, and the barrier the shm algorithm takes twice per call: half of what
+    # an 8-byte shm all-reduce takes beyond that cost (the node barriers of a shared window, with
+    # the ranks as out of step as a real call leaves them).
+    alone = ThreadWorld(1).comm(0)  # a world of one: the call does everything but send
+    one = np.ones(1, np.float32)
+    figures["call"] = _median_time(lambda: collectives.allreduce(one, algorithm="ring", comm=alone),
+                                   iters, batch=20)
+    small = np.ones(SMALL_BYTES // 4, np.float32)
+    shm_call = _bench_time(comm, lambda: collectives.allreduce(small, algorithm="shm", comm=comm),
+                           iters)
+    figures["barrier"] = max(shm_call - figures["call"], 1e-7) / 2
+    quiet_barrier(mpi)
+
+    keys = sorted(figures)
+    measured = [name for name, curve in curves.items() if curve is not None]
+    local = np.array([figures[k] for k in keys] + [t for name in measured for t in curves[name]],
+                     dtype=np.float64)
+    worst = np.empty_like(local)
+    mpi.Allreduce(local, worst, op=comm.MPI.MAX)
+    merged: dict[str, Any] = dict(zip(keys, worst[:len(keys)].tolist(), strict=True))
+    width = 1 + len(LARGE_BYTES)
+    for i, name in enumerate(measured):
+        merged[name] = worst[len(keys) + i * width:len(keys) + (i + 1) * width].tolist()
+    return {"ring": None, "inter": None, **merged}
+
+
+def _monotone(sizes: tuple[int, ...], times: list[float]) -> tuple[tuple[float, float], ...]:
+    """(bytes, seconds) pairs where a larger message never takes less time than a smaller one
+    (a noisy small measurement is capped by the larger ones)."""
+    capped = np.minimum.accumulate(np.array(times, dtype=np.float64)[::-1])[::-1]
+    return tuple((float(b), float(t)) for b, t in zip(sizes, capped, strict=True))
+
+
+def to_params(measured: dict[str, Any], ranks: int, nodes: int, host: str) -> Params:
+    """The cost model's parameters fitted to what `measure` returned."""
+    intra_pairs = max(measured["intra"]) > 0
+    sizes = (SMALL_BYTES, *LARGE_BYTES)
+    alpha, beta = _fit(measured["intra"] if intra_pairs else measured["inter"])
+    alpha_inter = beta_inter = None
+    if measured["inter"] is not None:
+        alpha_inter, beta_inter = _fit(measured["inter"])
+    gammas = tuple(sorted((d, measured[f"gamma:{d}"]) for d in GAMMA_DTYPES))
+    return Params(alpha=alpha, beta=beta, gamma=dict(gammas)["float32"], alpha_inter=alpha_inter,
+                  beta_inter=beta_inter, copy=measured["copy"], copy_cached=measured["copy_cached"],
+                  barrier=measured["barrier"],
+                  call=measured["call"], alpha_native=measured.get("alpha_native") or alpha,
+                  gammas=gammas, ranks=ranks,
+                  exchange=_monotone(sizes, measured["intra"]) if intra_pairs else (),
+                  ring_exchange=_monotone(sizes, measured["ring"]) if measured["ring"] else (),
+                  source=f"mpdl calibrate on {host}, {ranks} ranks, {nodes} node(s), "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
+
+
+def calibrate(comm: Any, iters: int = 20, path: str | None = None) -> Params:
+    """Measure this machine's links and rates with every rank of comm (an MPIComm of at least two
+    ranks; collective) and fit the parameters (the same figures on every rank). The links are measured as
+    they are: an emulation installed on comm is removed (the model adds emulated links itself).
+    With `path`, rank 0 saves them there and every rank returns once the file is complete."""
+    if comm.size < 2:
+        raise ValueError(f"calibrate needs at least 2 ranks to measure links, got {comm.size}")
+    if iters < 1:
+        raise ValueError(f"iters: expected a positive count, got {iters}")
+    emulation.install(comm, None)
+    nodes = len(comm.node_groups())
+    params = to_params(measure(comm, iters), comm.size, nodes, socket.gethostname())
+    if path is not None:
+        if comm.rank == 0:
+            costmodel.save(path, params)
+        quiet_barrier(comm.mpi)  # nobody reads the file before it is complete
+    return params
