@@ -224,7 +224,7 @@ def _measure_all(config: Config, comm: Any, xp: Any, progress: Callable[[], None
     chosen_everywhere: list[tuple[int, str]] = []
     for size in config.sizes:
         size_rows, auto_choice = measure_size(config, comm, size, xp, params, nodes,
-                                       comm.has_shared_memory)
+                                              comm.has_shared_memory)
         rows.extend(size_rows)
         if auto_choice is not None:
             chosen_everywhere.append((size, auto_choice))
