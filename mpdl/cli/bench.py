@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import sys
 from typing import Any
 
@@ -21,6 +20,7 @@ from mpdl.cli.output import is_rank0, write_json_lines
 from mpdl.collectives import REGISTRY
 from mpdl.collectives.ops import OPS
 from mpdl.comm import as_communicator
+from mpdl.fileio import atomic_open
 from mpdl.mpi_runtime import load_mpi
 from mpdl.perf import bench
 from mpdl.perf.units import parse_size
@@ -209,12 +209,10 @@ def _label(row) -> str:
 
 
 def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", newline="") as f:
+    with atomic_open(path, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=bench.FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    os.replace(tmp, path)
 
 
 def plot(path: str, rows: list[dict[str, Any]], collective: str, p: int, emulated: str) -> None:

@@ -23,6 +23,7 @@ from mpdl import emulation
 from mpdl.cli import UsageError
 from mpdl.cli.output import is_rank0, world_size, write_json_lines
 from mpdl.collectives import costmodel
+from mpdl.fileio import atomic_open
 from mpdl.mpi_runtime import load_mpi
 from mpdl.perf import simulate as S
 from mpdl.perf.units import parse_count, parse_size
@@ -371,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
     if args.csv:
         records = [r.to_json() for r in rows]
         fields = list(dict.fromkeys(k for rec in records for k in rec))
-        with open(args.csv, "w", newline="") as f:
+        with atomic_open(args.csv, newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
             writer.writerows(records)

@@ -38,6 +38,7 @@ from mpdl.collectives.hierarchical import INTER_RING_BYTES
 from mpdl.collectives.ops import block_bounds, segment_elements
 from mpdl.collectives.shm import WINDOW_BYTES
 from mpdl.collectives.torus import grid_shape
+from mpdl.fileio import atomic_open
 from mpdl.threadworld import run_world
 
 ENV = "MPDL_COST_MODEL"
@@ -180,12 +181,10 @@ def save(path: str, params: Params) -> None:
         entries = {}
     entries[params.ranks] = params
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+    with atomic_open(path) as f:
         json.dump({"version": FORMAT_VERSION,
                    "entries": {str(k): v.to_json() for k, v in sorted(entries.items())}}, f, indent=1)
         f.write("\n")
-    os.replace(tmp, path)
     forget()
 
 

@@ -1,0 +1,31 @@
+"""Writing a file so that a reader sees the old version or the new one, never half of either."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import IO, Any
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", sync: bool = False,
+                **open_args: Any) -> Iterator[IO]:
+    """Open a temporary file beside ``path`` for writing; when the block ends without an
+    exception, rename it over ``path`` (after an fsync when ``sync``), otherwise delete it."""
+    if not mode.startswith("w"):
+        raise ValueError(f"atomic_open: mode must be a write mode ('w', 'wb'), not {mode!r}")
+    path = os.fspath(path)
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, mode, **open_args) as f:
+            yield f
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
