@@ -548,6 +548,12 @@ class MatMul(Function):
     def backward(self, grad):
         xp = get_array_module(grad)
         a, b = self.a, self.b
+        if b.ndim == 2 and a.ndim > 2:  # a stack of matrices times one matrix: fold the stack
+            need_a, need_b = self.needs_input_grad
+            ga = grad @ b.T if need_a else None
+            gb = a.reshape(-1, a.shape[-1]).T @ grad.reshape(-1, grad.shape[-1]) \
+                if need_b else None
+            return ga, gb
         a2 = a[None, :] if a.ndim == 1 else a
         b2 = b[:, None] if b.ndim == 1 else b
         batch = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
