@@ -263,6 +263,18 @@ def test_gpt_generate_shapes_greedy_and_seeded():
     assert model.training
 
 
+def test_gpt_float32_and_dropout_modes():
+    model = GPT(vocab_size=9, block_size=6, n_layer=1, n_head=2, n_embd=8, dropout=0.5, seed=0)
+    idx = np.random.default_rng(0).integers(0, 9, (2, 6))
+    logits = model(idx)
+    assert logits.dtype == np.float32 and logits.shape == (2, 6, 9)
+    F.cross_entropy(logits, idx).backward()
+    assert all(p.grad.dtype == np.float32 for p in model.parameters())
+    assert not np.allclose(model(idx).data, logits.data)  # training: fresh dropout masks
+    model.eval()
+    np.testing.assert_array_equal(model(idx).data, model(idx).data)
+
+
 # ---------------------------------------------------------------------- sequence data
 def test_addition_format_split_and_targets():
     task = datasets.addition(digits=3, n_train=2000, n_test=300, seed=1)

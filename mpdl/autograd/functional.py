@@ -164,7 +164,8 @@ def cross_entropy(logits: Tensor, labels: Any, reduction: str = "mean",
     ``logits`` is (N, C) with ``labels`` (N,), or (N, T, C) with ``labels`` (N, T): the class
     axis is always the LAST one (the layout of a language model's output, as llm.c and nanoGPT
     use it; PyTorch's own 3-D layout is (N, C, T)). Positions whose label equals ``ignore_index``
-    contribute no loss and no gradient; "mean" averages over the other positions.
+    contribute no loss and no gradient ("none" gives them 0); "mean" averages over the other
+    positions (NaN when none is left). ``ignore_index=None`` ignores no label.
     """
     logits = _tensor(logits, "logits")
     labels = labels.data if isinstance(labels, Tensor) else labels
