@@ -168,9 +168,10 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs (forward + backward) per token at sequence length ``seq_len``
-        (default block_size): 6·N + 12·n_layer·n_embd·seq_len, with N the non-embedding
-        parameter count. This is the PaLM paper's formula (appendix B), the one llm.c and nanoGPT
-        use for model FLOPs utilisation."""
+        (default block_size): 6·N + 12·n_layer·n_embd·seq_len, with N = ``num_parameters(
+        non_embedding=True)`` (the tied token embedding counts: it is also the output
+        projection). This is the PaLM paper's formula (appendix B), the one llm.c and nanoGPT use
+        for model FLOPs utilisation."""
         t = self.block_size if seq_len is None else seq_len
         return 6 * self.num_parameters(non_embedding=True) + 12 * self.n_layer * self.n_embd * t
 
