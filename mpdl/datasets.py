@@ -8,6 +8,7 @@ set), by E. Alpaydin and C. Kaynak, UCI Machine Learning Repository, licensed CC
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -146,3 +147,205 @@ def synthetic(shape: str = "mnist", n_train: int = 1024, n_test: int = 256, clas
     y = rng.integers(0, classes, n_train + n_test)
     x = templates[y] + rng.normal(0.0, 0.5, (n_train + n_test, *dims)).astype(np.float32)
     return x[:n_train], y[:n_train].astype(np.int64), x[n_train:], y[n_train:].astype(np.int64)
+
+
+# ---------------------------------------------------------------------- sequence tasks
+#: the characters of the addition task: digits, then "+" and "="
+ADDITION_VOCAB = "0123456789+="
+
+#: the label that marks a position without a target (cross-entropy's default ignore_index)
+IGNORE_INDEX = -100
+
+
+class Addition:
+    """Synthetic n-digit addition as fixed-length character sequences.
+
+    A problem a + b is written ``AAA+BBB=SSSS``: both operands zero-padded to ``digits`` digits,
+    then the sum zero-padded to ``digits + 1`` digits and written REVERSED (least significant
+    digit first, the order in which a carry is produced), e.g. 123 + 456 = 579 is
+    ``123+456=9750``. A model reads the prompt ``AAA+BBB=`` and predicts the answer.
+
+    Attributes: ``vocab`` (the characters; token id = position), ``x_train``/``y_train`` and
+    ``x_test``/``y_test`` (int64 (N, 3·digits + 2) inputs and next-token targets, with
+    ``IGNORE_INDEX`` on the prompt positions), ``train_problems``/``test_problems`` (int64
+    (N, 2) operand pairs; no test pair appears in training), ``block_size`` and ``prompt_len``.
+    """
+
+    def __init__(self, digits: int, train_problems: np.ndarray, test_problems: np.ndarray):
+        self.digits = digits
+        self.vocab = ADDITION_VOCAB
+        self.prompt_len = 2 * digits + 2
+        self.block_size = 3 * digits + 2
+        self.train_problems, self.test_problems = train_problems, test_problems
+        self.x_train, self.y_train = self.examples(train_problems)
+        self.x_test, self.y_test = self.examples(test_problems)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids (int64) of ``text``."""
+        return np.array([self.vocab.index(ch) for ch in text], dtype=np.int64)
+
+    def decode(self, ids: Any) -> str:
+        """The characters of token ids."""
+        return "".join(self.vocab[int(i)] for i in ids)
+
+    def sequences(self, problems: np.ndarray) -> np.ndarray:
+        """Token ids (N, 3·digits + 3) of the full written problems ``a+b=`` + reversed sum."""
+        problems = np.asarray(problems, dtype=np.int64).reshape(-1, 2)
+        a, b = problems[:, 0], problems[:, 1]
+        n = self.digits
+        columns = [_digits_of(a, n), np.full((len(a), 1), 10), _digits_of(b, n),
+                   np.full((len(a), 1), 11), _digits_of(a + b, n + 1)[:, ::-1]]
+        return np.concatenate(columns, axis=1).astype(np.int64)
+
+    def examples(self, problems: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets) for next-token training: the sequence without its last token, and
+        the sequence shifted by one with ``IGNORE_INDEX`` wherever the target is in the prompt."""
+        seq = self.sequences(problems)
+        x, y = seq[:, :-1].copy(), seq[:, 1:].copy()
+        y[:, :self.prompt_len - 1] = IGNORE_INDEX
+        return x, y
+
+    def answers(self, problems: np.ndarray) -> np.ndarray:
+        """The sums a + b of (N, 2) ``problems``."""
+        problems = np.asarray(problems, dtype=np.int64).reshape(-1, 2)
+        return problems.sum(axis=1)
+
+    def read_answers(self, ids: np.ndarray) -> np.ndarray:
+        """The numbers written (reversed) in (N, digits + 1) answer tokens; -1 where a token is
+        not a digit."""
+        ids = np.asarray(ids, dtype=np.int64)
+        weights = 10 ** np.arange(ids.shape[1], dtype=np.int64)
+        values = (np.minimum(ids, 9) * weights).sum(axis=1)
+        return np.where((ids < 10).all(axis=1), values, -1)
+
+
+def _digits_of(values: np.ndarray, width: int) -> np.ndarray:
+    """The decimal digits (most significant first) of each value, zero-padded to ``width``."""
+    powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
+    return (values[:, None] // powers) % 10
+
+
+def addition(digits: int = 3, n_train: int = 50_000, n_test: int = 1_000, seed: int = 0
+             ) -> Addition:
+    """An ``Addition`` task of ``digits``-digit operands: ``n_test`` held-out problems and
+    ``n_train`` distinct training problems, none of them a held-out one, drawn from ``seed``.
+    a + b and b + a count as two different problems."""
+    if not isinstance(digits, int) or not 1 <= digits <= 9:
+        raise ValueError(f"addition: digits must be an int in [1, 9], not {digits!r}")
+    space = 10 ** (2 * digits)
+    if n_train < 1 or n_test < 0 or n_train + n_test > space:
+        raise ValueError(f"addition: need n_train >= 1, n_test >= 0 and n_train + n_test <= "
+                         f"{space} (all {digits}-digit problems), got {n_train} and {n_test}")
+    rng = np.random.default_rng(seed)
+    want = n_train + n_test
+    if want * 4 > space:
+        codes = rng.permutation(space)[:want]
+    else:
+        codes = np.empty(0, dtype=np.int64)
+        while len(codes) < want:
+            fresh = rng.integers(0, space, 2 * (want - len(codes)))
+            codes = np.concatenate([codes, fresh])
+            _, first = np.unique(codes, return_index=True)
+            codes = codes[np.sort(first)]
+        codes = codes[:want]
+    problems = np.stack([codes // 10 ** digits, codes % 10 ** digits], axis=1).astype(np.int64)
+    return Addition(digits, problems[n_test:], problems[:n_test])
+
+
+def exact_match(model: Any, task: Addition, problems: np.ndarray | None = None,
+                batch_size: int = 500) -> float:
+    """The fraction of ``problems`` (default: the held-out ones) whose greedily decoded answer
+    is exactly right. ``model.generate(prompts, max_new_tokens, top_k=1)`` must return the
+    prompts followed by the generated tokens (as ``GPT.generate`` does)."""
+    problems = task.test_problems if problems is None else np.asarray(problems).reshape(-1, 2)
+    if len(problems) == 0:
+        raise ValueError("exact_match: no problems to score")
+    prompts = task.sequences(problems)[:, :task.prompt_len]
+    correct = 0
+    for start in range(0, len(problems), batch_size):
+        out = np.asarray(model.generate(prompts[start:start + batch_size], task.digits + 1,
+                                        top_k=1))
+        got = task.read_answers(out[:, task.prompt_len:])
+        correct += int((got == task.answers(problems[start:start + batch_size])).sum())
+    return correct / len(problems)
+
+
+class TextData:
+    """A UTF-8 text as character token ids with a train/validation split.
+
+    Attributes: ``vocab`` (the sorted distinct characters; token id = position), ``train`` and
+    ``val`` (int64 1-D token ids: the first and last parts of the text), ``block_size``.
+    """
+
+    def __init__(self, text: str, block_size: int, val_fraction: float) -> None:
+        self.vocab = "".join(sorted(set(text)))
+        self._index = {ch: i for i, ch in enumerate(self.vocab)}
+        ids = self.encode(text)
+        n_val = int(round(len(ids) * val_fraction))
+        self.block_size = block_size
+        self.train, self.val = ids[:len(ids) - n_val], ids[len(ids) - n_val:]
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids (int64) of ``text``; every character must be in the vocabulary."""
+        try:
+            return np.array([self._index[ch] for ch in text], dtype=np.int64)
+        except KeyError as exc:
+            raise ValueError(f"encode: character {exc.args[0]!r} is not in the vocabulary") \
+                from None
+
+    def decode(self, ids: Any) -> str:
+        """The characters of token ids."""
+        return "".join(self.vocab[int(i)] for i in ids)
+
+    def batch(self, split: str, batch_size: int, rng: np.random.Generator
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """``batch_size`` random windows of ``split`` ("train" or "val"): inputs and next-token
+        targets, each int64 (batch_size, block_size)."""
+        if split not in ("train", "val"):
+            raise ValueError(f"batch: split must be 'train' or 'val', not {split!r}")
+        ids = self.train if split == "train" else self.val
+        if len(ids) <= self.block_size:
+            raise ValueError(f"batch: the {split} part has {len(ids)} tokens, not more than "
+                             f"block_size={self.block_size}")
+        starts = rng.integers(0, len(ids) - self.block_size, batch_size)
+        window = starts[:, None] + np.arange(self.block_size + 1)
+        seq = ids[window]
+        return seq[:, :-1], seq[:, 1:]
+
+
+def text(path: str | Path, block_size: int, val_fraction: float = 0.1) -> TextData:
+    """A UTF-8 text file as a character-level ``TextData``: the last ``val_fraction`` of the
+    characters is the validation part."""
+    path = Path(path)
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"text: block_size must be a positive int, not {block_size!r}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"text: val_fraction must lie in (0, 1), not {val_fraction!r}")
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file (give a UTF-8 text file)")
+    raw = path.read_bytes()
+    if not raw:
+        raise DatasetError(f"{path}: the file is empty")
+    try:
+        content = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text (invalid byte at offset {exc.start})") \
+            from None
+    data = TextData(content, block_size, val_fraction)
+    for split, ids in (("train", data.train), ("validation", data.val)):
+        if len(ids) <= block_size:
+            raise DatasetError(f"{path}: the {split} part has {len(ids)} characters, too few "
+                               f"for block_size={block_size} (need more than {block_size})")
+    return data
+
+
+def unigram_bits_per_char(ids: Any) -> float:
+    """The entropy, in bits, of the character frequencies of ``ids`` (token ids or a string):
+    the bits per character of a model that ignores context."""
+    values = np.frombuffer(ids.encode("utf-32-le"), dtype=np.uint32) if isinstance(ids, str) \
+        else np.asarray(ids).reshape(-1)
+    if values.size == 0:
+        raise ValueError("unigram_bits_per_char: no characters")
+    _, counts = np.unique(values, return_counts=True)
+    p = counts / counts.sum()
+    return float(-(p * np.log2(p)).sum())

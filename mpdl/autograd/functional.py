@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from mpdl.autograd import kernels
-from mpdl.autograd.tensor import Function, Rectify, Sigmoid, Tanh, Tensor
+from mpdl.autograd.tensor import Function, Rectify, Sigmoid, Tanh, Tensor, unbroadcast
 from mpdl.backend import get_array_module
 
 _default_rng = np.random.default_rng()
@@ -121,51 +121,80 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 class CrossEntropy(Function):
-    def forward(self, logits, labels, reduction):
+    def forward(self, logits, labels, reduction, ignore_index):
         xp = get_array_module(logits)
         n = logits.shape[0]
         logp = _log_softmax(logits, axis=1)
         rows = xp.arange(n)
+        self.keep = None if ignore_index is None else labels != ignore_index
+        if self.keep is not None:
+            labels = xp.where(self.keep, labels, 0)
         self.logp, self.labels, self.reduction, self.rows = logp, labels, reduction, rows
         losses = -logp[rows, labels]
+        if self.keep is not None:
+            losses *= self.keep
         if reduction == "none":
             return losses
         total = losses.sum()
-        return total * (1.0 / n) if reduction == "mean" else total
+        self.count = n if self.keep is None else int(self.keep.sum())
+        if reduction == "sum":
+            return total
+        return total * (1.0 / self.count) if self.count else xp.full((), xp.nan, logits.dtype)
 
     def backward(self, grad):
         xp = get_array_module(grad)
         g = xp.exp(self.logp)
         g[self.rows, self.labels] -= 1
-        n = g.shape[0]
         if self.reduction == "none":
-            g *= grad[:, None]
+            scale = grad[:, None]
         elif self.reduction == "mean":
-            g *= grad * (1.0 / n)
+            scale = grad * (1.0 / max(self.count, 1))
         else:
-            g *= grad
+            scale = grad
+        if self.keep is not None:
+            scale = scale * self.keep[:, None].astype(g.dtype)
+        g *= scale
         return g
 
 
-def cross_entropy(logits: Tensor, labels: Any, reduction: str = "mean") -> Tensor:
-    """Softmax cross-entropy of (N, C) ``logits`` against integer class ``labels`` (N,)."""
+def cross_entropy(logits: Tensor, labels: Any, reduction: str = "mean",
+                  ignore_index: int | None = -100) -> Tensor:
+    """Softmax cross-entropy of ``logits`` against integer class ``labels``.
+
+    ``logits`` is (N, C) with ``labels`` (N,), or (N, T, C) with ``labels`` (N, T): the class
+    axis is always the LAST one (the layout of a language model's output, as llm.c and nanoGPT
+    use it; PyTorch's own 3-D layout is (N, C, T)). Positions whose label equals ``ignore_index``
+    contribute no loss and no gradient ("none" gives them 0); "mean" averages over the other
+    positions (NaN when none is left). ``ignore_index=None`` ignores no label.
+    """
     logits = _tensor(logits, "logits")
     labels = labels.data if isinstance(labels, Tensor) else labels
     xp = get_array_module(logits.data)
     labels = xp.asarray(labels)
     if labels.dtype.kind not in "iu":
         raise TypeError(f"cross_entropy: labels must be an integer array, not {labels.dtype}")
-    if logits.ndim != 2:
-        raise ValueError(f"cross_entropy: logits must be (N, C), got shape {logits.shape}")
-    if labels.shape != logits.shape[:1]:
+    if logits.ndim not in (2, 3):
+        raise ValueError(f"cross_entropy: logits must be (N, C) or (N, T, C), got shape "
+                         f"{logits.shape}")
+    if labels.shape != logits.shape[:-1]:
         raise ValueError(f"cross_entropy: labels shape {tuple(labels.shape)} does not match "
-                         f"logits shape {logits.shape}; expected ({logits.shape[0]},)")
+                         f"logits shape {logits.shape}; expected {logits.shape[:-1]}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"cross_entropy: reduction must be one of {_REDUCTIONS}, "
                          f"not {reduction!r}")
-    if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[1]):
-        raise ValueError(f"cross_entropy: labels must lie in [0, {logits.shape[1]})")
-    return CrossEntropy.apply(logits, labels=labels, reduction=reduction)
+    classes = logits.shape[-1]
+    valid = labels if ignore_index is None else labels[labels != ignore_index]
+    if valid.size and (int(valid.min()) < 0 or int(valid.max()) >= classes):
+        raise ValueError(f"cross_entropy: labels must lie in [0, {classes}) or equal "
+                         f"ignore_index ({ignore_index})")
+    if ignore_index is not None and not bool((labels == ignore_index).any()):
+        ignore_index = None
+    if logits.ndim == 2:
+        return CrossEntropy.apply(logits, labels=labels, reduction=reduction,
+                                  ignore_index=ignore_index)
+    flat = CrossEntropy.apply(logits.reshape(-1, classes), labels=labels.reshape(-1),
+                              reduction=reduction, ignore_index=ignore_index)
+    return flat.reshape(labels.shape) if reduction == "none" else flat
 
 
 def mse_loss(input: Tensor, target: Any, reduction: str = "mean") -> Tensor:
@@ -191,20 +220,25 @@ class Linear(Function):
             raise ValueError(f"linear: input shape {tuple(x.shape)} does not fit weight shape "
                              f"{tuple(w.shape)} (expected input[..., {w.shape[1]}])")
         self.x, self.w = x, w
-        out = x @ w.T
+        out = _fold(x) @ w.T  # one GEMM over all leading axes (a stacked matmul is slower)
         if bias:
             out += bias[0]
-        return out
+        return out.reshape(x.shape[:-1] + (w.shape[0],))
 
     def backward(self, grad):
         x, w = self.x, self.w
-        g2 = grad.reshape(-1, grad.shape[-1])
-        gx = grad @ w if self.needs_input_grad[0] else None
+        g2 = _fold(grad)
+        gx = (g2 @ w).reshape(x.shape) if self.needs_input_grad[0] else None
         gw = g2.T @ x.reshape(-1, x.shape[-1]) if self.needs_input_grad[1] else None
         if len(self.needs_input_grad) == 2:
             return gx, gw
         gb = g2.sum(axis=0) if self.needs_input_grad[2] else None
         return gx, gw, gb
+
+
+def _fold(x: Any) -> Any:
+    """``x`` with its leading axes merged: (..., n) -> (m, n); 1-D and 2-D arrays unchanged."""
+    return x.reshape(-1, x.shape[-1]) if x.ndim > 2 else x
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -457,3 +491,174 @@ def flatten(x: Tensor, start_dim: int = 1) -> Tensor:
     x = _tensor(x, "x")
     start = start_dim % max(x.ndim, 1)
     return x.reshape(x.shape[:start] + (-1,))
+
+
+# ---------------------------------------------------------------------- transformer ops
+def _index_array(indices: Any, like: Any, argument: str) -> Any:
+    """Integer ``indices`` (Tensor, array or list) as an array on ``like``'s module."""
+    xp = get_array_module(like)
+    data = indices.data if isinstance(indices, Tensor) else indices
+    data = xp.asarray(data)
+    if data.dtype.kind not in "iu":
+        raise TypeError(f"{argument}: expected integer indices, not dtype {data.dtype}")
+    return data
+
+
+def scatter_add_rows(indices: Any, values: Any, num_rows: int) -> Any:
+    """A (num_rows, D) array whose row r is the sum of the rows of ``values`` (M, D) whose index
+    in ``indices`` (M,) is r."""
+    xp = get_array_module(values)
+    out = xp.zeros((num_rows, values.shape[1]), dtype=values.dtype)
+    if indices.size == 0:
+        return out
+    if xp is not np:
+        xp.add.at(out, indices, values)
+        return out
+    order = np.argsort(indices, kind="stable")
+    ordered = indices[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    out[ordered[starts]] = np.add.reduceat(values[order], starts, axis=0)
+    return out
+
+
+class Embedding(Function):
+    def forward(self, weight, indices):
+        self.indices, self.num_rows = indices, weight.shape[0]
+        return weight[indices]
+
+    def backward(self, grad):
+        d = grad.shape[-1]
+        return scatter_add_rows(self.indices.reshape(-1), grad.reshape(-1, d), self.num_rows)
+
+
+def embedding(indices: Any, weight: Tensor) -> Tensor:
+    """The rows of ``weight`` (num_embeddings, embedding_dim) picked by integer ``indices`` of
+    any shape: output shape ``indices.shape + (embedding_dim,)``. Gradients of repeated indices
+    add up in the same row."""
+    weight = _tensor(weight, "weight")
+    if weight.ndim != 2:
+        raise ValueError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got "
+                         f"shape {weight.shape}")
+    idx = _index_array(indices, weight.data, "embedding: indices")
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= weight.shape[0]):
+        raise ValueError(f"embedding: indices must lie in [0, {weight.shape[0]}), got values in "
+                         f"[{int(idx.min())}, {int(idx.max())}]")
+    return Embedding.apply(weight, indices=idx)
+
+
+class LayerNorm(Function):
+    def forward(self, x, *affine, axes, eps):
+        xp = get_array_module(x)
+        mean = x.mean(axis=axes, keepdims=True)
+        xc = x - mean
+        var = (xc * xc).mean(axis=axes, keepdims=True)
+        self.rstd = 1.0 / xp.sqrt(var + eps)
+        xc *= self.rstd
+        self.xhat, self.axes = xc, axes
+        self.weight = affine[0] if affine else None
+        if not affine:
+            return xc.copy()
+        return xc * affine[0] + affine[1]
+
+    def backward(self, grad):
+        xhat, axes = self.xhat, self.axes
+        lead = tuple(range(grad.ndim - len(axes)))
+        gw = gb = None
+        if self.weight is not None:
+            gw = (grad * xhat).sum(axis=lead) if self.needs_input_grad[1] else None
+            gb = grad.sum(axis=lead) if self.needs_input_grad[2] else None
+        gx = None
+        if self.needs_input_grad[0]:
+            gxhat = grad if self.weight is None else grad * self.weight
+            mean_g = gxhat.mean(axis=axes, keepdims=True)
+            mean_gx = (gxhat * xhat).mean(axis=axes, keepdims=True)
+            gx = xhat * mean_gx
+            gx += mean_g
+            gx = gxhat - gx
+            gx *= self.rstd
+        return (gx,) if self.weight is None else (gx, gw, gb)
+
+
+def layer_norm(x: Tensor, normalized_shape: int | tuple[int, ...], weight: Tensor | None = None,
+               bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+    """Normalise ``x`` over its trailing ``normalized_shape`` axes to zero mean and unit (biased)
+    variance, then scale by ``weight`` and shift by ``bias`` (both of ``normalized_shape``)."""
+    x = _tensor(x, "x")
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or not all(isinstance(n, int) and n > 0 for n in shape):
+        raise ValueError(f"layer_norm: normalized_shape must be a positive int or a non-empty "
+                         f"tuple of them, not {normalized_shape!r}")
+    if x.shape[x.ndim - len(shape):] != shape or x.ndim < len(shape):
+        raise ValueError(f"layer_norm: normalized_shape {shape} does not match the trailing axes "
+                         f"of x, shape {x.shape}")
+    if (weight is None) != (bias is None):
+        raise ValueError("layer_norm: give both weight and bias, or neither")
+    if not eps > 0:
+        raise ValueError(f"layer_norm: eps must be > 0, not {eps!r}")
+    affine = () if weight is None else (_tensor(weight, "weight"), _tensor(bias, "bias"))
+    for name, t in zip(("weight", "bias"), affine, strict=False):
+        if t.shape != shape:
+            raise ValueError(f"layer_norm: {name} shape {t.shape} must equal normalized_shape "
+                             f"{shape}")
+    axes = tuple(range(x.ndim - len(shape), x.ndim))
+    return LayerNorm.apply(x, *affine, axes=axes, eps=float(eps))
+
+
+class ScaledDotProductAttention(Function):
+    def forward(self, q, k, v, is_causal, scale):
+        xp = get_array_module(q)
+        att = q @ xp.swapaxes(k, -1, -2)
+        att *= scale
+        if is_causal:
+            t, s = att.shape[-2:]
+            att += xp.triu(xp.full((t, s), -xp.inf, dtype=att.dtype), 1)
+        att -= att.max(axis=-1, keepdims=True)
+        xp.exp(att, out=att)
+        att /= att.sum(axis=-1, keepdims=True)
+        out = att @ v
+        self.q, self.k, self.v, self.probs, self.out, self.scale = q, k, v, att, out, scale
+        return out
+
+    def backward(self, grad):
+        xp = get_array_module(grad)
+        p, need_q, need_k, need_v = self.probs, *self.needs_input_grad
+        gv = xp.swapaxes(p, -1, -2) @ grad if need_v else None
+        gq = gk = None
+        if need_q or need_k:
+            gs = grad @ xp.swapaxes(self.v, -1, -2)
+            gs -= (grad * self.out).sum(axis=-1, keepdims=True)
+            gs *= p
+            gs *= self.scale
+            gq = gs @ self.k if need_q else None
+            gk = xp.swapaxes(gs, -1, -2) @ self.q if need_k else None
+        return _reduce_to(gq, self.q.shape), _reduce_to(gk, self.k.shape), \
+            _reduce_to(gv, self.v.shape)
+
+
+def _reduce_to(grad: Any, shape: tuple[int, ...]) -> Any:
+    return None if grad is None else unbroadcast(grad, shape)
+
+
+def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False,
+                                 scale: float | None = None) -> Tensor:
+    """softmax(q @ kᵀ · scale) @ v over (..., T, head_dim) queries and (..., S, head_dim) keys and
+    values (e.g. (batch, heads, time, head_dim)); ``scale`` defaults to 1/√head_dim and
+    ``is_causal`` lets query i attend to keys 0..i only (PyTorch's top-left aligned mask)."""
+    q, k, v = _tensor(q, "q"), _tensor(k, "k"), _tensor(v, "v")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim < 2:
+            raise ValueError(f"scaled_dot_product_attention: {name} must have at least 2 axes "
+                             f"(..., time, head_dim), got shape {t.shape}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"scaled_dot_product_attention: k's last axis {k.shape[-1]} must equal "
+                         f"q's head_dim {q.shape[-1]}")
+    if v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"scaled_dot_product_attention: v has {v.shape[-2]} positions but k has "
+                         f"{k.shape[-2]}")
+    try:
+        np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except ValueError:
+        raise ValueError(f"scaled_dot_product_attention: leading axes of q {q.shape}, k {k.shape} "
+                         f"and v {v.shape} do not broadcast") from None
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return ScaledDotProductAttention.apply(q, k, v, is_causal=bool(is_causal), scale=scale)

@@ -369,3 +369,74 @@ class Sequential(Module):
         for m in self._modules.values():
             x = m(x)
         return x
+
+
+class ModuleList(Module):
+    """A list of sub-modules named "0", "1", ... (no forward of its own)."""
+
+    def __init__(self, modules: Any = ()) -> None:
+        super().__init__()
+        for m in modules:
+            self.append(m)
+
+    def append(self, module: Module) -> ModuleList:
+        """Add ``module`` at the end, named by its position."""
+        if not isinstance(module, Module):
+            raise TypeError(f"ModuleList: expected a Module, not {type(module).__name__}")
+        setattr(self, str(len(self._modules)), module)
+        return self
+
+    def __getitem__(self, i: int) -> Module:
+        return list(self._modules.values())[i]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(self._modules.values())
+
+
+class Embedding(Module):
+    """A lookup table: row i of ``weight`` (num_embeddings, embedding_dim) for index i,
+    initialised N(0, 1) as in PyTorch."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 rng: np.random.Generator | None = None, seed: int | None = None,
+                 dtype: Any = np.float32) -> None:
+        super().__init__()
+        for name, n in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"Embedding: {name} must be a positive int, not {n!r}")
+        g = make_rng(rng, seed)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = Parameter(g.standard_normal((num_embeddings, embedding_dim)).astype(dtype))
+
+    def forward(self, indices: Any) -> Tensor:
+        return F.embedding(indices, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class LayerNorm(Module):
+    """Layer normalisation over the trailing ``normalized_shape`` axes, with a learnt scale
+    (ones) and shift (zeros) when ``elementwise_affine``."""
+
+    def __init__(self, normalized_shape: int | tuple[int, ...], eps: float = 1e-5,
+                 elementwise_affine: bool = True, *, dtype: Any = np.float32) -> None:
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(
+            normalized_shape)
+        if not shape or not all(isinstance(n, int) and n > 0 for n in shape):
+            raise ValueError(f"LayerNorm: normalized_shape must be a positive int or a non-empty "
+                             f"tuple of them, not {normalized_shape!r}")
+        self.normalized_shape, self.eps = shape, eps
+        self.weight = Parameter(np.ones(shape, dtype)) if elementwise_affine else None
+        self.bias = Parameter(np.zeros(shape, dtype)) if elementwise_affine else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, " \
+               f"elementwise_affine={self.weight is not None}"

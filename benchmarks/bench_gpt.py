@@ -1,0 +1,161 @@
+"""GPT train-step time of mpdl against the same model in PyTorch on the CPU, one thread each.
+
+One step is forward + cross-entropy + backward + Adam update, in float32, on the same shapes,
+batch, sequence length and initial weights. Runs alternate (ours, torch, ours, torch, ...) so
+that machine noise hits both alike; the table reports the median ms/step of each, their ratio,
+tokens/s and the model FLOP/s (``GPT.flops_per_token``: 6N + 12·L·d·T, the PaLM formula).
+
+    python benchmarks/bench_gpt.py [--reps 7] [--steps 5] [--batch 16] [--block-size 64]
+                                   [--n-layer 4] [--n-head 4] [--n-embd 128] [--vocab 65]
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import mpdl.autograd.functional as F  # noqa: E402
+from mpdl.autograd import optim  # noqa: E402
+from mpdl.training.gpt import GPT  # noqa: E402
+
+
+def torch_gpt(torch, model: GPT):
+    """The same GPT in PyTorch (parameter names match mpdl's), holding ``model``'s weights."""
+    tnn, TF = torch.nn, torch.nn.functional
+
+    class Attn(tnn.Module):
+        def __init__(self, d, h):
+            super().__init__()
+            self.h, self.qkv, self.proj = h, tnn.Linear(d, 3 * d), tnn.Linear(d, d)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = self.qkv(x).split(c, dim=2)
+            q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))
+            y = TF.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+    class MLP(tnn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc, self.proj = tnn.Linear(d, 4 * d), tnn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return self.proj(TF.gelu(self.fc(x)))
+
+    class Block(tnn.Module):
+        def __init__(self, d, h):
+            super().__init__()
+            self.ln1, self.attn = tnn.LayerNorm(d), Attn(d, h)
+            self.ln2, self.mlp = tnn.LayerNorm(d), MLP(d)
+
+        def forward(self, x):
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+
+    class TorchGPT(tnn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.token_embedding = tnn.Embedding(m.vocab_size, m.n_embd)
+            self.position_embedding = tnn.Embedding(m.block_size, m.n_embd)
+            self.blocks = tnn.ModuleList(Block(m.n_embd, m.n_head) for _ in range(m.n_layer))
+            self.ln_f = tnn.LayerNorm(m.n_embd)
+
+        def forward(self, idx):
+            x = self.token_embedding(idx) + self.position_embedding(torch.arange(idx.shape[1]))
+            for block in self.blocks:
+                x = block(x)
+            return self.ln_f(x) @ self.token_embedding.weight.T
+
+    theirs = TorchGPT(model)
+    theirs.load_state_dict({k: torch.from_numpy(v) for k, v in model.state_dict().items()})
+    return theirs
+
+
+def ours_step_fn(model, x, y):
+    opt = optim.Adam(model.parameters(), lr=1e-4)
+
+    def step():
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def torch_step_fn(torch, model, x, y):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+
+    def step():
+        logits = model(xt)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 yt.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def time_steps(step, steps: int) -> float:
+    """Milliseconds per step over ``steps`` steps (after one warm-up step)."""
+    step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions per side")
+    parser.add_argument("--steps", type=int, default=5, help="train steps per repetition")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=65)
+    args = parser.parse_args()
+
+    import torch  # noqa: PLC0415  (optional: only the benchmark needs it)
+    from threadpoolctl import threadpool_limits  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    threadpool_limits(1)
+    model = GPT(args.vocab, args.block_size, args.n_layer, args.n_head, args.n_embd, seed=0)
+    theirs = torch_gpt(torch, model)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, args.vocab, (args.batch, args.block_size))
+    y = rng.integers(0, args.vocab, (args.batch, args.block_size))
+    ours_step, torch_step = ours_step_fn(model, x, y), torch_step_fn(torch, theirs, x, y)
+    ours_ms, torch_ms = [], []
+    for _ in range(args.reps):
+        ours_ms.append(time_steps(ours_step, args.steps))
+        torch_ms.append(time_steps(torch_step, args.steps))
+    tokens = args.batch * args.block_size
+    flops = model.flops_per_token(args.block_size) * tokens
+    print(f"GPT vocab {args.vocab}, block {args.block_size}, {args.n_layer} layers, "
+          f"{args.n_head} heads, width {args.n_embd} ({model.num_parameters():,} parameters); "
+          f"batch {args.batch} = {tokens} tokens/step, float32, Adam")
+    print(f"numpy {np.__version__}, torch {torch.__version__}, 1 thread each, {args.reps} "
+          f"interleaved repetitions x {args.steps} steps, median")
+    print(f"{'':<8}{'ms/step':>10}{'tokens/s':>12}{'GFLOP/s':>10}")
+    for name, ms in (("mpdl", statistics.median(ours_ms)), ("torch", statistics.median(torch_ms))):
+        print(f"{name:<8}{ms:>10.1f}{tokens / ms * 1e3:>12,.0f}{flops / ms / 1e6:>10.2f}")
+    ratio = statistics.median(ours_ms) / statistics.median(torch_ms)
+    print(f"ratio mpdl/torch {ratio:.2f} (target <= 1.5)")
+
+
+if __name__ == "__main__":
+    main()
