@@ -130,7 +130,7 @@ def config_from_args(args: argparse.Namespace):
         dtype=args.dtype, synthetic_shape=args.synthetic_shape,
         synthetic_samples=args.synthetic_samples, drop_last=args.drop_last,
         progress=not args.no_progress, compression=args.compression, ratio=args.ratio,
-        levels=args.levels, rank=args.rank, sync_every=args.sync_every,
+        levels=args.levels, powersgd_rank=args.rank, sync_every=args.sync_every,
         post_local_warmup=args.post_local_warmup, mode=args.mode, servers=args.servers,
         staleness=args.staleness, ps_async=args.ps_async, emulate=args.emulate)
 

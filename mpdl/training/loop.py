@@ -72,7 +72,7 @@ class TrainConfig:
     compression: str = "none"
     ratio: float = 0.01
     levels: int = 127
-    rank: int = 2
+    powersgd_rank: int = 2
     sync_every: int = 1
     post_local_warmup: int = 0
     mode: str = "allreduce"
@@ -167,7 +167,7 @@ def validate_communication(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"--compression: expected one of {', '.join(COMPRESSORS)}, got "
                          f"{config.compression!r}")
     make_compression(config.compression, ratio=config.ratio, levels=config.levels,
-                     rank=config.rank)
+                     rank=config.powersgd_rank)
     if config.sync_every < 1:
         raise ValueError(f"--sync-every: expected a positive number of steps, got "
                          f"{config.sync_every}")
@@ -313,8 +313,8 @@ class Trainer:
         from mpdl.parallel.localsgd import LocalSGD  # noqa: PLC0415
 
         dgc = c.compression == "topk" and c.optimizer == "sgd" and c.momentum > 0
-        compression = make_compression(c.compression, ratio=c.ratio, levels=c.levels, rank=c.rank,
-                                       momentum=c.momentum if dgc else 0.0,
+        compression = make_compression(c.compression, ratio=c.ratio, levels=c.levels,
+                                       rank=c.powersgd_rank, momentum=c.momentum if dgc else 0.0,
                                        algorithm=c.algorithm)
         self.ddp = DistributedDataParallel(self.model, comm=self.comm, algorithm=c.algorithm,
                                            bucket_mb=c.bucket_mb,
