@@ -1,0 +1,42 @@
+"""The training configuration: its checks in the library's words and in the flags'."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpdl.cli import UsageError
+from mpdl.cli.train import check, flag
+from mpdl.training.config import ConfigError, TrainConfig, validate
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"staleness": 2}, "--staleness needs --mode ps"),
+    ({"servers": 2}, "--servers needs --mode ps"),
+    ({"mode": "ps"}, "at least 2 ranks"),
+    ({"compression": "zip"}, "--compression: expected one of"),
+    ({"compression": "topk", "ratio": 2.0}, "ratio"),
+    ({"sync_every": 0}, "--sync-every"),
+    ({"post_local_warmup": 5}, "--post-local-warmup needs --sync-every"),
+    ({"sync_every": 4, "compression": "fp16"}, "cannot be combined"),
+])
+def test_train_rejects_bad_communication_flags(changes, message):
+    with pytest.raises(UsageError, match=message):
+        check(TrainConfig(**changes), 1)
+
+
+@pytest.mark.parametrize("changes,library,flags", [
+    ({"global_batch_size": 0}, "global_batch_size: expected a positive number, got 0",
+     "--global-batch-size: expected a positive number, got 0"),
+    ({"ps_async": True}, "ps_async needs mode ps", "--async needs --mode ps"),
+    ({"mode": "ps", "ps_async": True, "staleness": 1},
+     "ps_async and staleness exclude each other (staleness s bounds",
+     "--async and --staleness exclude each other (--staleness s bounds"),
+    ({"model": "{vgg}"}, "model: expected one of mlp, lenet, resnet8, got '{vgg}'",
+     "--model: expected one of mlp, lenet, resnet8, got '{vgg}'"),
+])
+def test_checks_name_fields_and_the_cli_names_flags(changes, library, flags):
+    with pytest.raises(ConfigError) as caught:
+        validate(TrainConfig(**changes), 3)
+    assert str(caught.value).startswith(library)
+    assert caught.value.message(flag).startswith(flags)
+    assert flag("powersgd_rank") == "--rank" and flag("lr_schedule") == "--lr-schedule"
