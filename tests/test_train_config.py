@@ -1,12 +1,17 @@
-"""The training configuration: its checks in the library's words and in the flags'."""
+"""The training configuration: its checks in the library's words and in the flags', and the
+message of a resume that cannot continue."""
 
 from __future__ import annotations
+
+import io
 
 import pytest
 
 from mpdl.cli import UsageError
-from mpdl.cli.train import check, flag
+from mpdl.cli.train import check, flag, usage_error
+from mpdl.threadworld import ThreadWorld
 from mpdl.training.config import ConfigError, TrainConfig, validate
+from mpdl.training.loop import Trainer
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -40,3 +45,23 @@ def test_checks_name_fields_and_the_cli_names_flags(changes, library, flags):
     assert str(caught.value).startswith(library)
     assert caught.value.message(flag).startswith(flags)
     assert flag("powersgd_rank") == "--rank" and flag("lr_schedule") == "--lr-schedule"
+
+
+def _trainer(**changes) -> Trainer:
+    config = TrainConfig(progress=False, global_batch_size=256, **changes)
+    trainer = Trainer(config, comm=ThreadWorld(1).comm(0), out=io.StringIO())
+    trainer.setup()
+    return trainer
+
+
+def test_resume_under_cosine_with_other_epochs_says_why_and_what_to_do(tmp_path):
+    _trainer(epochs=2, checkpoint=str(tmp_path)).run()
+    with pytest.raises(ConfigError) as caught:
+        _trainer(epochs=3, checkpoint=str(tmp_path), resume=True)
+    text = usage_error(caught.value).args[0]
+    assert "written with epochs=2, this run has 3" in text
+    assert "cosine schedule's length is the number of epochs" in text
+    assert "--epochs 2" in text and "--lr-schedule constant" in text
+    rows = _trainer(epochs=3, checkpoint=str(tmp_path), resume=True,
+                    lr_schedule="constant").run()
+    assert [r["epoch"] for r in rows[:-1]] == [1, 2, 3]

@@ -224,7 +224,10 @@ def resume_mismatch(config: TrainConfig, saved: dict) -> str | None:
                     f"{literal(repr(getattr(config, field)))}")
     if config.lr_schedule == "cosine" and saved.get("epochs", config.epochs) != config.epochs:
         return (f"{{resume}}: the checkpoint in {literal(str(config.checkpoint))} was written "
-                f"with epochs={saved['epochs']!r}, this run has {config.epochs!r}")
+                f"with epochs={saved['epochs']!r}, this run has {config.epochs!r}; the cosine "
+                f"schedule's length is the number of epochs, so a different number would change "
+                f"the learning rates already used. Resume with {{epochs}} {saved['epochs']}, or "
+                f"continue with {{lr_schedule}} constant to train for more epochs")
     return None
 
 
