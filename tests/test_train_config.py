@@ -1,5 +1,5 @@
-"""The training configuration: its checks in the library's words and in the flags', and the
-message of a resume that cannot continue."""
+"""The training configuration: its checks in the library's words and in the flags', the default
+learning rates, and the message of a resume that cannot continue."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from mpdl.cli import UsageError
 from mpdl.cli.train import check, flag, usage_error
 from mpdl.threadworld import ThreadWorld
-from mpdl.training.config import ConfigError, TrainConfig, validate
+from mpdl.training.config import ConfigError, TrainConfig, default_lr, validate
 from mpdl.training.loop import Trainer
 
 
@@ -45,6 +45,15 @@ def test_checks_name_fields_and_the_cli_names_flags(changes, library, flags):
     assert str(caught.value).startswith(library)
     assert caught.value.message(flag).startswith(flags)
     assert flag("powersgd_rank") == "--rank" and flag("lr_schedule") == "--lr-schedule"
+
+
+def test_default_learning_rates():
+    assert TrainConfig().base_lr() == 0.2
+    assert TrainConfig(model="lenet").base_lr() == 0.05
+    assert TrainConfig(model="lenet", optimizer="adam").base_lr() == 3e-3
+    assert TrainConfig(compression="signsgd").base_lr() == pytest.approx(0.05)
+    assert TrainConfig(lr=0.3, compression="signsgd").base_lr() == 0.3
+    assert default_lr("resnet8", "lamb") == 1e-2
 
 
 def _trainer(**changes) -> Trainer:

@@ -24,7 +24,14 @@ OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
 DATASETS = ("digits", "mnist", "synthetic")
 SCHEDULES = ("constant", "cosine")
 MODES = ("allreduce", "ps")
+#: the learning rate of each optimizer when --lr is not given ...
 DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "lars": 2.0, "lamb": 1e-2}
+#: ... unless the model has its own: LeNet (no batch norm) diverges at sgd 0.2, and takes adam a
+#: little faster than 1e-3
+MODEL_LR = {("lenet", "sgd"): 0.05, ("lenet", "adam"): 3e-3}
+#: and the factor a compressor applies to it: a scaled sign step moves every coordinate by the
+#: mean magnitude, a larger step than the gradient's for most coordinates
+COMPRESSION_LR_SCALE = {"signsgd": 0.25}
 #: the batch size --lr refers to under --scale-lr (Goyal et al. 2017)
 BASE_BATCH = 256
 #: config fields a resumed run must share with the checkpoint
@@ -116,10 +123,17 @@ class TrainConfig:
         return world_size - self.servers if self.mode == "ps" else world_size
 
     def base_lr(self) -> float:
-        """The learning rate after warmup: lr, or the optimizer's default; times
-        global_batch_size / BASE_BATCH under scale_lr."""
-        lr = DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+        """The learning rate after warmup: lr, or the default of the model, optimizer and
+        compression; times global_batch_size / BASE_BATCH under scale_lr."""
+        lr = default_lr(self.model, self.optimizer, self.compression) if self.lr is None \
+            else self.lr
         return scale_lr(lr, self.global_batch_size, BASE_BATCH) if self.scale_lr else lr
+
+
+def default_lr(model: str, optimizer: str, compression: str = "none") -> float:
+    """The learning rate a run of `model` with `optimizer` and `compression` gets by default."""
+    lr = MODEL_LR.get((model, optimizer), DEFAULT_LR[optimizer])
+    return lr * COMPRESSION_LR_SCALE.get(compression, 1.0)
 
 
 def validate(config: TrainConfig, world_size: int) -> None:
