@@ -5,9 +5,9 @@ writes; the timeline is gathered from every rank."""
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, TextIO
 
+from mpdl.training.checkpoint import write_atomic
 from mpdl.training.timeline import Timeline, write_trace
 
 COLUMNS = ("epoch", "loss", "train_acc", "test_acc", "samples/s", "step_ms", "compute", "comm",
@@ -16,11 +16,7 @@ COLUMNS = ("epoch", "loss", "train_acc", "test_acc", "samples/s", "step_ms", "co
 
 def write_json_lines(path: str, rows: list[dict[str, Any]]) -> None:
     """Write rows as JSON lines to path (atomically: a temporary file, then a rename)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def ranks_text(roles: list[tuple[str, int]], global_batch_size: int) -> tuple[str, str]:
