@@ -4,9 +4,11 @@ learning rates, and the message of a resume that cannot continue."""
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 
+from mpdl import settings
 from mpdl.cli import UsageError
 from mpdl.cli.train import check, flag, usage_error
 from mpdl.threadworld import ThreadWorld
@@ -74,3 +76,15 @@ def test_resume_under_cosine_with_other_epochs_says_why_and_what_to_do(tmp_path)
     rows = _trainer(epochs=3, checkpoint=str(tmp_path), resume=True,
                     lr_schedule="constant").run()
     assert [r["epoch"] for r in rows[:-1]] == [1, 2, 3]
+
+
+def test_emulation_is_this_process_setting_for_the_run_only(monkeypatch):
+    monkeypatch.delenv("MPDL_EMULATE", raising=False)
+    settings.use(None)
+    before = settings.current()
+    trainer = _trainer(epochs=1, emulate="inter=10Gbit/s,20us")
+    assert settings.current().emulation.describe() == "inter=10Gbit/s,20us"
+    rows = trainer.run()
+    assert rows[0]["emulated"] == rows[-1]["emulated"] == "inter=10Gbit/s,20us"
+    assert settings.current() == before and "MPDL_EMULATE" not in os.environ
+    assert trainer.emulated() == ""
