@@ -51,7 +51,7 @@ def test_checks_name_fields_and_the_cli_names_flags(changes, library, flags):
 
 def test_default_learning_rates():
     assert TrainConfig().base_lr() == 0.2
-    assert TrainConfig(model="lenet").base_lr() == 0.05
+    assert TrainConfig(model="lenet").base_lr() == 0.03
     assert TrainConfig(model="lenet", optimizer="adam").base_lr() == 3e-3
     assert TrainConfig(compression="signsgd").base_lr() == pytest.approx(0.05)
     assert TrainConfig(lr=0.3, compression="signsgd").base_lr() == 0.3

@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     g.add_argument("--lr", type=float,
                    help="learning rate (default: sgd 0.2, adam 0.001, lars 2, lamb 0.01; lenet: "
-                        "sgd 0.05, adam 0.003; x 0.25 under --compression signsgd)")
+                        "sgd 0.03, adam 0.003; x 0.25 under --compression signsgd)")
     g.add_argument("--optimizer", default=_D["optimizer"], metavar="{sgd,adam,lars,lamb}",
                    help="(default: %(default)s; sgd and lars use --momentum)")
     g.add_argument("--momentum", type=float, default=0.9, help="(default: %(default)s)")

@@ -28,7 +28,7 @@ MODES = ("allreduce", "ps")
 DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "lars": 2.0, "lamb": 1e-2}
 #: ... unless the model has its own: LeNet (no batch norm) diverges at sgd 0.2 and learns
 #: faster with adam at 3e-3
-MODEL_LR = {("lenet", "sgd"): 0.05, ("lenet", "adam"): 3e-3}
+MODEL_LR = {("lenet", "sgd"): 0.03, ("lenet", "adam"): 3e-3}
 #: and the factor a compressor applies to it: a scaled sign step moves every coordinate by the
 #: mean magnitude, a larger step than the gradient's for most coordinates
 COMPRESSION_LR_SCALE = {"signsgd": 0.25}
