@@ -288,20 +288,3 @@ def test_ddp_rejects_unknown_compression():
     model = nn.Sequential(nn.Linear(2, 2, seed=0))
     with pytest.raises(ValueError, match="compression: expected one of"):
         run_world(1, lambda comm: DistributedDataParallel(model, comm=comm, compression="gzip"))
-
-
-@pytest.mark.parametrize("changes,message", [
-    ({"staleness": 2}, "--staleness needs --mode ps"),
-    ({"servers": 2}, "--servers needs --mode ps"),
-    ({"mode": "ps"}, "at least 2 ranks"),
-    ({"compression": "zip"}, "--compression: expected one of"),
-    ({"compression": "topk", "ratio": 2.0}, "ratio"),
-    ({"sync_every": 0}, "--sync-every"),
-    ({"post_local_warmup": 5}, "--post-local-warmup needs --sync-every"),
-    ({"sync_every": 4, "compression": "fp16"}, "cannot be combined"),
-])
-def test_train_rejects_bad_communication_flags(changes, message):
-    from mpdl.training.loop import TrainConfig, validate  # noqa: PLC0415
-
-    with pytest.raises(ValueError, match=message):
-        validate(TrainConfig(**changes), 1)

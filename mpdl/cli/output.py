@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any
+
+from mpdl.training.report import write_json_lines
+
+__all__ = ["is_rank0", "world_rank", "world_size", "write_json_lines"]
 
 
 def world_rank() -> int:
@@ -25,12 +27,3 @@ def world_size() -> int:
 
 def is_rank0() -> bool:
     return world_rank() == 0
-
-
-def write_json_lines(path: str, rows: list[dict[str, Any]]) -> None:
-    """Write rows as JSON lines to path (atomically: a temporary file, then a rename)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)

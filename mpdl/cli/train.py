@@ -14,7 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 
+from mpdl.backend import cupy_module
 from mpdl.cli import UsageError
+from mpdl.mpi_runtime import launcher_local_size, load_mpi
+from mpdl.training.config import ConfigError, TrainConfig, validate
+from mpdl.training.loop import Trainer
 
 _D = {"model": "mlp", "dataset": "digits", "epochs": 15, "global_batch_size": 64,
       "optimizer": "sgd", "algorithm": "auto", "bucket_mb": 25.0, "first_bucket_mb": 1.0}
@@ -47,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="samples per step over all ranks, split into contiguous per-rank slices "
                         "(default: %(default)s)")
     g.add_argument("--lr", type=float,
-                   help="learning rate (default: sgd 0.2, adam 0.001, lars 2, lamb 0.01)")
+                   help="learning rate (default: sgd 0.2, adam 0.001, lars 2, lamb 0.01; lenet: "
+                        "sgd 0.03, adam 0.003; x 0.25 under --compression signsgd)")
     g.add_argument("--optimizer", default=_D["optimizer"], metavar="{sgd,adam,lars,lamb}",
                    help="(default: %(default)s; sgd and lars use --momentum)")
     g.add_argument("--momentum", type=float, default=0.9, help="(default: %(default)s)")
@@ -116,9 +121,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
 
 
-def config_from_args(args: argparse.Namespace):
-    from mpdl.training.loop import TrainConfig  # noqa: PLC0415
+#: the flags whose names are not the TrainConfig field's
+FLAGS = {"ps_async": "--async", "powersgd_rank": "--rank", "overlap": "--no-overlap",
+         "progress": "--no-progress"}
 
+
+def flag(field: str) -> str:
+    """The flag of a TrainConfig field: --global-batch-size for global_batch_size."""
+    return FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def usage_error(exc: ValueError) -> UsageError:
+    """The library's error in the flags' words."""
+    return UsageError(exc.message(flag) if isinstance(exc, ConfigError) else str(exc))
+
+
+def check(config: TrainConfig, world_size: int) -> None:
+    """UsageError, in the flags' words, for a configuration that cannot run on world_size ranks."""
+    try:
+        validate(config, world_size)
+    except ValueError as exc:
+        raise usage_error(exc) from None
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=args.model, dataset=args.dataset, data=args.data, epochs=args.epochs,
         global_batch_size=args.global_batch_size, lr=args.lr, optimizer=args.optimizer,
@@ -130,7 +156,7 @@ def config_from_args(args: argparse.Namespace):
         dtype=args.dtype, synthetic_shape=args.synthetic_shape,
         synthetic_samples=args.synthetic_samples, drop_last=args.drop_last,
         progress=not args.no_progress, compression=args.compression, ratio=args.ratio,
-        levels=args.levels, rank=args.rank, sync_every=args.sync_every,
+        levels=args.levels, powersgd_rank=args.rank, sync_every=args.sync_every,
         post_local_warmup=args.post_local_warmup, mode=args.mode, servers=args.servers,
         staleness=args.staleness, ps_async=args.ps_async, emulate=args.emulate)
 
@@ -141,8 +167,6 @@ def limit_blas_threads() -> None:
     pools spin against each other and slow small matrix products down by orders of magnitude)."""
     if any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")):
         return
-    from mpdl.mpi_runtime import launcher_local_size  # noqa: PLC0415
-
     local = launcher_local_size() or 1
     if local <= 1:
         return
@@ -154,18 +178,10 @@ def limit_blas_threads() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mpdl.mpi_runtime import load_mpi  # noqa: PLC0415
-    from mpdl.training.loop import ConfigError, Trainer, validate  # noqa: PLC0415
-
     config = config_from_args(args)
     MPI = load_mpi()
-    try:
-        validate(config, MPI.COMM_WORLD.Get_size())
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    check(config, MPI.COMM_WORLD.Get_size())
     if config.device == "gpu":
-        from mpdl.backend import cupy_module  # noqa: PLC0415
-
         if cupy_module() is None:
             raise UsageError("--device gpu: CuPy is not installed or sees no GPU (pip install "
                              "\"mpdl[gpu]\"), or use --device cpu")
@@ -174,6 +190,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         trainer.setup()
     except ConfigError as exc:
-        raise UsageError(str(exc)) from None
+        raise usage_error(exc) from None
     trainer.run()
     return 0

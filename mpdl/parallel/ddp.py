@@ -25,9 +25,12 @@ import numpy as np
 
 from mpdl.backend import get_array_module
 from mpdl.collectives import allreduce, broadcast
+from mpdl.collectives.api import _pick
 from mpdl.collectives.handles import Handle, engine_for
 from mpdl.collectives.registry import resolve
 from mpdl.comm import Communicator, as_communicator
+from mpdl.parallel import flat
+from mpdl.parallel.compression import GradientCompression, make_compression
 
 MB = 1 << 20
 
@@ -127,18 +130,10 @@ class DistributedDataParallel:
         if self.comm.size == 1:
             return
         tensors = [t for _, t in self.module.named_parameters()] + self.module.buffers()
-        groups: dict[tuple[str, str], list[Any]] = {}
-        for t in tensors:
-            xp = get_array_module(t.data)
-            groups.setdefault((xp.__name__, str(t.data.dtype)), []).append(t)
-        for members in groups.values():
-            xp = get_array_module(members[0].data)
-            flat = xp.concatenate([t.data.reshape(-1) for t in members])
-            flat = broadcast(flat, root=0, comm=self.comm)
-            offset = 0
-            for t in members:
-                t.data[...] = flat[offset:offset + t.data.size].reshape(t.data.shape)
-                offset += t.data.size
+        for group in flat.by_kind(tensors):
+            result = broadcast(flat.pack([t.data for t in group]), root=0, comm=self.comm)
+            for t, piece in zip(group, flat.unpack(result, group), strict=True):
+                t.data[...] = piece
 
     def _make_buckets(self) -> list[Bucket]:
         buckets: list[Bucket] = []
@@ -296,8 +291,6 @@ class DistributedDataParallel:
             self._next_launch = 0
         self.last_exposed_s, self.last_comm_s = waited, comm_s
 
-    synchronize = finish
-
     @staticmethod
     def _fill_missing(bucket: Bucket, p: Any) -> None:
         """A parameter whose hook did not fire this step contributes zeros."""
@@ -310,8 +303,6 @@ class DistributedDataParallel:
 
     def bucket_algorithms(self) -> list[str]:
         """The all-reduce algorithm each bucket runs ("auto" resolved by bucket size)."""
-        from mpdl.collectives.api import _pick  # noqa: PLC0415
-
         return [_pick("allreduce", self.algorithm, self.comm, b.nbytes).name for b in self.buckets]
 
     def remove_hooks(self) -> None:
@@ -323,8 +314,6 @@ class DistributedDataParallel:
 
 def _compression(compression: Any, algorithm: str) -> Any:
     """None, or the GradientCompression that `compression` (a name or an instance) stands for."""
-    from mpdl.parallel.compression import GradientCompression, make_compression  # noqa: PLC0415
-
     if compression is None or isinstance(compression, GradientCompression):
         return compression
     if not isinstance(compression, str):

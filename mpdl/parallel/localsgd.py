@@ -24,29 +24,20 @@ import numpy as np
 from mpdl.backend import get_array_module
 from mpdl.collectives import allreduce, broadcast
 from mpdl.comm import Communicator, as_communicator
-
-
-def _flat_groups(tensors: list[Any]) -> list[list[Any]]:
-    groups: dict[tuple[str, str], list[Any]] = {}
-    for t in tensors:
-        groups.setdefault((get_array_module(t.data).__name__, str(t.data.dtype)), []).append(t)
-    return list(groups.values())
+from mpdl.parallel import flat
 
 
 def _average(tensors: list[Any], comm: Communicator, algorithm: str, grads: bool) -> int:
     """Replace each tensor's data (or grad) by its mean over the ranks; return bytes reduced."""
     total = 0
-    for members in _flat_groups(tensors):
-        xp = get_array_module(members[0].data)
+    for group in flat.by_kind(tensors):
+        xp = get_array_module(group[0].data)
         arrays = [(t.grad if t.grad is not None else xp.zeros_like(t.data)) if grads else t.data
-                  for t in members]
-        flat = xp.concatenate([a.reshape(-1) for a in arrays])
-        mean = allreduce(flat, op="avg", algorithm=algorithm, comm=comm)
-        total += int(flat.nbytes)
-        offset = 0
-        for t in members:
-            piece = mean[offset:offset + t.data.size].reshape(t.data.shape)
-            offset += t.data.size
+                  for t in group]
+        packed = flat.pack(arrays)
+        mean = allreduce(packed, op="avg", algorithm=algorithm, comm=comm)
+        total += int(packed.nbytes)
+        for t, piece in zip(group, flat.unpack(mean, group), strict=True):
             if grads:
                 t.grad = piece.copy()
             else:

@@ -31,13 +31,21 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete or does not match the run."""
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: str | Path, data: bytes | str, durable: bool = False) -> None:
+    """Write data to path through a temporary file and a rename, so that a reader finds the old
+    file or the new one, never a part of it; `durable`: on disk (fsync) before the rename."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        f.write(data.encode() if isinstance(data, str) else data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    write_atomic(path, data, durable=True)
 
 
 def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:

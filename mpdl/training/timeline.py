@@ -5,8 +5,9 @@ all-reduce). Opens in Perfetto (ui.perfetto.dev) or chrome://tracing."""
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
+
+from mpdl.training.checkpoint import write_atomic
 
 THREADS = {"main": 0, "comm": 1}
 
@@ -47,7 +48,4 @@ def write_trace(path: str, timelines: list[Timeline] | list[list[dict[str, Any]]
     events: list[dict[str, Any]] = []
     for t in timelines:
         events.extend(t if isinstance(t, list) else t.metadata() + t.events)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

@@ -1,0 +1,155 @@
+"""The strategy interface: one way to train, behind the one epoch loop of `mpdl.training.loop`.
+
+A strategy decides who holds which parameters and which messages a step sends; the loop does not
+know which one it runs. The loop, on every rank of `comm`:
+
+1. builds the strategy (its constructor takes the communicator and its own options) and reads
+   `trains`: whether this rank trains on data (a parameter server's servers do not);
+2. builds the model and calls `setup(model, make_optimizer)` (collective over comm);
+3. on a rank that trains: for every step, `step(batch)`, where the batch is this rank's slice of
+   the global batch (`data_comm` says how the data is split: slice `data_comm.rank` of
+   `data_comm.size`); at the end `finish()`. On a rank that does not: `serve()`, which returns
+   when the ranks that train are done;
+4. saves `state_dict()` in a checkpoint and puts it back with `load_state_dict()`;
+5. reports: `roles()` and `describe()` for the header, `report()` for the JSON rows and summary,
+   each step's `StepResult` (time split into compute, communication and its exposed part, and
+   timeline spans).
+
+To add a way of training, subclass `Strategy`, implement these, and let the training loop's
+`make_strategy` build it from the configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mpdl.autograd import functional as F
+from mpdl.autograd.tensor import Tensor
+from mpdl.comm import Communicator
+
+#: builds the optimizer of a list of parameters (the loop's choice: sgd, adam, lars, lamb)
+MakeOptimizer = Callable[[list[Any]], Any]
+
+
+@dataclasses.dataclass
+class Batch:
+    """This rank's slice of a global batch: inputs and labels on the model's device (possibly
+    empty), the size of the whole global batch and the learning rate of this step."""
+
+    x: Any
+    y: Any
+    global_size: int
+    lr: float
+
+
+@dataclasses.dataclass
+class Span:
+    """A timed part of a step for the timeline (time.perf_counter seconds); `thread` is "main" or
+    "comm", `args` go into the trace event."""
+
+    name: str
+    start: float
+    end: float
+    cat: str = "compute"
+    thread: str = "main"
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What a step did on this rank: summed loss and correct predictions over its `samples`, and
+    seconds of compute, of communication (however long it ran, hidden or not) and of exposed
+    communication (what the step waited for it)."""
+
+    loss: float = 0.0
+    correct: float = 0.0
+    samples: int = 0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    exposed_s: float = 0.0
+    spans: list[Span] = dataclasses.field(default_factory=list)
+
+
+class Strategy:
+    """One way to train (see the module docstring for the order of the calls)."""
+
+    #: the run's "mode" in the JSON rows, e.g. "allreduce" or "ps"
+    mode = "base"
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.model: Any = None
+        self.optimizer: Any = None
+
+    @property
+    def trains(self) -> bool:
+        """Whether this rank trains on data (calls `step`), or serves (calls `serve`)."""
+        return True
+
+    @property
+    def data_comm(self) -> Communicator:
+        """The ranks that train: the data is split among them and their metrics are summed."""
+        return self.comm
+
+    def roles(self) -> list[tuple[str, int]]:
+        """(role, ranks) of the job, the role that trains first, e.g. [("worker", 2),
+        ("server", 1)]; [("rank", p)] when every rank does the same."""
+        return [("rank", self.comm.size)]
+
+    def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
+        """Take `model` (the same architecture on every rank; rank 0's values win) and build what
+        the strategy keeps: its optimizer, buffers, communicators. Collective over comm."""
+        raise NotImplementedError
+
+    def step(self, batch: Batch) -> StepResult:
+        """Forward, backward, communication and the parameter update of one step."""
+        raise NotImplementedError
+
+    def serve(self) -> None:
+        """On a rank that does not train: work until the ranks that train have finished."""
+        raise RuntimeError(f"{type(self).__name__}: every rank trains; call step()")
+
+    def finish(self) -> bool:
+        """End of training on a rank that trains; True when it changed the parameters (the loop
+        then evaluates them again)."""
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must hold besides the model: the optimizer's state_dict."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def describe(self, final: bool = False) -> str:
+        """The header's words on communication; with `final`, a line for the end of the run
+        ('' for none)."""
+        raise NotImplementedError
+
+    def report(self, final: bool = False) -> dict[str, Any]:
+        """Fields of each JSON row ("algorithm" and "mode" first), or with `final` of the
+        summary: what the strategy holds and sends."""
+        raise NotImplementedError
+
+    # -- for subclasses ---------------------------------------------------------------------------
+    def forward_backward(self, batch: Batch, result: StepResult) -> float:
+        """Forward and backward of the batch (nothing when it is empty), adding loss, correct
+        predictions, samples and the forward and backward spans to `result`; returns the time
+        backward ended."""
+        start = time.perf_counter()
+        if not len(batch.y):
+            return start
+        logits = self.model(Tensor(batch.x))
+        loss = F.cross_entropy(logits, batch.y)
+        forward_end = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+        n = len(batch.y)
+        result.loss += float(loss.item()) * n
+        result.correct += float((logits.data.argmax(axis=1) == batch.y).sum())
+        result.samples += n
+        result.spans += [Span("forward", start, forward_end), Span("backward", forward_end, end)]
+        return end

@@ -1,0 +1,260 @@
+"""What defines a training run (`TrainConfig`), its checks, its default learning rates and its data.
+
+Checks raise `ConfigError` in the library's words: a message names the fields of `TrainConfig`
+("global_batch_size: expected a positive number, got 0"); `ConfigError.message(name)` names them
+as a front end does (the CLI passes its flags: "--global-batch-size: ...").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from mpdl import datasets
+from mpdl.autograd.optim import scale_lr
+from mpdl.collectives.registry import algorithms
+from mpdl.parallel.compression import COMPRESSORS, make_compression
+from mpdl.parallel.ps import check_config
+from mpdl.training.emulate import resolve_emulation
+from mpdl.training.models import MODELS
+
+OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
+DATASETS = ("digits", "mnist", "synthetic")
+SCHEDULES = ("constant", "cosine")
+MODES = ("allreduce", "ps")
+#: the learning rate of each optimizer when --lr is not given ...
+DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "lars": 2.0, "lamb": 1e-2}
+#: ... unless the model has its own: LeNet (no batch norm) diverges at sgd 0.2 and learns
+#: faster with adam at 3e-3
+MODEL_LR = {("lenet", "sgd"): 0.03, ("lenet", "adam"): 3e-3}
+#: and the factor a compressor applies to it: a scaled sign step moves every coordinate by the
+#: mean magnitude, a larger step than the gradient's for most coordinates
+COMPRESSION_LR_SCALE = {"signsgd": 0.25}
+#: the batch size --lr refers to under --scale-lr (Goyal et al. 2017)
+BASE_BATCH = 256
+#: config fields a resumed run must share with the checkpoint
+RESUME_FIELDS = ("model", "dataset", "synthetic_shape", "synthetic_samples", "global_batch_size",
+                 "seed", "dtype")
+
+
+class ConfigError(ValueError):
+    """A configuration, data or checkpoint problem (found alike on every rank, or agreed on).
+
+    The message is a template that names TrainConfig fields in braces, "{epochs}: expected ...":
+    `str()` writes the field names, `message(name)` whatever `name(field)` returns.
+    """
+
+    def __init__(self, template: str) -> None:
+        super().__init__(template)
+        self.template = template
+
+    def message(self, name: Callable[[str], str] = str) -> str:
+        return self.template.format_map(_Names(name))
+
+    def __str__(self) -> str:
+        return self.message()
+
+
+class _Names(dict):
+    def __init__(self, name: Callable[[str], str]) -> None:
+        super().__init__()
+        self.name = name
+
+    def __missing__(self, field: str) -> str:
+        return self.name(field)
+
+
+def literal(text: str) -> str:
+    """text as a part of a ConfigError template (its braces are not fields)."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything that defines a run (the flags of `mpdl train`)."""
+
+    model: str = "mlp"
+    dataset: str = "digits"
+    data: str | None = None
+    epochs: int = 15
+    global_batch_size: int = 64
+    lr: float | None = None
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    warmup_epochs: float = 0.0
+    scale_lr: bool = False
+    lr_schedule: str = "cosine"
+    algorithm: str = "auto"
+    bucket_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    overlap: bool = True
+    seed: int = 0
+    checkpoint: str | None = None
+    resume: bool = False
+    json: str | None = None
+    timeline: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    synthetic_shape: str = "mnist"
+    synthetic_samples: int = 4096
+    drop_last: bool = False
+    progress: bool = True
+    compression: str = "none"
+    ratio: float = 0.01
+    levels: int = 127
+    powersgd_rank: int = 2
+    sync_every: int = 1
+    post_local_warmup: int = 0
+    mode: str = "allreduce"
+    servers: int = 1
+    staleness: int | None = None
+    ps_async: bool = False
+    emulate: str | None = None
+
+    def ps_mode(self) -> str:
+        """The parameter server's synchronisation: sync, ssp (staleness) or async (ps_async)."""
+        return "async" if self.ps_async else "ssp" if self.staleness is not None else "sync"
+
+    def data_ranks(self, world_size: int) -> int:
+        """Ranks that train on data: all of them, or the workers of a parameter server."""
+        return world_size - self.servers if self.mode == "ps" else world_size
+
+    def base_lr(self) -> float:
+        """The learning rate after warmup: lr, or the default of the model, optimizer and
+        compression; times global_batch_size / BASE_BATCH under scale_lr."""
+        lr = default_lr(self.model, self.optimizer, self.compression) if self.lr is None \
+            else self.lr
+        return scale_lr(lr, self.global_batch_size, BASE_BATCH) if self.scale_lr else lr
+
+
+def default_lr(model: str, optimizer: str, compression: str = "none") -> float:
+    """The learning rate a run of `model` with `optimizer` and `compression` gets by default."""
+    lr = MODEL_LR.get((model, optimizer), DEFAULT_LR[optimizer])
+    return lr * COMPRESSION_LR_SCALE.get(compression, 1.0)
+
+
+def validate(config: TrainConfig, world_size: int) -> None:
+    """ConfigError with a one-line message for an inconsistent configuration (no communication:
+    every rank reaches the same verdict)."""
+    choices = {"model": MODELS, "dataset": DATASETS, "optimizer": OPTIMIZERS,
+               "lr_schedule": SCHEDULES, "device": ("cpu", "gpu"),
+               "dtype": ("float32", "float64"), "synthetic_shape": ("mnist", "cifar"),
+               "algorithm": ("auto", *algorithms("allreduce"))}
+    for field, allowed in choices.items():
+        value = getattr(config, field)
+        if value not in allowed:
+            raise ConfigError(f"{{{field}}}: expected one of {', '.join(allowed)}, got "
+                              f"{literal(repr(value))}")
+    for field in ("epochs", "global_batch_size", "bucket_mb", "first_bucket_mb",
+                  "synthetic_samples"):
+        if not getattr(config, field) > 0:
+            raise ConfigError(f"{{{field}}}: expected a positive number, got "
+                              f"{getattr(config, field)}")
+    for field in ("momentum", "weight_decay", "warmup_epochs"):
+        if getattr(config, field) < 0:
+            raise ConfigError(f"{{{field}}}: expected a number >= 0, got "
+                              f"{getattr(config, field)}")
+    if config.lr is not None and not config.lr > 0:
+        raise ConfigError(f"{{lr}}: expected a positive learning rate, got {config.lr}")
+    validate_communication(config, world_size)
+    ranks = config.data_ranks(world_size)
+    if config.global_batch_size < ranks:
+        what = "workers" if config.mode == "ps" else "ranks"
+        raise ConfigError(f"{{global_batch_size}} {config.global_batch_size} is smaller than the "
+                          f"number of {what} ({ranks}): every {what[:-1]} needs at least one "
+                          f"sample")
+    if config.dataset == "mnist" and not config.data:
+        raise ConfigError("{dataset} mnist needs {data} PATH (a folder with the IDX files, "
+                          "gzipped or not, or an .npz); nothing is downloaded")
+    if config.data and config.dataset != "mnist":
+        raise ConfigError(f"{{data}} is only read with {{dataset}} mnist, not {config.dataset}")
+    if config.resume and not config.checkpoint:
+        raise ConfigError("{resume} needs {checkpoint} DIR")
+    if config.lr_schedule == "cosine" and config.warmup_epochs >= config.epochs:
+        raise ConfigError("{lr_schedule} cosine needs {warmup_epochs} below {epochs}")
+    if config.emulate is not None:
+        try:
+            resolve_emulation(config.emulate)
+        except ValueError as exc:
+            raise ConfigError(f"{{emulate}}: {literal(str(exc))}") from None
+
+
+def validate_communication(config: TrainConfig, world_size: int) -> None:
+    """The compression, local SGD and parameter-server fields, and their combinations."""
+    if config.mode not in MODES:
+        raise ConfigError(f"{{mode}}: expected one of {', '.join(MODES)}, got "
+                          f"{literal(repr(config.mode))}")
+    if config.compression not in COMPRESSORS:
+        raise ConfigError(f"{{compression}}: expected one of {', '.join(COMPRESSORS)}, got "
+                          f"{literal(repr(config.compression))}")
+    make_compression(config.compression, ratio=config.ratio, levels=config.levels,
+                     rank=config.powersgd_rank)
+    if config.sync_every < 1:
+        raise ConfigError(f"{{sync_every}}: expected a positive number of steps, got "
+                          f"{config.sync_every}")
+    if config.post_local_warmup < 0:
+        raise ConfigError(f"{{post_local_warmup}}: expected a number of steps >= 0, got "
+                          f"{config.post_local_warmup}")
+    if config.post_local_warmup and config.sync_every == 1:
+        raise ConfigError("{post_local_warmup} needs {sync_every} H > 1 (local SGD)")
+    if config.sync_every > 1 and config.compression != "none":
+        raise ConfigError("{sync_every} (local SGD averages parameters) and {compression} "
+                          "(compresses gradients) cannot be combined")
+    if config.mode != "ps":
+        if config.staleness is not None:
+            raise ConfigError("{staleness} needs {mode} ps (bounded staleness is a "
+                              "parameter-server mode)")
+        if config.servers != 1:
+            raise ConfigError("{servers} needs {mode} ps")
+        if config.ps_async:
+            raise ConfigError("{ps_async} needs {mode} ps (asynchronous parameter server)")
+        return
+    if config.ps_async and config.staleness is not None:
+        raise ConfigError("{ps_async} and {staleness} exclude each other ({staleness} s bounds "
+                          "the staleness, {ps_async} leaves it unbounded)")
+    check_config(world_size, config.servers, config.ps_mode(), config.staleness)
+    if config.compression != "none" or config.sync_every > 1:
+        raise ConfigError("{mode} ps cannot be combined with {compression} or {sync_every}")
+    if config.optimizer != "sgd":
+        raise ConfigError(f"{{mode}} ps: the servers run sgd (with {{momentum}}), not "
+                          f"{{optimizer}} {config.optimizer}")
+    if config.device != "cpu":
+        raise ConfigError("{mode} ps runs on {device} cpu only")
+    if config.checkpoint or config.resume:
+        raise ConfigError("{mode} ps cannot be combined with {checkpoint} or {resume} (the "
+                          "servers' shards and momentum are not saved)")
+
+
+def resume_mismatch(config: TrainConfig, saved: dict) -> str | None:
+    """Why a run with `config` cannot continue a checkpoint written with `saved` (a ConfigError
+    template), or None when it can."""
+    for field in RESUME_FIELDS:
+        if field in saved and saved[field] != getattr(config, field):
+            return (f"{{resume}}: the checkpoint in {literal(str(config.checkpoint))} was written "
+                    f"with {field}={literal(repr(saved[field]))}, this run has "
+                    f"{literal(repr(getattr(config, field)))}")
+    if config.lr_schedule == "cosine" and saved.get("epochs", config.epochs) != config.epochs:
+        return (f"{{resume}}: the checkpoint in {literal(str(config.checkpoint))} was written "
+                f"with epochs={saved['epochs']!r}, this run has {config.epochs!r}; the cosine "
+                f"schedule's length is the number of epochs, so a different number would change "
+                f"the learning rates already used. Resume with {{epochs}} {saved['epochs']}, or "
+                f"continue with {{lr_schedule}} constant to train for more epochs")
+    return None
+
+
+def load_data(config: TrainConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x_train, y_train, x_test, y_test) with images as (N, C, H, W) in config.dtype."""
+    if config.dataset == "digits":
+        xtr, ytr, xte, yte = datasets.load_digits(seed=0)
+        xtr, xte = xtr.reshape(-1, 1, 8, 8), xte.reshape(-1, 1, 8, 8)
+    elif config.dataset == "mnist":
+        xtr, ytr, xte, yte = datasets.load_mnist(config.data)
+    else:
+        n_test = max(config.synthetic_samples // 4, 1)
+        xtr, ytr, xte, yte = datasets.synthetic(config.synthetic_shape, config.synthetic_samples,
+                                                n_test, seed=config.seed)
+    dtype = np.dtype(config.dtype)
+    return xtr.astype(dtype, copy=False), ytr, xte.astype(dtype, copy=False), yte
