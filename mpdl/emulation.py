@@ -17,13 +17,14 @@ model a link follows is exactly the α + n·β of the cost model. The MPI librar
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from mpdl import settings
 from mpdl.settings import EMULATE_ENV as ENV
 from mpdl.settings import Emulation, Link, parse
 
-__all__ = ["ENV", "Emulation", "Link", "LinkDelay", "active", "install", "parse"]
+__all__ = ["ENV", "Emulation", "Link", "LinkDelay", "OFF", "active", "apply", "install", "resolve", "parse"]
 
 
 class LinkDelay:
@@ -54,3 +55,34 @@ def active(comm: Any) -> Emulation | None:
     """The emulation installed on comm, if any."""
     hook = getattr(comm, "link_delay", None)
     return hook.emulation if hook is not None else None
+
+
+#: the specs that turn emulation off (also as MPDL_EMULATE)
+OFF = ("off", "none", "0")
+
+
+def resolve(spec: str | None) -> Emulation | None:
+    """The links a run's `--emulate SPEC` asks for: None (no spec) keeps the settings'
+    (MPDL_EMULATE), 'off' turns emulation off, anything else is parsed (ValueError naming what is
+    wrong)."""
+    if spec is None:
+        return settings.current().emulation
+    if spec.strip().lower() in OFF:
+        return None
+    return parse(spec)
+
+
+def apply(comm: Any, emulation: Emulation | None) -> Callable[[], None]:
+    """For a run: slow comm's messages down as `emulation` says (None: not at all) and make it
+    this process's emulation setting (so `auto` and communicators built later see it). Returns the
+    function that puts the previous setting and delays back. Collective over comm when the node
+    layout has to be looked up."""
+    previous_delay = getattr(comm, "link_delay", None)
+    previous = settings.update(emulation=emulation)
+    install(comm, emulation)
+
+    def restore() -> None:
+        comm.link_delay = previous_delay
+        settings.use(previous)
+
+    return restore

@@ -29,3 +29,10 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", sync: bool = False,
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str, durable: bool = False) -> None:
+    """Write data (bytes, or text as UTF-8) to path atomically; ``durable``: fsync before the
+    rename, so the file survives a crash of the machine too."""
+    with atomic_open(path, "wb", sync=durable) as f:
+        f.write(data.encode() if isinstance(data, str) else data)

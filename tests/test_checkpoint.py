@@ -39,16 +39,16 @@ def _crash_after(monkeypatch, target, name: str, calls: int) -> None:
     monkeypatch.setattr(target, name, fake)
 
 
-@pytest.mark.parametrize("where", [("_write_atomic", k) for k in range(3)]
+@pytest.mark.parametrize("where", [("write_atomic", k) for k in range(3)]
                          + [("replace", k) for k in range(6)])
 def test_a_crash_anywhere_in_a_save_leaves_a_whole_checkpoint(tmp_path, monkeypatch, where):
-    """Saves write three files (_write_atomic) and rename them (os.replace: three in staging,
+    """Saves write three files (write_atomic) and rename them (os.replace: three in staging,
     three into place); a crash before any of them must leave epoch 1 or epoch 2, never a mix, and
     the next save must work."""
     _save(tmp_path, 1.0, 1)
     name, calls = where
     with monkeypatch.context() as patch:
-        _crash_after(patch, ck if name == "_write_atomic" else ck.os, name, calls)
+        _crash_after(patch, ck if name == "write_atomic" else ck.os, name, calls)
         with pytest.raises(Crash):
             _save(tmp_path, 2.0, 2)
     assert _loaded(tmp_path) in ((1, 1.0, -1.0), (2, 2.0, -2.0))

@@ -103,14 +103,11 @@ def validate(args: argparse.Namespace) -> bench.Config:
         environment = settings.current()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    emulated = environment.emulation
-    if args.emulate is not None and args.emulate.strip().lower() in ("off", "none", "0"):
-        emulated = None
-    elif args.emulate is not None:
-        try:
-            emulated = emulation.parse(args.emulate)
-        except ValueError as exc:
-            raise UsageError(f"--emulate: {exc}") from None
+    try:
+        emulated = emulation.resolve(args.emulate) if args.emulate is not None \
+            else environment.emulation
+    except ValueError as exc:
+        raise UsageError(f"--emulate: {exc}") from None
     return bench.Config(collective=args.collective, algorithms=tuple(names), dtype=dtype,
                         sizes=tuple(bench.sizes(min_bytes, max_bytes, args.factor)),
                         op=args.op if reducing else None, iters=args.iters, warmup=args.warmup,

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl import backend, settings
+from mpdl import backend
 from mpdl import collectives as C
 from mpdl import emulation as _emulation
 from mpdl.collectives import auto, costmodel, registry
@@ -197,16 +197,11 @@ def run(config: Config, comm: Any, progress: Callable[[], None] | None = None) -
     if not 0 <= config.root < p:
         raise Unusable(f"root: expected a rank in [0, {p}), got {config.root}")
     xp = array_module(comm, config.device)
-    previous_hook = comm.link_delay
-    previous_settings = settings.update(emulation=config.emulation)
-    costmodel.forget()
+    restore = _emulation.apply(comm, config.emulation)
     try:
-        _emulation.install(comm, config.emulation)
         return _measure_all(config, comm, xp, progress)
     finally:
-        comm.link_delay = previous_hook
-        settings.use(previous_settings)
-        costmodel.forget()
+        restore()
 
 
 def _measure_all(config: Config, comm: Any, xp: Any, progress: Callable[[], None] | None

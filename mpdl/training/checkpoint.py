@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from mpdl.fileio import write_atomic
+
 FILES = ("model.npz", "optimizer.npz", "state.json")
 #: where a save writes the new files before moving them into the checkpoint directory
 STAGING = ".staging"
@@ -29,23 +31,6 @@ STAGING = ".staging"
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete or does not match the run."""
-
-
-def write_atomic(path: str | Path, data: bytes | str, durable: bool = False) -> None:
-    """Write data to path through a temporary file and a rename, so that a reader finds the old
-    file or the new one, never a part of it; `durable`: on disk (fsync) before the rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    write_atomic(path, data, durable=True)
 
 
 def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
@@ -96,7 +81,7 @@ def save_checkpoint(directory: str | Path, model_state: dict[str, np.ndarray],
                                  "optimizer.npz": hashlib.sha256(optim_bytes).hexdigest()}}
     contents = (model_bytes, optim_bytes, (json.dumps(state, indent=1) + "\n").encode())
     for name, data in zip(FILES, contents, strict=True):
-        _write_atomic(staging / name, data)
+        write_atomic(staging / name, data, durable=True)
     _sync_directory(staging)
     for name in FILES:  # state.json last
         os.replace(staging / name, directory / name)

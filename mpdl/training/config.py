@@ -12,12 +12,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mpdl import datasets
+from mpdl import datasets, emulation
 from mpdl.autograd.optim import scale_lr
 from mpdl.collectives.registry import algorithms
 from mpdl.parallel.compression import COMPRESSORS, make_compression
 from mpdl.parallel.ps import check_config
-from mpdl.training.emulate import resolve_emulation
 from mpdl.training.models import MODELS
 
 OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
@@ -177,7 +176,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError("{lr_schedule} cosine needs {warmup_epochs} below {epochs}")
     if config.emulate is not None:
         try:
-            resolve_emulation(config.emulate)
+            emulation.resolve(config.emulate)
         except ValueError as exc:
             raise ConfigError(f"{{emulate}}: {literal(str(exc))}") from None
 

@@ -20,18 +20,17 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
+from mpdl import emulation
 from mpdl.autograd import optim
 from mpdl.autograd.tensor import Tensor, no_grad
 from mpdl.backend import cupy_module, use_local_gpu
 from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator
 from mpdl.datasets import DatasetError
-from mpdl.emulation import active
 from mpdl.parallel import DistributedSampler, split_bounds
 from mpdl.parallel.strategy import Batch
 from mpdl.training import checkpoint
 from mpdl.training.config import ConfigError, TrainConfig, literal, load_data, resume_mismatch, validate
-from mpdl.training.emulate import emulate, resolve_emulation
 from mpdl.training.factory import make_optimizer, make_strategy
 from mpdl.training.models import build_model
 from mpdl.training.report import Report, ranks_text, write_timeline
@@ -80,7 +79,7 @@ class Trainer:
         c = self.config
         validate(c, self.size)
         if c.emulate is not None:
-            self._restore = emulate(self.comm, resolve_emulation(c.emulate))
+            self._restore = emulation.apply(self.comm, emulation.resolve(c.emulate))
         try:
             self._setup()
         except BaseException:
@@ -246,7 +245,7 @@ class Trainer:
 
     def emulated(self) -> str:
         """The emulated links of this run ('' when none), e.g. 'inter=10Gbit/s,20us'."""
-        links = active(self.comm)
+        links = emulation.active(self.comm)
         return links.describe() if links is not None else ""
 
     def _add_row(self, epoch: int, tot: np.ndarray, ranks: int) -> None:

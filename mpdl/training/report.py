@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any, TextIO
 
-from mpdl.training.checkpoint import write_atomic
+from mpdl.fileio import write_atomic
 from mpdl.training.timeline import Timeline, write_trace
 
 COLUMNS = ("epoch", "loss", "train_acc", "test_acc", "samples/s", "step_ms", "compute", "comm",

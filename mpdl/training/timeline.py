@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mpdl.training.checkpoint import write_atomic
+from mpdl.fileio import write_atomic
 
 THREADS = {"main": 0, "comm": 1}
 
