@@ -139,7 +139,7 @@ def ps_row(mode: str, staleness: int | None, args, xtr, ytr, xte, yte):
             sampler.set_epoch(epoch)
             for idx, global_batch in sampler:
                 if mode == "sync":
-                    ps.worker_comm.Barrier()
+                    ps.group.barrier()
                 start = time.perf_counter()
                 if len(idx):
                     F.cross_entropy(model(Tensor(xtr[idx])), ytr[idx]).backward()
@@ -153,7 +153,6 @@ def ps_row(mode: str, staleness: int | None, args, xtr, ytr, xte, yte):
     count = sum(q.size for q in model.parameters())
     everyone = [t for t in world.allgather(times) if t]
     step = float(np.median(np.max(np.array(everyone), axis=0)))
-    ps.free()
     label = f"ps {mode}" + (f" s={staleness}" if staleness is not None else "")
     return label, float(count * 4 + 32), step, acc
 

@@ -24,7 +24,6 @@ def _job(mode: str, servers: int, staleness: int | None = None, steps: int = 4):
                     p.grad = np.full(p.shape, float(comm.rank + step), p.data.dtype)
                 ps.push_pull(0.1, weight=1.0 / ps.workers)
             stats = ps.close()
-        ps.free()
         return ps.bounds, np.concatenate([p.data.reshape(-1) for p in model.parameters()]), stats
 
     return run_world(4, rank)

@@ -40,7 +40,8 @@ import numpy as np
 from mpdl.autograd.nn import Parameter
 from mpdl.collectives import broadcast
 from mpdl.collectives.ops import block_bounds
-from mpdl.comm import Communicator, MPIComm, Request, as_communicator
+from mpdl.comm import Communicator, Request, as_communicator
+from mpdl.parallel.flat import pack, unpack
 
 MODES = ("sync", "async", "ssp")
 #: what a message is (the header's first field)
@@ -99,28 +100,20 @@ class ParameterServer:
         role = range(self.workers, self.size) if self.is_server else range(self.workers)
         #: the ranks of this rank's role (the workers, or the servers) as an mpdl sub-communicator
         self.group = self.comm.sub(role)
-        #: the same ranks as an mpi4py communicator, for callers that reduce over the workers with
-        #: mpi4py (None when comm is not MPI's)
-        self.worker_comm = (self.comm.mpi.Split(int(self.is_server), self.rank)
-                            if isinstance(self.comm, MPIComm) else None)
         self.versions = [0] * self.servers
         self.clock = 0
         self.stats: dict[str, Any] = {}
 
     # -- helpers ------------------------------------------------------------------------------------
     def _flat(self, grads: bool) -> np.ndarray:
-        parts = []
-        for p in self.params:
-            a = p.grad if grads else p.data
-            parts.append(np.zeros(p.size, self.dtype) if a is None
-                         else np.asarray(a, dtype=self.dtype).reshape(-1))
-        return np.concatenate(parts)
+        """The parameters (or their gradients, zeros where there is none) as one host array."""
+        arrays = [p.grad if grads else p.data for p in self.params]
+        return pack([np.zeros(p.shape, self.dtype) if a is None else np.asarray(a, dtype=self.dtype)
+                     for p, a in zip(self.params, arrays, strict=True)])
 
     def _write(self, flat: np.ndarray) -> None:
-        offset = 0
-        for p in self.params:
-            p.data[...] = flat[offset:offset + p.size].reshape(p.shape)
-            offset += p.size
+        for p, piece in zip(self.params, unpack(flat, self.params), strict=True):
+            p.data[...] = piece
 
     def _width(self, server: int) -> int:
         return self.bounds[server + 1] - self.bounds[server]
@@ -291,12 +284,6 @@ class ParameterServer:
                       "worker_steps": [e["steps"] for e in everyone if e["role"] == "worker"],
                       "staleness": dict(sorted(histogram.items()))}
         return self.stats
-
-    def free(self) -> None:
-        """Release the workers' mpi4py communicator (before MPI finalizes)."""
-        if self.worker_comm is not None:
-            self.worker_comm.Free()
-            self.worker_comm = None
 
 
 def format_histogram(histogram: dict[int, int]) -> str:

@@ -170,11 +170,9 @@ class ParameterServerStrategy(Strategy):
     def serve(self) -> None:
         self.ps.serve(lambda params: optim.SGD(params, lr=self.lr, momentum=self.server_momentum,
                                                weight_decay=self.weight_decay))
-        self.ps.free()
 
     def finish(self) -> bool:
         self.ps.close()  # every worker now holds the servers' final parameters
-        self.ps.free()
         return True
 
     def state_dict(self) -> dict[str, Any]:

@@ -53,7 +53,6 @@ def train(mode: str, servers: int, staleness: int | None = None, epochs: int = 6
         stats = ps.close()
     acc = float((model(Tensor(xte)).data.argmax(1) == yte).mean())
     flat = np.concatenate([p.data.reshape(-1) for p in model.parameters()])
-    ps.free()
     return acc, flat, stats
 
 
@@ -110,6 +109,5 @@ def test_shutdown_is_clean_with_unequal_work():
                 p.grad = np.ones_like(p.data)
             ps.push_pull(0.1)
         stats = ps.close()
-    ps.free()
     assert stats["worker_steps"][0] == 3 and stats["updates"] == [3]
     COMM.Barrier()
