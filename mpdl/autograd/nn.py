@@ -346,31 +346,6 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
-class Sequential(Module):
-    """Modules applied in order; sub-modules are named "0", "1", ..."""
-
-    def __init__(self, *modules: Module) -> None:
-        super().__init__()
-        for i, m in enumerate(modules):
-            if not isinstance(m, Module):
-                raise TypeError(f"Sequential: argument {i} is a {type(m).__name__}, not a Module")
-            setattr(self, str(i), m)
-
-    def __getitem__(self, i: int) -> Module:
-        return list(self._modules.values())[i]
-
-    def __len__(self) -> int:
-        return len(self._modules)
-
-    def __iter__(self) -> Iterator[Module]:
-        return iter(self._modules.values())
-
-    def forward(self, x: Any) -> Any:
-        for m in self._modules.values():
-            x = m(x)
-        return x
-
-
 class ModuleList(Module):
     """A list of sub-modules named "0", "1", ... (no forward of its own)."""
 
@@ -394,6 +369,21 @@ class ModuleList(Module):
 
     def __iter__(self) -> Iterator[Module]:
         return iter(self._modules.values())
+
+
+class Sequential(ModuleList):
+    """Modules applied in order; sub-modules are named "0", "1", ..."""
+
+    def __init__(self, *modules: Module) -> None:
+        for i, m in enumerate(modules):
+            if not isinstance(m, Module):
+                raise TypeError(f"Sequential: argument {i} is a {type(m).__name__}, not a Module")
+        super().__init__(modules)
+
+    def forward(self, x: Any) -> Any:
+        for m in self._modules.values():
+            x = m(x)
+        return x
 
 
 class Embedding(Module):
