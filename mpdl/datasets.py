@@ -7,6 +7,7 @@ set), by E. Alpaydin and C. Kaynak, UCI Machine Learning Repository, licensed CC
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,6 @@ MNIST_FILES = {"x_train": "train-images-idx3-ubyte", "y_train": "train-labels-id
 
 def read_idx(path: str | Path) -> np.ndarray:
     """An array from an IDX file (LeCun's MNIST format), gzipped or not."""
-    import gzip  # noqa: PLC0415
-
     path = Path(path)
     try:
         with open(path, "rb") as f:

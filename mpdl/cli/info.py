@@ -10,7 +10,15 @@ import argparse
 import json
 import platform
 import socket
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+
+import numpy
+
+import mpdl
+from mpdl import backend
+from mpdl.comm import as_communicator, cuda_aware_mpi, ranks_per_node_override
+from mpdl.mpi_runtime import load_mpi, usable_cores
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,8 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
-
     try:
         return version(dist)
     except PackageNotFoundError:
@@ -29,13 +35,6 @@ def _version(dist: str) -> str | None:
 
 def collect() -> dict[str, Any]:
     """The facts `mpdl info` reports, as seen from this rank (MPI is initialised here)."""
-    import numpy  # noqa: PLC0415
-
-    import mpdl  # noqa: PLC0415
-    from mpdl import backend  # noqa: PLC0415
-    from mpdl.comm import as_communicator, cuda_aware_mpi, ranks_per_node_override  # noqa: PLC0415
-    from mpdl.mpi_runtime import load_mpi, usable_cores  # noqa: PLC0415
-
     MPI = load_mpi()
     comm = as_communicator(None)
     nodes = comm.node_groups()
@@ -77,8 +76,6 @@ _PER_RANK = ("rank", "host", "node", "local_rank")
 
 def run(args: argparse.Namespace) -> int:
     mine = collect()
-    from mpdl.comm import as_communicator  # noqa: PLC0415
-
     everyone = as_communicator(None).allgather_object(mine)
     if mine["rank"] != 0:
         return 0

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from threadpoolctl import threadpool_limits
+
 from mpdl.backend import cupy_module
 from mpdl.cli import UsageError
 from mpdl.mpi_runtime import launcher_local_size, load_mpi
@@ -169,10 +171,6 @@ def limit_blas_threads() -> None:
         return
     local = launcher_local_size() or 1
     if local <= 1:
-        return
-    try:
-        from threadpoolctl import threadpool_limits  # noqa: PLC0415
-    except ImportError:
         return
     threadpool_limits(max(1, (os.cpu_count() or 1) // local))
 
