@@ -22,7 +22,14 @@ def after_step(rank: int, step: int, resumed_at: int | None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+_skipped: list[bool] = []
+
+
 def skips(world_rank: int, seq: int) -> bool:
-    """Whether this rank is to skip its collective number seq (MPDL_FAULT skip:RANK:SEQ)."""
+    """Whether this rank is to skip its collective number seq (MPDL_FAULT skip:RANK:SEQ; once:
+    the next call takes that number again and runs)."""
     fault = settings.current().fault
-    return fault is not None and fault == ("skip", world_rank, seq)
+    if fault is None or fault != ("skip", world_rank, seq) or _skipped:
+        return False
+    _skipped.append(True)
+    return True

@@ -16,6 +16,7 @@ import os
 
 from mpdl.backend import cupy_module
 from mpdl.cli import UsageError
+from mpdl.comm import flight
 from mpdl.mpi_runtime import launcher_local_size, load_mpi
 from mpdl.training.config import ConfigError, TrainConfig, validate
 from mpdl.training.loop import Trainer
@@ -194,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--device gpu: CuPy is not installed or sees no GPU (pip install "
                              "\"mpdl[gpu]\"), or use --device cpu")
     limit_blas_threads()
+    if config.checkpoint:
+        flight.set_default_directory(os.path.join(config.checkpoint, "flight"))
     trainer = Trainer(config)
     try:
         trainer.setup()

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl import backend
+from mpdl import backend, faults
 from mpdl.collectives import auto, registry
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.ops import block_bounds, check_array, check_op
@@ -51,12 +51,30 @@ def _flat_copy(x: Any, xp: Any, into: Any) -> Any:
 
 
 def _run(comm, algorithm: registry.Algorithm, collective: str, buf: Any, *args, **kwargs) -> None:
+    """Run the algorithm in issue order, named for timeouts and recorded by the flight recorder
+    (one entry: sequence number, collective, algorithm, bytes, dtype, op, ranks, times, state)."""
     def work() -> None:
         previous, comm.collective = comm.collective, f"{collective}/{algorithm.name}"
+        flight, entry = comm.flight, None
+        if flight is not None:
+            group = comm.flight_group()
+            if comm.settings.fault is not None and faults.skips(comm.world_rank(comm.rank),
+                                                                flight.next_seq(group)):
+                comm.collective = previous
+                return
+            op = args[0] if args and isinstance(args[0], str) else None
+            entry = flight.begin(group, collective, algorithm.name, buf.nbytes, buf.dtype.name,
+                                 op, group)
         try:
             algorithm.run(comm, buf, *args, **kwargs)
+        except BaseException:
+            if entry is not None:
+                flight.end(entry, "failed")
+            raise
         finally:
             comm.collective = previous
+        if entry is not None:
+            flight.end(entry)
 
     run_in_order(comm, work)
 
