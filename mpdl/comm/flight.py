@@ -128,7 +128,7 @@ def dump(reason: str = "requested", once: bool = False) -> Path | None:
     if rec is None:
         return None
     kind = reason.split(":", 1)[0]
-    if once and kind in _dumped:
+    if once and (kind in _dumped or "fatal" in _dumped):  # a rank's own failure says most
         return None
     _dumped.add(kind)
     folder = directory()
