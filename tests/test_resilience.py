@@ -187,3 +187,32 @@ def test_hostfiles_of_hydra_and_open_mpi(tmp_path):
     path = tmp_path / "hosts"
     path.write_text("# nodes\nn1:4\nn2 slots=2\nn3\n")
     assert read_hostfile(str(path)) == [("n1", 4), ("n2", 2), ("n3", 1)]
+
+
+def test_train_writes_flight_records_under_its_checkpoint(tmp_path):
+    """Rank 1 of `mpdl train` skips its fourth all-reduce (#3): the job ends, every rank's
+    records are in CHECKPOINT/flight, and doctor points at rank 1."""
+    ckpt = tmp_path / "ckpt"
+    out = run([MPIEXEC, "-n", "3", MPDL, "train", "--no-progress", "--epochs", "1",
+               "--checkpoint", str(ckpt)], timeout=120,
+              env={"MPDL_TIMEOUT": "5", "MPDL_FAULT": "skip:1:3"})
+    assert out.returncode != 0
+    flight = ckpt / "flight"
+    assert sorted(p.name for p in flight.iterdir()) == [f"rank-{r}.json" for r in range(3)]
+    doctor = run([MPDL, "doctor", str(flight)], timeout=60)
+    assert doctor.returncode == 1
+    assert doctor.stdout.strip().endswith("look first at: rank 1"), doctor.stdout
+
+
+def test_sigusr1_writes_the_records_on_demand(tmp_path):
+    code = ("import os, signal, time, numpy as np\n"
+            "from mpdl import collectives as C\n"
+            "C.allreduce(np.ones(4))\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "time.sleep(0.5)\n")
+    out = run([MPIEXEC, "-n", "2", sys.executable, "-c", code], timeout=60,
+              env={"MPDL_FLIGHT_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    for rank in range(2):
+        data = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert data["reason"] == "SIGUSR1" and data["records"][0]["collective"] == "allreduce"

@@ -39,7 +39,8 @@ def _agree(comm: Communicator, *signature: Any) -> None:
     everyone = comm.allgather_object(signature)
     if any(s != everyone[0] for s in everyone):
         lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
-        raise CollectiveMismatch(f"{signature[0]}: ranks disagree on the call "
+        seq = f" #{comm.flight.next_seq(comm.flight_group())}" if comm.flight is not None else ""
+        raise CollectiveMismatch(f"{signature[0]}{seq}: ranks disagree on the call "
                                  f"(collective, algorithm, shape, dtype, op, root): {lines}")
 
 

@@ -169,7 +169,7 @@ def _last_time(data: dict) -> float:
 def _ago(rec: dict, end: float) -> str:
     if rec["state"] == "done":
         return ""
-    return f", started {end - rec['start']:.1f} s before the last record"
+    return f", began {end - rec['start']:.1f} s before the last record"
 
 
 def _ranks(ranks: Any) -> str:
