@@ -64,8 +64,8 @@ def _run(comm, algorithm: registry.Algorithm, collective: str, buf: Any, *args, 
                 comm.collective = previous
                 return
             op = args[0] if args and isinstance(args[0], str) else None
-            entry = flight.begin(group, collective, algorithm.name, buf.nbytes, buf.dtype.name,
-                                 op, group)
+            entry = flight.begin(group, collective, algorithm.name, buf.nbytes, buf.dtype, op,
+                                 group)
         try:
             algorithm.run(comm, buf, *args, **kwargs)
         except BaseException:

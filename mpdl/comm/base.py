@@ -125,7 +125,7 @@ class Communicator:
     def _flight_p2p(self, kind: str, buf: Any, peer: int) -> list:
         me, other = self.world_rank(self.rank), self.world_rank(peer)
         pair = (me, other) if kind == "send" else (other, me)
-        return self.flight.begin(pair, kind, "p2p", buf.nbytes, str(buf.dtype), None, (other,))
+        return self.flight.begin(pair, kind, "p2p", buf.nbytes, buf.dtype, None, (other,))
 
     def flight_group(self) -> tuple[int, ...]:
         """The world ranks of this communicator (its collectives' sequence numbers count per

@@ -53,7 +53,7 @@ class FlightRecorder:
         return self._seqs.get(group, 0)
 
     def begin(self, group: tuple[int, ...], collective: str, algorithm: str, nbytes: int,
-              dtype: str, op: str | None, peers: tuple[int, ...]) -> list:
+              dtype: Any, op: str | None, peers: tuple[int, ...]) -> list:
         """Record the start of an operation; returns its entry for `end`."""
         seqs = self._seqs
         seq = seqs.get(group, 0)
@@ -83,7 +83,10 @@ class FlightRecorder:
         """The entries kept, oldest first."""
         start = max(0, self.count - self.capacity)
         kept = [self.slots[i % self.capacity] for i in range(start, self.count)]
-        return [dict(zip(FIELDS, e, strict=True)) for e in kept if e is not None]
+        records = [dict(zip(FIELDS, e, strict=True)) for e in kept if e is not None]
+        for r in records:  # kept as given (a NumPy dtype is named only here, off the hot path)
+            r["dtype"] = str(r["dtype"]) if r["dtype"] is not None else ""
+        return records
 
     def snapshot(self, reason: str) -> dict[str, Any]:
         return {"rank": self.rank, "size": self.size, "host": socket.gethostname(),
