@@ -159,6 +159,11 @@ def test_launch_bad_flags_exit_2_naming_the_flag(tmp_path):
                           (["-n", "2", "--", "bench"], "expected the command after --: train")):
         out = run([MPDL, "launch", *args], timeout=60)
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+    out = run([MPDL, "launch", "-n", "2", "--max-restarts", "2", "--", "train", "--epochs", "0",
+               "--checkpoint", str(tmp_path / "ckpt")], timeout=120)
+    assert out.returncode == 2 and "--epochs: expected a positive number" in out.stderr
+    assert "giving up: train refused its arguments" in out.stderr
+    assert "attempt 2" not in out.stderr
 
 
 def test_failure_reports_of_each_launcher_are_read():

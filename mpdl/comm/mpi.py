@@ -133,7 +133,8 @@ class MPIComm(Communicator, DeviceStaging):
 
     def _wait_all(self, requests: Sequence[Request]) -> None:
         """The wait policy: poll; yield the core every `yield_every` polls (a background thread
-        sleeps instead, leaving the GIL to the compute thread); time out after `self.timeout`."""
+        sleeps instead, leaving the GIL to the compute thread); say once whom it waits for after
+        `settings.stall_warn` seconds; time out after `self.timeout`."""
         handles = [h for r in requests for h in (r.handle if isinstance(r.handle, list)
                                                   else (r.handle,))]
         progressing = [r.progress for r in requests if r.progress is not None]
@@ -156,8 +157,7 @@ class MPIComm(Communicator, DeviceStaging):
                 now = time.monotonic()
                 if deadline is None:
                     deadline, warn = now + self.timeout, now + self.settings.stall_warn
-                    continue
-                if now > deadline or (warn is not None and now > warn):
+                elif now > deadline or (warn is not None and now > warn):
                     pending = [r for r in requests if any(
                         h != self.MPI.REQUEST_NULL
                         for h in (r.handle if isinstance(r.handle, list) else (r.handle,)))]

@@ -39,6 +39,8 @@ from mpdl.training import checkpoint
 RANK_VARIABLES = (b"PMI_RANK", b"OMPI_COMM_WORLD_RANK", b"SLURM_PROCID")
 #: every rank runs `mpdl` under a watcher that reports how it ended
 WATCH = (sys.executable, "-m", "mpdl.tools.rankwatch", sys.executable, "-m", "mpdl.cli")
+#: mpdl's exit status for bad flags or an inconsistent configuration (not worth a restart)
+USAGE_STATUS = 2
 #: what Open MPI needs to be told to pass on
 OPENMPI_FORWARD = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
 
@@ -362,6 +364,10 @@ def supervise(plan: Plan, launcher: Launcher | None = None,
             failure = parse_failure(result.output, returncode, result.ranks_by_pid)
             failures.append(failure)
             say(f"attempt {attempt + 1} failed (exit status {returncode}): {failure.describe()}")
+            if failure.status == USAGE_STATUS and failure.signal is None:
+                say(f"giving up: train refused its arguments (exit status {USAGE_STATUS}, the "
+                    f"same on every rank); a restart would not change that")
+                return USAGE_STATUS
             if attempt == plan.max_restarts:
                 break
             if hosts is not None:
