@@ -18,6 +18,11 @@ from ``current()`` (or from the communicator that was built with it).
 | MPDL_CUDA_AWARE | cuda_aware | 0 or 1: whether MPI takes GPU buffers (detected) |
 | MPDL_NO_CUPY | no_cupy | 1: act as if CuPy were not installed (0) |
 | MPDL_MALLOC | malloc | ``default``: keep glibc's malloc settings (tuned) |
+| MPDL_FLIGHT_DIR | flight_dir | where flight records go (CHECKPOINT/flight under `mpdl train
+  --checkpoint`, else ./mpdl-flight) |
+| MPDL_FLIGHT_RECORDS | flight_records | operations the flight recorder keeps; 0: off (1000) |
+| MPDL_STALL_WARN | stall_warn | seconds in one wait before a rank says whom it waits for (60) |
+| MPDL_FAULT | fault | tests only: ``kill:RANK:STEP`` or ``skip:RANK:SEQ`` (none) |
 """
 
 from __future__ import annotations
@@ -138,6 +143,15 @@ class Settings:
     cuda_aware: bool | None = None
     no_cupy: bool = False
     malloc: str = "tuned"
+    #: where flight records are written ("": CHECKPOINT/flight under mpdl train, else
+    #: ./mpdl-flight)
+    flight_dir: str = ""
+    #: operations the flight recorder keeps per rank (0: the recorder is off)
+    flight_records: int = 1000
+    #: seconds a rank waits in one operation before it prints which peers it waits for
+    stall_warn: float = 60.0
+    #: a fault injected for tests: ("kill", rank, step) or ("skip", rank, sequence number)
+    fault: tuple[str, int, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -152,6 +166,12 @@ class Settings:
                              f"{self.ranks_per_node!r}")
         if self.malloc not in ("tuned", "default"):
             raise ValueError(f"malloc: expected 'tuned' or 'default', got {self.malloc!r}")
+        if not isinstance(self.flight_records, int) or self.flight_records < 0:
+            raise ValueError(f"flight_records: expected an integer >= 0, got "
+                             f"{self.flight_records!r}")
+        if not self.stall_warn > 0:
+            raise ValueError(f"stall_warn: expected a positive number of seconds, got "
+                             f"{self.stall_warn!r}")
         if not self.cost_model:
             object.__setattr__(self, "cost_model", default_cost_model_path())
 
@@ -196,6 +216,25 @@ class Settings:
         fields["no_cupy"] = env.get("MPDL_NO_CUPY", "").strip() == "1"
         if env.get("MPDL_MALLOC", "").strip().lower() == "default":
             fields["malloc"] = "default"
+        fields["flight_dir"] = env.get("MPDL_FLIGHT_DIR", "").strip()
+        raw = env.get("MPDL_FLIGHT_RECORDS", "").strip()
+        if raw:
+            if not raw.isdigit():
+                raise ValueError(f"MPDL_FLIGHT_RECORDS: expected an integer >= 0 (0: off), got "
+                                 f"{raw!r}")
+            fields["flight_records"] = int(raw)
+        raw = env.get("MPDL_STALL_WARN", "").strip()
+        if raw:
+            try:
+                fields["stall_warn"] = float(raw)
+            except ValueError:
+                fields["stall_warn"] = 0.0
+            if not fields["stall_warn"] > 0:
+                raise ValueError(f"MPDL_STALL_WARN: expected a positive number of seconds, got "
+                                 f"{raw!r}")
+        raw = env.get("MPDL_FAULT", "").strip()
+        if raw:
+            fields["fault"] = _parse_fault(raw)
         return cls(**fields)
 
     def describe(self) -> dict:
@@ -203,6 +242,14 @@ class Settings:
         values = dataclasses.asdict(self)
         values["emulation"] = self.emulation.describe() if self.emulation else None
         return values
+
+
+def _parse_fault(raw: str) -> tuple[str, int, int]:
+    kind, _, rest = raw.partition(":")
+    rank, _, where = rest.partition(":")
+    if kind not in ("kill", "skip") or not rank.isdigit() or not where.isdigit():
+        raise ValueError(f"MPDL_FAULT: expected kill:RANK:STEP or skip:RANK:SEQ, got {raw!r}")
+    return kind, int(rank), int(where)
 
 
 def _positive_int(env: Mapping[str, str], var: str, unit: str) -> int | None:

@@ -76,3 +76,36 @@ def test_mismatched_files_without_staging_are_refused(tmp_path):
         ck.load_checkpoint(tmp_path)
     with pytest.raises(ck.CheckpointError, match="not a checkpoint"):
         ck.load_checkpoint(tmp_path / "nothing")
+
+
+def test_keep_leaves_the_newest_copies_in_history(tmp_path):
+    for step in (3, 6, 9):
+        model = {"w": np.full(2, float(step))}
+        optimizer = {"state": {}, "param_groups": []}
+        ck.save_checkpoint(tmp_path, model, optimizer, {"epoch": 0, "step": step}, keep=2)
+    history = tmp_path / ck.HISTORY
+    assert sorted(p.name for p in history.iterdir()) == ["step-00000006", "step-00000009"]
+    model, _, state = ck.load_checkpoint(history / "step-00000006")
+    assert state["step"] == 6 and model["w"][0] == 6.0
+    assert ck.load_checkpoint(tmp_path)[2]["step"] == 9
+
+
+def test_the_sampler_goes_on_from_its_position_in_the_epoch():
+    from mpdl.parallel import DistributedSampler
+
+    whole = DistributedSampler(50, 8, seed=3)
+    whole.set_epoch(1)
+    batches = [idx.tolist() for idx, _ in whole]
+    first = DistributedSampler(50, 8, seed=3)
+    first.set_epoch(1)
+    steps = iter(first)
+    for _ in range(3):
+        next(steps)
+    saved = first.state_dict()
+    assert saved["position"] == 3
+    resumed = DistributedSampler(50, 8, seed=3, num_replicas=1)
+    resumed.load_state_dict(saved)
+    resumed.set_epoch(1)
+    assert [idx.tolist() for idx, _ in resumed] == batches[3:]
+    resumed.set_epoch(2)
+    assert len(list(resumed)) == len(batches)  # the next epoch starts at its first batch

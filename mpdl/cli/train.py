@@ -18,6 +18,7 @@ from threadpoolctl import threadpool_limits
 
 from mpdl.backend import cupy_module
 from mpdl.cli import UsageError
+from mpdl.comm import flight
 from mpdl.mpi_runtime import launcher_local_size, load_mpi
 from mpdl.training.config import ConfigError, TrainConfig, validate
 from mpdl.training.loop import Trainer
@@ -114,6 +115,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output and checkpoints")
     g.add_argument("--checkpoint", metavar="DIR",
                    help="rank 0 writes DIR/model.npz, optimizer.npz and state.json every epoch")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
+                   help="also checkpoint every STEPS steps (with the position in the epoch), so a "
+                        "restart repeats at most STEPS steps (default: at the end of each epoch "
+                        "only)")
+    g.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="keep copies of the last N checkpoints in DIR/history/step-NNNNNNNN "
+                        "(default: %(default)s)")
     g.add_argument("--resume", action="store_true",
                    help="continue from the checkpoint in --checkpoint DIR (any number of ranks; "
                         "starts fresh when DIR holds none yet)")
@@ -154,7 +162,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         scale_lr=args.scale_lr, lr_schedule=args.lr_schedule, algorithm=args.algorithm,
         bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,
         overlap=not args.no_overlap, seed=args.seed, checkpoint=args.checkpoint,
-        resume=args.resume, json=args.json, timeline=args.timeline, device=args.device,
+        resume=args.resume, checkpoint_every=args.checkpoint_every, keep=args.keep,
+        json=args.json, timeline=args.timeline, device=args.device,
         dtype=args.dtype, synthetic_shape=args.synthetic_shape,
         synthetic_samples=args.synthetic_samples, drop_last=args.drop_last,
         progress=not args.no_progress, compression=args.compression, ratio=args.ratio,
@@ -184,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--device gpu: CuPy is not installed or sees no GPU (pip install "
                              "\"mpdl[gpu]\"), or use --device cpu")
     limit_blas_threads()
+    if config.checkpoint:
+        flight.set_default_directory(os.path.join(config.checkpoint, "flight"))
     trainer = Trainer(config)
     try:
         trainer.setup()

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl import backend
+from mpdl import backend, faults
 from mpdl.collectives import auto, registry
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.ops import block_bounds, check_array, check_op
@@ -39,7 +39,8 @@ def _agree(comm: Communicator, *signature: Any) -> None:
     everyone = comm.allgather_object(signature)
     if any(s != everyone[0] for s in everyone):
         lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
-        raise CollectiveMismatch(f"{signature[0]}: ranks disagree on the call "
+        seq = f" #{comm.flight.next_seq(comm.flight_group())}" if comm.flight is not None else ""
+        raise CollectiveMismatch(f"{signature[0]}{seq}: ranks disagree on the call "
                                  f"(collective, algorithm, shape, dtype, op, root): {lines}")
 
 
@@ -51,12 +52,30 @@ def _flat_copy(x: Any, xp: Any, into: Any) -> Any:
 
 
 def _run(comm, algorithm: registry.Algorithm, collective: str, buf: Any, *args, **kwargs) -> None:
+    """Run the algorithm in issue order, named for timeouts and recorded by the flight recorder
+    (one entry: sequence number, collective, algorithm, bytes, dtype, op, ranks, times, state)."""
     def work() -> None:
         previous, comm.collective = comm.collective, f"{collective}/{algorithm.name}"
+        flight, entry = comm.flight, None
+        if flight is not None:
+            group = comm.flight_group()
+            if comm.settings.fault is not None and faults.skips(comm.world_rank(comm.rank),
+                                                                flight.next_seq(group)):
+                comm.collective = previous
+                return
+            op = args[0] if args and isinstance(args[0], str) else None
+            entry = flight.begin(group, collective, algorithm.name, buf.nbytes, buf.dtype, op,
+                                 group)
         try:
             algorithm.run(comm, buf, *args, **kwargs)
+        except BaseException:
+            if entry is not None:
+                flight.end(entry, "failed")
+            raise
         finally:
             comm.collective = previous
+        if entry is not None:
+            flight.end(entry)
 
     run_in_order(comm, work)
 

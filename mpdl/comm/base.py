@@ -8,9 +8,11 @@ sub-communicators and reusable buffers.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +41,7 @@ class Request:
     `handle` is one transport handle, or a list of them for a message sent in chunks; `progress`,
     when given, is called while waiting (a staged receive uploads the chunks that have arrived)."""
 
-    __slots__ = ("handle", "peer", "step", "kind", "on_complete", "progress")
+    __slots__ = ("handle", "peer", "step", "kind", "on_complete", "progress", "flight")
 
     def __init__(self, handle: Any, peer: int, step: Any, kind: str,
                  on_complete: Callable[[], None] | None = None,
@@ -50,6 +52,8 @@ class Request:
         self.kind = kind
         self.on_complete = on_complete
         self.progress = progress
+        #: the flight recorder's entry of a send or receive made outside a collective
+        self.flight: list | None = None
 
 
 class Communicator:
@@ -68,6 +72,8 @@ class Communicator:
     collective: str = "p2p"
     #: when a list, every message sent is appended as (collective, step, src, dst, nbytes)
     recorder: list | None = None
+    #: the flight recorder of this process (mpdl.comm.flight), or None
+    flight: Any = None
 
     def __init__(self) -> None:
         self._workspace: dict[Any, Any] = {}
@@ -104,11 +110,30 @@ class Communicator:
         if self.recorder is not None:
             self.recorder.append((self.collective, step, self.world_rank(self.rank),
                                   self.world_rank(dest), buf.nbytes))
-        return self._isend(buf, dest, step)
+        request = self._isend(buf, dest, step)
+        if self.flight is not None and self.collective == "p2p":
+            request.flight = self._flight_p2p("send", buf, dest)
+        return request
 
     def irecv(self, buf: Any, source: int, step: Any = None) -> Request:
         """Start receiving from rank source into the contiguous array buf."""
-        return self._irecv(buf, source, step)
+        request = self._irecv(buf, source, step)
+        if self.flight is not None and self.collective == "p2p":
+            request.flight = self._flight_p2p("recv", buf, source)
+        return request
+
+    def _flight_p2p(self, kind: str, buf: Any, peer: int) -> list:
+        me, other = self.world_rank(self.rank), self.world_rank(peer)
+        pair = (me, other) if kind == "send" else (other, me)
+        return self.flight.begin(pair, kind, "p2p", buf.nbytes, buf.dtype, None, (other,))
+
+    def flight_group(self) -> tuple[int, ...]:
+        """The world ranks of this communicator (its collectives' sequence numbers count per
+        group)."""
+        group = self.__dict__.get("_flight_group")
+        if group is None:
+            group = self._flight_group = tuple(self.world_rank(r) for r in range(self.size))
+        return group
 
     def waitall(self, requests: Sequence[Request]) -> None:
         """Wait for every request; raise CollectiveTimeout naming the peer and step if one stalls."""
@@ -117,6 +142,9 @@ class Communicator:
             for r in requests:
                 if r.on_complete is not None:
                     r.on_complete()
+                if r.flight is not None:
+                    self.flight.end(r.flight)
+                    r.flight = None
 
     def test(self, request: Request) -> bool:
         """Whether the request is done; completes it (once) when it is."""
@@ -125,12 +153,16 @@ class Communicator:
         if request.on_complete is not None:
             request.on_complete()
             request.on_complete = None
+        if request.flight is not None:
+            self.flight.end(request.flight)
+            request.flight = None
         return True
 
     def waitany(self, requests: Sequence[Request]) -> int:
         """Wait until one of the requests is done, complete it and return its index; raise
         CollectiveTimeout naming a peer and step after the timeout. Polls, yielding the core."""
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline, warned = start + self.timeout, False
         spins = 0
         while True:
             for i, r in enumerate(requests):
@@ -141,8 +173,12 @@ class Communicator:
                 os.sched_yield()
             else:
                 time.sleep(1e-4)
-            if spins & 255 == 0 and time.monotonic() > deadline:
-                raise self._timeout_error(list(requests))
+            if spins & 255 == 0:
+                now = time.monotonic()
+                if now > deadline:
+                    raise self._timeout_error(list(requests))
+                if not warned and now - start > self.settings.stall_warn:
+                    warned = self._stall_warning(list(requests), now - start)
 
     def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, step: Any = None) -> None:
         """Send sendbuf to dest while receiving recvbuf from source."""
@@ -157,13 +193,51 @@ class Communicator:
     def barrier(self) -> None:
         """Dissemination barrier over point-to-point messages (works on every communicator)."""
         token = self.workspace("barrier", 2, np.uint8, np)
-        distance = 1
-        while distance < self.size:
-            self.sendrecv(token[:1], (self.rank + distance) % self.size,
-                          token[1:], (self.rank - distance) % self.size, step="barrier")
-            distance *= 2
+        with self.recording("barrier", "dissemination"):
+            distance = 1
+            while distance < self.size:
+                self.sendrecv(token[:1], (self.rank + distance) % self.size,
+                              token[1:], (self.rank - distance) % self.size, step="barrier")
+                distance *= 2
+
+    @contextlib.contextmanager
+    def recording(self, collective: str, algorithm: str, nbytes: int = 0, dtype: str = "",
+                  op: str | None = None) -> Iterator[None]:
+        """Run the block as one operation `collective` of this communicator: named so in
+        timeouts, and one entry of the flight recorder (state failed if the block raises)."""
+        previous, self.collective = self.collective, f"{collective}/{algorithm}"
+        entry = None
+        if self.flight is not None:
+            entry = self.flight.begin(self.flight_group(), collective, algorithm, nbytes, dtype,
+                                      op, self.flight_group())
+        try:
+            yield
+        except BaseException:
+            if entry is not None:
+                self.flight.end(entry, "failed")
+            raise
+        finally:
+            self.collective = previous
+        if entry is not None:
+            self.flight.end(entry)
+
+    def _stall_warning(self, pending: Sequence[Request], waited: float) -> bool:
+        """Say once, without stopping, which peers a long wait still waits for (MPDL_STALL_WARN);
+        note them in the flight record. Returns True."""
+        peers = sorted({self.world_rank(r.peer) for r in pending if r.peer >= 0})
+        entry = self.flight.waiting(peers) if self.flight is not None else None
+        which = f" (#{entry[0]})" if entry is not None else ""
+        whom = ("rank" + ("s " if len(peers) > 1 else " ") + ", ".join(map(str, peers))) \
+            if peers else "the other ranks"
+        sys.stderr.write(f"mpdl: rank {self.world_rank(self.rank)} has waited {waited:.0f} s in "
+                         f"{self.collective}{which} for {whom} (step {pending[0].step}); still "
+                         f"waiting (MPDL_STALL_WARN={self.settings.stall_warn:g})\n")
+        sys.stderr.flush()
+        return True
 
     def _timeout_error(self, pending: Sequence[Request]) -> CollectiveTimeout:
+        if self.flight is not None:
+            self.flight.waiting([self.world_rank(r.peer) for r in pending if r.peer >= 0])
         r = pending[0]
         what = "receiving from" if r.kind == "recv" else "sending to"
         return CollectiveTimeout(
@@ -251,6 +325,10 @@ class SubComm(Communicator):
     @property
     def recorder(self) -> list | None:  # type: ignore[override]
         return self.parent.recorder
+
+    @property
+    def flight(self) -> Any:  # type: ignore[override]
+        return self.parent.flight
 
     def world_rank(self, rank: int) -> int:
         return self.parent.world_rank(self.ranks[rank])

@@ -7,6 +7,8 @@ raises `CollectiveTimeout` naming the peer and step after the settings' timeout.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import threading
 import time
@@ -16,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import backend, emulation, mpi_runtime
-from mpdl.comm import nodes
+from mpdl.comm import flight, nodes
 from mpdl.comm.base import Communicator, Request
 from mpdl.comm.cuda import cuda_aware_mpi
 from mpdl.comm.staging import DeviceStaging, StagingPool
@@ -26,6 +28,8 @@ class MPIComm(Communicator, DeviceStaging):
     """The mpi4py transport. Device arrays are staged through host buffers unless MPI is CUDA-aware."""
 
     _TAG = 7331
+    #: the tag of the word a failing rank sends the others (dump your flight records)
+    _NOTICE_TAG = 7332
 
     def __init__(self, mpi_comm: Any = None):
         super().__init__()
@@ -48,6 +52,45 @@ class MPIComm(Communicator, DeviceStaging):
         self.link_delay: emulation.LinkDelay | None = None
         if self.settings.emulation is not None:
             emulation.install(self, self.settings.emulation)
+        self.flight = flight.recorder(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+        self._notice: Any = None
+        if self.flight is not None and mpi_comm is None and self.size > 1:
+            self._notice_buf = np.zeros(1, np.int64)
+            self._notice = self.mpi.Irecv([self._notice_buf, MPI.INT64_T], MPI.ANY_SOURCE,
+                                          self._NOTICE_TAG)
+            self._stop = threading.Event()
+            self._watcher = threading.Thread(target=self._watch_notice, daemon=True,
+                                             name="mpdl-flight")
+            self._watcher.start()
+            flight.notify_peers.append(self._tell_peers)
+            atexit.register(self._cancel_notice)
+
+    # -- failure notices -----------------------------------------------------------------------
+    def _tell_peers(self) -> None:
+        """Tell every other rank that this one fails (they dump their flight records at their
+        next long poll), and give them a moment to do it before the job is taken down."""
+        word = np.array([self.rank], np.int64)
+        for peer in range(self.size):
+            if peer != self.rank:
+                self.mpi.Isend([word, self.MPI.INT64_T], peer, self._NOTICE_TAG)
+        time.sleep(1.0)
+
+    def _watch_notice(self) -> None:
+        """A thread that looks for a failing peer's word 20 times a second and dumps this rank's
+        flight records when it comes (whatever the rank is doing: waiting, computing, or inside
+        a blocking MPI call)."""
+        while not self._stop.wait(0.05):
+            if self._notice.Test():
+                flight.dump(f"peer failed: rank {int(self._notice_buf[0])}", once=True)
+                return
+
+    def _cancel_notice(self) -> None:
+        self._stop.set()
+        self._watcher.join(1.0)
+        if not self._watcher.is_alive() and not self.MPI.Is_finalized():
+            with contextlib.suppress(Exception):
+                self._notice.Cancel()
+                self._notice.Wait()
 
     # -- device buffers ------------------------------------------------------------------------
     def cuda_aware(self) -> bool:
@@ -90,14 +133,15 @@ class MPIComm(Communicator, DeviceStaging):
 
     def _wait_all(self, requests: Sequence[Request]) -> None:
         """The wait policy: poll; yield the core every `yield_every` polls (a background thread
-        sleeps instead, leaving the GIL to the compute thread); time out after `self.timeout`."""
+        sleeps instead, leaving the GIL to the compute thread); say once whom it waits for after
+        `settings.stall_warn` seconds; time out after `self.timeout`."""
         handles = [h for r in requests for h in (r.handle if isinstance(r.handle, list)
                                                   else (r.handle,))]
         progressing = [r.progress for r in requests if r.progress is not None]
         testall = self.MPI.Request.Testall
         yield_every = self.yield_every
         spins = 0
-        deadline = None
+        deadline = warn = None
         # On the communication thread, pause between polls so the GIL goes to the compute thread.
         background = threading.current_thread() is not threading.main_thread()
         while not testall(handles):
@@ -112,12 +156,15 @@ class MPIComm(Communicator, DeviceStaging):
             if spins & 1023 == 0:
                 now = time.monotonic()
                 if deadline is None:
-                    deadline = now + self.timeout
-                elif now > deadline:
+                    deadline, warn = now + self.timeout, now + self.settings.stall_warn
+                elif now > deadline or (warn is not None and now > warn):
                     pending = [r for r in requests if any(
                         h != self.MPI.REQUEST_NULL
                         for h in (r.handle if isinstance(r.handle, list) else (r.handle,)))]
-                    raise self._timeout_error(pending or list(requests))
+                    if now > deadline:
+                        raise self._timeout_error(pending or list(requests))
+                    self._stall_warning(pending or list(requests), now - deadline + self.timeout)
+                    warn = None
 
     def _test(self, request: Request) -> bool:
         if request.progress is not None:
@@ -131,7 +178,8 @@ class MPIComm(Communicator, DeviceStaging):
 
     # -- collectives we borrow from MPI -------------------------------------------------------
     def barrier(self) -> None:
-        self._wait_mpi(self.mpi.Ibarrier(), "barrier")
+        with self.recording("barrier", "mpi"):
+            self._wait_mpi(self.mpi.Ibarrier(), "barrier")
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return self.mpi.allgather(obj)

@@ -53,9 +53,15 @@ class DistributedSampler:
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.drop_last, self.pad = bool(drop_last), bool(pad)
         self.epoch = 0
+        #: global batches of `epoch` already handed out; iteration continues from there
+        self.position = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Use epoch's order on the next iteration (call at the start of every epoch)."""
+        """Use epoch's order on the next iteration (call at the start of every epoch). The same
+        epoch again keeps the position (a run resumed in the middle of an epoch goes on from
+        there); another epoch starts at its first batch."""
+        if int(epoch) != self.epoch:
+            self.position = 0
         self.epoch = int(epoch)
 
     def __len__(self) -> int:
@@ -87,15 +93,19 @@ class DistributedSampler:
         return batch[bounds[self.rank]:bounds[self.rank + 1]]
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, int]]:
-        for batch in self.global_batches():
-            yield self.local_slice(batch), len(batch)
+        """This rank's slice of each global batch from `position` on (then from the start)."""
+        start = self.position if self.position < len(self) else 0
+        for step, batch in enumerate(self.global_batches()):
+            if step >= start:
+                self.position = step + 1
+                yield self.local_slice(batch), len(batch)
 
     def state_dict(self) -> dict[str, Any]:
         """What determines the order (not the rank or number of ranks: a run may resume with
         another number of ranks)."""
         return {"dataset_size": self.dataset_size, "global_batch_size": self.global_batch_size,
                 "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last,
-                "pad": self.pad, "epoch": self.epoch}
+                "pad": self.pad, "epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`; the dataset size and global batch must match."""
@@ -106,3 +116,4 @@ class DistributedSampler:
         self.shuffle, self.seed = bool(state["shuffle"]), int(state["seed"])
         self.drop_last, self.pad = bool(state["drop_last"]), bool(state["pad"])
         self.epoch = int(state["epoch"])
+        self.position = int(state.get("position", 0))

@@ -8,6 +8,9 @@ then renamed), then moves them into DIR, state.json last. A crash at any moment 
 checkpoint: while the staging files are written, DIR still holds the previous one; while they are
 moved, the staging files that are left, over those of DIR, make up the new one. `load_checkpoint`
 takes the newest whole set and reports a checkpoint that has none.
+
+With `keep` > 0 a save also leaves a copy of the checkpoint it wrote in DIR/history/step-NNNNNNNN
+(hard links where the filesystem allows), and deletes all but the newest `keep` of those.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,8 @@ from mpdl.fileio import write_atomic
 FILES = ("model.npz", "optimizer.npz", "state.json")
 #: where a save writes the new files before moving them into the checkpoint directory
 STAGING = ".staging"
+#: where a save with keep > 0 leaves copies of the checkpoints it wrote
+HISTORY = "history"
 
 
 class CheckpointError(ValueError):
@@ -67,9 +73,11 @@ def optimizer_state(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 def save_checkpoint(directory: str | Path, model_state: dict[str, np.ndarray],
-                    optimizer_state_dict: dict[str, Any], state: dict[str, Any]) -> None:
+                    optimizer_state_dict: dict[str, Any], state: dict[str, Any],
+                    keep: int = 0) -> None:
     """Write the three files of a checkpoint into directory (created if needed), so that a crash
-    at any moment leaves either the previous checkpoint or this one loadable."""
+    at any moment leaves either the previous checkpoint or this one loadable; with `keep` > 0,
+    also keep a copy in directory/history (the newest `keep` copies stay)."""
     directory = Path(directory)
     staging = directory / STAGING
     directory.mkdir(parents=True, exist_ok=True)
@@ -87,6 +95,30 @@ def save_checkpoint(directory: str | Path, model_state: dict[str, np.ndarray],
         os.replace(staging / name, directory / name)
     _sync_directory(directory)
     staging.rmdir()
+    if keep > 0:
+        _keep_copy(directory, int(state.get("step", 0)), keep)
+
+
+def _keep_copy(directory: Path, step: int, keep: int) -> None:
+    """Copy the checkpoint in directory to directory/history/step-NNNNNNNN (through staging, so
+    that a copy that is there is whole), then delete all but the newest `keep` copies."""
+    history = directory / HISTORY
+    target = history / f"step-{step:08d}"
+    partial = history / f".step-{step:08d}.partial"
+    history.mkdir(exist_ok=True)
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir()
+    for name in FILES:
+        try:
+            os.link(directory / name, partial / name)
+        except OSError:
+            shutil.copyfile(directory / name, partial / name)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(partial, target)
+    for old in sorted(p for p in history.iterdir() if p.name.startswith("step-"))[:-keep]:
+        shutil.rmtree(old)
 
 
 def _finish_interrupted_save(directory: Path) -> None:
@@ -111,6 +143,20 @@ def _sync_directory(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def module_rngs(model: Any) -> dict[str, Any]:
+    """The state of every random generator of model's modules (dropout), by module name."""
+    return {name: module.rng.bit_generator.state for name, module in model.named_modules()
+            if isinstance(getattr(module, "rng", None), np.random.Generator)}
+
+
+def restore_rngs(model: Any, saved: dict[str, Any]) -> None:
+    """Put back what `module_rngs` returned."""
+    for name, module in model.named_modules():
+        rng = getattr(module, "rng", None)
+        if isinstance(rng, np.random.Generator) and name in saved:
+            rng.bit_generator.state = saved[name]
 
 
 def has_checkpoint(directory: str | Path) -> bool:

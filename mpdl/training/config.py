@@ -93,6 +93,10 @@ class TrainConfig:
     seed: int = 0
     checkpoint: str | None = None
     resume: bool = False
+    #: also checkpoint every this many steps (0: at the end of each epoch only)
+    checkpoint_every: int = 0
+    #: copies of old checkpoints kept in CHECKPOINT/history (0: none)
+    keep: int = 0
     json: str | None = None
     timeline: str | None = None
     device: str = "cpu"
@@ -172,6 +176,15 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"{{data}} is only read with {{dataset}} mnist, not {config.dataset}")
     if config.resume and not config.checkpoint:
         raise ConfigError("{resume} needs {checkpoint} DIR")
+    for field in ("checkpoint_every", "keep"):
+        value = getattr(config, field)
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{{{field}}}: expected a number >= 0, got {literal(repr(value))}")
+        if value and not config.checkpoint:
+            raise ConfigError(f"{{{field}}} needs {{checkpoint}} DIR")
+    if config.checkpoint_every and config.sync_every > 1:
+        raise ConfigError("{checkpoint_every} cannot be combined with {sync_every} H > 1 (between "
+                          "two averages the replicas differ, and a checkpoint holds one of them)")
     if config.lr_schedule == "cosine" and config.warmup_epochs >= config.epochs:
         raise ConfigError("{lr_schedule} cosine needs {warmup_epochs} below {epochs}")
     if config.emulate is not None:

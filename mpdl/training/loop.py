@@ -20,7 +20,7 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
-from mpdl import emulation
+from mpdl import emulation, faults
 from mpdl.autograd import optim
 from mpdl.autograd.tensor import Tensor, no_grad
 from mpdl.backend import cupy_module, use_local_gpu
@@ -33,7 +33,7 @@ from mpdl.training import checkpoint
 from mpdl.training.config import ConfigError, TrainConfig, literal, load_data, resume_mismatch, validate
 from mpdl.training.factory import make_optimizer, make_strategy
 from mpdl.training.models import build_model
-from mpdl.training.report import Report, ranks_text, write_timeline
+from mpdl.training.report import Report, ranks_text, resumed_text, write_timeline
 from mpdl.training.timeline import Timeline
 
 __all__ = ["ConfigError", "TrainConfig", "Trainer", "validate"]
@@ -105,6 +105,7 @@ class Trainer:
         self.strategy.setup(self.model, make_optimizer(c))
         self.lr = c.base_lr()
         self.start_epoch, self.step = 0, 0
+        self.partial, self.resumed_at = None, None
         if not trains:
             return
         data_comm = self.strategy.data_comm
@@ -135,21 +136,26 @@ class Trainer:
         self.model.load_state_dict(model_state)
         self.strategy.load_state_dict(optim_state)
         self.sampler.load_state_dict(state["sampler"])
-        for name, module in self.model.named_modules():
-            rng = getattr(module, "rng", None)
-            if isinstance(rng, np.random.Generator) and name in state.get("rng", {}):
-                rng.bit_generator.state = state["rng"][name]
+        checkpoint.restore_rngs(self.model, state.get("rng", {}))
         self.start_epoch, self.step = int(state["epoch"]), int(state["step"])
         self.rows = [r for r in state.get("history", []) if r.get("epoch", 0) <= self.start_epoch]
+        self.partial = state.get("partial")  # the sums over all ranks of the epoch's first steps
+        self.resumed_at = self.step
 
-    def _save(self, epoch: int) -> None:
-        rngs = {name: module.rng.bit_generator.state for name, module in self.model.named_modules()
-                if isinstance(getattr(module, "rng", None), np.random.Generator)}
+    def _save(self, epoch: int, partial: dict[str, float] | None = None) -> None:
         state = {"epoch": epoch, "step": self.step, "sampler": self.sampler.state_dict(),
-                 "rng": rngs, "config": dataclasses.asdict(self.config), "ranks": self.size,
-                 "history": self.rows}
+                 "rng": checkpoint.module_rngs(self.model), "config": dataclasses.asdict(self.config),
+                 "ranks": self.size, "history": self.rows, "partial": partial}
         checkpoint.save_checkpoint(self.config.checkpoint, self.model.state_dict(),
-                                   self.strategy.state_dict(), state)
+                                   self.strategy.state_dict(), state, keep=self.config.keep)
+
+    def _save_within(self, epoch: int, sums: dict[str, float]) -> None:
+        """Checkpoint in the middle of epoch (every checkpoint_every steps) with the sums of the
+        epoch so far over all ranks, so that a resumed run reports the whole epoch."""
+        vec = np.array([sums[k] for k in SUMS], dtype=np.float64)
+        total = allreduce(vec, op="sum", comm=self.strategy.data_comm)
+        if self.rank == 0:
+            self._save(epoch, dict(zip(SUMS, map(float, total), strict=True)))
 
     def _to_device(self, a: np.ndarray) -> Any:
         return cupy_module().asarray(a) if self.config.device == "gpu" else a
@@ -159,6 +165,9 @@ class Trainer:
         self.model.train()
         self.sampler.set_epoch(epoch)
         sums = dict.fromkeys(SUMS, 0.0)
+        if self.partial and self.strategy.data_comm.rank == 0:
+            sums.update(self.partial)
+        self.partial, every = None, self.config.checkpoint_every
         bar = None
         if self.config.progress and self.rank == 0:
             bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}", file=sys.stderr,
@@ -178,6 +187,9 @@ class Trainer:
                     self.timeline.add(s.name, s.start, s.end, thread=s.thread, cat=s.cat,
                                       **s.args, step=self.step)
             self.step += 1
+            faults.after_step(self.rank, self.step, self.resumed_at)
+            if every and self.step % every == 0 and self.sampler.position < self.steps_per_epoch:
+                self._save_within(epoch, sums)
             if bar is not None:
                 bar.update()
         sums["wall"] = time.perf_counter() - epoch_start
@@ -284,6 +296,5 @@ class Trainer:
                 f"{ranks}, global batch {c.global_batch_size} ({per_rank}), {c.optimizer} lr "
                 f"{c.base_lr():g}, {self.strategy.describe()}"
                 + (f", EMULATED links {emulated}" if emulated else ""))
-        resumed = (f"# resumed from {c.checkpoint} after epoch {self.start_epoch}"
-                   if self.start_epoch else None)
-        self.report.header(what, resumed)
+        self.report.header(what, resumed_text(c.checkpoint, self.start_epoch, self.step,
+                                              self.sampler.position, self.steps_per_epoch))

@@ -83,3 +83,13 @@ def write_timeline(comm: Any, timeline: Timeline, path: str) -> None:
     events = comm.allgather_object(timeline.metadata() + timeline.events)
     if comm.rank == 0:
         write_trace(path, events)
+
+
+def resumed_text(directory: str | None, epoch: int, step: int, position: int,
+                 steps_per_epoch: int) -> str | None:
+    """The header's line about a resumed run (None for a fresh one): after `epoch` whole epochs,
+    or at global `step`, `position` steps into the next epoch."""
+    if 0 < position < steps_per_epoch:
+        return (f"# resumed from {directory} at step {step} (epoch {epoch + 1}, {position} of "
+                f"{steps_per_epoch} steps done)")
+    return f"# resumed from {directory} after epoch {epoch}" if epoch else None

@@ -1,0 +1,44 @@
+"""`mpdl doctor FLIGHT`: what went wrong, from the flight records every rank wrote.
+
+    mpdl doctor CHECKPOINT_DIR/flight      (or $MPDL_FLIGHT_DIR, or ./mpdl-flight)
+
+Says which ranks wrote records and why, where each stopped, the first collective whose signature
+differs between ranks, the ranks that never arrived, and which ranks to look at first.
+Exit status 0 when the records show no problem, 1 when they do, 2 when there are none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from mpdl.cli import UsageError
+from mpdl.tools.doctor import FlightError, diagnose
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("flight", nargs="?", default="mpdl-flight", metavar="FLIGHT",
+                   help="folder of rank-R.json flight records (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="the diagnosis as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        found = diagnose(args.flight)
+    except FlightError as exc:
+        raise UsageError(f"FLIGHT: {exc}") from None
+    if args.json:
+        print(json.dumps({"folder": found.folder, "size": found.size,
+                          "ranks": sorted(found.ranks), "missing": found.missing,
+                          "mismatches": [{"group": list(g), "seq": s,
+                                          "signatures": [{"ranks": r, "signature": list(k)}
+                                                         for k, r in sig.items()]}
+                                         for g, s, sig in found.mismatches],
+                          "never_arrived": [{"rank": r, "group": list(g), "seq": s,
+                                             "collective": c, "last_seq": last}
+                                            for r, g, s, c, last in found.absent],
+                          "waits": {str(k): v for k, v in found.waits.items()},
+                          "culprits": found.culprits()}))
+    else:
+        print("\n".join(found.lines()))
+    return 1 if found.culprits() or found.missing else 0

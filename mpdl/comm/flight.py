@@ -1,0 +1,167 @@
+"""The flight recorder: the last N collective and point-to-point operations of this process.
+
+Every collective of `mpdl.collectives` (and every send or receive a program makes outside one)
+takes one slot of a ring buffer of `settings.flight_records` entries (MPDL_FLIGHT_RECORDS, default
+1000; 0 switches the recorder off): its sequence number (counted per group of ranks, so that the
+same number means the same call on every rank of the group), the collective and algorithm, bytes,
+dtype, op, the group's ranks or the peer, start and end time (seconds since the epoch), its state
+(started, done, failed) and, once a wait has taken long, the peers it still waits for.
+
+The records are written to FLIGHT/rank-R.json (`directory()`: MPDL_FLIGHT_DIR, else what the
+program set with `set_default_directory` — `mpdl train --checkpoint DIR` sets DIR/flight —, else
+./mpdl-flight) when a `CollectiveTimeout` is raised, when an uncaught exception ends the process,
+on SIGUSR1, when a peer that fails says so (`MPIComm` passes the word), and when `dump()` is
+called. `mpdl doctor FLIGHT` reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from time import time
+from typing import Any
+
+from mpdl import settings
+from mpdl.fileio import write_atomic
+
+#: the fields of an entry, in the order they are kept
+FIELDS = ("seq", "collective", "algorithm", "bytes", "dtype", "op", "peers", "start", "end",
+          "state", "waiting_for")
+DEFAULT_DIRECTORY = "mpdl-flight"
+
+
+class FlightRecorder:
+    """A ring buffer of the last `capacity` operations of one process (rank `rank` of `size`)."""
+
+    def __init__(self, capacity: int, rank: int = 0, size: int = 1) -> None:
+        self.capacity, self.rank, self.size = capacity, rank, size
+        self.slots: list[list | None] = [None] * capacity
+        self.count = 0
+        self._seqs: dict[tuple[int, ...], int] = {}
+        #: the operation started last (a wait that stalls notes whom it waits for in it)
+        self.last: list | None = None
+
+    def next_seq(self, group: tuple[int, ...]) -> int:
+        """The sequence number the next operation over `group` will get."""
+        return self._seqs.get(group, 0)
+
+    def begin(self, group: tuple[int, ...], collective: str, algorithm: str, nbytes: int,
+              dtype: Any, op: str | None, peers: tuple[int, ...]) -> list:
+        """Record the start of an operation; returns its entry for `end`."""
+        seqs = self._seqs
+        seq = seqs.get(group, 0)
+        seqs[group] = seq + 1
+        self.last = entry = [seq, collective, algorithm, nbytes, dtype, op, peers, time(), None,
+                             "started", None]
+        count = self.count
+        self.slots[count % self.capacity] = entry
+        self.count = count + 1
+        return entry
+
+    @staticmethod
+    def end(entry: list, state: str = "done") -> None:
+        entry[8] = time()
+        entry[9] = state
+
+    def waiting(self, peers: list[int]) -> list | None:
+        """Note that the operation started last, if it has not ended, still waits for `peers`;
+        returns its entry."""
+        entry = self.last
+        if entry is None or entry[9] != "started":
+            return None
+        entry[10] = sorted(set(peers))
+        return entry
+
+    def records(self) -> list[dict[str, Any]]:
+        """The entries kept, oldest first."""
+        start = max(0, self.count - self.capacity)
+        kept = [self.slots[i % self.capacity] for i in range(start, self.count)]
+        records = [dict(zip(FIELDS, e, strict=True)) for e in kept if e is not None]
+        for r in records:  # kept as given (a NumPy dtype is named only here, off the hot path)
+            r["dtype"] = str(r["dtype"]) if r["dtype"] is not None else ""
+        return records
+
+    def snapshot(self, reason: str) -> dict[str, Any]:
+        return {"rank": self.rank, "size": self.size, "host": socket.gethostname(),
+                "pid": os.getpid(), "reason": reason, "time": time(),
+                "capacity": self.capacity, "recorded": self.count, "records": self.records()}
+
+
+_recorder: list[FlightRecorder | None] = []
+_default_directory: list[str] = []
+_dumped: set[str] = set()
+#: called after a fatal dump to tell the other ranks (MPIComm sets it for its world)
+notify_peers: list[Callable[[], None]] = []
+
+
+def recorder(rank: int = 0, size: int = 1) -> FlightRecorder | None:
+    """This process's recorder (created on first use with rank and size; None when switched off).
+    Creating it installs the dumps on SIGUSR1 and on an uncaught exception."""
+    if not _recorder:
+        capacity = settings.current().flight_records
+        _recorder.append(FlightRecorder(capacity, rank, size) if capacity else None)
+        if capacity:
+            _install_hooks()
+    return _recorder[0]
+
+
+def set_default_directory(path: str | os.PathLike) -> None:
+    """Where records go when MPDL_FLIGHT_DIR is not set (mpdl train: CHECKPOINT/flight)."""
+    _default_directory[:] = [os.fspath(path)]
+
+
+def directory() -> Path:
+    """FLIGHT: MPDL_FLIGHT_DIR, else the program's default, else ./mpdl-flight."""
+    chosen = settings.current().flight_dir or (_default_directory[0] if _default_directory
+                                                else DEFAULT_DIRECTORY)
+    return Path(chosen).absolute()
+
+
+def dump(reason: str = "requested", once: bool = False) -> Path | None:
+    """Write this rank's records to FLIGHT/rank-R.json; returns the path (None when the recorder
+    is off, or when `once` and this reason's kind was written already)."""
+    rec = recorder()
+    if rec is None:
+        return None
+    kind = reason.split(":", 1)[0]
+    if once and (kind in _dumped or "fatal" in _dumped):  # a rank's own failure says most
+        return None
+    _dumped.add(kind)
+    folder = directory()
+    path = folder / f"rank-{rec.rank}.json"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(rec.snapshot(reason), indent=1) + "\n")
+    except OSError as exc:
+        sys.stderr.write(f"mpdl: rank {rec.rank}: could not write flight records to {path}: "
+                         f"{exc}\n")
+        return None
+    return path
+
+
+def fatal(reason: str) -> None:
+    """Dump once for a failure of this rank and tell the other ranks to dump theirs."""
+    if dump(f"fatal: {reason}", once=True) is not None:
+        for notify in notify_peers:
+            with contextlib.suppress(Exception):
+                notify()
+
+
+def _install_hooks() -> None:
+    previous = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        fatal(f"{kind.__name__}: {value}")
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGUSR1, lambda signum, frame: dump("SIGUSR1"))

@@ -1,0 +1,412 @@
+"""`mpdl launch`'s supervisor: run `mpdl train` under the MPI launcher, restart it when it fails.
+
+The launcher is `srun` inside a Slurm allocation (SLURM_JOB_ID set and srun on PATH), otherwise
+the `mpiexec` beside the Python executable (a virtual environment's MPICH wheel), otherwise the
+first `mpiexec` or `mpirun` on PATH. The environment is passed through (Hydra and Slurm pass it
+all; Open MPI gets -x for the variables Python needs).
+
+When a run fails, the supervisor says which rank failed and how, from what the launcher printed:
+Hydra's "BAD TERMINATION" block gives the PID, the exit code and the signal of the first process
+that ended, and the supervisor maps the PID to its rank through the PMI_RANK /
+OMPI_COMM_WORLD_RANK / SLURM_PROCID of the processes it saw running (on this host, through /proc);
+MPI_Abort's "rank R in comm 0" line, mpdl's own "rank R failed" line, Open MPI's "process rank R
+with PID ... exited on signal S" and srun's "task R: Killed" name the rank themselves. It then
+restarts with --resume from the newest whole checkpoint, up to `max_restarts` times. With a
+hostfile, it first asks every host to start one process; hosts that fail are left out, and the job
+goes on with fewer ranks (the slots of the hosts that answered, at least `min_ranks`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from mpdl.training import checkpoint
+
+#: variables in which launchers give a process its rank
+RANK_VARIABLES = (b"PMI_RANK", b"OMPI_COMM_WORLD_RANK", b"SLURM_PROCID")
+#: every rank runs `mpdl` under a watcher that reports how it ended
+WATCH = (sys.executable, "-m", "mpdl.tools.rankwatch", sys.executable, "-m", "mpdl.cli")
+#: mpdl's exit status for bad flags or an inconsistent configuration (not worth a restart)
+USAGE_STATUS = 2
+#: what Open MPI needs to be told to pass on
+OPENMPI_FORWARD = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
+
+
+class LaunchError(ValueError):
+    """No launcher, or arguments the supervisor cannot work with."""
+
+
+@dataclass
+class Launcher:
+    """An MPI launcher: its command, and its kind (hydra, openmpi, slurm or other)."""
+
+    path: str
+    kind: str
+
+    def command(self, ranks: int, hostfile: str | None, program: Sequence[str]) -> list[str]:
+        if self.kind == "slurm":
+            return [self.path, "-n", str(ranks), *program]
+        cmd = [self.path, "-n", str(ranks)]
+        if hostfile:
+            cmd += ["-hostfile", hostfile]
+        if self.kind == "openmpi":
+            cmd += [a for v in OPENMPI_FORWARD if v in os.environ for a in ("-x", v)]
+        return [*cmd, *program]
+
+    def probe(self, host: str) -> list[str]:
+        """A command that starts one process on host."""
+        flag = "--host" if self.kind == "openmpi" else "-hosts"
+        return [self.path, "-n", "1", flag, host, sys.executable, "-c", "pass"]
+
+
+def find_launcher(env: dict[str, str] | None = None) -> Launcher:
+    """srun in a Slurm allocation, else mpiexec beside Python, else mpiexec/mpirun on PATH."""
+    env = dict(os.environ) if env is None else env
+    srun = shutil.which("srun", path=env.get("PATH"))
+    if env.get("SLURM_JOB_ID") and srun:
+        return Launcher(srun, "slurm")
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.is_file() else (shutil.which("mpiexec", path=env.get("PATH"))
+                                                  or shutil.which("mpirun", path=env.get("PATH")))
+    if not found:
+        raise LaunchError("no MPI launcher: no mpiexec beside " + sys.executable + " nor on "
+                          "PATH, and no Slurm allocation (install MPI: pip install "
+                          "\"mpdl[mpich]\")")
+    return Launcher(found, _kind(found))
+
+
+def _kind(path: str) -> str:
+    try:
+        text = subprocess.run([path, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "other"
+    return "hydra" if "HYDRA" in text else "openmpi" if "Open MPI" in text or "OpenRTE" in text \
+        else "other"
+
+
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """(host, slots) per line of a Hydra ("host:4") or Open MPI ("host slots=4") hostfile."""
+    hosts = []
+    for line in Path(path).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.match(r"^([^\s:]+)(?::(\d+))?(?:\s+slots\s*=\s*(\d+))?", line)
+        if not m:
+            raise LaunchError(f"--hostfile {path}: cannot read the line {line!r}")
+        hosts.append((m.group(1), int(m.group(2) or m.group(3) or 1)))
+    if not hosts:
+        raise LaunchError(f"--hostfile {path}: no hosts")
+    return hosts
+
+
+@dataclass
+class Failure:
+    """How a run ended: the failing rank (None when the launcher does not say), its exit status
+    or signal, and how that was found."""
+
+    returncode: int
+    rank: int | None = None
+    status: int | None = None
+    signal: int | None = None
+    how: str = ""
+
+    def describe(self) -> str:
+        who = f"rank {self.rank}" if self.rank is not None else "a rank (the launcher did not say " \
+            "which)"
+        if self.signal is not None:
+            what = f"was killed by signal {self.signal} ({_signal_name(self.signal)})"
+        elif self.status is not None:
+            what = f"exited with status {self.status}"
+        else:
+            what = f"failed (the launcher exited with status {self.returncode})"
+        return f"{who} {what}" + (f" [{self.how}]" if self.how else "")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown"
+
+
+def parse_failure(output: str, returncode: int, ranks_by_pid: dict[int, int]) -> Failure:
+    """What the output says about the failure. First the watcher's line (mpdl.tools.rankwatch:
+    the first rank whose program ended badly, and how), then the launcher's own reports: Hydra
+    names one PID, not always the first to end (it may be one it killed itself while cleaning
+    up), mapped to its rank through `ranks_by_pid`."""
+    failure = Failure(returncode)
+    found = []
+    m = re.search(r"mpdl launch: rank (\d+) \(pid \d+ on \S+\) (?:was killed by signal (\d+)|"
+                  r"exited with status (\d+))", output)
+    if m:
+        failure.rank = int(m.group(1))
+        if m.group(2):
+            failure.signal = int(m.group(2))
+        else:
+            failure.status = int(m.group(3))
+        found.append("the rank's watcher: " + m.group(0).split(": ", 1)[1])
+    m = re.search(r"BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\s*=\s*PID (\d+) "
+                  r"RUNNING AT (\S+)\s*=\s*EXIT CODE: (\d+)", output)
+    if m:
+        pid, code = int(m.group(1)), int(m.group(3))
+        s = re.search(r"EXIT STRING: .*\(signal (\d+)\)", output)
+        reported = ranks_by_pid.get(pid)
+        if failure.rank is None or failure.rank == reported:
+            failure.rank = reported
+            if s:
+                failure.signal = int(s.group(1))
+            else:
+                failure.status = code
+        found.append(f"mpiexec's BAD TERMINATION report: PID {pid} on {m.group(2)}"
+                     + (f" (rank {reported})" if reported is not None else "")
+                     + f", exit code {code}" + (f", {s.group(0).split(': ', 1)[1]}" if s else ""))
+    m = re.search(r"process rank (\d+) with PID (\d+) on node (\S+) exited on signal (\d+)", output)
+    if m:
+        failure.rank, failure.signal = int(m.group(1)), int(m.group(4))
+        found.append("mpirun's report: " + m.group(0))
+    m = re.search(r"process rank (\d+) with PID (\d+) on node (\S+) exited with (?:non-zero )?"
+                  r"(?:exit )?(?:status|code) (\d+)", output)
+    if m and failure.rank is None:
+        failure.rank, failure.status = int(m.group(1)), int(m.group(4))
+        found.append("mpirun's report: " + m.group(0))
+    m = re.search(r"srun: error: (\S+): tasks? (\d+)[^:]*: (Killed|Exited with exit code (\d+))",
+                  output)
+    if m:
+        failure.rank = int(m.group(2))
+        if m.group(4):
+            failure.status = int(m.group(4))
+        else:
+            failure.signal = signal.SIGKILL
+        found.append("srun's report: " + m.group(0))
+    for pattern, what in ((r"mpdl: rank (\d+) failed", "mpdl's report"),
+                          (r"Abort\(\d+\) on node \d+ \(rank (\d+) in comm 0\)", "MPI_Abort")):
+        m = re.search(pattern, output)
+        if m and failure.rank is None:
+            failure.rank = int(m.group(1))
+            found.append(f"{what}: {m.group(0)}")
+    m = re.search(r"ssh: Could not resolve hostname ([^:\s]+)|ssh: connect to host (\S+)", output)
+    if m or "Launch proxy failed" in output:
+        host = (m.group(1) or m.group(2)) if m else None
+        found.append("mpiexec could not start its proxy" + (f" on host {host}" if host else "")
+                     + (f" ({m.group(0)})" if m else ""))
+    failure.how = "; ".join(found)
+    return failure
+
+
+def _ranks_of_children(root: int) -> dict[int, int]:
+    """{pid: rank} of root's descendants that a launcher gave a rank (Linux /proc; {} elsewhere)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return {}
+    children: dict[int, list[int]] = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    ranks, stack = {}, [root]
+    while stack:
+        for pid in children.get(stack.pop(), []):
+            stack.append(pid)
+            try:
+                env = (proc / str(pid) / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for item in env:
+                name, _, value = item.partition(b"=")
+                if name in RANK_VARIABLES and value.isdigit():
+                    ranks[pid] = int(value)
+                    break
+    return ranks
+
+
+def _pump(source: IO[str], sink: IO[str], tail: deque) -> None:
+    for line in source:
+        sink.write(line)
+        sink.flush()
+        tail.append(line)
+
+
+@dataclass
+class Run:
+    """What one run of the job left: its exit status, the tail of its output, and {pid: rank}
+    of the rank processes seen on this host."""
+
+    returncode: int
+    output: str
+    ranks_by_pid: dict[int, int]
+
+
+def run_once(cmd: list[str], say: Callable[[str], None]) -> Run:
+    """Run cmd, passing its output through (and keeping its tail)."""
+    tail: deque = deque(maxlen=400)
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           bufsize=1, errors="replace")
+    pumps = [threading.Thread(target=_pump, args=(job.stdout, sys.stdout, tail), daemon=True),
+             threading.Thread(target=_pump, args=(job.stderr, sys.stderr, tail), daemon=True)]
+    for p in pumps:
+        p.start()
+    ranks: dict[int, int] = {}
+    try:
+        while job.poll() is None:
+            ranks.update(_ranks_of_children(job.pid))
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        say("interrupted: stopping the job")
+        job.send_signal(signal.SIGINT)
+        job.wait()
+        raise
+    for p in pumps:
+        p.join(5)
+    return Run(job.returncode, "".join(tail), ranks)
+
+
+@dataclass
+class Plan:
+    """What `supervise` runs: ranks, hostfile, restarts, the train arguments."""
+
+    ranks: int
+    train_args: list[str]
+    hostfile: str | None = None
+    max_restarts: int = 0
+    min_ranks: int | None = None
+
+
+def checkpoint_dir(train_args: Sequence[str]) -> str | None:
+    """The --checkpoint DIR among train's arguments."""
+    for i, arg in enumerate(train_args):
+        if arg == "--checkpoint" and i + 1 < len(train_args):
+            return train_args[i + 1]
+        if arg.startswith("--checkpoint="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def check(plan: Plan) -> None:
+    """LaunchError naming the flag for a plan that cannot run."""
+    if plan.ranks < 1:
+        raise LaunchError(f"-n: expected a positive number of ranks, got {plan.ranks}")
+    if plan.max_restarts < 0:
+        raise LaunchError(f"--max-restarts: expected a number >= 0, got {plan.max_restarts}")
+    if plan.min_ranks is not None and not 1 <= plan.min_ranks <= plan.ranks:
+        raise LaunchError(f"--min-ranks: expected a number of ranks in [1, {plan.ranks}] (-n), "
+                          f"got {plan.min_ranks}")
+    if plan.min_ranks is not None and plan.min_ranks < plan.ranks and not plan.hostfile:
+        raise LaunchError("--min-ranks below -n needs --hostfile (ranks are dropped with the "
+                          "hosts that stop answering)")
+    if not plan.train_args or plan.train_args[0] != "train":
+        raise LaunchError("expected the command after --: train ARGS... (mpdl launch -n 4 -- "
+                          "train --checkpoint DIR ...)")
+    if plan.max_restarts and not checkpoint_dir(plan.train_args):
+        raise LaunchError("--max-restarts: the train arguments need --checkpoint DIR (a restart "
+                          "resumes from it)")
+    if plan.hostfile:
+        read_hostfile(plan.hostfile)
+
+
+def live_hosts(launcher: Launcher, hosts: list[tuple[str, int]],
+               say: Callable[[str], None], timeout: float = 60) -> list[tuple[str, int]]:
+    """The hosts on which the launcher can start a process."""
+    alive = []
+    for host, slots in hosts:
+        try:
+            ok = subprocess.run(launcher.probe(host), capture_output=True,
+                                timeout=timeout).returncode == 0
+        except subprocess.TimeoutExpired:
+            ok = False
+        if ok:
+            alive.append((host, slots))
+        else:
+            say(f"host {host} does not answer (one process could not be started there within "
+                f"{timeout:g} s); leaving out its {slots} slot(s)")
+    return alive
+
+
+def supervise(plan: Plan, launcher: Launcher | None = None,
+              say: Callable[[str], None] | None = None) -> int:
+    """Run the plan, restarting after failures; the exit status for `mpdl launch`."""
+    say = say or (lambda text: print(f"mpdl launch: {text}", file=sys.stderr, flush=True))
+    check(plan)
+    launcher = launcher or find_launcher()
+    ranks, hostfile = plan.ranks, plan.hostfile
+    hosts = read_hostfile(hostfile) if hostfile else None
+    program = [*WATCH, *plan.train_args]
+    directory = checkpoint_dir(plan.train_args)
+    failures: list[Failure] = []
+    scratch = tempfile.mkdtemp(prefix="mpdl-launch-")
+    try:
+        for attempt in range(plan.max_restarts + 1):
+            cmd = launcher.command(ranks, hostfile, program)
+            say(f"attempt {attempt + 1} of {plan.max_restarts + 1}: {' '.join(cmd)}")
+            result = run_once(cmd, say)
+            returncode = result.returncode
+            if returncode == 0:
+                restarts = f" after {attempt} restart(s)" if attempt else ""
+                say(f"the job finished{restarts}")
+                return 0
+            failure = parse_failure(result.output, returncode, result.ranks_by_pid)
+            failures.append(failure)
+            say(f"attempt {attempt + 1} failed (exit status {returncode}): {failure.describe()}")
+            if failure.status == USAGE_STATUS and failure.signal is None:
+                say(f"giving up: train refused its arguments (exit status {USAGE_STATUS}, the "
+                    f"same on every rank); a restart would not change that")
+                return USAGE_STATUS
+            if attempt == plan.max_restarts:
+                break
+            if hosts is not None:
+                hosts = live_hosts(launcher, hosts, say)
+                slots = sum(s for _, s in hosts)
+                if min(ranks, slots) < (plan.min_ranks or plan.ranks):
+                    say(f"giving up: {slots} slot(s) on the hosts that answer, fewer than "
+                        f"--min-ranks {plan.min_ranks or plan.ranks}")
+                    return _give_up_status(failures)
+                ranks = min(ranks, slots)
+                hostfile = os.path.join(scratch, f"hosts-{attempt + 1}")
+                Path(hostfile).write_text("".join(f"{h}:{s}\n" for h, s in hosts))
+            say(f"restart {attempt + 1} of {plan.max_restarts} on {ranks} ranks, "
+                f"{_resume_point(directory)}")
+            program = [*WATCH, *_with_resume(plan.train_args)]
+        say(f"giving up after {len(failures)} failed attempt(s) (--max-restarts "
+            f"{plan.max_restarts}); last: {failures[-1].describe()}")
+        return _give_up_status(failures)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _give_up_status(failures: list[Failure]) -> int:
+    code = failures[-1].returncode if failures else 1
+    return code if 0 < code < 256 else 1
+
+
+def _with_resume(train_args: list[str]) -> list[str]:
+    return train_args if "--resume" in train_args else [*train_args, "--resume"]
+
+
+def _resume_point(directory: str | None) -> str:
+    """Where a restart resumes: the newest whole checkpoint's step and epoch."""
+    if directory is None or not checkpoint.has_checkpoint(directory):
+        return "from the start (no checkpoint yet)"
+    try:
+        state: Any = checkpoint.load_checkpoint(directory)[2]
+    except checkpoint.CheckpointError as exc:
+        return f"from the start ({exc})"
+    return (f"resuming from {directory} at step {state.get('step')} (epoch "
+            f"{int(state.get('epoch', 0)) + 1}, {state.get('sampler', {}).get('position', 0)} "
+            f"steps into it)")

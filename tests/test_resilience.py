@@ -1,0 +1,223 @@
+"""Resilience under real mpiexec: flight records and `mpdl doctor` after a rank skips an
+all-reduce, stall warnings, and `mpdl launch` restarting a killed training run from its
+checkpoint with the parameters of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+BIN = Path(sys.executable).parent
+MPIEXEC = str(BIN / "mpiexec")
+MPDL = str(BIN / "mpdl")
+
+SKIP_SCRIPT = """
+import numpy as np
+from mpdl import collectives as C
+from mpdl.comm import as_communicator
+comm = as_communicator(None)
+for i in range(10):
+    C.allreduce(np.full(256, float(i)), algorithm="ring")
+comm.barrier()
+"""
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, **(env or {})})
+
+
+def test_a_skipped_allreduce_ends_the_job_and_doctor_names_the_rank(tmp_path):
+    script = tmp_path / "skip.py"
+    script.write_text(SKIP_SCRIPT)
+    flight = tmp_path / "flight"
+    timeout = 5
+    start = time.monotonic()
+    out = run([MPIEXEC, "-n", "3", sys.executable, "-m", "mpi4py", str(script)], timeout=120,
+              env={"MPDL_TIMEOUT": str(timeout), "MPDL_STALL_WARN": "1",
+                   "MPDL_FAULT": "skip:1:5", "MPDL_FLIGHT_DIR": str(flight)})
+    elapsed = time.monotonic() - start
+    assert out.returncode != 0
+    assert elapsed < timeout + 10, f"the job took {elapsed:.1f} s to end"
+    # the stall warning: once per waiting rank, naming whom it waits for, before the timeout
+    warnings = re.findall(r"mpdl: rank (\d) has waited \d+ s in (\S+) \(#9\) for (.*?) \(",
+                          out.stderr)
+    assert sorted(w[0] for w in warnings) == ["0", "1", "2"], out.stderr
+    assert ("2", "allreduce/ring", "rank 1") in warnings
+    assert sorted(p.name for p in flight.iterdir()) == [f"rank-{r}.json" for r in range(3)]
+    records = json.loads((flight / "rank-2.json").read_text())
+    last = records["records"][-1]
+    assert (last["seq"], last["collective"], last["waiting_for"]) == (9, "allreduce", [1])
+    doctor = run([MPDL, "doctor", str(flight)], timeout=60)
+    assert doctor.returncode == 1
+    assert "first difference among ranks 0-2: #9" in doctor.stdout
+    assert "rank 1: barrier/mpi" in doctor.stdout
+    assert doctor.stdout.strip().endswith("look first at: rank 1"), doctor.stdout
+
+
+def test_doctor_without_records_says_so(tmp_path):
+    out = run([MPDL, "doctor", str(tmp_path)], timeout=60)
+    assert out.returncode == 2 and "no flight records" in out.stderr
+
+
+COMMON = ["--no-progress", "--dtype", "float64", "--epochs", "2", "--global-batch-size", "128",
+          "--lr-schedule", "constant"]
+
+
+def _params(directory: Path) -> dict[str, np.ndarray]:
+    with np.load(directory / "model.npz") as archive:
+        return {k: archive[k] for k in archive.files}
+
+
+def _resumed_step(stdout: str) -> int:
+    m = re.search(r"# resumed from \S+ at step (\d+) \(epoch \d+, (\d+) of 12 steps done\)", stdout)
+    assert m, stdout
+    return int(m.group(1))
+
+
+def test_launch_restarts_a_killed_rank_and_ends_as_an_uninterrupted_run(tmp_path):
+    """Digits at global batch 128: 12 steps per epoch. Rank 1 is SIGKILLed after step 8 (the
+    first checkpoint is at step 5); the restart resumes at step 5, repeating 3 <= 5 steps, and
+    the final parameters are bit-identical to those of one uninterrupted run."""
+    straight = tmp_path / "straight"
+    out = run([MPIEXEC, "-n", "3", MPDL, "train", *COMMON, "--checkpoint", str(straight)],
+              timeout=240)
+    assert out.returncode == 0, out.stderr
+    ckpt, every, kill_at = tmp_path / "ckpt", 5, 8
+    out = run([MPDL, "launch", "-n", "3", "--max-restarts", "2", "--", "train", *COMMON,
+               "--checkpoint", str(ckpt), "--checkpoint-every", str(every), "--keep", "2"],
+              timeout=300, env={"MPDL_FAULT": f"kill:1:{kill_at}"})
+    assert out.returncode == 0, out.stderr
+    assert "attempt 1 failed" in out.stderr
+    assert re.search(r"attempt 1 failed \(exit status \d+\): rank 1 was killed by signal 9 "
+                     r"\(SIGKILL\)", out.stderr), out.stderr
+    assert "restart 1 of 2 on 3 ranks, resuming from" in out.stderr
+    assert "the job finished after 1 restart(s)" in out.stderr
+    repeated = kill_at - _resumed_step(out.stdout)
+    assert 0 < repeated <= every
+    resumed, expected = _params(ckpt), _params(straight)
+    assert resumed.keys() == expected.keys()
+    for name in expected:
+        assert np.array_equal(resumed[name], expected[name]), name
+    assert len(list((ckpt / "history").iterdir())) == 2
+
+
+def test_launch_without_restarts_gives_up_and_says_why(tmp_path):
+    out = run([MPDL, "launch", "-n", "3", "--", "train", *COMMON, "--checkpoint",
+               str(tmp_path / "ckpt"), "--checkpoint-every", "5"],
+              timeout=300, env={"MPDL_FAULT": "kill:2:3"})
+    assert out.returncode != 0
+    assert re.search(r"attempt 1 failed \(exit status \d+\): rank 2 was killed by signal 9 "
+                     r"\(SIGKILL\)", out.stderr), out.stderr
+    assert "giving up after 1 failed attempt(s) (--max-restarts 0)" in out.stderr
+
+
+def test_a_step_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
+    """Killed on 2 ranks after step 23, resumed on 3 from step 20 (8 steps into epoch 2): the same
+    parameters as one rank's uninterrupted run, up to round-off (the sums' order differs)."""
+    ckpt = tmp_path / "ckpt"
+    out = run([MPIEXEC, "-n", "2", MPDL, "train", *COMMON, "--checkpoint", str(ckpt),
+               "--checkpoint-every", "10"], timeout=240, env={"MPDL_FAULT": "kill:0:23"})
+    assert out.returncode != 0
+    out = run([MPIEXEC, "-n", "3", MPDL, "train", *COMMON, "--checkpoint", str(ckpt),
+               "--checkpoint-every", "10", "--resume"], timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert _resumed_step(out.stdout) == 20
+    straight = tmp_path / "straight"
+    assert run([MPDL, "train", *COMMON, "--checkpoint", str(straight)],
+               timeout=240).returncode == 0
+    resumed, expected = _params(ckpt), _params(straight)
+    for name in expected:
+        np.testing.assert_allclose(resumed[name], expected[name], rtol=0, atol=1e-10)
+
+
+def test_launch_leaves_out_a_host_that_does_not_answer(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\nno-such-host.invalid:1\n")
+    out = run([MPDL, "launch", "-n", "3", "--hostfile", str(hosts), "--min-ranks", "2",
+               "--max-restarts", "1", "--", "train", *COMMON, "--epochs", "1", "--checkpoint",
+               str(tmp_path / "ckpt")], timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "host no-such-host.invalid does not answer" in out.stderr
+    assert "restart 1 of 1 on 2 ranks" in out.stderr
+
+
+def test_launch_bad_flags_exit_2_naming_the_flag(tmp_path):
+    for args, message in ((["-n", "0", "--", "train"], "-n: expected a positive number"),
+                          (["-n", "2", "--max-restarts", "1", "--", "train"],
+                           "--max-restarts: the train arguments need --checkpoint DIR"),
+                          (["-n", "2", "--min-ranks", "1", "--", "train"],
+                           "--min-ranks below -n needs --hostfile"),
+                          (["-n", "2", "--", "bench"], "expected the command after --: train")):
+        out = run([MPDL, "launch", *args], timeout=60)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+    out = run([MPDL, "launch", "-n", "2", "--max-restarts", "2", "--", "train", "--epochs", "0",
+               "--checkpoint", str(tmp_path / "ckpt")], timeout=120)
+    assert out.returncode == 2 and "--epochs: expected a positive number" in out.stderr
+    assert "giving up: train refused its arguments" in out.stderr
+    assert "attempt 2" not in out.stderr
+
+
+def test_failure_reports_of_each_launcher_are_read():
+    from mpdl.tools.launch import parse_failure
+
+    hydra = ("=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n=   PID 4242 RUNNING AT n1\n"
+             "=   EXIT CODE: 9\n=   CLEANING UP REMAINING PROCESSES\nYOUR APPLICATION TERMINATED "
+             "WITH THE EXIT STRING: Killed (signal 9)\n")
+    f = parse_failure(hydra, 9, {4242: 3})
+    assert (f.rank, f.signal) == (3, 9) and "PID 4242 on n1 (rank 3)" in f.describe()
+    watched = "mpdl launch: rank 1 (pid 7 on n2) exited with status 3\n" + hydra
+    f = parse_failure(watched, 9, {4242: 3})
+    assert (f.rank, f.status, f.signal) == (1, 3, None)
+    openmpi = "mpirun noticed that process rank 2 with PID 99 on node n3 exited on signal 9 (Killed)."
+    assert (parse_failure(openmpi, 137, {}).rank, parse_failure(openmpi, 137, {}).signal) == (2, 9)
+    srun = "srun: error: n4: task 5: Exited with exit code 2\n"
+    assert (parse_failure(srun, 2, {}).rank, parse_failure(srun, 2, {}).status) == (5, 2)
+    abort = "Abort(1) on node 0 (rank 0 in comm 0): application called MPI_Abort\n"
+    assert parse_failure(abort, 1, {}).rank == 0
+    assert parse_failure("", 1, {}).describe().startswith("a rank (the launcher did not say")
+
+
+def test_hostfiles_of_hydra_and_open_mpi(tmp_path):
+    from mpdl.tools.launch import read_hostfile
+
+    path = tmp_path / "hosts"
+    path.write_text("# nodes\nn1:4\nn2 slots=2\nn3\n")
+    assert read_hostfile(str(path)) == [("n1", 4), ("n2", 2), ("n3", 1)]
+
+
+def test_train_writes_flight_records_under_its_checkpoint(tmp_path):
+    """Rank 1 of `mpdl train` skips its fourth all-reduce (#3): the job ends, every rank's
+    records are in CHECKPOINT/flight, and doctor points at rank 1."""
+    ckpt = tmp_path / "ckpt"
+    out = run([MPIEXEC, "-n", "3", MPDL, "train", "--no-progress", "--epochs", "1",
+               "--checkpoint", str(ckpt)], timeout=120,
+              env={"MPDL_TIMEOUT": "5", "MPDL_FAULT": "skip:1:3"})
+    assert out.returncode != 0
+    flight = ckpt / "flight"
+    assert sorted(p.name for p in flight.iterdir()) == [f"rank-{r}.json" for r in range(3)]
+    doctor = run([MPDL, "doctor", str(flight)], timeout=60)
+    assert doctor.returncode == 1
+    assert doctor.stdout.strip().endswith("look first at: rank 1"), doctor.stdout
+
+
+def test_sigusr1_writes_the_records_on_demand(tmp_path):
+    code = ("import os, signal, time, numpy as np\n"
+            "from mpdl import collectives as C\n"
+            "C.allreduce(np.ones(4))\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "time.sleep(0.5)\n")
+    out = run([MPIEXEC, "-n", "2", sys.executable, "-c", code], timeout=60,
+              env={"MPDL_FLIGHT_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    for rank in range(2):
+        data = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert data["reason"] == "SIGUSR1" and data["records"][0]["collective"] == "allreduce"
