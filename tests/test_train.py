@@ -78,12 +78,34 @@ def test_output_json_and_timeline(tmp_path):
     (["--device", "gpu"], "--device gpu: CuPy is not installed or sees no GPU"),
     (["--emulate", "inter=fast"], "--emulate: MPDL_EMULATE: latency 'fast'"),
     (["--emulate", "outer=1Gbit/s"], "--emulate: MPDL_EMULATE: unknown link 'outer'"),
+    (["--model", "gpt", "--n-head", "5"], "--n-embd 64 must be divisible by --n-head 5"),
+    (["--model", "gpt", "--n-layer", "0"], "--n-layer: expected a positive number, got 0"),
+    (["--model", "gpt", "--block-size", "8"], "--block-size 8 is shorter than the sequences"),
+    (["--model", "gpt", "--dataset", "digits"], "--model gpt trains on --dataset addition or text"),
+    (["--model", "gpt", "--dataset", "text"], "--dataset text needs --data FILE"),
+    (["--dataset", "addition"], "--dataset addition is a token sequence task: it needs --model gpt"),
 ])
 def test_bad_input_exits_2_with_one_line(flags, message):
     out = train(2, *flags, timeout=60, env={"MPDL_NO_CUPY": "1"})
     assert out.returncode == 2, (out.stdout, out.stderr)
     errors = out.stderr.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("mpdl train: error: "), out.stderr
+    assert message in errors[0]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"), (b"", "the file is empty"),
+    (b"caf\xe9 au lait " * 10, "not UTF-8 text (invalid byte at offset 3)"),
+    (b"tiny", "the train part has 4 characters, too few for block_size=64"),
+])
+def test_bad_text_file_exits_2_with_one_line_naming_data(tmp_path, content, message):
+    path = tmp_path / "text.txt"
+    if content is not None:
+        path.write_bytes(content)
+    out = train(2, "--model", "gpt", "--dataset", "text", "--data", str(path), timeout=60)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    errors = out.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"mpdl train: error: --data {path}: ")
     assert message in errors[0]
 
 

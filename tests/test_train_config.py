@@ -38,8 +38,8 @@ def test_train_rejects_bad_communication_flags(changes, message):
     ({"mode": "ps", "ps_async": True, "staleness": 1},
      "ps_async and staleness exclude each other (staleness s bounds",
      "--async and --staleness exclude each other (--staleness s bounds"),
-    ({"model": "{vgg}"}, "model: expected one of mlp, lenet, resnet8, got '{vgg}'",
-     "--model: expected one of mlp, lenet, resnet8, got '{vgg}'"),
+    ({"model": "{vgg}"}, "model: expected one of mlp, lenet, resnet8, gpt, got '{vgg}'",
+     "--model: expected one of mlp, lenet, resnet8, gpt, got '{vgg}'"),
 ])
 def test_checks_name_fields_and_the_cli_names_flags(changes, library, flags):
     with pytest.raises(ConfigError) as caught:
