@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider --timeout=240
 
-.PHONY: install test test-unit test-mpi lint train bench clean
+.PHONY: install test test-unit test-mpi lint train train-gpt bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,6 +43,11 @@ test-mpi: install
 # The main job: data-parallel training on the shipped UCI digits, 4 ranks.
 train: install
 	$(MPIEXEC) -n 4 $(VENV)/bin/mpdl train
+
+# A small GPT (2 layers, width 64) learning 3-digit addition on 2 ranks: held-out exact match,
+# tokens/s and MFU per epoch (a few minutes on 2 cores).
+train-gpt: install
+	$(MPIEXEC) -n 2 $(VENV)/bin/mpdl train --model gpt --dataset addition
 
 # All-reduce algorithms against the MPI library's own, side by side (p = 2 and 4).
 bench: install

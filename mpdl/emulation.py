@@ -24,7 +24,8 @@ from mpdl import settings
 from mpdl.settings import EMULATE_ENV as ENV
 from mpdl.settings import Emulation, Link, parse
 
-__all__ = ["ENV", "Emulation", "Link", "LinkDelay", "OFF", "active", "apply", "install", "resolve", "parse"]
+__all__ = ["ENV", "Emulation", "Link", "LinkDelay", "OFF", "active", "apply", "describe_active",
+           "install", "parse", "resolve"]
 
 
 class LinkDelay:
@@ -49,6 +50,12 @@ def install(comm: Any, emulation: Emulation | None) -> None:
         comm.link_delay = None
         return
     comm.link_delay = LinkDelay(emulation, comm.node_of_rank(), comm.rank)
+
+
+def describe_active(comm: Any) -> str:
+    """The links emulated on comm, e.g. 'inter=10Gbit/s,20us' ('' when none)."""
+    links = active(comm)
+    return links.describe() if links is not None else ""
 
 
 def active(comm: Any) -> Emulation | None:

@@ -76,6 +76,7 @@ def test_calibrate_at_an_odd_world_size(tmp_path):
     assert out.returncode == 0, out.stderr
     entry = json.loads(model.read_text())["entries"]["3"]
     assert entry["alpha"] > 0 and entry["alpha_native"] > 0 and entry["beta"] > 0
+    assert entry["gemm_flops"] > 1e8  # the per-core float32 GEMM peak behind training's MFU
     # three ranks on a node: the ring curve is measured beside the pair curve
     assert len(entry["ring_exchange"]) == len(entry["exchange"]) == 6
     assert all(t > 0 for _, t in entry["ring_exchange"])

@@ -78,12 +78,34 @@ def test_output_json_and_timeline(tmp_path):
     (["--device", "gpu"], "--device gpu: CuPy is not installed or sees no GPU"),
     (["--emulate", "inter=fast"], "--emulate: MPDL_EMULATE: latency 'fast'"),
     (["--emulate", "outer=1Gbit/s"], "--emulate: MPDL_EMULATE: unknown link 'outer'"),
+    (["--model", "gpt", "--n-head", "5"], "--n-embd 64 must be divisible by --n-head 5"),
+    (["--model", "gpt", "--n-layer", "0"], "--n-layer: expected a positive number, got 0"),
+    (["--model", "gpt", "--block-size", "8"], "--block-size 8 is shorter than the sequences"),
+    (["--model", "gpt", "--dataset", "digits"], "--model gpt trains on --dataset addition or text"),
+    (["--model", "gpt", "--dataset", "text"], "--dataset text needs --data FILE"),
+    (["--dataset", "addition"], "--dataset addition is a token sequence task: it needs --model gpt"),
 ])
 def test_bad_input_exits_2_with_one_line(flags, message):
     out = train(2, *flags, timeout=60, env={"MPDL_NO_CUPY": "1"})
     assert out.returncode == 2, (out.stdout, out.stderr)
     errors = out.stderr.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("mpdl train: error: "), out.stderr
+    assert message in errors[0]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"), (b"", "the file is empty"),
+    (b"caf\xe9 au lait " * 10, "not UTF-8 text (invalid byte at offset 3)"),
+    (b"tiny", "the train part has 4 characters, too few for block_size=64"),
+])
+def test_bad_text_file_exits_2_with_one_line_naming_data(tmp_path, content, message):
+    path = tmp_path / "text.txt"
+    if content is not None:
+        path.write_bytes(content)
+    out = train(2, "--model", "gpt", "--dataset", "text", "--data", str(path), timeout=60)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    errors = out.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"mpdl train: error: --data {path}: ")
     assert message in errors[0]
 
 
@@ -189,6 +211,46 @@ def test_resume_with_another_number_of_ranks(tmp_path):
     assert [r["epoch"] for r in rows[:-1]] == [1, 2, 3] and rows[2]["ranks"] == 3
     out = train(1, "--checkpoint", str(ckpt), "--resume", "--model", "lenet", timeout=60)
     assert out.returncode == 2 and "written with model='mlp'" in out.stderr
+
+
+def test_gpt_json_timeline_resume_and_generate(tmp_path):
+    """A tiny GPT under mpiexec: its table and JSON fields, the timeline, a resume on another
+    number of ranks that follows the straight run, a shape that differs from the checkpoint's,
+    and `mpdl generate` from the checkpoint."""
+    common = ["--model", "gpt", "--digits", "1", "--n-layer", "1", "--n-head", "2", "--n-embd",
+              "8", "--global-batch-size", "12", "--dtype", "float64", "--lr-schedule", "constant"]
+    ckpt = tmp_path / "ckpt"
+    out = train(3, *common, "--epochs", "1", "--checkpoint", str(ckpt), "--timeline",
+                str(tmp_path / "t.json"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("# mpdl train: gpt (1 layers, 2 heads, width 8, block 5, ")
+    assert "on addition (90 train / 10 test), 3 ranks" in lines[0]
+    assert "peak" in lines[2] and "GFLOP/s per core x 3" in lines[2]
+    assert lines[3].split()[-4:] == ["tok/s", "MFU", "val_loss", "exact"]
+    trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in trace if e["ph"] == "X"} == {0, 1, 2}
+    out = train(2, *common, "--epochs", "2", "--checkpoint", str(ckpt), "--resume", "--json",
+                str(tmp_path / "resumed.jsonl"))
+    assert out.returncode == 0, out.stderr
+    straight = tmp_path / "straight"
+    assert train(1, *common, "--epochs", "2", "--checkpoint", str(straight)).returncode == 0
+    resumed, expected = dict(np.load(ckpt / "model.npz")), dict(np.load(straight / "model.npz"))
+    assert set(resumed) == set(expected) and "blocks.0.attn.qkv.weight" in resumed
+    for name in expected:
+        np.testing.assert_allclose(resumed[name], expected[name], rtol=0, atol=1e-10)
+    rows = json_lines(tmp_path / "resumed.jsonl")
+    assert [r["epoch"] for r in rows[:-1]] == [1, 2] and rows[1]["ranks"] == 2
+    for row in rows:
+        assert {"tokens_per_s", "mfu", "val_loss", "exact_match", "flops_per_token"} <= set(row)
+    out = train(1, *common, "--n-embd", "16", "--epochs", "2", "--checkpoint", str(ckpt),
+                "--resume", timeout=60)
+    assert out.returncode == 2 and "written with n_embd=8, this run has 16" in out.stderr
+    out = subprocess.run([MPIEXEC, "-n", "2", MPDL, "generate", "--checkpoint", str(ckpt),
+                          "--prompt", "3+4=", "--max-new-tokens", "2", "--top-k", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and len(out.stdout.splitlines()) == 1, out
+    assert out.stdout.startswith("3+4=") and len(out.stdout.strip()) == 6
 
 
 def _descendants(root: int) -> list[int]:

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from mpdl import settings
+from mpdl import emulation, settings
 from mpdl.cli import UsageError
 from mpdl.cli.train import check, flag, usage_error
 from mpdl.threadworld import ThreadWorld
@@ -38,8 +38,8 @@ def test_train_rejects_bad_communication_flags(changes, message):
     ({"mode": "ps", "ps_async": True, "staleness": 1},
      "ps_async and staleness exclude each other (staleness s bounds",
      "--async and --staleness exclude each other (--staleness s bounds"),
-    ({"model": "{vgg}"}, "model: expected one of mlp, lenet, resnet8, got '{vgg}'",
-     "--model: expected one of mlp, lenet, resnet8, got '{vgg}'"),
+    ({"model": "{vgg}"}, "model: expected one of mlp, lenet, resnet8, gpt, got '{vgg}'",
+     "--model: expected one of mlp, lenet, resnet8, gpt, got '{vgg}'"),
 ])
 def test_checks_name_fields_and_the_cli_names_flags(changes, library, flags):
     with pytest.raises(ConfigError) as caught:
@@ -87,4 +87,4 @@ def test_emulation_is_this_process_setting_for_the_run_only(monkeypatch):
     rows = trainer.run()
     assert rows[0]["emulated"] == rows[-1]["emulated"] == "inter=10Gbit/s,20us"
     assert settings.current() == before and "MPDL_EMULATE" not in os.environ
-    assert trainer.emulated() == ""
+    assert emulation.describe_active(trainer.comm) == ""

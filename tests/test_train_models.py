@@ -10,7 +10,7 @@ import pytest
 
 from mpdl.threadworld import ThreadWorld
 from mpdl.training.loop import TrainConfig, Trainer
-from mpdl.training.models import MODELS
+from mpdl.training.models import IMAGE_MODELS
 
 DATASETS = {"digits": dict(dataset="digits"),
             "synthetic-mnist": dict(dataset="synthetic", synthetic_shape="mnist"),
@@ -24,7 +24,7 @@ SIZES = {("mlp", "digits"): dict(epochs=6),
 
 
 @pytest.mark.parametrize("dataset", DATASETS)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", IMAGE_MODELS)
 def test_each_model_learns_each_dataset_with_the_defaults(model, dataset):
     sizes = SIZES[model, DATASETS[dataset]["dataset"]]
     config = TrainConfig(model=model, progress=False, **DATASETS[dataset], **sizes)

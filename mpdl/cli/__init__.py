@@ -1,4 +1,5 @@
-"""The `mpdl` command: one module per verb (info, bench, calibrate, train, simulate, launch, doctor).
+"""The `mpdl` command: one module per verb (info, bench, calibrate, train, simulate, generate,
+launch, doctor).
 
 Only the verb asked for is imported (with what it needs), so that a verb's start-up, which every
 mpiexec rank pays, does not include the other verbs' dependencies.
@@ -21,6 +22,7 @@ VERBS = {
     "train": "data-parallel training of a zoo model (default: an MLP on the shipped digits)",
     "calibrate": "measure this machine's α, β, γ for the cost model that drives algorithm='auto'",
     "simulate": "predict step time, speedup against N (up to 65,536), time and cost to train",
+    "generate": "sample text from a GPT checkpoint of `mpdl train --model gpt`",
     "launch": "run `mpdl train` under mpiexec or srun and restart it from its checkpoint when "
               "it fails",
     "doctor": "say what went wrong from the flight records of every rank",

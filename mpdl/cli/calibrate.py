@@ -57,5 +57,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"barrier         {params.barrier * 1e6:9.2f} us")
     print(f"call            {params.call * 1e6:9.2f} us per collective call (API overhead)")
     print(f"alpha_native    {params.alpha_native * 1e6:9.2f} us per message (MPI library)")
+    print(f"gemm_flops      {params.gemm_flops / 1e9:9.2f} GFLOP/s per core (float32 512x512 GEMM; "
+          f"the peak of `mpdl train`'s MFU)")
     print(f"saved {path}")
     return 0

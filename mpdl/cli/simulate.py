@@ -27,7 +27,7 @@ from mpdl.fileio import atomic_open
 from mpdl.mpi_runtime import load_mpi
 from mpdl.perf import simulate as S
 from mpdl.perf.units import parse_count, parse_size
-from mpdl.training.models import MODELS
+from mpdl.training.models import IMAGE_MODELS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -189,8 +189,8 @@ def choose_workload(args: argparse.Namespace):
         workload = S.Workload("custom", int(count), args.sample_ms / 1e3, source="given")
         default_net = "ethernet-10g"
     elif args.measure:
-        if args.measure not in MODELS:
-            raise UsageError(f"--measure: expected one of {', '.join(MODELS)}, got "
+        if args.measure not in IMAGE_MODELS:
+            raise UsageError(f"--measure: expected one of {', '.join(IMAGE_MODELS)}, got "
                              f"{args.measure!r}")
         if args.measure_input not in S.INPUT_SHAPES:
             raise UsageError(f"--measure-input: expected one of {', '.join(S.INPUT_SHAPES)}, "

@@ -1,12 +1,14 @@
 """`mpdl train`: data-parallel training of a zoo model (default: an MLP on the shipped UCI digits).
 
     mpiexec -n P mpdl train [--model mlp|lenet|resnet8] [--dataset digits|mnist|synthetic] ...
+    mpiexec -n P mpdl train --model gpt [--dataset addition|text --data FILE] [--n-layer L] ...
 
 Rank 0 prints one line per epoch (loss, train and test accuracy, samples/s, and the step time
 split into compute, communication and exposed communication); --json writes the same as JSON
 lines plus a summary line, --timeline a Chrome trace with one track per rank. --mode ps trains
 with a parameter server (synchronous, --staleness S or --async) and ends with the staleness
-histogram; --emulate SPEC slows the links like `mpdl bench --emulate`.
+histogram; --emulate SPEC slows the links like `mpdl bench --emulate`. A GPT's lines add tokens/s,
+MFU, validation loss and exact match (addition) or bits per character (text).
 """
 
 from __future__ import annotations
@@ -20,26 +22,31 @@ from mpdl.backend import cupy_module
 from mpdl.cli import UsageError
 from mpdl.comm import flight
 from mpdl.mpi_runtime import launcher_local_size, load_mpi
-from mpdl.training.config import ConfigError, TrainConfig, validate
+from mpdl.training.config import ConfigError, TrainConfig, model_defaults, validate
 from mpdl.training.loop import Trainer
 
 _D = {"model": "mlp", "dataset": "digits", "epochs": 15, "global_batch_size": 64,
       "optimizer": "sgd", "algorithm": "auto", "bucket_mb": 25.0, "first_bucket_mb": 1.0}
+#: the GPT's defaults where they differ (mpdl.training.config.MODEL_DEFAULTS)
+_GPT = model_defaults("gpt")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("example: mpiexec -n 4 mpdl train --epochs 10 --json train.jsonl "
                 "--timeline trace.json; parameter server: mpiexec -n 3 mpdl train --mode ps "
-                "--servers 1 --staleness 2")
+                "--servers 1 --staleness 2; a transformer: mpiexec -n 2 mpdl train --model gpt")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=_D["model"], metavar="{mlp,lenet,resnet8}",
-                   help="model from the zoo (default: %(default)s)")
-    g.add_argument("--dataset", default=_D["dataset"], metavar="{digits,mnist,synthetic}",
+    g.add_argument("--model", default=_D["model"], metavar="{mlp,lenet,resnet8,gpt}",
+                   help="model from the zoo; gpt: a decoder-only transformer for --dataset "
+                        "addition or text (default: %(default)s)")
+    g.add_argument("--dataset", metavar="{digits,mnist,synthetic,addition,text}",
                    help="digits: the shipped UCI 8x8 digits; mnist: IDX files or .npz at --data; "
-                        "synthetic: generated (default: %(default)s)")
+                        "synthetic: generated; addition: n-digit sums as characters, answers "
+                        "reversed; text: a UTF-8 file at --data, characters (default: "
+                        f"{_D['dataset']}; gpt: {_GPT['dataset']})")
     g.add_argument("--data", metavar="PATH",
                    help="MNIST folder with the standard IDX files (gzipped or not) or an .npz with "
-                        "x_train, y_train, x_test, y_test")
+                        "x_train, y_train, x_test, y_test; --dataset text: the text file")
     g.add_argument("--synthetic-shape", default="mnist", metavar="{mnist,cifar}",
                    help="image shape of --dataset synthetic: 1x28x28 or 3x32x32 (default: "
                         "%(default)s)")
@@ -47,21 +54,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="training samples of --dataset synthetic, plus N/4 test (default: "
                         "%(default)s)")
     g.add_argument("--dtype", default="float32", metavar="{float32,float64}")
+    g.add_argument("--digits", type=int, default=3,
+                   help="--dataset addition: digits of each operand, 1 to 9 (default: %(default)s)")
+    g.add_argument("--n-layer", type=int, default=2, metavar="L",
+                   help="gpt: transformer blocks (default: %(default)s)")
+    g.add_argument("--n-head", type=int, default=4, metavar="H",
+                   help="gpt: attention heads, dividing --n-embd (default: %(default)s)")
+    g.add_argument("--n-embd", type=int, default=64, metavar="D",
+                   help="gpt: width of the embeddings (default: %(default)s)")
+    g.add_argument("--block-size", type=int, metavar="T",
+                   help="gpt: the longest sequence (default: addition 3 x digits + 2, text 64)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=_D["epochs"],
-                   help="total epochs (a resumed run continues up to this) (default: %(default)s)")
-    g.add_argument("--global-batch-size", type=int, default=_D["global_batch_size"], metavar="B",
-                   help="samples per step over all ranks, split into contiguous per-rank slices "
-                        "(default: %(default)s)")
+    g.add_argument("--epochs", type=int,
+                   help="total epochs (a resumed run continues up to this) (default: "
+                        f"{_D['epochs']}; gpt: {_GPT['epochs']})")
+    g.add_argument("--global-batch-size", type=int, metavar="B",
+                   help="samples (sequences) per step over all ranks, split into contiguous "
+                        f"per-rank slices (default: {_D['global_batch_size']}; gpt: "
+                        f"{_GPT['global_batch_size']})")
     g.add_argument("--lr", type=float,
                    help="learning rate (default: sgd 0.2, adam 0.001, lars 2, lamb 0.01; lenet: "
-                        "sgd 0.03, adam 0.003; x 0.25 under --compression signsgd)")
-    g.add_argument("--optimizer", default=_D["optimizer"], metavar="{sgd,adam,lars,lamb}",
-                   help="(default: %(default)s; sgd and lars use --momentum)")
+                        "sgd 0.03, adam 0.003; gpt: adam 0.003; x 0.25 under --compression "
+                        "signsgd)")
+    g.add_argument("--optimizer", metavar="{sgd,adam,lars,lamb}",
+                   help=f"(default: {_D['optimizer']}; gpt: {_GPT['optimizer']}; sgd and lars "
+                        f"use --momentum)")
     g.add_argument("--momentum", type=float, default=0.9, help="(default: %(default)s)")
     g.add_argument("--weight-decay", type=float, default=0.0, help="(default: %(default)s)")
-    g.add_argument("--warmup-epochs", type=float, default=0.0,
-                   help="linear learning-rate warmup (Goyal et al.) (default: %(default)s)")
+    g.add_argument("--warmup-epochs", type=float,
+                   help="linear learning-rate warmup (Goyal et al.) (default: 0; gpt: "
+                        f"{_GPT['warmup_epochs']})")
     g.add_argument("--scale-lr", action="store_true",
                    help="linear scaling rule: --lr is the rate for a batch of 256, scaled by B/256")
     g.add_argument("--lr-schedule", default="cosine", metavar="{constant,cosine}",
@@ -155,10 +177,13 @@ def check(config: TrainConfig, world_size: int) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The configuration of the flags; a flag not given takes the model's default."""
+    d = {k: v if getattr(args, k) is None else getattr(args, k)
+         for k, v in model_defaults(args.model).items()}
     return TrainConfig(
-        model=args.model, dataset=args.dataset, data=args.data, epochs=args.epochs,
-        global_batch_size=args.global_batch_size, lr=args.lr, optimizer=args.optimizer,
-        momentum=args.momentum, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs,
+        model=args.model, dataset=d["dataset"], data=args.data, epochs=d["epochs"],
+        global_batch_size=d["global_batch_size"], lr=args.lr, optimizer=d["optimizer"],
+        momentum=args.momentum, weight_decay=args.weight_decay, warmup_epochs=d["warmup_epochs"],
         scale_lr=args.scale_lr, lr_schedule=args.lr_schedule, algorithm=args.algorithm,
         bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,
         overlap=not args.no_overlap, seed=args.seed, checkpoint=args.checkpoint,
@@ -169,7 +194,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         progress=not args.no_progress, compression=args.compression, ratio=args.ratio,
         levels=args.levels, powersgd_rank=args.rank, sync_every=args.sync_every,
         post_local_warmup=args.post_local_warmup, mode=args.mode, servers=args.servers,
-        staleness=args.staleness, ps_async=args.ps_async, emulate=args.emulate)
+        staleness=args.staleness, ps_async=args.ps_async, emulate=args.emulate,
+        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
+        digits=args.digits)
 
 
 def limit_blas_threads() -> None:

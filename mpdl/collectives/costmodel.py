@@ -80,6 +80,9 @@ class Params:
     #: within 2(p-1) steps in a row as a ring all-reduce takes them: with more ranks than cores a
     #: ring step needs every rank scheduled, a pairwise step only two
     ring_exchange: tuple[tuple[float, float], ...] = field(default=())
+    #: float32 FLOP/s of one core on a 512×512 GEMM, the best rank's (0: not measured); the peak
+    #: against which `mpdl train` reports model-FLOPs utilisation
+    gemm_flops: float = 0.0
     #: the world size the parameters were measured at (0: defaults)
     ranks: int = 0
     source: str = "defaults"

@@ -149,7 +149,18 @@ class Strategy:
         end = time.perf_counter()
         n = len(batch.y)
         result.loss += float(loss.item()) * n
-        result.correct += float((logits.data.argmax(axis=1) == batch.y).sum())
+        result.correct += correct_predictions(logits.data, batch.y)
         result.samples += n
         result.spans += [Span("forward", start, forward_end), Span("backward", forward_end, end)]
         return end
+
+
+def correct_predictions(logits: Any, labels: Any) -> float:
+    """Right argmax predictions of (N, C) logits; of (N, T, C) sequence logits, N times the
+    accuracy over the positions that have a target (label >= 0), so that correct / samples is
+    the accuracy either way."""
+    hits = logits.argmax(axis=-1) == labels
+    if logits.ndim == 2:
+        return float(hits.sum())
+    counted = labels >= 0
+    return float(len(labels) * hits[counted].sum() / max(int(counted.sum()), 1))

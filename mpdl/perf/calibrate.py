@@ -10,7 +10,9 @@ nodes exchange them. Each exchange is timed as `mpdl bench`
 times a call (barrier, one call, slowest rank). Every rank reduces arrays for γ (per dtype) and
 copies them, on arrays not in cache, and copies a window chunk that stays in cache (the shm
 algorithm's); the barrier shm takes twice per call is measured inside an 8-byte shm all-reduce. A
-collective's time is set by its slowest rank, so each figure is the maximum over ranks.
+collective's time is set by its slowest rank, so each figure is the maximum over ranks. Last, every
+rank times float32 512×512 GEMMs at once (`mpdl.training.throughput.gemm_flops`), and the best
+rank's FLOP/s is the per-core peak `mpdl train` reports model-FLOPs utilisation against.
 `calibrate` stores the parameters under this world size in the cost model's file
 ($MPDL_COST_MODEL, or ~/.cache/mpdl/costmodel.json; XDG_CACHE_HOME is honoured); `auto` and
 `mpdl bench` read them from there.
@@ -18,6 +20,7 @@ collective's time is set by its slowest rank, so each figure is the maximum over
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import socket
 import time
@@ -30,6 +33,7 @@ from mpdl.collectives import costmodel
 from mpdl.collectives.costmodel import Params
 from mpdl.collectives.shm import WINDOW_BYTES
 from mpdl.threadworld import ThreadWorld
+from mpdl.training.throughput import gemm_flops
 
 #: message sizes of the ping-pong; α comes from the smallest, β from the slope of the others
 SMALL_BYTES = 8
@@ -280,6 +284,7 @@ def calibrate(comm: Any, iters: int = 20, path: str | None = None) -> Params:
     emulation.install(comm, None)
     nodes = len(comm.node_groups())
     params = to_params(measure(comm, iters), comm.size, nodes, socket.gethostname())
+    params = dataclasses.replace(params, gemm_flops=max(comm.allgather_object(gemm_flops())))
     if path is not None:
         if comm.rank == 0:
             costmodel.save(path, params)

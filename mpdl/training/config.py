@@ -20,14 +20,23 @@ from mpdl.parallel.ps import check_config
 from mpdl.training.models import MODELS
 
 OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
-DATASETS = ("digits", "mnist", "synthetic")
+DATASETS = ("digits", "mnist", "synthetic", "addition", "text")
+#: the datasets of the GPT (token sequences); the image models take the others
+SEQUENCE_DATASETS = ("addition", "text")
 SCHEDULES = ("constant", "cosine")
 MODES = ("allreduce", "ps")
 #: the learning rate of each optimizer when --lr is not given ...
 DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "lars": 2.0, "lamb": 1e-2}
 #: ... unless the model has its own: LeNet (no batch norm) diverges at sgd 0.2 and learns
 #: faster with adam at 3e-3
-MODEL_LR = {("lenet", "sgd"): 0.03, ("lenet", "adam"): 3e-3}
+MODEL_LR = {("lenet", "sgd"): 0.03, ("lenet", "adam"): 3e-3, ("gpt", "adam"): 3e-3}
+#: what a model's run gets by default where the flag is not given: the GPT trains with Adam on
+#: batches of 128 sequences for 8 epochs (3,128 steps on the addition task; with 5 the cosine
+#: decays before the model has learnt the carries), after a warmup of about 100 steps
+MODEL_DEFAULTS = {"gpt": {"dataset": "addition", "optimizer": "adam", "epochs": 8,
+                          "global_batch_size": 128, "warmup_epochs": 0.25}}
+#: the length of a text run's sequences when block_size is not given
+TEXT_BLOCK_SIZE = 64
 #: and the factor a compressor applies to it: a scaled sign step moves every coordinate by the
 #: mean magnitude, a larger step than the gradient's for most coordinates
 COMPRESSION_LR_SCALE = {"signsgd": 0.25}
@@ -35,7 +44,7 @@ COMPRESSION_LR_SCALE = {"signsgd": 0.25}
 BASE_BATCH = 256
 #: config fields a resumed run must share with the checkpoint
 RESUME_FIELDS = ("model", "dataset", "synthetic_shape", "synthetic_samples", "global_batch_size",
-                 "seed", "dtype")
+                 "seed", "dtype", "n_layer", "n_head", "n_embd", "block_size", "digits")
 
 
 class ConfigError(ValueError):
@@ -116,6 +125,11 @@ class TrainConfig:
     staleness: int | None = None
     ps_async: bool = False
     emulate: str | None = None
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    block_size: int | None = None
+    digits: int = 3
 
     def ps_mode(self) -> str:
         """The parameter server's synchronisation: sync, ssp (staleness) or async (ps_async)."""
@@ -131,6 +145,13 @@ class TrainConfig:
         lr = default_lr(self.model, self.optimizer, self.compression) if self.lr is None \
             else self.lr
         return scale_lr(lr, self.global_batch_size, BASE_BATCH) if self.scale_lr else lr
+
+
+def model_defaults(model: str) -> dict[str, object]:
+    """The TrainConfig fields whose default depends on the model, with their value for `model`."""
+    base = {f.name: f.default for f in dataclasses.fields(TrainConfig)
+            if f.name in ("dataset", "optimizer", "epochs", "global_batch_size", "warmup_epochs")}
+    return {**base, **MODEL_DEFAULTS.get(model, {})}
 
 
 def default_lr(model: str, optimizer: str, compression: str = "none") -> float:
@@ -169,11 +190,13 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"{{global_batch_size}} {config.global_batch_size} is smaller than the "
                           f"number of {what} ({ranks}): every {what[:-1]} needs at least one "
                           f"sample")
+    validate_sequence(config)
     if config.dataset == "mnist" and not config.data:
         raise ConfigError("{dataset} mnist needs {data} PATH (a folder with the IDX files, "
                           "gzipped or not, or an .npz); nothing is downloaded")
-    if config.data and config.dataset != "mnist":
-        raise ConfigError(f"{{data}} is only read with {{dataset}} mnist, not {config.dataset}")
+    if config.data and config.dataset not in ("mnist", "text"):
+        raise ConfigError(f"{{data}} is only read with {{dataset}} mnist or text, not "
+                          f"{config.dataset}")
     if config.resume and not config.checkpoint:
         raise ConfigError("{resume} needs {checkpoint} DIR")
     for field in ("checkpoint_every", "keep"):
@@ -192,6 +215,33 @@ def validate(config: TrainConfig, world_size: int) -> None:
             emulation.resolve(config.emulate)
         except ValueError as exc:
             raise ConfigError(f"{{emulate}}: {literal(str(exc))}") from None
+
+
+def validate_sequence(config: TrainConfig) -> None:
+    """The GPT's shape fields and its datasets."""
+    if (config.model == "gpt") != (config.dataset in SEQUENCE_DATASETS):
+        if config.model == "gpt":
+            raise ConfigError(f"{{model}} gpt trains on {{dataset}} addition or text, not "
+                              f"{config.dataset}")
+        raise ConfigError(f"{{dataset}} {config.dataset} is a token sequence task: it needs "
+                          f"{{model}} gpt, not {config.model}")
+    for field in ("n_layer", "n_head", "n_embd", "block_size", "digits"):
+        value = getattr(config, field)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{{{field}}}: expected a positive number, got {value}")
+    if config.n_embd % config.n_head:
+        raise ConfigError(f"{{n_embd}} {config.n_embd} must be divisible by {{n_head}} "
+                          f"{config.n_head} (each head gets n_embd / n_head dimensions)")
+    if config.digits > 9:
+        raise ConfigError(f"{{digits}}: expected 1 to 9 digits, got {config.digits}")
+    length = 3 * config.digits + 2
+    if config.dataset == "addition" and config.block_size is not None \
+            and config.block_size < length:
+        raise ConfigError(f"{{block_size}} {config.block_size} is shorter than the sequences of "
+                          f"{{dataset}} addition with {{digits}} {config.digits} (3 x digits + 2 "
+                          f"= {length} tokens)")
+    if config.dataset == "text" and not config.data:
+        raise ConfigError("{dataset} text needs {data} FILE (a UTF-8 text file)")
 
 
 def validate_communication(config: TrainConfig, world_size: int) -> None:

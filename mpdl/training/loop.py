@@ -7,6 +7,8 @@ communication and exposed communication (the part the step waited for), summed o
 that train. `make_strategy` maps a configuration to its strategy: all-reduce DDP (optionally
 compressed), local SGD (sync_every > 1) or the parameter server (mode "ps": the last `servers`
 ranks serve and read no data; the summary's test accuracy is that of their final parameters).
+The data and its evaluation are the task's (`mpdl.training.tasks`); a GPT's rows add tokens/s,
+model FLOPs and MFU (`mpdl.training.throughput`).
 """
 
 from __future__ import annotations
@@ -22,18 +24,18 @@ from tqdm import tqdm
 
 from mpdl import emulation, faults
 from mpdl.autograd import optim
-from mpdl.autograd.tensor import Tensor, no_grad
 from mpdl.backend import cupy_module, use_local_gpu
 from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator
 from mpdl.datasets import DatasetError
 from mpdl.parallel import DistributedSampler, split_bounds
 from mpdl.parallel.strategy import Batch
-from mpdl.training import checkpoint
-from mpdl.training.config import ConfigError, TrainConfig, literal, load_data, resume_mismatch, validate
+from mpdl.training import checkpoint, throughput
+from mpdl.training.config import ConfigError, TrainConfig, literal, resume_mismatch, validate
 from mpdl.training.factory import make_optimizer, make_strategy
-from mpdl.training.models import build_model
+from mpdl.training.models import build_model, describe_model
 from mpdl.training.report import Report, ranks_text, resumed_text, write_timeline
+from mpdl.training.tasks import SUMMARY_FIELDS, load_task
 from mpdl.training.timeline import Timeline
 
 __all__ = ["ConfigError", "TrainConfig", "Trainer", "validate"]
@@ -90,14 +92,13 @@ class Trainer:
         c = self.config
         self.strategy = make_strategy(c, self.comm)
         trains = self.strategy.trains
-        data = self._checked(lambda: load_data(c) if trains else None)
-        shape = None
-        if data is not None:
-            self.xtr, self.ytr, self.xte, self.yte = data
-            classes = int(max(self.ytr.max(), self.yte.max() if len(self.yte) else 0)) + 1
-            shape = (tuple(self.xtr.shape[1:]), classes)
-        shape = self.comm.allgather_object(shape)[0]  # servers read no data
-        self.model = build_model(c.model, shape[0], shape[1], seed=c.seed, dtype=np.dtype(c.dtype))
+        self.task = self._checked(lambda: load_task(c) if trains else None)
+        if self.task is not None:
+            self.report.columns = self.task.columns
+        shape = self.comm.allgather_object(self.task and self.task.shape)[0]  # servers: no data
+        self.model = build_model(c.model, shape[0], shape[1], seed=c.seed, dtype=np.dtype(c.dtype),
+                                 n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd)
+        self.peak = throughput.peak_flops(self.comm) if c.model == "gpt" else None
         if c.device == "gpu":
             node = self.comm.node_groups()[self.comm.node_of_rank()[self.rank]]
             use_local_gpu(node.index(self.rank), len(node))
@@ -109,7 +110,7 @@ class Trainer:
         if not trains:
             return
         data_comm = self.strategy.data_comm
-        self.sampler = DistributedSampler(len(self.xtr), c.global_batch_size, rank=data_comm.rank,
+        self.sampler = DistributedSampler(len(self.task.xtr), c.global_batch_size, rank=data_comm.rank,
                                           num_replicas=data_comm.size, seed=c.seed,
                                           drop_last=c.drop_last)
         self.steps_per_epoch = len(self.sampler)
@@ -146,6 +147,8 @@ class Trainer:
         state = {"epoch": epoch, "step": self.step, "sampler": self.sampler.state_dict(),
                  "rng": checkpoint.module_rngs(self.model), "config": dataclasses.asdict(self.config),
                  "ranks": self.size, "history": self.rows, "partial": partial}
+        if self.task.model_info() is not None:
+            state["model_info"] = self.task.model_info()
         checkpoint.save_checkpoint(self.config.checkpoint, self.model.state_dict(),
                                    self.strategy.state_dict(), state, keep=self.config.keep)
 
@@ -175,12 +178,11 @@ class Trainer:
         epoch_start = time.perf_counter()
         for idx, global_batch in self.sampler:
             self.lr = self.schedule(self.step)
-            batch = Batch(self._to_device(self.xtr[idx]), self._to_device(self.ytr[idx]),
-                          global_batch, self.lr)
+            batch = Batch(self._to_device(self.task.xtr[idx]),
+                          self._to_device(self.task.ytr[idx]), global_batch, self.lr)
             r = self.strategy.step(batch)
-            for key, value in (("loss", r.loss), ("correct", r.correct), ("n", r.samples),
-                               ("compute", r.compute_s), ("comm", r.comm_s),
-                               ("exposed", r.exposed_s)):
+            for key, value in zip(SUMS[:-1], (r.loss, r.correct, r.samples, r.compute_s,
+                                              r.comm_s, r.exposed_s), strict=True):  # not "wall"
                 sums[key] += value
             if self.timeline is not None:
                 for s in r.spans:
@@ -197,21 +199,14 @@ class Trainer:
             bar.close()
         return sums
 
-    def evaluate(self) -> tuple[float, float]:
-        """(correct, count) of this rank's contiguous share of the test set (among the ranks
-        that train)."""
+    def evaluate(self) -> list[float]:
+        """The task's evaluation sums over this rank's contiguous share of the held-out items
+        (among the ranks that train)."""
         self.model.eval()
         data_comm = self.strategy.data_comm
-        bounds = split_bounds(len(self.xte), data_comm.size)
-        lo, hi = bounds[data_comm.rank], bounds[data_comm.rank + 1]
-        correct = 0.0
-        with no_grad():
-            for start in range(lo, hi, 512):
-                stop = min(start + 512, hi)
-                logits = self.model(Tensor(self._to_device(self.xte[start:stop])))
-                correct += float((logits.data.argmax(axis=1) ==
-                                  self._to_device(self.yte[start:stop])).sum())
-        return correct, float(hi - lo)
+        bounds = split_bounds(self.task.eval_size(), data_comm.size)
+        return self.task.evaluate(self.model, bounds[data_comm.rank], bounds[data_comm.rank + 1],
+                                  self._to_device)
 
     def run(self) -> list[dict[str, Any]]:
         """Train from start_epoch to config.epochs; return one row per epoch plus a summary.
@@ -249,28 +244,26 @@ class Trainer:
                                   comm=data_comm)
             summary = self._summary(time.perf_counter() - run_start)
             if final is not None:
-                summary["test_acc"] = final[0] / final[1] if final[1] else None
+                summary.update(self.task.metrics(final))
         self.report.summary(summary, self.rows, strategy.describe(final=True))
         if self.timeline is not None:
             write_timeline(self.comm, self.timeline, c.timeline)
         return [*self.rows, summary]
-
-    def emulated(self) -> str:
-        """The emulated links of this run ('' when none), e.g. 'inter=10Gbit/s,20us'."""
-        links = emulation.active(self.comm)
-        return links.describe() if links is not None else ""
 
     def _add_row(self, epoch: int, tot: np.ndarray, ranks: int) -> None:
         """Record, print and write the epoch's row from the sums over the `ranks` that train."""
         steps = self.steps_per_epoch
         fields = self.strategy.report()
         row = {"epoch": epoch + 1, "loss": tot[0] / tot[2], "train_acc": tot[1] / tot[2],
-               "test_acc": tot[7] / tot[8] if tot[8] else float("nan"),
-               "samples_per_s": tot[2] / (tot[6] / ranks),
+               **self.task.metrics(tot[7:]), "samples_per_s": tot[2] / (tot[6] / ranks),
                "compute_s": tot[3] / ranks / steps, "comm_s": tot[4] / ranks / steps,
                "exposed_comm_s": tot[5] / ranks / steps, "ranks": self.size,
                "algorithm": fields.pop("algorithm"), "lr": self.lr, "mode": fields.pop("mode"),
-               "emulated": self.emulated(), **fields}
+               "emulated": emulation.describe_active(self.comm), **fields}
+        if self.peak is not None:
+            row.update(throughput.fields(row["samples_per_s"], self.task.seq_len,
+                                         self.model.flops_per_token(self.task.seq_len), self.peak,
+                                         self.size))
         self.rows.append(row)
         self.report.row(row, self.rows)
         if self.rank == 0 and self.config.checkpoint:
@@ -279,11 +272,12 @@ class Trainer:
     def _summary(self, seconds: float) -> dict[str, Any]:
         c, last = self.config, self.rows[-1] if self.rows else {}
         return {"summary": True, "epochs": c.epochs, "ranks": self.size,
-                **self.strategy.report(final=True), "emulated": self.emulated(),
+                **self.strategy.report(final=True), "emulated": emulation.describe_active(self.comm),
                 "model": c.model, "dataset": c.dataset, "global_batch_size": c.global_batch_size,
                 "optimizer": c.optimizer, "overlap": c.overlap,
                 "loss": last.get("loss"), "train_acc": last.get("train_acc"),
                 "test_acc": last.get("test_acc"),
+                **{k: last[k] for k in SUMMARY_FIELDS if k in last},
                 "samples_per_s": (float(np.mean([r["samples_per_s"] for r in self.rows]))
                                   if self.rows else None),
                 "seconds": seconds}
@@ -291,10 +285,14 @@ class Trainer:
     def _print_header(self) -> None:
         c = self.config
         ranks, per_rank = ranks_text(self.strategy.roles(), c.global_batch_size)
-        emulated = self.emulated()
-        what = (f"{c.model} on {c.dataset} ({len(self.xtr)} train / {len(self.xte)} test), "
+        emulated = emulation.describe_active(self.comm)
+        what = (f"{describe_model(c.model, self.model)} on {c.dataset} ({len(self.task.xtr)} train / "
+                f"{len(self.task.xte)} test), "
                 f"{ranks}, global batch {c.global_batch_size} ({per_rank}), {c.optimizer} lr "
                 f"{c.base_lr():g}, {self.strategy.describe()}"
                 + (f", EMULATED links {emulated}" if emulated else ""))
-        self.report.header(what, resumed_text(c.checkpoint, self.start_epoch, self.step,
-                                              self.sampler.position, self.steps_per_epoch))
+        notes = [*self.task.notes(),
+                 self.peak and throughput.note(self.model, self.task.seq_len, self.peak, self.size),
+                 resumed_text(c.checkpoint, self.start_epoch, self.step, self.sampler.position,
+                              self.steps_per_epoch)]
+        self.report.header(what, [note for note in notes if note])

@@ -1,4 +1,5 @@
-"""The model zoo of `mpdl train`: mlp, lenet and resnet8, built for any (C, H, W) input."""
+"""The model zoo of `mpdl train`: mlp, lenet and resnet8, built for any (C, H, W) input, and the
+GPT language model (`mpdl.training.gpt`) for the sequence tasks."""
 
 from __future__ import annotations
 
@@ -8,8 +9,14 @@ import numpy as np
 
 from mpdl.autograd import nn
 from mpdl.autograd.tensor import Tensor
+from mpdl.training.gpt import GPT
 
-MODELS = ("mlp", "lenet", "resnet8")
+__all__ = ["GPT", "IMAGE_MODELS", "MODELS", "build_model", "describe_model"]
+
+#: the image classifiers (input (C, H, W), a class per image)
+IMAGE_MODELS = ("mlp", "lenet", "resnet8")
+#: every model of the zoo; gpt reads token ids (block_size,) and predicts the next token
+MODELS = (*IMAGE_MODELS, "gpt")
 
 
 def mlp(input_shape: tuple[int, ...], classes: int, rng: np.random.Generator,
@@ -99,9 +106,13 @@ class ResNet8(nn.Module):
 
 
 def build_model(name: str, input_shape: tuple[int, ...], classes: int, seed: int = 0,
-                dtype: Any = np.float32) -> nn.Module:
-    """A zoo model, initialised from a generator seeded with `seed`."""
+                dtype: Any = np.float32, **shape: int) -> nn.Module:
+    """A zoo model, initialised from a generator seeded with `seed`. For gpt, input_shape is
+    (block_size,), classes the vocabulary size and `shape` gives n_layer, n_head and n_embd."""
     rng = np.random.default_rng(seed)
+    if name == "gpt":
+        return GPT(classes, input_shape[0], shape["n_layer"], shape["n_head"], shape["n_embd"],
+                   rng=rng, dtype=dtype)
     if name == "mlp":
         return mlp(input_shape, classes, rng, dtype=dtype)
     if name == "lenet":
@@ -109,3 +120,11 @@ def build_model(name: str, input_shape: tuple[int, ...], classes: int, seed: int
     if name == "resnet8":
         return ResNet8(input_shape, classes, rng, dtype=dtype)
     raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {name!r}")
+
+
+def describe_model(name: str, model: nn.Module) -> str:
+    """The model's name, with its shape and size for a GPT."""
+    if not isinstance(model, GPT):
+        return name
+    return (f"gpt ({model.n_layer} layers, {model.n_head} heads, width {model.n_embd}, block "
+            f"{model.block_size}, {model.num_parameters():,} parameters)")

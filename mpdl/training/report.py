@@ -35,24 +35,26 @@ def ranks_text(roles: list[tuple[str, int]], global_batch_size: int) -> tuple[st
 
 class Report:
     """The table on `out` and the JSON lines at `json_path` (None: none), written when `enabled`
-    (rank 0)."""
+    (rank 0). `columns` are extra table columns after COLUMNS (a task's: (title, row field,
+    width, format))."""
 
     def __init__(self, out: TextIO, json_path: str | None, enabled: bool) -> None:
         self.out, self.json_path, self.enabled = out, json_path, enabled
+        self.columns: tuple[tuple[str, str, int, str], ...] = ()
 
     def print(self, line: str) -> None:
         if self.enabled:
             print(line, file=self.out)
             self.out.flush()
 
-    def header(self, what: str, resumed: str | None) -> None:
-        """The run's description line, the resume note and the column names."""
+    def header(self, what: str, notes: list[str]) -> None:
+        """The run's description line, the notes (e.g. that it resumed) and the column names."""
         self.print(f"# mpdl train: {what}")
-        if resumed:
-            self.print(resumed)
+        for note in notes:
+            self.print(note)
         self.print(f"{COLUMNS[0]:>5} {COLUMNS[1]:>8} {COLUMNS[2]:>9} {COLUMNS[3]:>8} "
                    f"{COLUMNS[4]:>10} {COLUMNS[5]:>8} {COLUMNS[6]:>8} {COLUMNS[7]:>8} "
-                   f"{COLUMNS[8]:>8}")
+                   f"{COLUMNS[8]:>8}" + "".join(f" {t:>{w}}" for t, _, w, _ in self.columns))
 
     def row(self, r: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         """An epoch's line, and the JSON lines so far."""
@@ -60,7 +62,8 @@ class Report:
         self.print(f"{r['epoch']:>5} {r['loss']:>8.4f} {r['train_acc']:>9.4f} "
                    f"{r['test_acc']:>8.4f} {r['samples_per_s']:>10.0f} {step_ms:>8.2f} "
                    f"{r['compute_s'] * 1e3:>8.2f} {r['comm_s'] * 1e3:>8.2f} "
-                   f"{r['exposed_comm_s'] * 1e3:>8.2f}")
+                   f"{r['exposed_comm_s'] * 1e3:>8.2f}"
+                   + "".join(f" {r[key]:>{w}{fmt}}" for _, key, w, fmt in self.columns))
         self.write(rows)
 
     def summary(self, s: dict[str, Any], rows: list[dict[str, Any]], note: str) -> None:
@@ -69,6 +72,13 @@ class Report:
             self.print(note)
         acc = s["test_acc"]
         acc_text = f"test accuracy {acc:.4f}, " if acc is not None else ""
+        if s.get("exact_match") is not None:
+            acc_text += f"exact match {s['exact_match']:.4f}, "
+        if s.get("bits_per_char") is not None:
+            acc_text += (f"validation {s['bits_per_char']:.3f} bits per character (unigram "
+                         f"entropy {s['unigram_bits_per_char']:.3f}), ")
+        if s.get("mfu") is not None:
+            acc_text += f"{s['tokens_per_s']:.0f} tokens/s, MFU {s['mfu']:.2%}, "
         self.print(f"# done: {acc_text}{s['seconds']:.2f} s; times are per step (ms), averaged "
                    f"over ranks; exposed = communication not hidden behind backward")
         self.write([*rows, s])
