@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from mpdl.autograd import functional as F
@@ -123,6 +124,13 @@ class Strategy:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+    @contextmanager
+    def gathered(self, optimizer_state: bool = False) -> Iterator[None]:
+        """Within the block, on every rank that trains, the model holds all its parameters (for
+        evaluation and checkpoints) and, with `optimizer_state`, `state_dict()` gives the whole
+        optimizer state. Collective over the ranks that train; nothing to do for replicas."""
+        yield
 
     def describe(self, final: bool = False) -> str:
         """The header's words on communication; with `final`, a line for the end of the run
