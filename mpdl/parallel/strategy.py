@@ -157,7 +157,7 @@ class Strategy:
         end = time.perf_counter()
         n = len(batch.y)
         result.loss += float(loss.item()) * n
-        result.correct += float((logits.data.argmax(axis=1) == batch.y).sum())
+        result.correct += float((logits.data.argmax(axis=-1) == batch.y).sum())
         result.samples += n
         result.spans += [Span("forward", start, forward_end), Span("backward", forward_end, end)]
         return end

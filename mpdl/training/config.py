@@ -17,6 +17,8 @@ from mpdl.autograd.optim import scale_lr
 from mpdl.collectives.registry import algorithms
 from mpdl.parallel.compression import COMPRESSORS, make_compression
 from mpdl.parallel.ps import check_config
+from mpdl.parallel.zero import ALGORITHMS as ZERO_ALGORITHMS
+from mpdl.parallel.zero import STAGES as ZERO_STAGES
 from mpdl.training.models import MODELS
 
 OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
@@ -112,6 +114,8 @@ class TrainConfig:
     staleness: int | None = None
     ps_async: bool = False
     emulate: str | None = None
+    zero: int = 0
+    prefetch: bool = True
 
     def ps_mode(self) -> str:
         """The parameter server's synchronisation: sync, ssp (staleness) or async (ps_async)."""
@@ -202,6 +206,7 @@ def validate_communication(config: TrainConfig, world_size: int) -> None:
     if config.sync_every > 1 and config.compression != "none":
         raise ConfigError("{sync_every} (local SGD averages parameters) and {compression} "
                           "(compresses gradients) cannot be combined")
+    validate_zero(config)
     if config.mode != "ps":
         if config.staleness is not None:
             raise ConfigError("{staleness} needs {mode} ps (bounded staleness is a "
@@ -225,6 +230,30 @@ def validate_communication(config: TrainConfig, world_size: int) -> None:
     if config.checkpoint or config.resume:
         raise ConfigError("{mode} ps cannot be combined with {checkpoint} or {resume} (the "
                           "servers' shards and momentum are not saved)")
+
+
+def validate_zero(config: TrainConfig) -> None:
+    """The ZeRO stage and what it cannot be combined with."""
+    if config.zero == 0:
+        if not config.prefetch:
+            raise ConfigError("{prefetch} needs {zero} 3 (prefetch of the next unit's parameters)")
+        return
+    if config.zero not in ZERO_STAGES:
+        raise ConfigError(f"{{zero}}: expected a stage 1, 2 or 3, got {config.zero!r}")
+    if config.mode == "ps":
+        raise ConfigError("{zero} cannot be combined with {mode} ps (the servers hold the "
+                          "parameters)")
+    if config.sync_every > 1:
+        raise ConfigError("{zero} (sharded optimizer state) cannot be combined with {sync_every} "
+                          "(local SGD keeps whole replicas)")
+    if config.compression != "none":
+        raise ConfigError(f"{{zero}} reduce-scatters gradients into shards; {{compression}} "
+                          f"{config.compression} compresses all-reduced buckets and cannot apply")
+    if config.algorithm not in ZERO_ALGORITHMS:
+        raise ConfigError(f"{{algorithm}} {config.algorithm} has no reduce-scatter and "
+                          f"all-gather; with {{zero}} use {', '.join(ZERO_ALGORITHMS)}")
+    if not config.prefetch and config.zero != 3:
+        raise ConfigError("{prefetch} needs {zero} 3 (prefetch of the next unit's parameters)")
 
 
 def resume_mismatch(config: TrainConfig, saved: dict) -> str | None:

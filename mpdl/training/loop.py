@@ -132,7 +132,8 @@ class Trainer:
         mismatch = resume_mismatch(self.config, state.get("config", {}))
         if mismatch:
             raise ConfigError(mismatch)
-        self.model.load_state_dict(model_state)
+        with self.strategy.gathered():
+            self.model.load_state_dict(model_state)
         self.strategy.load_state_dict(optim_state)
         self.sampler.load_state_dict(state["sampler"])
         for name, module in self.model.named_modules():
@@ -228,13 +229,16 @@ class Trainer:
             data_comm = strategy.data_comm
             for epoch in range(self.start_epoch, c.epochs):
                 s = self.train_epoch(epoch)
-                vec = np.array([s["loss"], s["correct"], s["n"], s["compute"], s["comm"],
-                                s["exposed"], s["wall"], *self.evaluate()], dtype=np.float64)
-                self._add_row(epoch, allreduce(vec, op="sum", comm=data_comm), data_comm.size)
+                with strategy.gathered(optimizer_state=bool(c.checkpoint)):
+                    vec = np.array([s["loss"], s["correct"], s["n"], s["compute"], s["comm"],
+                                    s["exposed"], s["wall"], *self.evaluate()], dtype=np.float64)
+                    self._add_row(epoch, allreduce(vec, op="sum", comm=data_comm),
+                                  data_comm.size)
             final = None
             if strategy.finish():
-                final = allreduce(np.array(self.evaluate(), dtype=np.float64), op="sum",
-                                  comm=data_comm)
+                with strategy.gathered():
+                    final = allreduce(np.array(self.evaluate(), dtype=np.float64), op="sum",
+                                      comm=data_comm)
             summary = self._summary(time.perf_counter() - run_start)
             if final is not None:
                 summary["test_acc"] = final[0] / final[1] if final[1] else None
@@ -286,4 +290,4 @@ class Trainer:
                 + (f", EMULATED links {emulated}" if emulated else ""))
         resumed = (f"# resumed from {c.checkpoint} after epoch {self.start_epoch}"
                    if self.start_epoch else None)
-        self.report.header(what, resumed)
+        self.report.header(what, resumed, zero="model_state_bytes" in self.strategy.report())

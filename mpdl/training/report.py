@@ -12,6 +12,10 @@ from mpdl.training.timeline import Timeline, write_trace
 
 COLUMNS = ("epoch", "loss", "train_acc", "test_acc", "samples/s", "step_ms", "compute", "comm",
            "exposed")
+#: the columns a sharded (ZeRO) run adds: model state held (max over ranks, peak within a step)
+#: and bytes sent per step, in MiB
+ZERO_COLUMNS = ("state_MiB", "sent_MiB")
+MIB = 1 << 20
 
 
 def write_json_lines(path: str, rows: list[dict[str, Any]]) -> None:
@@ -45,14 +49,16 @@ class Report:
             print(line, file=self.out)
             self.out.flush()
 
-    def header(self, what: str, resumed: str | None) -> None:
-        """The run's description line, the resume note and the column names."""
+    def header(self, what: str, resumed: str | None, zero: bool = False) -> None:
+        """The run's description line, the resume note and the column names (with `zero`, the
+        model state and bytes sent of a sharded run too)."""
         self.print(f"# mpdl train: {what}")
         if resumed:
             self.print(resumed)
+        extra = "".join(f" {c:>9}" for c in ZERO_COLUMNS) if zero else ""
         self.print(f"{COLUMNS[0]:>5} {COLUMNS[1]:>8} {COLUMNS[2]:>9} {COLUMNS[3]:>8} "
                    f"{COLUMNS[4]:>10} {COLUMNS[5]:>8} {COLUMNS[6]:>8} {COLUMNS[7]:>8} "
-                   f"{COLUMNS[8]:>8}")
+                   f"{COLUMNS[8]:>8}{extra}")
 
     def row(self, r: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         """An epoch's line, and the JSON lines so far."""
@@ -60,7 +66,10 @@ class Report:
         self.print(f"{r['epoch']:>5} {r['loss']:>8.4f} {r['train_acc']:>9.4f} "
                    f"{r['test_acc']:>8.4f} {r['samples_per_s']:>10.0f} {step_ms:>8.2f} "
                    f"{r['compute_s'] * 1e3:>8.2f} {r['comm_s'] * 1e3:>8.2f} "
-                   f"{r['exposed_comm_s'] * 1e3:>8.2f}")
+                   f"{r['exposed_comm_s'] * 1e3:>8.2f}" + (
+                       f" {r['model_state_bytes'] / MIB:>9.3f} "
+                       f"{r['sent_bytes_per_step'] / MIB:>9.3f}"
+                       if "model_state_bytes" in r else ""))
         self.write(rows)
 
     def summary(self, s: dict[str, Any], rows: list[dict[str, Any]], note: str) -> None:
