@@ -57,6 +57,8 @@ from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strat
 
 MB = 1 << 20
 STAGES = (1, 2, 3)
+#: stages 2 and 3: reduce-scatters in flight before backward waits for the oldest
+MAX_IN_FLIGHT = 2
 #: the collective algorithms ZeRO can run: those reduce_scatter and allgather both have
 ALGORITHMS = ("auto", "ring", "tree", "mpi")
 
@@ -186,13 +188,13 @@ class ZeroStrategy(Strategy):
         self.weight = 1.0 / comm.size
         self._lock = threading.Lock()
         self._held = 0
-        self.peak_bytes = 0
+        self.peak_bytes = 0       # the peak of the bytes held, since the last step began
+        self.step_peak_bytes = 0  # the largest peak within a step so far
         self._optimizer_bytes = 0
         self._sharded = True
         self._next = 0
         self._steps = 0
         self._sent = 0
-        self._last_sample: tuple[Any, Any] | None = None
         self._waited = 0.0
         self.model_state_bytes = 0
         self.sent_bytes_per_step = 0.0
@@ -353,6 +355,7 @@ class ZeroStrategy(Strategy):
 
     def _fill(self, unit: Unit, p: Any) -> None:
         if unit.grad is None:
+            self._limit()
             unit.grad = unit.xp.empty(unit.count, dtype=unit.dtype)
             self._hold(unit.nbytes)
         i = unit.position[id(p)]
@@ -363,6 +366,16 @@ class ZeroStrategy(Strategy):
             unit.xp.multiply(p.grad, slot.dtype.type(self.weight), out=slot)
             p.grad = None
         unit.ready.add(id(p))
+
+    def _limit(self) -> None:
+        """Before another full-size gradient buffer is made: wait until at most MAX_IN_FLIGHT - 1
+        reduce-scatters are running (a bound on the gradient memory of stages 2 and 3)."""
+        running = [u for u in self._order[:self._next] if u.reduce is not None
+                   and not u.reduce.test()]
+        while len(running) >= MAX_IN_FLIGHT:
+            start = time.perf_counter()
+            running.pop(0).reduce.wait()
+            self._waited += time.perf_counter() - start
 
     def _launch_ready(self) -> None:
         while self._next < len(self._order):
@@ -431,15 +444,14 @@ class ZeroStrategy(Strategy):
             for u in self.units:
                 if u.module is None:
                     self._gathered(u)
-        if len(batch.y):
-            self._last_sample = (batch.x[:1], batch.y[:1])
+        if len(batch.y) or self.stage < 3:
             backward_end = self.forward_backward(batch, result)
-        elif self.stage == 3 and self._last_sample is not None:
-            # a rank without samples still takes part in every gather: a weight-0 sample
-            backward_end = self.forward_backward(Batch(*self._last_sample, batch.global_size,
-                                                       batch.lr), StepResult())
-        else:
-            backward_end = start
+        else:  # a rank without samples still takes part in every gather: one zero sample,
+            xp = get_array_module(batch.x)  # its gradient weighted 0
+            ghost = Batch(xp.zeros((1, *batch.x.shape[1:]), dtype=batch.x.dtype),
+                          xp.zeros((1, *batch.y.shape[1:]), dtype=batch.y.dtype),
+                          batch.global_size, batch.lr)
+            backward_end = self.forward_backward(ghost, StepResult())
         self._finish_gradients()
         if self.stage == 3:
             for u in self.units:
@@ -458,6 +470,7 @@ class ZeroStrategy(Strategy):
             self._waited += time.perf_counter() - gather_start
         end = time.perf_counter()
         self._count_sent(recorder, first)
+        self.step_peak_bytes = max(self.step_peak_bytes, self.peak_bytes)
         spans = [(name, s, e, u) for u in self.units for name, s, e in u.spans]
         result.comm_s = sum(e - s for _, s, e, _ in spans)
         result.exposed_s = self._waited
@@ -507,7 +520,7 @@ class ZeroStrategy(Strategy):
         """Within the block every rank holds the whole model (stage 3 gathers it; values
         written into it are kept); with `optimizer_state`, `state_dict()` gives the whole
         optimizer state. Collective over comm; also agrees on the accounting figures."""
-        figures = allreduce(np.array([self.peak_bytes, self._sent / max(self._steps, 1)],
+        figures = allreduce(np.array([self.step_peak_bytes, self._sent / max(self._steps, 1)],
                                      dtype=np.float64), op="max", comm=self.comm)
         self.model_state_bytes, self.sent_bytes_per_step = int(figures[0]), float(figures[1])
         self._full_state = self._whole_optimizer_state() if optimizer_state else None
