@@ -4,6 +4,8 @@ formulas give, and send the bytes counted from the message schedule."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -233,7 +235,8 @@ def test_checkpoint_reshards_across_ranks_and_stages():
             for p, value in zip(m.parameters(), np.split(saved_params, np.cumsum(
                     [q.data.size for q in m.parameters()])[:-1]), strict=True):
                 p.data[...] = value.reshape(p.shape)
-        strategy.load_state_dict(saved_state)
+        strategy.load_state_dict(copy.deepcopy(saved_state))  # a replica's optimizer keeps the
+        # arrays it is given, and the ranks of the in-process world share this one
         sampler = DistributedSampler(N, 7, rank=comm.rank, num_replicas=comm.size, seed=1)
         sampler.set_epoch(1)
         for idx, global_batch in sampler:
