@@ -198,6 +198,11 @@ class ZeroStrategy(Strategy):
         self._waited = 0.0
         self.model_state_bytes = 0
         self.sent_bytes_per_step = 0.0
+        #: seconds of the last step's all-gathers (communication thread) and of the main
+        #: thread's waits for stage 3's gathers: 1 - wait / gather is the share prefetch hid
+        self.last_gather_s = 0.0
+        self.last_gather_wait_s = 0.0
+        self._gather_waits = []
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
@@ -316,7 +321,9 @@ class ZeroStrategy(Strategy):
             self._gather(unit)
             start = time.perf_counter()
             unit.full = unit.gather.wait()
-            self._waited += time.perf_counter() - start
+            end = time.perf_counter()
+            self._waited += end - start
+            self._gather_waits.append((unit.index, start, end))
             unit.gather = None
             for p, view in zip(unit.params, unit.views(unit.full), strict=True):
                 p.data = view
@@ -436,6 +443,7 @@ class ZeroStrategy(Strategy):
         recorder, first = self._recorder()
         self.peak_bytes = self._held
         self._waited = 0.0
+        self._gather_waits: list[tuple[int, float, float]] = []
         for u in self.units:
             u.spans = []
         result = StepResult()
@@ -473,12 +481,16 @@ class ZeroStrategy(Strategy):
         self.step_peak_bytes = max(self.step_peak_bytes, self.peak_bytes)
         spans = [(name, s, e, u) for u in self.units for name, s, e in u.spans]
         result.comm_s = sum(e - s for _, s, e, _ in spans)
+        self.last_gather_s = sum(e - s for name, s, e, _ in spans if name == "all-gather")
+        self.last_gather_wait_s = sum(e - s for _, s, e in self._gather_waits)
         result.exposed_s = self._waited
         result.compute_s = (end - start) - result.exposed_s
         result.spans += [Span("finish (wait for reduce-scatter)", backward_end, waited,
                               cat="wait"), Span("optimizer step", waited, stepped)]
         result.spans += [Span(f"{name} unit {u.index}", s, e, cat="communication", thread="comm",
                               args={"bytes": u.nbytes}) for name, s, e, u in spans]
+        result.spans += [Span(f"wait for all-gather unit {i}", s, e, cat="wait")
+                         for i, s, e in self._gather_waits]
         return result
 
     def _gather_in_place(self, unit: Unit) -> Any:
