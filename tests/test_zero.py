@@ -248,3 +248,21 @@ def test_checkpoint_reshards_across_ranks_and_stages():
     for p, make in ((3, zero(1)), (1, AllReduceStrategy), (2, zero(3))):
         for params in run_world(p, lambda c, mk=make: resume(c, mk)):
             np.testing.assert_allclose(params, ref, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("p, per_node", [(4, 2), (6, 3), (6, 2)])
+def test_hybrid_follows_ddp(stage, p, per_node):
+    """Sharded within nodes of per_node ranks, replicated across them."""
+    ref = reference("mlp", "adam", "float64")[0]
+    out = run_world(p, lambda c: train(c, zero(stage, hybrid=True), "mlp", "adam", "float64"),
+                    ranks_per_node=per_node)
+    for params, _, strategy in out:
+        assert strategy.shard_comm.size == per_node
+        assert strategy.replica_comm.size == p // per_node
+        np.testing.assert_allclose(params, ref, rtol=0, atol=1e-10)
+
+
+def test_hybrid_needs_equal_nodes():
+    with pytest.raises(ValueError, match="same number of ranks on every node"):
+        run_world(3, lambda c: ZeroStrategy(c, 1, hybrid=True), ranks_per_node=2)

@@ -108,6 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ZeRO sharded data parallelism: 1 shards the optimizer state, 2 also the "
                         "gradients, 3 also the parameters (FSDP); gradients reduce-scattered and "
                         "parameters all-gathered with --algorithm auto, ring, tree or mpi")
+    g.add_argument("--zero-hybrid", action="store_true",
+                   help="--zero: shard within each node, replicate across nodes (nodes from MPI "
+                        "shared memory or MPDL_RANKS_PER_NODE; equal sizes)")
     g.add_argument("--no-prefetch", action="store_true",
                    help="--zero 3: gather each unit's parameters only when it runs, not while "
                         "the previous one computes")
@@ -166,7 +169,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         levels=args.levels, powersgd_rank=args.rank, sync_every=args.sync_every,
         post_local_warmup=args.post_local_warmup, mode=args.mode, servers=args.servers,
         staleness=args.staleness, ps_async=args.ps_async, emulate=args.emulate,
-        zero=args.zero, prefetch=not args.no_prefetch)
+        zero=args.zero, prefetch=not args.no_prefetch, zero_hybrid=args.zero_hybrid)
 
 
 def limit_blas_threads() -> None:

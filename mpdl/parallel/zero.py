@@ -174,16 +174,23 @@ class ZeroStrategy(Strategy):
 
     def __init__(self, comm: Communicator, stage: int, algorithm: str = "auto",
                  bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, overlap: bool = True,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, hybrid: bool = False) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage: expected one of 1, 2, 3, got {stage!r}")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: expected one of {', '.join(ALGORITHMS)} (a reduce-"
                              f"scatter and all-gather), got {algorithm!r}")
         super().__init__(comm)
+        if hybrid:
+            sizes = [len(g) for g in comm.node_groups()]
+            if len(set(sizes)) > 1:
+                raise ValueError(f"hybrid sharding needs the same number of ranks on every node, "
+                                 f"got {sizes}")
         self.stage, self.algorithm = stage, algorithm
         self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
-        self.overlap, self.prefetch = bool(overlap), bool(prefetch)
+        self.overlap, self.prefetch, self.hybrid = bool(overlap), bool(prefetch), bool(hybrid)
+        self.shard_comm: Communicator = comm
+        self.replica_comm: Communicator | None = None
         self.units: list[Unit] = []
         self.weight = 1.0 / comm.size
         self._lock = threading.Lock()
@@ -207,7 +214,8 @@ class ZeroStrategy(Strategy):
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
         self.model = model
-        rank, size = self.comm.rank, self.comm.size
+        self._communicators()
+        rank, size = self.shard_comm.rank, self.shard_comm.size
         broadcast_model(model, self.comm)
         if self.stage == 3:
             groups = [(m, g) for m, ps in _module_units(model) for g in flat.by_kind(ps)]
@@ -253,6 +261,19 @@ class ZeroStrategy(Strategy):
                     self._wrap(u)
         self._order = list(reversed(self.units)) if self.stage == 3 else list(self.units)
         self.peak_bytes = self._held
+
+    def _communicators(self) -> None:
+        """shard_comm: the ranks that share the shards (all, or hybrid: this node's);
+        replica_comm (hybrid): the ranks holding the same shard on the other nodes."""
+        self.shard_comm, self.replica_comm = self.comm, None
+        if not self.hybrid:
+            return
+        groups = self.comm.node_groups()
+        node = next(g for g in groups if self.comm.rank in g)
+        local = node.index(self.comm.rank)
+        self.shard_comm = self.comm.sub(node)
+        if len(groups) > 1:
+            self.replica_comm = self.comm.sub([g[local] for g in groups])
 
     def _buckets(self, model: Any) -> list[list[Any]]:
         """DDP's buckets: reverse parameter order, one dtype each, a small first one."""
@@ -308,7 +329,7 @@ class ZeroStrategy(Strategy):
 
         def work() -> Any:
             start = time.perf_counter()
-            allgather(unit.shard, algorithm=self.algorithm, comm=self.comm, count=unit.count,
+            allgather(unit.shard, algorithm=self.algorithm, comm=self.shard_comm, count=unit.count,
                       out=full)
             unit.spans.append(("all-gather", start, time.perf_counter()))
             return full
@@ -397,8 +418,11 @@ class ZeroStrategy(Strategy):
 
         def work() -> None:
             start = time.perf_counter()
-            mine = reduce_scatter(buf, op="sum", algorithm=self.algorithm, comm=self.comm,
+            mine = reduce_scatter(buf, op="sum", algorithm=self.algorithm, comm=self.shard_comm,
                                   in_place=True)
+            if self.replica_comm is not None:  # hybrid: sum the node's shard over the nodes
+                allreduce(mine, op="sum", algorithm=self.algorithm, comm=self.replica_comm,
+                          out=mine)
             if self.stage > 1:
                 unit.xp.copyto(unit.grad_shard, mine)
                 unit.grad = None
@@ -432,7 +456,7 @@ class ZeroStrategy(Strategy):
         total = np.zeros((len(rows), k))
         for t, s in zip(params, sums, strict=True):
             total[rows[index[id(t)]]] += [float(v) for v in s]
-        total = allreduce(total, op="sum", algorithm="auto", comm=self.comm)
+        total = allreduce(total, op="sum", algorithm="auto", comm=self.shard_comm)
         return [[get_array_module(t.data).asarray(v, dtype=t.data.dtype)
                  for v in total[rows[index[id(t)]]]] for t in params]
 
@@ -496,7 +520,7 @@ class ZeroStrategy(Strategy):
     def _gather_in_place(self, unit: Unit) -> Any:
         def work() -> None:
             start = time.perf_counter()
-            allgather(unit.shard, algorithm=self.algorithm, comm=self.comm, count=unit.count,
+            allgather(unit.shard, algorithm=self.algorithm, comm=self.shard_comm, count=unit.count,
                       out=unit.full)
             unit.spans.append(("all-gather", start, time.perf_counter()))
         return work
@@ -557,10 +581,10 @@ class ZeroStrategy(Strategy):
         position = {id(p): n for n, p in enumerate(params)}
         mine = {id(t): s for t, s in self.optimizer.state.items()}
         keys = sorted({k for s in mine.values() for k, v in s.items() if np.ndim(v) > 0})
-        keys = sorted(set().union(*self.comm.allgather_object(keys)))
+        keys = sorted(set().union(*self.shard_comm.allgather_object(keys)))
         scalars = next((({k: v for k, v in s.items() if np.ndim(v) == 0}) for s in mine.values()
                         if s), {})
-        scalars = next((s for s in self.comm.allgather_object(scalars) if s), {})
+        scalars = next((s for s in self.shard_comm.allgather_object(scalars) if s), {})
         state: dict[int, dict[str, Any]] = {}
         for u in self.units:
             for key in keys:
@@ -568,7 +592,7 @@ class ZeroStrategy(Strategy):
                 for t, pu, _, a, b in self.pieces:
                     if pu is u and key in self.optimizer.state.get(t, {}):
                         local[a - u.lo:b - u.lo] = self.optimizer.state[t][key]
-                whole = allgather(local, algorithm=self.algorithm, comm=self.comm,
+                whole = allgather(local, algorithm=self.algorithm, comm=self.shard_comm,
                                   count=u.count)
                 for p, view in zip(u.params, u.views(whole), strict=True):
                     state.setdefault(position[id(p)], dict(scalars))[key] = np.array(view)
@@ -611,6 +635,10 @@ class ZeroStrategy(Strategy):
             return ""
         sizes = ", ".join(f"{u.nbytes / 1024:.0f} KiB" for u in self.units)
         extra = f", prefetch {'on' if self.prefetch else 'off'}" if self.stage == 3 else ""
+        if self.hybrid:
+            nodes = self.replica_comm.size if self.replica_comm is not None else 1
+            extra += (f", hybrid: sharded over the {self.shard_comm.size} ranks of a node, "
+                      f"replicated over {nodes} node(s)")
         return (f"ZeRO stage {self.stage}, reduce-scatter/all-gather {self.algorithm}, units "
                 f"[{sizes}]{extra}")
 

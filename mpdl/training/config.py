@@ -116,6 +116,7 @@ class TrainConfig:
     emulate: str | None = None
     zero: int = 0
     prefetch: bool = True
+    zero_hybrid: bool = False
 
     def ps_mode(self) -> str:
         """The parameter server's synchronisation: sync, ssp (staleness) or async (ps_async)."""
@@ -237,6 +238,8 @@ def validate_zero(config: TrainConfig) -> None:
     if config.zero == 0:
         if not config.prefetch:
             raise ConfigError("{prefetch} needs {zero} 3 (prefetch of the next unit's parameters)")
+        if config.zero_hybrid:
+            raise ConfigError("{zero_hybrid} needs {zero} 1, 2 or 3")
         return
     if config.zero not in ZERO_STAGES:
         raise ConfigError(f"{{zero}}: expected a stage 1, 2 or 3, got {config.zero!r}")

@@ -24,7 +24,8 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
     common = dict(algorithm=c.algorithm, bucket_mb=c.bucket_mb, first_bucket_mb=c.first_bucket_mb,
                   overlap=c.overlap)
     if c.zero:
-        return ZeroStrategy(comm, stage=c.zero, prefetch=c.prefetch, **common)
+        return ZeroStrategy(comm, stage=c.zero, prefetch=c.prefetch, hybrid=c.zero_hybrid,
+                            **common)
     if c.sync_every > 1:
         return LocalSGDStrategy(comm, sync_every=c.sync_every, warmup_steps=c.post_local_warmup,
                                 **common)

@@ -88,7 +88,7 @@ class Trainer:
 
     def _setup(self) -> None:
         c = self.config
-        self.strategy = make_strategy(c, self.comm)
+        self.strategy = self._checked(lambda: make_strategy(c, self.comm))
         trains = self.strategy.trains
         data = self._checked(lambda: load_data(c) if trains else None)
         shape = None
