@@ -266,3 +266,48 @@ def test_hybrid_follows_ddp(stage, p, per_node):
 def test_hybrid_needs_equal_nodes():
     with pytest.raises(ValueError, match="same number of ranks on every node"):
         run_world(3, lambda c: ZeroStrategy(c, 1, hybrid=True), ranks_per_node=2)
+
+
+def test_lars_and_lamb_without_shards_are_the_textbook_updates():
+    """The two-pass LARS/LAMB (one sum_squares call) against the formulas written out here."""
+    rng = np.random.default_rng(0)
+    shapes = ((3, 4), (4,), (2, 2, 2))
+    w0 = [rng.standard_normal(s) for s in shapes]
+    grads = [[rng.standard_normal(s) for s in shapes] for _ in range(3)]
+
+    def run(cls, **kw):
+        ps = [Tensor(w.copy(), requires_grad=True) for w in w0]
+        o = cls(ps, **kw)
+        for step in grads:
+            for p, g in zip(ps, step, strict=True):
+                p.grad = g
+            o.step()
+        return [p.data for p in ps]
+
+    lr, wd, eta, mu = 0.1, 0.01, 0.001, 0.9
+    w, buf = [a.copy() for a in w0], [None] * 3
+    for step in grads:
+        for i, g in enumerate(step):
+            d = g
+            if w[i].ndim > 1:
+                wn, gn = np.linalg.norm(w[i]), np.linalg.norm(g)
+                d = (g + wd * w[i]) * (eta * wn / (gn + wd * wn))
+            buf[i] = d.copy() if buf[i] is None else mu * buf[i] + d
+            w[i] = w[i] - lr * buf[i]
+    for a, b in zip(run(optim.LARS, lr=lr, weight_decay=wd, eta=eta, momentum=mu), w,
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+    b1, b2, eps, lr = 0.9, 0.999, 1e-6, 0.01
+    w, m, v = [a.copy() for a in w0], [0.0] * 3, [0.0] * 3
+    for t, step in enumerate(grads, start=1):
+        for i, g in enumerate(step):
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            u = (m[i] / (1 - b1**t)) / (np.sqrt(v[i] / (1 - b2**t)) + eps)
+            if w[i].ndim > 1:
+                u = u + wd * w[i]
+                u = u * (np.linalg.norm(w[i]) / np.linalg.norm(u))
+            w[i] = w[i] - lr * u
+    for a, b in zip(run(optim.LAMB, lr=lr, weight_decay=wd, eps=eps), w, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
