@@ -10,7 +10,8 @@ know which one it runs. The loop, on every rank of `comm`:
    the global batch (`data_comm` says how the data is split: slice `data_comm.rank` of
    `data_comm.size`); at the end `finish()`. On a rank that does not: `serve()`, which returns
    when the ranks that train are done;
-4. saves `state_dict()` in a checkpoint and puts it back with `load_state_dict()`;
+4. saves `state_dict()` in a checkpoint and puts it back with `load_state_dict()`, and evaluates,
+   inside `gathered()` (collective: a strategy that shards the model gathers it there);
 5. reports: `roles()` and `describe()` for the header, `report()` for the JSON rows and summary,
    each step's `StepResult` (time split into compute, communication and its exposed part, and
    timeline spans).
