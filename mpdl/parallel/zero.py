@@ -47,7 +47,7 @@ import numpy as np
 
 from mpdl.autograd import nn
 from mpdl.autograd.tensor import Function, Tensor, is_grad_enabled
-from mpdl.backend import get_array_module
+from mpdl.backend import get_array_module, to_host
 from mpdl.collectives import allgather, allreduce, broadcast, reduce_scatter
 from mpdl.collectives.handles import Handle, engine_for
 from mpdl.collectives.ops import block_bounds
@@ -595,7 +595,7 @@ class ZeroStrategy(Strategy):
                 whole = allgather(local, algorithm=self.algorithm, comm=self.shard_comm,
                                   count=u.count)
                 for p, view in zip(u.params, u.views(whole), strict=True):
-                    state.setdefault(position[id(p)], dict(scalars))[key] = np.array(view)
+                    state.setdefault(position[id(p)], dict(scalars))[key] = np.array(to_host(view))
         groups = self.optimizer.state_dict()["param_groups"]
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": list(range(len(params)))} for g in groups[:1]]

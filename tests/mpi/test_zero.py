@@ -120,3 +120,22 @@ def test_zero3_checkpoint_continues_on_other_ranks_and_stages():
         if RANK == 0:
             shutil.rmtree(directory, ignore_errors=True)
             shutil.rmtree(directory + "-ddp", ignore_errors=True)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hybrid_follows_ddp_on_one_rank(stage):
+    """Sharded within each node (MPI's, or MPDL_RANKS_PER_NODE's), replicated across nodes; the
+    Makefile runs this file at 4 ranks on emulated nodes of 2."""
+    comm = as_communicator(COMM)
+    sizes = {len(g) for g in comm.node_groups()}
+
+    def make(c):
+        return ZeroStrategy(c, stage, first_bucket_mb=5e-4, bucket_mb=1e-3, hybrid=True)
+
+    if len(sizes) > 1:
+        with pytest.raises(ValueError, match="same number of ranks on every node"):
+            make(comm)
+        return
+    ref = train(as_communicator(MPI.COMM_SELF), AllReduceStrategy, "mlp", "adam", "float64", 2)
+    mine = train(comm, make, "mlp", "adam", "float64", 2)
+    np.testing.assert_allclose(mine, ref, rtol=0, atol=1e-10)
