@@ -4,8 +4,6 @@ formulas give, and send the bytes counted from the message schedule."""
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 
@@ -17,6 +15,7 @@ from mpdl.parallel.strategies import AllReduceStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.parallel.zero import NaiveZero, ZeroStrategy
 from mpdl.threadworld import run_world
+from mpdl.training import checkpoint
 from mpdl.training.config import ConfigError, TrainConfig, validate
 from mpdl.training.gpt import GPT
 from mpdl.training.models import build_model
@@ -216,27 +215,28 @@ def test_config_errors(flags, message):
         validate(TrainConfig(**flags), 3)
 
 
-def test_checkpoint_reshards_across_ranks_and_stages():
-    """ZeRO-3 on 4 ranks for one epoch, its whole state taken over by ZeRO-1 on 3 ranks and by
-    DDP on 1 rank: both end where the uninterrupted single-rank run ends."""
+def test_checkpoint_reshards_across_ranks_and_stages(tmp_path):
+    """ZeRO-3 on 4 ranks for one epoch writes a sharded checkpoint (a shard per rank and a
+    manifest); ZeRO-1 on 3 ranks, DDP on 1 and ZeRO-3 on 2 continue from it and end where the
+    uninterrupted single-rank run ends."""
     def first(comm):
-        params, _, strategy = train(comm, zero(3), "mlp", "adam", "float64")
-        with strategy.gathered(optimizer_state=True):
-            return params, strategy.state_dict()
+        _, _, strategy = train(comm, zero(3), "mlp", "adam", "float64")
+        shard, manifest = strategy.checkpoint_shard()
+        checkpoint.save_sharded_checkpoint(tmp_path, comm, shard, {"manifest": manifest})
 
-    saved_params, saved_state = run_world(4, first)[0]
+    run_world(4, first)
+    assert sorted(f.name for f in tmp_path.iterdir()) == [
+        *(f"shard-0000{r}.npz" for r in range(4)), "state.json"]
 
     def resume(comm, make):
+        model_state, optimizer_state, _ = checkpoint.load_checkpoint(tmp_path)
         m = make_model("mlp", "float64")
         x, y = data("mlp", "float64")
         strategy = make(comm)
         strategy.setup(m, OPTIMIZERS["adam"])
         with strategy.gathered():
-            for p, value in zip(m.parameters(), np.split(saved_params, np.cumsum(
-                    [q.data.size for q in m.parameters()])[:-1]), strict=True):
-                p.data[...] = value.reshape(p.shape)
-        strategy.load_state_dict(copy.deepcopy(saved_state))  # a replica's optimizer keeps the
-        # arrays it is given, and the ranks of the in-process world share this one
+            m.load_state_dict(model_state)
+        strategy.load_state_dict(optimizer_state)
         sampler = DistributedSampler(N, 7, rank=comm.rank, num_replicas=comm.size, seed=1)
         sampler.set_epoch(1)
         for idx, global_batch in sampler:

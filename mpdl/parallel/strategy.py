@@ -80,6 +80,9 @@ class Strategy:
 
     #: the run's "mode" in the JSON rows, e.g. "allreduce" or "ps"
     mode = "base"
+    #: whether every rank writes its part of a checkpoint (`checkpoint_shard`) instead of rank 0
+    #: writing the model and `state_dict()`
+    sharded_checkpoint = False
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
@@ -125,6 +128,11 @@ class Strategy:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+    def checkpoint_shard(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """With `sharded_checkpoint`: (the arrays this rank writes, or None; the manifest of the
+        layout, the same on every rank). Collective over comm."""
+        raise NotImplementedError
 
     @contextmanager
     def gathered(self, optimizer_state: bool = False) -> Iterator[None]:

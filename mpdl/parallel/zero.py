@@ -30,6 +30,11 @@ gradients and optimizer state.
 Whole-tensor norms (LARS, LAMB): a piece knows its whole tensor's ndim, and the optimizer's sums
 of squares of all pieces are completed with one small all-reduce per step (`Optimizer.shard`).
 
+Checkpoints: `checkpoint_shard()` gives this rank's blocks of every unit (parameters and
+optimizer state) and the manifest of the layout; `mpdl.training.checkpoint` writes one file per
+rank and reassembles whole tensors on load, so a run resumes on any number of ranks and any stage.
+`gathered(optimizer_state=True)` and `state_dict()` give the whole optimizer state instead.
+
 `NaiveZero` beside it is the textbook version of stage 1 in a few lines (one all-reduce-free
 reduce-scatter of all gradients after backward, optimizer on the shard, one all-gather), kept as
 the reference the tests compare the fast one with.
@@ -171,6 +176,7 @@ class ZeroStrategy(Strategy):
     reduce-scatter and all-gather (auto, ring, tree or mpi)."""
 
     mode = "zero"
+    sharded_checkpoint = True
 
     def __init__(self, comm: Communicator, stage: int, algorithm: str = "auto",
                  bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, overlap: bool = True,
@@ -600,6 +606,46 @@ class ZeroStrategy(Strategy):
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": list(range(len(params)))} for g in groups[:1]]
         return {"state": state if keys else {}, "param_groups": groups}
+
+    def checkpoint_shard(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """This rank's shard for a sharded checkpoint (None on a replica of another node: hybrid)
+        and the manifest `mpdl.training.checkpoint` reassembles whole tensors with. Collective
+        over the shard group."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        position = {id(p): n for n, p in enumerate(params)}
+        mine = {id(t): s for t, s in self.optimizer.state.items()}
+        keys = sorted({k for s in mine.values() for k, v in s.items() if np.ndim(v) > 0})
+        keys = sorted(set().union(*self.shard_comm.allgather_object(keys)))
+        scalars = next(({k: v for k, v in s.items() if np.ndim(v) == 0} for s in mine.values()
+                        if s), {})
+        scalars = next((s for s in self.shard_comm.allgather_object(scalars) if s), {})
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": list(range(len(params)))}
+                  for g in self.optimizer.state_dict()["param_groups"][:1]]
+        manifest = {"format": "zero", "stage": self.stage, "ranks": self.shard_comm.size,
+                    "units": [{"dtype": str(u.dtype), "count": u.count,
+                               "params": [[names[id(p)], position[id(p)], list(p.shape), o]
+                                          for p, o in zip(u.params, u.offsets, strict=True)]}
+                              for u in self.units],
+                    "state_keys": keys, "scalars": scalars, "param_groups": groups}
+        if self.replica_comm is not None and self.replica_comm.rank != 0:
+            return None, manifest
+        arrays: dict[str, Any] = {}
+        for u in self.units:
+            arrays[f"unit{u.index}/param"] = np.array(to_host(u.shard))
+            for key in keys:
+                local = np.zeros(u.hi - u.lo, dtype=u.dtype)
+                for t, pu, _, a, b in self.pieces:
+                    if pu is u and key in self.optimizer.state.get(t, {}):
+                        local[a - u.lo:b - u.lo] = to_host(self.optimizer.state[t][key])
+                arrays[f"unit{u.index}/state/{key}"] = local
+        if self.shard_comm.rank == 0:  # the model's other arrays: buffers, frozen parameters
+            sharded = {id(p) for u in self.units for p in u.params}
+            arrays.update({f"other/{n}": np.array(to_host(t.data)) for n, t in
+                           [*self.model.named_parameters(), *self.model.named_buffers()]
+                           if id(t) not in sharded})
+        return arrays, manifest
 
     def state_dict(self) -> dict[str, Any]:
         if getattr(self, "_full_state", None) is None:

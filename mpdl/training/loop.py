@@ -143,14 +143,17 @@ class Trainer:
         self.start_epoch, self.step = int(state["epoch"]), int(state["step"])
         self.rows = [r for r in state.get("history", []) if r.get("epoch", 0) <= self.start_epoch]
 
-    def _save(self, epoch: int) -> None:
+    def _run_state(self, epoch: int) -> dict[str, Any]:
+        """What a checkpoint holds besides the model and the optimizer."""
         rngs = {name: module.rng.bit_generator.state for name, module in self.model.named_modules()
                 if isinstance(getattr(module, "rng", None), np.random.Generator)}
-        state = {"epoch": epoch, "step": self.step, "sampler": self.sampler.state_dict(),
-                 "rng": rngs, "config": dataclasses.asdict(self.config), "ranks": self.size,
-                 "history": self.rows}
+        return {"epoch": epoch, "step": self.step, "sampler": self.sampler.state_dict(),
+                "rng": rngs, "config": dataclasses.asdict(self.config), "ranks": self.size,
+                "history": self.rows}
+
+    def _save(self, epoch: int) -> None:
         checkpoint.save_checkpoint(self.config.checkpoint, self.model.state_dict(),
-                                   self.strategy.state_dict(), state)
+                                   self.strategy.state_dict(), self._run_state(epoch))
 
     def _to_device(self, a: np.ndarray) -> Any:
         return cupy_module().asarray(a) if self.config.device == "gpu" else a
@@ -229,7 +232,8 @@ class Trainer:
             data_comm = strategy.data_comm
             for epoch in range(self.start_epoch, c.epochs):
                 s = self.train_epoch(epoch)
-                with strategy.gathered(optimizer_state=bool(c.checkpoint)):
+                with strategy.gathered(optimizer_state=bool(c.checkpoint) and
+                                       not strategy.sharded_checkpoint):
                     vec = np.array([s["loss"], s["correct"], s["n"], s["compute"], s["comm"],
                                     s["exposed"], s["wall"], *self.evaluate()], dtype=np.float64)
                     self._add_row(epoch, allreduce(vec, op="sum", comm=data_comm),
@@ -265,7 +269,12 @@ class Trainer:
                "emulated": self.emulated(), **fields}
         self.rows.append(row)
         self.report.row(row, self.rows)
-        if self.rank == 0 and self.config.checkpoint:
+        if self.config.checkpoint and self.strategy.sharded_checkpoint:
+            shard, manifest = self.strategy.checkpoint_shard()
+            checkpoint.save_sharded_checkpoint(self.config.checkpoint, self.comm, shard,
+                                               {**self._run_state(epoch + 1),
+                                                "manifest": manifest})
+        elif self.rank == 0 and self.config.checkpoint:
             self._save(epoch + 1)
 
     def _summary(self, seconds: float) -> dict[str, Any]:

@@ -8,6 +8,7 @@ uninterrupted run ends.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
@@ -106,6 +107,8 @@ def test_zero3_checkpoint_continues_on_other_ranks_and_stages():
         _, rows = run_trainer(as_communicator(COMM), 1, directory, zero=3)
         assert rows[0]["model_state_bytes"] > 0 and rows[0]["zero_stage"] == 3
         COMM.Barrier()
+        assert sorted(os.listdir(directory)) == [f"shard-{r:05d}.npz" for r in range(P)] + [
+            "state.json"]  # one shard per rank
         if RANK == 0:  # the whole state, as one DDP rank takes it
             shutil.copytree(directory, directory + "-ddp")
             resumed, _ = run_trainer(as_communicator(MPI.COMM_SELF), 2, directory + "-ddp",
