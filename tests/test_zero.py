@@ -4,6 +4,12 @@ formulas give, and send the bytes counted from the message schedule."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -311,3 +317,43 @@ def test_lars_and_lamb_without_shards_are_the_textbook_updates():
             w[i] = w[i] - lr * u
     for a, b in zip(run(optim.LAMB, lr=lr, weight_decay=wd, eps=eps), w, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def mpdl_train(n: int, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    binary = Path(sys.executable).parent
+    cmd = ["timeout", "-k", "5", "120", str(binary / "mpiexec"), "-n", str(n),
+           str(binary / "mpdl"), "train", "--no-progress", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=135,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--zero", "4"], "--zero: expected a stage 1, 2 or 3, got 4"),
+    (["--zero", "1", "--mode", "ps"], "--zero cannot be combined with --mode ps"),
+    (["--zero", "2", "--compression", "topk"], "--compression topk"),
+    (["--zero", "3", "--sync-every", "2"], "--sync-every"),
+    (["--zero", "1", "--algorithm", "torus2d"], "--algorithm torus2d has no reduce-scatter"),
+    (["--no-prefetch"], "--no-prefetch needs --zero 3"),
+    (["--zero-hybrid"], "--zero-hybrid needs --zero"),
+])
+def test_bad_zero_flags_exit_2_with_one_line(flags, message):
+    out = mpdl_train(2, *flags)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    errors = out.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("mpdl train: error: "), out.stderr
+    assert message in errors[0]
+
+
+def test_zero_train_reports_state_and_bytes(tmp_path):
+    out = mpdl_train(2, "--zero", "2", "--epochs", "2", "--algorithm", "ring", "--json",
+                     str(tmp_path / "r.jsonl"))
+    assert out.returncode == 0, out.stderr
+    assert "ZeRO stage 2" in out.stdout and "state_MiB" in out.stdout and "sent_MiB" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    psi = 64 * 128 + 128 + 128 * 10 + 10  # the digits MLP
+    for row in rows:
+        assert row["mode"] == "zero" and row["zero_stage"] == 2
+        assert row["sent_bytes_per_step"] == 2 * psi * 4 * (2 - 1) / 2  # ring, p = 2
+        assert 4 * psi + 12 * psi / 2 <= row["model_state_bytes"] <= 16 * psi
+    plain = mpdl_train(2, "--epochs", "1")
+    assert "state_MiB" not in plain.stdout  # the columns only with --zero
