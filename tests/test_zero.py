@@ -357,3 +357,28 @@ def test_zero_train_reports_state_and_bytes(tmp_path):
         assert 4 * psi + 12 * psi / 2 <= row["model_state_bytes"] <= 16 * psi
     plain = mpdl_train(2, "--epochs", "1")
     assert "state_MiB" not in plain.stdout  # the columns only with --zero
+
+
+def test_named_units_of_a_resnet():
+    """ResNet8 keeps its blocks as attributes: stage 3 shards them when named as units, and
+    follows DDP (batch norm's statistics are per rank in both, so the oracle is DDP on p ranks)."""
+    def body(comm, make):
+        m = build_model("resnet8", (3, 8, 8), 10, seed=0, dtype=np.dtype("float64"))
+        strategy = make(comm)
+        strategy.setup(m, OPTIMIZERS["sgd"])
+        rng = np.random.default_rng(0)
+        x, y = rng.standard_normal((6, 3, 8, 8)), rng.integers(0, 10, 6)
+        for _ in range(2):
+            mine = slice(3 * comm.rank, 3 * comm.rank + 3)
+            strategy.step(Batch(x[mine], y[mine], 6, 0.05))
+        with strategy.gathered():
+            return np.concatenate([p.data.ravel().copy() for p in m.parameters()]), strategy
+
+    ref = run_world(2, lambda c: body(c, AllReduceStrategy))[0][0]
+    units = ["layer1", "layer2", "layer3"]
+    out = run_world(2, lambda c: body(c, lambda cc: ZeroStrategy(cc, 3, units=units)))
+    params, strategy = out[0]
+    assert [u.module for u in strategy.units[:3]] == [getattr(strategy.model, n) for n in units]
+    np.testing.assert_allclose(params, ref, rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="units: no submodule named 'layer9'"):
+        run_world(1, lambda c: body(c, lambda cc: ZeroStrategy(cc, 3, units=["layer9"])))

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -131,9 +131,10 @@ class _BeforeBackward(Function):
 
 
 def _placeholder(p: Any) -> Any:
-    """A read-only zero-byte array of p's shape and dtype: a freed parameter."""
+    """A freed parameter: a read-only array of p's shape and dtype that takes no memory and is all
+    NaN, so that a use outside its unit's forward and backward shows at once."""
     xp = get_array_module(p.data)
-    return xp.broadcast_to(xp.zeros((), dtype=p.data.dtype), p.shape)
+    return xp.broadcast_to(xp.full((), np.nan, dtype=p.data.dtype), p.shape)
 
 
 def broadcast_model(model: Any, comm: Communicator) -> None:
@@ -147,10 +148,11 @@ def broadcast_model(model: Any, comm: Communicator) -> None:
             t.data[...] = piece
 
 
-def _module_units(model: Any) -> list[tuple[Any, list[Any]]]:
-    """(module, its parameters) of stage 3's units in forward order: the modules held in a
-    ModuleList or Sequential (searched from the root down, not inside a unit), then (None, the
-    rest): the root unit. A parameter used by two units goes to the root unit."""
+def _module_units(model: Any, names: Sequence[str] | None = None) -> list[tuple[Any, list[Any]]]:
+    """(module, its parameters) of stage 3's units in forward order: the submodules `names` (of
+    model.named_modules()), or by default the modules held in a ModuleList or Sequential
+    (searched from the root down, not inside a unit); then (None, the rest): the root unit. A
+    parameter registered in two units goes to the root unit."""
     found: list[Any] = []
 
     def visit(module: Any) -> None:
@@ -160,7 +162,15 @@ def _module_units(model: Any) -> list[tuple[Any, list[Any]]]:
             else:
                 visit(child)
 
-    visit(model)
+    if names is None:
+        visit(model)
+    else:
+        modules = dict(model.named_modules())
+        unknown = [n for n in names if n not in modules or not n]
+        if unknown:
+            raise ValueError(f"units: no submodule named {unknown[0]!r}; the model has "
+                             f"{', '.join(n for n in modules if n)}")
+        found = [modules[n] for n in names]
     owners: dict[int, int] = {}
     for i, m in enumerate(found):
         for p in m.parameters():
@@ -173,14 +183,17 @@ def _module_units(model: Any) -> list[tuple[Any, list[Any]]]:
 
 class ZeroStrategy(Strategy):
     """ZeRO stage 1, 2 or 3 over `comm` (see the module docstring); `algorithm` names the
-    reduce-scatter and all-gather (auto, ring, tree or mpi)."""
+    reduce-scatter and all-gather (auto, ring, tree or mpi); `bucket_mb` and `first_bucket_mb`
+    size stages 1-2's units; `units` names stage 3's (submodules, in forward order; default: the
+    members of every ModuleList and Sequential); `hybrid` shards within nodes only."""
 
     mode = "zero"
     sharded_checkpoint = True
 
     def __init__(self, comm: Communicator, stage: int, algorithm: str = "auto",
                  bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, overlap: bool = True,
-                 prefetch: bool = True, hybrid: bool = False) -> None:
+                 prefetch: bool = True, hybrid: bool = False,
+                 units: Sequence[str] | None = None) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage: expected one of 1, 2, 3, got {stage!r}")
         if algorithm not in ALGORITHMS:
@@ -195,6 +208,7 @@ class ZeroStrategy(Strategy):
         self.stage, self.algorithm = stage, algorithm
         self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
         self.overlap, self.prefetch, self.hybrid = bool(overlap), bool(prefetch), bool(hybrid)
+        self.unit_names = None if units is None else list(units)
         self.shard_comm: Communicator = comm
         self.replica_comm: Communicator | None = None
         self.units: list[Unit] = []
@@ -224,7 +238,8 @@ class ZeroStrategy(Strategy):
         rank, size = self.shard_comm.rank, self.shard_comm.size
         broadcast_model(model, self.comm)
         if self.stage == 3:
-            groups = [(m, g) for m, ps in _module_units(model) for g in flat.by_kind(ps)]
+            groups = [(m, g) for m, ps in _module_units(model, self.unit_names)
+                      for g in flat.by_kind(ps)]
         else:
             groups = [(None, ps) for ps in self._buckets(model)]
         self.units = [Unit(i, ps, rank, size, m) for i, (m, ps) in enumerate(groups)]
