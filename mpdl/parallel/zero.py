@@ -222,6 +222,7 @@ class ZeroStrategy(Strategy):
         self._next = 0
         self._steps = 0
         self._sent = 0
+        self._own_recorder = False
         self._waited = 0.0
         self.model_state_bytes = 0
         self.sent_bytes_per_step = 0.0
@@ -229,7 +230,7 @@ class ZeroStrategy(Strategy):
         #: thread's waits for stage 3's gathers: 1 - wait / gather is the share prefetch hid
         self.last_gather_s = 0.0
         self.last_gather_wait_s = 0.0
-        self._gather_waits = []
+        self._gather_waits: list[tuple[int, float, float]] = []
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
@@ -488,7 +489,7 @@ class ZeroStrategy(Strategy):
         recorder, first = self._recorder()
         self.peak_bytes = self._held
         self._waited = 0.0
-        self._gather_waits: list[tuple[int, float, float]] = []
+        self._gather_waits = []
         for u in self.units:
             u.spans = []
         result = StepResult()
@@ -566,7 +567,7 @@ class ZeroStrategy(Strategy):
     def _count_sent(self, recorder: list, first: int) -> None:
         me = self.comm.world_rank(self.comm.rank)
         sent = sum(entry[4] for entry in recorder[first:] if entry[2] == me)
-        if getattr(self, "_own_recorder", False):
+        if self._own_recorder:
             del recorder[:]
         self._sent += sent
         self._steps += 1
