@@ -7,7 +7,7 @@ the parameters' own dtype (hyper-parameters are Python floats, which never upcas
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,36 @@ class Optimizer:
                                     f"require grad, got {type(p).__name__}")
             self.param_groups.append(merged)
         self.state: dict[Tensor, dict[str, Any]] = {}
+        self._ndims: dict[int, int] = {}
+        self._sum_squares: Callable[[list[Tensor], list[list[Any]]], list[list[Any]]] | None = None
+
+    def shard(self, ndims: dict[int, int],
+              sum_squares: Callable[[list[Tensor], list[list[Any]]], list[list[Any]]]) -> None:
+        """Declare the parameters to be shards (flat pieces) of larger tensors, as sharded data
+        parallelism (ZeRO) hands them over. `ndims[id(p)]` is the whole tensor's number of
+        dimensions; `sum_squares(params, sums)` turns, for each parameter, the sums of squares of
+        its local piece (of weight, gradient or update) into those of the whole tensor: a
+        collective, called once per step by the optimizers that need whole-tensor norms (LARS,
+        LAMB), on every rank, even one with nothing to update."""
+        self._ndims, self._sum_squares = dict(ndims), sum_squares
+
+    def _ndim(self, p: Tensor) -> int:
+        return self._ndims.get(id(p), p.data.ndim)
+
+    def _whole(self, params: list[Tensor], sums: list[list[Any]]) -> list[list[Any]]:
+        """The sums of squares of whole tensors from those of the pieces (unchanged unless
+        sharded)."""
+        return sums if self._sum_squares is None else self._sum_squares(params, sums)
+
+    def _items(self) -> list[tuple[Tensor, dict[str, Any], dict[str, Any]]]:
+        """(parameter, state, hyper-parameters) of every parameter that has a gradient."""
+        items = []
+        for group in self.param_groups:
+            hyper = {k: float(v) if isinstance(v, (int, float, np.floating)) and
+                     not isinstance(v, bool) else v for k, v in group.items() if k != "params"}
+            items += [(p, self.state.setdefault(p, {}), hyper) for p in group["params"]
+                      if p.grad is not None]
+        return items
 
     @property
     def lr(self) -> float:
@@ -60,12 +90,8 @@ class Optimizer:
 
     def step(self) -> None:
         """Update every parameter that has a gradient."""
-        for group in self.param_groups:
-            hyper = {k: float(v) if isinstance(v, (int, float, np.floating)) and
-                     not isinstance(v, bool) else v for k, v in group.items() if k != "params"}
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, p.grad, self.state.setdefault(p, {}), hyper)
+        for p, state, hyper in self._items():
+            self._update(p, p.grad, state, hyper)
 
     def _update(self, p: Tensor, grad: Any, state: dict[str, Any], group: dict[str, Any]
                 ) -> None:
@@ -185,8 +211,9 @@ class AdamW(Adam):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
-def _norm(xp: Any, a: Any) -> Any:
-    return xp.sqrt((a * a).sum())
+def _sumsq(a: Any) -> Any:
+    """The sum of squares of a's elements (a 0-d array, no host sync): a squared norm."""
+    return (a * a).sum()
 
 
 def _trust(xp: Any, numerator: Any, denominator: Any) -> Any:
@@ -212,13 +239,24 @@ class LARS(Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                       eta=eta, exclude_1d=exclude_1d))
 
-    def _update(self, p, grad, state, group):
+    def step(self) -> None:
+        """Two passes: the norms of every adapted parameter (one `sum_squares` when sharded),
+        then the updates."""
+        items = self._items()
+        adapted = [it for it in items if not (it[2]["exclude_1d"] and self._ndim(it[0]) <= 1)]
+        sums = self._whole([p for p, _, _ in adapted],
+                           [[_sumsq(p.data), _sumsq(p.grad)] for p, _, _ in adapted])
+        norms = {id(p): s for (p, _, _), s in zip(adapted, sums, strict=True)}
+        for p, state, group in items:
+            self._update(p, p.grad, state, group, norms.get(id(p)))
+
+    def _update(self, p, grad, state, group, sums=None):
         xp = get_array_module(p.data)
         wd = group["weight_decay"]
-        if group["exclude_1d"] and p.data.ndim <= 1:
+        if sums is None:
             d = grad
         else:
-            w_norm, g_norm = _norm(xp, p.data), _norm(xp, grad)
+            w_norm, g_norm = xp.sqrt(sums[0]), xp.sqrt(sums[1])
             trust = _trust(xp, group["eta"] * w_norm, g_norm + wd * w_norm).astype(p.dtype)
             d = (grad + wd * p.data) * trust
         buf = state.get("momentum_buffer")
@@ -242,18 +280,27 @@ class LAMB(Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay, exclude_1d=exclude_1d))
 
-    def _update(self, p, grad, state, group):
-        xp = get_array_module(p.data)
-        b1, b2 = group["betas"]
-        m, v, t = _moments(state, p.data, grad, b1, b2)
-        update = (m * (1.0 / (1 - b1**t))) / (xp.sqrt(v * (1.0 / (1 - b2**t))) + group["eps"])
-        if group["exclude_1d"] and p.data.ndim <= 1:
-            p.data -= group["lr"] * update
-            return
-        if group["weight_decay"]:
-            update += group["weight_decay"] * p.data
-        trust = _trust(xp, _norm(xp, p.data), _norm(xp, update)).astype(p.dtype)
-        p.data -= group["lr"] * trust * update
+    def step(self) -> None:
+        """Two passes: the Adam direction of every parameter and the norms of the adapted ones
+        (one `sum_squares` when sharded), then the updates."""
+        updates = []
+        for p, state, group in self._items():
+            xp = get_array_module(p.data)
+            b1, b2 = group["betas"]
+            m, v, t = _moments(state, p.data, p.grad, b1, b2)
+            update = (m * (1.0 / (1 - b1**t))) / (xp.sqrt(v * (1.0 / (1 - b2**t))) + group["eps"])
+            if group["exclude_1d"] and self._ndim(p) <= 1:
+                p.data -= group["lr"] * update
+                continue
+            if group["weight_decay"]:
+                update += group["weight_decay"] * p.data
+            updates.append((p, group, update))
+        sums = self._whole([p for p, _, _ in updates],
+                           [[_sumsq(p.data), _sumsq(u)] for p, _, u in updates])
+        for (p, group, update), (w_sq, u_sq) in zip(updates, sums, strict=True):
+            xp = get_array_module(p.data)
+            trust = _trust(xp, xp.sqrt(w_sq), xp.sqrt(u_sq)).astype(p.dtype)
+            p.data -= group["lr"] * trust * update
 
 
 class WarmupSchedule:

@@ -129,6 +129,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--mode ps: fully asynchronous (each push applied on arrival); with "
                         "--staleness or --async each push is its own step at 2 x lr x the "
                         "worker's share of the batch, server momentum at most 0.5")
+    g.add_argument("--zero", type=int, default=0, metavar="{1,2,3}",
+                   help="ZeRO sharded data parallelism: 1 shards the optimizer state, 2 also the "
+                        "gradients, 3 also the parameters (FSDP); gradients reduce-scattered and "
+                        "parameters all-gathered with --algorithm auto, ring, tree or mpi")
+    g.add_argument("--zero-hybrid", action="store_true",
+                   help="--zero: shard within each node, replicate across nodes (nodes from MPI "
+                        "shared memory or MPDL_RANKS_PER_NODE; equal sizes)")
+    g.add_argument("--no-prefetch", action="store_true",
+                   help="--zero 3: gather each unit's parameters only when it runs, not while "
+                        "the previous one computes")
     g.add_argument("--emulate", metavar="SPEC",
                    help="emulate slower links, e.g. inter=10Gbit/s,20us (nodes from "
                         "MPDL_RANKS_PER_NODE), or off (default: MPDL_EMULATE)")
@@ -155,7 +165,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 #: the flags whose names are not the TrainConfig field's
 FLAGS = {"ps_async": "--async", "powersgd_rank": "--rank", "overlap": "--no-overlap",
-         "progress": "--no-progress"}
+         "progress": "--no-progress", "prefetch": "--no-prefetch"}
 
 
 def flag(field: str) -> str:
@@ -196,7 +206,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         post_local_warmup=args.post_local_warmup, mode=args.mode, servers=args.servers,
         staleness=args.staleness, ps_async=args.ps_async, emulate=args.emulate,
         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
-        digits=args.digits)
+        digits=args.digits, zero=args.zero, prefetch=not args.no_prefetch,
+        zero_hybrid=args.zero_hybrid)
 
 
 def limit_blas_threads() -> None:

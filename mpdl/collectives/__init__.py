@@ -6,14 +6,17 @@ Public calls take NumPy or CuPy arrays and return the same kind. `comm` is an mp
 
 from mpdl.collectives.api import (
     allgather,
+    allgather_async,
     allreduce,
     allreduce_async,
     broadcast,
     reduce,
     reduce_scatter,
+    reduce_scatter_async,
 )
 from mpdl.collectives.handles import Handle
 from mpdl.collectives.registry import COLLECTIVES, REGISTRY, algorithms
 
-__all__ = ["allreduce", "allreduce_async", "reduce_scatter", "allgather", "broadcast", "reduce",
-           "algorithms", "Handle", "COLLECTIVES", "REGISTRY"]
+__all__ = ["allreduce", "allreduce_async", "reduce_scatter", "reduce_scatter_async",
+           "allgather", "allgather_async", "broadcast", "reduce", "algorithms", "Handle",
+           "COLLECTIVES", "REGISTRY"]

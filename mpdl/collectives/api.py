@@ -134,37 +134,101 @@ def _check_out(out: Any, x: Any, xp: Any) -> None:
         raise ValueError("out: expected a C-contiguous array")
 
 
-def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None) -> Any:
+def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
+                   in_place: bool = False) -> Any:
     """Reduce x over all ranks and return this rank's block of the flattened result.
 
-    Blocks follow numpy.array_split: the first count % p blocks are one element longer.
+    Blocks follow numpy.array_split: the first count % p blocks are one element longer. With
+    `in_place`, x (1-D, C-contiguous) is the work buffer and the result is a view of its block
+    (the rest of x is left undefined); otherwise x is untouched and the result a new array.
     """
+    return _prepare_reduce_scatter(x, op, algorithm, comm, in_place)[1]()
+
+
+def reduce_scatter_async(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
+                         in_place: bool = False) -> Handle:
+    """`reduce_scatter` on the communicator's communication thread (see `allreduce_async`): the
+    handle's `.wait()` gives this rank's block; x must not change until the handle is done."""
+    c, work = _prepare_reduce_scatter(x, op, algorithm, comm, in_place)
+    return engine_for(c).submit(work)
+
+
+def _prepare_reduce_scatter(x: Any, op: str, algorithm: str, comm: Any, in_place: bool):
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     check_op(op, dtype)
+    if in_place and (x.ndim != 1 or not x.flags["C_CONTIGUOUS"]):
+        raise ValueError("x: in_place needs a 1-D C-contiguous array")
     algo = _pick("reduce_scatter", algorithm, c, x.nbytes)
     _agree(c, "reduce_scatter", algo.name, x.shape, dtype, op, None)
-    buf = c.workspace("api.reduce_scatter", x.size, dtype, xp)
-    xp.copyto(buf, x.reshape(-1))
     bounds = block_bounds(x.size, c.size)
-    _run(c, algo, "reduce_scatter", buf, op, bounds)
-    mine = buf[bounds[c.rank]:bounds[c.rank + 1]].copy()
-    if op == "avg":
-        xp.true_divide(mine, c.size, out=mine)
-    return mine
+
+    def work() -> Any:
+        if in_place:
+            buf = x
+        else:
+            buf = c.workspace("api.reduce_scatter", x.size, dtype, xp)
+            xp.copyto(buf, x.reshape(-1))
+        _run(c, algo, "reduce_scatter", buf, op, bounds)
+        mine = buf[bounds[c.rank]:bounds[c.rank + 1]]
+        if not in_place:
+            mine = mine.copy()
+        if op == "avg":
+            xp.true_divide(mine, c.size, out=mine)
+        return mine
+
+    return c, work
 
 
-def allgather(x: Any, algorithm: str = "auto", comm: Any = None) -> Any:
-    """Every rank's x, flattened and concatenated in rank order (all ranks pass the same shape)."""
+def allgather(x: Any, algorithm: str = "auto", comm: Any = None, count: int | None = None,
+              out: Any = None) -> Any:
+    """Every rank's x, flattened and concatenated in rank order (all ranks pass the same shape).
+
+    With `count`, the ranks hold the blocks of a count-element array split like
+    `reduce_scatter`'s (block_bounds: the first count % p blocks one element longer; x.size is
+    this rank's block size) and the result is that array. `out` (1-D, the result's size and
+    dtype) receives the result; this rank's block may already be in place (x a view of it).
+    """
+    return _prepare_allgather(x, algorithm, comm, count, out)[1]()
+
+
+def allgather_async(x: Any, algorithm: str = "auto", comm: Any = None, count: int | None = None,
+                    out: Any = None) -> Handle:
+    """`allgather` on the communicator's communication thread (see `allreduce_async`)."""
+    c, work = _prepare_allgather(x, algorithm, comm, count, out)
+    return engine_for(c).submit(work)
+
+
+def _prepare_allgather(x: Any, algorithm: str, comm: Any, count: int | None, out: Any):
     c = as_communicator(comm)
     xp, dtype = check_array(x)
-    algo = _pick("allgather", algorithm, c, x.nbytes * c.size)
-    _agree(c, "allgather", algo.name, x.shape, dtype, None, None)
-    result = xp.empty(x.size * c.size, dtype=dtype)
-    bounds = [i * x.size for i in range(c.size + 1)]
-    xp.copyto(result[bounds[c.rank]:bounds[c.rank + 1]], x.reshape(-1))
-    _run(c, algo, "allgather", result, bounds)
-    return result
+    if count is None:
+        bounds = [i * x.size for i in range(c.size + 1)]
+    else:
+        if not isinstance(count, int | np.integer) or count < 0:
+            raise ValueError(f"count: expected a number of elements >= 0, got {count!r}")
+        bounds = block_bounds(int(count), c.size)
+        if x.size != bounds[c.rank + 1] - bounds[c.rank]:
+            raise ValueError(f"x: expected block {c.rank} of {count} elements over {c.size} "
+                             f"ranks ({bounds[c.rank + 1] - bounds[c.rank]} elements), got "
+                             f"{x.size}")
+    total = bounds[-1]
+    if out is not None:
+        if backend.get_array_module(out) is not xp:
+            raise TypeError("out: expected an array of the same kind as x (NumPy or CuPy)")
+        if out.shape != (total,) or out.dtype != dtype or not out.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"out: expected a C-contiguous 1-D array of {total} {dtype}, got "
+                             f"shape {out.shape} and {out.dtype}")
+    algo = _pick("allgather", algorithm, c, total * x.itemsize)
+    _agree(c, "allgather", algo.name, x.shape if count is None else (count,), dtype, None, None)
+    result = xp.empty(total, dtype=dtype) if out is None else out
+
+    def work() -> Any:
+        xp.copyto(result[bounds[c.rank]:bounds[c.rank + 1]], x.reshape(-1))
+        _run(c, algo, "allgather", result, bounds)
+        return result
+
+    return c, work
 
 
 def broadcast(x: Any, root: int = 0, algorithm: str = "auto", comm: Any = None) -> Any:

@@ -10,7 +10,8 @@ know which one it runs. The loop, on every rank of `comm`:
    the global batch (`data_comm` says how the data is split: slice `data_comm.rank` of
    `data_comm.size`); at the end `finish()`. On a rank that does not: `serve()`, which returns
    when the ranks that train are done;
-4. saves `state_dict()` in a checkpoint and puts it back with `load_state_dict()`;
+4. saves `state_dict()` in a checkpoint and puts it back with `load_state_dict()`, and evaluates,
+   inside `gathered()` (collective: a strategy that shards the model gathers it there);
 5. reports: `roles()` and `describe()` for the header, `report()` for the JSON rows and summary,
    each step's `StepResult` (time split into compute, communication and its exposed part, and
    timeline spans).
@@ -23,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from mpdl.autograd import functional as F
@@ -78,6 +80,9 @@ class Strategy:
 
     #: the run's "mode" in the JSON rows, e.g. "allreduce" or "ps"
     mode = "base"
+    #: whether every rank writes its part of a checkpoint (`checkpoint_shard`) instead of rank 0
+    #: writing the model and `state_dict()`
+    sharded_checkpoint = False
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
@@ -123,6 +128,18 @@ class Strategy:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+    def checkpoint_shard(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """With `sharded_checkpoint`: (the arrays this rank writes, or None; the manifest of the
+        layout, the same on every rank). Collective over comm."""
+        raise NotImplementedError
+
+    @contextmanager
+    def gathered(self, optimizer_state: bool = False) -> Iterator[None]:
+        """Within the block, on every rank that trains, the model holds all its parameters (for
+        evaluation and checkpoints) and, with `optimizer_state`, `state_dict()` gives the whole
+        optimizer state. Collective over the ranks that train; nothing to do for replicas."""
+        yield
 
     def describe(self, final: bool = False) -> str:
         """The header's words on communication; with `final`, a line for the end of the run

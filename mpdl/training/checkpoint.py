@@ -1,4 +1,5 @@
-"""Checkpoints of a training run: DIR/model.npz, DIR/optimizer.npz and DIR/state.json.
+"""Checkpoints of a training run: DIR/model.npz, DIR/optimizer.npz and DIR/state.json, or, for a
+strategy that shards the model (ZeRO), one DIR/shard-RRRRR.npz per shard and DIR/state.json.
 
 model.npz holds parameters and buffers by name; optimizer.npz the optimizer's per-parameter
 arrays (`state/<index>/<name>`) and, as JSON in `meta`, its parameter groups and scalar state;
@@ -11,6 +12,13 @@ takes the newest whole set and reports a checkpoint that has none.
 
 With `keep` > 0 a save also leaves a copy of the checkpoint it wrote in DIR/history/step-NNNNNNNN
 (hard links where the filesystem allows), and deletes all but the newest `keep` of those.
+
+A sharded checkpoint (`save_sharded_checkpoint`, called on every rank) is the same kind of set:
+each rank that holds a shard writes its file into DIR/.staging, then rank 0 writes state.json,
+which holds the SHA-256 of every shard file and the manifest of the layout (the units, their
+parameters, offsets and dtypes, and how many ranks shared them), and moves the set into DIR,
+state.json last. `load_checkpoint` reassembles whole tensors from the shards, so the run that
+resumes may have any number of ranks and any strategy.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import io
 import json
 import os
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,13 +102,14 @@ def save_checkpoint(directory: str | Path, model_state: dict[str, np.ndarray],
     _sync_directory(staging)
     for name in FILES:  # state.json last
         os.replace(staging / name, directory / name)
+    _drop_unreferenced(directory, FILES)
     _sync_directory(directory)
     staging.rmdir()
     if keep > 0:
-        _keep_copy(directory, int(state.get("step", 0)), keep)
+        _keep_copy(directory, int(state.get("step", 0)), keep, FILES)
 
 
-def _keep_copy(directory: Path, step: int, keep: int) -> None:
+def _keep_copy(directory: Path, step: int, keep: int, names: Sequence[str]) -> None:
     """Copy the checkpoint in directory to directory/history/step-NNNNNNNN (through staging, so
     that a copy that is there is whole), then delete all but the newest `keep` copies."""
     history = directory / HISTORY
@@ -109,7 +119,7 @@ def _keep_copy(directory: Path, step: int, keep: int) -> None:
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir()
-    for name in FILES:
+    for name in names:
         try:
             os.link(directory / name, partial / name)
         except OSError:
@@ -121,6 +131,49 @@ def _keep_copy(directory: Path, step: int, keep: int) -> None:
         shutil.rmtree(old)
 
 
+def save_sharded_checkpoint(directory: str | Path, comm: Any, shard: dict[str, np.ndarray] | None,
+                            state: dict[str, Any], keep: int = 0) -> None:
+    """Collective over comm: a rank with a `shard` writes DIR/shard-RANK.npz, rank 0 writes
+    state.json (its `state`, which holds the manifest, plus every shard file's SHA-256) and moves
+    the set into DIR as `save_checkpoint` does, so that a crash leaves one whole checkpoint."""
+    directory = Path(directory)
+    staging = directory / STAGING
+    if comm.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        _finish_interrupted_save(directory)
+        staging.mkdir(exist_ok=True)
+    comm.barrier()
+    digest = None
+    if shard is not None:
+        name, data = f"shard-{comm.rank:05d}.npz", _npz_bytes(shard)
+        write_atomic(staging / name, data, durable=True)
+        digest = (name, hashlib.sha256(data).hexdigest())
+    digests = [d for d in comm.allgather_object(digest) if d is not None]
+    if comm.rank == 0:
+        state = {**state, "sha256": dict(digests)}
+        write_atomic(staging / "state.json", (json.dumps(state, indent=1) + "\n").encode(),
+                     durable=True)
+        _sync_directory(staging)
+        names = [name for name, _ in digests] + ["state.json"]
+        for name in names:  # state.json last
+            os.replace(staging / name, directory / name)
+        _drop_unreferenced(directory, names)
+        _sync_directory(directory)
+        staging.rmdir()
+        if keep > 0:
+            _keep_copy(directory, int(state.get("step", 0)), keep, names)
+    comm.barrier()
+
+
+def _drop_unreferenced(directory: Path, names: list[str] | tuple[str, ...]) -> None:
+    """Remove the files of an earlier checkpoint of the other kind (or more shards) that the
+    one just committed does not use."""
+    for path in directory.iterdir():
+        if path.is_file() and path.name not in names and (
+                path.name.startswith("shard-") or path.name in FILES):
+            path.unlink()
+
+
 def _finish_interrupted_save(directory: Path) -> None:
     """Complete the moves of a save that stopped while moving its files (its staging state.json is
     still there), then drop what an earlier save left in staging."""
@@ -128,9 +181,9 @@ def _finish_interrupted_save(directory: Path) -> None:
     if not staging.is_dir():
         return
     if (staging / "state.json").is_file():
-        for name in FILES:
-            if (staging / name).is_file():
-                os.replace(staging / name, directory / name)
+        for name in sorted(f.name for f in staging.iterdir() if f.name != "state.json"):
+            os.replace(staging / name, directory / name)
+        os.replace(staging / "state.json", directory / "state.json")
     for leftover in staging.iterdir():
         leftover.unlink()
 
@@ -164,14 +217,20 @@ def has_checkpoint(directory: str | Path) -> bool:
     return (directory / "state.json").is_file() or (directory / STAGING / "state.json").is_file()
 
 
-def _read_set(paths: dict[str, Path]) -> tuple[dict[str, Any], dict[str, bytes]] | str:
-    """(state, archive bytes) of one set of the three files, or why it is not a whole checkpoint."""
-    missing = [name for name, path in paths.items() if not path.is_file()]
-    if missing:
-        return f"missing {', '.join(missing)}"
+def _read_set(state_path: Path, locate: Callable[[str], Path]
+              ) -> tuple[dict[str, Any], dict[str, bytes]] | str:
+    """(state, archive bytes) of the set whose state.json is at state_path (its archives are the
+    files state.json has a SHA-256 of, found by `locate`), or why it is not a whole checkpoint."""
+    if not state_path.is_file():
+        missing = [n for n in FILES[:2] if not locate(n).is_file()]
+        return f"missing {', '.join([*missing, 'state.json'])}"
     try:
-        state = json.loads(paths["state.json"].read_text())
-        blobs = {name: paths[name].read_bytes() for name in FILES[:2]}
+        state = json.loads(state_path.read_text())
+        names = list(state.get("sha256", {})) or list(FILES[:2])
+        missing = [name for name in names if not locate(name).is_file()]
+        if missing:
+            return f"missing {', '.join(missing)}"
+        blobs = {name: locate(name).read_bytes() for name in names}
     except (OSError, ValueError) as exc:
         return f"unreadable ({exc})"
     for name, blob in blobs.items():
@@ -183,15 +242,20 @@ def _read_set(paths: dict[str, Path]) -> tuple[dict[str, Any], dict[str, bytes]]
 def load_checkpoint(directory: str | Path
                     ) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, Any]]:
     """(model state, optimizer state_dict, run state) from directory: the newest whole set of
-    files (see the module docstring); CheckpointError when there is none."""
+    files (see the module docstring), whole tensors also from a sharded one; CheckpointError when
+    there is none."""
     directory = Path(directory)
     staging = directory / STAGING
-    committed = {name: directory / name for name in FILES}
-    moving = {name: staging / name if (staging / name).is_file() else directory / name
-              for name in FILES}
+
+    def moving(name: str) -> Path:
+        return staging / name if (staging / name).is_file() else directory / name
+
+    sets = [(directory / "state.json", lambda name: directory / name)]
+    if (staging / "state.json").is_file():
+        sets.insert(0, (staging / "state.json", moving))
     reasons = []
-    for paths in ((moving, committed) if (staging / "state.json").is_file() else (committed,)):
-        found = _read_set(paths)
+    for state_path, locate in sets:
+        found = _read_set(state_path, locate)
         if not isinstance(found, str):
             break
         reasons.append(found)
@@ -200,8 +264,37 @@ def load_checkpoint(directory: str | Path
             raise CheckpointError(f"{directory}: not a checkpoint ({reasons[-1]})")
         raise CheckpointError(f"{directory}: no whole checkpoint ({'; '.join(reasons)})")
     state, blobs = found
+    if "manifest" in state:
+        model, optim = _assemble(state["manifest"], blobs)
+        return model, optim, state
     with np.load(io.BytesIO(blobs["model.npz"]), allow_pickle=False) as archive:
         model = {k: archive[k] for k in archive.files}
     with np.load(io.BytesIO(blobs["optimizer.npz"]), allow_pickle=False) as archive:
         optim = optimizer_state({k: archive[k] for k in archive.files})
     return model, optim, state
+
+
+def _assemble(manifest: dict[str, Any], blobs: dict[str, bytes]
+              ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Whole tensors (model state by name, a replica's optimizer state_dict) from the shard
+    files of a sharded checkpoint. The manifest: `ranks` that shared the units; per unit its
+    `dtype`, `count` and `params` ([name, position, shape, offset]); the optimizer's array
+    `state_keys`, `scalars` and `param_groups`; the model's other arrays are in shard 0."""
+    shards = []
+    for rank in range(manifest["ranks"]):
+        with np.load(io.BytesIO(blobs[f"shard-{rank:05d}.npz"]), allow_pickle=False) as a:
+            shards.append({k: a[k] for k in a.files})
+    model: dict[str, np.ndarray] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for i, unit in enumerate(manifest["units"]):
+        flat = {key: np.concatenate([s[f"unit{i}/{key}"] for s in shards])
+                for key in ["param", *(f"state/{k}" for k in manifest["state_keys"])]}
+        for name, position, shape, offset in unit["params"]:
+            size = int(np.prod(shape))
+            model[name] = flat["param"][offset:offset + size].reshape(shape)
+            if manifest["state_keys"]:
+                state[str(position)] = {**manifest["scalars"], **{
+                    k: flat[f"state/{k}"][offset:offset + size].reshape(shape)
+                    for k in manifest["state_keys"]}}
+    model.update({k[len("other/"):]: v for k, v in shards[0].items() if k.startswith("other/")})
+    return model, {"state": state, "param_groups": manifest["param_groups"]}

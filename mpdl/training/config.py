@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +18,8 @@ from mpdl.autograd.optim import scale_lr
 from mpdl.collectives.registry import algorithms
 from mpdl.parallel.compression import COMPRESSORS, make_compression
 from mpdl.parallel.ps import check_config
+from mpdl.parallel.zero import ALGORITHMS as ZERO_ALGORITHMS
+from mpdl.parallel.zero import STAGES as ZERO_STAGES
 from mpdl.training.models import MODELS
 
 OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
@@ -79,6 +82,22 @@ def literal(text: str) -> str:
     return text.replace("{", "{{").replace("}", "}}")
 
 
+def agreed(comm: Any, fn: Callable[[], Any]) -> Any:
+    """fn() on every rank of comm; when it fails on any rank (ConfigError, ValueError, OSError),
+    ConfigError with the first failing rank's message on every rank, so that all stop alike."""
+    result, error = None, None
+    try:
+        result = fn()
+    except ConfigError as exc:
+        error = exc.template
+    except (ValueError, OSError) as exc:  # DatasetError and CheckpointError among them
+        error = literal(str(exc) or type(exc).__name__)
+    error = next((e for e in comm.allgather_object(error) if e), None)
+    if error:
+        raise ConfigError(error)
+    return result
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """Everything that defines a run (the flags of `mpdl train`)."""
@@ -130,6 +149,9 @@ class TrainConfig:
     n_embd: int = 64
     block_size: int | None = None
     digits: int = 3
+    zero: int = 0
+    prefetch: bool = True
+    zero_hybrid: bool = False
 
     def ps_mode(self) -> str:
         """The parameter server's synchronisation: sync, ssp (staleness) or async (ps_async)."""
@@ -265,6 +287,7 @@ def validate_communication(config: TrainConfig, world_size: int) -> None:
     if config.sync_every > 1 and config.compression != "none":
         raise ConfigError("{sync_every} (local SGD averages parameters) and {compression} "
                           "(compresses gradients) cannot be combined")
+    validate_zero(config)
     if config.mode != "ps":
         if config.staleness is not None:
             raise ConfigError("{staleness} needs {mode} ps (bounded staleness is a "
@@ -288,6 +311,32 @@ def validate_communication(config: TrainConfig, world_size: int) -> None:
     if config.checkpoint or config.resume:
         raise ConfigError("{mode} ps cannot be combined with {checkpoint} or {resume} (the "
                           "servers' shards and momentum are not saved)")
+
+
+def validate_zero(config: TrainConfig) -> None:
+    """The ZeRO stage and what it cannot be combined with."""
+    if config.zero == 0:
+        if not config.prefetch:
+            raise ConfigError("{prefetch} needs {zero} 3 (prefetch of the next unit's parameters)")
+        if config.zero_hybrid:
+            raise ConfigError("{zero_hybrid} needs {zero} 1, 2 or 3")
+        return
+    if config.zero not in ZERO_STAGES:
+        raise ConfigError(f"{{zero}}: expected a stage 1, 2 or 3, got {config.zero!r}")
+    if config.mode == "ps":
+        raise ConfigError("{zero} cannot be combined with {mode} ps (the servers hold the "
+                          "parameters)")
+    if config.sync_every > 1:
+        raise ConfigError("{zero} (sharded optimizer state) cannot be combined with {sync_every} "
+                          "(local SGD keeps whole replicas)")
+    if config.compression != "none":
+        raise ConfigError(f"{{zero}} reduce-scatters gradients into shards; {{compression}} "
+                          f"{config.compression} compresses all-reduced buckets and cannot apply")
+    if config.algorithm not in ZERO_ALGORITHMS:
+        raise ConfigError(f"{{algorithm}} {config.algorithm} has no reduce-scatter and "
+                          f"all-gather; with {{zero}} use {', '.join(ZERO_ALGORITHMS)}")
+    if not config.prefetch and config.zero != 3:
+        raise ConfigError("{prefetch} needs {zero} 3 (prefetch of the next unit's parameters)")
 
 
 def resume_mismatch(config: TrainConfig, saved: dict) -> str | None:

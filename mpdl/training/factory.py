@@ -10,6 +10,7 @@ from mpdl.comm import Communicator
 from mpdl.parallel.compression import make_compression
 from mpdl.parallel.strategies import AllReduceStrategy, LocalSGDStrategy, ParameterServerStrategy
 from mpdl.parallel.strategy import Strategy
+from mpdl.parallel.zero import ZeroStrategy
 from mpdl.training.config import TrainConfig
 
 
@@ -22,6 +23,9 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
                                        momentum=c.momentum, weight_decay=c.weight_decay)
     common = dict(algorithm=c.algorithm, bucket_mb=c.bucket_mb, first_bucket_mb=c.first_bucket_mb,
                   overlap=c.overlap)
+    if c.zero:
+        return ZeroStrategy(comm, stage=c.zero, prefetch=c.prefetch, hybrid=c.zero_hybrid,
+                            **common)
     if c.sync_every > 1:
         return LocalSGDStrategy(comm, sync_every=c.sync_every, warmup_steps=c.post_local_warmup,
                                 **common)

@@ -27,15 +27,21 @@ from mpdl.autograd import optim
 from mpdl.backend import cupy_module, use_local_gpu
 from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator
-from mpdl.datasets import DatasetError
 from mpdl.parallel import DistributedSampler, split_bounds
 from mpdl.parallel.strategy import Batch
 from mpdl.training import checkpoint, throughput
-from mpdl.training.config import ConfigError, TrainConfig, literal, resume_mismatch, validate
+from mpdl.training.config import ConfigError, TrainConfig, agreed, literal, resume_mismatch, validate
 from mpdl.training.factory import make_optimizer, make_strategy
 from mpdl.training.models import build_model, describe_model
-from mpdl.training.report import Report, ranks_text, resumed_text, write_timeline
-from mpdl.training.tasks import SUMMARY_FIELDS, load_task
+from mpdl.training.report import (
+    ZERO_COLUMNS,
+    Report,
+    describe_run,
+    resumed_text,
+    summary_row,
+    write_timeline,
+)
+from mpdl.training.tasks import load_task
 from mpdl.training.timeline import Timeline
 
 __all__ = ["ConfigError", "TrainConfig", "Trainer", "validate"]
@@ -61,21 +67,6 @@ class Trainer:
     def optimizer(self) -> Any:
         return self.strategy.optimizer
 
-    def _checked(self, fn: Callable[[], Any]) -> Any:
-        """fn() on every rank; if it fails on any rank, ConfigError with that message on all."""
-        result, error = None, None
-        try:
-            result = fn()
-        except ConfigError as exc:
-            error = exc.template
-        except (DatasetError, checkpoint.CheckpointError, ValueError, OSError) as exc:
-            error = literal(str(exc) or type(exc).__name__)
-        errors = self.comm.allgather_object(error)
-        error = next((e for e in errors if e), None)
-        if error:
-            raise ConfigError(error)
-        return result
-
     def setup(self) -> None:
         """Check the configuration, load the data, build the model and the strategy, resume."""
         c = self.config
@@ -90,9 +81,9 @@ class Trainer:
 
     def _setup(self) -> None:
         c = self.config
-        self.strategy = make_strategy(c, self.comm)
+        self.strategy = agreed(self.comm, lambda: make_strategy(c, self.comm))
         trains = self.strategy.trains
-        self.task = self._checked(lambda: load_task(c) if trains else None)
+        self.task = agreed(self.comm, lambda: load_task(c) if trains else None)
         if self.task is not None:
             self.report.columns = self.task.columns
         shape = self.comm.allgather_object(self.task and self.task.shape)[0]  # servers: no data
@@ -125,7 +116,7 @@ class Trainer:
                                   f"visible on some ranks only; put it on a filesystem every "
                                   f"rank shares")
             if all(seen):
-                self._checked(self._resume)
+                agreed(self.comm, self._resume)
             else:
                 self.report.print(f"# no checkpoint in {c.checkpoint} yet: starting from epoch 1")
 
@@ -134,7 +125,8 @@ class Trainer:
         mismatch = resume_mismatch(self.config, state.get("config", {}))
         if mismatch:
             raise ConfigError(mismatch)
-        self.model.load_state_dict(model_state)
+        with self.strategy.gathered():
+            self.model.load_state_dict(model_state)
         self.strategy.load_state_dict(optim_state)
         self.sampler.load_state_dict(state["sampler"])
         checkpoint.restore_rngs(self.model, state.get("rng", {}))
@@ -143,21 +135,34 @@ class Trainer:
         self.partial = state.get("partial")  # the sums over all ranks of the epoch's first steps
         self.resumed_at = self.step
 
-    def _save(self, epoch: int, partial: dict[str, float] | None = None) -> None:
+    def _run_state(self, epoch: int, partial: dict[str, float] | None) -> dict[str, Any]:
+        """What a checkpoint holds besides the model and the optimizer."""
         state = {"epoch": epoch, "step": self.step, "sampler": self.sampler.state_dict(),
                  "rng": checkpoint.module_rngs(self.model), "config": dataclasses.asdict(self.config),
                  "ranks": self.size, "history": self.rows, "partial": partial}
         if self.task.model_info() is not None:
             state["model_info"] = self.task.model_info()
-        checkpoint.save_checkpoint(self.config.checkpoint, self.model.state_dict(),
-                                   self.strategy.state_dict(), state, keep=self.config.keep)
+        return state
+
+    def _save(self, epoch: int, partial: dict[str, float] | None = None) -> None:
+        """Checkpoint after `epoch` epochs (partial: the sums of the next one so far); collective,
+        inside the strategy's gathered()."""
+        c = self.config
+        if self.strategy.sharded_checkpoint:
+            shard, manifest = self.strategy.checkpoint_shard()
+            checkpoint.save_sharded_checkpoint(c.checkpoint, self.comm, shard, {
+                **self._run_state(epoch, partial), "manifest": manifest}, keep=c.keep)
+        elif self.rank == 0:
+            checkpoint.save_checkpoint(c.checkpoint, self.model.state_dict(),
+                                       self.strategy.state_dict(), self._run_state(epoch, partial),
+                                       keep=c.keep)
 
     def _save_within(self, epoch: int, sums: dict[str, float]) -> None:
         """Checkpoint in the middle of epoch (every checkpoint_every steps) with the sums of the
         epoch so far over all ranks, so that a resumed run reports the whole epoch."""
         vec = np.array([sums[k] for k in SUMS], dtype=np.float64)
         total = allreduce(vec, op="sum", comm=self.strategy.data_comm)
-        if self.rank == 0:
+        with self.strategy.gathered(optimizer_state=not self.strategy.sharded_checkpoint):
             self._save(epoch, dict(zip(SUMS, map(float, total), strict=True)))
 
     def _to_device(self, a: np.ndarray) -> Any:
@@ -235,13 +240,17 @@ class Trainer:
             data_comm = strategy.data_comm
             for epoch in range(self.start_epoch, c.epochs):
                 s = self.train_epoch(epoch)
-                vec = np.array([s["loss"], s["correct"], s["n"], s["compute"], s["comm"],
-                                s["exposed"], s["wall"], *self.evaluate()], dtype=np.float64)
-                self._add_row(epoch, allreduce(vec, op="sum", comm=data_comm), data_comm.size)
+                with strategy.gathered(optimizer_state=bool(c.checkpoint) and
+                                       not strategy.sharded_checkpoint):
+                    vec = np.array([s["loss"], s["correct"], s["n"], s["compute"], s["comm"],
+                                    s["exposed"], s["wall"], *self.evaluate()], dtype=np.float64)
+                    self._add_row(epoch, allreduce(vec, op="sum", comm=data_comm),
+                                  data_comm.size)
             final = None
             if strategy.finish():
-                final = allreduce(np.array(self.evaluate(), dtype=np.float64), op="sum",
-                                  comm=data_comm)
+                with strategy.gathered():
+                    final = allreduce(np.array(self.evaluate(), dtype=np.float64), op="sum",
+                                      comm=data_comm)
             summary = self._summary(time.perf_counter() - run_start)
             if final is not None:
                 summary.update(self.task.metrics(final))
@@ -266,33 +275,22 @@ class Trainer:
                                          self.size))
         self.rows.append(row)
         self.report.row(row, self.rows)
-        if self.rank == 0 and self.config.checkpoint:
+        if self.config.checkpoint:
             self._save(epoch + 1)
 
     def _summary(self, seconds: float) -> dict[str, Any]:
-        c, last = self.config, self.rows[-1] if self.rows else {}
-        return {"summary": True, "epochs": c.epochs, "ranks": self.size,
-                **self.strategy.report(final=True), "emulated": emulation.describe_active(self.comm),
-                "model": c.model, "dataset": c.dataset, "global_batch_size": c.global_batch_size,
-                "optimizer": c.optimizer, "overlap": c.overlap,
-                "loss": last.get("loss"), "train_acc": last.get("train_acc"),
-                "test_acc": last.get("test_acc"),
-                **{k: last[k] for k in SUMMARY_FIELDS if k in last},
-                "samples_per_s": (float(np.mean([r["samples_per_s"] for r in self.rows]))
-                                  if self.rows else None),
-                "seconds": seconds}
+        return summary_row(self.config, self.rows, self.size, self.strategy.report(final=True),
+                           emulation.describe_active(self.comm), seconds)
 
     def _print_header(self) -> None:
         c = self.config
-        ranks, per_rank = ranks_text(self.strategy.roles(), c.global_batch_size)
-        emulated = emulation.describe_active(self.comm)
-        what = (f"{describe_model(c.model, self.model)} on {c.dataset} ({len(self.task.xtr)} train / "
-                f"{len(self.task.xte)} test), "
-                f"{ranks}, global batch {c.global_batch_size} ({per_rank}), {c.optimizer} lr "
-                f"{c.base_lr():g}, {self.strategy.describe()}"
-                + (f", EMULATED links {emulated}" if emulated else ""))
+        what = describe_run(c, describe_model(c.model, self.model), self.task,
+                            self.strategy.roles(), self.strategy.describe(),
+                            emulation.describe_active(self.comm))
         notes = [*self.task.notes(),
                  self.peak and throughput.note(self.model, self.task.seq_len, self.peak, self.size),
                  resumed_text(c.checkpoint, self.start_epoch, self.step, self.sampler.position,
                               self.steps_per_epoch)]
+        if "model_state_bytes" in self.strategy.report():
+            self.report.columns = (*self.report.columns, *ZERO_COLUMNS)
         self.report.header(what, [note for note in notes if note])

@@ -7,11 +7,19 @@ from __future__ import annotations
 import json
 from typing import Any, TextIO
 
+import numpy as np
+
 from mpdl.fileio import write_atomic
+from mpdl.training.tasks import SUMMARY_FIELDS
 from mpdl.training.timeline import Timeline, write_trace
 
 COLUMNS = ("epoch", "loss", "train_acc", "test_acc", "samples/s", "step_ms", "compute", "comm",
            "exposed")
+MIB = 1 << 20
+#: the columns a sharded (ZeRO) run adds: model state held (max over ranks, peak within a step)
+#: and bytes sent per step, in MiB: (title, row field, width, format, divisor)
+ZERO_COLUMNS = (("state_MiB", "model_state_bytes", 9, ".3f", MIB),
+                ("sent_MiB", "sent_bytes_per_step", 9, ".3f", MIB))
 
 
 def write_json_lines(path: str, rows: list[dict[str, Any]]) -> None:
@@ -33,14 +41,37 @@ def ranks_text(roles: list[tuple[str, int]], global_batch_size: int) -> tuple[st
     return ranks, f"{global_batch_size / trainers:g} per {role}"
 
 
+def describe_run(config: Any, model: str, task: Any, roles: list[tuple[str, int]],
+                 strategy: str, emulated: str) -> str:
+    """The header's description of a run: model, data, ranks, batch, optimizer, strategy."""
+    ranks, per_rank = ranks_text(roles, config.global_batch_size)
+    return (f"{model} on {config.dataset} ({len(task.xtr)} train / {len(task.xte)} test), "
+            f"{ranks}, global batch {config.global_batch_size} ({per_rank}), {config.optimizer} "
+            f"lr {config.base_lr():g}, {strategy}"
+            + (f", EMULATED links {emulated}" if emulated else ""))
+
+
+def summary_row(config: Any, rows: list[dict[str, Any]], ranks: int, strategy: dict[str, Any],
+                emulated: str, seconds: float) -> dict[str, Any]:
+    """The run's summary line: its configuration, the last epoch's metrics and the mean rate."""
+    last = rows[-1] if rows else {}
+    return {"summary": True, "epochs": config.epochs, "ranks": ranks, **strategy,
+            "emulated": emulated, "model": config.model, "dataset": config.dataset,
+            "global_batch_size": config.global_batch_size, "optimizer": config.optimizer,
+            "overlap": config.overlap, "loss": last.get("loss"), "train_acc": last.get("train_acc"),
+            "test_acc": last.get("test_acc"), **{k: last[k] for k in SUMMARY_FIELDS if k in last},
+            "samples_per_s": (float(np.mean([r["samples_per_s"] for r in rows])) if rows else None),
+            "seconds": seconds}
+
+
 class Report:
     """The table on `out` and the JSON lines at `json_path` (None: none), written when `enabled`
-    (rank 0). `columns` are extra table columns after COLUMNS (a task's: (title, row field,
-    width, format))."""
+    (rank 0). `columns` are extra table columns after COLUMNS: (title, row field, width, format)
+    and optionally a divisor of the field's value."""
 
     def __init__(self, out: TextIO, json_path: str | None, enabled: bool) -> None:
         self.out, self.json_path, self.enabled = out, json_path, enabled
-        self.columns: tuple[tuple[str, str, int, str], ...] = ()
+        self.columns: tuple[tuple, ...] = ()
 
     def print(self, line: str) -> None:
         if self.enabled:
@@ -54,7 +85,7 @@ class Report:
             self.print(note)
         self.print(f"{COLUMNS[0]:>5} {COLUMNS[1]:>8} {COLUMNS[2]:>9} {COLUMNS[3]:>8} "
                    f"{COLUMNS[4]:>10} {COLUMNS[5]:>8} {COLUMNS[6]:>8} {COLUMNS[7]:>8} "
-                   f"{COLUMNS[8]:>8}" + "".join(f" {t:>{w}}" for t, _, w, _ in self.columns))
+                   f"{COLUMNS[8]:>8}" + "".join(f" {t:>{w}}" for t, _, w, *_ in self.columns))
 
     def row(self, r: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         """An epoch's line, and the JSON lines so far."""
@@ -63,7 +94,8 @@ class Report:
                    f"{r['test_acc']:>8.4f} {r['samples_per_s']:>10.0f} {step_ms:>8.2f} "
                    f"{r['compute_s'] * 1e3:>8.2f} {r['comm_s'] * 1e3:>8.2f} "
                    f"{r['exposed_comm_s'] * 1e3:>8.2f}"
-                   + "".join(f" {r[key]:>{w}{fmt}}" for _, key, w, fmt in self.columns))
+                   + "".join(f" {r[key] / (scale[0] if scale else 1):>{w}{fmt}}"
+                             for _, key, w, fmt, *scale in self.columns))
         self.write(rows)
 
     def summary(self, s: dict[str, Any], rows: list[dict[str, Any]], note: str) -> None:

@@ -1,0 +1,747 @@
+"""ZeRO: sharded data parallelism (Rajbhandari et al. 2020; PyTorch FSDP), stages 1, 2 and 3.
+
+The parameters are cut into *units*, each a flat buffer of one dtype split over the p ranks like
+`reduce_scatter` splits an array (block_bounds: the first count % p blocks one element longer, so
+no count needs to divide by p). Rank r owns block r of every unit: its *shard*. The optimizer runs
+on the shard only: it gets one flat *piece* tensor per (parameter, unit block) overlap, so each
+rank holds 1/p of the optimizer state.
+
+- **Stage 1** (optimizer state sharded). Units are DDP's buckets (reverse parameter order, a small
+  first one). Backward's grad-ready hooks copy each gradient, times local/global batch, into its
+  unit's full-size gradient buffer (kept between steps) and drop `p.grad`; a full unit is
+  reduce-scattered in place on the communication thread, in unit order. The optimizer steps on
+  the shard; each unit's parameters are then all-gathered in place.
+- **Stage 2** (gradients sharded too): as stage 1, but a unit's full-size gradient buffer exists
+  only from its first gradient until its reduce-scatter is done; then only the shard is kept.
+- **Stage 3** (parameters sharded, FSDP's FULL_SHARD). Units are the modules inside containers
+  (the blocks of a ModuleList, the layers of a Sequential); what is left (the root's own
+  parameters, embeddings used again by the root) is the *root unit*, gathered for the whole step.
+  A unit's forward is wrapped: its parameters are all-gathered just before it and freed after (its
+  `p.data` becomes a zero-byte placeholder of the right shape); an identity node on its output
+  gathers them again just before its backward; once its gradients are all in, they are
+  reduce-scattered and the parameters freed. With `prefetch`, the next unit's all-gather (the
+  previous one's in backward) is started at once, so it overlaps this unit's compute.
+
+What the autograd graph keeps: mpdl's primitives save their input arrays for backward, so the
+gathered weights a unit's forward used stay alive in the graph until its backward, as activations
+do; the accounting (`model_state_bytes`) counts the model state the strategy holds: parameters,
+gradients and optimizer state.
+
+Whole-tensor norms (LARS, LAMB): a piece knows its whole tensor's ndim, and the optimizer's sums
+of squares of all pieces are completed with one small all-reduce per step (`Optimizer.shard`).
+
+Checkpoints: `checkpoint_shard()` gives this rank's blocks of every unit (parameters and
+optimizer state) and the manifest of the layout; `mpdl.training.checkpoint` writes one file per
+rank and reassembles whole tensors on load, so a run resumes on any number of ranks and any stage.
+`gathered(optimizer_state=True)` and `state_dict()` give the whole optimizer state instead.
+
+`NaiveZero` beside it is the textbook version of stage 1 in a few lines (one all-reduce-free
+reduce-scatter of all gradients after backward, optimizer on the shard, one all-gather), kept as
+the reference the tests compare the fast one with.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from mpdl.autograd import nn
+from mpdl.autograd.tensor import Function, Tensor, is_grad_enabled
+from mpdl.backend import get_array_module, to_host
+from mpdl.collectives import allgather, allreduce, broadcast, reduce_scatter
+from mpdl.collectives.handles import Handle, engine_for
+from mpdl.collectives.ops import block_bounds
+from mpdl.comm import Communicator
+from mpdl.parallel import flat
+from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy
+
+MB = 1 << 20
+STAGES = (1, 2, 3)
+#: stages 2 and 3: reduce-scatters in flight before backward waits for the oldest
+MAX_IN_FLIGHT = 2
+#: the collective algorithms ZeRO can run: those reduce_scatter and allgather both have
+ALGORITHMS = ("auto", "ring", "tree", "mpi")
+
+
+class Unit:
+    """A run of parameters of one dtype, flattened and split over `size` ranks; this rank owns
+    elements [lo, hi) of the flat buffer."""
+
+    def __init__(self, index: int, params: list[Any], rank: int, size: int,
+                 module: Any = None) -> None:
+        self.index, self.params, self.module = index, params, module
+        self.xp = get_array_module(params[0].data)
+        self.dtype = params[0].data.dtype
+        self.offsets: list[int] = []
+        self.position: dict[int, int] = {}
+        count = 0
+        for i, p in enumerate(params):
+            self.offsets.append(count)
+            self.position[id(p)] = i
+            count += p.data.size
+        self.count = count
+        self.bounds = block_bounds(count, size)
+        self.lo, self.hi = self.bounds[rank], self.bounds[rank + 1]
+        self.itemsize = int(self.dtype.itemsize)
+        self.full: Any = None         # the whole flat parameters while this rank holds them
+        self.shard: Any = None        # this rank's block of the parameters
+        self.grad: Any = None         # the full-size gradient buffer while it exists
+        self.grad_shard: Any = None   # this rank's block of the summed gradient
+        self.ready: set[int] = set()
+        self.reduce: Handle | None = None
+        self.gather: Handle | None = None
+        self.spans: list[tuple[str, float, float]] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.itemsize
+
+    @property
+    def shard_nbytes(self) -> int:
+        return (self.hi - self.lo) * self.itemsize
+
+    def views(self, buf: Any) -> list[Any]:
+        """Each parameter's part of a full flat buffer, shaped like the parameter."""
+        return [buf[o:o + p.data.size].reshape(p.shape) for o, p in zip(self.offsets, self.params,
+                                                                        strict=True)]
+
+    def pieces(self) -> Iterator[tuple[int, int, int]]:
+        """(parameter index, start, end) in unit offsets of each parameter's part of [lo, hi)."""
+        for i, (o, p) in enumerate(zip(self.offsets, self.params, strict=True)):
+            a, b = max(o, self.lo), min(o + p.data.size, self.hi)
+            if a < b:
+                yield i, a, b
+
+
+class _BeforeBackward(Function):
+    """Identity whose backward first calls `hook` (stage 3: gather the unit's parameters)."""
+
+    def forward(self, x, hook):
+        self.hook = hook
+        return x.view()
+
+    def backward(self, grad):
+        self.hook()
+        return grad
+
+
+def _placeholder(p: Any) -> Any:
+    """A freed parameter: a read-only array of p's shape and dtype that takes no memory and is all
+    NaN, so that a use outside its unit's forward and backward shows at once."""
+    xp = get_array_module(p.data)
+    return xp.broadcast_to(xp.full((), np.nan, dtype=p.data.dtype), p.shape)
+
+
+def broadcast_model(model: Any, comm: Communicator) -> None:
+    """Rank 0's parameters and buffers on every rank (one flat broadcast per dtype)."""
+    if comm.size == 1:
+        return
+    tensors = [t for _, t in model.named_parameters()] + model.buffers()
+    for group in flat.by_kind(tensors):
+        result = broadcast(flat.pack([t.data for t in group]), root=0, comm=comm)
+        for t, piece in zip(group, flat.unpack(result, group), strict=True):
+            t.data[...] = piece
+
+
+def _module_units(model: Any, names: Sequence[str] | None = None) -> list[tuple[Any, list[Any]]]:
+    """(module, its parameters) of stage 3's units in forward order: the submodules `names` (of
+    model.named_modules()), or by default the modules held in a ModuleList or Sequential
+    (searched from the root down, not inside a unit); then (None, the rest): the root unit. A
+    parameter registered in two units goes to the root unit."""
+    found: list[Any] = []
+
+    def visit(module: Any) -> None:
+        for child in module.children():
+            if isinstance(module, (nn.ModuleList, nn.Sequential)):
+                found.append(child)
+            else:
+                visit(child)
+
+    if names is None:
+        visit(model)
+    else:
+        modules = dict(model.named_modules())
+        unknown = [n for n in names if n not in modules or not n]
+        if unknown:
+            raise ValueError(f"units: no submodule named {unknown[0]!r}; the model has "
+                             f"{', '.join(n for n in modules if n)}")
+        found = [modules[n] for n in names]
+    owners: dict[int, int] = {}
+    for i, m in enumerate(found):
+        for p in m.parameters():
+            owners[id(p)] = -1 if owners.get(id(p), i) != i else i
+    units = [(m, [p for p in m.parameters() if p.requires_grad and owners[id(p)] == i])
+             for i, m in enumerate(found)]
+    rest = [p for p in model.parameters() if p.requires_grad and owners.get(id(p), -1) == -1]
+    return [(m, ps) for m, ps in units if ps] + ([(None, rest)] if rest else [])
+
+
+class ZeroStrategy(Strategy):
+    """ZeRO stage 1, 2 or 3 over `comm` (see the module docstring); `algorithm` names the
+    reduce-scatter and all-gather (auto, ring, tree or mpi); `bucket_mb` and `first_bucket_mb`
+    size stages 1-2's units; `units` names stage 3's (submodules, in forward order; default: the
+    members of every ModuleList and Sequential); `hybrid` shards within nodes only."""
+
+    mode = "zero"
+    sharded_checkpoint = True
+
+    def __init__(self, comm: Communicator, stage: int, algorithm: str = "auto",
+                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, overlap: bool = True,
+                 prefetch: bool = True, hybrid: bool = False,
+                 units: Sequence[str] | None = None) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"stage: expected one of 1, 2, 3, got {stage!r}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm: expected one of {', '.join(ALGORITHMS)} (a reduce-"
+                             f"scatter and all-gather), got {algorithm!r}")
+        super().__init__(comm)
+        if hybrid:
+            sizes = [len(g) for g in comm.node_groups()]
+            if len(set(sizes)) > 1:
+                raise ValueError(f"hybrid sharding needs the same number of ranks on every node, "
+                                 f"got {sizes}")
+        self.stage, self.algorithm = stage, algorithm
+        self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
+        self.overlap, self.prefetch, self.hybrid = bool(overlap), bool(prefetch), bool(hybrid)
+        self.unit_names = None if units is None else list(units)
+        self.shard_comm: Communicator = comm
+        self.replica_comm: Communicator | None = None
+        self.units: list[Unit] = []
+        self.weight = 1.0 / comm.size
+        self._lock = threading.Lock()
+        self._held = 0
+        self.peak_bytes = 0       # the peak of the bytes held, since the last step began
+        self.step_peak_bytes = 0  # the largest peak within a step so far
+        self._optimizer_bytes = 0
+        self._sharded = True
+        self._next = 0
+        self._steps = 0
+        self._sent = 0
+        self._own_recorder = False
+        self._waited = 0.0
+        self.model_state_bytes = 0
+        self.sent_bytes_per_step = 0.0
+        #: seconds of the last step's all-gathers (communication thread) and of the main
+        #: thread's waits for stage 3's gathers: 1 - wait / gather is the share prefetch hid
+        self.last_gather_s = 0.0
+        self.last_gather_wait_s = 0.0
+        self._gather_waits: list[tuple[int, float, float]] = []
+
+    # -- setup -------------------------------------------------------------------------------------
+    def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
+        self.model = model
+        self._communicators()
+        rank, size = self.shard_comm.rank, self.shard_comm.size
+        broadcast_model(model, self.comm)
+        if self.stage == 3:
+            groups = [(m, g) for m, ps in _module_units(model, self.unit_names)
+                      for g in flat.by_kind(ps)]
+        else:
+            groups = [(None, ps) for ps in self._buckets(model)]
+        self.units = [Unit(i, ps, rank, size, m) for i, (m, ps) in enumerate(groups)]
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        pieces, ndims = [], {}
+        for u in self.units:
+            whole = flat.pack([p.data for p in u.params])
+            if self.stage == 3:
+                u.shard = whole[u.lo:u.hi].copy()
+                for p in u.params:
+                    p.data = _placeholder(p)
+                self._hold(u.shard_nbytes)
+            else:
+                u.full, u.shard = whole, whole[u.lo:u.hi]
+                for p, view in zip(u.params, u.views(whole), strict=True):
+                    p.data = view
+                self._hold(u.nbytes)
+            if self.stage == 1:
+                u.grad = u.xp.zeros(u.count, dtype=u.dtype)
+                u.grad_shard = u.grad[u.lo:u.hi]
+                self._hold(u.nbytes)
+            else:
+                u.grad_shard = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
+                self._hold(u.shard_nbytes)
+            for i, a, b in u.pieces():
+                t = Tensor(u.shard[a - u.lo:b - u.lo], requires_grad=True)
+                pieces.append((t, u, i, a, b))
+                ndims[id(t)] = len(u.params[i].shape)
+        if not pieces:  # fewer elements than ranks: an empty piece keeps the optimizer valid
+            u = self.units[0]
+            pieces.append((Tensor(u.shard[:0], requires_grad=True), u, 0, u.lo, u.lo))
+        self.pieces = pieces
+        self.optimizer = make_optimizer([t for t, *_ in pieces])
+        self.optimizer.shard(ndims, self._sum_squares)
+        self._hooks = [p.register_grad_ready_hook(self._on_grad) for u in self.units
+                       for p in u.params]
+        if self.stage == 3:
+            for u in self.units:
+                if u.module is not None:
+                    self._wrap(u)
+        self._order = list(reversed(self.units)) if self.stage == 3 else list(self.units)
+        self.peak_bytes = self._held
+
+    def _communicators(self) -> None:
+        """shard_comm: the ranks that share the shards (all, or hybrid: this node's);
+        replica_comm (hybrid): the ranks holding the same shard on the other nodes."""
+        self.shard_comm, self.replica_comm = self.comm, None
+        if not self.hybrid:
+            return
+        groups = self.comm.node_groups()
+        node = next(g for g in groups if self.comm.rank in g)
+        local = node.index(self.comm.rank)
+        self.shard_comm = self.comm.sub(node)
+        if len(groups) > 1:
+            self.replica_comm = self.comm.sub([g[local] for g in groups])
+
+    def _buckets(self, model: Any) -> list[list[Any]]:
+        """DDP's buckets: reverse parameter order, one dtype each, a small first one."""
+        buckets: list[list[Any]] = []
+        current: list[Any] = []
+        nbytes = 0
+        for p in reversed([p for p in model.parameters() if p.requires_grad]):
+            if current:
+                cap = (self.first_bucket_mb if not buckets else self.bucket_mb) * MB
+                if p.data.dtype != current[0].data.dtype or nbytes + p.data.nbytes > cap:
+                    buckets.append(current)
+                    current, nbytes = [], 0
+            current.append(p)
+            nbytes += p.data.nbytes
+        if current:
+            buckets.append(current)
+        return buckets
+
+    def _wrap(self, unit: Unit) -> None:
+        original = unit.module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not self._sharded:
+                return original(*args, **kwargs)
+            self._gathered(unit)
+            if self.prefetch and unit.index + 1 < len(self.units):
+                self._gather(self.units[unit.index + 1])
+            out = original(*args, **kwargs)
+            self._free(unit)
+            if isinstance(out, Tensor) and out.requires_grad and is_grad_enabled():
+                out = _BeforeBackward.apply(out, hook=lambda: self._before_backward(unit))
+            return out
+
+        unit.module.forward = forward
+
+    # -- accounting --------------------------------------------------------------------------------
+    def _hold(self, nbytes: int) -> None:
+        with self._lock:
+            self._held += nbytes
+            self.peak_bytes = max(self.peak_bytes, self._held)
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._held -= nbytes
+
+    # -- stage 3: gather and free ------------------------------------------------------------------
+    def _gather(self, unit: Unit) -> None:
+        """Start the all-gather of unit's parameters (nothing if held or on its way)."""
+        if unit.full is not None or unit.gather is not None:
+            return
+        full = unit.xp.empty(unit.count, dtype=unit.dtype)
+        self._hold(unit.nbytes)
+
+        def work() -> Any:
+            start = time.perf_counter()
+            allgather(unit.shard, algorithm=self.algorithm, comm=self.shard_comm, count=unit.count,
+                      out=full)
+            unit.spans.append(("all-gather", start, time.perf_counter()))
+            return full
+
+        unit.gather = self._submit(work)
+
+    def _gathered(self, unit: Unit) -> None:
+        """Wait until unit's parameters are here and point them at the gathered buffer."""
+        if unit.full is None:
+            self._gather(unit)
+            start = time.perf_counter()
+            unit.full = unit.gather.wait()
+            end = time.perf_counter()
+            self._waited += end - start
+            self._gather_waits.append((unit.index, start, end))
+            unit.gather = None
+            for p, view in zip(unit.params, unit.views(unit.full), strict=True):
+                p.data = view
+
+    def _free(self, unit: Unit, root: bool = False) -> None:
+        """Drop unit's gathered parameters (the root unit's only with `root`: it is kept for
+        the whole step)."""
+        if unit.full is None or unit.module is None and not root:
+            return
+        unit.full = None
+        for p in unit.params:
+            p.data = _placeholder(p)
+        self._release(unit.nbytes)
+
+    def _before_backward(self, unit: Unit) -> None:
+        self._gathered(unit)
+        if self.prefetch and unit.index > 0:
+            self._gather(self.units[unit.index - 1])
+
+    def _submit(self, work: Any) -> Handle:
+        if self.comm.size == 1:
+            handle = Handle()
+            handle._finish(work())
+            return handle
+        return engine_for(self.comm).submit(work)
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def _on_grad(self, p: Any) -> None:
+        unit = self._unit_of[id(p)]
+        self._fill(unit, p)
+        if len(unit.ready) == len(unit.params):
+            if self.stage == 3 and unit.module is not None:
+                self._free(unit)
+            if self.overlap:
+                self._launch_ready()
+
+    def _fill(self, unit: Unit, p: Any) -> None:
+        if unit.grad is None:
+            self._limit()
+            unit.grad = unit.xp.empty(unit.count, dtype=unit.dtype)
+            self._hold(unit.nbytes)
+        i = unit.position[id(p)]
+        slot = unit.grad[unit.offsets[i]:unit.offsets[i] + p.data.size].reshape(p.shape)
+        if p.grad is None:
+            slot[...] = 0
+        else:
+            unit.xp.multiply(p.grad, slot.dtype.type(self.weight), out=slot)
+            p.grad = None
+        unit.ready.add(id(p))
+
+    def _limit(self) -> None:
+        """Before another full-size gradient buffer is made: wait until at most MAX_IN_FLIGHT - 1
+        reduce-scatters are running (a bound on the gradient memory of stages 2 and 3)."""
+        running = [u for u in self._order[:self._next] if u.reduce is not None
+                   and not u.reduce.test()]
+        while len(running) >= MAX_IN_FLIGHT:
+            start = time.perf_counter()
+            running.pop(0).reduce.wait()
+            self._waited += time.perf_counter() - start
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._order):
+            unit = self._order[self._next]
+            if len(unit.ready) < len(unit.params):
+                return
+            self._launch(unit)
+            self._next += 1
+
+    def _launch(self, unit: Unit) -> None:
+        buf = unit.grad
+
+        def work() -> None:
+            start = time.perf_counter()
+            mine = reduce_scatter(buf, op="sum", algorithm=self.algorithm, comm=self.shard_comm,
+                                  in_place=True)
+            if self.replica_comm is not None:  # hybrid: sum the node's shard over the nodes
+                allreduce(mine, op="sum", algorithm=self.algorithm, comm=self.replica_comm,
+                          out=mine)
+            if self.stage > 1:
+                unit.xp.copyto(unit.grad_shard, mine)
+                unit.grad = None
+                self._release(unit.nbytes)
+            unit.spans.append(("reduce-scatter", start, time.perf_counter()))
+
+        unit.reduce = self._submit(work)
+
+    def _finish_gradients(self) -> None:
+        """Zeros for the gradients that never came, the reduce-scatters left, and the wait."""
+        for unit in self._order[self._next:]:
+            for p in unit.params:
+                if id(p) not in unit.ready:
+                    self._fill(unit, p)
+        self._launch_ready()
+        start = time.perf_counter()
+        for unit in self._order:
+            unit.reduce.wait()
+            unit.reduce = None
+            unit.ready.clear()
+        self._waited += time.perf_counter() - start
+        self._next = 0
+
+    def _sum_squares(self, params: list[Any], sums: list[list[Any]]) -> list[list[Any]]:
+        """Whole-tensor sums of squares from the pieces': one all-reduce of a (parameters, k)
+        float64 array, every rank contributing its pieces' rows."""
+        index = {id(t): (u.index, i) for t, u, i, _, _ in self.pieces}
+        rows = {key: n for n, key in enumerate((u.index, i) for u in self.units
+                                               for i in range(len(u.params)))}
+        k = len(sums[0]) if sums else 2
+        total = np.zeros((len(rows), k))
+        for t, s in zip(params, sums, strict=True):
+            total[rows[index[id(t)]]] += [float(v) for v in s]
+        total = allreduce(total, op="sum", algorithm="auto", comm=self.shard_comm)
+        return [[get_array_module(t.data).asarray(v, dtype=t.data.dtype)
+                 for v in total[rows[index[id(t)]]]] for t in params]
+
+    # -- a step ------------------------------------------------------------------------------------
+    def step(self, batch: Batch) -> StepResult:
+        self.optimizer.lr = batch.lr
+        self.weight = len(batch.y) / batch.global_size
+        recorder, first = self._recorder()
+        self.peak_bytes = self._held
+        self._waited = 0.0
+        self._gather_waits = []
+        for u in self.units:
+            u.spans = []
+        result = StepResult()
+        start = time.perf_counter()
+        if self.stage == 3:
+            for u in self.units:
+                if u.module is None:
+                    self._gathered(u)
+        if len(batch.y) or self.stage < 3:
+            backward_end = self.forward_backward(batch, result)
+        else:  # a rank without samples still takes part in every gather: one zero sample,
+            xp = get_array_module(batch.x)  # its gradient weighted 0
+            ghost = Batch(xp.zeros((1, *batch.x.shape[1:]), dtype=batch.x.dtype),
+                          xp.zeros((1, *batch.y.shape[1:]), dtype=batch.y.dtype),
+                          batch.global_size, batch.lr)
+            backward_end = self.forward_backward(ghost, StepResult())
+        self._finish_gradients()
+        if self.stage == 3:
+            for u in self.units:
+                self._free(u, root=True)
+        waited = time.perf_counter()
+        for t, u, _, a, b in self.pieces:
+            t.grad = u.grad_shard[a - u.lo:b - u.lo]
+        self.optimizer.step()
+        self._count_optimizer_state()
+        stepped = time.perf_counter()
+        if self.stage < 3:
+            handles = [self._submit(self._gather_in_place(u)) for u in self.units]
+            gather_start = time.perf_counter()
+            for h in handles:
+                h.wait()
+            self._waited += time.perf_counter() - gather_start
+        end = time.perf_counter()
+        self._count_sent(recorder, first)
+        self.step_peak_bytes = max(self.step_peak_bytes, self.peak_bytes)
+        spans = [(name, s, e, u) for u in self.units for name, s, e in u.spans]
+        result.comm_s = sum(e - s for _, s, e, _ in spans)
+        self.last_gather_s = sum(e - s for name, s, e, _ in spans if name == "all-gather")
+        self.last_gather_wait_s = sum(e - s for _, s, e in self._gather_waits)
+        result.exposed_s = self._waited
+        result.compute_s = (end - start) - result.exposed_s
+        result.spans += [Span("finish (wait for reduce-scatter)", backward_end, waited,
+                              cat="wait"), Span("optimizer step", waited, stepped)]
+        result.spans += [Span(f"{name} unit {u.index}", s, e, cat="communication", thread="comm",
+                              args={"bytes": u.nbytes}) for name, s, e, u in spans]
+        result.spans += [Span(f"wait for all-gather unit {i}", s, e, cat="wait")
+                         for i, s, e in self._gather_waits]
+        return result
+
+    def _gather_in_place(self, unit: Unit) -> Any:
+        def work() -> None:
+            start = time.perf_counter()
+            allgather(unit.shard, algorithm=self.algorithm, comm=self.shard_comm, count=unit.count,
+                      out=unit.full)
+            unit.spans.append(("all-gather", start, time.perf_counter()))
+        return work
+
+    def _count_optimizer_state(self) -> None:
+        nbytes = sum(int(v.nbytes) for s in self.optimizer.state.values() for v in s.values()
+                     if hasattr(v, "nbytes") and np.ndim(v) > 0)
+        self._hold(nbytes - self._optimizer_bytes)
+        self._optimizer_bytes = nbytes
+
+    def _recorder(self) -> tuple[list, int]:
+        """The communicator's message recorder (installed if there is none) and its length."""
+        if self.comm.recorder is None:
+            try:
+                self.comm.recorder = []
+                self._own_recorder = True
+            except AttributeError:  # a sub-communicator: its parent's recorder
+                return [], 0
+        recorder = self.comm.recorder
+        return recorder, len(recorder)
+
+    def _count_sent(self, recorder: list, first: int) -> None:
+        me = self.comm.world_rank(self.comm.rank)
+        sent = sum(entry[4] for entry in recorder[first:] if entry[2] == me)
+        if self._own_recorder:
+            del recorder[:]
+        self._sent += sent
+        self._steps += 1
+
+    # -- the whole model, for evaluation and checkpoints -------------------------------------------
+    @contextmanager
+    def gathered(self, optimizer_state: bool = False) -> Iterator[None]:
+        """Within the block every rank holds the whole model (stage 3 gathers it; values
+        written into it are kept); with `optimizer_state`, `state_dict()` gives the whole
+        optimizer state. Collective over comm; also agrees on the accounting figures."""
+        figures = allreduce(np.array([self.step_peak_bytes, self._sent / max(self._steps, 1)],
+                                     dtype=np.float64), op="max", comm=self.comm)
+        self.model_state_bytes, self.sent_bytes_per_step = int(figures[0]), float(figures[1])
+        self._full_state = self._whole_optimizer_state() if optimizer_state else None
+        if self.stage < 3:
+            yield
+            return
+        for u in self.units:
+            self._gathered(u)
+        self._sharded = False
+        try:
+            yield
+        finally:
+            self._sharded = True
+            for u in self.units:
+                u.xp.copyto(u.shard, u.full[u.lo:u.hi])
+                self._free(u, root=True)
+
+    def _whole_optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state_dict as a replica's optimizer would have it (one entry per
+        parameter of the model, whole tensors): gathered from the shards."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        position = {id(p): n for n, p in enumerate(params)}
+        mine = {id(t): s for t, s in self.optimizer.state.items()}
+        keys = sorted({k for s in mine.values() for k, v in s.items() if np.ndim(v) > 0})
+        keys = sorted(set().union(*self.shard_comm.allgather_object(keys)))
+        scalars = next((({k: v for k, v in s.items() if np.ndim(v) == 0}) for s in mine.values()
+                        if s), {})
+        scalars = next((s for s in self.shard_comm.allgather_object(scalars) if s), {})
+        state: dict[int, dict[str, Any]] = {}
+        for u in self.units:
+            for key in keys:
+                local = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
+                for t, pu, _, a, b in self.pieces:
+                    if pu is u and key in self.optimizer.state.get(t, {}):
+                        local[a - u.lo:b - u.lo] = self.optimizer.state[t][key]
+                whole = allgather(local, algorithm=self.algorithm, comm=self.shard_comm,
+                                  count=u.count)
+                for p, view in zip(u.params, u.views(whole), strict=True):
+                    state.setdefault(position[id(p)], dict(scalars))[key] = np.array(to_host(view))
+        groups = self.optimizer.state_dict()["param_groups"]
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": list(range(len(params)))} for g in groups[:1]]
+        return {"state": state if keys else {}, "param_groups": groups}
+
+    def checkpoint_shard(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """This rank's shard for a sharded checkpoint (None on a replica of another node: hybrid)
+        and the manifest `mpdl.training.checkpoint` reassembles whole tensors with. Collective
+        over the shard group."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        position = {id(p): n for n, p in enumerate(params)}
+        mine = {id(t): s for t, s in self.optimizer.state.items()}
+        keys = sorted({k for s in mine.values() for k, v in s.items() if np.ndim(v) > 0})
+        keys = sorted(set().union(*self.shard_comm.allgather_object(keys)))
+        scalars = next(({k: v for k, v in s.items() if np.ndim(v) == 0} for s in mine.values()
+                        if s), {})
+        scalars = next((s for s in self.shard_comm.allgather_object(scalars) if s), {})
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": list(range(len(params)))}
+                  for g in self.optimizer.state_dict()["param_groups"][:1]]
+        manifest = {"format": "zero", "stage": self.stage, "ranks": self.shard_comm.size,
+                    "units": [{"dtype": str(u.dtype), "count": u.count,
+                               "params": [[names[id(p)], position[id(p)], list(p.shape), o]
+                                          for p, o in zip(u.params, u.offsets, strict=True)]}
+                              for u in self.units],
+                    "state_keys": keys, "scalars": scalars, "param_groups": groups}
+        if self.replica_comm is not None and self.replica_comm.rank != 0:
+            return None, manifest
+        arrays: dict[str, Any] = {}
+        for u in self.units:
+            arrays[f"unit{u.index}/param"] = np.array(to_host(u.shard))
+            for key in keys:
+                local = np.zeros(u.hi - u.lo, dtype=u.dtype)
+                for t, pu, _, a, b in self.pieces:
+                    if pu is u and key in self.optimizer.state.get(t, {}):
+                        local[a - u.lo:b - u.lo] = to_host(self.optimizer.state[t][key])
+                arrays[f"unit{u.index}/state/{key}"] = local
+        if self.shard_comm.rank == 0:  # the model's other arrays: buffers, frozen parameters
+            sharded = {id(p) for u in self.units for p in u.params}
+            arrays.update({f"other/{n}": np.array(to_host(t.data)) for n, t in
+                           [*self.model.named_parameters(), *self.model.named_buffers()]
+                           if id(t) not in sharded})
+        return arrays, manifest
+
+    def state_dict(self) -> dict[str, Any]:
+        if getattr(self, "_full_state", None) is None:
+            raise RuntimeError("ZeroStrategy.state_dict: call it inside gathered("
+                               "optimizer_state=True) (the whole state is gathered from shards)")
+        return self._full_state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a replica's optimizer state_dict (whole tensors, one entry per parameter; as
+        `state_dict` writes it, from any number of ranks and any stage) and keep this rank's
+        pieces of it."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        position = {id(p): n for n, p in enumerate(params)}
+        saved = {int(k): v for k, v in state["state"].items()}
+        self.optimizer.state = {}
+        for t, u, i, a, b in self.pieces:
+            entries = saved.get(position[id(u.params[i])])
+            if not entries:
+                continue
+            o = u.offsets[i]
+            self.optimizer.state[t] = {
+                k: (u.xp.asarray(np.asarray(v, dtype=u.dtype).reshape(-1)[a - o:b - o]).copy()
+                    if np.ndim(v) > 0 else (v.item() if hasattr(v, "item") else v))
+                for k, v in entries.items()}
+        hyper = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+        for group in self.optimizer.param_groups:
+            group.update(hyper)
+        self._count_optimizer_state()
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def describe(self, final: bool = False) -> str:
+        if final:
+            return ""
+        sizes = ", ".join(f"{u.nbytes / 1024:.0f} KiB" for u in self.units)
+        extra = f", prefetch {'on' if self.prefetch else 'off'}" if self.stage == 3 else ""
+        if self.hybrid:
+            nodes = self.replica_comm.size if self.replica_comm is not None else 1
+            extra += (f", hybrid: sharded over the {self.shard_comm.size} ranks of a node, "
+                      f"replicated over {nodes} node(s)")
+        return (f"ZeRO stage {self.stage}, reduce-scatter/all-gather {self.algorithm}, units "
+                f"[{sizes}]{extra}")
+
+    def report(self, final: bool = False) -> dict[str, Any]:
+        fields: dict[str, Any] = {"algorithm": self.algorithm, "mode": self.mode,
+                                  "zero_stage": self.stage,
+                                  "model_state_bytes": self.model_state_bytes,
+                                  "sent_bytes_per_step": self.sent_bytes_per_step}
+        if final:
+            fields.update(units=len(self.units), unit_bytes=[u.nbytes for u in self.units])
+        return fields
+
+
+class NaiveZero:
+    """ZeRO stage 1 as the paper draws it, for reading and as a reference: after backward, all
+    gradients (packed per dtype, times `weight`) are reduce-scattered, the optimizer steps on
+    this rank's block of the flat parameters, and the blocks are all-gathered. No buckets, no
+    overlap. Call `step()` after `loss.backward()`."""
+
+    def __init__(self, model: Any, make_optimizer: MakeOptimizer, comm: Communicator) -> None:
+        self.comm, self.model = comm, model
+        broadcast_model(model, comm)
+        self.groups = flat.by_kind([p for p in model.parameters() if p.requires_grad])
+        self.shards = []
+        for group in self.groups:
+            bounds = block_bounds(sum(p.data.size for p in group), comm.size)
+            lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
+            self.shards.append((Tensor(flat.pack([p.data for p in group])[lo:hi].copy(),
+                                       requires_grad=True), lo, hi))
+        self.optimizer = make_optimizer([t for t, _, _ in self.shards])
+        self.weight = 1.0 / comm.size
+
+    def step(self) -> None:
+        for group, (t, _, _) in zip(self.groups, self.shards, strict=True):
+            xp = get_array_module(group[0].data)
+            grads = flat.pack([p.grad if p.grad is not None else xp.zeros_like(p.data)
+                               for p in group]) * self.weight
+            t.grad = reduce_scatter(grads, op="sum", comm=self.comm)
+        self.optimizer.step()
+        for group, (t, _, _) in zip(self.groups, self.shards, strict=True):
+            whole = allgather(t.data, comm=self.comm, count=sum(p.data.size for p in group))
+            for p, piece in zip(group, flat.unpack(whole, group), strict=True):
+                p.data[...] = piece
+                p.grad = None
