@@ -57,12 +57,9 @@ def make_strategy(kind: str, comm):
 
 
 def ddp_state_bytes(strategy) -> int:
-    """What mpdl's DDP holds: parameters, their gradients, the buckets and the optimizer state."""
-    params = sum(p.data.nbytes for p in strategy.model.parameters())
-    buckets = sum(b.nbytes for b in strategy.ddp.buckets)
-    state = sum(v.nbytes for s in strategy.optimizer.state.values() for v in s.values()
-                if hasattr(v, "nbytes") and np.ndim(v) > 0)
-    return 2 * params + buckets + state
+    """What mpdl's DDP holds: parameters, the buckets (which hold the gradients) and the
+    optimizer state."""
+    return strategy.ddp.model_state_bytes(strategy.optimizer)
 
 
 def counted_step(strategy, batch: Batch) -> int:

@@ -148,9 +148,11 @@ def test_unused_parameters_get_zeros_and_nobody_hangs():
     def step(comm):
         model = TwoHeads()
         model.use_b = comm.rank == 1
+        local = dict.fromkeys(n for n, _ in model.named_parameters())
+        for n, p in model.named_parameters():  # before DDP's hooks: the local gradient
+            p.register_grad_ready_hook(lambda p, n=n: local.update({n: p.grad.copy()}))
         ddp = DistributedDataParallel(model, comm=comm, first_bucket_mb=1e-5, bucket_mb=1e-5)
         F.cross_entropy(model(Tensor(X[:4])), Y[:4]).backward()
-        local = {n: None if p.grad is None else p.grad.copy() for n, p in model.named_parameters()}
         ddp.finish()
         return local, {n: p.grad for n, p in model.named_parameters()}
 

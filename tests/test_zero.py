@@ -182,6 +182,22 @@ def test_model_state_bytes_follow_the_formulas():
                                                                      formula(psi))
 
 
+def test_ddp_holds_each_gradient_once():
+    """DDP with Adam in float32 holds 16Ψ (parameters, bucketed gradients that p.grad views,
+    two moments), PyTorch's gradient_as_bucket_view; before, it held 20Ψ."""
+    def run(comm):
+        psi, strategy, _ = measure(comm, lambda c: AllReduceStrategy(c, algorithm="ring"))
+        x, y = data("mlp", "float32")
+        F.cross_entropy(strategy.model(Tensor(x[:2])), y[:2]).backward()
+        strategy.ddp.finish()  # the peak: gradients ready, before the optimizer step
+        for p in strategy.model.parameters():
+            assert any(p.grad.base is b.buffer for b in strategy.ddp.buckets)
+        return psi, strategy.ddp.model_state_bytes(strategy.optimizer)
+
+    for psi, measured in run_world(4, run):
+        assert abs(measured - 16 * psi) <= 0.10 * 16 * psi, (measured, 16 * psi)
+
+
 def sent(p: int, make) -> tuple[list[int], list]:
     """Bytes each rank sent in two steps, counted from the recorded message schedule."""
     out, _ = run_world(p, lambda comm: measure(comm, make), record=True)

@@ -5,8 +5,10 @@ registration order (roughly the order backward produces their gradients), into f
 small first bucket, then buckets of about `bucket_mb`. Each parameter's grad-ready hook copies its
 gradient into its bucket slot; when every slot of a bucket is filled, the bucket's all-reduce is
 handed to the communicator's communication thread and runs while backward goes on. `finish()`
-waits for the buckets in order and writes the averaged gradients back into `p.grad`; call it
-between `loss.backward()` and `optimizer.step()`.
+waits for the buckets in order; each `p.grad` is then a view of its slot, which holds the averaged
+gradient (so a gradient is held once, as with PyTorch's gradient_as_bucket_view, and the bucket
+is overwritten by the next step's backward); call it between `loss.backward()` and
+`optimizer.step()`.
 
 Buckets are launched in bucket order on every rank (a bucket that fills early waits for its
 predecessors), so all ranks issue the same collectives in the same order whatever their graphs.
@@ -218,6 +220,8 @@ class DistributedDataParallel:
             self._launch_ready()
 
     def _fill(self, bucket: Bucket, p: Any) -> None:
+        """Put p's weighted gradient into its bucket slot; p.grad becomes a view of the slot, so
+        that each gradient is held once (PyTorch's gradient_as_bucket_view)."""
         slot = bucket.view(p)
         xp = get_array_module(slot)
         if p.grad is None:
@@ -226,6 +230,8 @@ class DistributedDataParallel:
             xp.copyto(slot, p.grad)
         else:
             xp.multiply(p.grad, slot.dtype.type(self.grad_weight), out=slot)
+        if p.requires_grad:
+            p.grad = slot
         bucket.ready.add(id(p))
 
     def _launch_ready(self) -> None:
@@ -277,13 +283,8 @@ class DistributedDataParallel:
                 waited += time.perf_counter() - start
                 comm_s += bucket.span[1] - bucket.span[0]
                 for p in bucket.params:
-                    if not p.requires_grad:
-                        continue
-                    result = bucket.view(p)
-                    if p.grad is None or p.grad.shape != result.shape:
-                        p.grad = result.copy()
-                    else:
-                        get_array_module(result).copyto(p.grad, result)
+                    if p.requires_grad:
+                        p.grad = bucket.view(p)  # the sum, in place in the bucket
         finally:
             for bucket in self.buckets:
                 bucket.ready.clear()
@@ -296,6 +297,17 @@ class DistributedDataParallel:
         """A parameter whose hook did not fire this step contributes zeros."""
         bucket.view(p)[...] = 0
         bucket.ready.add(id(p))
+
+    def model_state_bytes(self, optimizer: Any = None) -> int:
+        """Bytes of model state this rank holds: parameters, buckets, gradients that are not
+        views of a bucket, and `optimizer`'s per-parameter arrays (ZeRO's accounting for DDP)."""
+        buffers = {id(b.buffer) for b in self.buckets}
+        grads = [p.grad for p in self.params if p.grad is not None]
+        state = [] if optimizer is None else [v for s in optimizer.state.values()
+                                              for v in s.values() if getattr(v, "ndim", 0) > 0]
+        return int(sum(p.data.nbytes for p in self.params) + sum(b.nbytes for b in self.buckets)
+                   + sum(g.nbytes for g in grads if id(g.base) not in buffers)
+                   + sum(v.nbytes for v in state))
 
     def bucket_spans(self) -> list[tuple[int, float, float]]:
         """(bucket index, start, end) of each bucket's last all-reduce (time.perf_counter)."""
