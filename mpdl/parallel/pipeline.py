@@ -219,7 +219,8 @@ class PipelineStrategy(Strategy):
         return self.grid.dp_comm
 
     def roles(self) -> list[tuple[str, int]]:
-        return [(f"stage {s}", self.grid.dp) for s in range(self.pp)]
+        dp = self.grid.dp
+        return [("first-stage rank", dp), ("later-stage rank", self.comm.size - dp)]
 
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
         self.model = model
