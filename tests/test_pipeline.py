@@ -239,3 +239,37 @@ def test_bad_grid_flags_exit_2_with_one_line(flags, message):
     errors = out.stderr.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("mpdl train: error: "), out.stderr
     assert message in errors[0]
+
+
+FAILING_STAGE = """
+import numpy as np
+from mpi4py import MPI
+from mpdl.autograd import nn, optim
+from mpdl.comm import as_communicator
+from mpdl.parallel.pipeline import PipelineStrategy
+from mpdl.parallel.strategy import Batch
+
+comm = as_communicator(MPI.COMM_WORLD)
+strategy = PipelineStrategy(comm, 1, 2, microbatches=2)
+model = nn.Sequential(nn.Linear(4, 4, seed=0), nn.ReLU(), nn.Linear(4, 3, seed=1))
+strategy.setup(model, lambda p: optim.SGD(p, lr=0.1))
+if strategy.stage == 1:
+    def boom(x):
+        raise RuntimeError("stage 1 fails")
+    strategy.pieces[0].forward = boom
+x = np.ones((4, 4), dtype=np.float32)
+strategy.step(Batch(x, np.zeros(4, dtype=np.int64), 4, 0.1))
+"""
+
+
+def test_a_stage_that_raises_ends_the_mpi_job(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_STAGE)
+    binary = Path(sys.executable).parent
+    start = time.monotonic()
+    out = subprocess.run(["timeout", "-k", "5", "60", str(binary / "mpiexec"), "-n", "2",
+                          sys.executable, "-m", "mpi4py", str(script)], capture_output=True,
+                         text=True, timeout=75, env={**os.environ, "MPDL_TIMEOUT": "10"})
+    assert out.returncode not in (0, 124), (out.stdout, out.stderr)
+    assert "stage 1 fails" in out.stderr
+    assert time.monotonic() - start < 40
