@@ -77,8 +77,9 @@ def oracle(name: str, dtype: str) -> list[float]:
     return losses
 
 
-def pipeline_losses(comm, name: str, dtype: str, dp: int, pp: int, m: int, schedule: str):
-    strategy = PipelineStrategy(comm, dp, pp, microbatches=m, schedule=schedule)
+def pipeline_losses(comm, name: str, dtype: str, dp: int, pp: int, m: int, schedule: str,
+                    tp: int = 1):
+    strategy = PipelineStrategy(comm, dp, pp, tp, microbatches=m, schedule=schedule)
     strategy.setup(make_model(name, dtype), lambda p: optim.Adam(p, lr=1e-2))
     x, y = data(name, dtype)
     bounds = np.linspace(0, N, dp + 1).astype(int)
@@ -111,6 +112,46 @@ def test_layouts_follow_one_process(name, dp, pp, schedule):
             np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL[dtype])
             assert np.array_equal(params, out[0][1]), "the ranks' models differ after gathered()"
     assert ref[-1] < ref[0] - 1e-3, "nothing trained"
+
+
+@pytest.mark.parametrize("dp, pp, tp", [(1, 1, 2), (2, 1, 2), (4, 1, 2), (1, 2, 2), (2, 2, 2),
+                                        (1, 4, 2), (1, 3, 2)])
+@pytest.mark.parametrize("schedule", ["afab", "1f1b"])
+def test_tensor_parallel_layouts_follow_one_process(dp, pp, tp, schedule):
+    ref = oracle("gpt", "float32")
+    for m in (1, 3):
+        out = run_world(dp * pp * tp, lambda c, m=m: pipeline_losses(
+            c, "gpt", "float32", dp, pp, m, schedule, tp))
+        for losses, params, _ in out:
+            np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL["float32"])
+            assert np.array_equal(params, out[0][1]), "the ranks' models differ after gathered()"
+
+
+def test_tensor_parallel_float64_and_whole_model():
+    ref = oracle("gpt", "float64")
+    model = make_model("gpt", "float64")
+    opt = optim.Adam(model.parameters(), lr=1e-2)
+    x, y = data("gpt", "float64")
+    for _ in range(STEPS):
+        F.cross_entropy(model(Tensor(x)), y).backward()
+        opt.step()
+        opt.zero_grad()
+    whole = np.concatenate([p.data.ravel() for p in model.parameters()])
+    for layout in [(1, 1, 2), (2, 2, 2)]:
+        dp, pp, tp = layout
+        for losses, params, _ in run_world(dp * pp * tp, lambda c: pipeline_losses(
+                c, "gpt", "float64", dp, pp, 2, "1f1b", tp)):
+            np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL["float64"])
+            np.testing.assert_allclose(params, whole, rtol=0, atol=TOL["float64"])
+
+
+def test_tensor_parallel_all_reduces_twice_per_block_each_way():
+    """Megatron: per block, 2 all-reduces forward (g) and 2 backward (f), over tp."""
+    out, recorded = run_world(2, lambda c: pipeline_losses(c, "gpt", "float32", 1, 1, 1, "afab",
+                                                           2)[2], record=True)
+    calls = [r for r in recorded if r[0].startswith("allreduce")]
+    # n_layer = 2 blocks, 4 all-reduces each per step; 2 ranks: one message per rank each
+    assert len(calls) == 2 * (2 * 4 * STEPS)
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
@@ -214,6 +255,9 @@ def test_train_pipeline_follows_one_rank():
             np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
             assert rows[0]["loss"] == pytest.approx(ref_rows[0]["loss"], abs=1e-5)
             assert rows[-1]["mode"] == "pipeline" and rows[-1]["pp"] == kw["pp"]
+    tiny["n_head"] = 2
+    for params, _ in run_world(4, lambda c: run(TrainConfig(**tiny, tp=2, pp=2), c)):
+        np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
 
 
 def mpdl_train(n: int, *flags: str) -> subprocess.CompletedProcess:
@@ -227,10 +271,12 @@ def mpdl_train(n: int, *flags: str) -> subprocess.CompletedProcess:
     (["--pp", "3"], "--pp x --tp = 3 x 1 = 3 must divide the number of ranks (2)"),
     (["--dp", "2", "--pp", "2"], "--dp x --pp x --tp = 2 x 2 x 1 = 4 must equal the number of "
                                  "ranks (2)"),
-    (["--pp", "2", "--zero", "1"], "--pp > 1 cannot be combined with --zero"),
+    (["--pp", "2", "--zero", "1"], "--pp > 1 or --tp > 1 cannot be combined with --zero"),
     (["--pp", "2", "--schedule", "zigzag"], "--schedule: expected one of afab, 1f1b"),
     (["--microbatches", "4"], "--microbatches needs --pp > 1"),
-    (["--tp", "2"], "--tp > 1: tensor parallelism is not available"),
+    (["--tp", "2"], "--tp > 1 needs --model gpt"),
+    (["--tp", "2", "--model", "gpt", "--n-head", "3", "--n-embd", "6"],
+     "--tp 2 must divide --n-head 3"),
     (["--pp", "2", "--model", "resnet8"], "--pp needs --model mlp, lenet or gpt"),
 ])
 def test_bad_grid_flags_exit_2_with_one_line(flags, message):

@@ -146,9 +146,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages, balanced by parameter count (mlp, lenet, gpt; default: "
                         "%(default)s)")
     g.add_argument("--tp", type=int, default=1, metavar="T",
-                   help="tensor-parallel degree (only 1 in mpdl train for now)")
+                   help="tensor-parallel degree: Megatron attention heads and MLP split over T "
+                        "ranks (gpt; embeddings and LayerNorms replicated; default: %(default)s)")
     g.add_argument("--microbatches", type=int, default=1, metavar="M",
-                   help="--pp: microbatches per step (default: %(default)s)")
+                   help="--pp/--tp: microbatches per step (default: %(default)s)")
     g.add_argument("--schedule", default="1f1b", metavar="{afab,1f1b}",
                    help="--pp: all forward then all backward (GPipe), or one forward one "
                         "backward (PipeDream-flush) (default: %(default)s)")

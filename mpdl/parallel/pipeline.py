@@ -25,6 +25,11 @@ microbatches and are then all-reduced over the data-parallel axis (mpdl's all-re
 algorithm). Every message is an mpdl point-to-point message or collective, so the recorder, the
 flight recorder and the timeline see them; `verbose` prints each one (picotron's VERBOSE).
 
+With tp > 1, the pieces are those of `TensorParallelGPT` (each block split over the tp axis,
+`mpdl.parallel.tensor`): the tp ranks of a stage run the same schedule in lockstep, each
+exchanging activations with the rank of the same t on the neighbouring stages, and `gathered()`
+also all-gathers the shards into the whole GPT.
+
 Bubble: with unit-time forwards and backwards, a stage of a p-stage pipeline with m microbatches
 is idle (p−1)/(m+p−1) of the step under either schedule (`slot_bubble` replays an executed order
 on that clock); AFAB holds up to m microbatches' activations, 1F1B at most p−i on stage i.
@@ -47,6 +52,7 @@ from mpdl.collectives import allreduce, broadcast
 from mpdl.comm import Communicator
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, correct_predictions
+from mpdl.parallel.tensor import TensorParallelGPT
 
 SCHEDULES = ("afab", "1f1b")
 
@@ -187,16 +193,14 @@ def bubble_formula(pp: int, m: int) -> float:
 
 # -- the strategy --------------------------------------------------------------------------------
 class PipelineStrategy(Strategy):
-    """Pipeline parallelism over the pp axis of a (dp, pp, 1) grid, data parallelism over dp."""
+    """Pipeline parallelism over the pp axis of a (dp, pp, tp) grid, tensor parallelism of the
+    GPT's blocks over tp (`mpdl.parallel.tensor`), data parallelism over dp."""
 
     mode = "pipeline"
 
     def __init__(self, comm: Communicator, dp: int, pp: int, tp: int = 1, microbatches: int = 1,
                  schedule: str = "1f1b", algorithm: str = "auto", verbose: bool = False) -> None:
         super().__init__(comm)
-        if tp != 1:
-            raise ValueError("tp: tensor parallelism does not combine with the pipeline strategy "
-                             "yet; use --tp 1")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if not isinstance(microbatches, int) or microbatches < 1:
@@ -220,11 +224,16 @@ class PipelineStrategy(Strategy):
 
     def roles(self) -> list[tuple[str, int]]:
         dp = self.grid.dp
-        return [("first-stage rank", dp), ("later-stage rank", self.comm.size - dp)]
+        return [("replica lead", dp), ("replica rank", self.comm.size - dp)]
 
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
         self.model = model
-        pieces = model_pieces(model)
+        self.tp_model = None
+        if self.grid.tp > 1:
+            if not hasattr(model, "blocks"):
+                raise ValueError("tp: tensor parallelism needs the GPT")
+            self.tp_model = TensorParallelGPT(model, self.grid.tp_comm, self.algorithm)
+        pieces = model_pieces(self.tp_model or model)
         self.bounds = partition([w for _, w in pieces], self.pp)
         self.all_pieces = [piece for piece, _ in pieces]
         self.pieces = self.all_pieces[self.bounds[self.stage]:self.bounds[self.stage + 1]]
@@ -412,6 +421,8 @@ class PipelineStrategy(Strategy):
             for p in params:
                 p.data[...] = flat[offset:offset + p.size].reshape(p.shape)
                 offset += p.size
+        if self.tp_model is not None:
+            self.tp_model.gather_into_model()
         yield
 
     def state_dict(self) -> dict[str, Any]:
@@ -424,13 +435,15 @@ class PipelineStrategy(Strategy):
         if final:
             return ""
         sizes = [sum(p.size for p in self._params_of(s)) for s in range(self.pp)]
-        return (f"pipeline {self.schedule}, {self.pp} stages (pieces {self.bounds}, parameters "
+        tp = f"tensor parallel over {self.grid.tp} ranks, " if self.grid.tp > 1 else ""
+        return (f"{tp}pipeline {self.schedule}, {self.pp} stages (pieces {self.bounds}, parameters "
                 f"{sizes}), {self.microbatches} microbatches, dp {self.grid.dp} all-reduce "
                 f"{self.algorithm}; bubble formula "
                 f"{bubble_formula(self.pp, self.microbatches):.1%}")
 
     def report(self, final: bool = False) -> dict[str, Any]:
-        fields: dict[str, Any] = {"algorithm": self.algorithm, "mode": self.mode,
+        fields: dict[str, Any] = {"algorithm": self.algorithm,
+                                  "mode": self.mode if self.pp > 1 else "tensor",
                                   "dp": self.grid.dp, "pp": self.pp, "tp": self.grid.tp,
                                   "schedule": self.schedule, "microbatches": self.microbatches,
                                   "bubble_formula": bubble_formula(self.pp, self.microbatches)}

@@ -282,11 +282,14 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
         for field, default in (("microbatches", 1), ("schedule", "1f1b"),
                                ("verbose_comm", False)):
             if getattr(config, field) != default:
-                raise ConfigError(f"{{{field}}} needs {{pp}} > 1 (a pipeline)")
+                raise ConfigError(f"{{{field}}} needs {{pp}} > 1 (a pipeline) or {{tp}} > 1")
         return
-    if config.tp > 1:
-        raise ConfigError("{tp} > 1: tensor parallelism is not available in mpdl train; use "
-                          "{tp} 1")
+    if config.tp > 1 and config.model != "gpt":
+        raise ConfigError(f"{{tp}} > 1 needs {{model}} gpt (attention heads and the MLP are "
+                          f"split), not {config.model}")
+    if config.tp > 1 and config.n_head % config.tp:
+        raise ConfigError(f"{{tp}} {config.tp} must divide {{n_head}} {config.n_head} (each "
+                          f"tensor-parallel rank computes n_head / tp heads)")
     pieces = config.n_layer + 2 if config.model == "gpt" else PIPELINE_PIECES.get(config.model)
     if pieces is None:
         raise ConfigError(f"{{pp}} needs {{model}} mlp, lenet or gpt (a sequence of layers), not "
@@ -297,8 +300,8 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
     for field, default in (("zero", 0), ("mode", "allreduce"), ("compression", "none"),
                            ("sync_every", 1), ("checkpoint", None)):
         if getattr(config, field) != default:
-            raise ConfigError(f"{{pp}} > 1 cannot be combined with {{{field}}} (not supported "
-                              f"with a pipeline yet)")
+            raise ConfigError(f"{{pp}} > 1 or {{tp}} > 1 cannot be combined with {{{field}}} "
+                              f"(not supported with model parallelism yet)")
 
 
 def validate_sequence(config: TrainConfig) -> None:
