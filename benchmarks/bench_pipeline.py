@@ -6,9 +6,11 @@ side by side in one run.
 Bubble: for pp = 2 and 4 (those that divide the world size; dp = world / pp) and m = 1, 2, 4, 8
 microbatches of 16 samples each, an MLP of equal Linear layers (so that the stages balance) trains
 under AFAB and 1F1B. A stage's measured bubble is the share of its step spent waiting for a
-receive (activation or gradient) from a neighbour, read from the step's timeline spans; the table
-shows the median over steps of the mean over stages, beside the formula. The formula counts a
-backward as long as a forward and ignores the time of the messages and of the all-reduce.
+receive (activation or gradient) from a neighbour, over the span of its forwards and backwards (the
+gradient all-reduce and the optimizer step left out), read from the step's timeline spans; the
+table shows the median over steps of the mean over stages, beside the formula. The formula
+assumes equal stages, a backward as long as a forward on every stage and messages that take no
+time; with more ranks than cores, a stage that waits gives its core to the others.
 
 Tensor parallelism: a GPT step (forward, backward, update) with tp = the world size against the
 same step of the whole model on rank 0 alone, in turns; the step's time is the slowest rank's,
@@ -53,8 +55,9 @@ def bubble(comm, pp: int, m: int, schedule: str, steps: int) -> float:
     for step in range(steps + 1):
         comm.barrier()
         r = strategy.step(Batch(x, y, n * dp, 1e-3))
-        waited = sum(s.end - s.start for s in r.spans if s.name.startswith("recv"))
-        total = max(s.end for s in r.spans) - min(s.start for s in r.spans)
+        spans = [s for s in r.spans if s.name.split()[0] in ("recv", "forward", "backward")]
+        waited = sum(s.end - s.start for s in spans if s.name.startswith("recv"))
+        total = max(s.end for s in spans) - min(s.start for s in spans)
         if step:  # the first step finds the shapes
             shares.append(waited / total)
     everyone = np.array(comm.allgather_object(shares))  # (ranks, steps)

@@ -319,3 +319,31 @@ def test_a_stage_that_raises_ends_the_mpi_job(tmp_path):
     assert out.returncode not in (0, 124), (out.stdout, out.stderr)
     assert "stage 1 fails" in out.stderr
     assert time.monotonic() - start < 40
+
+
+@pytest.mark.parametrize("first, second", [(dict(pp=2, tp=2), dict(pp=2, dp=2)),
+                                           (dict(tp=2, dp=2), dict()),
+                                           (dict(), dict(pp=3, microbatches=2)),
+                                           (dict(pp=2, dp=2), dict(tp=2, pp=2))])
+def test_checkpoint_continues_on_another_layout(tmp_path, first, second):
+    """Rank 0 writes the whole model and a whole-model optimizer state; any layout (or one rank
+    without a pipeline) continues from it and ends where the uninterrupted run ends."""
+    tiny = dict(model="gpt", dataset="addition", digits=1, n_layer=2, n_head=2, n_embd=8,
+                global_batch_size=12, optimizer="adam", progress=False, lr_schedule="constant")
+
+    def run(config, comm):
+        trainer = Trainer(config, comm=comm, out=io.StringIO())
+        trainer.setup()
+        trainer.run()
+        return np.concatenate([p.data.ravel() for p in trainer.model.parameters()])
+
+    def size(kw):
+        return kw.get("dp", 1) * kw.get("pp", 1) * kw.get("tp", 1)
+
+    ref = run_world(1, lambda c: run(TrainConfig(**tiny, epochs=2), c))[0]
+    ckpt = str(tmp_path / "ckpt")
+    run_world(size(first), lambda c: run(TrainConfig(**tiny, epochs=1, checkpoint=ckpt, **first),
+                                         c))
+    for params in run_world(size(second), lambda c: run(TrainConfig(
+            **tiny, epochs=2, checkpoint=ckpt, resume=True, **second), c)):
+        np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)

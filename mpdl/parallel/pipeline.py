@@ -52,7 +52,7 @@ from mpdl.collectives import allreduce, broadcast
 from mpdl.comm import Communicator
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, correct_predictions
-from mpdl.parallel.tensor import TensorParallelGPT
+from mpdl.parallel.tensor import TensorParallelGPT, gather_array
 
 SCHEDULES = ("afab", "1f1b")
 
@@ -217,6 +217,7 @@ class PipelineStrategy(Strategy):
         self.last_peak = 0
         self.idle_s = self.step_s = 0.0
         self.messages = self.bytes_sent = 0
+        self._whole_state: dict[str, Any] | None = None
 
     @property
     def data_comm(self) -> Communicator:
@@ -407,9 +408,10 @@ class PipelineStrategy(Strategy):
     # -- the whole model -------------------------------------------------------------------------
     @contextmanager
     def gathered(self, optimizer_state: bool = False) -> Any:
-        if optimizer_state:
-            raise NotImplementedError("pipeline: the optimizer state is not gathered; "
-                                      "checkpoints are not supported with --pp > 1")
+        """The whole model current on every rank (a broadcast per stage along pp, then an
+        all-gather of the tensor-parallel shards); with `optimizer_state`, `state_dict()` gives
+        the optimizer state of the whole model in a one-rank optimizer's layout. On leaving, the
+        shards are taken from the whole model again (which a checkpoint may have replaced)."""
         for s in range(self.pp):
             params = self._params_of(s)
             if not params:
@@ -423,13 +425,74 @@ class PipelineStrategy(Strategy):
                 offset += p.size
         if self.tp_model is not None:
             self.tp_model.gather_into_model()
-        yield
+        if optimizer_state:
+            self._whole_state = self._gather_optimizer_state()
+        try:
+            yield
+        finally:
+            self._whole_state = None
+            if self.tp_model is not None:
+                self.tp_model.scatter_from_model()
+
+    def _entries(self) -> list[tuple[int, int, Any, Any]]:
+        """For each parameter this rank's optimizer steps (position k): (k, the index of the
+        whole model's parameter it is or is a shard of, that parameter, the shard's index(t) or
+        None)."""
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        shards = {id(s): (full, where) for s, full, where in
+                  (self.tp_model.shards if self.tp_model is not None else [])}
+        entries = []
+        for k, p in enumerate(self.stage_params):
+            full, where = shards.get(id(p), (p, None))
+            entries.append((k, index[id(full)], full, where))
+        return entries
+
+    def _gather_optimizer_state(self) -> dict[str, Any]:
+        """Every rank's optimizer state, shards all-gathered over tp, as the state of one
+        optimizer over the whole model's parameters (collective; small models: the states
+        travel as Python objects)."""
+        local = self.optimizer.state_dict()
+        mine: dict[int, Any] = {}
+        for k, i, full, where in self._entries():
+            state = local["state"].get(k)
+            if state is None:
+                continue
+            if where is not None:
+                state = {key: gather_array(v, full.shape, where, self.grid.tp_comm)
+                         if getattr(v, "shape", ()) == self.stage_params[k].shape else v
+                         for key, v in state.items()}
+            mine[i] = state
+        keep = self.grid.d == 0 and self.grid.t == 0
+        merged: dict[int, Any] = {}
+        for part in self.comm.allgather_object(mine if keep else None):
+            for i, state in (part or {}).items():
+                merged.setdefault(i, state)
+        group = {k: v for k, v in local["param_groups"][0].items() if k != "params"}
+        n = len(self.model.parameters())
+        return {"state": merged, "param_groups": [{**group, "params": list(range(n))}]}
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("pipeline: checkpoints are not supported with --pp > 1")
+        if self._whole_state is None:
+            raise RuntimeError("pipeline: state_dict() is given inside gathered("
+                               "optimizer_state=True)")
+        return self._whole_state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError("pipeline: checkpoints are not supported with --pp > 1")
+        """Take this rank's part of a whole-model optimizer state (any layout wrote it)."""
+        whole = state["state"]
+        local = {}
+        for k, i, full, where in self._entries():
+            entry = whole.get(i, whole.get(str(i)))
+            if entry is None:
+                continue
+            if where is not None:
+                entry = {key: v[where(self.grid.t)]
+                         if getattr(v, "shape", ()) == full.shape else v
+                         for key, v in entry.items()}
+            local[k] = entry
+        group = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+        self.optimizer.load_state_dict({"state": local, "param_groups": [
+            {**group, "params": list(range(len(self.stage_params)))}]})
 
     def describe(self, final: bool = False) -> str:
         if final:

@@ -17,7 +17,8 @@ need no communication.
 
 `TensorParallelGPT` wraps a GPT: the replicated parts are the GPT's own parameters, the shards new
 parameters holding slices of the GPT's. `gather_into_model()` all-gathers the shards back into
-the GPT's parameters (evaluation and checkpoints use the whole model).
+the GPT's parameters (evaluation and checkpoints use the whole model), `scatter_from_model()`
+takes the shards from them again (after a checkpoint was loaded into the GPT).
 """
 
 from __future__ import annotations
@@ -64,19 +65,24 @@ class TPAttention(nn.Module):
     def __init__(self, attn: Any, comm: Communicator, algorithm: str) -> None:
         super().__init__()
         self.comm, self.algorithm = comm, algorithm
-        tp, t = comm.size, comm.rank
         c = attn.proj.weight.shape[0]
-        self.heads = attn.n_head // tp
-        hd = c // attn.n_head
-        self.cols = slice(t * self.heads * hd, (t + 1) * self.heads * hd)  # of q, k and v each
-        rows = [r for part in range(3)
-                for r in range(part * c + self.cols.start, part * c + self.cols.stop)]
-        self.qkv_weight = _shard(attn.qkv.weight.data, rows)
-        self.qkv_bias = _shard(attn.qkv.bias.data, rows)
-        self.proj_weight = _shard(attn.proj.weight.data, (slice(None), self.cols))
+        self.heads = attn.n_head // comm.size
+        width = self.heads * (c // attn.n_head)  # this rank's columns of q, k and v each
+
+        def rows(t: int) -> list[int]:  # of the fused qkv: rank t's part of q, of k, of v
+            return [part * c + i for part in range(3) for i in range(t * width, (t + 1) * width)]
+
+        def cols(t: int) -> tuple[slice, slice]:
+            return slice(None), slice(t * width, (t + 1) * width)
+
+        self.qkv_weight = _shard(attn.qkv.weight.data, rows(comm.rank))
+        self.qkv_bias = _shard(attn.qkv.bias.data, rows(comm.rank))
+        self.proj_weight = _shard(attn.proj.weight.data, cols(comm.rank))
         self.proj_bias = attn.proj.bias  # replicated, added after the all-reduce
         self.dropout = attn.dropout
-        self.full = attn
+        self.__dict__["shards"] = [(self.qkv_weight, attn.qkv.weight, rows),
+                                   (self.qkv_bias, attn.qkv.bias, rows),
+                                   (self.proj_weight, attn.proj.weight, cols)]
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -90,12 +96,6 @@ class TPAttention(nn.Module):
         y = ReduceFromTP.apply(y, comm=self.comm, algorithm=self.algorithm)
         return self.dropout(y + self.proj_bias)
 
-    def gather(self) -> None:
-        full = self.full
-        _gather_rows(full.qkv.weight, self.qkv_weight, self.comm, parts=3)
-        _gather_rows(full.qkv.bias, self.qkv_bias, self.comm, parts=3)
-        _gather_cols(full.proj.weight, self.proj_weight, self.comm)
-
 
 class TPMLP(nn.Module):
     """The MLP on this tp rank's hidden units (column-parallel fc, row-parallel proj)."""
@@ -103,27 +103,28 @@ class TPMLP(nn.Module):
     def __init__(self, mlp: Any, comm: Communicator, algorithm: str) -> None:
         super().__init__()
         self.comm, self.algorithm = comm, algorithm
-        hidden = mlp.fc.weight.shape[0]
-        part = hidden // comm.size
-        cols = slice(comm.rank * part, (comm.rank + 1) * part)
-        self.fc_weight = _shard(mlp.fc.weight.data, cols)
-        self.fc_bias = _shard(mlp.fc.bias.data, cols)
-        self.proj_weight = _shard(mlp.proj.weight.data, (slice(None), cols))
+        part = mlp.fc.weight.shape[0] // comm.size
+
+        def rows(t: int) -> slice:
+            return slice(t * part, (t + 1) * part)
+
+        def cols(t: int) -> tuple[slice, slice]:
+            return slice(None), rows(t)
+
+        self.fc_weight = _shard(mlp.fc.weight.data, rows(comm.rank))
+        self.fc_bias = _shard(mlp.fc.bias.data, rows(comm.rank))
+        self.proj_weight = _shard(mlp.proj.weight.data, cols(comm.rank))
         self.proj_bias = mlp.proj.bias
         self.dropout = mlp.dropout
-        self.full = mlp
+        self.__dict__["shards"] = [(self.fc_weight, mlp.fc.weight, rows),
+                                   (self.fc_bias, mlp.fc.bias, rows),
+                                   (self.proj_weight, mlp.proj.weight, cols)]
 
     def forward(self, x: Tensor) -> Tensor:
         x = CopyToTP.apply(x, comm=self.comm, algorithm=self.algorithm)
         y = F.linear(F.gelu(F.linear(x, self.fc_weight, self.fc_bias)), self.proj_weight)
         y = ReduceFromTP.apply(y, comm=self.comm, algorithm=self.algorithm)
         return self.dropout(y + self.proj_bias)
-
-    def gather(self) -> None:
-        full = self.full
-        _gather_rows(full.fc.weight, self.fc_weight, self.comm, parts=1)
-        _gather_rows(full.fc.bias, self.fc_bias, self.comm, parts=1)
-        _gather_cols(full.proj.weight, self.proj_weight, self.comm)
 
 
 class TPBlock(nn.Module):
@@ -152,6 +153,7 @@ class TensorParallelGPT(nn.Module):
         self.token_embedding, self.position_embedding = gpt.token_embedding, gpt.position_embedding
         self.dropout, self.ln_f = gpt.dropout, gpt.ln_f
         self.blocks = nn.ModuleList(TPBlock(b, comm, algorithm) for b in gpt.blocks)
+        self.comm = comm
         self.__dict__["gpt"] = gpt  # not a submodule: its sharded weights are not trained here
 
     def forward(self, idx: Any) -> Tensor:
@@ -163,25 +165,28 @@ class TensorParallelGPT(nn.Module):
             x = block(x)
         return F.linear(self.ln_f(x), self.token_embedding.weight)
 
+    @property
+    def shards(self) -> list[tuple[Any, Any, Any]]:
+        """(shard, the GPT's whole parameter, index(t): where rank t's shard sits in it)."""
+        return [entry for b in self.blocks for m in (b.attn, b.mlp) for entry in m.shards]
+
     def gather_into_model(self) -> None:
         """All-gather every shard into the wrapped GPT's parameters (collective over tp)."""
-        for block in self.blocks:
-            block.attn.gather()
-            block.mlp.gather()
+        for shard, full, index in self.shards:
+            full.data[...] = gather_array(shard.data, full.shape, index, self.comm)
+
+    def scatter_from_model(self) -> None:
+        """Copy this rank's slices of the wrapped GPT's parameters into the shards (no messages;
+        after the GPT's parameters were loaded)."""
+        for shard, full, index in self.shards:
+            shard.data[...] = full.data[index(self.comm.rank)]
 
 
-def _gather_rows(full: Any, shard: Any, comm: Communicator, parts: int) -> None:
-    """full's rows from every rank's shard: the shard holds, for each of `parts` equal parts of
-    full's rows, rank t's t-th slice of that part."""
-    xp = get_array_module(shard.data)
-    everyone = allgather(xp.ascontiguousarray(shard.data), comm=comm).reshape(
-        comm.size, parts, -1, *shard.shape[1:])
-    full.data[...] = xp.concatenate([everyone[:, k].reshape(-1, *shard.shape[1:])
-                                     for k in range(parts)]).reshape(full.shape)
-
-
-def _gather_cols(full: Any, shard: Any, comm: Communicator) -> None:
-    xp = get_array_module(shard.data)
-    everyone = allgather(xp.ascontiguousarray(shard.data), comm=comm).reshape(
-        comm.size, *shard.shape)
-    full.data[...] = xp.concatenate(list(everyone), axis=1)
+def gather_array(shard: Any, shape: tuple[int, ...], index: Any, comm: Communicator) -> Any:
+    """The whole array of `shape` whose slice index(t) rank t holds as `shard` (collective)."""
+    xp = get_array_module(shard)
+    everyone = allgather(xp.ascontiguousarray(shard), comm=comm).reshape(comm.size, *shard.shape)
+    whole = xp.empty(shape, dtype=shard.dtype)
+    for t in range(comm.size):
+        whole[index(t)] = everyone[t]
+    return whole

@@ -298,7 +298,7 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"{{pp}} {config.pp}: {{model}} {config.model} has {pieces} pieces to "
                           f"cut into stages" + (" (n_layer + 2)" if config.model == "gpt" else ""))
     for field, default in (("zero", 0), ("mode", "allreduce"), ("compression", "none"),
-                           ("sync_every", 1), ("checkpoint", None)):
+                           ("sync_every", 1)):
         if getattr(config, field) != default:
             raise ConfigError(f"{{pp}} > 1 or {{tp}} > 1 cannot be combined with {{{field}}} "
                               f"(not supported with model parallelism yet)")
