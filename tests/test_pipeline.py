@@ -165,6 +165,7 @@ def test_float64_follows_one_process(name):
 
 def test_one_f_one_b_idle_slots_and_peaks_follow_the_formulas():
     pp, m = 4, 8
+    held = {}
     for schedule in ("afab", "1f1b"):
         out, recorded = run_world(pp, lambda c, s=schedule: pipeline_losses(
             c, "mlp", "float32", 1, pp, m, s)[2], record=True)
@@ -175,9 +176,14 @@ def test_one_f_one_b_idle_slots_and_peaks_follow_the_formulas():
         assert idle[0] / length == pytest.approx(bubble_formula(pp, m)) == 3 / 11
         peaks = [s.last_peak for s in out]
         assert peaks == ([m] * pp if schedule == "afab" else [pp - i for i in range(pp)])
+        held[schedule] = [s.last_peak_bytes for s in out]
         # per step: m activations and m gradients across each of the pp - 1 boundaries
         p2p = [r for r in recorded if r[0] == "p2p"]
         assert len(p2p) == STEPS * 2 * m * (pp - 1)
+    # AFAB holds the outputs of all N samples; 1F1B those of its first pp - i microbatches (of
+    # 2 samples each: 12 split into 8 is 2, 2, 2, 2, 1, 1, 1, 1)
+    per_sample = [b / N for b in held["afab"]]
+    assert held["1f1b"] == [2 * (pp - i) * per_sample[i] for i in range(pp)]
 
 
 def test_schedules_by_hand():

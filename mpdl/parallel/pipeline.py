@@ -212,9 +212,11 @@ class PipelineStrategy(Strategy):
         self.first, self.last = self.stage == 0, self.stage == pp - 1
         self.tied_comm: Communicator | None = None
         self._shapes: dict[Any, list[tuple[tuple[int, ...], Any]]] = {}
-        #: per step: the op order executed, seconds idle (waiting on receives), the step's seconds
+        #: the last step's op order, its peak of microbatches in flight and of their stage outputs
+        #: bytes (the activations a stage holds for backward grow with both), seconds idle
+        #: (waiting on receives) and the step's seconds
         self.last_order: list[tuple[str, int]] = []
-        self.last_peak = 0
+        self.last_peak = self.last_peak_bytes = 0
         self.idle_s = self.step_s = 0.0
         self.messages = self.bytes_sent = 0
         self._whole_state: dict[str, Any] | None = None
@@ -294,7 +296,8 @@ class PipelineStrategy(Strategy):
         outputs: dict[int, Tensor] = {}
         sends: list[Any] = []  # (request, buffer) kept alive until the end of the step
         order = schedule_ops(self.schedule, m, self.pp, self.stage)
-        live = peak = 0
+        live = peak = live_bytes = peak_bytes = 0
+        held: dict[int, int] = {}  # bytes of each microbatch's stage output until its backward
         idle = 0.0
         for kind, j in order:
             idx = parts[j]
@@ -327,6 +330,9 @@ class PipelineStrategy(Strategy):
                     self.bytes_sent += out.nbytes
                 live += 1
                 peak = max(peak, live)
+                held[j] = h.data.nbytes
+                live_bytes += held[j]
+                peak_bytes = max(peak_bytes, live_bytes)
                 idle += t1 - t0
                 result.spans += [Span(f"recv act {j}", t0, t1, cat="communication"),
                                  Span(f"forward {j}", t1, time.perf_counter(),
@@ -352,6 +358,7 @@ class PipelineStrategy(Strategy):
                     sends.append((pp_comm.isend(g, prev, step=("grad", j)), g))
                     self.bytes_sent += g.nbytes
                 live -= 1
+                live_bytes -= held[j]
                 idle += t1 - t0
                 if t1 > t0:
                     result.spans.append(Span(f"recv grad {j}", t0, t1, cat="communication"))
@@ -371,7 +378,7 @@ class PipelineStrategy(Strategy):
         end = time.perf_counter()
         result.comm_s = result.exposed_s = idle + (t1 - t0) + (end - t2)
         result.compute_s += t2 - t1
-        self.last_order, self.last_peak = order, peak
+        self.last_order, self.last_peak, self.last_peak_bytes = order, peak, peak_bytes
         self.idle_s, self.step_s = idle, end - start
         return result
 
@@ -512,5 +519,6 @@ class PipelineStrategy(Strategy):
                                   "bubble_formula": bubble_formula(self.pp, self.microbatches)}
         if final:
             fields.update(stage=self.stage, p2p_messages=self.messages,
-                          p2p_bytes=self.bytes_sent, peak_in_flight=self.last_peak)
+                          p2p_bytes=self.bytes_sent, peak_in_flight=self.last_peak,
+                          peak_output_bytes=self.last_peak_bytes)
         return fields
