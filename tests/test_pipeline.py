@@ -12,6 +12,7 @@ bits of each gradient, and a few Adam steps carry that into the loss at the same
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -353,3 +354,25 @@ def test_checkpoint_continues_on_another_layout(tmp_path, first, second):
     for params in run_world(size(second), lambda c: run(TrainConfig(
             **tiny, epochs=2, checkpoint=ckpt, resume=True, **second), c)):
         np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
+
+
+def test_timeline_shows_each_microbatch_and_message_per_rank(tmp_path):
+    path = str(tmp_path / "trace.json")
+    config = TrainConfig(model="gpt", dataset="addition", digits=1, n_layer=2, n_head=2, n_embd=8,
+                         global_batch_size=12, epochs=1, optimizer="adam", progress=False, pp=2,
+                         microbatches=2, timeline=path)
+
+    def body(comm):
+        trainer = Trainer(config, comm=comm, out=io.StringIO())
+        trainer.setup()
+        trainer.run()
+
+    run_world(2, body)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    names = {pid: {e["name"] for e in events if e["pid"] == pid} for pid in (0, 1)}
+    assert {"forward 0", "forward 1", "backward 0", "backward 1", "send act 0", "send act 1",
+            "recv grad 0", "recv grad 1"} <= names[0]
+    assert {"forward 0", "backward 1", "recv act 0", "recv act 1", "send grad 0",
+            "send grad 1"} <= names[1]
+    assert not {"recv act 0", "send grad 0"} & names[0]

@@ -282,6 +282,16 @@ class PipelineStrategy(Strategy):
             print(f"[rank {self.comm.rank} stage {self.stage} dp {self.grid.d}] {text}",
                   file=sys.stderr, flush=True)
 
+    def _send(self, buf: Any, stage: int, what: str, j: int, result: StepResult) -> tuple:
+        """Start sending microbatch j's activation or gradient to `stage`; a zero-length span
+        marks it on the timeline. Returns (request, buffer): the buffer lives until the wait."""
+        self._say(f"send {what} mb {j} -> stage {stage} ({buf.nbytes} bytes)")
+        now = time.perf_counter()
+        result.spans.append(Span(f"send {what} {j}", now, now, cat="communication",
+                                 args={"peer_stage": stage, "bytes": int(buf.nbytes)}))
+        self.bytes_sent += buf.nbytes
+        return self.grid.pp_comm.isend(buf, stage, step=(what, j)), buf
+
     def step(self, batch: Batch) -> StepResult:
         result = StepResult()
         start = time.perf_counter()
@@ -324,20 +334,17 @@ class PipelineStrategy(Strategy):
                     outputs[j] = loss * (len(idx) / batch.global_size)
                 else:
                     outputs[j] = h
-                    out = xp.ascontiguousarray(h.data)
-                    self._say(f"send activation mb {j} -> stage {nxt} ({out.nbytes} bytes)")
-                    sends.append((pp_comm.isend(out, nxt, step=("act", j)), out))
-                    self.bytes_sent += out.nbytes
+                    sends.append(self._send(xp.ascontiguousarray(h.data), nxt, "act", j, result))
                 live += 1
                 peak = max(peak, live)
                 held[j] = h.data.nbytes
                 live_bytes += held[j]
                 peak_bytes = max(peak_bytes, live_bytes)
                 idle += t1 - t0
-                result.spans += [Span(f"recv act {j}", t0, t1, cat="communication"),
-                                 Span(f"forward {j}", t1, time.perf_counter(),
-                                      args={"microbatch": j})] if t1 > t0 else \
-                    [Span(f"forward {j}", t1, time.perf_counter(), args={"microbatch": j})]
+                if not self.first:
+                    result.spans.append(Span(f"recv act {j}", t0, t1, cat="communication",
+                                             args={"peer_stage": prev}))
+                result.spans.append(Span(f"forward {j}", t1, t2, args={"microbatch": j}))
                 result.compute_s += t2 - t1
             else:
                 t0 = time.perf_counter()
@@ -353,15 +360,14 @@ class PipelineStrategy(Strategy):
                     out.backward(grad)
                 t2 = time.perf_counter()
                 if not self.first:
-                    g = xp.ascontiguousarray(inputs.pop(j).grad)
-                    self._say(f"send gradient mb {j} -> stage {prev} ({g.nbytes} bytes)")
-                    sends.append((pp_comm.isend(g, prev, step=("grad", j)), g))
-                    self.bytes_sent += g.nbytes
+                    sends.append(self._send(xp.ascontiguousarray(inputs.pop(j).grad), prev,
+                                            "grad", j, result))
                 live -= 1
                 live_bytes -= held[j]
                 idle += t1 - t0
-                if t1 > t0:
-                    result.spans.append(Span(f"recv grad {j}", t0, t1, cat="communication"))
+                if not self.last:
+                    result.spans.append(Span(f"recv grad {j}", t0, t1, cat="communication",
+                                             args={"peer_stage": nxt}))
                 result.spans.append(Span(f"backward {j}", t1, t2, args={"microbatch": j}))
                 result.compute_s += t2 - t1
         t0 = time.perf_counter()
