@@ -16,8 +16,8 @@ pytest.importorskip("ipykernel")
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
-def test_there_are_five_notebooks():
-    assert len(NOTEBOOKS) == 5
+def test_there_are_six_notebooks():
+    assert len(NOTEBOOKS) == 6
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

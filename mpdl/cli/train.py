@@ -139,6 +139,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefetch", action="store_true",
                    help="--zero 3: gather each unit's parameters only when it runs, not while "
                         "the previous one computes")
+    g.add_argument("--dp", type=int, metavar="D",
+                   help="data-parallel degree of the process grid dp x pp x tp (default: the "
+                        "number of ranks / (pp x tp)); ranks row-major, tp fastest")
+    g.add_argument("--pp", type=int, default=1, metavar="P",
+                   help="pipeline stages, balanced by parameter count (mlp, lenet, gpt; default: "
+                        "%(default)s)")
+    g.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor-parallel degree: Megatron attention heads and MLP split over T "
+                        "ranks (gpt; embeddings and LayerNorms replicated; default: %(default)s)")
+    g.add_argument("--microbatches", type=int, default=1, metavar="M",
+                   help="--pp/--tp: microbatches per step (default: %(default)s)")
+    g.add_argument("--schedule", default="1f1b", metavar="{afab,1f1b}",
+                   help="--pp: all forward then all backward (GPipe), or one forward one "
+                        "backward (PipeDream-flush) (default: %(default)s)")
+    g.add_argument("--verbose-comm", action="store_true",
+                   help="--pp: print every message between stages (stderr)")
     g.add_argument("--emulate", metavar="SPEC",
                    help="emulate slower links, e.g. inter=10Gbit/s,20us (nodes from "
                         "MPDL_RANKS_PER_NODE), or off (default: MPDL_EMULATE)")
@@ -207,7 +223,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         staleness=args.staleness, ps_async=args.ps_async, emulate=args.emulate,
         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
         digits=args.digits, zero=args.zero, prefetch=not args.no_prefetch,
-        zero_hybrid=args.zero_hybrid)
+        zero_hybrid=args.zero_hybrid, dp=args.dp, pp=args.pp, tp=args.tp,
+        microbatches=args.microbatches, schedule=args.schedule, verbose_comm=args.verbose_comm)
 
 
 def limit_blas_threads() -> None:

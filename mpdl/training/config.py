@@ -152,14 +152,28 @@ class TrainConfig:
     zero: int = 0
     prefetch: bool = True
     zero_hybrid: bool = False
+    #: the process grid (dp × pp × tp = world size); dp None: the world size / (pp × tp)
+    dp: int | None = None
+    pp: int = 1
+    tp: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    verbose_comm: bool = False
 
     def ps_mode(self) -> str:
         """The parameter server's synchronisation: sync, ssp (staleness) or async (ps_async)."""
         return "async" if self.ps_async else "ssp" if self.staleness is not None else "sync"
 
     def data_ranks(self, world_size: int) -> int:
-        """Ranks that train on data: all of them, or the workers of a parameter server."""
-        return world_size - self.servers if self.mode == "ps" else world_size
+        """Ranks that train on different data: all of them, the workers of a parameter server,
+        or the data-parallel degree of a process grid."""
+        if self.mode == "ps":
+            return world_size - self.servers
+        return world_size // (self.pp * self.tp) if self.model_parallel() else world_size
+
+    def model_parallel(self) -> bool:
+        """Whether the run splits the model (pipeline or tensor parallelism)."""
+        return self.pp > 1 or self.tp > 1
 
     def base_lr(self) -> float:
         """The learning rate after warmup: lr, or the default of the model, optimizer and
@@ -206,6 +220,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
     if config.lr is not None and not config.lr > 0:
         raise ConfigError(f"{{lr}}: expected a positive learning rate, got {config.lr}")
     validate_communication(config, world_size)
+    validate_grid(config, world_size)
     ranks = config.data_ranks(world_size)
     if config.global_batch_size < ranks:
         what = "workers" if config.mode == "ps" else "ranks"
@@ -237,6 +252,56 @@ def validate(config: TrainConfig, world_size: int) -> None:
             emulation.resolve(config.emulate)
         except ValueError as exc:
             raise ConfigError(f"{{emulate}}: {literal(str(exc))}") from None
+
+
+#: the model pieces a pipeline can cut the zoo's models into (the GPT: n_layer + 2)
+PIPELINE_PIECES = {"mlp": 2, "lenet": 5}
+PIPELINE_SCHEDULES = ("afab", "1f1b")
+
+
+def validate_grid(config: TrainConfig, world_size: int) -> None:
+    """The process grid (dp × pp × tp), the pipeline's fields and what they cannot combine with."""
+    for field in ("pp", "tp", "microbatches", *(("dp",) if config.dp is not None else ())):
+        value = getattr(config, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{{{field}}}: expected a positive number, got "
+                              f"{literal(repr(value))}")
+    if config.schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"{{schedule}}: expected one of {', '.join(PIPELINE_SCHEDULES)}, got "
+                          f"{literal(repr(config.schedule))}")
+    if config.dp is None and world_size % (config.pp * config.tp):
+        raise ConfigError(f"{{pp}} x {{tp}} = {config.pp} x {config.tp} = "
+                          f"{config.pp * config.tp} must divide the number of ranks "
+                          f"({world_size})")
+    dp = config.dp if config.dp is not None else world_size // (config.pp * config.tp)
+    if dp * config.pp * config.tp != world_size:
+        raise ConfigError(f"{{dp}} x {{pp}} x {{tp}} = {dp} x {config.pp} x {config.tp} = "
+                          f"{dp * config.pp * config.tp} must equal the number of ranks "
+                          f"({world_size})")
+    if not config.model_parallel():
+        for field, default in (("microbatches", 1), ("schedule", "1f1b"),
+                               ("verbose_comm", False)):
+            if getattr(config, field) != default:
+                raise ConfigError(f"{{{field}}} needs {{pp}} > 1 (a pipeline) or {{tp}} > 1")
+        return
+    if config.tp > 1 and config.model != "gpt":
+        raise ConfigError(f"{{tp}} > 1 needs {{model}} gpt (attention heads and the MLP are "
+                          f"split), not {config.model}")
+    if config.tp > 1 and config.n_head % config.tp:
+        raise ConfigError(f"{{tp}} {config.tp} must divide {{n_head}} {config.n_head} (each "
+                          f"tensor-parallel rank computes n_head / tp heads)")
+    pieces = config.n_layer + 2 if config.model == "gpt" else PIPELINE_PIECES.get(config.model)
+    if pieces is None:
+        raise ConfigError(f"{{pp}} needs {{model}} mlp, lenet or gpt (a sequence of layers), not "
+                          f"{config.model}")
+    if config.pp > pieces:
+        raise ConfigError(f"{{pp}} {config.pp}: {{model}} {config.model} has {pieces} pieces to "
+                          f"cut into stages" + (" (n_layer + 2)" if config.model == "gpt" else ""))
+    for field, default in (("zero", 0), ("mode", "allreduce"), ("compression", "none"),
+                           ("sync_every", 1)):
+        if getattr(config, field) != default:
+            raise ConfigError(f"{{pp}} > 1 or {{tp}} > 1 cannot be combined with {{{field}}} "
+                              f"(not supported with model parallelism yet)")
 
 
 def validate_sequence(config: TrainConfig) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 from mpdl.autograd import optim
 from mpdl.comm import Communicator
 from mpdl.parallel.compression import make_compression
+from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategies import AllReduceStrategy, LocalSGDStrategy, ParameterServerStrategy
 from mpdl.parallel.strategy import Strategy
 from mpdl.parallel.zero import ZeroStrategy
@@ -21,6 +22,10 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
         return ParameterServerStrategy(comm, servers=c.servers, mode=c.ps_mode(),
                                        staleness=c.staleness, lr=c.base_lr(),
                                        momentum=c.momentum, weight_decay=c.weight_decay)
+    if c.model_parallel():
+        return PipelineStrategy(comm, dp=c.data_ranks(comm.size), pp=c.pp, tp=c.tp,
+                                microbatches=c.microbatches, schedule=c.schedule,
+                                algorithm=c.algorithm, verbose=c.verbose_comm)
     common = dict(algorithm=c.algorithm, bucket_mb=c.bucket_mb, first_bucket_mb=c.first_bucket_mb,
                   overlap=c.overlap)
     if c.zero:

@@ -1,0 +1,530 @@
+"""Pipeline parallelism: the model cut into `pp` stages, the batch into microbatches, and the
+schedules AFAB (all forward, all backward: GPipe) and 1F1B (PipeDream-flush), on a process grid.
+
+The model is a sequence of pieces (`model_pieces`): the children of an `nn.Sequential`, or for a
+GPT the embedding piece (token + position embedding), each block, and the head (final LayerNorm
+and the output projection, tied to the token embedding). `partition` cuts the pieces into `pp`
+contiguous stages **balanced by parameter count** (the head counts the tied matrix it multiplies
+by), minimising the largest stage.
+
+Every rank builds the whole model (the same seed, so the same values) and trains the parameters
+of its stage only; `gathered()` broadcasts each stage's parameters along the pipeline, so that
+evaluation and checkpoints see the whole up-to-date model on every rank. The tied embedding lives
+on the first stage (lookup) and the last (output projection): both hold a copy, each adds its
+part of the gradient, the two parts are summed by an all-reduce between the two stages, and both
+copies take the same optimizer step, so they stay equal.
+
+A step on stage i of pipeline d: the slice of the global batch of data-parallel rank d, split into
+m microbatches; for each op of the schedule, `F j`: receive microbatch j's activation from stage
+i−1 (stage 0 reads the batch), run the stage, send the output to stage i+1 (the last stage
+computes the loss, scaled by the microbatch's share of the global batch); `B j`: receive the
+gradient of the output from stage i+1 (the last stage starts from its loss), run backward, send
+the input's gradient to stage i−1. Sends are non-blocking (waited for at the end of the step),
+receives block: the order of the ops alone makes the schedule. Gradients add up over the
+microbatches and are then all-reduced over the data-parallel axis (mpdl's all-reduce, any
+algorithm). Every message is an mpdl point-to-point message or collective, so the recorder, the
+flight recorder and the timeline see them; `verbose` prints each one (picotron's VERBOSE).
+
+With tp > 1, the pieces are those of `TensorParallelGPT` (each block split over the tp axis,
+`mpdl.parallel.tensor`): the tp ranks of a stage run the same schedule in lockstep, each
+exchanging activations with the rank of the same t on the neighbouring stages, and `gathered()`
+also all-gathers the shards into the whole GPT.
+
+Bubble: with unit-time forwards and backwards, a stage of a p-stage pipeline with m microbatches
+is idle (p−1)/(m+p−1) of the step under either schedule (`slot_bubble` replays an executed order
+on that clock); AFAB holds up to m microbatches' activations, 1F1B at most p−i on stage i.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from mpdl.autograd import functional as F
+from mpdl.autograd import nn, no_grad
+from mpdl.autograd.tensor import Tensor
+from mpdl.backend import get_array_module
+from mpdl.collectives import allreduce, broadcast
+from mpdl.comm import Communicator
+from mpdl.parallel.grid import ProcessGrid
+from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, correct_predictions
+from mpdl.parallel.tensor import TensorParallelGPT, gather_array
+
+SCHEDULES = ("afab", "1f1b")
+
+
+# -- the model as a sequence of pieces ---------------------------------------------------------
+class Embed(nn.Module):
+    """The GPT's input: token embedding + position embedding (+ dropout)."""
+
+    def __init__(self, gpt: Any) -> None:
+        super().__init__()
+        self.tok, self.pos, self.drop = gpt.token_embedding, gpt.position_embedding, gpt.dropout
+
+    def forward(self, idx: Any) -> Tensor:
+        xp = get_array_module(self.tok.weight.data)
+        idx = xp.asarray(idx.data if isinstance(idx, Tensor) else idx)
+        return self.drop(self.tok(idx) + self.pos(xp.arange(idx.shape[1])))
+
+
+class Head(nn.Module):
+    """The GPT's output: final LayerNorm, then the projection on the (tied) token embedding."""
+
+    def __init__(self, gpt: Any) -> None:
+        super().__init__()
+        self.ln_f = gpt.ln_f
+        self.__dict__["tied"] = gpt.token_embedding.weight  # not a parameter of this piece
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(self.ln_f(x), self.tied)
+
+
+def model_pieces(model: Any) -> list[tuple[nn.Module, int]]:
+    """(piece, parameter count for balancing) in forward order: a Sequential's children (each
+    layer with parameters, with the parameter-free layers around it: Flatten, ReLU), or a GPT's
+    embedding, blocks and head (counted with the tied matrix)."""
+    if isinstance(model, nn.Sequential):
+        groups: list[list[nn.Module]] = []
+        pending: list[nn.Module] = []  # parameter-free children go with a neighbour that has some
+        for child in model:
+            if child.parameters():
+                groups.append([*pending, child])
+                pending = []
+            elif groups:
+                groups[-1].append(child)
+            else:
+                pending.append(child)
+        pieces = [nn.Sequential(*g) for g in groups] or [nn.Sequential(*pending)]
+        return [(m, sum(p.size for p in m.parameters())) for m in pieces]
+    if all(hasattr(model, a) for a in ("token_embedding", "position_embedding", "blocks", "ln_f")):
+        embed, head = Embed(model), Head(model)
+        return [(embed, sum(p.size for p in embed.parameters())),
+                *((b, sum(p.size for p in b.parameters())) for b in model.blocks),
+                (head, sum(p.size for p in head.parameters()) + head.tied.size)]
+    raise ValueError(f"pipeline: the model must be an nn.Sequential or a GPT, not "
+                     f"{type(model).__name__}")
+
+
+def partition(weights: list[int], stages: int) -> list[int]:
+    """Bounds b (len stages + 1) cutting `weights` into contiguous non-empty stages, stage s =
+    weights[b[s]:b[s+1]], with the largest stage sum as small as possible (ties: the earliest
+    cut)."""
+    n = len(weights)
+    if not 1 <= stages <= n:
+        raise ValueError(f"pp: {stages} stages need at least as many model pieces, the model has "
+                         f"{n}")
+    prefix = np.concatenate([[0], np.cumsum(weights)])
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]  # best[s][k]: first k pieces in s stages
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for k in range(s, n + 1):
+            for j in range(s - 1, k):
+                cost = max(best[s - 1][j], prefix[k] - prefix[j])
+                if cost < best[s][k]:
+                    best[s][k], cut[s][k] = cost, j
+    bounds = [n]
+    for s in range(stages, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    return bounds[::-1]
+
+
+# -- schedules -----------------------------------------------------------------------------------
+def schedule_ops(kind: str, m: int, pp: int, stage: int) -> list[tuple[str, int]]:
+    """The order of stage `stage`'s ops ("F", j) / ("B", j) over m microbatches: AFAB runs every
+    forward then every backward; 1F1B runs pp−stage−1 forwards (warm-up), then alternates one
+    forward and one backward, then runs the remaining backwards (cool-down)."""
+    if kind == "afab":
+        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
+    if kind != "1f1b":
+        raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {kind!r}")
+    warmup = min(pp - stage - 1, m)
+    ops = [("F", j) for j in range(warmup)]
+    for j in range(m - warmup):
+        ops += [("F", warmup + j), ("B", j)]
+    return ops + [("B", j) for j in range(m - warmup, m)]
+
+
+def peak_in_flight(ops: list[tuple[str, int]]) -> int:
+    """The most microbatches forwarded and not yet backwarded at once (activations held)."""
+    live = peak = 0
+    for kind, _ in ops:
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def slot_bubble(orders: list[list[tuple[str, int]]]) -> tuple[int, list[int]]:
+    """Replay each stage's executed op order on a clock where every forward and backward takes one
+    slot and waits for its input (F j on stage i after F j on i−1; B j after B j on i+1, or after
+    F j on the last stage): (the step's length in slots, each stage's idle slots)."""
+    pp = len(orders)
+    done: dict[tuple[str, int, int], int] = {}
+    free, pos = [0] * pp, [0] * pp
+    while any(pos[i] < len(orders[i]) for i in range(pp)):
+        progressed = False
+        for i in range(pp):
+            if pos[i] == len(orders[i]):
+                continue
+            kind, j = orders[i][pos[i]]
+            need = (("F", j, i - 1) if i > 0 else None) if kind == "F" else \
+                (("B", j, i + 1) if i < pp - 1 else ("F", j, i))
+            if need is not None and need not in done:
+                continue
+            start = max(free[i], done[need] if need else 0)
+            done[(kind, j, i)] = free[i] = start + 1
+            pos[i] += 1
+            progressed = True
+        if not progressed:
+            raise ValueError("slot_bubble: the orders deadlock")
+    length = max(free)
+    return length, [length - len(order) for order in orders]
+
+
+def bubble_formula(pp: int, m: int) -> float:
+    """The idle share of a pipeline step: (p−1)/(m+p−1)."""
+    return (pp - 1) / (m + pp - 1)
+
+
+# -- the strategy --------------------------------------------------------------------------------
+class PipelineStrategy(Strategy):
+    """Pipeline parallelism over the pp axis of a (dp, pp, tp) grid, tensor parallelism of the
+    GPT's blocks over tp (`mpdl.parallel.tensor`), data parallelism over dp."""
+
+    mode = "pipeline"
+
+    def __init__(self, comm: Communicator, dp: int, pp: int, tp: int = 1, microbatches: int = 1,
+                 schedule: str = "1f1b", algorithm: str = "auto", verbose: bool = False) -> None:
+        super().__init__(comm)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches: must be a positive int, not {microbatches!r}")
+        self.grid = ProcessGrid(comm, dp, pp, tp)
+        self.pp, self.stage = pp, self.grid.p
+        self.microbatches, self.schedule, self.algorithm = microbatches, schedule, algorithm
+        self.verbose = verbose
+        self.first, self.last = self.stage == 0, self.stage == pp - 1
+        self.tied_comm: Communicator | None = None
+        self._shapes: dict[Any, list[tuple[tuple[int, ...], Any]]] = {}
+        #: the last step's op order, its peak of microbatches in flight and of their stage outputs
+        #: bytes (the activations a stage holds for backward grow with both), seconds idle
+        #: (waiting on receives) and the step's seconds
+        self.last_order: list[tuple[str, int]] = []
+        self.last_peak = self.last_peak_bytes = 0
+        self.idle_s = self.step_s = 0.0
+        self.messages = self.bytes_sent = 0
+        self._whole_state: dict[str, Any] | None = None
+
+    @property
+    def data_comm(self) -> Communicator:
+        return self.grid.dp_comm
+
+    def roles(self) -> list[tuple[str, int]]:
+        dp = self.grid.dp
+        return [("replica lead", dp), ("replica rank", self.comm.size - dp)]
+
+    def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
+        self.model = model
+        self.tp_model = None
+        if self.grid.tp > 1:
+            if not hasattr(model, "blocks"):
+                raise ValueError("tp: tensor parallelism needs the GPT")
+            self.tp_model = TensorParallelGPT(model, self.grid.tp_comm, self.algorithm)
+        pieces = model_pieces(self.tp_model or model)
+        self.bounds = partition([w for _, w in pieces], self.pp)
+        self.all_pieces = [piece for piece, _ in pieces]
+        self.pieces = self.all_pieces[self.bounds[self.stage]:self.bounds[self.stage + 1]]
+        self.stage_params = self._params_of(self.stage)
+        tied = getattr(self.pieces[-1], "tied", None) if self.last else None
+        self.tied = tied if tied is not None and self.pp > 1 else None
+        if self.tied is not None:
+            self.stage_params.append(self.tied)
+        if self.first or self.last:  # every pipeline: the stages that hold the tied embedding
+            tied_pieces = self.all_pieces[-1]
+            if getattr(tied_pieces, "tied", None) is not None and self.pp > 1:
+                self.tied_comm = self.grid.pp_comm.sub([0, self.pp - 1])
+        self.optimizer = make_optimizer(self.stage_params)
+
+    def _params_of(self, stage: int) -> list[Any]:
+        seen: dict[int, Any] = {}
+        for piece in self.all_pieces[self.bounds[stage]:self.bounds[stage + 1]]:
+            for p in piece.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    # -- one step ------------------------------------------------------------------------------
+    def _boundary_shapes(self, x: Any) -> list[tuple[tuple[int, ...], Any]]:
+        """Each stage's output (per-sample shape, dtype), from one sample run through the whole
+        model without a graph in evaluation mode (so that no dropout draw is consumed)."""
+        key = (x.shape[1:], str(x.dtype))
+        if key not in self._shapes:
+            was = self.model.training
+            self.model.eval()
+            shapes = []
+            with no_grad():
+                h = Tensor(x[:1])
+                for s in range(self.pp):
+                    for piece in self.all_pieces[self.bounds[s]:self.bounds[s + 1]]:
+                        h = piece(h)
+                    shapes.append((tuple(h.shape[1:]), h.data.dtype))
+            self.model.train(was)
+            self._shapes[key] = shapes
+        return self._shapes[key]
+
+    def _say(self, text: str) -> None:
+        if self.verbose:
+            print(f"[rank {self.comm.rank} stage {self.stage} dp {self.grid.d}] {text}",
+                  file=sys.stderr, flush=True)
+
+    def _send(self, buf: Any, stage: int, what: str, j: int, result: StepResult) -> tuple:
+        """Start sending microbatch j's activation or gradient to `stage`; a zero-length span
+        marks it on the timeline. Returns (request, buffer): the buffer lives until the wait."""
+        self._say(f"send {what} mb {j} -> stage {stage} ({buf.nbytes} bytes)")
+        now = time.perf_counter()
+        result.spans.append(Span(f"send {what} {j}", now, now, cat="communication",
+                                 args={"peer_stage": stage, "bytes": int(buf.nbytes)}))
+        self.bytes_sent += buf.nbytes
+        return self.grid.pp_comm.isend(buf, stage, step=(what, j)), buf
+
+    def step(self, batch: Batch) -> StepResult:
+        result = StepResult()
+        start = time.perf_counter()
+        self.optimizer.lr = batch.lr
+        n = len(batch.y)
+        parts = [p for p in np.array_split(np.arange(n), self.microbatches) if len(p)]
+        m = len(parts)
+        xp = get_array_module(self.stage_params[0].data) if self.stage_params else np
+        shapes = self._boundary_shapes(batch.x) if m and self.pp > 1 else []
+        pp_comm, prev, nxt = self.grid.pp_comm, self.stage - 1, self.stage + 1
+        inputs: dict[int, Tensor] = {}
+        outputs: dict[int, Tensor] = {}
+        sends: list[Any] = []  # (request, buffer) kept alive until the end of the step
+        order = schedule_ops(self.schedule, m, self.pp, self.stage)
+        live = peak = live_bytes = peak_bytes = 0
+        held: dict[int, int] = {}  # bytes of each microbatch's stage output until its backward
+        idle = 0.0
+        for kind, j in order:
+            idx = parts[j]
+            if kind == "F":
+                t0 = time.perf_counter()
+                if self.first:
+                    h = Tensor(batch.x[idx[0]:idx[-1] + 1])
+                else:
+                    shape, dtype = shapes[prev]
+                    buf = xp.empty((len(idx), *shape), dtype=dtype)
+                    self._say(f"recv activation mb {j} <- stage {prev}")
+                    pp_comm.recv(buf, prev, step=("act", j))
+                    h = inputs[j] = Tensor(buf, requires_grad=True)
+                t1 = time.perf_counter()
+                for piece in self.pieces:
+                    h = piece(h)
+                t2 = time.perf_counter()
+                if self.last:
+                    y = batch.y[idx[0]:idx[-1] + 1]
+                    loss = F.cross_entropy(h, y)
+                    result.loss += float(loss.item()) * len(idx)
+                    result.correct += correct_predictions(h.data, y)
+                    result.samples += len(idx)
+                    outputs[j] = loss * (len(idx) / batch.global_size)
+                else:
+                    outputs[j] = h
+                    sends.append(self._send(xp.ascontiguousarray(h.data), nxt, "act", j, result))
+                live += 1
+                peak = max(peak, live)
+                held[j] = h.data.nbytes
+                live_bytes += held[j]
+                peak_bytes = max(peak_bytes, live_bytes)
+                idle += t1 - t0
+                if not self.first:
+                    result.spans.append(Span(f"recv act {j}", t0, t1, cat="communication",
+                                             args={"peer_stage": prev}))
+                result.spans.append(Span(f"forward {j}", t1, t2, args={"microbatch": j}))
+                result.compute_s += t2 - t1
+            else:
+                t0 = time.perf_counter()
+                out = outputs.pop(j)
+                if self.last:
+                    t1 = t0
+                    out.backward()
+                else:
+                    grad = xp.empty(out.shape, dtype=out.data.dtype)
+                    self._say(f"recv gradient mb {j} <- stage {nxt}")
+                    pp_comm.recv(grad, nxt, step=("grad", j))
+                    t1 = time.perf_counter()
+                    out.backward(grad)
+                t2 = time.perf_counter()
+                if not self.first:
+                    sends.append(self._send(xp.ascontiguousarray(inputs.pop(j).grad), prev,
+                                            "grad", j, result))
+                live -= 1
+                live_bytes -= held[j]
+                idle += t1 - t0
+                if not self.last:
+                    result.spans.append(Span(f"recv grad {j}", t0, t1, cat="communication",
+                                             args={"peer_stage": nxt}))
+                result.spans.append(Span(f"backward {j}", t1, t2, args={"microbatch": j}))
+                result.compute_s += t2 - t1
+        t0 = time.perf_counter()
+        pp_comm.waitall([r for r, _ in sends])
+        self.messages += len(sends)
+        self._synchronise()
+        t1 = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        t2 = time.perf_counter()
+        result.spans += [Span("gradient all-reduce", t0, t1, cat="communication"),
+                         Span("optimizer step", t1, t2)]
+        self._share_metrics(result)
+        end = time.perf_counter()
+        result.comm_s = result.exposed_s = idle + (t1 - t0) + (end - t2)
+        result.compute_s += t2 - t1
+        self.last_order, self.last_peak, self.last_peak_bytes = order, peak, peak_bytes
+        self.idle_s, self.step_s = idle, end - start
+        return result
+
+    def _synchronise(self) -> None:
+        """Sum the tied embedding's two parts (first and last stage), then all-reduce the stage's
+        gradients over the data-parallel axis."""
+        if self.tied_comm is not None:
+            w = self.model.token_embedding.weight
+            if w.grad is None:
+                w.grad = get_array_module(w.data).zeros_like(w.data)
+            self._say("all-reduce tied embedding gradient with the other end of the pipeline")
+            w.grad = allreduce(w.grad, op="sum", algorithm=self.algorithm, comm=self.tied_comm)
+        if self.grid.dp == 1 or not self.stage_params:
+            return
+        xp = get_array_module(self.stage_params[0].data)
+        grads = [p.grad if p.grad is not None else xp.zeros_like(p.data)
+                 for p in self.stage_params]
+        flat = xp.concatenate([g.reshape(-1) for g in grads])
+        self._say(f"all-reduce {flat.nbytes} bytes of gradients over dp")
+        allreduce(flat, op="sum", algorithm=self.algorithm, comm=self.grid.dp_comm, out=flat)
+        offset = 0
+        for p in self.stage_params:
+            p.grad = flat[offset:offset + p.size].reshape(p.shape)
+            offset += p.size
+
+    def _share_metrics(self, result: StepResult) -> None:
+        """The last stage's loss, correct predictions and samples on every stage."""
+        if self.pp == 1:
+            return
+        vec = np.array([result.loss, result.correct, result.samples], dtype=np.float64)
+        vec = broadcast(vec, root=self.pp - 1, comm=self.grid.pp_comm)
+        result.loss, result.correct, result.samples = float(vec[0]), float(vec[1]), int(vec[2])
+
+    # -- the whole model -------------------------------------------------------------------------
+    @contextmanager
+    def gathered(self, optimizer_state: bool = False) -> Any:
+        """The whole model current on every rank (a broadcast per stage along pp, then an
+        all-gather of the tensor-parallel shards); with `optimizer_state`, `state_dict()` gives
+        the optimizer state of the whole model in a one-rank optimizer's layout. On leaving, the
+        shards are taken from the whole model again (which a checkpoint may have replaced)."""
+        for s in range(self.pp):
+            params = self._params_of(s)
+            if not params:
+                continue
+            xp = get_array_module(params[0].data)
+            flat = xp.concatenate([p.data.reshape(-1) for p in params])
+            flat = broadcast(flat, root=s, comm=self.grid.pp_comm)
+            offset = 0
+            for p in params:
+                p.data[...] = flat[offset:offset + p.size].reshape(p.shape)
+                offset += p.size
+        if self.tp_model is not None:
+            self.tp_model.gather_into_model()
+        if optimizer_state:
+            self._whole_state = self._gather_optimizer_state()
+        try:
+            yield
+        finally:
+            self._whole_state = None
+            if self.tp_model is not None:
+                self.tp_model.scatter_from_model()
+
+    def _entries(self) -> list[tuple[int, int, Any, Any]]:
+        """For each parameter this rank's optimizer steps (position k): (k, the index of the
+        whole model's parameter it is or is a shard of, that parameter, the shard's index(t) or
+        None)."""
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        shards = {id(s): (full, where) for s, full, where in
+                  (self.tp_model.shards if self.tp_model is not None else [])}
+        entries = []
+        for k, p in enumerate(self.stage_params):
+            full, where = shards.get(id(p), (p, None))
+            entries.append((k, index[id(full)], full, where))
+        return entries
+
+    def _gather_optimizer_state(self) -> dict[str, Any]:
+        """Every rank's optimizer state, shards all-gathered over tp, as the state of one
+        optimizer over the whole model's parameters (collective; small models: the states
+        travel as Python objects)."""
+        local = self.optimizer.state_dict()
+        mine: dict[int, Any] = {}
+        for k, i, full, where in self._entries():
+            state = local["state"].get(k)
+            if state is None:
+                continue
+            if where is not None:
+                state = {key: gather_array(v, full.shape, where, self.grid.tp_comm)
+                         if getattr(v, "shape", ()) == self.stage_params[k].shape else v
+                         for key, v in state.items()}
+            mine[i] = state
+        keep = self.grid.d == 0 and self.grid.t == 0
+        merged: dict[int, Any] = {}
+        for part in self.comm.allgather_object(mine if keep else None):
+            for i, state in (part or {}).items():
+                merged.setdefault(i, state)
+        group = {k: v for k, v in local["param_groups"][0].items() if k != "params"}
+        n = len(self.model.parameters())
+        return {"state": merged, "param_groups": [{**group, "params": list(range(n))}]}
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._whole_state is None:
+            raise RuntimeError("pipeline: state_dict() is given inside gathered("
+                               "optimizer_state=True)")
+        return self._whole_state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take this rank's part of a whole-model optimizer state (any layout wrote it)."""
+        whole = state["state"]
+        local = {}
+        for k, i, full, where in self._entries():
+            entry = whole.get(i, whole.get(str(i)))
+            if entry is None:
+                continue
+            if where is not None:
+                entry = {key: v[where(self.grid.t)]
+                         if getattr(v, "shape", ()) == full.shape else v
+                         for key, v in entry.items()}
+            local[k] = entry
+        group = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+        self.optimizer.load_state_dict({"state": local, "param_groups": [
+            {**group, "params": list(range(len(self.stage_params)))}]})
+
+    def describe(self, final: bool = False) -> str:
+        if final:
+            return ""
+        sizes = [sum(p.size for p in self._params_of(s)) for s in range(self.pp)]
+        tp = f"tensor parallel over {self.grid.tp} ranks, " if self.grid.tp > 1 else ""
+        return (f"{tp}pipeline {self.schedule}, {self.pp} stages (pieces {self.bounds}, parameters "
+                f"{sizes}), {self.microbatches} microbatches, dp {self.grid.dp} all-reduce "
+                f"{self.algorithm}; bubble formula "
+                f"{bubble_formula(self.pp, self.microbatches):.1%}")
+
+    def report(self, final: bool = False) -> dict[str, Any]:
+        fields: dict[str, Any] = {"algorithm": self.algorithm,
+                                  "mode": self.mode if self.pp > 1 else "tensor",
+                                  "dp": self.grid.dp, "pp": self.pp, "tp": self.grid.tp,
+                                  "schedule": self.schedule, "microbatches": self.microbatches,
+                                  "bubble_formula": bubble_formula(self.pp, self.microbatches)}
+        if final:
+            fields.update(stage=self.stage, p2p_messages=self.messages,
+                          p2p_bytes=self.bytes_sent, peak_in_flight=self.last_peak,
+                          peak_output_bytes=self.last_peak_bytes)
+        return fields

@@ -1,0 +1,378 @@
+"""The process grid and pipeline parallelism on the in-process world.
+
+Equivalence: every layout (dp, pp) with dp × pp ≤ 8, both schedules, several microbatch counts,
+gives the loss of every step of a plain one-process loop (no strategy, no communication: the whole
+global batch, one forward, one backward, one optimizer step) on the same model, data and seed.
+Tolerance: float64 1e-10; float32 1e-5 on a loss of about 2, i.e. about a hundred units of
+float32 round-off (2^-24 ≈ 6e-8 relative): a pipeline adds the microbatches' gradients and the
+data-parallel ranks' sums in another order than one batch's backward does, which changes the last
+bits of each gradient, and a few Adam steps carry that into the loss at the same order.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpdl.autograd import functional as F
+from mpdl.autograd import nn, optim
+from mpdl.autograd.tensor import Tensor
+from mpdl.collectives import allreduce
+from mpdl.parallel.grid import ProcessGrid
+from mpdl.parallel.pipeline import (
+    PipelineStrategy,
+    bubble_formula,
+    partition,
+    peak_in_flight,
+    schedule_ops,
+    slot_bubble,
+)
+from mpdl.parallel.strategy import Batch
+from mpdl.threadworld import ThreadWorld, run_world
+from mpdl.training.config import TrainConfig
+from mpdl.training.gpt import GPT
+from mpdl.training.loop import Trainer
+
+TOL = {"float32": 1e-5, "float64": 1e-10}
+N, STEPS = 12, 3
+
+
+def make_model(name: str, dtype: str):
+    if name == "gpt":  # 4 pieces: embedding, 2 blocks, head (tied to the embedding)
+        return GPT(vocab_size=11, block_size=6, n_layer=2, n_head=2, n_embd=6, seed=0,
+                   dtype=np.dtype(dtype))
+    layers: list[nn.Module] = [nn.Flatten()]  # 8 pieces (Linear with its ReLU)
+    widths = [12, 10, 9, 9, 8, 8, 8, 8, 7]
+    for i, (a, b) in enumerate(zip(widths, widths[1:], strict=False)):
+        layers += [nn.Linear(a, b, seed=i, dtype=dtype), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def data(name: str, dtype: str):
+    rng = np.random.default_rng(3)
+    if name == "gpt":
+        return rng.integers(0, 11, (N, 6)), rng.integers(0, 11, (N, 6))
+    return rng.standard_normal((N, 1, 3, 4)).astype(dtype), rng.integers(0, 7, N)
+
+
+def oracle(name: str, dtype: str) -> list[float]:
+    """The loss of each step of a plain loop on one process."""
+    model = make_model(name, dtype)
+    opt = optim.Adam(model.parameters(), lr=1e-2)
+    x, y = data(name, dtype)
+    losses = []
+    for _ in range(STEPS):
+        loss = F.cross_entropy(model(Tensor(x)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.item()))
+    return losses
+
+
+def pipeline_losses(comm, name: str, dtype: str, dp: int, pp: int, m: int, schedule: str,
+                    tp: int = 1):
+    strategy = PipelineStrategy(comm, dp, pp, tp, microbatches=m, schedule=schedule)
+    strategy.setup(make_model(name, dtype), lambda p: optim.Adam(p, lr=1e-2))
+    x, y = data(name, dtype)
+    bounds = np.linspace(0, N, dp + 1).astype(int)
+    d = strategy.data_comm.rank
+    losses = []
+    for _ in range(STEPS):
+        r = strategy.step(Batch(x[bounds[d]:bounds[d + 1]], y[bounds[d]:bounds[d + 1]], N, 1e-2))
+        total = allreduce(np.array([r.loss, r.samples]), comm=strategy.data_comm)
+        losses.append(total[0] / total[1])
+    with strategy.gathered():
+        params = np.concatenate([p.data.ravel() for p in strategy.model.parameters()])
+    return losses, params, strategy
+
+
+LAYOUTS = [(1, 2), (2, 2), (1, 3), (1, 4), (2, 4), (4, 2), (1, 8), (2, 3)]
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("dp, pp", LAYOUTS)
+@pytest.mark.parametrize("schedule", ["afab", "1f1b"])
+def test_layouts_follow_one_process(name, dp, pp, schedule):
+    if name == "gpt" and pp > 4:
+        pytest.skip("the GPT has 4 pieces")
+    dtype = "float32"
+    ref = oracle(name, dtype)
+    for m in (1, 3, 4):
+        out = run_world(dp * pp, lambda c, m=m: pipeline_losses(c, name, dtype, dp, pp, m,
+                                                                schedule))
+        for losses, params, _ in out:
+            np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL[dtype])
+            assert np.array_equal(params, out[0][1]), "the ranks' models differ after gathered()"
+    assert ref[-1] < ref[0] - 1e-3, "nothing trained"
+
+
+@pytest.mark.parametrize("dp, pp, tp", [(1, 1, 2), (2, 1, 2), (4, 1, 2), (1, 2, 2), (2, 2, 2),
+                                        (1, 4, 2), (1, 3, 2)])
+@pytest.mark.parametrize("schedule", ["afab", "1f1b"])
+def test_tensor_parallel_layouts_follow_one_process(dp, pp, tp, schedule):
+    ref = oracle("gpt", "float32")
+    for m in (1, 3):
+        out = run_world(dp * pp * tp, lambda c, m=m: pipeline_losses(
+            c, "gpt", "float32", dp, pp, m, schedule, tp))
+        for losses, params, _ in out:
+            np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL["float32"])
+            assert np.array_equal(params, out[0][1]), "the ranks' models differ after gathered()"
+
+
+def test_tensor_parallel_float64_and_whole_model():
+    ref = oracle("gpt", "float64")
+    model = make_model("gpt", "float64")
+    opt = optim.Adam(model.parameters(), lr=1e-2)
+    x, y = data("gpt", "float64")
+    for _ in range(STEPS):
+        F.cross_entropy(model(Tensor(x)), y).backward()
+        opt.step()
+        opt.zero_grad()
+    whole = np.concatenate([p.data.ravel() for p in model.parameters()])
+    for layout in [(1, 1, 2), (2, 2, 2)]:
+        dp, pp, tp = layout
+        for losses, params, _ in run_world(dp * pp * tp, lambda c: pipeline_losses(
+                c, "gpt", "float64", dp, pp, 2, "1f1b", tp)):
+            np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL["float64"])
+            np.testing.assert_allclose(params, whole, rtol=0, atol=TOL["float64"])
+
+
+def test_tensor_parallel_all_reduces_twice_per_block_each_way():
+    """Megatron: per block, 2 all-reduces forward (g) and 2 backward (f), over tp."""
+    out, recorded = run_world(2, lambda c: pipeline_losses(c, "gpt", "float32", 1, 1, 1, "afab",
+                                                           2)[2], record=True)
+    calls = [r for r in recorded if r[0].startswith("allreduce")]
+    # n_layer = 2 blocks, 4 all-reduces each per step; 2 ranks: one message per rank each
+    assert len(calls) == 2 * (2 * 4 * STEPS)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_float64_follows_one_process(name):
+    ref = oracle(name, "float64")
+    for dp, pp, m, schedule in [(1, 4, 4, "1f1b"), (2, 2, 3, "afab"), (2, 2, 2, "1f1b")]:
+        for losses, _, _ in run_world(dp * pp, lambda c: pipeline_losses(
+                c, name, "float64", dp, pp, m, schedule)):
+            np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL["float64"])
+
+
+def test_one_f_one_b_idle_slots_and_peaks_follow_the_formulas():
+    pp, m = 4, 8
+    held = {}
+    for schedule in ("afab", "1f1b"):
+        out, recorded = run_world(pp, lambda c, s=schedule: pipeline_losses(
+            c, "mlp", "float32", 1, pp, m, s)[2], record=True)
+        orders = [s.last_order for s in out]
+        length, idle = slot_bubble(orders)
+        assert length == 2 * (m + pp - 1)
+        assert all(i == 2 * (pp - 1) for i in idle)
+        assert idle[0] / length == pytest.approx(bubble_formula(pp, m)) == 3 / 11
+        peaks = [s.last_peak for s in out]
+        assert peaks == ([m] * pp if schedule == "afab" else [pp - i for i in range(pp)])
+        held[schedule] = [s.last_peak_bytes for s in out]
+        # per step: m activations and m gradients across each of the pp - 1 boundaries
+        p2p = [r for r in recorded if r[0] == "p2p"]
+        assert len(p2p) == STEPS * 2 * m * (pp - 1)
+    # AFAB holds the outputs of all N samples; 1F1B those of its first pp - i microbatches (of
+    # 2 samples each: 12 split into 8 is 2, 2, 2, 2, 1, 1, 1, 1)
+    per_sample = [b / N for b in held["afab"]]
+    assert held["1f1b"] == [2 * (pp - i) * per_sample[i] for i in range(pp)]
+
+
+def test_schedules_by_hand():
+    assert schedule_ops("1f1b", 3, 3, 0) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1),
+                                             ("B", 2)]
+    assert schedule_ops("1f1b", 4, 2, 0) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1),
+                                             ("F", 3), ("B", 2), ("B", 3)]
+    assert schedule_ops("1f1b", 4, 2, 1) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2),
+                                             ("B", 2), ("F", 3), ("B", 3)]
+    assert peak_in_flight(schedule_ops("afab", 5, 3, 2)) == 5
+    with pytest.raises(ValueError, match="schedule"):
+        schedule_ops("zigzag", 2, 2, 0)
+
+
+def test_partition_balances_parameter_counts():
+    assert partition([1, 1, 1, 1], 2) == [0, 2, 4]
+    assert partition([10, 1, 1, 1, 1, 10], 3) == [0, 1, 5, 6]
+    assert partition([5], 1) == [0, 1]
+    with pytest.raises(ValueError, match="pp: 3 stages"):
+        partition([1, 1], 3)
+
+
+def test_grid_is_row_major_with_one_communicator_per_axis():
+    def body(comm):
+        g = ProcessGrid(comm, 2, 2, 2)
+        sums = [int(allreduce(np.array([comm.rank]), comm=c)[0])
+                for c in (g.dp_comm, g.pp_comm, g.tp_comm)]
+        return (g.d, g.p, g.t), (g.dp_comm.rank, g.pp_comm.rank, g.tp_comm.rank), sums
+
+    for rank, (coords, axis_ranks, sums) in enumerate(run_world(8, body)):
+        d, p, t = coords
+        assert rank == (d * 2 + p) * 2 + t and axis_ranks == coords
+        assert sums == [sum(((dd * 2 + p) * 2 + t) for dd in range(2)),
+                        sum(((d * 2 + pp) * 2 + t) for pp in range(2)),
+                        sum(((d * 2 + p) * 2 + tt) for tt in range(2))]
+    with pytest.raises(ValueError, match="must equal the number of ranks"):
+        run_world(4, lambda c: ProcessGrid(c, 1, 3, 1))
+
+
+def test_a_stage_that_raises_ends_the_job_within_the_timeout():
+    world = ThreadWorld(4)
+
+    def body(comm):
+        comm.timeout = 3.0
+        strategy = PipelineStrategy(comm, 1, 4, microbatches=4)
+        model = make_model("mlp", "float32")
+        strategy.setup(model, lambda p: optim.SGD(p, lr=0.1))
+        if strategy.stage == 2:
+            def boom(x):
+                raise RuntimeError("stage 2 fails")
+            strategy.pieces[0].forward = boom
+        x, y = data("mlp", "float32")
+        strategy.step(Batch(x, y, N, 0.1))
+
+    start = time.monotonic()
+    with pytest.raises((RuntimeError, TimeoutError)):
+        world.run(body, timeout=30)
+    assert time.monotonic() - start < 20
+
+
+def test_train_pipeline_follows_one_rank():
+    tiny = dict(model="gpt", dataset="addition", digits=1, n_layer=2, n_head=2, n_embd=8,
+                global_batch_size=12, epochs=1, optimizer="adam", progress=False)
+
+    def run(config, comm):
+        trainer = Trainer(config, comm=comm, out=io.StringIO())
+        trainer.setup()
+        rows = trainer.run()
+        return np.concatenate([p.data.ravel() for p in trainer.model.parameters()]), rows
+
+    ref, ref_rows = run_world(1, lambda c: run(TrainConfig(**tiny), c))[0]
+    for kw in (dict(pp=2, microbatches=3), dict(pp=2, dp=2, schedule="afab", microbatches=2)):
+        p = kw.get("dp", 1) * kw["pp"]
+        for params, rows in run_world(p, lambda c, kw=kw: run(TrainConfig(**tiny, **kw), c)):
+            np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
+            assert rows[0]["loss"] == pytest.approx(ref_rows[0]["loss"], abs=1e-5)
+            assert rows[-1]["mode"] == "pipeline" and rows[-1]["pp"] == kw["pp"]
+    tiny["n_head"] = 2
+    for params, _ in run_world(4, lambda c: run(TrainConfig(**tiny, tp=2, pp=2), c)):
+        np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
+
+
+def mpdl_train(n: int, *flags: str) -> subprocess.CompletedProcess:
+    binary = Path(sys.executable).parent
+    cmd = ["timeout", "-k", "5", "120", str(binary / "mpiexec"), "-n", str(n),
+           str(binary / "mpdl"), "train", "--no-progress", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=135, env=dict(os.environ))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pp", "3"], "--pp x --tp = 3 x 1 = 3 must divide the number of ranks (2)"),
+    (["--dp", "2", "--pp", "2"], "--dp x --pp x --tp = 2 x 2 x 1 = 4 must equal the number of "
+                                 "ranks (2)"),
+    (["--pp", "2", "--zero", "1"], "--pp > 1 or --tp > 1 cannot be combined with --zero"),
+    (["--pp", "2", "--schedule", "zigzag"], "--schedule: expected one of afab, 1f1b"),
+    (["--microbatches", "4"], "--microbatches needs --pp > 1"),
+    (["--tp", "2"], "--tp > 1 needs --model gpt"),
+    (["--tp", "2", "--model", "gpt", "--n-head", "3", "--n-embd", "6"],
+     "--tp 2 must divide --n-head 3"),
+    (["--pp", "2", "--model", "resnet8"], "--pp needs --model mlp, lenet or gpt"),
+])
+def test_bad_grid_flags_exit_2_with_one_line(flags, message):
+    out = mpdl_train(2, *flags)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    errors = out.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("mpdl train: error: "), out.stderr
+    assert message in errors[0]
+
+
+FAILING_STAGE = """
+import numpy as np
+from mpi4py import MPI
+from mpdl.autograd import nn, optim
+from mpdl.comm import as_communicator
+from mpdl.parallel.pipeline import PipelineStrategy
+from mpdl.parallel.strategy import Batch
+
+comm = as_communicator(MPI.COMM_WORLD)
+strategy = PipelineStrategy(comm, 1, 2, microbatches=2)
+model = nn.Sequential(nn.Linear(4, 4, seed=0), nn.ReLU(), nn.Linear(4, 3, seed=1))
+strategy.setup(model, lambda p: optim.SGD(p, lr=0.1))
+if strategy.stage == 1:
+    def boom(x):
+        raise RuntimeError("stage 1 fails")
+    strategy.pieces[0].forward = boom
+x = np.ones((4, 4), dtype=np.float32)
+strategy.step(Batch(x, np.zeros(4, dtype=np.int64), 4, 0.1))
+"""
+
+
+def test_a_stage_that_raises_ends_the_mpi_job(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_STAGE)
+    binary = Path(sys.executable).parent
+    start = time.monotonic()
+    out = subprocess.run(["timeout", "-k", "5", "60", str(binary / "mpiexec"), "-n", "2",
+                          sys.executable, "-m", "mpi4py", str(script)], capture_output=True,
+                         text=True, timeout=75, env={**os.environ, "MPDL_TIMEOUT": "10"})
+    assert out.returncode not in (0, 124), (out.stdout, out.stderr)
+    assert "stage 1 fails" in out.stderr
+    assert time.monotonic() - start < 40
+
+
+@pytest.mark.parametrize("first, second", [(dict(pp=2, tp=2), dict(pp=2, dp=2)),
+                                           (dict(tp=2, dp=2), dict()),
+                                           (dict(), dict(pp=3, microbatches=2)),
+                                           (dict(pp=2, dp=2), dict(tp=2, pp=2))])
+def test_checkpoint_continues_on_another_layout(tmp_path, first, second):
+    """Rank 0 writes the whole model and a whole-model optimizer state; any layout (or one rank
+    without a pipeline) continues from it and ends where the uninterrupted run ends."""
+    tiny = dict(model="gpt", dataset="addition", digits=1, n_layer=2, n_head=2, n_embd=8,
+                global_batch_size=12, optimizer="adam", progress=False, lr_schedule="constant")
+
+    def run(config, comm):
+        trainer = Trainer(config, comm=comm, out=io.StringIO())
+        trainer.setup()
+        trainer.run()
+        return np.concatenate([p.data.ravel() for p in trainer.model.parameters()])
+
+    def size(kw):
+        return kw.get("dp", 1) * kw.get("pp", 1) * kw.get("tp", 1)
+
+    ref = run_world(1, lambda c: run(TrainConfig(**tiny, epochs=2), c))[0]
+    ckpt = str(tmp_path / "ckpt")
+    run_world(size(first), lambda c: run(TrainConfig(**tiny, epochs=1, checkpoint=ckpt, **first),
+                                         c))
+    for params in run_world(size(second), lambda c: run(TrainConfig(
+            **tiny, epochs=2, checkpoint=ckpt, resume=True, **second), c)):
+        np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
+
+
+def test_timeline_shows_each_microbatch_and_message_per_rank(tmp_path):
+    path = str(tmp_path / "trace.json")
+    config = TrainConfig(model="gpt", dataset="addition", digits=1, n_layer=2, n_head=2, n_embd=8,
+                         global_batch_size=12, epochs=1, optimizer="adam", progress=False, pp=2,
+                         microbatches=2, timeline=path)
+
+    def body(comm):
+        trainer = Trainer(config, comm=comm, out=io.StringIO())
+        trainer.setup()
+        trainer.run()
+
+    run_world(2, body)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    names = {pid: {e["name"] for e in events if e["pid"] == pid} for pid in (0, 1)}
+    assert {"forward 0", "forward 1", "backward 0", "backward 1", "send act 0", "send act 1",
+            "recv grad 0", "recv grad 1"} <= names[0]
+    assert {"forward 0", "backward 1", "recv act 0", "recv act 1", "send grad 0",
+            "send grad 1"} <= names[1]
+    assert not {"recv act 0", "send grad 0"} & names[0]
