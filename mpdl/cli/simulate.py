@@ -22,8 +22,8 @@ from typing import Any
 from mpdl import emulation
 from mpdl.cli import UsageError
 from mpdl.cli import simulate_layouts as layouts
-from mpdl.cli.simulate_layouts import duration as _duration
 from mpdl.cli.output import is_rank0, world_size, write_json_lines
+from mpdl.cli.simulate_layouts import duration as _duration
 from mpdl.collectives import costmodel
 from mpdl.fileio import atomic_open
 from mpdl.mpi_runtime import load_mpi

@@ -65,25 +65,26 @@ def wanted(args: argparse.Namespace) -> bool:
 
 def _shape(args: argparse.Namespace) -> L.Shape:
     given = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
+    if args.microbatch_size is not None:
+        given["microbatch"] = args.microbatch_size
     if args.model_shape:
         if args.model_shape not in L.SHAPES:
             raise UsageError(f"--model-shape: expected one of {', '.join(L.SHAPES)}, got "
                              f"{args.model_shape!r}")
-        shape = replace(L.SHAPES[args.model_shape], **given)
+        fields = {k: getattr(L.SHAPES[args.model_shape], k) for k in (*SHAPE_FLAGS, "microbatch")}
+        name = args.model_shape
     else:
         missing = [f"--{k}" for k in SHAPE_FLAGS if k not in given]
         if missing:
             raise UsageError(f"a transformer shape needs {', '.join(missing)} (or --model-shape)")
-        shape = L.Shape(**given, microbatch=1, name="gpt")
-    if args.microbatch_size is not None:
-        shape = replace(shape, microbatch=args.microbatch_size)
+        fields, name = {"microbatch": 1}, "gpt"
+    fields.update(given)
     try:
-        L.Shape(**{k: getattr(shape, k) for k in (*SHAPE_FLAGS, "microbatch")})
+        return L.Shape(**fields, name=name)
     except ValueError as exc:
-        key = str(exc).split(":")[0]
+        key = str(exc).split(":")[0].split(" ")[0]
         flag = "--microbatch-size" if key == "microbatch" else f"--{key}"
         raise UsageError(f"{flag}: {exc}") from None
-    return shape
 
 
 def _setup(args: argparse.Namespace):
