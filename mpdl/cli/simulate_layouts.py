@@ -111,12 +111,12 @@ def _gb(x: float) -> str:
 
 def print_rows(rows: list[dict[str, Any]], title: str) -> None:
     print(title)
-    print(f"{'layout':<36} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total GB':>8} "
+    print(f"{'layout':<42} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total GB':>8} "
           f"{'fits':>4} {'step_s':>9} {'bubble':>6} {'tokens/s':>10} {'MFU':>5}"
           f"{'  train time':>12}")
     for r in rows:
         train = duration(r["time_to_train_s"]) if "time_to_train_s" in r else "-"
-        print(f"{r['layout']:<36} {_gb(r['params_bytes']):>7} {_gb(r['grads_bytes']):>7} "
+        print(f"{r['layout']:<42} {_gb(r['params_bytes']):>7} {_gb(r['grads_bytes']):>7} "
               f"{_gb(r['optimizer_bytes']):>7} {_gb(r['activation_bytes']):>7} "
               f"{_gb(r['total_bytes']):>8} {'yes' if r['fits'] else 'NO':>4} "
               f"{r['step_s']:>9.3f} {r['bubble_share']:>6.1%} {r['tokens_per_s']:>10.0f} "
