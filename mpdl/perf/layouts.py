@@ -13,8 +13,10 @@ Memory per GPU (bytes; `Precision`): parameters, gradients and optimizer state p
 variance) and 4 / 4 / 8 for float32 Adam (what `mpdl train` runs). A GPU holds the parameters of
 L/pp layers split t ways plus the embedding split t ways (the worst stage). ZeRO stage 1 divides the
 optimizer state, stage 2 also the gradients, stage 3 also the parameters by the sharding group (dp,
-or the hybrid group). Activations follow Korthikanti et al. 2022 (tensor parallel without sequence
-parallelism, 16-bit activations, scaled by bytes/2 for float32): per layer and micro-batch
+or the hybrid group); stages 2 and 3 also hold one layer whole for a moment (its gradient;
+and its gathered parameters), as mpdl's ZeRO does with its units. Activations follow
+Korthikanti et al. 2022 (tensor parallel without sequence parallelism, 16-bit activations, scaled
+by bytes/2 for float32): per layer and micro-batch
 
     no recomputation    T·b·d·(10 + 24/t + 5·a·T/(d·t))
     full recomputation  2·T·b·d (each layer's input), plus one layer's full activations while it
@@ -237,9 +239,24 @@ def model_states(params: float, precision: Precision, zero: int = 0, shard: int 
     return out
 
 
+def zero_working_bytes(unit_params: float, precision: Precision, zero: int) -> float:
+    """What ZeRO holds whole for a moment, beside its shards, for a unit of `unit_params`
+    parameters (mpdl's units: a GPT's blocks): stage 2, the unit's full gradient until its
+    reduce-scatter; stage 3, its gathered parameters and full gradient during its backward."""
+    if zero == 2:
+        return unit_params * precision.grad
+    if zero == 3:
+        return unit_params * (precision.param + precision.grad)
+    return 0.0
+
+
 def memory(shape: Shape, layout: Layout, precision: Precision) -> dict[str, float]:
-    """Bytes per GPU: parameters, gradients, optimizer state, activations and the total."""
+    """Bytes per GPU: parameters, gradients, optimizer state, ZeRO's working buffers of one
+    layer (in model_state_bytes), activations and the total."""
     out = model_states(params_per_gpu(shape, layout), precision, layout.zero, layout.shard)
+    out["zero_working_bytes"] = zero_working_bytes(shape.layer_params / layout.tp, precision,
+                                                   layout.zero)
+    out["model_state_bytes"] += out["zero_working_bytes"]
     layers = shape.layers // layout.pp
     act = layers * in_flight(layout) * activation_bytes_per_layer(
         shape, layout.tp, precision, layout.recompute)
