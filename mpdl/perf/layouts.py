@@ -34,7 +34,8 @@ Step time (one step = m micro-batches on each of dp replicas):
                       for AFAB and 1F1B
     data parallel     ring all-reduce of the gradients over dp (ZeRO 1/2: reduce-scatter +
                       all-gather, the same bytes; stage 3: 1.5×), overlapped with the last
-                      micro-batch's backward when pp = 1, exposed after the flush when pp > 1
+                      micro-batch's backward when pp = 1, exposed after the flush when pp > 1;
+                      ZeRO's all-gather of the parameters after the optimizer is always exposed
 
 Pure functions; the cost model is `mpdl.collectives.costmodel`.
 """
@@ -312,7 +313,10 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
         group_nodes = math.ceil(layout.shard / per_node_replicas)
         dp_s += 0.5 * _allreduce(grad_bytes, layout.shard, group_nodes, params)
     window = (2 / 3) * compute_mb if (overlap and layout.pp == 1) else 0.0
-    dp_exposed = max(0.0, dp_s - window)
+    # ZeRO gathers the parameters after the optimizer step (stage 3: before the first forward):
+    # half an all-reduce that no backward hides
+    after = 0.5 * _allreduce(grad_bytes, layout.dp, dp_nodes, params) if layout.zero else 0.0
+    dp_exposed = after + max(0.0, dp_s - after - window)
     total = pipeline_s + dp_exposed
     global_batch = layout.dp * m * b
     tokens_s = global_batch * s / total
