@@ -205,3 +205,15 @@ def test_cli_bad_layout_flags(args, flag):
     out = _mpdl(*args)
     assert out.returncode == 2
     assert flag in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_hybrid_sharding_shards_over_its_group_only():
+    shape = L.Shape(2, 8, 2, 4, 10)
+    n = L.params_per_gpu(shape, L.Layout())
+    full = L.memory(shape, L.Layout(dp=8, zero=1), FP32)
+    hybrid = L.memory(shape, L.Layout(dp=8, zero=1, zero_group=2), FP32)
+    assert full["optimizer_bytes"] == 8 * n / 8
+    assert hybrid["optimizer_bytes"] == 8 * n / 2
+    assert hybrid["params_bytes"] == full["params_bytes"] == 4 * n
+    with pytest.raises(ValueError, match="--zero-group"):
+        L.check_layout(shape, L.Layout(dp=8, zero=1, zero_group=3), 8)
