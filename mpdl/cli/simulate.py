@@ -21,7 +21,9 @@ from typing import Any
 
 from mpdl import emulation
 from mpdl.cli import UsageError
+from mpdl.cli import simulate_layouts as layouts
 from mpdl.cli.output import is_rank0, world_size, write_json_lines
+from mpdl.cli.simulate_layouts import duration as _duration
 from mpdl.collectives import costmodel
 from mpdl.fileio import atomic_open
 from mpdl.mpi_runtime import load_mpi
@@ -83,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json", metavar="PATH", help="one JSON line per (algorithm, N), then a summary")
     g.add_argument("--csv", metavar="PATH", help="the rows as CSV")
     g.add_argument("--plot", metavar="PATH", help="PNG of speedup against N per algorithm")
+    layouts.add_arguments(parser)
 
 
 # -- parsing ---------------------------------------------------------------------------------------
@@ -214,16 +217,6 @@ def choose_workload(args: argparse.Namespace):
 
 
 # -- output --------------------------------------------------------------------------------------
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    if seconds < 3 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
-
-
 def print_table(workload, net, job, headline: int, per_node: int, rows, lims, strategies,
                 min_gain: float) -> None:
     regime = "fixed per-worker batch" if job.global_batch is None else "fixed global batch"
@@ -312,6 +305,8 @@ def plot(path: str, rows, strategies, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if layouts.wanted(args) and not args.list:
+        return layouts.run(args)
     if args.list:
         for name, w in S.PROFILES.items():
             print(f"profile {name:<20} {w.params / 1e6:.2f}M params, {w.sample_s * 1e3:.3f} "

@@ -1,0 +1,131 @@
+"""Published figures beside `mpdl simulate`'s predictions (`mpdl simulate --published`).
+
+Each row: name, published, predicted, unit, ratio (predicted/published), band (the allowed
+relative error) and ok. The inputs are the hardware and layouts the papers state; where a paper
+leaves a figure out, the assumption is named in `NETWORKS`' and `layouts.GPUS`' sources.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpdl.perf import layouts as L
+from mpdl.perf import simulate as S
+
+#: clusters of the transformer papers; the inter-node bandwidth is per GPU (the node's adapters
+#: shared by its GPUs), the intra-node one per direction
+NETWORKS: dict[str, S.Network] = {
+    "dgx2h": S.network(
+        "dgx2h", 150e9, 5e-6, 100e9 / 16, 5e-6, per_node=16, gamma=0.0,
+        source="Shoeybi et al. 2019: DGX-2H, 16 V100 on NVSwitch (300 GB/s stated, both "
+               "directions: 150 GB/s each way), 8 x 100 Gbit/s InfiniBand per server shared by "
+               "16 GPUs (6.25 GB/s per GPU); latencies assumed"),
+    "selene": S.network(
+        "selene", 300e9, 5e-6, 25e9, 5e-6, per_node=8, gamma=0.0,
+        source="Narayanan et al. 2021: DGX A100, 8 A100 on NVSwitch (600 GB/s stated, both "
+               "directions: 300 GB/s each way), 8 x 200 Gbit/s HDR InfiniBand per node "
+               "(25 GB/s per GPU); latencies assumed"),
+}
+
+MEGATRON = (L.SHAPES["megatron-8.3b"], L.Layout(dp=64, pp=1, tp=8, microbatches=1,
+                                                recompute=True), "dgx2h", "v100-32gb")
+PTDP = (L.SHAPES["ptdp-1t"], L.Layout(dp=6, pp=64, tp=8, microbatches=512, recompute=True),
+        "selene", "a100-80gb")
+
+
+def _row(name: str, published: float, predicted: float, unit: str, band: float,
+         **extra: Any) -> dict[str, Any]:
+    ratio = predicted / published
+    return {"name": name, "published": published, "predicted": predicted, "unit": unit,
+            "ratio": ratio, "band": band, "ok": abs(ratio - 1) <= band + 1e-12, **extra}
+
+
+def pipeline_schedule_bubble(pp: int, m: int, schedule: str) -> float:
+    """The idle share of a stage in an event-by-event pipeline timetable (forward 1 unit,
+    backward 2; AFAB: all forwards then all backwards; 1F1B: pp−i−1 warm-up forwards, then one
+    forward and one backward in turn), each op starting when its stage is free and its input has
+    arrived."""
+    ops: list[list[tuple[str, int]]] = []
+    for i in range(pp):
+        if schedule == "afab":
+            order = [("f", j) for j in range(m)] + [("b", j) for j in range(m)]
+        else:
+            warm = min(pp - i - 1, m)
+            order = [("f", j) for j in range(warm)]
+            for j in range(m - warm):
+                order += [("f", warm + j), ("b", j)]
+            order += [("b", j) for j in range(m - warm, m)]
+        ops.append(order)
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * pp
+    pos = [0] * pp
+    while any(pos[i] < len(ops[i]) for i in range(pp)):
+        progressed = False
+        for i in range(pp):
+            if pos[i] == len(ops[i]):
+                continue
+            kind, j = ops[i][pos[i]]
+            if kind == "f":
+                dep = ("f", i - 1, j) if i > 0 else None
+            else:
+                dep = ("b", i + 1, j) if i < pp - 1 else ("f", i, j)
+            if dep is not None and dep not in done:
+                continue
+            start = max(free[i], done[dep] if dep is not None else 0.0)
+            free[i] = start + (1.0 if kind == "f" else 2.0)
+            done[(kind, i, j)] = free[i]
+            pos[i] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline timetable deadlocked")
+    makespan = max(free)
+    return 1 - 3.0 * m / makespan
+
+
+def rows(search: bool = True) -> list[dict[str, Any]]:
+    """Every published figure beside its prediction."""
+    out = []
+    mixed = L.PRECISIONS["mixed"]
+    psi, nd = 7.5e9, 64
+    for stage, figure in ((0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)):
+        got = L.model_states(psi, mixed, stage, nd)["model_state_bytes"] / L.GB
+        name = "ZeRO DDP memory" if stage == 0 else f"ZeRO stage {stage} memory"
+        out.append(_row(name, figure, got, "GB per GPU", 0.02,
+                        source="Rajbhandari et al. 2020, Fig. 1: Psi = 7.5B, N_d = 64, K = 12"))
+    shape, layout, net_name, gpu_name = MEGATRON
+    net, gpu = NETWORKS[net_name], L.GPUS[gpu_name]
+    m = L.evaluate(shape, layout, mixed, gpu, net.params, net.per_node)
+    eff = m["hardware_flops_per_s"] / (layout.gpus * gpu.sustained_flops)
+    src = "Shoeybi et al. 2019: 8.3B, 8-way model parallel x 64-way data parallel, batch 512"
+    out.append(_row("Megatron-LM 8.3B on 512 V100", 15.1, m["hardware_flops_per_s"] / 1e15,
+                    "PFLOP/s", 0.30, layout=layout.label(), source=src))
+    out.append(_row("Megatron-LM 8.3B weak-scaling efficiency", 0.76, eff,
+                    "of 512 x 39 TFLOP/s", 0.30, layout=layout.label(), source=src))
+    shape, layout, net_name, gpu_name = PTDP
+    net, gpu = NETWORKS[net_name], L.GPUS[gpu_name]
+    p = L.evaluate(shape, layout, mixed, gpu, net.params, net.per_node)
+    src = "Narayanan et al. 2021, Table 1: 1T, (t, p, d) = (8, 64, 6), batch 3072, micro-batch 1"
+    out.append(_row("PTD-P 1T on 3072 A100", 502.0, p["hardware_flops_per_s"] / 1e15, "PFLOP/s",
+                    0.30, layout=layout.label(), source=src))
+    out.append(_row("PTD-P 1T share of peak", 0.52, p["hfu"], "of peak", 0.30,
+                    layout=layout.label(), fits=p["fits"], source=src))
+    if search:
+        found = L.search(shape, layout.gpus, 3072, mixed, gpu, net.params, net.per_node,
+                         zero_stages=(0,))
+        best = found[0]
+        out.append(_row("PTD-P 1T: --search's best against the stated layout",
+                        p["step_s"], best["step_s"], "s per step", 0.30,
+                        best=best["layout"], stated=layout.label(),
+                        stated_is_best=best["layout"] == layout.label(),
+                        runners_up=[r["layout"] for r in found[1:]], source=src))
+    for pp, mb in ((4, 8), (8, 32)):
+        for schedule in ("afab", "1f1b"):
+            out.append(_row(f"pipeline bubble p={pp} m={mb} {schedule}", L.bubble(pp, mb),
+                            pipeline_schedule_bubble(pp, mb, schedule), "share of step", 1e-9,
+                            source="GPipe / PipeDream-flush: (p-1)/(m+p-1), against an "
+                                   "event-by-event timetable"))
+    for run in S.PUBLISHED:
+        r = S.predict_published(run)
+        out.append(_row(run.name, run.seconds, r["predicted_s"], "s to train", 0.30,
+                        source=run.result))
+    return out

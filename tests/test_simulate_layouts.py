@@ -1,0 +1,219 @@
+"""mpdl simulate for transformer layouts: derived shapes, memory per GPU against hand-computed
+cases, monotonicity, --search, and the published figures within their bands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpdl.perf import layouts as L
+from mpdl.perf import published as P
+from mpdl.training.gpt import GPT
+
+MPDL = str(Path(sys.executable).parent / "mpdl")
+MIXED, FP32 = L.PRECISIONS["mixed"], L.PRECISIONS["fp32"]
+SELENE = P.NETWORKS["selene"]
+A100 = L.GPUS["a100-80gb"]
+
+
+def test_gpt2_small_has_its_published_parameter_count():
+    # GPT-2 small with tied embeddings (nanoGPT, Hugging Face): 124,439,808 parameters
+    assert L.SHAPES["gpt2-small"].params == 124_439_808
+
+
+@pytest.mark.parametrize("layers,hidden,heads,seq,vocab", [(2, 8, 2, 4, 10), (3, 12, 3, 6, 17)])
+def test_shape_counts_as_the_gpt_class(layers, hidden, heads, seq, vocab):
+    model = GPT(vocab, seq, layers, heads, hidden, seed=0)
+    shape = L.Shape(layers, hidden, heads, seq, vocab)
+    assert shape.params == model.num_parameters()
+    assert shape.flops_per_token == model.flops_per_token()
+
+
+def test_model_states_hand_computed():
+    # 1000 parameters, mixed-precision Adam: 2 + 2 + 12 bytes each; ZeRO 2 over 4 ranks
+    got = L.model_states(1000, MIXED, 2, 4)
+    assert (got["params_bytes"], got["grads_bytes"], got["optimizer_bytes"]) == (2000, 500, 3000)
+    assert got["model_state_bytes"] == 5500
+    # float32 Adam, ZeRO 1 over 4: 4000 + 4000 + 8000/4
+    assert L.model_states(1000, FP32, 1, 4)["model_state_bytes"] == 10000
+    assert L.model_states(1000, FP32, 3, 4)["model_state_bytes"] == 4000
+    assert L.model_states(1000, FP32, 0, 4)["model_state_bytes"] == 16000
+
+
+def test_zero_paper_figure_one():
+    # Rajbhandari et al. 2020, Fig. 1: 7.5B parameters, N_d = 64, K = 12
+    gb = {s: L.model_states(7.5e9, MIXED, s, 64)["model_state_bytes"] / 1e9 for s in range(4)}
+    assert gb[0] == pytest.approx(120, rel=0.02)
+    assert gb[1] == pytest.approx(31.4, rel=0.02)
+    assert gb[2] == pytest.approx(16.6, rel=0.02)
+    assert gb[3] == pytest.approx(1.9, rel=0.02)
+
+
+def test_zero_working_buffers_hand_computed():
+    # one unit of 100 parameters held whole: stage 2 its float32 gradient, stage 3 also its weights
+    assert L.zero_working_bytes(100, FP32, 1) == 0
+    assert L.zero_working_bytes(100, FP32, 2) == 400
+    assert L.zero_working_bytes(100, FP32, 3) == 800
+    shape = L.Shape(2, 8, 2, 4, 10)
+    layer = 12 * 64 + 13 * 8
+    n = 2 * layer + 14 * 8 + 16
+    got = L.memory(shape, L.Layout(dp=4, zero=3), FP32)
+    assert got["zero_working_bytes"] == 8 * layer
+    assert got["model_state_bytes"] == pytest.approx(16 * n / 4 + 8 * layer)
+
+
+def test_activations_hand_computed():
+    shape = L.Shape(4, 8, 2, 4, 10, microbatch=2)
+    # s·b·d·(10 + 24/t + 5·a·s/(d·t)) = 4·2·8·(10 + 24 + 5·2·4/8) = 64·39
+    assert L.activation_bytes_per_layer(shape, 1, MIXED, False) == 64 * 39
+    # t = 2: 64·(10 + 12 + 2.5); float32 doubles it
+    assert L.activation_bytes_per_layer(shape, 2, MIXED, False) == 64 * 24.5
+    assert L.activation_bytes_per_layer(shape, 2, FP32, False) == 2 * 64 * 24.5
+    assert L.activation_bytes_per_layer(shape, 1, MIXED, True) == 2 * 64
+    # pp = 2 (2 layers a stage), AFAB holds m = 8 micro-batches, 1F1B min(8, 2) = 2
+    afab = L.memory(shape, L.Layout(pp=2, microbatches=8, schedule="afab"), MIXED)
+    ofob = L.memory(shape, L.Layout(pp=2, microbatches=8, schedule="1f1b"), MIXED)
+    assert afab["activation_bytes"] == 2 * 8 * 64 * 39
+    assert ofob["activation_bytes"] == 2 * 2 * 64 * 39
+    # parameters per GPU: 2 layers of 12·64 + 13·8 and the embedding (10 + 4)·8 + 16
+    assert L.params_per_gpu(shape, L.Layout(pp=2)) == 2 * (12 * 64 + 13 * 8) + 14 * 8 + 16
+
+
+def test_more_shards_never_more_memory():
+    shape = L.SHAPES["megatron-8.3b"]
+    for precision in (MIXED, FP32):
+        for recompute in (False, True):
+            last = None
+            for zero in (0, 1, 2, 3):
+                totals = [L.memory(shape, L.Layout(dp=dp, zero=zero, recompute=recompute),
+                                   precision)["total_bytes"] for dp in (1, 2, 4, 8, 64, 512)]
+                assert all(b <= a for a, b in zip(totals, totals[1:], strict=False))
+                if last is not None:  # a higher stage shards more (with one rank: nothing)
+                    assert all(b <= a for a, b in zip(last[1:], totals[1:], strict=True))
+                last = totals
+            for key in ("tp", "pp"):
+                totals = [L.memory(shape, L.Layout(**{key: k}, recompute=recompute),
+                                   precision)["model_state_bytes"] for k in (1, 2, 4, 8)]
+                assert all(b < a for a, b in zip(totals, totals[1:], strict=False))
+
+
+def test_more_microbatches_never_a_larger_bubble():
+    for pp in (1, 2, 4, 8, 64):
+        shares = [L.bubble(pp, m) for m in range(1, 200)]
+        assert all(b <= a for a, b in zip(shares, shares[1:], strict=False))
+    assert L.bubble(4, 12) == pytest.approx(3 / 15)
+    assert L.bubble(1, 5) == 0
+
+
+@pytest.mark.parametrize("schedule", ["afab", "1f1b"])
+def test_bubble_formula_matches_a_timetable(schedule):
+    for pp, m in ((2, 1), (4, 4), (4, 9), (8, 3)):
+        assert P.pipeline_schedule_bubble(pp, m, schedule) == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+def test_step_charges_the_bubble():
+    shape = L.SHAPES["gpt2-small"]
+    one = L.step(shape, L.Layout(microbatches=8), MIXED, A100, SELENE.params, 8)
+    four = L.step(shape, L.Layout(pp=4, microbatches=8), MIXED, A100, SELENE.params, 8)
+    assert four["bubble_share"] == pytest.approx(3 / 11)
+    assert four["bubble_s"] / four["step_s"] == pytest.approx(3 / 11, rel=0.01)
+    assert one["mfu"] <= A100.sustained_flops / A100.peak_flops
+
+
+def test_search_returns_only_layouts_that_fit():
+    shape = L.SHAPES["megatron-8.3b"]
+    for memory in (16e9, 32e9, 80e9):
+        gpu = L.GPUS["v100-32gb"].__class__("v", 125e12, 39e12, memory)
+        rows = L.search(shape, 64, 512, MIXED, gpu, SELENE.params, 8, top=50)
+        assert rows, memory
+        assert all(r["fits"] and r["total_bytes"] <= memory for r in rows)
+        assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+        assert all(r["gpus"] == 64 for r in rows)
+    tiny = L.GPUS["v100-32gb"].__class__("tiny", 125e12, 39e12, 1e9)
+    assert L.search(shape, 8, 64, MIXED, tiny, SELENE.params, 8) == []
+
+
+EXPECTED = {  # name: published figure, as the papers state it
+    "ZeRO DDP memory": 120.0, "ZeRO stage 1 memory": 31.4, "ZeRO stage 2 memory": 16.6,
+    "ZeRO stage 3 memory": 1.9, "Megatron-LM 8.3B on 512 V100": 15.1,
+    "Megatron-LM 8.3B weak-scaling efficiency": 0.76, "PTD-P 1T on 3072 A100": 502.0,
+    "PTD-P 1T share of peak": 0.52, "Goyal et al. 2017": 3600.0, "Jia et al. 2018": 396.0}
+
+
+def test_published_figures_within_their_bands():
+    rows = {r["name"]: r for r in P.rows()}
+    for name, figure in EXPECTED.items():
+        row = rows[name]
+        assert row["published"] == figure
+        band = 0.02 if name.startswith("ZeRO") else 0.30
+        assert row["band"] == band
+        assert abs(row["predicted"] / figure - 1) <= band, (name, row["predicted"])
+        assert row["ok"]
+    bubbles = [r for n, r in rows.items() if n.startswith("pipeline bubble")]
+    assert len(bubbles) == 4 and all(r["ok"] for r in bubbles)
+    # Mikami et al. stays outside the band: what the model misses is said in docs/simulate.md
+    assert not rows["Mikami et al. 2018"]["ok"]
+    # the PTD-P layout (t, p, d) = (8, 64, 6) is the stated one and fits in 80 GB
+    assert rows["PTD-P 1T share of peak"]["layout"] == "dp6 pp64 tp8 m512 1f1b recompute"
+    assert rows["PTD-P 1T share of peak"]["fits"]
+
+
+def _mpdl(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([MPDL, "simulate", *args], capture_output=True, text=True, timeout=120,
+                          cwd=cwd)
+
+
+def test_cli_published_json(tmp_path):
+    out = _mpdl("--published", "--json", str(tmp_path / "p.jsonl"))
+    assert out.returncode == 0, out.stderr
+    assert "PTD-P 1T on 3072 A100" in out.stdout
+    lines = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert {"name", "published", "predicted", "unit", "ratio", "band", "ok"} <= set(lines[0])
+    assert len(lines) == len({x["name"] for x in lines}) >= 15
+
+
+def test_cli_layout_json(tmp_path):
+    path = tmp_path / "l.jsonl"
+    out = _mpdl("--model-shape", "gpt2-small", "--dp", "2", "--pp", "2", "--tp", "2",
+                "--microbatches", "4", "--zero", "1", "--gpu-memory", "1GB", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    row = json.loads(path.read_text())
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes",
+                "total_bytes", "layout", "bubble_share", "mfu", "fits", "dp", "pp", "tp"):
+        assert key in row
+    assert row["bubble_share"] == pytest.approx(1 / 5)
+    assert row["gpu_memory_bytes"] == 1e9 and row["fits"] == (row["total_bytes"] <= 1e9)
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--model-shape", "nope"], "--model-shape"),
+    (["--layers", "2", "--hidden", "8", "--heads", "3", "--seq", "4", "--vocab", "9"], "hidden"),
+    (["--model-shape", "gpt2-small", "--tp", "5"], "--tp"),
+    (["--model-shape", "gpt2-small", "--pp", "5"], "--pp"),
+    (["--model-shape", "gpt2-small", "--zero", "4"], "--zero"),
+    (["--model-shape", "gpt2-small", "--pp", "2", "--zero", "3"], "--zero"),
+    (["--model-shape", "gpt2-small", "--gpu-memory", "lots"], "--gpu-memory"),
+    (["--model-shape", "gpt2-small", "--gpu", "tpu"], "--gpu"),
+    (["--model-shape", "gpt2-small", "--precision", "int8"], "--precision"),
+    (["--model-shape", "gpt2-small", "--schedule", "zigzag", "--pp", "2"], "--schedule"),
+])
+def test_cli_bad_layout_flags(args, flag):
+    out = _mpdl(*args)
+    assert out.returncode == 2
+    assert flag in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_hybrid_sharding_shards_over_its_group_only():
+    shape = L.Shape(2, 8, 2, 4, 10)
+    n = L.params_per_gpu(shape, L.Layout())
+    full = L.memory(shape, L.Layout(dp=8, zero=1), FP32)
+    hybrid = L.memory(shape, L.Layout(dp=8, zero=1, zero_group=2), FP32)
+    assert full["optimizer_bytes"] == 8 * n / 8
+    assert hybrid["optimizer_bytes"] == 8 * n / 2
+    assert hybrid["params_bytes"] == full["params_bytes"] == 4 * n
+    with pytest.raises(ValueError, match="--zero-group"):
+        L.check_layout(shape, L.Layout(dp=8, zero=1, zero_group=3), 8)
