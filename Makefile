@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider --timeout=240
 
-.PHONY: install test test-unit test-mpi lint train bench clean
+.PHONY: install test test-unit test-mpi test-multinode bench-multinode lint train bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,6 +40,16 @@ test-mpi: install
 	    tests/mpi/test_collectives.py -k allreduce || exit 1; \
 	done
 
+# Real MPI nodes on one machine (tools/multinode.sh, MPICH's launcher through tools/fake-ssh):
+# each host a network namespace where root and `ip netns` allow it, else the loopback (it says so).
+test-multinode: install
+	VENV=$(VENV) MPI_TIMEOUT=$(MPI_TIMEOUT) tools/multinode.sh test
+
+# All-reduce over a tc-shaped link between 2 nodes of 2 ranks (MN_RATE: 1gbit by default).
+MN_RATE ?= 1gbit
+bench-multinode: install
+	VENV=$(VENV) tools/multinode.sh bench $(MN_RATE)
+
 # The main job: data-parallel training on the shipped UCI digits, 4 ranks.
 train: install
 	$(MPIEXEC) -n 4 $(VENV)/bin/mpdl train
@@ -50,7 +60,7 @@ bench: install
 	$(MPIEXEC) -n 4 $(PY) benchmarks/bench_allreduce.py
 
 lint: install
-	$(VENV)/bin/ruff check mpdl tests benchmarks
+	$(VENV)/bin/ruff check mpdl tests benchmarks tools
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
