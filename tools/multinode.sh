@@ -185,6 +185,25 @@ time.sleep(300)
   say "the job ended with status $rc after $((SECONDS - started)) s (launcher: rank killed by signal 9)"
 }
 
+# run_bench [RATE]: 2 hosts x 2 ranks, links shaped to RATE; `mpdl calibrate` measures them (into
+# a cost model of its own, under bench-out/multinode/), then `mpdl bench` sets the all-reduces side
+# by side with the cost model's predictions.
+run_bench() {
+  local rate=${1:-1gbit} out=${MN_OUT:-$ROOT/bench-out/multinode}
+  mkdir -p "$out"
+  hosts_up 2 "$rate"
+  [[ $NETNS == 1 && $QDISCS == *tbf* ]] || say "links are not shaped here: the figures are the loopback's"
+  check_layout 2,2
+  export MPDL_COST_MODEL="$out/costmodel-$rate.json"
+  rm -f "$MPDL_COST_MODEL"
+  say "== mpdl calibrate across the 2 nodes (into $MPDL_COST_MODEL)"
+  launch 2,2 "$VENV/bin/mpdl" calibrate -n "${MN_CALIBRATE_ITERS:-10}"
+  say "== mpdl bench allreduce -b 1M -e 64M -f 4, links $rate"
+  launch 2,2 "$VENV/bin/mpdl" bench allreduce -b 1M -e 64M -f 4 -n "${MN_ITERS:-5}" -w 1 \
+    --algorithms "${MN_ALGORITHMS:-hierarchical,ring,rabenseifner,shm,mpi,auto}" --check \
+    --json "$out/bench-$rate.jsonl"
+}
+
 case ${1:-test} in
   test) shift; run_tests "$@" ;;
   run)
@@ -192,6 +211,6 @@ case ${1:-test} in
     IFS=, read -ra counts <<<"$layout"
     hosts_up "${#counts[@]}" "${MN_RATE:-}"
     launch "$layout" "$@" ;;
-  bench) echo "bench: see below" ;;
+  bench) run_bench "${2:-1gbit}" ;;
   *) echo "usage: $0 test | bench [RATE] | run LAYOUT -- CMD..." >&2; exit 2 ;;
 esac
