@@ -28,6 +28,13 @@ def load_mpi() -> ModuleType:
     return MPI
 
 
+def library_version(MPI: ModuleType) -> str:
+    """The first line of the MPI library's version string, spaces collapsed (Open MPI ends it
+    with a NUL byte, MPICH and Intel MPI with newlines)."""
+    text = MPI.Get_library_version().replace("\x00", " ").strip()
+    return " ".join(text.splitlines()[0].split()) if text else "unknown"
+
+
 #: environment variables in which launchers give the number of ranks on this node
 LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 

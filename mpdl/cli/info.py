@@ -34,7 +34,7 @@ def collect() -> dict[str, Any]:
     import mpdl  # noqa: PLC0415
     from mpdl import backend  # noqa: PLC0415
     from mpdl.comm import as_communicator, cuda_aware_mpi, ranks_per_node_override  # noqa: PLC0415
-    from mpdl.mpi_runtime import load_mpi, usable_cores  # noqa: PLC0415
+    from mpdl.mpi_runtime import library_version, load_mpi, usable_cores  # noqa: PLC0415
 
     MPI = load_mpi()
     comm = as_communicator(None)
@@ -50,7 +50,7 @@ def collect() -> dict[str, Any]:
         "numpy": numpy.__version__,
         "numba": _version("numba"),
         "mpi4py": _version("mpi4py"),
-        "mpi_library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split()),
+        "mpi_library": library_version(MPI),
         "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "thread_level": thread_levels.get(MPI.Query_thread(), "unknown"),
         "world_size": comm.size,
