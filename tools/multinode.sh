@@ -176,13 +176,16 @@ time.sleep(300)
   local done_ranks killed
   done_ranks=$(grep -c "first all-reduce done" "$log" || true)
   killed=$(grep -c "EXIT CODE: 9" "$log" || true)
+  grep -Eq "RUNNING AT (10\.77\.0\.2|h2)\b" "$log" || killed=0  # and it ran on host 2
   rm -f "$log"
-  if [[ $rc == 0 || $rc == 124 || $rc == 137 || $done_ranks != 4 || $killed == 0 ]]; then
+  # (the killed rank's own line may be lost with it: the launcher's report is the evidence)
+  if [[ $rc == 0 || $rc == 124 || $rc == 137 || $killed == 0 ]]; then
     say "FAIL: status $rc after $((SECONDS - started)) s, $done_ranks ranks reached the kill," \
         "launcher reported a rank killed by signal 9: $killed"
     return 1
   fi
-  say "the job ended with status $rc after $((SECONDS - started)) s (launcher: rank killed by signal 9)"
+  say "the job ended with status $rc after $((SECONDS - started)) s ($done_ranks ranks printed" \
+      "their first all-reduce; the launcher reported the rank killed by signal 9)"
 }
 
 # run_bench [RATE]: 2 hosts x 2 ranks, links shaped to RATE; `mpdl calibrate` measures them (into
