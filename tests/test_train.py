@@ -276,7 +276,9 @@ def _rank_pid(mpiexec_pid: int, rank: int) -> int | None:
             env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"PMI_RANK={rank}".encode() in env and any(b"mpdl" in a for a in
+        # the rank as MPICH's launcher (PMI_RANK) or Open MPI's (OMPI_COMM_WORLD_RANK) says
+        ranks = {f"PMI_RANK={rank}".encode(), f"OMPI_COMM_WORLD_RANK={rank}".encode()}
+        if ranks & set(env) and any(b"mpdl" in a for a in
                                                       (Path("/proc") / str(pid) / "cmdline")
                                                       .read_bytes().split(b"\0")):
             return pid

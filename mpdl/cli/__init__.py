@@ -14,7 +14,7 @@ import sys
 from mpdl import __version__
 from mpdl.allocator import keep_heap
 from mpdl.cli.output import is_rank0
-from mpdl.mpi_runtime import MPIUnavailable, abort_on_uncaught_exception
+from mpdl.mpi_runtime import MPIUnavailable, abort_on_uncaught_exception, wait_for_peers
 
 VERBS = {
     "info": "versions, MPI library, world size, nodes, GPU and CUDA-awareness",
@@ -65,5 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except UsageError as exc:
         if is_rank0():
-            print(f"mpdl {args.verb}: error: {exc}", file=sys.stderr)
+            print(f"mpdl {args.verb}: error: {exc}", file=sys.stderr, flush=True)
+        wait_for_peers()
         return 2

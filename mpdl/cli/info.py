@@ -18,7 +18,7 @@ import numpy
 import mpdl
 from mpdl import backend
 from mpdl.comm import as_communicator, cuda_aware_mpi, ranks_per_node_override
-from mpdl.mpi_runtime import load_mpi, usable_cores
+from mpdl.mpi_runtime import library_version, load_mpi, usable_cores
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +49,7 @@ def collect() -> dict[str, Any]:
         "numpy": numpy.__version__,
         "numba": _version("numba"),
         "mpi4py": _version("mpi4py"),
-        "mpi_library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split()),
+        "mpi_library": library_version(MPI),
         "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "thread_level": thread_levels.get(MPI.Query_thread(), "unknown"),
         "world_size": comm.size,

@@ -198,11 +198,15 @@ class MPIComm(Communicator, DeviceStaging):
             shared.Free()
             self._shared = nodes.SharedWindows(self.MPI, node_comm,
                                                lambda r: self._wait_mpi(r, "shm barrier"))
+            # A window still open at MPI_Finalize fails it with some network modules
+            # (MPICH over libfabric: "fabricclose failed"), so free them first.
+            atexit.register(self.free)
         return self._shared.segments(nbytes)
 
     def free(self) -> None:
-        """Release the shared-memory windows and node communicator (before MPI finalizes)."""
-        if self._shared is not None:
+        """Release the shared-memory windows and node communicator (before MPI finalizes; called
+        at exit when the program did not)."""
+        if self._shared is not None and not self.MPI.Is_finalized():
             self._shared.free()
             self._shared = None
 
