@@ -64,13 +64,16 @@ def oversubscribed() -> bool:
 
 
 def wait_for_peers(limit_s: float = 5.0) -> None:
-    """Wait (at most limit_s) until every rank has got here, where MPI is running.
+    """Wait (at most limit_s) until every rank has got here (starting MPI if it has not started).
 
     For ranks about to exit with an error that only rank 0 prints: Open MPI's launcher ends the
     whole job as soon as one rank exits with a non-zero status, and rank 0's line could be lost.
     Bounded, so a rank that never comes costs limit_s and no hang."""
-    MPI = sys.modules.get("mpi4py.MPI")
-    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+    try:
+        MPI = load_mpi()  # an error found before MPI started (a bad flag) starts it here
+    except MPIUnavailable:
+        return
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
         return
     request = MPI.COMM_WORLD.Ibarrier()
     deadline = time.monotonic() + limit_s

@@ -2,8 +2,9 @@
 
     python tools/compare_runs.py RUN_A RUN_B [--atol 1e-9]
 
-RUN is a prefix: RUN.jsonl is the run's --json file and RUN/ its --checkpoint folder. Exits 1 when
-a loss or a parameter differs by more than atol, or when the runs have different epochs or arrays.
+RUN is a prefix: RUN.jsonl is the run's --json file and RUN/ its --checkpoint folder (whole or
+sharded). Exits 1 when a loss or a parameter differs by more than atol, or when the runs have
+different epochs or arrays.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 import sys
 
 import numpy as np
+
+from mpdl.training.checkpoint import load_checkpoint
 
 
 def losses(prefix: str) -> list[float]:
@@ -31,11 +34,11 @@ def main() -> int:
     if len(la) != len(lb) or not la:
         print(f"compare_runs: epochs differ: {len(la)} vs {len(lb)}")
         return 1
-    with np.load(f"{args.a}/model.npz") as fa, np.load(f"{args.b}/model.npz") as fb:
-        if sorted(fa.files) != sorted(fb.files):
-            print(f"compare_runs: different parameters: {sorted(fa.files)} vs {sorted(fb.files)}")
-            return 1
-        param_diff = max(float(np.max(np.abs(fa[k] - fb[k]), initial=0.0)) for k in fa.files)
+    fa, fb = load_checkpoint(args.a)[0], load_checkpoint(args.b)[0]
+    if sorted(fa) != sorted(fb):
+        print(f"compare_runs: different parameters: {sorted(fa)} vs {sorted(fb)}")
+        return 1
+    param_diff = max(float(np.max(np.abs(fa[k] - fb[k]), initial=0.0)) for k in fa)
     loss_diff = max(abs(x - y) for x, y in zip(la, lb, strict=True))
     ok = param_diff <= args.atol and loss_diff <= args.atol
     print(f"compare_runs: {len(la)} epochs, losses {la[-1]:.10f} vs {lb[-1]:.10f}, "

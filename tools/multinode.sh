@@ -139,20 +139,21 @@ run_tests() {
 }
 
 # train_invariance: `mpdl train` (float64) on 2 nodes of 2 ranks and on one rank, same global
-# batch, with the node-aware algorithms: the losses and final parameters must agree.
+# batch, with the node-aware algorithms and ZeRO (sharded across both nodes, and hybrid: sharded
+# within a node): the losses and final parameters must agree.
 train_invariance() {
-  local out algorithm
+  local out strategy
+  local base=(train --epochs 2 --dtype float64 --global-batch-size 64 --seed 3 --no-progress)
   out=$(mktemp -d)
-  for algorithm in hierarchical shm; do
-    local args=(train --epochs 2 --dtype float64 --global-batch-size 64 --seed 3 --no-progress
-                --algorithm "$algorithm")
-    launch 2,2 "$VENV/bin/mpdl" "${args[@]}" --json "$out/nodes.jsonl" --checkpoint "$out/nodes" \
-      | tail -n 1
-    launch 1 "$VENV/bin/mpdl" "${args[@]}" --json "$out/one.jsonl" \
-      --checkpoint "$out/one" | tail -n 1
-    say "$algorithm, 2 nodes x 2 ranks against 1 rank:"
+  launch 1 "$VENV/bin/mpdl" "${base[@]}" --json "$out/one.jsonl" --checkpoint "$out/one" \
+    | tail -n 1
+  for strategy in "--algorithm hierarchical" "--algorithm shm" "--zero 3" "--zero 2 --zero-hybrid"; do
+    rm -rf "$out/nodes" "$out/nodes.jsonl"
+    # shellcheck disable=SC2086  # the strategy's flags split into words on purpose
+    launch 2,2 "$VENV/bin/mpdl" "${base[@]}" $strategy --json "$out/nodes.jsonl" \
+      --checkpoint "$out/nodes" | tail -n 1
+    say "$strategy, 2 nodes x 2 ranks against 1 rank:"
     "$PY" tools/compare_runs.py "$out/nodes" "$out/one"
-    rm -rf "${out:?}"/*
   done
   rm -rf "$out"
 }
