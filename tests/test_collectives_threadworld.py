@@ -203,3 +203,14 @@ def test_public_calls_accept_a_sub_communicator():
     results = run_world(5, f)
     for r in results[::2]:
         np.testing.assert_array_equal(r, np.full(3, 0.0 + 2 + 4))
+
+
+def test_a_subcommunicator_allgathers_objects_among_its_members_only():
+    """Odd and even ranks each gather their own objects (ZeRO's hybrid checkpoints need this)."""
+    def body(comm):
+        members = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
+        return comm.sub(members).allgather_object({"rank": comm.rank, "tail": "x" * comm.rank})
+
+    out = run_world(5, body)
+    assert out[0] == out[2] == out[4] == [{"rank": r, "tail": "x" * r} for r in (0, 2, 4)]
+    assert out[1] == out[3] == [{"rank": r, "tail": "x" * r} for r in (1, 3)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -348,3 +349,18 @@ class SubComm(Communicator):
     def node_of_rank(self) -> list[int]:
         parent_nodes = self.parent.node_of_rank()
         return [parent_nodes[r] for r in self.ranks]
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every member's obj, in member order: pickled and exchanged point to point (its size,
+        then its bytes), since only the members call it."""
+        payload = np.frombuffer(pickle.dumps(obj), np.uint8).copy()
+        length = np.array([payload.size], np.int64)
+        others = [r for r in range(self.size) if r != self.rank]
+        lengths = {r: np.zeros(1, np.int64) for r in others}
+        self.waitall([q for r in others for q in (self.isend(length, r, "object size"),
+                                                   self.irecv(lengths[r], r, "object size"))])
+        bodies = {r: np.empty(int(lengths[r][0]), np.uint8) for r in others}
+        self.waitall([q for r in others for q in (self.isend(payload, r, "object"),
+                                                   self.irecv(bodies[r], r, "object"))])
+        return [obj if r == self.rank else pickle.loads(bodies[r].tobytes())
+                for r in range(self.size)]
