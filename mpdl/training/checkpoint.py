@@ -99,14 +99,21 @@ def save_checkpoint(directory: str | Path, model_state: dict[str, np.ndarray],
     contents = (model_bytes, optim_bytes, (json.dumps(state, indent=1) + "\n").encode())
     for name, data in zip(FILES, contents, strict=True):
         write_atomic(staging / name, data, durable=True)
+    _commit(directory, FILES, int(state.get("step", 0)), keep)
+
+
+def _commit(directory: Path, names: Sequence[str], step: int, keep: int) -> None:
+    """Move the staged files `names` into directory in order (state.json, the last, last), drop
+    the files of an earlier checkpoint they do not replace, and keep a copy when keep > 0."""
+    staging = directory / STAGING
     _sync_directory(staging)
-    for name in FILES:  # state.json last
+    for name in names:
         os.replace(staging / name, directory / name)
-    _drop_unreferenced(directory, FILES)
+    _drop_unreferenced(directory, names)
     _sync_directory(directory)
     staging.rmdir()
     if keep > 0:
-        _keep_copy(directory, int(state.get("step", 0)), keep, FILES)
+        _keep_copy(directory, step, keep, names)
 
 
 def _keep_copy(directory: Path, step: int, keep: int, names: Sequence[str]) -> None:
@@ -153,19 +160,12 @@ def save_sharded_checkpoint(directory: str | Path, comm: Any, shard: dict[str, n
         state = {**state, "sha256": dict(digests)}
         write_atomic(staging / "state.json", (json.dumps(state, indent=1) + "\n").encode(),
                      durable=True)
-        _sync_directory(staging)
-        names = [name for name, _ in digests] + ["state.json"]
-        for name in names:  # state.json last
-            os.replace(staging / name, directory / name)
-        _drop_unreferenced(directory, names)
-        _sync_directory(directory)
-        staging.rmdir()
-        if keep > 0:
-            _keep_copy(directory, int(state.get("step", 0)), keep, names)
+        _commit(directory, [name for name, _ in digests] + ["state.json"],
+                int(state.get("step", 0)), keep)
     comm.barrier()
 
 
-def _drop_unreferenced(directory: Path, names: list[str] | tuple[str, ...]) -> None:
+def _drop_unreferenced(directory: Path, names: Sequence[str]) -> None:
     """Remove the files of an earlier checkpoint of the other kind (or more shards) that the
     one just committed does not use."""
     for path in directory.iterdir():
