@@ -32,6 +32,11 @@ comm.barrier()
 """
 
 
+#: the launcher normally ends the job when a rank is killed; if it does not, the survivors' wait
+#: for the dead rank ends in a CollectiveTimeout after this long, instead of the default 300 s
+SURVIVORS_GIVE_UP = {"MPDL_TIMEOUT": "30"}
+
+
 def run(cmd: list[str], timeout: float, env: dict | None = None,
         cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
@@ -97,7 +102,7 @@ def test_launch_restarts_a_killed_rank_and_ends_as_an_uninterrupted_run(tmp_path
     ckpt, every, kill_at = tmp_path / "ckpt", 5, 8
     out = run([MPDL, "launch", "-n", "3", "--max-restarts", "2", "--", "train", *COMMON,
                "--checkpoint", str(ckpt), "--checkpoint-every", str(every), "--keep", "2"],
-              timeout=300, env={"MPDL_FAULT": f"kill:1:{kill_at}"})
+              timeout=300, env={"MPDL_FAULT": f"kill:1:{kill_at}", **SURVIVORS_GIVE_UP})
     assert out.returncode == 0, out.stderr
     assert "attempt 1 failed" in out.stderr
     assert re.search(r"attempt 1 failed \(exit status \d+\): rank 1 was killed by signal 9 "
@@ -116,7 +121,7 @@ def test_launch_restarts_a_killed_rank_and_ends_as_an_uninterrupted_run(tmp_path
 def test_launch_without_restarts_gives_up_and_says_why(tmp_path):
     out = run([MPDL, "launch", "-n", "3", "--", "train", *COMMON, "--checkpoint",
                str(tmp_path / "ckpt"), "--checkpoint-every", "5"],
-              timeout=300, env={"MPDL_FAULT": "kill:2:3"})
+              timeout=300, env={"MPDL_FAULT": "kill:2:3", **SURVIVORS_GIVE_UP})
     assert out.returncode != 0
     assert re.search(r"attempt 1 failed \(exit status \d+\): rank 2 was killed by signal 9 "
                      r"\(SIGKILL\)", out.stderr), out.stderr
@@ -128,7 +133,8 @@ def test_a_step_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
     parameters as one rank's uninterrupted run, up to round-off (the sums' order differs)."""
     ckpt = tmp_path / "ckpt"
     out = run([MPIEXEC, "-n", "2", MPDL, "train", *COMMON, "--checkpoint", str(ckpt),
-               "--checkpoint-every", "10"], timeout=240, env={"MPDL_FAULT": "kill:0:23"})
+               "--checkpoint-every", "10"], timeout=240,
+              env={"MPDL_FAULT": "kill:0:23", **SURVIVORS_GIVE_UP})
     assert out.returncode != 0
     out = run([MPIEXEC, "-n", "3", MPDL, "train", *COMMON, "--checkpoint", str(ckpt),
                "--checkpoint-every", "10", "--resume"], timeout=240)
