@@ -11,37 +11,22 @@ from typing import Any
 import numpy as np
 
 from mpdl import backend, faults
-from mpdl.collectives import auto, registry
+from mpdl.collectives import plan as _plan
+from mpdl.collectives import registry
+from mpdl.collectives.checks import agree as _agree
+from mpdl.collectives.checks import allgather_bounds as _allgather_bounds
+from mpdl.collectives.checks import check_allgather_out as _check_allgather_out
+from mpdl.collectives.checks import check_out as _check_out
+from mpdl.collectives.checks import pick as _pick
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.ops import block_bounds, check_array, check_op
-from mpdl.comm import CollectiveMismatch, Communicator, as_communicator
-
-
-def _pick(collective: str, algorithm: str, comm: Communicator, nbytes: int) -> registry.Algorithm:
-    if not isinstance(algorithm, str):
-        raise TypeError(f"algorithm: expected a name, got {type(algorithm).__name__}")
-    if algorithm == "auto":
-        return auto.algorithm_for(collective, nbytes, comm)
-    return registry.resolve(collective, algorithm)
+from mpdl.comm import Communicator, as_communicator
 
 
 def _check_root(root: Any, comm: Communicator) -> int:
     if not isinstance(root, int | np.integer) or not 0 <= root < comm.size:
         raise ValueError(f"root: expected a rank in [0, {comm.size}), got {root!r}")
     return int(root)
-
-
-def _agree(comm: Communicator, *signature: Any) -> None:
-    """With MPDL_CHECK=1 (`comm.check`), make sure every rank called the same collective with the
-    same arguments. Costs one small all-gather of Python objects per call (tens of microseconds)."""
-    if not comm.check:
-        return
-    everyone = comm.allgather_object(signature)
-    if any(s != everyone[0] for s in everyone):
-        lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
-        seq = f" #{comm.flight.next_seq(comm.flight_group())}" if comm.flight is not None else ""
-        raise CollectiveMismatch(f"{signature[0]}{seq}: ranks disagree on the call "
-                                 f"(collective, algorithm, shape, dtype, op, root): {lines}")
 
 
 def _flat_copy(x: Any, xp: Any, into: Any) -> Any:
@@ -84,8 +69,11 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None
               out: Any = None) -> Any:
     """Reduce x elementwise over all ranks; every rank gets the result (x's kind, shape, dtype).
 
-    x is left untouched unless `out is x`. Results are bit-identical on every rank.
+    x is left untouched unless `out is x`. Results are bit-identical on every rank. With `out`,
+    the call runs through a cached plan (`mpdl.collectives.plan`) of these arrays.
     """
+    if out is not None and type(op) is str and type(algorithm) is str:
+        return _plan.cached_allreduce(x, op, algorithm, comm, out)
     return _prepare_allreduce(x, op, algorithm, comm, out)[1]()
 
 
@@ -124,16 +112,6 @@ def _prepare_allreduce(x: Any, op: str, algorithm: str, comm: Any, out: Any):
     return c, work
 
 
-def _check_out(out: Any, x: Any, xp: Any) -> None:
-    if backend.get_array_module(out) is not xp:
-        raise TypeError("out: expected an array of the same kind as x (NumPy or CuPy)")
-    if out.shape != x.shape or out.dtype != x.dtype:
-        raise ValueError(f"out: expected shape {x.shape} and dtype {x.dtype}, "
-                         f"got {out.shape} and {out.dtype}")
-    if not out.flags["C_CONTIGUOUS"]:
-        raise ValueError("out: expected a C-contiguous array")
-
-
 def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
                    in_place: bool = False) -> Any:
     """Reduce x over all ranks and return this rank's block of the flattened result.
@@ -141,7 +119,10 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any =
     Blocks follow numpy.array_split: the first count % p blocks are one element longer. With
     `in_place`, x (1-D, C-contiguous) is the work buffer and the result is a view of its block
     (the rest of x is left undefined); otherwise x is untouched and the result a new array.
+    Runs through a cached plan (`mpdl.collectives.plan`) of x.
     """
+    if type(op) is str and type(algorithm) is str:
+        return _plan.cached_reduce_scatter(x, op, algorithm, comm, in_place)
     return _prepare_reduce_scatter(x, op, algorithm, comm, in_place)[1]()
 
 
@@ -188,7 +169,10 @@ def allgather(x: Any, algorithm: str = "auto", comm: Any = None, count: int | No
     `reduce_scatter`'s (block_bounds: the first count % p blocks one element longer; x.size is
     this rank's block size) and the result is that array. `out` (1-D, the result's size and
     dtype) receives the result; this rank's block may already be in place (x a view of it).
+    With `out`, the call runs through a cached plan (`mpdl.collectives.plan`) of these arrays.
     """
+    if out is not None and type(algorithm) is str and (count is None or type(count) is int):
+        return _plan.cached_allgather(x, algorithm, comm, count, out)
     return _prepare_allgather(x, algorithm, comm, count, out)[1]()
 
 
@@ -202,23 +186,8 @@ def allgather_async(x: Any, algorithm: str = "auto", comm: Any = None, count: in
 def _prepare_allgather(x: Any, algorithm: str, comm: Any, count: int | None, out: Any):
     c = as_communicator(comm)
     xp, dtype = check_array(x)
-    if count is None:
-        bounds = [i * x.size for i in range(c.size + 1)]
-    else:
-        if not isinstance(count, int | np.integer) or count < 0:
-            raise ValueError(f"count: expected a number of elements >= 0, got {count!r}")
-        bounds = block_bounds(int(count), c.size)
-        if x.size != bounds[c.rank + 1] - bounds[c.rank]:
-            raise ValueError(f"x: expected block {c.rank} of {count} elements over {c.size} "
-                             f"ranks ({bounds[c.rank + 1] - bounds[c.rank]} elements), got "
-                             f"{x.size}")
-    total = bounds[-1]
-    if out is not None:
-        if backend.get_array_module(out) is not xp:
-            raise TypeError("out: expected an array of the same kind as x (NumPy or CuPy)")
-        if out.shape != (total,) or out.dtype != dtype or not out.flags["C_CONTIGUOUS"]:
-            raise ValueError(f"out: expected a C-contiguous 1-D array of {total} {dtype}, got "
-                             f"shape {out.shape} and {out.dtype}")
+    bounds, total = _allgather_bounds(x, c, count)
+    _check_allgather_out(out, xp, dtype, total)
     algo = _pick("allgather", algorithm, c, total * x.itemsize)
     _agree(c, "allgather", algo.name, x.shape if count is None else (count,), dtype, None, None)
     result = xp.empty(total, dtype=dtype) if out is None else out

@@ -44,20 +44,35 @@ class FlightRecorder:
         self.capacity, self.rank, self.size = capacity, rank, size
         self.slots: list[list | None] = [None] * capacity
         self.count = 0
-        self._seqs: dict[tuple[int, ...], int] = {}
+        #: the next sequence number of each group, in a one-element list (`counter`)
+        self._seqs: dict[tuple[int, ...], list[int]] = {}
         #: the operation started last (a wait that stalls notes whom it waits for in it)
         self.last: list | None = None
 
     def next_seq(self, group: tuple[int, ...]) -> int:
         """The sequence number the next operation over `group` will get."""
-        return self._seqs.get(group, 0)
+        cell = self._seqs.get(group)
+        return 0 if cell is None else cell[0]
+
+    def counter(self, group: tuple[int, ...]) -> list[int]:
+        """The group's sequence counter: a one-element list a prepared caller keeps and passes to
+        `begin_counted` (saving a lookup per operation)."""
+        cell = self._seqs.get(group)
+        if cell is None:
+            cell = self._seqs[group] = [0]
+        return cell
 
     def begin(self, group: tuple[int, ...], collective: str, algorithm: str, nbytes: int,
               dtype: Any, op: str | None, peers: tuple[int, ...]) -> list:
         """Record the start of an operation; returns its entry for `end`."""
-        seqs = self._seqs
-        seq = seqs.get(group, 0)
-        seqs[group] = seq + 1
+        return self.begin_counted(self.counter(group), collective, algorithm, nbytes, dtype, op,
+                                  peers)
+
+    def begin_counted(self, cell: list[int], collective: str, algorithm: str, nbytes: int,
+                      dtype: Any, op: str | None, peers: tuple[int, ...]) -> list:
+        """`begin` with the group's counter (`counter(group)`) already at hand."""
+        seq = cell[0]
+        cell[0] = seq + 1
         self.last = entry = [seq, collective, algorithm, nbytes, dtype, op, peers, time(), None,
                              "started", None]
         count = self.count

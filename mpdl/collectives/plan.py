@@ -1,0 +1,527 @@
+"""Persistent collectives: check, choose and prepare once, then run many times.
+
+As MPI-4's `MPI_Allreduce_init` and FFTW's plans: `h = allreduce_init(x, out=out)` checks the
+arguments (every rank, before any message), chooses the algorithm and prepares its schedule for
+these very buffers (block bounds, peers, views, the reduction function and, over MPI, persistent
+requests); `h.start()` and `h.wait()`, or `h()`, then run it with little Python per call. A plan
+is bound to its arrays: starting it with another one raises ValueError. Results are bit-identical
+to the one-shot calls'.
+
+`allreduce`, `reduce_scatter` and `allgather` keep a bounded cache of plans keyed by their arrays'
+identity and the other arguments, so repeated calls on the same arrays (`out=` preallocated) get
+the same benefit without asking for a plan.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import weakref
+from time import monotonic
+from time import time as _time
+from typing import Any
+
+import numpy as np
+
+from mpdl import backend, faults
+from mpdl.collectives import checks
+from mpdl.collectives.ops import block_bounds, check_array, check_op, reducer, segment_elements
+from mpdl.comm import Communicator, Request, as_communicator
+from mpdl.comm.mpi import MPIComm
+
+#: plans the ordinary calls keep (oldest dropped first), and the largest array they plan for: above
+#: it a call's Python overhead is lost in the transfer, and a plan would keep the array alive
+CACHE_PLANS = 64
+CACHE_MAX_BYTES = 1 << 20
+
+_cache: dict[tuple, Plan] = {}
+#: plans holding persistent MPI requests, freed before MPI finalizes
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+class Plan:
+    """A collective prepared for fixed arrays: `start()`, then `wait()` for the result; `h()` does
+    both. `start(x)` / `h(x)` check that x is the array the plan was made for."""
+
+    __slots__ = ("comm", "collective", "algorithm", "x", "result", "_name", "_signature", "_go",
+                 "_fast", "_finish", "_nbytes", "_dtype", "_op", "_shape", "_entry", "_started",
+                 "_rec", "_cell", "_requests", "_comm_arg", "__weakref__")
+
+    def __init__(self, comm: Communicator, collective: str, algorithm: str, x: Any, result: Any,
+                 op: str | None, signature: tuple, go, finish, fast=None,
+                 requests: list | None = None) -> None:
+        self.comm, self.collective, self.algorithm = comm, collective, algorithm
+        #: the input array the plan was made for, and the array (or view) it returns
+        self.x, self.result = x, result
+        self._name = f"{collective}/{algorithm}"
+        self._signature = signature
+        self._go, self._fast, self._finish = go, fast, finish
+        self._nbytes, self._dtype, self._op, self._shape = x.nbytes, x.dtype, op, x.shape
+        self._entry: list | None = None
+        self._started = False
+        self._rec: Any = None
+        self._cell: list[int] = [0]
+        self._requests = requests or []
+        self._comm_arg: Any = None
+        if self._requests:
+            _live.add(self)
+
+    def __repr__(self) -> str:
+        return (f"<Plan {self._name} of {self._shape} {self._dtype} over {self.comm.size} "
+                f"ranks>")
+
+    def _check_x(self, x: Any) -> None:
+        if x is not self.x:
+            raise ValueError(f"x: this {self.collective} plan was made for another array (shape "
+                             f"{self._shape}, {self._dtype}); make a plan for this one "
+                             f"({self.collective}_init)")
+        if x.shape != self._shape or x.dtype != self._dtype:
+            raise ValueError(f"x: the plan's array changed since the plan was made (shape "
+                             f"{self._shape} -> {x.shape}, {self._dtype} -> {x.dtype}); make a "
+                             f"new plan")
+
+    def start(self, x: Any = None) -> Plan:
+        """Start the collective (hand-written algorithms run to the end here); returns the plan."""
+        if x is not None:
+            self._check_x(x)
+        if self._started:
+            raise RuntimeError(f"plan: {self._name} started again before wait()")
+        comm = self.comm
+        engine = comm.__dict__.get("_engine")
+        if engine is not None and engine.busy() and threading.current_thread() is not engine.thread:
+            # asynchronous collectives are in flight: run behind them, in issue order
+            engine.submit(self._whole).wait()
+            self._entry = None
+        else:
+            self._begin()
+        self._started = True
+        return self
+
+    def wait(self) -> Any:
+        """Finish the collective started by `start()` and return its result."""
+        if not self._started:
+            raise RuntimeError(f"plan: {self._name} waited for before start()")
+        self._started = False
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            entry[8] = _time()
+            entry[9] = "done"
+        return self._finish()
+
+    def __call__(self, x: Any = None) -> Any:
+        """Run the collective once and return its result (`start` and `wait` in one)."""
+        if x is not None and x is not self.x:
+            self._check_x(x)
+        comm = self.comm
+        engine = comm.__dict__.get("_engine")
+        if self._started or comm.check or (engine is not None and engine._pending
+                                           and threading.current_thread() is not engine.thread):
+            return self.start().wait()
+        rec = comm.flight
+        if rec is None:
+            self._run_body()
+            return self._finish()
+        if rec is not self._rec:
+            self._rec, self._cell = rec, rec.counter(comm.flight_group())
+        cell = self._cell
+        if comm.settings.fault is not None and faults.skips(comm.world_rank(comm.rank), cell[0]):
+            return self._finish()
+        entry = rec.begin_counted(cell, self.collective, self.algorithm, self._nbytes,
+                                  self._dtype, self._op, comm.flight_group())
+        try:
+            self._run_body()
+        except BaseException:
+            entry[8], entry[9] = _time(), "failed"
+            raise
+        entry[8] = _time()
+        entry[9] = "done"
+        return self._finish()
+
+    def _whole(self) -> Any:
+        self._begin()
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            entry[8], entry[9] = _time(), "done"
+
+    def _begin(self) -> None:
+        """Check (MPDL_CHECK), record and run the collective's body."""
+        comm = self.comm
+        if comm.check:
+            checks.agree(comm, *self._signature)
+        rec, entry = comm.flight, None
+        if rec is not None:
+            if rec is not self._rec:
+                self._rec, self._cell = rec, rec.counter(comm.flight_group())
+            if comm.settings.fault is not None and faults.skips(comm.world_rank(comm.rank),
+                                                                self._cell[0]):
+                return
+            entry = rec.begin_counted(self._cell, self.collective, self.algorithm, self._nbytes,
+                                      self._dtype, self._op, comm.flight_group())
+        try:
+            self._run_body()
+        except BaseException:
+            if entry is not None:
+                entry[8], entry[9] = _time(), "failed"
+            raise
+        self._entry = entry
+
+    def _run_body(self) -> None:
+        comm = self.comm
+        previous, comm.collective = comm.collective, self._name
+        try:
+            fast = self._fast
+            if fast is not None and comm.recorder is None and \
+                    getattr(comm, "link_delay", None) is None:
+                fast()
+            else:
+                self._go()
+        finally:
+            comm.collective = previous
+
+    def free(self) -> None:
+        """Release the plan's persistent MPI requests (done at exit for plans still alive)."""
+        requests, self._requests = self._requests, []
+        self._fast = None
+        comm = self.comm
+        MPI = getattr(comm, "MPI", None)
+        if MPI is not None and not MPI.Is_finalized():
+            for r in requests:
+                r.Free()
+
+    def __del__(self) -> None:
+        if self._requests:
+            try:
+                self.free()
+            except Exception:  # noqa: BLE001 - nothing to do about it at collection time
+                pass
+
+
+@atexit.register
+def _free_all() -> None:
+    for plan in list(_live):
+        plan.free()
+
+
+# -- schedules of persistent point-to-point requests (MPIComm, NumPy arrays) ---------------------
+class _Schedule:
+    """Steps of persistent sends and receives, each followed by an optional reduction
+    `f(a, b, out=o)`; runs them in order under the communicator's wait policy."""
+
+    def __init__(self, comm) -> None:
+        self.comm, self.mpi, self.MPI = comm, comm.mpi, comm.MPI
+        self.steps: list[tuple] = []
+        self.requests: list[Any] = []
+        self._pending: list[tuple] = []
+
+    def send(self, buf: np.ndarray, dest: int, step: Any) -> None:
+        r = self.mpi.Send_init([buf, self.MPI.BYTE], dest, self.comm._TAG)
+        self._pending.append((r, Request(r, dest, step, "send")))
+
+    def recv(self, buf: np.ndarray, source: int, step: Any) -> None:
+        r = self.mpi.Recv_init([buf, self.MPI.BYTE], source, self.comm._TAG)
+        self._pending.append((r, Request(r, source, step, "recv")))
+
+    def then(self, f=None, a=None, b=None, o=None) -> None:
+        """Close the step: its messages complete, then f(a, b, out=o) when f is given."""
+        if self._pending:
+            reqs = [r for r, _ in self._pending]
+            self.requests += reqs
+            self.steps.append((reqs, [w for _, w in self._pending], f, a, b, o))
+        elif f is not None:
+            self.steps.append(([], [], f, a, b, o))
+        self._pending = []
+
+    def runner(self):
+        steps, comm = self.steps, self.comm
+        startall, testall = self.MPI.Prequest.Startall, self.MPI.Request.Testall
+        spin = 4 if comm.yield_every == 1 else 64
+
+        def run() -> None:
+            for reqs, wrapped, f, a, b, o in steps:
+                if reqs:
+                    startall(reqs)
+                    for _ in range(spin):
+                        if testall(reqs):
+                            break
+                    else:
+                        comm._wait_all(wrapped)
+                if f is not None:
+                    f(a, b, out=o)
+
+        return run
+
+
+def _wait_one(comm, test, wrapped: list[Request]) -> None:
+    """Wait for one persistent collective request under the communicator's wait policy (MPICH's
+    Testall misreports an unfinished persistent collective as an error, so this polls Test)."""
+    spins, deadline, warn = 0, None, None
+    yield_every = comm.yield_every
+    while not test():
+        spins += 1
+        if spins % yield_every == 0:
+            os.sched_yield()
+        if spins & 1023 == 0:
+            now = monotonic()
+            if deadline is None:
+                deadline, warn = now + comm.timeout, now + comm.settings.stall_warn
+            elif now > deadline:
+                raise comm._timeout_error(wrapped)
+            elif warn is not None and now > warn:
+                comm._stall_warning(wrapped, now - deadline + comm.timeout)
+                warn = None
+
+
+def _fast_path_possible(comm, *arrays) -> bool:
+    return (isinstance(comm, MPIComm)
+            and all(backend.get_array_module(a) is np for a in arrays if a is not None))
+
+
+def _rd_schedule(comm, buf, src, f) -> _Schedule:
+    """recursive_doubling_allreduce's messages and reductions, reading the input from src."""
+    p, r = comm.size, comm.rank
+    s = _Schedule(comm)
+    tmp = np.empty(buf.size, buf.dtype)
+    rem = p - (1 << (p.bit_length() - 1))
+    group = 1 << (p.bit_length() - 1)
+    cur = src
+    if r >= 2 * rem:
+        me = r - rem
+    elif r % 2 == 0:
+        s.send(src, r + 1, "fold")
+        s.then()
+        me = -1
+    else:
+        s.recv(tmp, r - 1, "fold")
+        s.then(f, tmp, cur, buf)
+        cur, me = buf, r // 2
+
+    def real(new: int) -> int:
+        return 2 * new + 1 if new < rem else new + rem
+
+    if me >= 0:
+        distance = 1
+        while distance < group:
+            partner = me ^ distance
+            s.recv(tmp, real(partner), distance)
+            s.send(cur, real(partner), distance)
+            if partner < me:
+                s.then(f, tmp, cur, buf)
+            else:
+                s.then(f, cur, tmp, buf)
+            cur = buf
+            distance *= 2
+    if r < 2 * rem:
+        if r % 2 == 0:
+            s.recv(buf, r + 1, "unfold")
+        else:
+            s.send(buf, r - 1, "unfold")
+        s.then()
+    return s
+
+
+def _ring_schedule(comm, buf, f) -> _Schedule:
+    """ring_allreduce's messages and reductions (every block within one segment)."""
+    p, r = comm.size, comm.rank
+    s = _Schedule(comm)
+    bounds = block_bounds(buf.size, p)
+    right, left = (r + 1) % p, (r - 1) % p
+    tmp = np.empty(max(b - a for a, b in zip(bounds, bounds[1:], strict=False)), buf.dtype)
+    for step in range(p - 1):
+        sb, rb = (r - step - 1) % p, (r - step - 2) % p
+        out, acc = buf[bounds[sb]:bounds[sb + 1]], buf[bounds[rb]:bounds[rb + 1]]
+        t = tmp[:acc.size]
+        if acc.size:
+            s.recv(t, left, step)
+        if out.size:
+            s.send(out, right, step)
+        if acc.size:
+            s.then(f, t, acc, acc)
+        else:
+            s.then()
+    for step in range(p - 1):
+        sb, rb = (r - step) % p, (r - step - 1) % p
+        s.recv(buf[bounds[rb]:bounds[rb + 1]], left, step)
+        s.send(buf[bounds[sb]:bounds[sb + 1]], right, step)
+        s.then()
+    return s
+
+
+# -- making plans -------------------------------------------------------------------------------
+def allreduce_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
+                   out: Any = None) -> Plan:
+    """A plan of `allreduce(x, op, algorithm, comm, out)`: each run reduces x's current values
+    into `plan.result` (out, or an array the plan allocates) and returns it."""
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    check_op(op, dtype)
+    algo = checks.pick("allreduce", algorithm, c, x.nbytes)
+    if out is None:
+        out = backend.empty_like_page_offset(x)
+    else:
+        checks.check_out(out, x, xp)
+    signature = ("allreduce", algo.name, x.shape, dtype, op, None)
+    checks.agree(c, *signature)
+    flat, xflat = out.reshape(-1), x.reshape(-1)
+    size = c.size
+    copy = out is not x and not algo.reads_input
+    source = {"src": xflat} if algo.reads_input and out is not x else {}
+    run = algo.run
+
+    def go() -> None:
+        if copy:
+            xp.copyto(flat, xflat)
+        run(c, flat, op, **source)
+
+    fast, requests = None, None
+    if size > 1 and _fast_path_possible(c, x, out):
+        seg = segment_elements(x.itemsize)
+        if algo.name == "mpi":
+            MPI = c.MPI
+            mpi_op = getattr(MPI, {"avg": "SUM"}.get(op, op.upper()))
+            request = (c.mpi.Allreduce_init(MPI.IN_PLACE, flat, op=mpi_op) if out is x else
+                       c.mpi.Allreduce_init(xflat, flat, op=mpi_op))
+            requests = [request]
+            wrapped = [Request(request, -1, "allreduce", "collective")]
+            spin = 4 if c.yield_every == 1 else 64
+            test = request.Test
+
+            def fast() -> None:
+                request.Start()
+                for _ in range(spin):
+                    if test():
+                        return
+                _wait_one(c, test, wrapped)
+        elif algo.name == "recursive_doubling" and x.size <= seg:
+            schedule = _rd_schedule(c, flat, flat if out is x else xflat, reducer(op, np))
+            fast, requests = schedule.runner(), schedule.requests
+        elif algo.name == "ring" and -(-x.size // size) <= seg:
+            schedule = _ring_schedule(c, flat, reducer(op, np))
+            requests = schedule.requests
+            ring = schedule.runner()
+
+            def fast() -> None:
+                if copy:
+                    np.copyto(flat, xflat)
+                ring()
+    if op == "avg":
+        def finish() -> Any:
+            xp.true_divide(flat, size, out=flat)
+            return out
+    else:
+        def finish() -> Any:
+            return out
+    return Plan(c, "allreduce", algo.name, x, out, op, signature, go, finish, fast, requests)
+
+
+def reduce_scatter_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
+                        in_place: bool = False) -> Plan:
+    """A plan of `reduce_scatter(x, op, algorithm, comm, in_place)`: each run returns this rank's
+    block (a view of x with `in_place`, else a new array)."""
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    check_op(op, dtype)
+    if in_place and (x.ndim != 1 or not x.flags["C_CONTIGUOUS"]):
+        raise ValueError("x: in_place needs a 1-D C-contiguous array")
+    algo = checks.pick("reduce_scatter", algorithm, c, x.nbytes)
+    signature = ("reduce_scatter", algo.name, x.shape, dtype, op, None)
+    checks.agree(c, *signature)
+    bounds = block_bounds(x.size, c.size)
+    buf = x if in_place else backend.empty_half_page_in(max(x.size, 1), dtype, xp)[:x.size]
+    xflat = x.reshape(-1)
+    mine = buf[bounds[c.rank]:bounds[c.rank + 1]]
+    run, size = algo.run, c.size
+
+    def go() -> None:
+        if not in_place:
+            xp.copyto(buf, xflat)
+        run(c, buf, op, bounds)
+
+    def finish() -> Any:
+        result = mine if in_place else mine.copy()
+        if op == "avg":
+            xp.true_divide(result, size, out=result)
+        return result
+
+    return Plan(c, "reduce_scatter", algo.name, x, mine, op, signature, go, finish)
+
+
+def allgather_init(x: Any, algorithm: str = "auto", comm: Any = None, count: int | None = None,
+                   out: Any = None) -> Plan:
+    """A plan of `allgather(x, algorithm, comm, count, out)`: each run gathers x's current values
+    into `plan.result` (out, or an array the plan allocates) and returns it."""
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    bounds, total = checks.allgather_bounds(x, c, count)
+    checks.check_allgather_out(out, xp, dtype, total)
+    algo = checks.pick("allgather", algorithm, c, total * x.itemsize)
+    signature = ("allgather", algo.name, x.shape if count is None else (count,), dtype, None, None)
+    checks.agree(c, *signature)
+    result = xp.empty(total, dtype=dtype) if out is None else out
+    mine, xflat = result[bounds[c.rank]:bounds[c.rank + 1]], x.reshape(-1)
+    run = algo.run
+
+    def go() -> None:
+        xp.copyto(mine, xflat)
+        run(c, result, bounds)
+
+    def finish() -> Any:
+        return result
+
+    return Plan(c, "allgather", algo.name, x, result, None, signature, go, finish)
+
+
+# -- the plan cache of the ordinary calls --------------------------------------------------------
+def _remember(key: tuple, plan: Plan, comm_arg: Any) -> Plan:
+    plan._comm_arg = comm_arg
+    if len(_cache) >= CACHE_PLANS:
+        _cache.pop(next(iter(_cache)))
+    _cache[key] = plan
+    return plan
+
+
+def cached_allreduce(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Any:
+    """`allreduce` through a cached plan (out given)."""
+    key = ("allreduce", id(x), id(out), id(comm), op, algorithm)
+    plan = _cache.get(key)
+    if plan is None or plan.x is not x or plan.result is not out or plan._comm_arg is not comm \
+            or x.shape != plan._shape or x.dtype is not plan._dtype:
+        plan = allreduce_init(x, op, algorithm, comm, out)
+        if x.nbytes > CACHE_MAX_BYTES:
+            return plan()
+        _remember(key, plan, comm)
+    return plan()
+
+
+def cached_reduce_scatter(x: Any, op: Any, algorithm: Any, comm: Any, in_place: bool) -> Any:
+    """`reduce_scatter` through a cached plan."""
+    key = ("reduce_scatter", id(x), id(comm), op, algorithm, bool(in_place))
+    plan = _cache.get(key)
+    if plan is None or plan.x is not x or plan._comm_arg is not comm or \
+            x.shape != plan._shape or x.dtype is not plan._dtype:
+        plan = reduce_scatter_init(x, op, algorithm, comm, in_place)
+        if x.nbytes > CACHE_MAX_BYTES:
+            return plan()
+        _remember(key, plan, comm)
+    return plan()
+
+
+def cached_allgather(x: Any, algorithm: Any, comm: Any, count: Any, out: Any) -> Any:
+    """`allgather` through a cached plan (out given)."""
+    key = ("allgather", id(x), id(out), id(comm), algorithm, count)
+    plan = _cache.get(key)
+    if plan is None or plan.x is not x or plan.result is not out or plan._comm_arg is not comm \
+            or x.shape != plan._shape or x.dtype is not plan._dtype:
+        plan = allgather_init(x, algorithm, comm, count, out)
+        if out.nbytes > CACHE_MAX_BYTES:
+            return plan()
+        _remember(key, plan, comm)
+    return plan()
+
+
+def clear_cache() -> None:
+    """Drop the ordinary calls' cached plans."""
+    _cache.clear()
+
+
+__all__ = ["Plan", "allreduce_init", "reduce_scatter_init", "allgather_init", "clear_cache"]
