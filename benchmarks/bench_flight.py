@@ -1,9 +1,10 @@
 """What the flight recorder costs: a tight loop of small all-reduces with the recorder on and off.
 
-    mpiexec -n 2 python benchmarks/bench_flight.py [--size 1K] [--calls 2000] [--rounds 15]
+    mpiexec -n 2 python benchmarks/bench_flight.py [--size 1K] [--calls 2000] [--rounds 15] [--plan]
 
 The two take turns (on, off, off, on, on, off, ...), each turn one barrier and then `--calls` all-reduces
-of `--size` bytes (float32, sum, `--algorithm`); a turn's time per call is the slowest rank's.
+of `--size` bytes (float32, sum, `--algorithm`; with `--plan`, a persistent plan's `h()` instead of
+`allreduce(..., out=)`); a turn's time per call is the slowest rank's.
 Prints the median per call of each and their ratio (the target: on / off <= 1.05 at 1 KiB).
 """
 
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000, help="all-reduces per turn")
     parser.add_argument("--rounds", type=int, default=15, help="turns of each")
     parser.add_argument("--algorithm", default="ring")
+    parser.add_argument("--plan", action="store_true", help="run a persistent plan (allreduce_init)")
     args = parser.parse_args()
     comm = as_communicator(None)
     recorder = flight.recorder()
@@ -34,6 +36,11 @@ def main() -> None:
         raise SystemExit("the flight recorder is off (MPDL_FLIGHT_RECORDS=0)")
     x = np.ones(parse_size(args.size) // 4, np.float32)
     out = np.empty_like(x)
+    if args.plan:
+        call = C.allreduce_init(x, algorithm=args.algorithm, comm=comm, out=out)
+    else:
+        def call() -> None:
+            C.allreduce(x, algorithm=args.algorithm, comm=comm, out=out)
     times: dict[str, list[float]] = {"on": [], "off": []}
     for turn in range(args.rounds):
         for mode in (("on", "off") if turn % 2 == 0 else ("off", "on")):
@@ -41,13 +48,14 @@ def main() -> None:
             comm.barrier()
             start = time.perf_counter()
             for _ in range(args.calls):
-                C.allreduce(x, algorithm=args.algorithm, comm=comm, out=out)
+                call()
             per_call = (time.perf_counter() - start) / args.calls
             times[mode].append(MPI.COMM_WORLD.allreduce(per_call, op=MPI.MAX))
     comm.flight = recorder
     if comm.rank == 0:
         on, off = (float(np.median(times[m])) for m in ("on", "off"))
-        print(f"# all-reduce {args.algorithm}, {x.nbytes} B, {comm.size} ranks, {args.calls} calls "
+        how = "plan" if args.plan else "allreduce(out=)"
+        print(f"# all-reduce {args.algorithm} ({how}), {x.nbytes} B, {comm.size} ranks, {args.calls} calls "
               f"x {args.rounds} turns each, interleaved; median per call, slowest rank")
         print(f"recorder on  {on * 1e6:8.2f} us")
         print(f"recorder off {off * 1e6:8.2f} us")

@@ -111,7 +111,7 @@ class Plan:
 
     def __call__(self, x: Any = None) -> Any:
         """Run the collective once and return its result (`start` and `wait` in one)."""
-        if x is not None and x is not self.x:
+        if x is not None and (x is not self.x or x.shape != self._shape):
             self._check_x(x)
         comm = self.comm
         engine = comm.__dict__.get("_engine")

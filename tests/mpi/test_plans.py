@@ -1,0 +1,161 @@
+"""Persistent plans over real mpiexec: bit-identical to the one-shot calls, bound to their arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpdl import collectives as C
+from mpdl.collectives import plan as plans
+from mpdl.comm import as_communicator
+
+pytestmark = pytest.mark.mpi
+
+COMM = MPI.COMM_WORLD
+P, RANK = COMM.Get_size(), COMM.Get_rank()
+COUNTS = sorted({0, 1, max(P - 1, 0), P, P + 1, 7, 13, 31})
+DTYPES = ["float16", "float32", "float64", "int32", "int64"]
+OPS = ["sum", "prod", "max", "min", "avg"]
+
+
+def local_data(count: int, dtype: str, op: str, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed * 1000 + RANK)
+    if op == "prod":
+        values = rng.uniform(0.5, 1.5, count) if dtype.startswith("float") else rng.integers(-2, 3, count)
+    elif dtype.startswith("float"):
+        values = rng.standard_normal(count)
+    else:
+        values = rng.integers(-1000, 1000, count)
+    return values.astype(dtype)
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert a.tobytes() == b.tobytes(), f"{what}: plan and one-shot results differ"
+
+
+def cases():
+    for op in OPS:
+        for dtype in DTYPES:
+            if op == "avg" and not dtype.startswith("float"):
+                continue
+            yield op, dtype, 13
+    for count in COUNTS:
+        yield "sum", "float32", count
+
+
+@pytest.mark.parametrize("algorithm", C.algorithms("allreduce"))
+def test_allreduce_plans_match_the_one_shot_call_bit_for_bit(algorithm):
+    for seed, (op, dtype, count) in enumerate(cases()):
+        x = local_data(count, dtype, op, seed)
+        out = np.empty_like(x)
+        h = C.allreduce_init(x, op=op, algorithm=algorithm, out=out)
+        for run in range(3):  # a plan runs again and again on the array's current values
+            x[...] = local_data(count, dtype, op, seed + 100 * run)
+            expected = C.allreduce(x, op=op, algorithm=algorithm)  # one-shot (out=None)
+            before = x.copy()
+            result = h() if run % 2 == 0 else h.start(x).wait()
+            assert result is out
+            same_bytes(result, expected, f"{algorithm} {op} {dtype} n={count} run {run}")
+            np.testing.assert_array_equal(x, before, err_msg="input was modified")
+        inplace = local_data(count, dtype, op, seed)
+        expected = C.allreduce(inplace, op=op, algorithm=algorithm)
+        g = C.allreduce_init(inplace, op=op, algorithm=algorithm, out=inplace)
+        assert g() is inplace
+        same_bytes(inplace, expected, f"{algorithm} {op} {dtype} n={count} in place")
+
+
+@pytest.mark.parametrize("algorithm", C.algorithms("reduce_scatter"))
+def test_reduce_scatter_plans_match_the_one_shot_call(algorithm):
+    for op in ("sum", "max", "avg"):
+        for count in COUNTS:
+            x = local_data(count, "float64", op, seed=3)
+            expected = C.reduce_scatter(x.copy(), op=op, algorithm=algorithm)
+            h = C.reduce_scatter_init(x, op=op, algorithm=algorithm)
+            same_bytes(h(), expected, f"{algorithm} {op} n={count}")
+            same_bytes(h(), expected, f"{algorithm} {op} n={count} again")
+            work = x.copy()
+            g = C.reduce_scatter_init(work, op=op, algorithm=algorithm, in_place=True)
+            same_bytes(g(), expected, f"{algorithm} {op} n={count} in place")
+
+
+@pytest.mark.parametrize("algorithm", C.algorithms("allgather"))
+def test_allgather_plans_match_the_one_shot_call(algorithm):
+    for count in COUNTS:
+        if algorithm == "mpi" and count % P:
+            continue  # MPI_Allgather: equal blocks only
+        block = np.array_split(np.arange(count, dtype=np.int64) * 7 + 1, P)[RANK].copy()
+        out = np.empty(count, np.int64)
+        h = C.allgather_init(block, algorithm=algorithm, count=count, out=out)
+        assert h() is out
+        np.testing.assert_array_equal(out, np.arange(count) * 7 + 1)
+        x = local_data(count, "float32", "sum", seed=4)
+        same_bytes(C.allgather_init(x, algorithm=algorithm)(), C.allgather(x, algorithm=algorithm),
+                   f"{algorithm} n={count}")
+
+
+def test_a_plan_refuses_another_array_on_every_rank():
+    x = np.ones(5, np.float32)
+    h = C.allreduce_init(x, algorithm="recursive_doubling", out=np.empty_like(x))
+    with pytest.raises(ValueError, match="x: this allreduce plan was made for another array"):
+        h.start(np.ones(5, np.float32))
+    with pytest.raises(ValueError, match="another array"):
+        h(x.copy())
+    x.shape = (5, 1)  # the plan's array, reshaped in place
+    with pytest.raises(ValueError, match="x: the plan's array changed"):
+        h(x)
+    with pytest.raises(RuntimeError, match="before start"):
+        h.wait()
+    x.shape = (5,)
+    np.testing.assert_array_equal(h(x), np.full(5, P, np.float32))  # nothing left in flight
+
+
+def test_bad_arguments_raise_when_the_plan_is_made():
+    x = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="op"):
+        C.allreduce_init(np.ones(4, np.int32), op="avg")
+    with pytest.raises(ValueError, match="algorithm"):
+        C.allreduce_init(x, algorithm="butterfly")
+    with pytest.raises(ValueError, match="out"):
+        C.allreduce_init(x, out=np.empty(5, np.float32))
+    with pytest.raises(ValueError, match="count"):
+        C.allgather_init(x, count=-1)
+    with pytest.raises(ValueError, match="in_place"):
+        C.reduce_scatter_init(np.ones((2, 2)), in_place=True)
+
+
+@pytest.mark.parametrize("algorithm", ["mpi", "recursive_doubling", "ring", "tree", "auto"])
+def test_the_cache_gives_right_results_for_other_arrays_of_the_same_shape(algorithm):
+    plans.clear_cache()
+    xs = [local_data(11, "float64", "sum", seed=s) for s in range(3)]
+    outs = [np.empty(11), np.empty(11)]
+    for i in range(6):
+        x, out = xs[i % 3], outs[i % 2]
+        x += 1.0  # new values every call
+        expected = C.allreduce(x, algorithm=algorithm)
+        assert C.allreduce(x, algorithm=algorithm, out=out) is out
+        same_bytes(out, expected, f"call {i}")
+    # an array that replaces a cached one (same id possible once the old one is gone)
+    for _ in range(3):
+        y = local_data(11, "float64", "sum", seed=9)
+        same_bytes(C.allreduce(y, algorithm=algorithm, out=y.copy()),
+                   C.allreduce(y, algorithm=algorithm), "fresh array")
+    assert len(plans._cache) <= plans.CACHE_PLANS
+
+
+def test_the_flight_recorder_keeps_planned_calls():
+    comm = as_communicator(None)
+    if comm.flight is None:
+        pytest.skip("the flight recorder is off")
+    x = np.ones(6, np.float32)
+    h = C.allreduce_init(x, op="max", algorithm="recursive_doubling", out=np.empty_like(x))
+    first = comm.flight.next_seq(comm.flight_group())
+    h()
+    h.start().wait()
+    records = comm.flight.records()[-2:]
+    assert [r["seq"] for r in records] == [first, first + 1]
+    for r in records:
+        assert (r["collective"], r["algorithm"], r["bytes"], r["dtype"], r["op"], r["state"]) == \
+            ("allreduce", "recursive_doubling", 24, "float32", "max", "done")
+        assert r["peers"] == tuple(range(P)) and r["end"] >= r["start"]

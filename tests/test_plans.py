@@ -1,0 +1,92 @@
+"""Persistent plans on the in-process world: any p, awkward counts, bit-identical, bound arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpdl import collectives as C
+from mpdl.collectives import plan as plans
+from mpdl.threadworld import run_world
+
+OURS = [a for a in C.algorithms("allreduce") if a != "mpi"]
+
+
+def data(p: int, n: int, seed: int, dtype=np.float64) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(dtype) for _ in range(p)]
+
+
+@pytest.mark.parametrize("algorithm", OURS)
+def test_allreduce_plans_match_the_one_shot_call_bit_for_bit(algorithm):
+    for p in (1, 2, 3, 5, 8):
+        for n in sorted({0, 1, p - 1, p + 1, 13, 97}):
+            for op, dtype in (("sum", np.float32), ("avg", np.float64), ("max", np.int64)):
+                xs = data(p, n, p * 1000 + n, dtype)
+
+                def body(c, xs=xs, op=op):
+                    x = xs[c.rank].copy()
+                    expected = C.allreduce(x, op=op, algorithm=algorithm, comm=c)
+                    h = C.allreduce_init(x, op=op, algorithm=algorithm, comm=c,
+                                         out=np.empty_like(x))
+                    first, second = h().copy(), h.start(x).wait()
+                    return expected, first, second
+
+                for expected, first, second in run_world(p, body):
+                    assert first.tobytes() == expected.tobytes() == second.tobytes(), \
+                        f"p={p} n={n} {op}"
+
+
+def test_reduce_scatter_and_allgather_plans_every_p():
+    for p in (1, 2, 3, 5):
+        for n in sorted({0, 1, p + 1, 13}):
+            xs = data(p, n, p + n)
+
+            def body(c, xs=xs, n=n):
+                rs = [C.reduce_scatter_init(xs[c.rank], algorithm=a, comm=c)()
+                      for a in C.algorithms("reduce_scatter") if a != "mpi"]
+                mine = np.array_split(xs[c.rank], c.size)[c.rank].copy()
+                ag = [C.allgather_init(mine, algorithm=a, comm=c, count=n)()
+                      for a in C.algorithms("allgather") if a != "mpi"]
+                return rs, ag
+
+            for rank, (rs, ag) in enumerate(run_world(p, body)):
+                for r in rs:
+                    np.testing.assert_allclose(r, np.array_split(np.sum(xs, axis=0), p)[rank],
+                                               rtol=1e-12, atol=1e-12)
+                for a in ag:
+                    np.testing.assert_array_equal(a, xs[0][:0] if n == 0 else
+                                                  np.concatenate([np.array_split(x, p)[i]
+                                                                  for i, x in enumerate(xs)]))
+
+
+def test_the_cache_serves_each_array_its_own_result():
+    def body(c):
+        outs = []
+        for i in range(6):
+            x = np.full(7, float(c.rank + i))
+            out = np.empty(7)
+            outs.append(C.allreduce(x, algorithm="ring", comm=c, out=out).copy())
+        same = np.arange(5.0) + c.rank
+        res = [C.allreduce(same, algorithm="tree", comm=c, out=np.empty(5)).copy()
+               for _ in range(2)]
+        return outs, res
+
+    p = 3
+    for outs, res in run_world(p, body):
+        for i, o in enumerate(outs):
+            np.testing.assert_array_equal(o, np.full(7, sum(r + i for r in range(p))))
+        for r in res:
+            np.testing.assert_array_equal(r, p * np.arange(5.0) + 3)
+    assert len(plans._cache) <= plans.CACHE_PLANS
+
+
+def test_another_array_is_refused_with_a_clear_error():
+    def body(c):
+        x = np.ones(4)
+        h = C.allreduce_init(x, algorithm="ring", comm=c)
+        with pytest.raises(ValueError, match="made for another array"):
+            h(np.ones(4))
+        return h().tolist()
+
+    assert run_world(2, body) == [[2.0] * 4] * 2
