@@ -46,7 +46,7 @@ class Plan:
 
     __slots__ = ("comm", "collective", "algorithm", "x", "result", "_name", "_signature", "_go",
                  "_fast", "_finish", "_nbytes", "_dtype", "_op", "_shape", "_entry", "_started",
-                 "_rec", "_cell", "_info", "_fault", "_requests", "_comm_arg",
+                 "_rec", "_cell", "_slots", "_info", "_fault", "_requests", "_comm_arg",
                  "__weakref__")
 
     def __init__(self, comm: Communicator, collective: str, algorithm: str, x: Any, result: Any,
@@ -63,6 +63,7 @@ class Plan:
         self._started = False
         self._rec: Any = None
         self._cell: list[int] = [0]
+        self._slots: Any = None
         self._info: tuple = ()
         #: MPDL_FAULT is set: a planned call may be the one to skip
         self._fault = comm.settings.fault is not None
@@ -109,8 +110,8 @@ class Plan:
         self._started = False
         entry, self._entry = self._entry, None
         if entry is not None:
-            entry[8] = _time()
-            entry[9] = "done"
+            entry[3] = _time()
+            entry[4] = "done"
         return self._finish()
 
     def __call__(self, x: Any = None) -> Any:
@@ -134,10 +135,8 @@ class Plan:
             if self._fault and faults.skips(comm.world_rank(comm.rank), seq):
                 return self._finish()
             cell[0] = seq + 1
-            rec.last = entry = [seq, *self._info, _time(), None, "started", None]
-            count = rec.count
-            rec.slots[count % rec.capacity] = entry
-            rec.count = count + 1
+            entry = [seq, self._info, _time(), None, "started", None]
+            self._slots.append(entry)
         previous, comm.collective = comm.collective, self._name
         try:
             fast = self._fast
@@ -148,26 +147,26 @@ class Plan:
                 self._go()
         except BaseException:
             if entry is not None:
-                entry[8], entry[9] = _time(), "failed"
+                entry[3], entry[4] = _time(), "failed"
             raise
         finally:
             comm.collective = previous
         if entry is not None:
-            entry[8] = _time()
-            entry[9] = "done"
+            entry[3] = _time()
+            entry[4] = "done"
         return self._finish()
 
     def _bind(self, rec: Any) -> None:
         """Keep the recorder's counter of this communicator's group at hand."""
         group = self.comm.flight_group()
-        self._rec, self._cell = rec, rec.counter(group)
+        self._rec, self._cell, self._slots = rec, rec.counter(group), rec.slots
         self._info = (self.collective, self.algorithm, self._nbytes, self._dtype, self._op, group)
 
     def _whole(self) -> Any:
         self._begin()
         entry, self._entry = self._entry, None
         if entry is not None:
-            entry[8], entry[9] = _time(), "done"
+            entry[3], entry[4] = _time(), "done"
 
     def _begin(self) -> None:
         """Check (MPDL_CHECK), record and run the collective's body."""
@@ -180,12 +179,12 @@ class Plan:
                 self._bind(rec)
             if self._fault and faults.skips(comm.world_rank(comm.rank), self._cell[0]):
                 return
-            entry = rec.begin_counted(self._cell, *self._info)
+            entry = rec.begin_counted(self._cell, self._info)
         try:
             self._run_body()
         except BaseException:
             if entry is not None:
-                entry[8], entry[9] = _time(), "failed"
+                entry[3], entry[4] = _time(), "failed"
             raise
         self._entry = entry
 

@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from time import time
@@ -38,16 +39,29 @@ DEFAULT_DIRECTORY = "mpdl-flight"
 
 
 class FlightRecorder:
-    """A ring buffer of the last `capacity` operations of one process (rank `rank` of `size`)."""
+    """A ring buffer of the last `capacity` operations of one process (rank `rank` of `size`).
+
+    An entry is a list [seq, (collective, algorithm, bytes, dtype, op, peers), start, end, state,
+    waiting_for]: the fields fixed for a call site are one tuple it can keep (`begin_counted`)."""
 
     def __init__(self, capacity: int, rank: int = 0, size: int = 1) -> None:
         self.capacity, self.rank, self.size = capacity, rank, size
-        self.slots: list[list | None] = [None] * capacity
-        self.count = 0
+        self.slots: deque[list] = deque(maxlen=capacity)
         #: the next sequence number of each group, in a one-element list (`counter`)
         self._seqs: dict[tuple[int, ...], list[int]] = {}
-        #: the operation started last (a wait that stalls notes whom it waits for in it)
-        self.last: list | None = None
+
+    @property
+    def count(self) -> int:
+        """Operations recorded so far (each took one sequence number of one group)."""
+        return sum(cell[0] for cell in list(self._seqs.values()))
+
+    @property
+    def last(self) -> list | None:
+        """The operation started last (a wait that stalls notes whom it waits for in it)."""
+        try:
+            return self.slots[-1]
+        except IndexError:
+            return None
 
     def next_seq(self, group: tuple[int, ...]) -> int:
         """The sequence number the next operation over `group` will get."""
@@ -65,42 +79,41 @@ class FlightRecorder:
     def begin(self, group: tuple[int, ...], collective: str, algorithm: str, nbytes: int,
               dtype: Any, op: str | None, peers: tuple[int, ...]) -> list:
         """Record the start of an operation; returns its entry for `end`."""
-        return self.begin_counted(self.counter(group), collective, algorithm, nbytes, dtype, op,
-                                  peers)
+        return self.begin_counted(self.counter(group),
+                                  (collective, algorithm, nbytes, dtype, op, peers))
 
-    def begin_counted(self, cell: list[int], collective: str, algorithm: str, nbytes: int,
-                      dtype: Any, op: str | None, peers: tuple[int, ...]) -> list:
-        """`begin` with the group's counter (`counter(group)`) already at hand."""
+    def begin_counted(self, cell: list[int], info: tuple) -> list:
+        """`begin` with the group's counter (`counter(group)`) and the tuple (collective,
+        algorithm, bytes, dtype, op, peers) already at hand."""
         seq = cell[0]
         cell[0] = seq + 1
-        self.last = entry = [seq, collective, algorithm, nbytes, dtype, op, peers, time(), None,
-                             "started", None]
-        count = self.count
-        self.slots[count % self.capacity] = entry
-        self.count = count + 1
+        entry = [seq, info, time(), None, "started", None]
+        self.slots.append(entry)
         return entry
 
     @staticmethod
     def end(entry: list, state: str = "done") -> None:
-        entry[8] = time()
-        entry[9] = state
+        entry[3] = time()
+        entry[4] = state
 
     def waiting(self, peers: list[int]) -> list | None:
         """Note that the operation started last, if it has not ended, still waits for `peers`;
         returns its entry."""
         entry = self.last
-        if entry is None or entry[9] != "started":
+        if entry is None or entry[4] != "started":
             return None
-        entry[10] = sorted(set(peers))
+        entry[5] = sorted(set(peers))
         return entry
 
     def records(self) -> list[dict[str, Any]]:
         """The entries kept, oldest first."""
-        start = max(0, self.count - self.capacity)
-        kept = [self.slots[i % self.capacity] for i in range(start, self.count)]
-        records = [dict(zip(FIELDS, e, strict=True)) for e in kept if e is not None]
-        for r in records:  # kept as given (a NumPy dtype is named only here, off the hot path)
+        records = []
+        for seq, info, start, end, state, waiting_for in list(self.slots):
+            r = dict(zip(FIELDS[1:7], info, strict=True))
+            # kept as given (a NumPy dtype is named only here, off the hot path)
             r["dtype"] = str(r["dtype"]) if r["dtype"] is not None else ""
+            r.update(seq=seq, start=start, end=end, state=state, waiting_for=waiting_for)
+            records.append({f: r[f] for f in FIELDS})
         return records
 
     def snapshot(self, reason: str) -> dict[str, Any]:
