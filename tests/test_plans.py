@@ -90,3 +90,18 @@ def test_another_array_is_refused_with_a_clear_error():
         return h().tolist()
 
     assert run_world(2, body) == [[2.0] * 4] * 2
+
+
+def test_the_cache_keeps_plans_of_reused_arrays_only():
+    def body(c):
+        x, out = np.ones(9), np.empty(9)
+        for _ in range(3):
+            C.allreduce(x, algorithm="recursive_doubling", comm=c, out=out)
+        kept = [p for p in plans._cache.values() if p.x is x]
+        for _ in range(3):  # fresh arrays every call: seen weakly, never planned nor kept
+            C.allreduce(np.ones(9), algorithm="ring", comm=c, out=np.empty(9))
+        fresh = [p for p in plans._cache.values() if p.algorithm == "ring" and p.comm is c]
+        return len(kept), len(fresh), out.tolist()
+
+    plans.clear_cache()
+    assert run_world(2, body) == [(1, 0, [2.0] * 9)] * 2

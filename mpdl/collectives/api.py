@@ -73,7 +73,9 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None
     the call runs through a cached plan (`mpdl.collectives.plan`) of these arrays.
     """
     if out is not None and type(op) is str and type(algorithm) is str:
-        return _plan.cached_allreduce(x, op, algorithm, comm, out)
+        plan = _plan.cached_allreduce(x, op, algorithm, comm, out)
+        if plan is not None:
+            return plan()
     return _prepare_allreduce(x, op, algorithm, comm, out)[1]()
 
 
@@ -122,7 +124,9 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any =
     Runs through a cached plan (`mpdl.collectives.plan`) of x.
     """
     if type(op) is str and type(algorithm) is str:
-        return _plan.cached_reduce_scatter(x, op, algorithm, comm, in_place)
+        plan = _plan.cached_reduce_scatter(x, op, algorithm, comm, in_place)
+        if plan is not None:
+            return plan()
     return _prepare_reduce_scatter(x, op, algorithm, comm, in_place)[1]()
 
 
@@ -172,7 +176,9 @@ def allgather(x: Any, algorithm: str = "auto", comm: Any = None, count: int | No
     With `out`, the call runs through a cached plan (`mpdl.collectives.plan`) of these arrays.
     """
     if out is not None and type(algorithm) is str and (count is None or type(count) is int):
-        return _plan.cached_allgather(x, algorithm, comm, count, out)
+        plan = _plan.cached_allgather(x, algorithm, comm, count, out)
+        if plan is not None:
+            return plan()
     return _prepare_allgather(x, algorithm, comm, count, out)[1]()
 
 

@@ -9,7 +9,8 @@ to the one-shot calls'.
 
 `allreduce`, `reduce_scatter` and `allgather` keep a bounded cache of plans keyed by their arrays'
 identity and the other arguments, so repeated calls on the same arrays (`out=` preallocated) get
-the same benefit without asking for a plan.
+the same benefit without asking for a plan: a plan is made at the second call on the same arrays
+(until then they are held weakly), for arrays up to CACHE_MAX_BYTES.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Plan:
 
     __slots__ = ("comm", "collective", "algorithm", "x", "result", "_name", "_signature", "_go",
                  "_fast", "_finish", "_nbytes", "_dtype", "_op", "_shape", "_entry", "_started",
-                 "_rec", "_cell", "_slots", "_info", "_fault", "_requests", "_comm_arg",
+                 "_rec", "_cell", "_slots", "_info", "_fault", "_requests", "_comm_arg", "_out",
                  "__weakref__")
 
     def __init__(self, comm: Communicator, collective: str, algorithm: str, x: Any, result: Any,
@@ -68,7 +69,9 @@ class Plan:
         #: MPDL_FAULT is set: a planned call may be the one to skip
         self._fault = comm.settings.fault is not None
         self._requests = requests or []
+        #: the comm and out arguments of the ordinary call a cached plan stands for
         self._comm_arg: Any = None
+        self._out: Any = None
         if self._requests:
             _live.add(self)
 
@@ -373,7 +376,15 @@ def _ring_schedule(comm, buf, f) -> _Schedule:
 def allreduce_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
                    out: Any = None) -> Plan:
     """A plan of `allreduce(x, op, algorithm, comm, out)`: each run reduces x's current values
-    into `plan.result` (out, or an array the plan allocates) and returns it."""
+    into `plan.result` (out, or an array the plan allocates) and returns it. With algorithm
+    "mpi" it is a persistent MPI_Allreduce_init, which every rank must plan and start alike."""
+    return _allreduce_plan(x, op, algorithm, comm, out, persistent=True)
+
+
+def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
+                    persistent: bool) -> Plan:
+    """allreduce_init; without `persistent`, "mpi" stays the blocking MPI_Allreduce (a cached
+    plan on one rank must match a one-shot call on another)."""
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     check_op(op, dtype)
@@ -399,9 +410,16 @@ def allreduce_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any =
     fast, requests = None, None
     if size > 1 and _fast_path_possible(c, x, out):
         seg = segment_elements(x.itemsize)
-        if algo.name == "mpi":
-            MPI = c.MPI
-            mpi_op = getattr(MPI, {"avg": "SUM"}.get(op, op.upper()))
+        MPI = c.MPI
+        mpi_op = getattr(MPI, {"avg": "SUM"}.get(op, op.upper()))
+        if algo.name == "mpi" and not persistent:
+            allreduce, in_place = c.mpi.Allreduce, MPI.IN_PLACE
+
+            def fast() -> None:
+                if copy:
+                    np.copyto(flat, xflat)
+                allreduce(in_place, flat, op=mpi_op)
+        elif algo.name == "mpi":
             request = (c.mpi.Allreduce_init(MPI.IN_PLACE, flat, op=mpi_op) if out is x else
                        c.mpi.Allreduce_init(xflat, flat, op=mpi_op))
             requests = [request]
@@ -496,56 +514,64 @@ def allgather_init(x: Any, algorithm: str = "auto", comm: Any = None, count: int
 
 
 # -- the plan cache of the ordinary calls --------------------------------------------------------
-def _remember(key: tuple, plan: Plan, comm_arg: Any) -> Plan:
-    plan._comm_arg = comm_arg
+#: arrays seen once (weakly held): a plan is made and kept at the second call on the same arrays,
+#: so arrays made afresh for every call are never kept alive by the cache
+_seen: dict[tuple, tuple] = {}
+
+
+def _cached(key: tuple, x: Any, out: Any, comm: Any, make) -> Any:
+    """The cached plan for key (made by make() at the second call on these arrays), or None: then
+    the caller runs the one-shot call."""
+    plan = _cache.get(key)
+    if plan is not None:
+        if plan.x is x and plan._out is out and plan._comm_arg is comm and \
+                x.shape == plan._shape and x.dtype is plan._dtype:
+            return plan
+        del _cache[key]
+    if x.nbytes > CACHE_MAX_BYTES or (out is not None and out.nbytes > CACHE_MAX_BYTES):
+        return None
+    refs = _seen.get(key)
+    if refs is None or refs[0]() is not x or (out is not None and refs[1]() is not out):
+        try:
+            refs = (weakref.ref(x), weakref.ref(out) if out is not None else None)
+        except TypeError:  # an array kind that cannot be referenced weakly: never cached
+            return None
+        if len(_seen) >= CACHE_PLANS:
+            _seen.pop(next(iter(_seen)))
+        _seen[key] = refs
+        return None
+    del _seen[key]
+    plan = make()
+    plan._comm_arg, plan._out = comm, out
     if len(_cache) >= CACHE_PLANS:
         _cache.pop(next(iter(_cache)))
     _cache[key] = plan
     return plan
 
 
-def cached_allreduce(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Any:
-    """`allreduce` through a cached plan (out given)."""
-    key = ("allreduce", id(x), id(out), id(comm), op, algorithm)
-    plan = _cache.get(key)
-    if plan is None or plan.x is not x or plan.result is not out or plan._comm_arg is not comm \
-            or x.shape != plan._shape or x.dtype is not plan._dtype:
-        plan = allreduce_init(x, op, algorithm, comm, out)
-        if x.nbytes > CACHE_MAX_BYTES:
-            return plan()
-        _remember(key, plan, comm)
-    return plan()
+def cached_allreduce(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
+    """The cached plan of `allreduce(x, op, algorithm, comm, out)` (out given), or None."""
+    return _cached(("allreduce", id(x), id(out), id(comm), op, algorithm), x, out, comm,
+                   lambda: _allreduce_plan(x, op, algorithm, comm, out, persistent=False))
 
 
-def cached_reduce_scatter(x: Any, op: Any, algorithm: Any, comm: Any, in_place: bool) -> Any:
-    """`reduce_scatter` through a cached plan."""
-    key = ("reduce_scatter", id(x), id(comm), op, algorithm, bool(in_place))
-    plan = _cache.get(key)
-    if plan is None or plan.x is not x or plan._comm_arg is not comm or \
-            x.shape != plan._shape or x.dtype is not plan._dtype:
-        plan = reduce_scatter_init(x, op, algorithm, comm, in_place)
-        if x.nbytes > CACHE_MAX_BYTES:
-            return plan()
-        _remember(key, plan, comm)
-    return plan()
+def cached_reduce_scatter(x: Any, op: Any, algorithm: Any, comm: Any,
+                          in_place: bool) -> Plan | None:
+    """The cached plan of `reduce_scatter(x, op, algorithm, comm, in_place)`, or None."""
+    return _cached(("reduce_scatter", id(x), id(comm), op, algorithm, bool(in_place)), x, None,
+                   comm, lambda: reduce_scatter_init(x, op, algorithm, comm, in_place))
 
 
-def cached_allgather(x: Any, algorithm: Any, comm: Any, count: Any, out: Any) -> Any:
-    """`allgather` through a cached plan (out given)."""
-    key = ("allgather", id(x), id(out), id(comm), algorithm, count)
-    plan = _cache.get(key)
-    if plan is None or plan.x is not x or plan.result is not out or plan._comm_arg is not comm \
-            or x.shape != plan._shape or x.dtype is not plan._dtype:
-        plan = allgather_init(x, algorithm, comm, count, out)
-        if out.nbytes > CACHE_MAX_BYTES:
-            return plan()
-        _remember(key, plan, comm)
-    return plan()
+def cached_allgather(x: Any, algorithm: Any, comm: Any, count: Any, out: Any) -> Plan | None:
+    """The cached plan of `allgather(x, algorithm, comm, count, out)` (out given), or None."""
+    return _cached(("allgather", id(x), id(out), id(comm), algorithm, count), x, out, comm,
+                   lambda: allgather_init(x, algorithm, comm, count, out))
 
 
 def clear_cache() -> None:
     """Drop the ordinary calls' cached plans."""
     _cache.clear()
+    _seen.clear()
 
 
 __all__ = ["Plan", "allreduce_init", "reduce_scatter_init", "allgather_init", "clear_cache"]
