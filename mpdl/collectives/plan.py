@@ -551,7 +551,12 @@ def _cached(key: tuple, x: Any, out: Any, comm: Any, make) -> Any:
 
 def cached_allreduce(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
     """The cached plan of `allreduce(x, op, algorithm, comm, out)` (out given), or None."""
-    return _cached(("allreduce", id(x), id(out), id(comm), op, algorithm), x, out, comm,
+    key = ("allreduce", id(x), id(out), id(comm), op, algorithm)
+    plan = _cache.get(key)
+    if plan is not None and plan.x is x and plan._out is out and plan._comm_arg is comm and \
+            x.shape == plan._shape and x.dtype is plan._dtype:
+        return plan  # the common case, checked here without a further call
+    return _cached(key, x, out, comm,
                    lambda: _allreduce_plan(x, op, algorithm, comm, out, persistent=False))
 
 
