@@ -523,7 +523,7 @@ def _cached(key: tuple, x: Any, out: Any, comm: Any, make) -> Any:
         if plan.x is x and plan._out is out and plan._comm_arg is comm and \
                 x.shape == plan._shape and x.dtype is plan._dtype:
             return plan
-        del _cache[key]
+        _cache.pop(key, None)
     if x.nbytes > CACHE_MAX_BYTES or (out is not None and out.nbytes > CACHE_MAX_BYTES):
         return None
     refs = _seen.get(key)
@@ -532,17 +532,25 @@ def _cached(key: tuple, x: Any, out: Any, comm: Any, make) -> Any:
             refs = (weakref.ref(x), weakref.ref(out) if out is not None else None)
         except TypeError:  # an array kind that cannot be referenced weakly: never cached
             return None
-        if len(_seen) >= CACHE_PLANS:
-            _seen.pop(next(iter(_seen)))
+        _evict(_seen)
         _seen[key] = refs
         return None
-    del _seen[key]
+    _seen.pop(key, None)
     plan = make()
     plan._comm_arg, plan._out = comm, out
-    if len(_cache) >= CACHE_PLANS:
-        _cache.pop(next(iter(_cache)))
+    _evict(_cache)
     _cache[key] = plan
     return plan
+
+
+def _evict(table: dict) -> None:
+    """Drop the oldest entries above the bound (tolerating other threads using the table: a
+    DDP communication thread and the main thread may both call collectives)."""
+    while len(table) >= CACHE_PLANS:
+        try:
+            table.pop(next(iter(table)), None)
+        except (StopIteration, RuntimeError):
+            return
 
 
 def cached_allreduce(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
