@@ -71,6 +71,22 @@ def test_a_skipped_allreduce_ends_the_job_and_doctor_names_the_rank(tmp_path):
     assert doctor.stdout.strip().endswith("look first at: rank 1"), doctor.stdout
 
 
+def test_an_object_all_gather_waiting_for_a_silent_rank_times_out(tmp_path):
+    """allgather_object (argument checks, checkpoints, DDP's set-up) waits under MPDL_TIMEOUT
+    like every collective, instead of blocking in MPI for as long as the job lives."""
+    script = tmp_path / "silent.py"
+    script.write_text("import time\nfrom mpdl.comm import as_communicator\n"
+                      "comm = as_communicator(None)\n"
+                      "if comm.rank == 1:\n    time.sleep(60)\n"
+                      "comm.allgather_object(comm.rank)\n")
+    start = time.monotonic()
+    out = run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(script)], timeout=120,
+              env={"MPDL_TIMEOUT": "2", "MPDL_FLIGHT_DIR": str(tmp_path / "flight")})
+    assert out.returncode != 0
+    assert time.monotonic() - start < 40, "the wait was not ended by MPDL_TIMEOUT"
+    assert "CollectiveTimeout" in out.stderr and "object size" in out.stderr, out.stderr
+
+
 def test_doctor_without_records_says_so(tmp_path):
     out = run([MPDL, "doctor", str(tmp_path)], timeout=60)
     assert out.returncode == 2 and "no flight records" in out.stderr

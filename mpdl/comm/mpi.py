@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -182,7 +183,20 @@ class MPIComm(Communicator, DeviceStaging):
             self._wait_mpi(self.mpi.Ibarrier(), "barrier")
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        return self.mpi.allgather(obj)
+        """Every rank's obj, in rank order: pickled, and the sizes and bytes gathered by
+        nonblocking MPI calls waited for under the wait policy, so that a rank that died ends the
+        wait after MPDL_TIMEOUT instead of leaving it blocked in MPI."""
+        payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+        mine, sizes = np.array([payload.size], np.int64), np.empty(self.size, np.int64)
+        self._wait_mpi(self.mpi.Iallgather([mine, self.MPI.INT64_T], [sizes, self.MPI.INT64_T]),
+                       "object size")
+        displs = np.zeros(self.size, np.int64)
+        np.cumsum(sizes[:-1], out=displs[1:])
+        data = np.empty(int(sizes.sum()), np.uint8)
+        self._wait_mpi(self.mpi.Iallgatherv([payload, self.MPI.BYTE],
+                                            [data, sizes, displs, self.MPI.BYTE]), "object")
+        return [pickle.loads(data[d:d + n].tobytes())
+                for d, n in zip(displs.tolist(), sizes.tolist(), strict=True)]
 
     # -- nodes ---------------------------------------------------------------------------------
     def node_of_rank(self) -> list[int]:
