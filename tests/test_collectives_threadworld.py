@@ -6,6 +6,8 @@ The same algorithm code also runs over real MPI in tests/mpi.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +15,9 @@ import pytest
 from mpdl import collectives as C
 from mpdl import settings
 from mpdl.backend import standin
+from mpdl.collectives.handles import Engine
 from mpdl.comm import CollectiveTimeout
+from mpdl.comm.base import background_is_awaited
 from mpdl.threadworld import run_world
 
 OURS = [a for a in C.algorithms("allreduce") if a != "mpi"]
@@ -177,6 +181,30 @@ def test_async_handles_complete_in_order():
         return [h.wait()[0] for h in handles]
 
     assert run_world(3, f) == [[0.0, 3.0, 6.0, 9.0, 12.0]] * 3
+
+
+def test_a_thread_blocked_in_wait_is_seen_by_the_communication_thread():
+    """While a caller waits on a handle, background waits know it (and so need not pause to leave
+    the GIL to it); before and after, they do not."""
+    engine = Engine()
+    release = threading.Event()
+
+    def work():
+        release.wait(10)
+        deadline = time.monotonic() + 10
+        while not background_is_awaited() and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        return background_is_awaited()
+
+    handle = engine.submit(work)
+    before = background_is_awaited()
+    release.set()
+    assert handle.wait() is True
+    assert before is False and background_is_awaited() is False
+    done = engine.submit(lambda: 7)
+    while not done.test():
+        time.sleep(1e-3)
+    assert done.wait() == 7 and background_is_awaited() is False  # a finished handle: no wait
 
 
 def test_algorithms_lists_every_collective():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -230,6 +231,58 @@ def test_without_overlap_nothing_starts_before_finish():
         return launched, ddp.last_comm_s >= 0
 
     assert run_world(2, step) == [([False], True)] * 2
+
+
+def test_the_last_bucket_is_reduced_in_finish_on_the_calling_thread():
+    """With overlap, every bucket but the last is handed to the communication thread during
+    backward; the last (full only when backward ends) is reduced by finish() itself, after the
+    others, and the sums are right."""
+    def step(comm):
+        model = mlp(0)
+        ddp = DistributedDataParallel(model, comm=comm, first_bucket_mb=1e-5, bucket_mb=1e-5)
+        ran_on = {}
+        reduce = ddp._reduce
+
+        def spy(bucket):
+            ran_on[bucket.index] = threading.current_thread()
+            reduce(bucket)
+
+        ddp._reduce = spy
+        ddp.set_local_batch(2, 4)
+        F.cross_entropy(model(Tensor(X[2 * comm.rank:2 * comm.rank + 2])),
+                        Y[2 * comm.rank:2 * comm.rank + 2]).backward()
+        launched = [b.handle is not None for b in ddp.buckets]
+        ddp.finish()
+        me = threading.current_thread()
+        spans = [span for _, *span in ddp.bucket_spans()]
+        return (launched, [ran_on[i] is me for i in range(len(ddp.buckets))], spans,
+                [p.grad.copy() for p in model.parameters()])
+
+    ref = mlp(0)
+    F.cross_entropy(ref(Tensor(X[:4])), Y[:4]).backward()
+    for launched, here, spans, grads in run_world(2, step):
+        n = len(launched)
+        assert n == 6 and launched == [True] * (n - 1) + [False]
+        assert here == [False] * (n - 1) + [True]
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), "buckets ran out of order"
+        for g, p in zip(grads, ref.parameters(), strict=True):
+            np.testing.assert_allclose(g, p.grad, atol=1e-12)
+
+
+def test_hook_time_and_ready_times_are_reported():
+    def step(comm):
+        model = mlp(0)
+        ddp = DistributedDataParallel(model, comm=comm, first_bucket_mb=1e-5, bucket_mb=1e-5)
+        loss = F.cross_entropy(model(Tensor(X[:4])), Y[:4])
+        start = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+        ddp.finish()
+        return ddp.last_hook_s, ddp.bucket_ready_times(), start, end
+
+    for hooks, ready, start, end in run_world(2, step):
+        assert 0 < hooks < end - start
+        assert len(ready) == 6 and all(start < r < end for r in ready)
 
 
 def test_broadcasts_buffers_from_rank_0():

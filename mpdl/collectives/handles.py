@@ -1,7 +1,9 @@
 """Asynchronous collectives: one communication thread per communicator runs them in issue order.
 
 mpi4py releases the GIL inside MPI calls and NumPy releases it in ufuncs and BLAS, so the thread
-makes real progress while the caller computes (for example, the rest of a backward pass).
+makes real progress while the caller computes (for example, the rest of a backward pass). While a
+caller is blocked in `Handle.wait`, the thread's waits poll without pausing (nobody else needs the
+GIL then).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import queue
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from mpdl.comm.base import blocked_on_background
 
 
 class Handle:
@@ -26,7 +30,9 @@ class Handle:
 
     def wait(self) -> Any:
         """Block until the collective finishes; return its result or raise its error."""
-        self._done.wait()
+        if not self._done.is_set():
+            with blocked_on_background():
+                self._done.wait()
         if self._error is not None:
             raise self._error
         return self._result

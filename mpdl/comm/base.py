@@ -12,6 +12,7 @@ import contextlib
 import os
 import pickle
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -29,6 +30,30 @@ class CollectiveTimeout(RuntimeError):
 
 class CollectiveMismatch(ValueError):
     """Ranks called a collective with different arguments (detected with MPDL_CHECK=1)."""
+
+
+#: threads of this process now blocked until background communication finishes, and its lock
+_blocked = [0]
+_blocked_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def blocked_on_background() -> Iterator[None]:
+    """Mark the calling thread, for the block, as blocked until work on a communication thread
+    finishes (`mpdl.collectives.handles.Handle.wait`): nobody then needs the GIL or the core that
+    a background wait would leave them, and background waits poll without pausing."""
+    with _blocked_lock:
+        _blocked[0] += 1
+    try:
+        yield
+    finally:
+        with _blocked_lock:
+            _blocked[0] -= 1
+
+
+def background_is_awaited() -> bool:
+    """Whether some thread of this process is blocked until background communication finishes."""
+    return _blocked[0] > 0
 
 
 def timeout_s() -> float:

@@ -20,7 +20,7 @@ import numpy as np
 
 from mpdl import backend, emulation, mpi_runtime
 from mpdl.comm import flight, nodes
-from mpdl.comm.base import Communicator, Request
+from mpdl.comm.base import Communicator, Request, background_is_awaited
 from mpdl.comm.cuda import cuda_aware_mpi
 from mpdl.comm.staging import DeviceStaging, StagingPool
 
@@ -134,8 +134,9 @@ class MPIComm(Communicator, DeviceStaging):
 
     def _wait_all(self, requests: Sequence[Request]) -> None:
         """The wait policy: poll; yield the core every `yield_every` polls (a background thread
-        sleeps instead, leaving the GIL to the compute thread); say once whom it waits for after
-        `settings.stall_warn` seconds; time out after `self.timeout`."""
+        sleeps instead, leaving the GIL to the compute thread, unless that thread is blocked
+        waiting for it); say once whom it waits for after `settings.stall_warn` seconds; time out
+        after `self.timeout`."""
         handles = [h for r in requests for h in (r.handle if isinstance(r.handle, list)
                                                   else (r.handle,))]
         progressing = [r.progress for r in requests if r.progress is not None]
@@ -149,7 +150,7 @@ class MPIComm(Communicator, DeviceStaging):
             for progress in progressing:
                 progress()
             spins += 1
-            if background and spins > 64:
+            if background and spins > 64 and not background_is_awaited():
                 time.sleep(20e-6)
             elif spins % yield_every == 0:
                 # Oversubscribed ranks (more ranks than cores) need the peer to run: let it.

@@ -5,10 +5,11 @@ registration order (roughly the order backward produces their gradients), into f
 small first bucket, then buckets of about `bucket_mb`. Each parameter's grad-ready hook copies its
 gradient into its bucket slot; when every slot of a bucket is filled, the bucket's all-reduce is
 handed to the communicator's communication thread and runs while backward goes on. `finish()`
-waits for the buckets in order; each `p.grad` is then a view of its slot, which holds the averaged
-gradient (so a gradient is held once, as with PyTorch's gradient_as_bucket_view, and the bucket
-is overwritten by the next step's backward); call it between `loss.backward()` and
-`optimizer.step()`.
+waits for the buckets in order and reduces the last one (full only when backward ends) itself, on
+the calling thread, which has nothing else to do; each `p.grad` is then a view of its slot, which
+holds the averaged gradient (so a gradient is held once, as with PyTorch's
+gradient_as_bucket_view, and the bucket is overwritten by the next step's backward); call it
+between `loss.backward()` and `optimizer.step()`.
 
 Buckets are launched in bucket order on every rank (a bucket that fills early waits for its
 predecessors), so all ranks issue the same collectives in the same order whatever their graphs.
@@ -28,7 +29,7 @@ import numpy as np
 from mpdl.backend import get_array_module
 from mpdl.collectives import allreduce, broadcast
 from mpdl.collectives.api import _pick
-from mpdl.collectives.handles import Handle, engine_for
+from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.registry import resolve
 from mpdl.comm import Communicator, as_communicator
 from mpdl.parallel import flat
@@ -53,8 +54,10 @@ class Bucket:
         self.ready: set[int] = set()
         self.handle: Handle | None = None
         #: (start, end) of the last all-reduce, in time.perf_counter seconds, measured on the
-        #: communication thread
+        #: thread that ran it
         self.span: tuple[float, float] = (0.0, 0.0)
+        #: when the last step's gradients had all arrived in the bucket (time.perf_counter)
+        self.ready_at = 0.0
 
     def view(self, p: Any) -> Any:
         offset, size = self.slots[id(p)]
@@ -109,6 +112,10 @@ class DistributedDataParallel:
         #: communication thread's all-reduce time
         self.last_exposed_s = 0.0
         self.last_comm_s = 0.0
+        #: seconds the grad-ready hooks of the last synchronised backward took (bucket copies and
+        #: launches)
+        self.last_hook_s = 0.0
+        self._hook_s = 0.0
 
     # -- construction ---------------------------------------------------------------------------
     def _check_replicas(self) -> None:
@@ -210,14 +217,18 @@ class DistributedDataParallel:
     def _on_grad_ready(self, p: Any) -> None:
         if not self._sync:
             return
+        start = time.perf_counter()
         bucket = self._bucket_of[id(p)]
         if bucket.handle is not None or id(p) in bucket.ready:
             raise RuntimeError("DistributedDataParallel: a second backward ran before finish(); "
                                "call finish() between backward and the optimizer step, or use "
                                "no_sync() to accumulate gradients")
         self._fill(bucket, p)
-        if self.overlap and bucket.full and bucket.index == self._next_launch:
-            self._launch_ready()
+        if bucket.full:
+            bucket.ready_at = time.perf_counter()
+            if self.overlap and bucket.index == self._next_launch:
+                self._launch_ready()
+        self._hook_s += time.perf_counter() - start
 
     def _fill(self, bucket: Bucket, p: Any) -> None:
         """Put p's weighted gradient into its bucket slot; p.grad becomes a view of the slot, so
@@ -235,51 +246,60 @@ class DistributedDataParallel:
         bucket.ready.add(id(p))
 
     def _launch_ready(self) -> None:
-        """Start the all-reduce of every full bucket from the next one on, in order."""
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].full:
+        """Hand the all-reduce of every full bucket from the next one on, in order, to the
+        communication thread; the last bucket is left to `finish()`."""
+        last = len(self.buckets) - 1
+        while self._next_launch < last and self.buckets[self._next_launch].full:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        comm, algorithm, buf = self.comm, self.algorithm, bucket.buffer
-
-        compression = self.compression
-
-        def work() -> None:
-            start = time.perf_counter()
-            if compression is None:
-                allreduce(buf, op="sum", algorithm=algorithm, comm=comm, out=buf)
-            else:
-                buf[...] = compression.aggregate(buf, comm, key=bucket.index,
-                                                 shapes=[p.shape for p in bucket.params])
-            bucket.span = (start, time.perf_counter())
-
-        if comm.size == 1:
+        if self.comm.size == 1:
             bucket.handle = Handle()
-            work()
+            self._reduce(bucket)
             bucket.handle._finish()
         else:
-            bucket.handle = engine_for(comm).submit(work)
+            bucket.handle = engine_for(self.comm).submit(lambda: self._reduce(bucket))
+
+    def _reduce(self, bucket: Bucket) -> None:
+        """Sum the bucket over the ranks, in place, and note when that ran."""
+        start, buf = time.perf_counter(), bucket.buffer
+        if self.compression is None:
+            allreduce(buf, op="sum", algorithm=self.algorithm, comm=self.comm, out=buf)
+        else:
+            buf[...] = self.compression.aggregate(buf, self.comm, key=bucket.index,
+                                                  shapes=[p.shape for p in bucket.params])
+        bucket.span = (start, time.perf_counter())
 
     def finish(self) -> None:
-        """Fill in the gradients that never came (zeros), reduce what is left, wait for every
-        bucket in order and write the result into each parameter's `.grad`.
+        """Fill in the gradients that never came (zeros), wait for the buckets handed to the
+        communication thread, reduce the rest here, in order, and write the result into each
+        parameter's `.grad`.
 
-        Does nothing inside `no_sync()`. Every rank must call it once per synchronised step.
+        The buckets reduced here are those not launched during backward: the last one (it fills
+        only when backward ends, and the caller would wait for it anyway) and, without overlap,
+        all of them. Does nothing inside `no_sync()`. Every rank must call it once per
+        synchronised step.
         """
         if not self._sync:
             return
+        now = time.perf_counter()
         for bucket in self.buckets[self._next_launch:]:
-            for p in bucket.params:
-                if id(p) not in bucket.ready:
-                    self._fill_missing(bucket, p)
-        self._launch_ready()
+            if not bucket.full:
+                for p in bucket.params:
+                    if id(p) not in bucket.ready:
+                        self._fill_missing(bucket, p)
+                bucket.ready_at = now
         waited = 0.0
         comm_s = 0.0
         try:
             for bucket in self.buckets:
                 start = time.perf_counter()
-                bucket.handle.wait()
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+                else:
+                    # behind whatever else is in flight on the communication thread
+                    run_in_order(self.comm, lambda b=bucket: self._reduce(b))
                 waited += time.perf_counter() - start
                 comm_s += bucket.span[1] - bucket.span[0]
                 for p in bucket.params:
@@ -290,6 +310,7 @@ class DistributedDataParallel:
                 bucket.ready.clear()
                 bucket.handle = None
             self._next_launch = 0
+            self.last_hook_s, self._hook_s = self._hook_s, 0.0
         self.last_exposed_s, self.last_comm_s = waited, comm_s
 
     @staticmethod
@@ -312,6 +333,11 @@ class DistributedDataParallel:
     def bucket_spans(self) -> list[tuple[int, float, float]]:
         """(bucket index, start, end) of each bucket's last all-reduce (time.perf_counter)."""
         return [(b.index, *b.span) for b in self.buckets]
+
+    def bucket_ready_times(self) -> list[float]:
+        """When each bucket's gradients had all arrived in the last step (time.perf_counter; for
+        a bucket completed with zeros by `finish()`, when finish began)."""
+        return [b.ready_at for b in self.buckets]
 
     def bucket_algorithms(self) -> list[str]:
         """The all-reduce algorithm each bucket runs ("auto" resolved by bucket size)."""
