@@ -321,19 +321,13 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
 
 class MaxPool2d(Function):
     def forward(self, x, kernel, stride, padding):
-        xp = get_array_module(x)
-        xpad = _pad(x, padding, -np.inf)
-        win = kernels.windows(xpad, *kernel, stride)
-        flat = win.reshape(win.shape[:4] + (-1,))
-        self.argmax = flat.argmax(axis=-1)
-        self.kernel, self.stride, self.padding = kernel, stride, padding
-        self.padded_shape, self.x_shape = xpad.shape, x.shape
-        return xp.take_along_axis(flat, self.argmax[..., None], axis=-1)[..., 0]
+        out, self.argmax = kernels.max_pool(x, *kernel, stride, padding)
+        self.kernel, self.stride, self.padding, self.x_shape = kernel, stride, padding, x.shape
+        return out
 
     def backward(self, grad):
-        gpad = kernels.max_pool_scatter(grad, self.argmax, self.padded_shape, *self.kernel,
-                                        self.stride)
-        return _crop(gpad, self.padding, self.x_shape)
+        return kernels.max_pool_scatter(grad, self.argmax, self.x_shape, *self.kernel, self.stride,
+                                        self.padding)
 
 
 class AvgPool2d(Function):

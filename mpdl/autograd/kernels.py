@@ -38,6 +38,27 @@ def _col2im_loop(cols, out, stride):
                             out[n, c, oh * stride + i, ow * stride + j] += cols[n, c, i, j, oh, ow]
 
 
+def _max_pool_loop(x, out, argmax, kh, kw, stride):
+    # branch-free: the window maxima are in random places, so branches would mispredict
+    n_, c_, oh_, ow_ = out.shape
+    nan = False
+    for n in range(n_):
+        for c in range(c_):
+            for oh in range(oh_):
+                for ow in range(ow_):
+                    best = x[n, c, oh * stride, ow * stride]
+                    k = 0
+                    for i in range(kh):
+                        for j in range(kw):
+                            v = x[n, c, oh * stride + i, ow * stride + j]
+                            nan |= v != v
+                            k += (i * kw + j - k) * np.int32(v > best)
+                            best = max(v, best)
+                    out[n, c, oh, ow] = best
+                    argmax[n, c, oh, ow] = k
+    return nan
+
+
 def _max_scatter_loop(grad, argmax, out, kw, stride):
     n_, c_, oh_, ow_ = grad.shape
     for n in range(n_):
@@ -77,20 +98,55 @@ def col2im(cols: Any, padded_shape: tuple[int, ...], stride: int, force_array_pa
     return out
 
 
-def max_pool_scatter(grad: Any, argmax: Any, padded_shape: tuple[int, ...], kh: int, kw: int,
-                     stride: int, force_array_path: bool = False) -> Any:
-    """Route each pooled gradient to the input position its window's maximum came from."""
+def pad(x: Any, padding: tuple[int, int], value: float = 0.0) -> Any:
+    """NCHW ``x`` with ``padding`` (rows, columns) of ``value`` on both sides of H and W."""
+    if padding == (0, 0):
+        return x
+    ph, pw = padding
+    return get_array_module(x).pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=value)
+
+
+def crop(x: Any, padding: tuple[int, int], shape: tuple[int, ...]) -> Any:
+    """The inverse of ``pad``: the (H, W) = shape[2:] interior of NCHW ``x``."""
+    ph, pw = padding
+    return x[:, :, ph:ph + shape[2], pw:pw + shape[3]]
+
+
+def max_pool(x: Any, kh: int, kw: int, stride: int, padding: tuple[int, int] = (0, 0),
+             force_array_path: bool = False) -> tuple[Any, Any]:
+    """The maximum of every kh×kw window of NCHW ``x`` (padded with -inf) and, per window, the
+    row-major index i·kw + j of its first maximum (a NaN counts as the maximum)."""
+    xp = get_array_module(x)
+    xpad = pad(x, padding, -np.inf)
+    win = windows(xpad, kh, kw, stride)
+    if xp is np and x.dtype in (np.float32, np.float64) and not force_array_path:
+        out = np.empty(win.shape[:4], dtype=x.dtype)
+        argmax = np.empty(win.shape[:4], dtype=np.int32)
+        if not _compiled("_max_pool_loop")(xpad, out, argmax, kh, kw, stride):
+            return out, argmax  # with a NaN in x, the array path below finds the first one
+    flat = win.reshape(win.shape[:4] + (-1,))
+    argmax = flat.argmax(axis=-1)
+    return xp.take_along_axis(flat, argmax[..., None], axis=-1)[..., 0], argmax
+
+
+def max_pool_scatter(grad: Any, argmax: Any, x_shape: tuple[int, ...], kh: int, kw: int,
+                     stride: int, padding: tuple[int, int] = (0, 0),
+                     force_array_path: bool = False) -> Any:
+    """Route each pooled gradient to the input position (in an array of x_shape) its window's
+    maximum came from."""
     xp = get_array_module(grad)
-    out = xp.zeros(padded_shape, dtype=grad.dtype)
+    ph, pw = padding
+    n, c, h, w = x_shape
+    out = xp.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=grad.dtype)
     if xp is np and not force_array_path:
         _compiled("_max_scatter_loop")(grad, argmax, out, kw, stride)
-        return out
+        return crop(out, padding, x_shape)
     oh, ow = grad.shape[2:]
     for i in range(kh):
         for j in range(kw):
             hit = argmax == i * kw + j
             out[:, :, i:i + stride * oh:stride, j:j + stride * ow:stride] += grad * hit
-    return out
+    return crop(out, padding, x_shape)
 
 
 def erf(x: Any) -> Any:
