@@ -4,7 +4,7 @@ One step is forward + backward + SGD update on the same model, batch and initial
 Runs alternate (ours, torch, ours, torch, ...) so that machine noise hits both alike; the table
 reports the median ms/step of each and their ratio.
 
-    python benchmarks/bench_autograd.py [--reps 7] [--steps 20] [--ops]
+    python benchmarks/bench_autograd.py [--reps 7] [--steps 20] [--ops] [--clock wall|cpu]
 
 ``--ops`` adds, for the LeNet step, the forward and backward time of each layer, the loss and the
 optimizer update on both sides (each layer timed on its own input from the step, same medians).
@@ -88,6 +88,9 @@ def torch_step_fn(torch, model, x, y):
     return step
 
 
+_clock = time.perf_counter
+
+
 def _layer_pair_fns(torch, ours_layer, torch_layer, a, input_grad: bool):
     """(forward, forward + backward) closures of one layer on its input ``a``, for both sides."""
     g = np.random.default_rng(1).standard_normal(
@@ -114,10 +117,10 @@ def _median_ms(fn, calls: int, reps: int) -> float:
     fn()
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = _clock()
         for _ in range(calls):
             fn()
-        times.append((time.perf_counter() - start) * 1e3 / calls)
+        times.append((_clock() - start) * 1e3 / calls)
     return statistics.median(times)
 
 
@@ -180,26 +183,32 @@ def blas_kernel() -> str:
 def time_steps(step, steps: int) -> float:
     """Milliseconds per step over ``steps`` steps (after one warm-up step)."""
     step()
-    start = time.perf_counter()
+    start = _clock()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - start) * 1e3 / steps
+    return (_clock() - start) * 1e3 / steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions per side")
     parser.add_argument("--steps", type=int, default=20, help="train steps per repetition")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time, which other jobs on a busy machine "
+                             "disturb less than the wall-clock time")
     parser.add_argument("--ops", action="store_true",
                         help="also time each LeNet layer's forward and backward on both sides")
     args = parser.parse_args()
+    global _clock
+    _clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
     import torch  # noqa: PLC0415  (optional: only the benchmark needs it)
 
     torch.set_num_threads(1)
     threadpool_limits(1)
     print(f"numpy {np.__version__}, torch {torch.__version__}, 1 thread each, "
-          f"{args.reps} interleaved repetitions x {args.steps} steps, median ms/step")
+          f"{args.reps} interleaved repetitions x {args.steps} steps, median ms/step "
+          f"({args.clock} clock)")
     print(f"numpy BLAS: {blas_kernel()}")
     print(f"{'model':<32}{'mpdl':>10}{'torch':>10}{'ratio':>8}{'target':>8}")
     breakdown = []
