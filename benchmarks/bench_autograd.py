@@ -8,7 +8,9 @@ reports the median ms/step of each and their ratio.
 
 ``--ops`` adds, for the LeNet step, the forward and backward time of each layer, the loss and the
 optimizer update on both sides (each layer timed on its own input from the step, same medians).
-The first line names the BLAS kernel NumPy runs (``OPENBLAS_CORETYPE`` can force an older one).
+The header names the BLAS kernel NumPy runs (``OPENBLAS_CORETYPE`` can force an older one) and
+whether the glibc heap is kept between steps, as ``mpdl train`` keeps it (``MPDL_MALLOC=default``:
+not), which spares both sides re-faulting their freed activations every step.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 import mpdl.autograd.functional as F  # noqa: E402
+from mpdl.allocator import keep_heap  # noqa: E402
 from mpdl.autograd import Tensor, nn, optim  # noqa: E402
 
 
@@ -210,6 +213,8 @@ def main() -> None:
           f"{args.reps} interleaved repetitions x {args.steps} steps, median ms/step "
           f"({args.clock} clock)")
     print(f"numpy BLAS: {blas_kernel()}")
+    kept = keep_heap()  # as `mpdl train` does; MPDL_MALLOC=default leaves glibc's malloc as it is
+    print(f"glibc heap kept between steps (mpdl.allocator.keep_heap): {'yes' if kept else 'no'}")
     print(f"{'model':<32}{'mpdl':>10}{'torch':>10}{'ratio':>8}{'target':>8}")
     breakdown = []
     for name, (build, build_torch, shape, target) in MODELS.items():
