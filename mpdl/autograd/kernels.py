@@ -1,9 +1,9 @@
-"""Scatter-add kernels for the image ops and the error function: numba on CPU, CuPy on GPU.
+"""Kernels of the image ops and the error function: numba on the host, array expressions on CuPy.
 
-im2col is a strided view (no kernel needed); its adjoint col2im, the max-pool backward scatter
-and ``erf`` are loops NumPy cannot vectorise without ``np.add.at``. On the host they are numba
-kernels, compiled on first use and cached on disk; on a GPU they are CuPy array expressions
-looping only over the kernel window (a handful of whole-array adds).
+im2col is a copy of a strided view; its adjoint col2im, max pooling and its backward scatter, and
+``erf`` are loops NumPy cannot express without extra passes or ``np.add.at``. On the host they are
+numba kernels, compiled on first use and cached on disk; on a GPU (and under
+``force_array_path``) they are CuPy array expressions looping only over the kernel window.
 """
 
 from __future__ import annotations
