@@ -239,16 +239,17 @@ def test_gradcheck_reports_a_wrong_gradient():
 @pytest.mark.parametrize("stride", [1, 2])
 def test_numba_kernels_match_the_array_path(stride):
     rng = np.random.default_rng(14)
-    cols = rng.standard_normal((2, 3, 3, 3, 4, 4)).astype(np.float32)  # (N, C, kh, kw, OH, OW)
-    shape = (2, 3, 3 + stride * 3, 3 + stride * 3)
-    np.testing.assert_allclose(kernels.col2im(cols, shape, stride),
-                               kernels.col2im(cols, shape, stride, force_array_path=True),
-                               rtol=1e-5, atol=1e-5)
+    x = rng.standard_normal((2, 3, 1 + stride * 3, 1 + stride * 3))  # padding 1: 4×4 windows
+    x[0, 0, :2, :2] = 1.5  # a tie: the first maximum wins
+    pooled = kernels.max_pool(x, 3, 3, stride, (1, 1))
+    reference = kernels.max_pool(x, 3, 3, stride, (1, 1), force_array_path=True)
+    for ours, theirs in zip(pooled, reference, strict=True):
+        np.testing.assert_array_equal(ours, theirs)
     grad = rng.standard_normal((2, 3, 4, 4))
-    argmax = rng.integers(0, 9, size=(2, 3, 4, 4))
-    np.testing.assert_allclose(kernels.max_pool_scatter(grad, argmax, shape, 3, 3, stride),
-                               kernels.max_pool_scatter(grad, argmax, shape, 3, 3, stride,
-                                                        force_array_path=True))
+    np.testing.assert_allclose(
+        kernels.max_pool_scatter(grad, pooled[1], x.shape, 3, 3, stride, (1, 1)),
+        kernels.max_pool_scatter(grad, pooled[1], x.shape, 3, 3, stride, (1, 1),
+                                 force_array_path=True))
 
 
 def test_erf_kernel():

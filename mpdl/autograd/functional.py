@@ -249,51 +249,50 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return Linear.apply(*args)
 
 
-def _pad(x: Any, padding: tuple[int, int], value: float = 0.0) -> Any:
-    if padding == (0, 0):
-        return x
-    xp = get_array_module(x)
-    ph, pw = padding
-    return xp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=value)
-
-
 def _check_image(x: Tensor, op: str, argument: str = "x") -> None:
     if x.ndim != 4:
         raise ValueError(f"{op}: {argument} must be 4-D (N, C, H, W), got shape {x.shape}")
 
 
+_GW_CHUNK = 4096  # columns per GEMM in the weight gradient: a block that stays in cache
+
+
 class Conv2d(Function):
     def forward(self, x, w, *bias, stride, padding):
-        xp = get_array_module(x)
-        n = x.shape[0]
         o, c, kh, kw = w.shape
-        xpad = _pad(x, padding)
-        win = kernels.windows(xpad, kh, kw, stride)
-        oh, ow = win.shape[2:4]
-        cols = xp.ascontiguousarray(win.transpose(0, 1, 4, 5, 2, 3)).reshape(n, c * kh * kw, -1)
-        out = w.reshape(o, -1) @ cols
-        if bias:
-            out += bias[0][:, None]
+        n = x.shape[0]
+        cols, (oh, ow, row) = kernels.im2col(x, kh, kw, stride, padding)
+        # one (O, K) @ (K, OH·R) product per image, read in place from the (K, N, OH·R) columns
+        out = (w.reshape(o, -1) @ cols.transpose(1, 0, 2)).reshape(n, o, oh, row)[..., :ow]
+        out = out + bias[0][:, None, None] if bias else get_array_module(x).ascontiguousarray(out)
         self.cols, self.w, self.stride, self.padding = cols, w, stride, padding
-        self.padded_shape, self.x_shape = xpad.shape, x.shape
-        return out.reshape(n, o, oh, ow)
+        self.geometry, self.x_shape = (oh, ow, row), x.shape
+        return out
 
     def backward(self, grad):
-        w = self.w
+        xp = get_array_module(grad)
+        w, cols = self.w, self.cols
         o, c, kh, kw = w.shape
-        n, _, oh, ow = grad.shape
-        g = grad.reshape(n, o, oh * ow)
+        n = grad.shape[0]
+        oh, ow, row = self.geometry
+        # the gradient in the columns' (O, N, OH·R) layout, zero in the junk columns
+        g = xp.zeros((o, n, oh, row), dtype=grad.dtype)
+        g[..., :ow] = grad.transpose(1, 0, 2, 3)
+        g = g.reshape(o, n * oh * row)
         gx = gw = gb = None
         if self.needs_input_grad[0]:
-            gcols = (w.reshape(o, -1).T @ g).reshape(n, c, kh, kw, oh, ow)
-            gpad = kernels.col2im(gcols, self.padded_shape, self.stride)
-            gx = _crop(gpad, self.padding, self.x_shape)
+            gcols = w.reshape(o, -1).T @ g.reshape(o, n, -1).transpose(1, 0, 2)
+            gx = kernels.col2im(gcols, self.x_shape, kh, kw, self.stride, self.padding, row)
         if self.needs_input_grad[1]:
-            gw = (g @ self.cols.transpose(0, 2, 1)).sum(axis=0).reshape(w.shape)
+            flat = cols.reshape(cols.shape[0], -1)
+            gwt = flat[:, :_GW_CHUNK] @ g[:, :_GW_CHUNK].T
+            for start in range(_GW_CHUNK, flat.shape[1], _GW_CHUNK):
+                gwt += flat[:, start:start + _GW_CHUNK] @ g[:, start:start + _GW_CHUNK].T
+            gw = gwt.T.reshape(w.shape)
         if len(self.needs_input_grad) == 2:
             return gx, gw
         if self.needs_input_grad[2]:
-            gb = g.sum(axis=(0, 2))
+            gb = grad.sum(axis=(0, 2, 3))
         return gx, gw, gb
 
 
@@ -321,42 +320,24 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
 
 class MaxPool2d(Function):
     def forward(self, x, kernel, stride, padding):
-        xp = get_array_module(x)
-        xpad = _pad(x, padding, -np.inf)
-        win = kernels.windows(xpad, *kernel, stride)
-        flat = win.reshape(win.shape[:4] + (-1,))
-        self.argmax = flat.argmax(axis=-1)
-        self.kernel, self.stride, self.padding = kernel, stride, padding
-        self.padded_shape, self.x_shape = xpad.shape, x.shape
-        return xp.take_along_axis(flat, self.argmax[..., None], axis=-1)[..., 0]
+        out, self.argmax = kernels.max_pool(x, *kernel, stride, padding)
+        self.kernel, self.stride, self.padding, self.x_shape = kernel, stride, padding, x.shape
+        return out
 
     def backward(self, grad):
-        gpad = kernels.max_pool_scatter(grad, self.argmax, self.padded_shape, *self.kernel,
-                                        self.stride)
-        return _crop(gpad, self.padding, self.x_shape)
+        return kernels.max_pool_scatter(grad, self.argmax, self.x_shape, *self.kernel, self.stride,
+                                        self.padding)
 
 
 class AvgPool2d(Function):
     def forward(self, x, kernel, stride, padding):
-        xpad = _pad(x, padding)
-        win = kernels.windows(xpad, *kernel, stride)
-        self.kernel, self.stride, self.padding = kernel, stride, padding
-        self.padded_shape, self.x_shape = xpad.shape, x.shape
-        return win.sum(axis=(-2, -1)) * (1.0 / (kernel[0] * kernel[1]))
+        self.kernel, self.stride, self.padding, self.x_shape = kernel, stride, padding, x.shape
+        return kernels.window_sum(x, *kernel, stride, padding) * (1.0 / (kernel[0] * kernel[1]))
 
     def backward(self, grad):
-        xp = get_array_module(grad)
         kh, kw = self.kernel
-        scaled = grad * (1.0 / (kh * kw))
-        n, c, oh, ow = grad.shape
-        cols = xp.broadcast_to(scaled[:, :, None, None], (n, c, kh, kw, oh, ow))
-        gpad = kernels.col2im(cols, self.padded_shape, self.stride)
-        return _crop(gpad, self.padding, self.x_shape)
-
-
-def _crop(x: Any, padding: tuple[int, int], shape: tuple[int, ...]) -> Any:
-    ph, pw = padding
-    return x[:, :, ph:ph + shape[2], pw:pw + shape[3]]
+        return kernels.window_sum_adjoint(grad * (1.0 / (kh * kw)), self.x_shape, kh, kw,
+                                          self.stride, self.padding)
 
 
 def _pool_args(op: str, x: Tensor, kernel_size: Any, stride: Any, padding: Any):
