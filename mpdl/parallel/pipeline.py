@@ -37,6 +37,7 @@ on that clock); AFAB holds up to m microbatches' activations, 1F1B at most p−i
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from contextlib import contextmanager
@@ -47,9 +48,10 @@ import numpy as np
 from mpdl.autograd import functional as F
 from mpdl.autograd import nn, no_grad
 from mpdl.autograd.tensor import Tensor
-from mpdl.backend import get_array_module
+from mpdl.backend import get_array_module, to_host
 from mpdl.collectives import allreduce, broadcast
 from mpdl.comm import Communicator
+from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, correct_predictions
 from mpdl.parallel.tensor import TensorParallelGPT, gather_array
@@ -186,6 +188,17 @@ def slot_bubble(orders: list[list[tuple[str, int]]]) -> tuple[int, list[int]]:
     return length, [length - len(order) for order in orders]
 
 
+def runs(positions: Any) -> Any:
+    """(start, length) rows of the runs of consecutive integers in `positions`, in order."""
+    positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if not positions.size:
+        return np.zeros((0, 2), dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [positions.size]])
+    return np.stack([positions[starts], ends - starts], axis=1)
+
+
 def bubble_formula(pp: int, m: int) -> float:
     """The idle share of a pipeline step: (p−1)/(m+p−1)."""
     return (pp - 1) / (m + pp - 1)
@@ -197,10 +210,15 @@ class PipelineStrategy(Strategy):
     GPT's blocks over tp (`mpdl.parallel.tensor`), data parallelism over dp."""
 
     mode = "pipeline"
+    sharded_checkpoint = True
 
     def __init__(self, comm: Communicator, dp: int, pp: int, tp: int = 1, microbatches: int = 1,
-                 schedule: str = "1f1b", algorithm: str = "auto", verbose: bool = False) -> None:
+                 schedule: str = "1f1b", algorithm: str = "auto", verbose: bool = False,
+                 zero: int = 0) -> None:
         super().__init__(comm)
+        if zero not in (0, 1):
+            raise ValueError(f"zero: with a pipeline or tensor parallelism only stage 1 (the "
+                             f"optimizer state sharded over dp) is supported, got {zero!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if not isinstance(microbatches, int) or microbatches < 1:
@@ -208,7 +226,7 @@ class PipelineStrategy(Strategy):
         self.grid = ProcessGrid(comm, dp, pp, tp)
         self.pp, self.stage = pp, self.grid.p
         self.microbatches, self.schedule, self.algorithm = microbatches, schedule, algorithm
-        self.verbose = verbose
+        self.verbose, self.zero = verbose, zero
         self.first, self.last = self.stage == 0, self.stage == pp - 1
         self.tied_comm: Communicator | None = None
         self._shapes: dict[Any, list[tuple[tuple[int, ...], Any]]] = {}
@@ -249,7 +267,11 @@ class PipelineStrategy(Strategy):
             tied_pieces = self.all_pieces[-1]
             if getattr(tied_pieces, "tied", None) is not None and self.pp > 1:
                 self.tied_comm = self.grid.pp_comm.sub([0, self.pp - 1])
-        self.optimizer = make_optimizer(self.stage_params)
+        if self.zero:
+            self.optimizer = ShardedOptimizer(self.stage_params, make_optimizer,
+                                              self.grid.dp_comm, self.algorithm)
+        else:
+            self.optimizer = make_optimizer(self.stage_params)
 
     def _params_of(self, stage: int) -> list[Any]:
         seen: dict[int, Any] = {}
@@ -379,7 +401,8 @@ class PipelineStrategy(Strategy):
         self.optimizer.zero_grad()
         t2 = time.perf_counter()
         result.spans += [Span("gradient all-reduce", t0, t1, cat="communication"),
-                         Span("optimizer step", t1, t2)]
+                         Span("reduce-scatter, optimizer step, all-gather over dp" if self.zero
+                              else "optimizer step", t1, t2)]
         self._share_metrics(result)
         end = time.perf_counter()
         result.comm_s = result.exposed_s = idle + (t1 - t0) + (end - t2)
@@ -397,8 +420,8 @@ class PipelineStrategy(Strategy):
                 w.grad = get_array_module(w.data).zeros_like(w.data)
             self._say("all-reduce tied embedding gradient with the other end of the pipeline")
             w.grad = allreduce(w.grad, op="sum", algorithm=self.algorithm, comm=self.tied_comm)
-        if self.grid.dp == 1 or not self.stage_params:
-            return
+        if self.grid.dp == 1 or not self.stage_params or self.zero:
+            return  # ZeRO-1: the optimizer's step reduce-scatters over dp
         xp = get_array_module(self.stage_params[0].data)
         grads = [p.grad if p.grad is not None else xp.zeros_like(p.data)
                  for p in self.stage_params]
@@ -507,13 +530,73 @@ class PipelineStrategy(Strategy):
         self.optimizer.load_state_dict({"state": local, "param_groups": [
             {**group, "params": list(range(len(self.stage_params)))}]})
 
+    def checkpoint_shard(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """This rank's part of a checkpoint (None when it writes none) and the manifest: each
+        stage's dp-rank-0 writes its parameters (each tp rank its shards, tp rank 0 the
+        replicated ones; the last stage leaves the tied embedding to the first), the optimizer
+        state beside them (with ZeRO-1 every dp rank its block of it), rank 0 the buffers.
+        Each array is stored flat with the runs (start, length) of the whole tensor's flat
+        elements it holds (`assemble_parts` in mpdl.training.checkpoint puts them together).
+        Collective (the optimizer's scalar state is agreed)."""
+        g = self.grid
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        arrays: dict[str, Any] = {}
+        meta: list[list[Any]] = []
+
+        def add(target: str, name: str, key: Any, full: Any, positions: Any, values: Any) -> None:
+            n = len(meta)
+            arrays[f"a{n}"] = np.ascontiguousarray(to_host(values)).reshape(-1)
+            arrays[f"r{n}"] = runs(positions)
+            meta.append([target, name, key, list(full.shape), str(full.dtype)])
+
+        positions: dict[int, Any] = {}
+        for k, _, full, where in self._entries():
+            p = self.stage_params[k]
+            if p is self.tied or (where is None and g.t != 0):
+                continue  # written by the first stage / by tp rank 0
+            index = np.arange(full.size).reshape(full.shape)
+            positions[k] = (index[where(g.t)] if where is not None else index).reshape(-1)
+            if g.d == 0:
+                add("model", names[id(full)], None, full, positions[k], p.data)
+        if self.zero:
+            parts = self.optimizer.pieces()
+        else:
+            parts = [(k, 0, self.stage_params[k].size, st) for k, st in
+                     ((int(k), st) for k, st in self.optimizer.state_dict()["state"].items())
+                     if g.d == 0]
+        scalars: dict[str, Any] = {}
+        entries = {k: (i, full) for k, i, full, _ in self._entries()}
+        for k, a, b, st in parts:
+            i, full = entries[k]
+            for key, v in st.items():
+                if np.ndim(v) == 0:
+                    scalars[key] = v.item() if hasattr(v, "item") else v
+                elif k in positions:
+                    add("state", str(i), key, full, positions[k][a:b], v)
+        if self.comm.rank == 0:
+            for n, t in [*self.model.named_buffers(),
+                         *((n, p) for n, p in self.model.named_parameters()
+                           if not p.requires_grad)]:
+                add("model", n, None, t.data, np.arange(t.data.size), t.data)
+        scalars = next((s for s in self.comm.allgather_object(scalars) if s), {})
+        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        manifest = {"format": "parts", "ranks": self.comm.size, "scalars": scalars,
+                    "param_groups": [{**group,
+                                      "params": list(range(len(self.model.parameters())))}],
+                    "layout": {"dp": g.dp, "pp": self.pp, "tp": g.tp, "zero": self.zero}}
+        if not meta:
+            return None, manifest
+        arrays["meta"] = np.array(json.dumps(meta))
+        return arrays, manifest
+
     def describe(self, final: bool = False) -> str:
         if final:
             return ""
         sizes = [sum(p.size for p in self._params_of(s)) for s in range(self.pp)]
         tp = f"tensor parallel over {self.grid.tp} ranks, " if self.grid.tp > 1 else ""
         return (f"{tp}pipeline {self.schedule}, {self.pp} stages (pieces {self.bounds}, parameters "
-                f"{sizes}), {self.microbatches} microbatches, dp {self.grid.dp} all-reduce "
+                f"{sizes}), {self.microbatches} microbatches, dp {self.grid.dp} "
+                f"{'ZeRO-1 reduce-scatter/all-gather' if self.zero else 'all-reduce'} "
                 f"{self.algorithm}; bubble formula "
                 f"{bubble_formula(self.pp, self.microbatches):.1%}")
 
@@ -522,6 +605,7 @@ class PipelineStrategy(Strategy):
                                   "mode": self.mode if self.pp > 1 else "tensor",
                                   "dp": self.grid.dp, "pp": self.pp, "tp": self.grid.tp,
                                   "schedule": self.schedule, "microbatches": self.microbatches,
+                                  "zero_stage": self.zero,
                                   "bubble_formula": bubble_formula(self.pp, self.microbatches)}
         if final:
             fields.update(stage=self.stage, p2p_messages=self.messages,
