@@ -7,9 +7,12 @@ and the output projection, tied to the token embedding). `partition` cuts the pi
 contiguous stages **balanced by parameter count** (the head counts the tied matrix it multiplies
 by), minimising the largest stage.
 
-Every rank builds the whole model (the same seed, so the same values) and trains the parameters
-of its stage only; `gathered()` broadcasts each stage's parameters along the pipeline, so that
-evaluation and checkpoints see the whole up-to-date model on every rank. The tied embedding lives
+Every rank builds the whole model (the same seed, so the same values as on one rank), keeps the
+parameters of its stage (with tp > 1: its shards of them) and drops the values of all others
+(each becomes a zero-byte placeholder), so that a rank holds about 1/(pp·tp) of the blocks'
+parameters while it trains; `gathered()` broadcasts each stage's parameters along the pipeline
+(and all-gathers the shards), so that evaluation sees the whole up-to-date model on every rank,
+and drops them again on leaving. The tied embedding lives
 on the first stage (lookup) and the last (output projection): both hold a copy, each adds its
 part of the gradient, the two parts are summed by an all-reduce between the two stages, and both
 copies take the same optimizer step, so they stay equal.
@@ -55,6 +58,7 @@ from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, correct_predictions
 from mpdl.parallel.tensor import TensorParallelGPT, gather_array
+from mpdl.parallel.zero import _placeholder
 
 SCHEDULES = ("afab", "1f1b")
 
@@ -188,6 +192,11 @@ def slot_bubble(orders: list[list[tuple[str, int]]]) -> tuple[int, list[int]]:
     return length, [length - len(order) for order in orders]
 
 
+def _is_placeholder(a: Any) -> bool:
+    """Whether a parameter's data is a dropped value (`_placeholder`: no bytes behind it)."""
+    return a.size > 1 and not any(a.strides)
+
+
 def runs(positions: Any) -> Any:
     """(start, length) rows of the runs of consecutive integers in `positions`, in order."""
     positions = np.asarray(positions, dtype=np.int64).reshape(-1)
@@ -238,6 +247,10 @@ class PipelineStrategy(Strategy):
         self.idle_s = self.step_s = 0.0
         self.messages = self.bytes_sent = 0
         self._whole_state: dict[str, Any] | None = None
+        #: bytes of parameters and of model state (parameters, gradients, optimizer state) this
+        #: rank holds after a step, and their maxima over the ranks (agreed in gathered())
+        self.rank_parameter_bytes = self.rank_state_bytes = 0
+        self.parameter_bytes = self.model_state_bytes = 0
 
     @property
     def data_comm(self) -> Communicator:
@@ -272,6 +285,34 @@ class PipelineStrategy(Strategy):
                                               self.grid.dp_comm, self.algorithm)
         else:
             self.optimizer = make_optimizer(self.stage_params)
+        self._owned = {id(p) for p in self.stage_params}
+        self._release_others()
+
+    def _all_params(self) -> list[Any]:
+        """Every trainable parameter of the model and of its tensor-parallel pieces, once."""
+        seen: dict[int, Any] = {}
+        for p in [*self.model.parameters(), *(self.tp_model.parameters() if self.tp_model
+                                              is not None else [])]:
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _release_others(self) -> None:
+        """Drop the values of the parameters this rank does not train (other stages', the whole
+        tensors behind tensor-parallel shards): each becomes a zero-byte placeholder."""
+        for p in self._all_params():
+            if id(p) not in self._owned:
+                p.data = _placeholder(p)
+
+    def _account(self) -> None:
+        """This rank's bytes of parameters held, and of model state (parameters, their
+        gradients, optimizer state)."""
+        params = sum(int(p.data.nbytes) for p in self._all_params() if not _is_placeholder(p.data))
+        grads = sum(int(p.data.nbytes) for p in self.stage_params)
+        optim = self.optimizer.state_nbytes() if self.zero else sum(
+            int(v.nbytes) for st in self.optimizer.state.values() for v in st.values()
+            if hasattr(v, "nbytes") and np.ndim(v) > 0)
+        self.rank_parameter_bytes, self.rank_state_bytes = params, params + grads + optim
 
     def _params_of(self, stage: int) -> list[Any]:
         seen: dict[int, Any] = {}
@@ -409,6 +450,7 @@ class PipelineStrategy(Strategy):
         result.compute_s += t2 - t1
         self.last_order, self.last_peak, self.last_peak_bytes = order, peak, peak_bytes
         self.idle_s, self.step_s = idle, end - start
+        self._account()
         return result
 
     def _synchronise(self) -> None:
@@ -448,16 +490,29 @@ class PipelineStrategy(Strategy):
         all-gather of the tensor-parallel shards); with `optimizer_state`, `state_dict()` gives
         the optimizer state of the whole model in a one-rank optimizer's layout. On leaving, the
         shards are taken from the whole model again (which a checkpoint may have replaced)."""
+        figures = allreduce(np.array([self.rank_parameter_bytes, self.rank_state_bytes],
+                                     dtype=np.float64), op="max", comm=self.comm)
+        self.parameter_bytes, self.model_state_bytes = int(figures[0]), int(figures[1])
         for s in range(self.pp):
             params = self._params_of(s)
             if not params:
                 continue
             xp = get_array_module(params[0].data)
-            flat = xp.concatenate([p.data.reshape(-1) for p in params])
+            if s == self.stage:
+                flat = xp.concatenate([p.data.reshape(-1) for p in params])
+            else:
+                flat = xp.empty(sum(p.size for p in params),
+                                dtype=np.result_type(*[p.data.dtype for p in params]))
             flat = broadcast(flat, root=s, comm=self.grid.pp_comm)
+            if s == self.stage:
+                continue
             offset = 0
             for p in params:
-                p.data[...] = flat[offset:offset + p.size].reshape(p.shape)
+                piece = flat[offset:offset + p.size].reshape(p.shape)
+                if id(p) in self._owned:  # the tied embedding on the last stage
+                    p.data[...] = piece
+                else:
+                    p.data = piece
                 offset += p.size
         if self.tp_model is not None:
             self.tp_model.gather_into_model()
@@ -469,6 +524,7 @@ class PipelineStrategy(Strategy):
             self._whole_state = None
             if self.tp_model is not None:
                 self.tp_model.scatter_from_model()
+            self._release_others()
 
     def _entries(self) -> list[tuple[int, int, Any, Any]]:
         """For each parameter this rank's optimizer steps (position k): (k, the index of the
@@ -609,6 +665,8 @@ class PipelineStrategy(Strategy):
                                   "bubble_formula": bubble_formula(self.pp, self.microbatches)}
         if final:
             fields.update(stage=self.stage, p2p_messages=self.messages,
+                          parameter_bytes=self.parameter_bytes,
+                          model_state_bytes=self.model_state_bytes,
                           p2p_bytes=self.bytes_sent, peak_in_flight=self.last_peak,
                           peak_output_bytes=self.last_peak_bytes)
         return fields
