@@ -37,6 +37,7 @@ from mpdl.parallel.pipeline import (
     peak_in_flight,
     schedule_ops,
     slot_bubble,
+    timed_bubble,
 )
 from mpdl.parallel.strategy import Batch
 from mpdl.threadworld import ThreadWorld, run_world
@@ -193,6 +194,18 @@ def test_one_f_one_b_idle_slots_and_peaks_follow_the_formulas():
     # 2 samples each: 12 split into 8 is 2, 2, 2, 2, 1, 1, 1, 1)
     per_sample = [b / N for b in held["afab"]]
     assert held["1f1b"] == [2 * (pp - i) * per_sample[i] for i in range(pp)]
+
+
+def test_timed_replay_by_hand():
+    """Two stages, m = 2, 1F1B; stage 1 is twice as slow (forward 2, backward 4), stage 0 has
+    forward 1, backward 2. By hand: stage 0 runs F0 [0,1] F1 [1,2], waits for B0 until stage 1
+    has run F0 [1,3] B0 [3,7], so B0 [7,9]; stage 1 runs F1 [7,9] B1 [9,13]; stage 0 B1 [13,15].
+    Length 15; idle 15 − 6 = 9 and 15 − 12 = 3. Unit times give the slot replay."""
+    orders = [schedule_ops("1f1b", 2, 2, i) for i in range(2)]
+    durations = [{("F", 0): 1, ("F", 1): 1, ("B", 0): 2, ("B", 1): 2},
+                 {("F", 0): 2, ("F", 1): 2, ("B", 0): 4, ("B", 1): 4}]
+    assert timed_bubble(orders, durations) == (15, [9, 3])
+    assert timed_bubble(orders) == (6, [2, 2]) and slot_bubble(orders) == (6, [2, 2])
 
 
 def test_schedules_by_hand():

@@ -35,7 +35,9 @@ also all-gathers the shards into the whole GPT.
 
 Bubble: with unit-time forwards and backwards, a stage of a p-stage pipeline with m microbatches
 is idle (p−1)/(m+p−1) of the step under either schedule (`slot_bubble` replays an executed order
-on that clock); AFAB holds up to m microbatches' activations, 1F1B at most p−i on stage i.
+on that clock; `timed_bubble` on a clock of measured op times: each forward and backward span
+carries its thread CPU time as `cpu_s`); AFAB holds up to m microbatches' activations, 1F1B at
+most p−i on stage i.
 """
 
 from __future__ import annotations
@@ -169,8 +171,20 @@ def slot_bubble(orders: list[list[tuple[str, int]]]) -> tuple[int, list[int]]:
     """Replay each stage's executed op order on a clock where every forward and backward takes one
     slot and waits for its input (F j on stage i after F j on i−1; B j after B j on i+1, or after
     F j on the last stage): (the step's length in slots, each stage's idle slots)."""
+    length, idle = timed_bubble(orders)
+    return int(length), [int(i) for i in idle]
+
+
+def timed_bubble(orders: list[list[tuple[str, int]]],
+                 durations: list[dict[tuple[str, int], float]] | None = None
+                 ) -> tuple[float, list[float]]:
+    """`slot_bubble` on a clock where op (kind, j) of stage i takes durations[i][(kind, j)]
+    (default: 1 each), every stage runs on a core of its own and messages take no time: (the
+    step's length, each stage's idle time, i.e. length − the sum of its ops)."""
     pp = len(orders)
-    done: dict[tuple[str, int, int], int] = {}
+    if durations is None:
+        durations = [dict.fromkeys(order, 1) for order in orders]
+    done: dict[tuple[str, int, int], float] = {}
     free, pos = [0] * pp, [0] * pp
     while any(pos[i] < len(orders[i]) for i in range(pp)):
         progressed = False
@@ -183,13 +197,13 @@ def slot_bubble(orders: list[list[tuple[str, int]]]) -> tuple[int, list[int]]:
             if need is not None and need not in done:
                 continue
             start = max(free[i], done[need] if need else 0)
-            done[(kind, j, i)] = free[i] = start + 1
+            done[(kind, j, i)] = free[i] = start + durations[i][(kind, j)]
             pos[i] += 1
             progressed = True
         if not progressed:
             raise ValueError("slot_bubble: the orders deadlock")
     length = max(free)
-    return length, [length - len(order) for order in orders]
+    return length, [length - sum(durations[i][op] for op in orders[i]) for i in range(pp)]
 
 
 def _is_placeholder(a: Any) -> bool:
@@ -384,7 +398,7 @@ class PipelineStrategy(Strategy):
                     self._say(f"recv activation mb {j} <- stage {prev}")
                     pp_comm.recv(buf, prev, step=("act", j))
                     h = inputs[j] = Tensor(buf, requires_grad=True)
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.thread_time()
                 for piece in self.pieces:
                     h = piece(h)
                 t2 = time.perf_counter()
@@ -398,6 +412,7 @@ class PipelineStrategy(Strategy):
                 else:
                     outputs[j] = h
                     sends.append(self._send(xp.ascontiguousarray(h.data), nxt, "act", j, result))
+                cpu = time.thread_time() - c1  # the stage's pieces, the loss, the send's start
                 live += 1
                 peak = max(peak, live)
                 held[j] = h.data.nbytes
@@ -407,31 +422,34 @@ class PipelineStrategy(Strategy):
                 if not self.first:
                     result.spans.append(Span(f"recv act {j}", t0, t1, cat="communication",
                                              args={"peer_stage": prev}))
-                result.spans.append(Span(f"forward {j}", t1, t2, args={"microbatch": j}))
+                result.spans.append(Span(f"forward {j}", t1, t2, args={"microbatch": j,
+                                                                       "cpu_s": cpu}))
                 result.compute_s += t2 - t1
             else:
                 t0 = time.perf_counter()
                 out = outputs.pop(j)
                 if self.last:
-                    t1 = t0
+                    t1, c1 = t0, time.thread_time()
                     out.backward()
                 else:
                     grad = xp.empty(out.shape, dtype=out.data.dtype)
                     self._say(f"recv gradient mb {j} <- stage {nxt}")
                     pp_comm.recv(grad, nxt, step=("grad", j))
-                    t1 = time.perf_counter()
+                    t1, c1 = time.perf_counter(), time.thread_time()
                     out.backward(grad)
                 t2 = time.perf_counter()
                 if not self.first:
                     sends.append(self._send(xp.ascontiguousarray(inputs.pop(j).grad), prev,
                                             "grad", j, result))
+                cpu = time.thread_time() - c1
                 live -= 1
                 live_bytes -= held[j]
                 idle += t1 - t0
                 if not self.last:
                     result.spans.append(Span(f"recv grad {j}", t0, t1, cat="communication",
                                              args={"peer_stage": nxt}))
-                result.spans.append(Span(f"backward {j}", t1, t2, args={"microbatch": j}))
+                result.spans.append(Span(f"backward {j}", t1, t2, args={"microbatch": j,
+                                                                        "cpu_s": cpu}))
                 result.compute_s += t2 - t1
         t0 = time.perf_counter()
         pp_comm.waitall([r for r, _ in sends])
