@@ -1,12 +1,15 @@
 """The process grid and pipeline parallelism on the in-process world.
 
-Equivalence: every layout (dp, pp) with dp × pp ≤ 8, both schedules, several microbatch counts,
-gives the loss of every step of a plain one-process loop (no strategy, no communication: the whole
-global batch, one forward, one backward, one optimizer step) on the same model, data and seed.
-Tolerance: float64 1e-10; float32 1e-5 on a loss of about 2, i.e. about a hundred units of
-float32 round-off (2^-24 ≈ 6e-8 relative): a pipeline adds the microbatches' gradients and the
-data-parallel ranks' sums in another order than one batch's backward does, which changes the last
-bits of each gradient, and a few Adam steps carry that into the loss at the same order.
+Equivalence: every layout (dp, pp, tp) with dp × pp × tp ≤ 8, both schedules, several microbatch
+counts, with and without ZeRO-1 on the dp axis, gives the loss of every step of a plain
+one-process loop (no strategy, no communication: the whole global batch, one forward, one
+backward, one optimizer step) on the same model, data and seed. Tolerance: float64 1e-10;
+float32 1e-5 on a loss of about 2, i.e. about a hundred units of float32 round-off (2^-24 ≈ 6e-8
+relative): a pipeline adds the microbatches' gradients, the data-parallel ranks' sums (an
+all-reduce, or ZeRO-1's reduce-scatter) and the tensor-parallel partial sums in another order than
+one batch's backward does, which changes the last bits of each gradient, and a few Adam steps
+carry that into the loss at the same order (seen: at most 2e-7). ZeRO-1's update itself is
+elementwise on each block, so it adds no round-off of its own.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from mpdl.parallel.pipeline import (
     peak_in_flight,
     schedule_ops,
     slot_bubble,
+    timed_bubble,
 )
 from mpdl.parallel.strategy import Batch
 from mpdl.threadworld import ThreadWorld, run_world
+from mpdl.training.checkpoint import load_checkpoint
 from mpdl.training.config import TrainConfig
 from mpdl.training.gpt import GPT
 from mpdl.training.loop import Trainer
@@ -79,8 +84,8 @@ def oracle(name: str, dtype: str) -> list[float]:
 
 
 def pipeline_losses(comm, name: str, dtype: str, dp: int, pp: int, m: int, schedule: str,
-                    tp: int = 1):
-    strategy = PipelineStrategy(comm, dp, pp, tp, microbatches=m, schedule=schedule)
+                    tp: int = 1, zero: int = 0):
+    strategy = PipelineStrategy(comm, dp, pp, tp, microbatches=m, schedule=schedule, zero=zero)
     strategy.setup(make_model(name, dtype), lambda p: optim.Adam(p, lr=1e-2))
     x, y = data(name, dtype)
     bounds = np.linspace(0, N, dp + 1).astype(int)
@@ -102,12 +107,13 @@ LAYOUTS = [(1, 2), (2, 2), (1, 3), (1, 4), (2, 4), (4, 2), (1, 8), (2, 3)]
                                            for dp, pp in LAYOUTS
                                            if name == "mlp" or pp <= 4])  # the GPT has 4 pieces
 @pytest.mark.parametrize("schedule", ["afab", "1f1b"])
-def test_layouts_follow_one_process(name, dp, pp, schedule):
+@pytest.mark.parametrize("zero", [0, 1])
+def test_layouts_follow_one_process(name, dp, pp, schedule, zero):
     dtype = "float32"
     ref = oracle(name, dtype)
     for m in (1, 3, 4):
         out = run_world(dp * pp, lambda c, m=m: pipeline_losses(c, name, dtype, dp, pp, m,
-                                                                schedule))
+                                                                schedule, zero=zero))
         for losses, params, _ in out:
             np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL[dtype])
             assert np.array_equal(params, out[0][1]), "the ranks' models differ after gathered()"
@@ -117,11 +123,12 @@ def test_layouts_follow_one_process(name, dp, pp, schedule):
 @pytest.mark.parametrize("dp, pp, tp", [(1, 1, 2), (2, 1, 2), (4, 1, 2), (1, 2, 2), (2, 2, 2),
                                         (1, 4, 2), (1, 3, 2)])
 @pytest.mark.parametrize("schedule", ["afab", "1f1b"])
-def test_tensor_parallel_layouts_follow_one_process(dp, pp, tp, schedule):
+@pytest.mark.parametrize("zero", [0, 1])
+def test_tensor_parallel_layouts_follow_one_process(dp, pp, tp, schedule, zero):
     ref = oracle("gpt", "float32")
     for m in (1, 3):
         out = run_world(dp * pp * tp, lambda c, m=m: pipeline_losses(
-            c, "gpt", "float32", dp, pp, m, schedule, tp))
+            c, "gpt", "float32", dp, pp, m, schedule, tp, zero))
         for losses, params, _ in out:
             np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL["float32"])
             assert np.array_equal(params, out[0][1]), "the ranks' models differ after gathered()"
@@ -137,10 +144,10 @@ def test_tensor_parallel_float64_and_whole_model():
         opt.step()
         opt.zero_grad()
     whole = np.concatenate([p.data.ravel() for p in model.parameters()])
-    for layout in [(1, 1, 2), (2, 2, 2)]:
-        dp, pp, tp = layout
+    for layout in [(1, 1, 2, 0), (2, 2, 2, 0), (2, 2, 2, 1), (3, 1, 2, 1)]:
+        dp, pp, tp, zero = layout
         for losses, params, _ in run_world(dp * pp * tp, lambda c: pipeline_losses(
-                c, "gpt", "float64", dp, pp, 2, "1f1b", tp)):
+                c, "gpt", "float64", dp, pp, 2, "1f1b", tp, zero)):
             np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL["float64"])
             np.testing.assert_allclose(params, whole, rtol=0, atol=TOL["float64"])
 
@@ -149,7 +156,8 @@ def test_tensor_parallel_all_reduces_twice_per_block_each_way():
     """Megatron: per block, 2 all-reduces forward (g) and 2 backward (f), over tp."""
     out, recorded = run_world(2, lambda c: pipeline_losses(c, "gpt", "float32", 1, 1, 1, "afab",
                                                            2)[2], record=True)
-    calls = [r for r in recorded if r[0].startswith("allreduce")]
+    # (gathered() at the end also agrees on two float64 memory figures: 16 bytes, left out)
+    calls = [r for r in recorded if r[0].startswith("allreduce") and r[4] != 16]
     # n_layer = 2 blocks, 4 all-reduces each per step; 2 ranks: one message per rank each
     assert len(calls) == 2 * (2 * 4 * STEPS)
 
@@ -157,9 +165,11 @@ def test_tensor_parallel_all_reduces_twice_per_block_each_way():
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_float64_follows_one_process(name):
     ref = oracle(name, "float64")
-    for dp, pp, m, schedule in [(1, 4, 4, "1f1b"), (2, 2, 3, "afab"), (2, 2, 2, "1f1b")]:
+    for dp, pp, m, schedule, zero in [(1, 4, 4, "1f1b", 0), (2, 2, 3, "afab", 0),
+                                      (2, 2, 2, "1f1b", 0), (2, 2, 2, "1f1b", 1),
+                                      (3, 2, 3, "afab", 1)]:
         for losses, _, _ in run_world(dp * pp, lambda c: pipeline_losses(
-                c, name, "float64", dp, pp, m, schedule)):
+                c, name, "float64", dp, pp, m, schedule, zero=zero)):
             np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL["float64"])
 
 
@@ -184,6 +194,18 @@ def test_one_f_one_b_idle_slots_and_peaks_follow_the_formulas():
     # 2 samples each: 12 split into 8 is 2, 2, 2, 2, 1, 1, 1, 1)
     per_sample = [b / N for b in held["afab"]]
     assert held["1f1b"] == [2 * (pp - i) * per_sample[i] for i in range(pp)]
+
+
+def test_timed_replay_by_hand():
+    """Two stages, m = 2, 1F1B; stage 1 is twice as slow (forward 2, backward 4), stage 0 has
+    forward 1, backward 2. By hand: stage 0 runs F0 [0,1] F1 [1,2], waits for B0 until stage 1
+    has run F0 [1,3] B0 [3,7], so B0 [7,9]; stage 1 runs F1 [7,9] B1 [9,13]; stage 0 B1 [13,15].
+    Length 15; idle 15 − 6 = 9 and 15 − 12 = 3. Unit times give the slot replay."""
+    orders = [schedule_ops("1f1b", 2, 2, i) for i in range(2)]
+    durations = [{("F", 0): 1, ("F", 1): 1, ("B", 0): 2, ("B", 1): 2},
+                 {("F", 0): 2, ("F", 1): 2, ("B", 0): 4, ("B", 1): 4}]
+    assert timed_bubble(orders, durations) == (15, [9, 3])
+    assert timed_bubble(orders) == (6, [2, 2]) and slot_bubble(orders) == (6, [2, 2])
 
 
 def test_schedules_by_hand():
@@ -252,18 +274,22 @@ def test_train_pipeline_follows_one_rank():
         trainer = Trainer(config, comm=comm, out=io.StringIO())
         trainer.setup()
         rows = trainer.run()
-        return np.concatenate([p.data.ravel() for p in trainer.model.parameters()]), rows
+        with trainer.strategy.gathered():  # a stage holds only its own parameters
+            return np.concatenate([p.data.ravel() for p in trainer.model.parameters()]), rows
 
     ref, ref_rows = run_world(1, lambda c: run(TrainConfig(**tiny), c))[0]
-    for kw in (dict(pp=2, microbatches=3), dict(pp=2, dp=2, schedule="afab", microbatches=2)):
+    for kw in (dict(pp=2, microbatches=3), dict(pp=2, dp=2, schedule="afab", microbatches=2),
+               dict(pp=2, dp=2, zero=1, microbatches=2)):
         p = kw.get("dp", 1) * kw["pp"]
         for params, rows in run_world(p, lambda c, kw=kw: run(TrainConfig(**tiny, **kw), c)):
             np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
             assert rows[0]["loss"] == pytest.approx(ref_rows[0]["loss"], abs=1e-5)
             assert rows[-1]["mode"] == "pipeline" and rows[-1]["pp"] == kw["pp"]
     tiny["n_head"] = 2
-    for params, _ in run_world(4, lambda c: run(TrainConfig(**tiny, tp=2, pp=2), c)):
-        np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
+    for kw in (dict(tp=2, pp=2), dict(tp=2, dp=2, zero=1)):
+        for params, rows in run_world(4, lambda c, kw=kw: run(TrainConfig(**tiny, **kw), c)):
+            np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
+            assert rows[-1]["zero_stage"] == kw.get("zero", 0)
 
 
 def mpdl_train(n: int, *flags: str) -> subprocess.CompletedProcess:
@@ -277,7 +303,7 @@ def mpdl_train(n: int, *flags: str) -> subprocess.CompletedProcess:
     (["--pp", "3"], "--pp x --tp = 3 x 1 = 3 must divide the number of ranks (2)"),
     (["--dp", "2", "--pp", "2"], "--dp x --pp x --tp = 2 x 2 x 1 = 4 must equal the number of "
                                  "ranks (2)"),
-    (["--pp", "2", "--zero", "1"], "--pp > 1 or --tp > 1 cannot be combined with --zero"),
+    (["--pp", "2", "--zero", "2"], "--pp > 1 or --tp > 1 combine with --zero 1 only"),
     (["--pp", "2", "--schedule", "zigzag"], "--schedule: expected one of afab, 1f1b"),
     (["--microbatches", "4"], "--microbatches needs --pp > 1"),
     (["--tp", "2"], "--tp > 1 needs --model gpt"),
@@ -330,10 +356,15 @@ def test_a_stage_that_raises_ends_the_mpi_job(tmp_path):
 @pytest.mark.parametrize("first, second", [(dict(pp=2, tp=2), dict(pp=2, dp=2)),
                                            (dict(tp=2, dp=2), dict()),
                                            (dict(), dict(pp=3, microbatches=2)),
-                                           (dict(pp=2, dp=2), dict(tp=2, pp=2))])
+                                           (dict(pp=2, dp=2), dict(tp=2, pp=2)),
+                                           (dict(pp=2, dp=2, zero=1), dict(tp=2, dp=2, zero=1)),
+                                           (dict(tp=2, dp=2, zero=1), dict(pp=4)),
+                                           (dict(pp=4, schedule="afab"), dict()),
+                                           (dict(dp=3, zero=1, tp=2), dict(zero=1, dp=2))])
 def test_checkpoint_continues_on_another_layout(tmp_path, first, second):
-    """Rank 0 writes the whole model and a whole-model optimizer state; any layout (or one rank
-    without a pipeline) continues from it and ends where the uninterrupted run ends."""
+    """Each stage and tensor-parallel shard writes its part (with ZeRO-1 each dp rank its block
+    of the optimizer state); any layout (or one rank without a pipeline) continues from them and
+    ends where the uninterrupted run ends."""
     tiny = dict(model="gpt", dataset="addition", digits=1, n_layer=2, n_head=2, n_embd=8,
                 global_batch_size=12, optimizer="adam", progress=False, lr_schedule="constant")
 
@@ -341,18 +372,56 @@ def test_checkpoint_continues_on_another_layout(tmp_path, first, second):
         trainer = Trainer(config, comm=comm, out=io.StringIO())
         trainer.setup()
         trainer.run()
-        return np.concatenate([p.data.ravel() for p in trainer.model.parameters()])
+        with trainer.strategy.gathered():
+            return np.concatenate([p.data.ravel() for p in trainer.model.parameters()])
 
     def size(kw):
         return kw.get("dp", 1) * kw.get("pp", 1) * kw.get("tp", 1)
 
     ref = run_world(1, lambda c: run(TrainConfig(**tiny, epochs=2), c))[0]
     ckpt = str(tmp_path / "ckpt")
-    run_world(size(first), lambda c: run(TrainConfig(**tiny, epochs=1, checkpoint=ckpt, **first),
-                                         c))
+    saved = run_world(size(first), lambda c: run(TrainConfig(**tiny, epochs=1, checkpoint=ckpt,
+                                                             **first), c))[0]
+    files = sorted(os.listdir(ckpt))
+    if first.get("pp", 1) * first.get("tp", 1) > 1:  # a part per stage and shard, none whole
+        parts = first.get("pp", 1) * first.get("tp", 1) * (first.get("dp", 1) if first.get(
+            "zero") else 1)
+        assert files == [f for f in files if f.startswith("shard-")] + ["state.json"]
+        assert len(files) - 1 == parts, files
+    model_state, _, _ = load_checkpoint(ckpt)
+    np.testing.assert_array_equal(np.concatenate([model_state[n].ravel() for n, _ in make_gpt(
+        tiny).named_parameters()]), saved)
     for params in run_world(size(second), lambda c: run(TrainConfig(
             **tiny, epochs=2, checkpoint=ckpt, resume=True, **second), c)):
         np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
+
+
+def make_gpt(tiny: dict):
+    """A GPT of the tiny run's shape (for its parameter names and order)."""
+    return GPT(vocab_size=13, block_size=3, n_layer=tiny["n_layer"], n_head=tiny["n_head"],
+               n_embd=tiny["n_embd"], seed=0)
+
+
+def test_compare_runs_reads_per_stage_checkpoints(tmp_path):
+    """tools/compare_runs.py compares a one-rank run with a dp 2 × pp 2 × ZeRO-1 one from their
+    JSON rows and their checkpoints (whole against parts)."""
+    tiny = dict(model="gpt", dataset="addition", digits=1, n_layer=2, n_head=2, n_embd=8,
+                global_batch_size=12, optimizer="adam", progress=False, epochs=2)
+
+    def run(prefix, comm, **kw):
+        trainer = Trainer(TrainConfig(**tiny, checkpoint=str(tmp_path / prefix),
+                                      json=str(tmp_path / f"{prefix}.jsonl"), **kw), comm=comm,
+                          out=io.StringIO())
+        trainer.setup()
+        trainer.run()
+
+    run_world(1, lambda c: run("one", c))
+    run_world(4, lambda c: run("grid", c, pp=2, dp=2, zero=1, microbatches=2))
+    tool = Path(__file__).resolve().parents[1] / "tools" / "compare_runs.py"
+    out = subprocess.run([sys.executable, str(tool), str(tmp_path / "one"),
+                          str(tmp_path / "grid"), "--atol", "1e-5"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and ": same" in out.stdout, (out.stdout, out.stderr)
 
 
 def test_timeline_shows_each_microbatch_and_message_per_rank(tmp_path):
@@ -375,3 +444,37 @@ def test_timeline_shows_each_microbatch_and_message_per_rank(tmp_path):
     assert {"forward 0", "backward 1", "recv act 0", "recv act 1", "send grad 0",
             "send grad 1"} <= names[1]
     assert not {"recv act 0", "send grad 0"} & names[0]
+
+
+def test_a_stage_holds_only_its_own_parameters():
+    """Parameter bytes per rank (the most of any rank) at pp = 2 and 4 are about 1/pp of one
+    rank's for a GPT of 8 blocks (the tied embedding is held by both end stages), tp = 2 halves
+    the blocks' share; the whole model, gathered, is the one a single rank builds (same seed)."""
+    def make():
+        return GPT(vocab_size=11, block_size=6, n_layer=8, n_head=2, n_embd=16, seed=0)
+
+    whole = np.concatenate([p.data.ravel() for p in make().parameters()])
+    x, y = data("gpt", "float32")
+
+    def body(comm, pp, tp):
+        strategy = PipelineStrategy(comm, 1, pp, tp, microbatches=2)
+        strategy.setup(make(), lambda p: optim.SGD(p, lr=0.0))
+        with strategy.gathered():
+            params = np.concatenate([p.data.ravel() for p in strategy.model.parameters()])
+        strategy.step(Batch(x, y, N, 0.0))
+        with strategy.gathered():
+            pass
+        return params, strategy.rank_parameter_bytes, strategy.parameter_bytes, \
+            strategy.model_state_bytes
+
+    held = {}
+    for pp, tp in [(1, 1), (2, 1), (4, 1), (1, 2)]:
+        out = run_world(pp * tp, lambda c, pp=pp, tp=tp: body(c, pp, tp))
+        for params, _, most, _ in out:
+            np.testing.assert_array_equal(params, whole)
+            assert most == max(o[1] for o in out)
+        held[pp, tp] = out[0][2]
+    assert held[1, 1] == whole.nbytes
+    assert held[2, 1] <= 0.6 * held[1, 1]
+    assert held[4, 1] <= 0.35 * held[1, 1]
+    assert held[1, 2] <= 0.6 * held[1, 1]

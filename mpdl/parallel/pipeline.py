@@ -7,9 +7,12 @@ and the output projection, tied to the token embedding). `partition` cuts the pi
 contiguous stages **balanced by parameter count** (the head counts the tied matrix it multiplies
 by), minimising the largest stage.
 
-Every rank builds the whole model (the same seed, so the same values) and trains the parameters
-of its stage only; `gathered()` broadcasts each stage's parameters along the pipeline, so that
-evaluation and checkpoints see the whole up-to-date model on every rank. The tied embedding lives
+Every rank builds the whole model (the same seed, so the same values as on one rank), keeps the
+parameters of its stage (with tp > 1: its shards of them) and drops the values of all others
+(each becomes a zero-byte placeholder), so that a rank holds about 1/(pp·tp) of the blocks'
+parameters while it trains; `gathered()` broadcasts each stage's parameters along the pipeline
+(and all-gathers the shards), so that evaluation sees the whole up-to-date model on every rank,
+and drops them again on leaving. The tied embedding lives
 on the first stage (lookup) and the last (output projection): both hold a copy, each adds its
 part of the gradient, the two parts are summed by an all-reduce between the two stages, and both
 copies take the same optimizer step, so they stay equal.
@@ -32,11 +35,14 @@ also all-gathers the shards into the whole GPT.
 
 Bubble: with unit-time forwards and backwards, a stage of a p-stage pipeline with m microbatches
 is idle (p−1)/(m+p−1) of the step under either schedule (`slot_bubble` replays an executed order
-on that clock); AFAB holds up to m microbatches' activations, 1F1B at most p−i on stage i.
+on that clock; `timed_bubble` on a clock of measured op times: each forward and backward span
+carries its thread CPU time as `cpu_s`); AFAB holds up to m microbatches' activations, 1F1B at
+most p−i on stage i.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from contextlib import contextmanager
@@ -47,12 +53,14 @@ import numpy as np
 from mpdl.autograd import functional as F
 from mpdl.autograd import nn, no_grad
 from mpdl.autograd.tensor import Tensor
-from mpdl.backend import get_array_module
+from mpdl.backend import get_array_module, to_host
 from mpdl.collectives import allreduce, broadcast
 from mpdl.comm import Communicator
+from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, correct_predictions
 from mpdl.parallel.tensor import TensorParallelGPT, gather_array
+from mpdl.parallel.zero import _placeholder
 
 SCHEDULES = ("afab", "1f1b")
 
@@ -163,8 +171,20 @@ def slot_bubble(orders: list[list[tuple[str, int]]]) -> tuple[int, list[int]]:
     """Replay each stage's executed op order on a clock where every forward and backward takes one
     slot and waits for its input (F j on stage i after F j on i−1; B j after B j on i+1, or after
     F j on the last stage): (the step's length in slots, each stage's idle slots)."""
+    length, idle = timed_bubble(orders)
+    return int(length), [int(i) for i in idle]
+
+
+def timed_bubble(orders: list[list[tuple[str, int]]],
+                 durations: list[dict[tuple[str, int], float]] | None = None
+                 ) -> tuple[float, list[float]]:
+    """`slot_bubble` on a clock where op (kind, j) of stage i takes durations[i][(kind, j)]
+    (default: 1 each), every stage runs on a core of its own and messages take no time: (the
+    step's length, each stage's idle time, i.e. length − the sum of its ops)."""
     pp = len(orders)
-    done: dict[tuple[str, int, int], int] = {}
+    if durations is None:
+        durations = [dict.fromkeys(order, 1) for order in orders]
+    done: dict[tuple[str, int, int], float] = {}
     free, pos = [0] * pp, [0] * pp
     while any(pos[i] < len(orders[i]) for i in range(pp)):
         progressed = False
@@ -177,13 +197,29 @@ def slot_bubble(orders: list[list[tuple[str, int]]]) -> tuple[int, list[int]]:
             if need is not None and need not in done:
                 continue
             start = max(free[i], done[need] if need else 0)
-            done[(kind, j, i)] = free[i] = start + 1
+            done[(kind, j, i)] = free[i] = start + durations[i][(kind, j)]
             pos[i] += 1
             progressed = True
         if not progressed:
             raise ValueError("slot_bubble: the orders deadlock")
     length = max(free)
-    return length, [length - len(order) for order in orders]
+    return length, [length - sum(durations[i][op] for op in orders[i]) for i in range(pp)]
+
+
+def _is_placeholder(a: Any) -> bool:
+    """Whether a parameter's data is a dropped value (`_placeholder`: no bytes behind it)."""
+    return a.size > 1 and not any(a.strides)
+
+
+def runs(positions: Any) -> Any:
+    """(start, length) rows of the runs of consecutive integers in `positions`, in order."""
+    positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if not positions.size:
+        return np.zeros((0, 2), dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [positions.size]])
+    return np.stack([positions[starts], ends - starts], axis=1)
 
 
 def bubble_formula(pp: int, m: int) -> float:
@@ -197,10 +233,15 @@ class PipelineStrategy(Strategy):
     GPT's blocks over tp (`mpdl.parallel.tensor`), data parallelism over dp."""
 
     mode = "pipeline"
+    sharded_checkpoint = True
 
     def __init__(self, comm: Communicator, dp: int, pp: int, tp: int = 1, microbatches: int = 1,
-                 schedule: str = "1f1b", algorithm: str = "auto", verbose: bool = False) -> None:
+                 schedule: str = "1f1b", algorithm: str = "auto", verbose: bool = False,
+                 zero: int = 0) -> None:
         super().__init__(comm)
+        if zero not in (0, 1):
+            raise ValueError(f"zero: with a pipeline or tensor parallelism only stage 1 (the "
+                             f"optimizer state sharded over dp) is supported, got {zero!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if not isinstance(microbatches, int) or microbatches < 1:
@@ -208,7 +249,7 @@ class PipelineStrategy(Strategy):
         self.grid = ProcessGrid(comm, dp, pp, tp)
         self.pp, self.stage = pp, self.grid.p
         self.microbatches, self.schedule, self.algorithm = microbatches, schedule, algorithm
-        self.verbose = verbose
+        self.verbose, self.zero = verbose, zero
         self.first, self.last = self.stage == 0, self.stage == pp - 1
         self.tied_comm: Communicator | None = None
         self._shapes: dict[Any, list[tuple[tuple[int, ...], Any]]] = {}
@@ -220,6 +261,10 @@ class PipelineStrategy(Strategy):
         self.idle_s = self.step_s = 0.0
         self.messages = self.bytes_sent = 0
         self._whole_state: dict[str, Any] | None = None
+        #: bytes of parameters and of model state (parameters, gradients, optimizer state) this
+        #: rank holds after a step, and their maxima over the ranks (agreed in gathered())
+        self.rank_parameter_bytes = self.rank_state_bytes = 0
+        self.parameter_bytes = self.model_state_bytes = 0
 
     @property
     def data_comm(self) -> Communicator:
@@ -249,7 +294,39 @@ class PipelineStrategy(Strategy):
             tied_pieces = self.all_pieces[-1]
             if getattr(tied_pieces, "tied", None) is not None and self.pp > 1:
                 self.tied_comm = self.grid.pp_comm.sub([0, self.pp - 1])
-        self.optimizer = make_optimizer(self.stage_params)
+        if self.zero:
+            self.optimizer = ShardedOptimizer(self.stage_params, make_optimizer,
+                                              self.grid.dp_comm, self.algorithm)
+        else:
+            self.optimizer = make_optimizer(self.stage_params)
+        self._owned = {id(p) for p in self.stage_params}
+        self._release_others()
+
+    def _all_params(self) -> list[Any]:
+        """Every trainable parameter of the model and of its tensor-parallel pieces, once."""
+        seen: dict[int, Any] = {}
+        for p in [*self.model.parameters(), *(self.tp_model.parameters() if self.tp_model
+                                              is not None else [])]:
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _release_others(self) -> None:
+        """Drop the values of the parameters this rank does not train (other stages', the whole
+        tensors behind tensor-parallel shards): each becomes a zero-byte placeholder."""
+        for p in self._all_params():
+            if id(p) not in self._owned:
+                p.data = _placeholder(p)
+
+    def _account(self) -> None:
+        """This rank's bytes of parameters held, and of model state (parameters, their
+        gradients, optimizer state)."""
+        params = sum(int(p.data.nbytes) for p in self._all_params() if not _is_placeholder(p.data))
+        grads = sum(int(p.data.nbytes) for p in self.stage_params)
+        optim = self.optimizer.state_nbytes() if self.zero else sum(
+            int(v.nbytes) for st in self.optimizer.state.values() for v in st.values()
+            if hasattr(v, "nbytes") and np.ndim(v) > 0)
+        self.rank_parameter_bytes, self.rank_state_bytes = params, params + grads + optim
 
     def _params_of(self, stage: int) -> list[Any]:
         seen: dict[int, Any] = {}
@@ -321,7 +398,7 @@ class PipelineStrategy(Strategy):
                     self._say(f"recv activation mb {j} <- stage {prev}")
                     pp_comm.recv(buf, prev, step=("act", j))
                     h = inputs[j] = Tensor(buf, requires_grad=True)
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.thread_time()
                 for piece in self.pieces:
                     h = piece(h)
                 t2 = time.perf_counter()
@@ -335,6 +412,7 @@ class PipelineStrategy(Strategy):
                 else:
                     outputs[j] = h
                     sends.append(self._send(xp.ascontiguousarray(h.data), nxt, "act", j, result))
+                cpu = time.thread_time() - c1  # the stage's pieces, the loss, the send's start
                 live += 1
                 peak = max(peak, live)
                 held[j] = h.data.nbytes
@@ -344,31 +422,34 @@ class PipelineStrategy(Strategy):
                 if not self.first:
                     result.spans.append(Span(f"recv act {j}", t0, t1, cat="communication",
                                              args={"peer_stage": prev}))
-                result.spans.append(Span(f"forward {j}", t1, t2, args={"microbatch": j}))
+                result.spans.append(Span(f"forward {j}", t1, t2, args={"microbatch": j,
+                                                                       "cpu_s": cpu}))
                 result.compute_s += t2 - t1
             else:
                 t0 = time.perf_counter()
                 out = outputs.pop(j)
                 if self.last:
-                    t1 = t0
+                    t1, c1 = t0, time.thread_time()
                     out.backward()
                 else:
                     grad = xp.empty(out.shape, dtype=out.data.dtype)
                     self._say(f"recv gradient mb {j} <- stage {nxt}")
                     pp_comm.recv(grad, nxt, step=("grad", j))
-                    t1 = time.perf_counter()
+                    t1, c1 = time.perf_counter(), time.thread_time()
                     out.backward(grad)
                 t2 = time.perf_counter()
                 if not self.first:
                     sends.append(self._send(xp.ascontiguousarray(inputs.pop(j).grad), prev,
                                             "grad", j, result))
+                cpu = time.thread_time() - c1
                 live -= 1
                 live_bytes -= held[j]
                 idle += t1 - t0
                 if not self.last:
                     result.spans.append(Span(f"recv grad {j}", t0, t1, cat="communication",
                                              args={"peer_stage": nxt}))
-                result.spans.append(Span(f"backward {j}", t1, t2, args={"microbatch": j}))
+                result.spans.append(Span(f"backward {j}", t1, t2, args={"microbatch": j,
+                                                                        "cpu_s": cpu}))
                 result.compute_s += t2 - t1
         t0 = time.perf_counter()
         pp_comm.waitall([r for r, _ in sends])
@@ -379,13 +460,15 @@ class PipelineStrategy(Strategy):
         self.optimizer.zero_grad()
         t2 = time.perf_counter()
         result.spans += [Span("gradient all-reduce", t0, t1, cat="communication"),
-                         Span("optimizer step", t1, t2)]
+                         Span("reduce-scatter, optimizer step, all-gather over dp" if self.zero
+                              else "optimizer step", t1, t2)]
         self._share_metrics(result)
         end = time.perf_counter()
         result.comm_s = result.exposed_s = idle + (t1 - t0) + (end - t2)
         result.compute_s += t2 - t1
         self.last_order, self.last_peak, self.last_peak_bytes = order, peak, peak_bytes
         self.idle_s, self.step_s = idle, end - start
+        self._account()
         return result
 
     def _synchronise(self) -> None:
@@ -397,8 +480,8 @@ class PipelineStrategy(Strategy):
                 w.grad = get_array_module(w.data).zeros_like(w.data)
             self._say("all-reduce tied embedding gradient with the other end of the pipeline")
             w.grad = allreduce(w.grad, op="sum", algorithm=self.algorithm, comm=self.tied_comm)
-        if self.grid.dp == 1 or not self.stage_params:
-            return
+        if self.grid.dp == 1 or not self.stage_params or self.zero:
+            return  # ZeRO-1: the optimizer's step reduce-scatters over dp
         xp = get_array_module(self.stage_params[0].data)
         grads = [p.grad if p.grad is not None else xp.zeros_like(p.data)
                  for p in self.stage_params]
@@ -425,16 +508,29 @@ class PipelineStrategy(Strategy):
         all-gather of the tensor-parallel shards); with `optimizer_state`, `state_dict()` gives
         the optimizer state of the whole model in a one-rank optimizer's layout. On leaving, the
         shards are taken from the whole model again (which a checkpoint may have replaced)."""
+        figures = allreduce(np.array([self.rank_parameter_bytes, self.rank_state_bytes],
+                                     dtype=np.float64), op="max", comm=self.comm)
+        self.parameter_bytes, self.model_state_bytes = int(figures[0]), int(figures[1])
         for s in range(self.pp):
             params = self._params_of(s)
             if not params:
                 continue
             xp = get_array_module(params[0].data)
-            flat = xp.concatenate([p.data.reshape(-1) for p in params])
+            if s == self.stage:
+                flat = xp.concatenate([p.data.reshape(-1) for p in params])
+            else:
+                flat = xp.empty(sum(p.size for p in params),
+                                dtype=np.result_type(*[p.data.dtype for p in params]))
             flat = broadcast(flat, root=s, comm=self.grid.pp_comm)
+            if s == self.stage:
+                continue
             offset = 0
             for p in params:
-                p.data[...] = flat[offset:offset + p.size].reshape(p.shape)
+                piece = flat[offset:offset + p.size].reshape(p.shape)
+                if id(p) in self._owned:  # the tied embedding on the last stage
+                    p.data[...] = piece
+                else:
+                    p.data = piece
                 offset += p.size
         if self.tp_model is not None:
             self.tp_model.gather_into_model()
@@ -446,6 +542,7 @@ class PipelineStrategy(Strategy):
             self._whole_state = None
             if self.tp_model is not None:
                 self.tp_model.scatter_from_model()
+            self._release_others()
 
     def _entries(self) -> list[tuple[int, int, Any, Any]]:
         """For each parameter this rank's optimizer steps (position k): (k, the index of the
@@ -507,13 +604,73 @@ class PipelineStrategy(Strategy):
         self.optimizer.load_state_dict({"state": local, "param_groups": [
             {**group, "params": list(range(len(self.stage_params)))}]})
 
+    def checkpoint_shard(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """This rank's part of a checkpoint (None when it writes none) and the manifest: each
+        stage's dp-rank-0 writes its parameters (each tp rank its shards, tp rank 0 the
+        replicated ones; the last stage leaves the tied embedding to the first), the optimizer
+        state beside them (with ZeRO-1 every dp rank its block of it), rank 0 the buffers.
+        Each array is stored flat with the runs (start, length) of the whole tensor's flat
+        elements it holds (`assemble_parts` in mpdl.training.checkpoint puts them together).
+        Collective (the optimizer's scalar state is agreed)."""
+        g = self.grid
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        arrays: dict[str, Any] = {}
+        meta: list[list[Any]] = []
+
+        def add(target: str, name: str, key: Any, full: Any, positions: Any, values: Any) -> None:
+            n = len(meta)
+            arrays[f"a{n}"] = np.ascontiguousarray(to_host(values)).reshape(-1)
+            arrays[f"r{n}"] = runs(positions)
+            meta.append([target, name, key, list(full.shape), str(full.dtype)])
+
+        positions: dict[int, Any] = {}
+        for k, _, full, where in self._entries():
+            p = self.stage_params[k]
+            if p is self.tied or (where is None and g.t != 0):
+                continue  # written by the first stage / by tp rank 0
+            index = np.arange(full.size).reshape(full.shape)
+            positions[k] = (index[where(g.t)] if where is not None else index).reshape(-1)
+            if g.d == 0:
+                add("model", names[id(full)], None, full, positions[k], p.data)
+        if self.zero:
+            parts = self.optimizer.pieces()
+        else:
+            parts = [(k, 0, self.stage_params[k].size, st) for k, st in
+                     ((int(k), st) for k, st in self.optimizer.state_dict()["state"].items())
+                     if g.d == 0]
+        scalars: dict[str, Any] = {}
+        entries = {k: (i, full) for k, i, full, _ in self._entries()}
+        for k, a, b, st in parts:
+            i, full = entries[k]
+            for key, v in st.items():
+                if np.ndim(v) == 0:
+                    scalars[key] = v.item() if hasattr(v, "item") else v
+                elif k in positions:
+                    add("state", str(i), key, full, positions[k][a:b], v)
+        if self.comm.rank == 0:
+            for n, t in [*self.model.named_buffers(),
+                         *((n, p) for n, p in self.model.named_parameters()
+                           if not p.requires_grad)]:
+                add("model", n, None, t.data, np.arange(t.data.size), t.data)
+        scalars = next((s for s in self.comm.allgather_object(scalars) if s), {})
+        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        manifest = {"format": "parts", "ranks": self.comm.size, "scalars": scalars,
+                    "param_groups": [{**group,
+                                      "params": list(range(len(self.model.parameters())))}],
+                    "layout": {"dp": g.dp, "pp": self.pp, "tp": g.tp, "zero": self.zero}}
+        if not meta:
+            return None, manifest
+        arrays["meta"] = np.array(json.dumps(meta))
+        return arrays, manifest
+
     def describe(self, final: bool = False) -> str:
         if final:
             return ""
         sizes = [sum(p.size for p in self._params_of(s)) for s in range(self.pp)]
         tp = f"tensor parallel over {self.grid.tp} ranks, " if self.grid.tp > 1 else ""
         return (f"{tp}pipeline {self.schedule}, {self.pp} stages (pieces {self.bounds}, parameters "
-                f"{sizes}), {self.microbatches} microbatches, dp {self.grid.dp} all-reduce "
+                f"{sizes}), {self.microbatches} microbatches, dp {self.grid.dp} "
+                f"{'ZeRO-1 reduce-scatter/all-gather' if self.zero else 'all-reduce'} "
                 f"{self.algorithm}; bubble formula "
                 f"{bubble_formula(self.pp, self.microbatches):.1%}")
 
@@ -522,9 +679,12 @@ class PipelineStrategy(Strategy):
                                   "mode": self.mode if self.pp > 1 else "tensor",
                                   "dp": self.grid.dp, "pp": self.pp, "tp": self.grid.tp,
                                   "schedule": self.schedule, "microbatches": self.microbatches,
+                                  "zero_stage": self.zero,
                                   "bubble_formula": bubble_formula(self.pp, self.microbatches)}
         if final:
             fields.update(stage=self.stage, p2p_messages=self.messages,
+                          parameter_bytes=self.parameter_bytes,
+                          model_state_bytes=self.model_state_bytes,
                           p2p_bytes=self.bytes_sent, peak_in_flight=self.last_peak,
                           peak_output_bytes=self.last_peak_bytes)
         return fields

@@ -173,7 +173,7 @@ class TensorParallelGPT(nn.Module):
     def gather_into_model(self) -> None:
         """All-gather every shard into the wrapped GPT's parameters (collective over tp)."""
         for shard, full, index in self.shards:
-            full.data[...] = gather_array(shard.data, full.shape, index, self.comm)
+            full.data = gather_array(shard.data, full.shape, index, self.comm)
 
     def scatter_from_model(self) -> None:
         """Copy this rank's slices of the wrapped GPT's parameters into the shards (no messages;

@@ -18,7 +18,9 @@ each rank that holds a shard writes its file into DIR/.staging, then rank 0 writ
 which holds the SHA-256 of every shard file and the manifest of the layout (the units, their
 parameters, offsets and dtypes, and how many ranks shared them), and moves the set into DIR,
 state.json last. `load_checkpoint` reassembles whole tensors from the shards, so the run that
-resumes may have any number of ranks and any strategy.
+resumes may have any number of ranks and any strategy. A pipeline or tensor-parallel run writes
+the same kind of set, one part per stage and tensor-parallel shard (with ZeRO-1, per dp rank
+too): each array with the runs of the whole tensor's elements it holds (`assemble_parts`).
 """
 
 from __future__ import annotations
@@ -274,12 +276,47 @@ def load_checkpoint(directory: str | Path
     return model, optim, state
 
 
+def assemble_parts(manifest: dict[str, Any], blobs: dict[str, bytes]
+                   ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Whole tensors (model state by name, a one-rank optimizer's state_dict) from the part files
+    of a per-stage / per-shard checkpoint (format "parts": a pipeline's or tensor-parallel run's).
+    Each file's `meta` lists its arrays: [target ("model" or "state"), parameter name or
+    position, state key, whole shape, dtype]; array aN holds flat values, rN the (start, length)
+    runs of the whole tensor's flat elements they fill. Every whole tensor must be filled."""
+    model: dict[str, np.ndarray] = {}
+    state: dict[str, dict[str, Any]] = {}
+    filled: dict[tuple[str, str, Any], int] = {}
+    for name in sorted(n for n in blobs if n.startswith("shard-")):
+        with np.load(io.BytesIO(blobs[name]), allow_pickle=False) as archive:
+            arrays = {k: archive[k] for k in archive.files}
+        for n, (target, key, entry, shape, dtype) in enumerate(json.loads(str(arrays["meta"]))):
+            dest, slot = (model, key) if target == "model" else (state.setdefault(key, {}), entry)
+            if slot not in dest:
+                dest[slot] = np.empty(shape, dtype=dtype)
+            whole, values, offset = dest[slot].reshape(-1), arrays[f"a{n}"], 0
+            for start, length in arrays[f"r{n}"]:
+                whole[start:start + length] = values[offset:offset + length]
+                offset += length
+            filled[(target, key, entry)] = filled.get((target, key, entry), 0) + offset
+    for (target, key, entry), count in filled.items():
+        size = (model[key] if target == "model" else state[key][entry]).size
+        if count != size:
+            raise CheckpointError(f"the parts fill {count} of the {size} elements of "
+                                  f"{target} {key}{'' if entry is None else ' ' + entry}")
+    for entries in state.values():
+        entries.update(manifest["scalars"])
+    return model, {"state": state, "param_groups": manifest["param_groups"]}
+
+
 def _assemble(manifest: dict[str, Any], blobs: dict[str, bytes]
               ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Whole tensors (model state by name, a replica's optimizer state_dict) from the shard
     files of a sharded checkpoint. The manifest: `ranks` that shared the units; per unit its
     `dtype`, `count` and `params` ([name, position, shape, offset]); the optimizer's array
-    `state_keys`, `scalars` and `param_groups`; the model's other arrays are in shard 0."""
+    `state_keys`, `scalars` and `param_groups`; the model's other arrays are in shard 0. A
+    manifest of format "parts" goes to `assemble_parts`."""
+    if manifest.get("format") == "parts":
+        return assemble_parts(manifest, blobs)
     shards = []
     for rank in range(manifest["ranks"]):
         with np.load(io.BytesIO(blobs[f"shard-{rank:05d}.npz"]), allow_pickle=False) as a:

@@ -297,8 +297,13 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
     if config.pp > pieces:
         raise ConfigError(f"{{pp}} {config.pp}: {{model}} {config.model} has {pieces} pieces to "
                           f"cut into stages" + (" (n_layer + 2)" if config.model == "gpt" else ""))
-    for field, default in (("zero", 0), ("mode", "allreduce"), ("compression", "none"),
-                           ("sync_every", 1)):
+    if config.zero not in (0, 1):
+        raise ConfigError(f"{{pp}} > 1 or {{tp}} > 1 combine with {{zero}} 1 only (the "
+                          f"optimizer state sharded over the data-parallel axis), not "
+                          f"{{zero}} {config.zero}")
+    if config.zero_hybrid:
+        raise ConfigError("{pp} > 1 or {tp} > 1 cannot be combined with {zero_hybrid}")
+    for field, default in (("mode", "allreduce"), ("compression", "none"), ("sync_every", 1)):
         if getattr(config, field) != default:
             raise ConfigError(f"{{pp}} > 1 or {{tp}} > 1 cannot be combined with {{{field}}} "
                               f"(not supported with model parallelism yet)")

@@ -25,7 +25,7 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
     if c.model_parallel():
         return PipelineStrategy(comm, dp=c.data_ranks(comm.size), pp=c.pp, tp=c.tp,
                                 microbatches=c.microbatches, schedule=c.schedule,
-                                algorithm=c.algorithm, verbose=c.verbose_comm)
+                                algorithm=c.algorithm, verbose=c.verbose_comm, zero=c.zero)
     common = dict(algorithm=c.algorithm, bucket_mb=c.bucket_mb, first_bucket_mb=c.first_bucket_mb,
                   overlap=c.overlap)
     if c.zero:

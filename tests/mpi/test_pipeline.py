@@ -6,7 +6,8 @@ Every grid (dp, pp) with dp × pp = the world size and pp ≥ 2 (none at 1 rank)
 one-process loop that each rank runs on its own (no strategy, no communication) on the same
 model, data and seed, within 1e-5 in float32 (round-off: the gradients add up in another order;
 see tests/test_pipeline.py) and 1e-10 in float64. Tensor parallelism (tp = 2, the GPT's two
-heads) on every grid (dp, pp, 2) of an even world size.
+heads) on every grid (dp, pp, 2) of an even world size. Each also with ZeRO-1 on the
+data-parallel axis (the optimizer state sharded over dp: reduce-scatter, step, all-gather).
 """
 
 from __future__ import annotations
@@ -72,9 +73,10 @@ def layouts():
     return LAYOUTS
 
 
-def run(dp: int, pp: int, tp: int, m: int, schedule: str, name: str, dtype: str) -> list[float]:
+def run(dp: int, pp: int, tp: int, m: int, schedule: str, name: str, dtype: str,
+        zero: int = 0) -> list[float]:
     comm = as_communicator(MPI.COMM_WORLD)
-    strategy = PipelineStrategy(comm, dp, pp, tp, microbatches=m, schedule=schedule)
+    strategy = PipelineStrategy(comm, dp, pp, tp, microbatches=m, schedule=schedule, zero=zero)
     strategy.setup(make_model(name, dtype), lambda p: optim.Adam(p, lr=1e-2))
     x, y = data(name, dtype)
     bounds = np.linspace(0, N, dp + 1).astype(int)
@@ -95,10 +97,10 @@ def test_every_grid_follows_one_process(name, dtype, schedule):
     for dp, pp in layouts():
         if pp > (4 if name == "gpt" else 5):
             continue  # more stages than pieces
-        for m in (1, 3):
-            losses = run(dp, pp, 1, m, schedule, name, dtype)
+        for m, zero in ((1, 0), (3, 0), (3, 1)):
+            losses = run(dp, pp, 1, m, schedule, name, dtype, zero)
             np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL[dtype],
-                                       err_msg=f"dp {dp} pp {pp} m {m}")
+                                       err_msg=f"dp {dp} pp {pp} m {m} zero {zero}")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -108,6 +110,20 @@ def test_tensor_parallel_grids_follow_one_process(dtype, schedule):
         pytest.skip(f"tp = 2 needs an even number of ranks, not {P}")
     ref = oracle("gpt", dtype)
     for dp, pp, tp in TP_LAYOUTS:
-        losses = run(dp, pp, tp, 2, schedule, "gpt", dtype)
-        np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL[dtype],
-                                   err_msg=f"dp {dp} pp {pp} tp {tp}")
+        for zero in (0, 1):
+            losses = run(dp, pp, tp, 2, schedule, "gpt", dtype, zero)
+            np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL[dtype],
+                                       err_msg=f"dp {dp} pp {pp} tp {tp} zero {zero}")
+
+
+@pytest.mark.parametrize("schedule", ["afab", "1f1b"])
+def test_zero_one_on_the_data_axis_follows_one_process(schedule):
+    """ZeRO-1 over dp with pp = 1 or tp = 1 too: every (dp, pp) grid with dp >= 2."""
+    grids = [(P // pp, pp) for pp in range(1, P) if P % pp == 0 and P // pp >= 2]
+    if not grids:
+        pytest.skip(f"no grid with dp >= 2 on {P} rank(s)")
+    ref = oracle("mlp", "float32")
+    for dp, pp in grids:
+        losses = run(dp, pp, 1, 2, schedule, "mlp", "float32", zero=1)
+        np.testing.assert_allclose(losses, ref, rtol=0, atol=TOL["float32"],
+                                   err_msg=f"dp {dp} pp {pp}")
