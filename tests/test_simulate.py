@@ -167,3 +167,26 @@ def test_agreement_verdict_is_on_the_median_and_can_fail():
     assert agreement.verdict([0.7, 0.74, 1.3]) == (0.74, False)
     assert agreement.verdict([1.2, 1.3, 1.26]) == (1.26, False)
     assert agreement.verdict([0.76, 0.8, 0.9])[1]
+
+
+def test_pipeline_flush_is_one_pass_plus_m_minus_one_slowest_slots():
+    # equal stages: (m + pp - 1) slots, the idle share is the bubble formula
+    for pp, m in ((2, 1), (2, 4), (4, 8), (8, 32)):
+        t = S.pipeline_compute([3.0] * pp, m)
+        assert t == (m + pp - 1) * 3.0
+        assert 1 - m * 3.0 / t == pytest.approx((pp - 1) / (m + pp - 1))
+    # unequal stages, by hand: 1 + 4 + 2 through, then 3 more of the slowest (4)
+    assert S.pipeline_compute([1.0, 4.0, 2.0], 4) == 7.0 + 3 * 4.0
+    # more microbatches never raise the idle share
+    shares = [1 - m * 4.0 / S.pipeline_compute([1.0, 4.0, 2.0], m) for m in range(1, 40)]
+    assert all(b <= a + 1e-12 for a, b in zip(shares, shares[1:], strict=False))
+    with pytest.raises(ValueError, match="microbatches"):
+        S.pipeline_compute([1.0], 0)
+
+
+def test_measure_workload_times_the_optimizer_it_is_given():
+    sgd = S.measure_workload("mlp", batch=8, repeats=2)
+    adam = S.measure_workload("mlp", batch=8, repeats=2, optimizer="adam")
+    assert sgd.params == adam.params and adam.step_s > 0
+    with pytest.raises(ValueError, match="optimizer"):
+        S.measure_workload("mlp", optimizer="rmsprop")

@@ -238,6 +238,16 @@ def step_time(workload: Workload, strategy: Strategy, workers: int, nodes: int,
     return Step(workload.compute(batch), k * bucket_s, exposed, k, size)
 
 
+def pipeline_compute(stage_slots: Sequence[float], microbatches: int) -> float:
+    """Seconds of a pipeline flush: stage_slots[i] is stage i's forward + backward of one
+    microbatch. One microbatch passes every stage, the other m-1 are paced by the slowest: with
+    equal stages t, (m + pp - 1)·t, whose idle share is the bubble (pp-1)/(m+pp-1)."""
+    if not stage_slots or microbatches < 1:
+        raise ValueError(f"stage_slots and microbatches: expected stages and m >= 1, got "
+                         f"{len(stage_slots)} and {microbatches}")
+    return float(sum(stage_slots) + (microbatches - 1) * max(stage_slots))
+
+
 # -- sweeps ------------------------------------------------------------------------------------------
 def nodes_for(workers: int, per_node: int) -> int:
     """Nodes used by `workers` workers filled per_node at a time."""
@@ -374,19 +384,26 @@ def limits(rows: Sequence[Row], min_gain: float = 0.05) -> dict[str, dict[str, i
 
 # -- measuring an mpdl model on this machine -----------------------------------------------------------
 INPUT_SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "cifar": (3, 32, 32)}
+#: the optimizers `measure_workload` can time, as `mpdl train` builds them by default
+MEASURE_OPTIMIZERS = ("sgd", "adam")
 
 
 def measure_workload(model: str, shape: str = "digits", batch: int = 32, repeats: int = 15,
-                     classes: int = 10, dtype: str = "float32", seed: int = 0) -> Workload:
-    """Time forward, backward and an SGD step of an mpdl zoo model at batch/4 and batch samples
-    (interleaved, medians) and fit sample_s (slope), step_s (intercept plus the optimizer) and the
-    backward share."""
+                     classes: int = 10, dtype: str = "float32", seed: int = 0,
+                     optimizer: str = "sgd") -> Workload:
+    """Time forward, backward and an optimizer step (SGD with momentum, or Adam) of an mpdl zoo
+    model at batch/4 and batch samples (interleaved, medians) and fit sample_s (slope), step_s
+    (intercept plus the optimizer) and the backward share."""
     if shape not in INPUT_SHAPES:
         raise ValueError(f"shape: expected one of {', '.join(INPUT_SHAPES)}, got {shape!r}")
+    if optimizer not in MEASURE_OPTIMIZERS:
+        raise ValueError(f"optimizer: expected one of {', '.join(MEASURE_OPTIMIZERS)}, "
+                         f"got {optimizer!r}")
     if batch < 1 or repeats < 1:
         raise ValueError(f"batch and repeats: expected positive counts, got {batch}, {repeats}")
     net = build_model(model, INPUT_SHAPES[shape], classes, seed=seed, dtype=np.dtype(dtype))
-    opt = optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    opt = (optim.SGD(net.parameters(), lr=0.01, momentum=0.9) if optimizer == "sgd"
+           else optim.Adam(net.parameters(), lr=1e-3))
     rng = np.random.default_rng(seed)
     sizes = sorted({max(1, batch // 4), batch})
     data = {b: (rng.standard_normal((b, *INPUT_SHAPES[shape])).astype(dtype),
