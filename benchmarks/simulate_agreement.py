@@ -305,7 +305,8 @@ def main() -> int:
         for p in sizes:
             results: dict[str, tuple[list[float], float]] = {}
 
-            def add(what: str, ratio: float, tolerance: float = TOLERANCE) -> None:
+            def add(what: str, ratio: float, tolerance: float = TOLERANCE,
+                    results: dict = results) -> None:
                 results.setdefault(what, ([], tolerance))[0].append(ratio)
 
             for round_ in range(args.rounds):
