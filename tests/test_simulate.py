@@ -190,3 +190,33 @@ def test_measure_workload_times_the_optimizer_it_is_given():
     assert sgd.params == adam.params and adam.step_s > 0
     with pytest.raises(ValueError, match="optimizer"):
         S.measure_workload("mlp", optimizer="rmsprop")
+
+
+def test_saturating_profile_keeps_its_measured_rate_and_halves_at_half_batch():
+    w = S.saturating("x", rate=1200, batch=256, half_batch=10.6, bytes_per_param=2, source="")
+    assert 256 / w.compute(256) == pytest.approx(1200)
+    assert 10.6 / w.compute(10.6) == pytest.approx(1200 * (256 + 10.6) / 256 / 2)
+    rates = [b / w.compute(b) for b in (1, 8, 32, 128, 256, 1024)]
+    assert rates == sorted(rates)  # a larger batch never runs fewer samples per second
+    v100 = S.PROFILES["resnet50-v100"]
+    assert 256 / v100.compute(256) == pytest.approx(1200)
+    assert 32 / v100.compute(32) == pytest.approx(32 / ((32 + 10.6) * 256 / 1200 / (256 + 10.6)))
+
+
+def test_a_shared_node_link_slows_the_node_wide_inter_node_phase_only():
+    """With the node's inter-node bandwidth shared, hierarchical and torus2d (every worker of a
+    node crosses at once) see 1/g of it each; the flat ring (one flow per node boundary) does not."""
+    own = S.network("own", 100e9, 5e-6, 10e9, 5e-6, per_node=4)
+    shared = S.network("shared", 100e9, 5e-6, 10e9, 5e-6, per_node=4, shared_inter=True)
+    quarter = S.network("quarter", 100e9, 5e-6, 2.5e9, 5e-6, per_node=4)
+    n = 64 << 20
+    for algo in ("hierarchical", "torus2d"):
+        a = S.allreduce_seconds(algo, n, 64, 16, own.params, shared_inter=own.shared_inter)
+        b = S.allreduce_seconds(algo, n, 64, 16, shared.params, shared_inter=shared.shared_inter)
+        c = S.allreduce_seconds(algo, n, 64, 16, quarter.params)
+        assert a < b == pytest.approx(c)
+    assert (S.allreduce_seconds("ring", n, 64, 16, shared.params, shared_inter=True)
+            == S.allreduce_seconds("ring", n, 64, 16, own.params))
+    # one node: nothing crosses
+    assert (S.allreduce_seconds("hierarchical", n, 4, 1, shared.params, shared_inter=True)
+            == S.allreduce_seconds("hierarchical", n, 4, 1, own.params))

@@ -159,7 +159,8 @@ def choose_network(args: argparse.Namespace, default: str, ranks: int):
         bw, lat = _link("--inter", args.inter)
         p = replace(p, alpha_inter=lat, beta_inter=0.0 if math.isinf(bw) else 1 / bw)
     if args.intra or args.inter:
-        net = S.Network(f"{net.name} (links overridden)", p, net.per_node, net.source)
+        net = S.Network(f"{net.name} (links overridden)", p, net.per_node, net.source,
+                        net.shared_inter)
     return net
 
 
