@@ -7,7 +7,8 @@ compares the model's predictions with measurements taken right after:
            simulate --measure lenet` (every rank measures at once);
 * zero   - `mpdl train --zero S --optimizer adam` of LeNet at each stage: its step against the
            compute measured with Adam plus, per ZeRO unit, the calibrated ring reduce-scatter and
-           all-gather (two all-gathers at stage 3), all exposed; and its measured
+           all-gather (two all-gathers at stage 3), all exposed, each with the calibrated
+           handoff to the communication thread; and its measured
            `model_state_bytes` against `mpdl.perf.layouts`' memory per GPU (float32 Adam sharded
            over p, plus the largest unit held whole: its gradient at stage 2, its gradient and
            gathered weights at stage 3; the unit sizes are the ones the run reports);
@@ -137,9 +138,11 @@ def zero_ratios(p: int, stage: int, predicted: dict, env: dict, tmp_path: Path,
     # before backward), one collective call per unit, charged by the calibrated cost model. They
     # are taken as exposed: LeNet's stage 1 and 2 have a single unit, whose reduce-scatter starts
     # when backward ends and whose all-gather follows the optimizer
+    # Each is handed to the communication thread and waited for: params.handoff per call.
     params = _params(env, p)
     comm = sum(cm.predict("reduce_scatter", "ring", b, p, 1, params)
                + (2 if stage == 3 else 1) * cm.predict("allgather", "ring", b, p, 1, params)
+               + (3 if stage == 3 else 2) * params.handoff
                for b in summary["unit_bytes"])
     step = predicted["compute_s"] + comm
     fp32 = L.PRECISIONS["fp32"]

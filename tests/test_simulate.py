@@ -220,3 +220,14 @@ def test_a_shared_node_link_slows_the_node_wide_inter_node_phase_only():
     # one node: nothing crosses
     assert (S.allreduce_seconds("hierarchical", n, 4, 1, shared.params, shared_inter=True)
             == S.allreduce_seconds("hierarchical", n, 4, 1, own.params))
+
+
+def test_a_bucket_pays_the_calibrated_handoff_to_the_communication_thread():
+    net = S.network("n", 10e9, 5e-6, None, None, per_node=4)
+    handed = replace(net.params, handoff=30e-6)
+    strategy = S.Strategy("ring", bucket_bytes=1 << 20)
+    k, size, plain = S.comm_per_bucket(WORK, strategy, 4, 1, net.params)
+    k2, size2, with_handoff = S.comm_per_bucket(WORK, strategy, 4, 1, handed)
+    assert (k, size) == (k2, size2) and plain == S.allreduce_seconds("ring", size, 4, 1, net.params)
+    assert with_handoff == pytest.approx(plain + 30e-6)
+    assert S.step_time(WORK, strategy, 4, 1, handed, 32).comm == pytest.approx(k * (plain + 30e-6))

@@ -71,6 +71,9 @@ class Params:
     #: an 8-byte ring all-reduce on every rank less its steps, so the Python of the call with
     #: every rank running it, sharing the cores, is in it)
     call: float = 15e-6
+    #: what a collective handed to the communication thread (`*_async`, as DDP's buckets and
+    #: ZeRO's units are) and waited for costs beyond the call itself (0: not measured)
+    handoff: float = 0.0
     #: the MPI library's own per-message latency (the `mpi` baseline has no Python in its loop)
     alpha_native: float = 3e-6
     #: γ per dtype name; `gamma` serves dtypes not listed
@@ -153,7 +156,7 @@ class Params:
                 raise ModelUnavailable(f"parameter {curve} needs at least two measured sizes")
         params = cls(**values)
         for name in ("alpha", "beta", "gamma", "copy", "copy_cached", "barrier", "call",
-                     "alpha_native"):
+                     "handoff", "alpha_native"):
             value = getattr(params, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ModelUnavailable(f"parameter {name}={value!r} is not a time >= 0")

@@ -1,21 +1,26 @@
 """Measure α, β and γ on this machine and fit the cost model's parameters (`mpdl calibrate`).
 
 Every rank takes part at once, as in a collective. For α and β, neighbouring ranks of a node
-exchange messages in pairs; with three or more ranks on a node, they also pass them round a ring
+exchange messages in pairs. With two or more ranks on a node they also pass them round a ring
 (each sends to the next and receives from the previous, 2(p-1) steps in a row, each forwarding
 what the step before brought, as in the ring algorithms), which with more ranks than cores is
 slower, since every rank must be scheduled, and slower still when each step waits on the one
-before instead of starting after a barrier; with several nodes, equal local ranks of paired
-nodes exchange them. Each exchange is timed as `mpdl bench`
-times a call (barrier, one call, slowest rank). Every rank reduces arrays for γ (per dtype) and
-copies them, on arrays not in cache, and copies a window chunk that stays in cache (the shm
-algorithm's); the barrier shm takes twice per call is measured inside an 8-byte shm all-reduce. A
-collective's time is set by its slowest rank, so each figure is the maximum over ranks. Last, every
-rank times float32 512×512 GEMMs at once (`mpdl.training.throughput.gemm_flops`), and the best
-rank's FLOP/s is the per-core peak `mpdl train` reports model-FLOPs utilisation against.
-`calibrate` stores the parameters under this world size in the cost model's file
-($MPDL_COST_MODEL, or ~/.cache/mpdl/costmodel.json; XDG_CACHE_HOME is honoured); `auto` and
-`mpdl bench` read them from there.
+before instead of starting after a barrier; and they take the ring reduce-scatter's steps the
+same way, each adding the block it received into the next (so the reduction is timed at the rate
+it runs at, on a block just received). With several nodes, equal local ranks of paired nodes
+exchange messages. Each exchange is timed as `mpdl bench` times a call (barrier, one call, slowest
+rank). Every rank reduces arrays for γ (per dtype) and copies them, on arrays not in cache; copies
+one pair of buffers call after call at each size (the API's input copy, as repeated calls meet
+it); and copies a window chunk that stays in cache (the shm algorithm's). The barrier shm takes
+twice per call is measured inside an 8-byte shm all-reduce. On one node, the API's fixed cost
+per call is an 8-byte ring all-reduce less its 2(p-1) steps, every rank calling at once, and the
+handoff what the same call costs more when handed to the communication thread. A collective's
+time is set by its slowest rank, so each figure is the maximum over ranks. Last, every rank times
+float32 512×512 GEMMs at once (`mpdl.training.throughput.gemm_flops`), and the best rank's FLOP/s
+is the per-core peak `mpdl train` reports model-FLOPs utilisation against. `calibrate` stores the
+parameters under this world size in the cost model's file ($MPDL_COST_MODEL, or
+~/.cache/mpdl/costmodel.json; XDG_CACHE_HOME is honoured); `auto` and `mpdl bench` read them from
+there.
 """
 
 from __future__ import annotations
@@ -284,9 +289,16 @@ def measure(comm: Any, iters: int) -> dict[str, Any]:
         whole = lambda: collectives.allreduce(small, algorithm="ring", comm=comm)  # noqa: E731
         chain = lambda: (reducing(), plain())  # noqa: E731
         whole(), chain()
+        # ... and the same all-reduce handed to the communication thread and waited for (DDP's
+        # buckets, ZeRO's units): what waking the thread and handing the result back add
+        handed = lambda: collectives.allreduce_async(  # noqa: E731
+            small, algorithm="ring", comm=comm).wait()
+        handed()
         samples = [(_bench_time(comm, whole, max(3, iters // 2)),
-                    _bench_time(comm, chain, max(3, iters // 2))) for _ in range(SWEEPS)]
-        figures["call"] = max(alone_call, float(np.median([w - c for w, c in samples])))
+                    _bench_time(comm, chain, max(3, iters // 2)),
+                    _bench_time(comm, handed, max(3, iters // 2))) for _ in range(SWEEPS)]
+        figures["call"] = max(alone_call, float(np.median([w - c for w, c, _ in samples])))
+        figures["handoff"] = max(0.0, float(np.median([h - w for w, _, h in samples])))
     quiet_barrier(mpi)
 
     keys = sorted(figures)
@@ -321,7 +333,8 @@ def to_params(measured: dict[str, Any], ranks: int, nodes: int, host: str) -> Pa
     return Params(alpha=alpha, beta=beta, gamma=dict(gammas)["float32"], alpha_inter=alpha_inter,
                   beta_inter=beta_inter, copy=measured["copy"], copy_cached=measured["copy_cached"],
                   barrier=measured["barrier"],
-                  call=measured["call"], alpha_native=measured.get("alpha_native") or alpha,
+                  call=measured["call"], handoff=measured.get("handoff", 0.0),
+                  alpha_native=measured.get("alpha_native") or alpha,
                   gammas=gammas, ranks=ranks,
                   exchange=_monotone(sizes, measured["intra"]) if intra_pairs else (),
                   ring_exchange=_monotone(sizes, measured["ring"]) if measured["ring"] else (),

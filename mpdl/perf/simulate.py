@@ -254,11 +254,12 @@ def exposed_seconds(bucket_s: float, k: int, backward_s: float, overlap: bool) -
 
 def comm_per_bucket(workload: Workload, strategy: Strategy, workers: int, nodes: int,
                     params: cm.Params, shared_inter: bool = False) -> tuple[int, float, float]:
-    """(buckets, bytes per bucket, seconds per bucket's all-reduce)."""
+    """(buckets, bytes per bucket, seconds per bucket's all-reduce, handed to the communication
+    thread as DDP hands it: params.handoff, calibrated on this machine, 0 for a modelled one)."""
     k, size = buckets(workload, strategy)
     dtype = "float16" if workload.bytes_per_param == 2 else "float32"
     return k, size, allreduce_seconds(strategy.algorithm, size, workers, nodes, params, dtype,
-                                      shared_inter)
+                                      shared_inter) + params.handoff
 
 
 def step_time(workload: Workload, strategy: Strategy, workers: int, nodes: int,
