@@ -14,7 +14,7 @@ compares the model's predictions with measurements taken right after:
            gathered weights at stage 3; the unit sizes are the ones the run reports);
 * pp     - `mpdl train --pp 2 --microbatches 4` of LeNet (32 samples per pipeline; dp = p/2)
            against the pipeline model: each stage's forward + backward of one microbatch (timed
-           on every rank at once, the pieces cut as the pipeline cuts them), one microbatch
+           on p/pp ranks at once, the pieces cut as the pipeline cuts them), one microbatch
            through all stages and the other m-1 paced by the slowest stage (equal stages give
            the bubble (pp-1)/(m+pp-1)), an activation and a gradient message per stage boundary
            on that path, the slowest stage's optimizer step and, with dp > 1, the calibrated
@@ -236,15 +236,22 @@ def pipeline_step(stages: dict, m: int, dp: int, params: cm.Params) -> dict:
 
 
 def _stage_worker(argv: list[str]) -> int:
-    """Under mpiexec: every rank times the stages at once; rank 0 writes the slowest rank's."""
+    """Under mpiexec -n p: the stages are timed by p/pp ranks at once (one per pipeline, as many
+    as compute at once when the slowest stage paces the pipeline and the others wait for it), the
+    other ranks sleeping; rank 0 writes the slowest measuring rank's figures."""
     model, shape, microbatch, pp, out = argv
     from mpi4py import MPI
 
-    MPI.COMM_WORLD.Barrier()
-    mine = stage_times(model, shape, int(microbatch), int(pp))
-    everyone = MPI.COMM_WORLD.gather(mine, root=0)
-    if MPI.COMM_WORLD.rank == 0:
-        worst = {k: [max(r[k][s] for r in everyone) for s in range(int(pp))] for k in mine}
+    from mpdl.perf.calibrate import quiet_barrier
+
+    world = MPI.COMM_WORLD
+    measuring = world.rank < world.size // int(pp)
+    quiet_barrier(world)
+    mine = stage_times(model, shape, int(microbatch), int(pp)) if measuring else None
+    everyone = [r for r in world.gather(mine, root=0) or [] if r is not None]
+    quiet_barrier(world)
+    if world.rank == 0:
+        worst = {k: [max(r[k][s] for r in everyone) for s in range(int(pp))] for k in everyone[0]}
         Path(out).write_text(json.dumps(worst))
     return 0
 
