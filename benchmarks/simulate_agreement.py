@@ -1,19 +1,34 @@
-"""Does `mpdl simulate` predict this machine? For each world size p (default 2, 3 and 4): calibrate at
-p, then compare the model's predictions with measured `mpdl bench` (ring all-reduce, 512 KiB-2 MiB)
-and `mpdl train` (LeNet, 32 samples per rank) step times. With --zero, also `mpdl train --zero S`
-of LeNet with float32 Adam at each stage: its step time against the data-parallel prediction
-(per unit the calibrated cost of its reduce-scatter and all-gather, stage 3 two all-gathers, not
-hidden behind compute), and its measured `model_state_bytes` against `mpdl.perf.layouts`' memory per GPU
-(float32 Adam, sharded over p, plus the largest unit held whole: its gradient at stage 2, its
-gradient and gathered weights at stage 3; the unit sizes are the ones the run reports).
+"""Does `mpdl simulate` predict this machine? Each round calibrates at p (`mpdl calibrate`), then
+compares the model's predictions with measurements taken right after:
 
-    python benchmarks/simulate_agreement.py [--ranks 2 3 4] [--rounds 5] [--zero 1 2 3] [--only-zero]
+* ring   - `mpdl bench` of the ring all-reduce at 512 KiB, 1 MiB and 2 MiB against the calibrated
+           cost model (the median over the three sizes);
+* lenet  - `mpdl train` of LeNet (32 samples per rank, data parallel) against `mpiexec -n p mpdl
+           simulate --measure lenet` (every rank measures at once);
+* zero   - `mpdl train --zero S --optimizer adam` of LeNet at each stage: its step against the
+           compute measured with Adam plus, per ZeRO unit, the calibrated ring reduce-scatter and
+           all-gather (two all-gathers at stage 3), all exposed, each with the calibrated
+           handoff to the communication thread; and its measured
+           `model_state_bytes` against `mpdl.perf.layouts`' memory per GPU (float32 Adam sharded
+           over p, plus the largest unit held whole: its gradient at stage 2, its gradient and
+           gathered weights at stage 3; the unit sizes are the ones the run reports);
+* pp     - `mpdl train --pp 2 --microbatches 4` of LeNet (32 samples per pipeline; dp = p/2)
+           against the pipeline model: each stage's forward + backward of one microbatch (timed
+           on p/pp ranks at once, the pieces cut as the pipeline cuts them), one microbatch
+           through all stages and the other m-1 paced by the slowest stage (equal stages give
+           the bubble (pp-1)/(m+pp-1)), an activation and a gradient message per stage boundary
+           on that path, the slowest stage's optimizer step and, with dp > 1, the calibrated
+           ring all-reduce of the largest stage's gradient.
 
-Each round calibrates again, then benches and trains right after, because this machine's speed
-drifts within minutes; the verdict is on the median over rounds.
+    flock /tmp/mpdl-bench.lock python benchmarks/simulate_agreement.py            # everything
+    python benchmarks/simulate_agreement.py --checks ring lenet --ranks 2 3 4 --rounds 5
+    python benchmarks/simulate_agreement.py --checks zero pp --ranks 2 4 --zero 1 2 3
 
-Exits 1 when a median ratio predicted/measured lies outside ±25%. It is a benchmark, not a unit
-test: timings on a shared machine are noisy, so it is run by hand and its figures reported.
+Each round calibrates again, because this machine's speed drifts within minutes; the verdict is
+on the median over rounds (±25% for times, ±10% for memory), and every round is printed. Ends
+with one summary line per check. Exits 1 when a median lies outside its band. It is a benchmark,
+not a unit test: timings on a shared machine are noisy, so it is run by hand and its figures
+reported.
 """
 
 from __future__ import annotations
@@ -25,7 +40,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import numpy as np
 
 from mpdl.collectives import costmodel as cm
 from mpdl.perf import layouts as L
@@ -34,9 +52,11 @@ from mpdl.perf import simulate as S
 BIN = Path(sys.executable).parent
 MPIEXEC, MPDL = str(BIN / "mpiexec"), str(BIN / "mpdl")
 
-
 TOLERANCE = 0.25
 MEMORY_TOLERANCE = 0.10
+CHECKS = ("ring", "lenet", "zero", "pp")
+#: the pipeline check: stages, microbatches, samples per pipeline
+PP, MICROBATCHES, PP_BATCH = 2, 4, 32
 
 
 def verdict(ratios: list[float], tolerance: float = TOLERANCE) -> tuple[float, bool]:
@@ -45,17 +65,21 @@ def verdict(ratios: list[float], tolerance: float = TOLERANCE) -> tuple[float, b
     return ratio, abs(ratio - 1) <= tolerance
 
 
-def _mpirun(n: int, args: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
-    out = subprocess.run(["timeout", "-k", "5", str(timeout), MPIEXEC, "-n", str(n), MPDL, *args],
+def _run(n: int, argv: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
+    out = subprocess.run(["timeout", "-k", "5", str(timeout), MPIEXEC, "-n", str(n), *argv],
                          capture_output=True, text=True, timeout=timeout + 10, env=env)
     if out.returncode != 0:
         raise RuntimeError(out.stderr)
     return out
 
 
+def _mpirun(n: int, args: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
+    return _run(n, [MPDL, *args], env, timeout)
+
+
 def _environment(tmp_path: Path) -> dict:
     load = os.getloadavg()[0] / (os.cpu_count() or 1)
-    if load > 3:
+    if load > 1:
         print(f"warning: load average {load:.1f} per core: timings are unreliable now")
     env = {**os.environ, "MPDL_COST_MODEL": str(tmp_path / "model.json"), "OMP_NUM_THREADS": "1",
            "OPENBLAS_NUM_THREADS": "1"}
@@ -65,59 +89,60 @@ def _environment(tmp_path: Path) -> dict:
 
 
 def _calibrate(p: int, env: dict) -> None:
-    _mpirun(p, ["calibrate", "-n", "30"], env, 120)
+    _mpirun(p, ["calibrate", "-n", "30"], env, 180)
 
 
-def train_step_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
-    """predicted/measured LeNet step time at p ranks, 32 samples per rank:
-    `mpiexec -n p mpdl simulate --measure lenet` (every rank measures at once), then
-    `mpiexec -n p mpdl train`, whose step is the median over the epochs after the first (which
-    pays for compiling kernels)."""
-    sim_path, train_path = tmp_path / f"sim{p}.{round_}.jsonl", tmp_path / f"train{p}.{round_}.jsonl"
-    _mpirun(p, ["simulate", "--measure", "lenet", "--measure-input", "mnist", "--network",
-                "calibrated", "--nodes", "1", "--per-node", str(p), "--max-workers", str(p),
-                "--batch-per-worker", "32", "--algorithms", "ring", "--json", str(sim_path)],
-            env, 120)
-    predicted = next(row["step_s"] for row in map(json.loads, sim_path.read_text().splitlines())
-                     if row.get("workers") == p)
+def _params(env: dict, p: int) -> cm.Params:
+    return cm.read_file(env["MPDL_COST_MODEL"])[p]
+
+
+def _train(p: int, args: list[str], env: dict, path: Path, batch_per_rank: int = 32
+           ) -> tuple[float, dict]:
+    """(median step of epochs 2-3, the summary row) of `mpdl train --model lenet` on synthetic
+    MNIST-shaped data."""
     _mpirun(p, ["train", "--model", "lenet", "--dataset", "synthetic", "--synthetic-samples",
-                str(2048 * p), "--global-batch-size", str(32 * p), "--epochs", "3",
-                "--algorithm", "ring", "--no-progress", "--json", str(train_path)], env, 240)
-    epochs = [json.loads(x) for x in train_path.read_text().splitlines()][1:-1]
-    return predicted / statistics.median(r["compute_s"] + r["exposed_comm_s"] for r in epochs)
+                str(2048 * p), "--global-batch-size", str(batch_per_rank * p), "--epochs", "3",
+                "--algorithm", "ring", "--no-progress", "--json", str(path), *args], env, 300)
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    epochs = rows[1:-1]  # the first epoch pays for compiling kernels
+    return statistics.median(r["compute_s"] + r["exposed_comm_s"] for r in epochs), rows[-1]
 
 
-def predicted_lenet_step(p: int, env: dict, tmp_path: Path, round_: int) -> dict:
+def predicted_lenet_step(p: int, env: dict, tmp_path: Path, tag: str,
+                         optimizer: str = "sgd") -> dict:
     """`mpiexec -n p mpdl simulate --measure lenet`'s row at p workers (every rank measures)."""
-    sim_path = tmp_path / f"zsim{p}.{round_}.jsonl"
-    _mpirun(p, ["simulate", "--measure", "lenet", "--measure-input", "mnist", "--network",
-                "calibrated", "--nodes", "1", "--per-node", str(p), "--max-workers", str(p),
-                "--batch-per-worker", "32", "--algorithms", "ring", "--json", str(sim_path)],
-            env, 120)
+    sim_path = tmp_path / f"sim.{tag}.jsonl"
+    _mpirun(p, ["simulate", "--measure", "lenet", "--measure-input", "mnist",
+                "--measure-optimizer", optimizer, "--network", "calibrated", "--nodes", "1",
+                "--per-node", str(p), "--max-workers", str(p), "--batch-per-worker", "32",
+                "--algorithms", "ring", "--json", str(sim_path)], env, 120)
     return next(row for row in map(json.loads, sim_path.read_text().splitlines())
                 if row.get("workers") == p)
+
+
+def lenet_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
+    """predicted/measured data-parallel LeNet step at p ranks, 32 samples per rank."""
+    predicted = predicted_lenet_step(p, env, tmp_path, f"dp{p}.{round_}")["step_s"]
+    measured, _ = _train(p, [], env, tmp_path / f"train{p}.{round_}.jsonl")
+    return predicted / measured
 
 
 def zero_ratios(p: int, stage: int, predicted: dict, env: dict, tmp_path: Path,
                 round_: int) -> tuple[float, float]:
     """(predicted/measured step time, predicted/measured model_state_bytes) of `mpdl train
     --zero stage` (LeNet, 32 samples per rank, float32 Adam)."""
-    path = tmp_path / f"zero{stage}.{p}.{round_}.jsonl"
-    _mpirun(p, ["train", "--model", "lenet", "--dataset", "synthetic", "--synthetic-samples",
-                str(2048 * p), "--global-batch-size", str(32 * p), "--epochs", "3",
-                "--algorithm", "ring", "--optimizer", "adam", "--zero", str(stage),
-                "--no-progress", "--json", str(path)], env, 240)
-    rows = [json.loads(x) for x in path.read_text().splitlines()]
-    epochs, summary = rows[1:-1], rows[-1]
-    measured_step = statistics.median(r["compute_s"] + r["exposed_comm_s"] for r in epochs)
+    measured_step, summary = _train(p, ["--optimizer", "adam", "--zero", str(stage)], env,
+                                    tmp_path / f"zero{stage}.{p}.{round_}.jsonl")
     units = [b // 4 for b in summary["unit_bytes"]]
     # each unit is reduce-scattered and all-gathered (stage 3: gathered before forward and again
     # before backward), one collective call per unit, charged by the calibrated cost model. They
     # are taken as exposed: LeNet's stage 1 and 2 have a single unit, whose reduce-scatter starts
     # when backward ends and whose all-gather follows the optimizer
-    params = cm.read_file(env["MPDL_COST_MODEL"])[p]
+    # Each is handed to the communication thread and waited for: params.handoff per call.
+    params = _params(env, p)
     comm = sum(cm.predict("reduce_scatter", "ring", b, p, 1, params)
                + (2 if stage == 3 else 1) * cm.predict("allgather", "ring", b, p, 1, params)
+               + (3 if stage == 3 else 2) * params.handoff
                for b in summary["unit_bytes"])
     step = predicted["compute_s"] + comm
     fp32 = L.PRECISIONS["fp32"]
@@ -126,10 +151,128 @@ def zero_ratios(p: int, stage: int, predicted: dict, env: dict, tmp_path: Path,
     return step / measured_step, memory / summary["model_state_bytes"]
 
 
+# -- the pipeline ----------------------------------------------------------------------------------
+def stage_times(model: str, shape: str, microbatch: int, pp: int, repeats: int = 15,
+                seed: int = 0) -> dict:
+    """Per stage of `model` cut as `mpdl train --pp` cuts it (`pipeline.model_pieces`, balanced by
+    `pipeline.partition`): the median seconds of forward (the last stage with its loss), backward
+    and the SGD step (momentum 0.9, as mpdl train) of one microbatch, and the bytes of each
+    stage's output and gradient."""
+    from mpdl.autograd import functional as F
+    from mpdl.autograd import optim
+    from mpdl.autograd.tensor import Tensor
+    from mpdl.parallel.pipeline import model_pieces, partition
+    from mpdl.training.models import build_model
+
+    net = build_model(model, S.INPUT_SHAPES[shape], 10, seed=seed)
+    pieces = model_pieces(net)
+    bounds = partition([w for _, w in pieces], pp)
+    stages = [[piece for piece, _ in pieces[bounds[s]:bounds[s + 1]]] for s in range(pp)]
+    params = [[q for piece in st for q in piece.parameters()] for st in stages]
+    opts = [optim.SGD(ps, lr=0.01, momentum=0.9) for ps in params]
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((microbatch, *S.INPUT_SHAPES[shape])).astype(np.float32)
+    y = rng.integers(0, 10, microbatch)
+    times = np.zeros((repeats, pp, 3))
+    out_bytes = [0] * pp
+    warmup = 5
+    for it in range(repeats + warmup):
+        h, inputs, outputs = x, [], []
+        for s, stage in enumerate(stages):
+            t0 = time.perf_counter()
+            inp = Tensor(h, requires_grad=s > 0)
+            out = inp
+            for piece in stage:
+                out = piece(out)
+            if s == pp - 1:
+                out = F.cross_entropy(out, y) * (1.0 / microbatch)
+                float(out.item())
+            else:
+                h = np.ascontiguousarray(out.data)
+                out_bytes[s] = h.nbytes
+            inputs.append(inp)
+            outputs.append(out)
+            if it >= warmup:
+                times[it - warmup, s, 0] = time.perf_counter() - t0
+        grad = None
+        for s in reversed(range(pp)):
+            t0 = time.perf_counter()
+            if s == pp - 1:
+                outputs[s].backward()
+            else:
+                outputs[s].backward(grad)
+            if s > 0:
+                grad = np.ascontiguousarray(inputs[s].grad)
+            if it >= warmup:
+                times[it - warmup, s, 1] = time.perf_counter() - t0
+        for s, opt in enumerate(opts):
+            t0 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            if it >= warmup:
+                times[it - warmup, s, 2] = time.perf_counter() - t0
+    med = np.median(times, axis=0)
+    return {"forward": med[:, 0].tolist(), "backward": med[:, 1].tolist(),
+            "optimizer": med[:, 2].tolist(), "output_bytes": out_bytes,
+            "grad_bytes": [4 * sum(q.size for q in ps) for ps in params]}
+
+
+def pipeline_step(stages: dict, m: int, dp: int, params: cm.Params) -> dict:
+    """The pipeline model's step: one microbatch through every stage (forward and backward) and
+    m-1 more paced by the slowest stage, the activation and gradient messages of each boundary on
+    that path, the slowest stage's optimizer step, and with dp > 1 the ring all-reduce of the
+    largest stage's gradient over dp ranks (after the flush: exposed)."""
+    slot = [f + b for f, b in zip(stages["forward"], stages["backward"], strict=True)]
+    compute = S.pipeline_compute(slot, m)
+    p2p = sum(2 * params.exchange_time(n) for n in stages["output_bytes"][:-1])
+    optimizer = max(stages["optimizer"])
+    dp_comm = (cm.predict("allreduce", "ring", max(stages["grad_bytes"]), dp, 1, params)
+               if dp > 1 else 0.0)
+    # the last stage's loss and accuracy go to every stage (a broadcast of three numbers)
+    share = cm.predict("broadcast", "tree", 24, len(slot), 1, params)
+    total = compute + p2p + optimizer + dp_comm + share
+    return {"step_s": total, "compute_s": compute, "bubble_s": compute - m * max(slot),
+            "p2p_s": p2p, "optimizer_s": optimizer, "dp_comm_s": dp_comm}
+
+
+def _stage_worker(argv: list[str]) -> int:
+    """Under mpiexec -n p: the stages are timed by p/pp ranks at once (one per pipeline, as many
+    as compute at once when the slowest stage paces the pipeline and the others wait for it), the
+    other ranks sleeping; rank 0 writes the slowest measuring rank's figures."""
+    model, shape, microbatch, pp, out = argv
+    from mpi4py import MPI
+
+    from mpdl.perf.calibrate import quiet_barrier
+
+    world = MPI.COMM_WORLD
+    measuring = world.rank < world.size // int(pp)
+    quiet_barrier(world)
+    mine = stage_times(model, shape, int(microbatch), int(pp)) if measuring else None
+    everyone = [r for r in world.gather(mine, root=0) or [] if r is not None]
+    quiet_barrier(world)
+    if world.rank == 0:
+        worst = {k: [max(r[k][s] for r in everyone) for s in range(int(pp))] for k in everyone[0]}
+        Path(out).write_text(json.dumps(worst))
+    return 0
+
+
+def pipeline_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
+    """predicted/measured step of `mpdl train --pp 2 --microbatches 4` (LeNet, dp = p/2)."""
+    dp = p // PP
+    path = tmp_path / f"stages{p}.{round_}.json"
+    _run(p, [sys.executable, __file__, "--stage-worker", "lenet", "mnist",
+             str(PP_BATCH // MICROBATCHES), str(PP), str(path)], env, 120)
+    predicted = pipeline_step(json.loads(path.read_text()), MICROBATCHES, dp, _params(env, p))
+    measured, _ = _train(p, ["--pp", str(PP), "--microbatches", str(MICROBATCHES),
+                             "--schedule", "1f1b"], env, tmp_path / f"pp{p}.{round_}.jsonl",
+                         batch_per_rank=PP_BATCH // PP)
+    return predicted["step_s"] / measured
+
+
 def allreduce_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
     """The median over 512 KiB, 1 MiB and 2 MiB of predicted/measured time of the ring all-reduce
     at p ranks, benched just after calibrating."""
-    params = cm.read_file(env["MPDL_COST_MODEL"])[p]
+    params = _params(env, p)
     path = tmp_path / f"bench{p}.{round_}.jsonl"
     _mpirun(p, ["bench", "-b", "512K", "-e", "2M", "-n", "40", "-w", "2", "--algorithms", "ring",
                 "--json", str(path)], env, 120)
@@ -139,44 +282,70 @@ def allreduce_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--stage-worker"]:
+        return _stage_worker(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--checks", nargs="+", default=list(CHECKS), choices=CHECKS,
+                        help="what to compare (default: all)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4],
+                        help="world sizes of the ring and lenet checks (default 2 3 4)")
+    parser.add_argument("--zero-ranks", type=int, nargs="+", default=[2, 4],
+                        help="world sizes of the zero check (default 2 4)")
+    parser.add_argument("--pp-ranks", type=int, nargs="+", default=[2, 4],
+                        help="world sizes of the pipeline check, even (default 2 4)")
+    parser.add_argument("--zero", type=int, nargs="+", default=[1, 2, 3], metavar="STAGE",
+                        help="ZeRO stages of the zero check (default 1 2 3)")
     parser.add_argument("--rounds", type=int, default=5,
-                        help="rounds of calibrate, bench, simulate and train per size (default 5)")
-    parser.add_argument("--zero", type=int, nargs="*", default=[], metavar="STAGE",
-                        help="also check mpdl train --zero at these stages (1 2 3)")
-    parser.add_argument("--only-zero", action="store_true",
-                        help="skip the all-reduce and the data-parallel LeNet step")
+                        help="rounds of calibrate and measure per world size (default 5)")
     args = parser.parse_args()
     if any(stage not in (1, 2, 3) for stage in args.zero):
         parser.error(f"--zero: expected stages 1, 2 or 3, got {args.zero}")
-    ok = True
-    print(f"{'p':>2}  {'what':<26} {'predicted/measured':>18}  {'each round':<30} verdict")
+    if any(p < 2 or p % PP for p in args.pp_ranks):
+        parser.error(f"--pp-ranks: expected even world sizes, got {args.pp_ranks}")
+    if any(p < 2 for p in args.ranks + args.zero_ranks) or args.rounds < 1:
+        parser.error("--ranks, --zero-ranks: expected at least 2; --rounds at least 1")
+    checks = set(args.checks)
+    sizes = sorted({*(args.ranks if checks & {"ring", "lenet"} else []),
+                    *(args.zero_ranks if "zero" in checks else []),
+                    *(args.pp_ranks if "pp" in checks else [])})
+    ok, summary = True, []
+    print(f"{'p':>2}  {'what':<28} {'predicted/measured':>18}  {'each round':<36} verdict")
     with tempfile.TemporaryDirectory() as tmp:
         env = _environment(Path(tmp))
-        for p in args.ranks:
+        for p in sizes:
             results: dict[str, tuple[list[float], float]] = {}
+
+            def add(what: str, ratio: float, tolerance: float = TOLERANCE,
+                    results: dict = results) -> None:
+                results.setdefault(what, ([], tolerance))[0].append(ratio)
+
             for round_ in range(args.rounds):
                 _calibrate(p, env)  # again each round: the machine's speed drifts within minutes
-                if not args.only_zero:
-                    results.setdefault("ring all-reduce, bench", ([], TOLERANCE))[0].append(
-                        allreduce_ratio(p, env, Path(tmp), round_))
-                    results.setdefault("LeNet step, train", ([], TOLERANCE))[0].append(
-                        train_step_ratio(p, env, Path(tmp), round_))
-                if args.zero:
-                    predicted = predicted_lenet_step(p, env, Path(tmp), round_)
+                if "ring" in checks and p in args.ranks:
+                    add("ring all-reduce, bench", allreduce_ratio(p, env, Path(tmp), round_))
+                if "lenet" in checks and p in args.ranks:
+                    add("LeNet step, train", lenet_ratio(p, env, Path(tmp), round_))
+                if "zero" in checks and p in args.zero_ranks:
+                    predicted = predicted_lenet_step(p, env, Path(tmp), f"z{p}.{round_}", "adam")
                     for stage in args.zero:
                         step, memory = zero_ratios(p, stage, predicted, env, Path(tmp), round_)
-                        results.setdefault(f"ZeRO {stage} step, train", ([], TOLERANCE))[0].append(
-                            step)
-                        results.setdefault(f"ZeRO {stage} model state", ([], MEMORY_TOLERANCE)
-                                           )[0].append(memory)
+                        add(f"ZeRO {stage} step, train", step)
+                        add(f"ZeRO {stage} model state", memory, MEMORY_TOLERANCE)
+                if "pp" in checks and p in args.pp_ranks:
+                    add(f"pp={PP} m={MICROBATCHES} step, train",
+                        pipeline_ratio(p, env, Path(tmp), round_))
             for what, (ratios, tolerance) in results.items():
                 ratio, agrees = verdict(ratios, tolerance)
                 ok &= agrees
                 each = ", ".join(f"{r:.2f}" for r in ratios)
-                print(f"{p:>2}  {what:<26} {ratio:>18.2f}  {each:<30} "
-                      f"{'ok' if agrees else f'outside ±{tolerance:.0%}'}", flush=True)
+                line = (f"{p:>2}  {what:<28} {ratio:>18.2f}  {each:<36} "
+                        f"{'ok' if agrees else f'outside ±{tolerance:.0%}'}")
+                summary.append(line)
+                print(line, flush=True)
+    passed = sum(1 for line in summary if line.endswith(" ok"))
+    print(f"\nsummary: {passed} of {len(summary)} checks within their bands")
+    for line in summary:
+        print("  " + line)
     return 0 if ok else 1
 
 

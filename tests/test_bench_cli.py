@@ -30,7 +30,11 @@ def test_calibrate_then_bench_under_emulated_nodes(tmp_path):
     assert f"saved {model}" in out.stdout
     entry = json.loads(model.read_text())["entries"]["2"]
     assert entry["alpha"] > 0 and entry["beta"] > 0 and entry["gammas"]["float32"] > 0
-    assert entry["barrier"] > 0 and entry["ring_exchange"] == []  # a ring of two is a pair
+    assert entry["barrier"] > 0 and entry["call"] > 0 and entry["handoff"] >= 0
+    # a ring of two is a pair, timed in a chain of steps as the ring takes them, plain and
+    # reducing; the input copy on reused buffers at the same sizes
+    assert (len(entry["ring_exchange"]) == len(entry["ring_reduce_exchange"])
+            == len(entry["copy_curve"]) == len(entry["exchange"]) == 6)
 
     rows_path, csv_path, png = tmp_path / "rows.json", tmp_path / "rows.csv", tmp_path / "bw.png"
     out = run(2, ["bench", "-b", "1K", "-e", "16K", "-f", "4", "-n", "2", "-w", "1",
@@ -79,7 +83,7 @@ def test_calibrate_at_an_odd_world_size(tmp_path):
     assert entry["gemm_flops"] > 1e8  # the per-core float32 GEMM peak behind training's MFU
     # three ranks on a node: the ring curve is measured beside the pair curve
     assert len(entry["ring_exchange"]) == len(entry["exchange"]) == 6
-    assert all(t > 0 for _, t in entry["ring_exchange"])
+    assert all(t > 0 for _, t in entry["ring_exchange"] + entry["ring_reduce_exchange"])
 
 
 @pytest.mark.parametrize("iters", [1, 2, 3, 4, 5, 20, 41])

@@ -288,3 +288,73 @@ def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
     _, schedule = run_world(3, lambda c: calibrate._ring_chain(
         c, ((c.rank + 1) % 3, (c.rank - 1) % 3), 64, 10)(), record=True)
     assert len(schedule) == 3 * 10 and allocated == [4 * 64] * 3
+
+
+def test_ring_reduce_scatter_steps_use_the_reducing_ring_curve():
+    """Calibrated, a reduce-scatter step is timed with its reduction (of a block just received,
+    in cache): no separate γ term; a dtype slower to add than float32 pays the difference."""
+    ring = ((8.0, 10e-6), (1 << 20, 100e-6))
+    reducing = ((8.0, 20e-6), (1 << 20, 150e-6))
+    gammas = (("float16", 5e-9), ("float32", 1e-9))
+    plain = cm.Params(exchange=ring, ring_exchange=ring, gamma=1e-9, gammas=gammas)
+    both = replace(plain, ring_reduce_exchange=reducing)
+    n, p = 3 << 19, 3  # blocks of 512 KiB
+    block = n / p
+    rs = cm.predict("reduce_scatter", "ring", n, p, 1, both) - cm.predict(
+        "reduce_scatter", "ring", 0, p, 1, replace(both, ring_reduce_exchange=()))
+    want = (p - 1) * float(np.interp(block, [8, 1 << 20], [20e-6, 150e-6]))
+    assert cm.ring_reduce_scatter_time(cm.Setting(p, 1, n, both, 1e-9, 1 << 20)) == pytest.approx(want)
+    assert cm.ring_reduce_scatter_time(cm.Setting(p, 1, n, plain, 1e-9, 1 << 20)) == pytest.approx(
+        (p - 1) * (float(np.interp(block, [8, 1 << 20], [10e-6, 100e-6])) + block * 1e-9))
+    assert cm.ring_reduce_scatter_time(cm.Setting(p, 1, n, both, 5e-9, 1 << 20)) == pytest.approx(
+        want + (p - 1) * 4e-9 * block)
+    assert rs > 0
+    # the all-gather has nothing to reduce: the plain ring curve; the curve survives the file and
+    # an emulated intra-node link (an α-β link) replaces it
+    assert cm.ring_allgather_time(cm.Setting(p, 1, n, both, 0.0, 1 << 20)) == pytest.approx(
+        (p - 1) * float(np.interp(block, [8, 1 << 20], [10e-6, 100e-6])))
+    assert cm.Params.from_json(both.to_json()).ring_reduce_exchange == reducing
+    assert both.emulated(emulation.parse("intra=1Gbit/s,10us")).ring_reduce_exchange == ()
+
+
+def test_the_input_copy_follows_the_measured_copy_curve():
+    curve = ((8.0, 1e-6), (1 << 20, 21e-6), (1 << 22, 100e-6))
+    flat = cm.Params(copy=1e-9)
+    measured = replace(flat, copy_curve=curve)
+    assert flat.copy_time(1 << 20) == pytest.approx((1 << 20) * 1e-9)
+    assert measured.copy_time(1 << 20) == pytest.approx(21e-6)
+    assert measured.copy_time(5 << 19) == pytest.approx(60.5e-6)
+    assert measured.copy_time(0) == 0.0
+    # the API's input copy is the only difference in an all-reduce's prediction
+    n = 1 << 20
+    assert (cm.predict("allreduce", "ring", n, 4, 1, measured)
+            - cm.predict("allreduce", "ring", n, 4, 1, flat)) == pytest.approx(21e-6 - n * 1e-9)
+    assert cm.Params.from_json(measured.to_json()).copy_curve == curve
+    with pytest.raises(cm.ModelUnavailable, match="copy_curve"):
+        cm.Params.from_json({**measured.to_json(), "copy_curve": [[8, 1e-6]]})
+
+
+@pytest.mark.parametrize("nbytes", [64, 66])
+def test_calibrated_reducing_ring_chain_adds_each_block_it_receives(nbytes, monkeypatch):
+    """Each step sends its block to the next rank, receives the next block from the previous one
+    and adds it in (float32: whole elements, 66 bytes become 64); the block a step sends is the
+    one the step before added into, so after 4 steps the last block holds 1 + 4 (all ones)."""
+    from mpdl.perf import calibrate
+    from mpdl.threadworld import run_world
+
+    buffers = []
+    real_buffers = calibrate.exchange_buffers
+    monkeypatch.setattr(calibrate, "exchange_buffers",
+                        lambda n: buffers.append(real_buffers(n)) or buffers[-1])
+
+    def chain(c):
+        run = calibrate._ring_chain(c, ((c.rank + 1) % c.size, (c.rank - 1) % c.size), nbytes, 4,
+                                    reduce=True)
+        run()
+
+    _, schedule = run_world(3, chain, record=True)
+    blocks = [b[0].view(np.float32).reshape(5, 16) for b in buffers if b[0].nbytes == 5 * 64]
+    assert len(blocks) == 3 and all((b[4] == 5).all() and (b[0] == 1).all() for b in blocks)
+    for rank in range(3):
+        sent = [m for m in schedule if m[2] == rank]
+        assert [(m[3], m[4]) for m in sent] == [((rank + 1) % 3, 64)] * 4

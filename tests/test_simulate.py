@@ -167,3 +167,67 @@ def test_agreement_verdict_is_on_the_median_and_can_fail():
     assert agreement.verdict([0.7, 0.74, 1.3]) == (0.74, False)
     assert agreement.verdict([1.2, 1.3, 1.26]) == (1.26, False)
     assert agreement.verdict([0.76, 0.8, 0.9])[1]
+
+
+def test_pipeline_flush_is_one_pass_plus_m_minus_one_slowest_slots():
+    # equal stages: (m + pp - 1) slots, the idle share is the bubble formula
+    for pp, m in ((2, 1), (2, 4), (4, 8), (8, 32)):
+        t = S.pipeline_compute([3.0] * pp, m)
+        assert t == (m + pp - 1) * 3.0
+        assert 1 - m * 3.0 / t == pytest.approx((pp - 1) / (m + pp - 1))
+    # unequal stages, by hand: 1 + 4 + 2 through, then 3 more of the slowest (4)
+    assert S.pipeline_compute([1.0, 4.0, 2.0], 4) == 7.0 + 3 * 4.0
+    # more microbatches never raise the idle share
+    shares = [1 - m * 4.0 / S.pipeline_compute([1.0, 4.0, 2.0], m) for m in range(1, 40)]
+    assert all(b <= a + 1e-12 for a, b in zip(shares, shares[1:], strict=False))
+    with pytest.raises(ValueError, match="microbatches"):
+        S.pipeline_compute([1.0], 0)
+
+
+def test_measure_workload_times_the_optimizer_it_is_given():
+    sgd = S.measure_workload("mlp", batch=8, repeats=2)
+    adam = S.measure_workload("mlp", batch=8, repeats=2, optimizer="adam")
+    assert sgd.params == adam.params and adam.step_s > 0
+    with pytest.raises(ValueError, match="optimizer"):
+        S.measure_workload("mlp", optimizer="rmsprop")
+
+
+def test_saturating_profile_keeps_its_measured_rate_and_halves_at_half_batch():
+    w = S.saturating("x", rate=1200, batch=256, half_batch=10.6, bytes_per_param=2, source="")
+    assert 256 / w.compute(256) == pytest.approx(1200)
+    assert 10.6 / w.compute(10.6) == pytest.approx(1200 * (256 + 10.6) / 256 / 2)
+    rates = [b / w.compute(b) for b in (1, 8, 32, 128, 256, 1024)]
+    assert rates == sorted(rates)  # a larger batch never runs fewer samples per second
+    v100 = S.PROFILES["resnet50-v100"]
+    assert 256 / v100.compute(256) == pytest.approx(1200)
+    assert 32 / v100.compute(32) == pytest.approx(32 / ((32 + 10.6) * 256 / 1200 / (256 + 10.6)))
+
+
+def test_a_shared_node_link_slows_the_node_wide_inter_node_phase_only():
+    """With the node's inter-node bandwidth shared, hierarchical and torus2d (every worker of a
+    node crosses at once) see 1/g of it each; the flat ring (one flow per node boundary) does not."""
+    own = S.network("own", 100e9, 5e-6, 10e9, 5e-6, per_node=4)
+    shared = S.network("shared", 100e9, 5e-6, 10e9, 5e-6, per_node=4, shared_inter=True)
+    quarter = S.network("quarter", 100e9, 5e-6, 2.5e9, 5e-6, per_node=4)
+    n = 64 << 20
+    for algo in ("hierarchical", "torus2d"):
+        a = S.allreduce_seconds(algo, n, 64, 16, own.params, shared_inter=own.shared_inter)
+        b = S.allreduce_seconds(algo, n, 64, 16, shared.params, shared_inter=shared.shared_inter)
+        c = S.allreduce_seconds(algo, n, 64, 16, quarter.params)
+        assert a < b == pytest.approx(c)
+    assert (S.allreduce_seconds("ring", n, 64, 16, shared.params, shared_inter=True)
+            == S.allreduce_seconds("ring", n, 64, 16, own.params))
+    # one node: nothing crosses
+    assert (S.allreduce_seconds("hierarchical", n, 4, 1, shared.params, shared_inter=True)
+            == S.allreduce_seconds("hierarchical", n, 4, 1, own.params))
+
+
+def test_a_bucket_pays_the_calibrated_handoff_to_the_communication_thread():
+    net = S.network("n", 10e9, 5e-6, None, None, per_node=4)
+    handed = replace(net.params, handoff=30e-6)
+    strategy = S.Strategy("ring", bucket_bytes=1 << 20)
+    k, size, plain = S.comm_per_bucket(WORK, strategy, 4, 1, net.params)
+    k2, size2, with_handoff = S.comm_per_bucket(WORK, strategy, 4, 1, handed)
+    assert (k, size) == (k2, size2) and plain == S.allreduce_seconds("ring", size, 4, 1, net.params)
+    assert with_handoff == pytest.approx(plain + 30e-6)
+    assert S.step_time(WORK, strategy, 4, 1, handed, 32).comm == pytest.approx(k * (plain + 30e-6))

@@ -25,6 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the parameters as JSON on rank 0")
 
 
+def _size(nbytes: float) -> str:
+    for unit, scale in (("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g}{unit}"
+    return f"{nbytes:g}B"
+
+
 def _rate(seconds_per_byte: float) -> str:
     return f"{seconds_per_byte * 1e9:.3f} ns/B ({1e-9 / seconds_per_byte:.2f} GB/s)"
 
@@ -54,8 +61,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"gamma {dtype:<9} {_rate(gamma)}")
     print(f"copy            {_rate(params.copy)} (not in cache)")
     print(f"copy_cached     {_rate(params.copy_cached)} (in cache)")
+    for name, curve in (("ring step", params.ring_exchange),
+                        ("ring reduce step", params.ring_reduce_exchange),
+                        ("input copy", params.copy_curve)):
+        if curve:
+            points = ", ".join(f"{_size(b)} {t * 1e6:.1f}" for b, t in curve)
+            print(f"{name:<15} us at {points}")
     print(f"barrier         {params.barrier * 1e6:9.2f} us")
-    print(f"call            {params.call * 1e6:9.2f} us per collective call (API overhead)")
+    print(f"call            {params.call * 1e6:9.2f} us per collective call (API overhead, all "
+          f"ranks calling)")
+    print(f"handoff         {params.handoff * 1e6:9.2f} us per call handed to the communication "
+          f"thread")
     print(f"alpha_native    {params.alpha_native * 1e6:9.2f} us per message (MPI library)")
     print(f"gemm_flops      {params.gemm_flops / 1e9:9.2f} GFLOP/s per core (float32 512x512 GEMM; "
           f"the peak of `mpdl train`'s MFU)")

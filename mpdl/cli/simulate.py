@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="time an mpdl zoo model (mlp, lenet, resnet8) on this machine")
     g.add_argument("--measure-input", default="digits", metavar="{digits,mnist,cifar}",
                    help="input shape for --measure (default digits: 1x8x8)")
+    g.add_argument("--measure-optimizer", default="sgd", metavar="{sgd,adam}",
+                   help="optimizer whose step --measure times (default sgd, as mpdl train)")
     g = parser.add_argument_group("the workers and the network")
     g.add_argument("--nodes", type=int, help="nodes of the configuration reported in detail (default 1)")
     g.add_argument("--per-node", type=int, help="workers per node (default: the network's)")
@@ -157,19 +159,20 @@ def choose_network(args: argparse.Namespace, default: str, ranks: int):
         bw, lat = _link("--inter", args.inter)
         p = replace(p, alpha_inter=lat, beta_inter=0.0 if math.isinf(bw) else 1 / bw)
     if args.intra or args.inter:
-        net = S.Network(f"{net.name} (links overridden)", p, net.per_node, net.source)
+        net = S.Network(f"{net.name} (links overridden)", p, net.per_node, net.source,
+                        net.shared_inter)
     return net
 
 
-def measure_on_every_rank(model: str, shape: str, batch: int):
+def measure_on_every_rank(model: str, shape: str, batch: int, optimizer: str = "sgd"):
     """The workload measured on this machine. Under mpiexec every rank measures at the same time,
     so the figures include what the ranks of a node take from each other (cores, caches, memory
     bandwidth); the slowest rank's are kept, because a synchronous step waits for it."""
     if world_size() == 1:
-        return S.measure_workload(model, shape, batch=batch)
+        return S.measure_workload(model, shape, batch=batch, optimizer=optimizer)
     world = load_mpi().COMM_WORLD
     world.Barrier()
-    workloads = world.allgather(S.measure_workload(model, shape, batch=batch))
+    workloads = world.allgather(S.measure_workload(model, shape, batch=batch, optimizer=optimizer))
     slowest = max(workloads, key=lambda w: w.compute(batch))
     return replace(slowest, source=f"{slowest.source}; {len(workloads)} ranks measuring at once, "
                                    f"the slowest kept")
@@ -198,8 +201,12 @@ def choose_workload(args: argparse.Namespace):
         if args.measure_input not in S.INPUT_SHAPES:
             raise UsageError(f"--measure-input: expected one of {', '.join(S.INPUT_SHAPES)}, "
                              f"got {args.measure_input!r}")
+        if args.measure_optimizer not in S.MEASURE_OPTIMIZERS:
+            raise UsageError(f"--measure-optimizer: expected one of "
+                             f"{', '.join(S.MEASURE_OPTIMIZERS)}, got {args.measure_optimizer!r}")
         batch = max(1, int(args.batch_per_worker or 32))
-        workload = measure_on_every_rank(args.measure, args.measure_input, batch)
+        workload = measure_on_every_rank(args.measure, args.measure_input, batch,
+                                         args.measure_optimizer)
         default_net = "calibrated"
     else:
         name = args.profile or "resnet50-v100"

@@ -67,8 +67,13 @@ class Params:
     copy_cached: float = 0.0
     #: one node barrier (the shm algorithm takes two per call); by default a few messages' worth
     barrier: float = 60e-6
-    #: the fixed cost of one call of the public API, before any message
+    #: the fixed cost of one call of the public API, before any message (calibrated on one node:
+    #: an 8-byte ring all-reduce on every rank less its steps, so the Python of the call with
+    #: every rank running it, sharing the cores, is in it)
     call: float = 15e-6
+    #: what a collective handed to the communication thread (`*_async`, as DDP's buckets and
+    #: ZeRO's units are) and waited for costs beyond the call itself (0: not measured)
+    handoff: float = 0.0
     #: the MPI library's own per-message latency (the `mpi` baseline has no Python in its loop)
     alpha_native: float = 3e-6
     #: γ per dtype name; `gamma` serves dtypes not listed
@@ -80,6 +85,13 @@ class Params:
     #: within 2(p-1) steps in a row as a ring all-reduce takes them: with more ranks than cores a
     #: ring step needs every rank scheduled, a pairwise step only two
     ring_exchange: tuple[tuple[float, float], ...] = field(default=())
+    #: the same for one step of the ring reduce-scatter (the block received is added into the
+    #: next one), timed in a chain as `ring_exchange`: the reduction of a block just received is
+    #: charged at the rate it runs at (in cache), not at `gamma` (data not in cache)
+    ring_reduce_exchange: tuple[tuple[float, float], ...] = field(default=())
+    #: measured (bytes, seconds) of the API's input copy on buffers copied call after call (what
+    #: fits in the caches stays there); empty: nbytes · `copy`
+    copy_curve: tuple[tuple[float, float], ...] = field(default=())
     #: float32 FLOP/s of one core on a 512×512 GEMM, the best rank's (0: not measured); the peak
     #: against which `mpdl train` reports model-FLOPs utilisation
     gemm_flops: float = 0.0
@@ -98,15 +110,14 @@ class Params:
         """Seconds of one intra-node message of nbytes from the measured curve (the ring curve for
         a ring step, when measured): linear between measured sizes, the smallest size's time
         below them, the last slope beyond them."""
-        table = self.ring_exchange if ring and self.ring_exchange else self.exchange
-        sizes = [b for b, _ in table]
-        times = [t for _, t in table]
-        if nbytes <= sizes[0]:
-            return times[0]
-        if nbytes >= sizes[-1]:
-            slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
-            return times[-1] + (nbytes - sizes[-1]) * max(slope, 0.0)
-        return float(np.interp(nbytes, sizes, times))
+        return curve_time(self.ring_exchange if ring and self.ring_exchange else self.exchange,
+                          nbytes)
+
+    def copy_time(self, nbytes: float) -> float:
+        """Seconds of the API's input copy of nbytes: the measured curve, else nbytes · copy."""
+        if not self.copy_curve or nbytes <= 0:
+            return nbytes * self.copy
+        return curve_time(self.copy_curve, nbytes)
 
     def gamma_for(self, dtype: str) -> float:
         return dict(self.gammas).get(np.dtype(dtype).name, self.gamma)
@@ -117,14 +128,16 @@ class Params:
             return self
         a_in, b_in = self.link(False)
         a_out, b_out = self.link(True)
-        table, ring_table = self.exchange, self.ring_exchange
+        table, ring_table, reduce_table = self.exchange, self.ring_exchange, \
+            self.ring_reduce_exchange
         if emu.intra is not None:
             a_in, b_in = a_in + emu.intra.latency, b_in + 1 / emu.intra.bandwidth
-            table = ring_table = ()  # the emulated link is an α-β link
+            table = ring_table = reduce_table = ()  # the emulated link is an α-β link
         if emu.inter is not None:
             a_out, b_out = a_out + emu.inter.latency, b_out + 1 / emu.inter.bandwidth
         return replace(self, alpha=a_in, beta=b_in, alpha_inter=a_out, beta_inter=b_out,
                        exchange=table, ring_exchange=ring_table,
+                       ring_reduce_exchange=reduce_table,
                        source=f"{self.source} + emulated {emu.describe()}")
 
     def to_json(self) -> dict:
@@ -137,17 +150,30 @@ class Params:
         known = {f for f in cls.__dataclass_fields__}
         values = {k: v for k, v in d.items() if k in known}
         values["gammas"] = tuple(sorted(dict(values.get("gammas", {})).items()))
-        for curve in ("exchange", "ring_exchange"):
+        for curve in ("exchange", "ring_exchange", "ring_reduce_exchange", "copy_curve"):
             values[curve] = tuple((float(b), float(t)) for b, t in values.get(curve, ()))
             if len(values[curve]) == 1:
                 raise ModelUnavailable(f"parameter {curve} needs at least two measured sizes")
         params = cls(**values)
         for name in ("alpha", "beta", "gamma", "copy", "copy_cached", "barrier", "call",
-                     "alpha_native"):
+                     "handoff", "alpha_native"):
             value = getattr(params, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ModelUnavailable(f"parameter {name}={value!r} is not a time >= 0")
         return params
+
+
+def curve_time(table: tuple[tuple[float, float], ...], nbytes: float) -> float:
+    """Seconds at nbytes from measured (bytes, seconds) points: linear between them, the smallest
+    size's time below them, the last slope beyond them."""
+    sizes = [b for b, _ in table]
+    times = [t for _, t in table]
+    if nbytes <= sizes[0]:
+        return times[0]
+    if nbytes >= sizes[-1]:
+        slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
+        return times[-1] + (nbytes - sizes[-1]) * max(slope, 0.0)
+    return float(np.interp(nbytes, sizes, times))
 
 
 # -- the parameter file ------------------------------------------------------------------------
@@ -296,6 +322,12 @@ def rabenseifner_time(s: Setting) -> float:
 
 def ring_reduce_scatter_time(s: Setting) -> float:
     inter = s.nodes > 1
+    table = s.params.ring_reduce_exchange
+    if table and s.gamma and not (inter and s.params.alpha_inter is not None):
+        block = s.n / s.p  # the measured step includes the (float32) reduction of its block
+        count = max(1, math.ceil(block / s.seg))
+        extra = max(0.0, s.gamma - s.params.gamma_for("float32")) * block  # slower dtypes
+        return (s.p - 1) * (count * curve_time(table, block / count) + extra)
     return (s.p - 1) * (s.msg(s.n / s.p, inter, segmented=True, ring=True) + s.n / s.p * s.gamma)
 
 
@@ -471,7 +503,7 @@ def predict(collective: str, algorithm: str, nbytes: int, p: int, nodes: int = 1
         body = formula(s) if s.p > 1 else 0.0
     # the API copies the input into the result first, unless the algorithm reads it directly
     reads_input = registry.REGISTRY[collective][algorithm].reads_input
-    return params.call + (0.0 if reads_input else nbytes * params.copy) + body
+    return params.call + (0.0 if reads_input else params.copy_time(nbytes)) + body
 
 
 # -- estimates from a recorded schedule --------------------------------------------------------

@@ -1,21 +1,26 @@
 """Measure α, β and γ on this machine and fit the cost model's parameters (`mpdl calibrate`).
 
 Every rank takes part at once, as in a collective. For α and β, neighbouring ranks of a node
-exchange messages in pairs; with three or more ranks on a node, they also pass them round a ring
+exchange messages in pairs. With two or more ranks on a node they also pass them round a ring
 (each sends to the next and receives from the previous, 2(p-1) steps in a row, each forwarding
 what the step before brought, as in the ring algorithms), which with more ranks than cores is
 slower, since every rank must be scheduled, and slower still when each step waits on the one
-before instead of starting after a barrier; with several nodes, equal local ranks of paired
-nodes exchange them. Each exchange is timed as `mpdl bench`
-times a call (barrier, one call, slowest rank). Every rank reduces arrays for γ (per dtype) and
-copies them, on arrays not in cache, and copies a window chunk that stays in cache (the shm
-algorithm's); the barrier shm takes twice per call is measured inside an 8-byte shm all-reduce. A
-collective's time is set by its slowest rank, so each figure is the maximum over ranks. Last, every
-rank times float32 512×512 GEMMs at once (`mpdl.training.throughput.gemm_flops`), and the best
-rank's FLOP/s is the per-core peak `mpdl train` reports model-FLOPs utilisation against.
-`calibrate` stores the parameters under this world size in the cost model's file
-($MPDL_COST_MODEL, or ~/.cache/mpdl/costmodel.json; XDG_CACHE_HOME is honoured); `auto` and
-`mpdl bench` read them from there.
+before instead of starting after a barrier; and they take the ring reduce-scatter's steps the
+same way, each adding the block it received into the next (so the reduction is timed at the rate
+it runs at, on a block just received). With several nodes, equal local ranks of paired nodes
+exchange messages. Each exchange is timed as `mpdl bench` times a call (barrier, one call, slowest
+rank). Every rank reduces arrays for γ (per dtype) and copies them, on arrays not in cache; copies
+one pair of buffers call after call at each size (the API's input copy, as repeated calls meet
+it); and copies a window chunk that stays in cache (the shm algorithm's). The barrier shm takes
+twice per call is measured inside an 8-byte shm all-reduce. On one node, the API's fixed cost
+per call is an 8-byte ring all-reduce less its 2(p-1) steps, every rank calling at once, and the
+handoff what the same call costs more when handed to the communication thread. A collective's
+time is set by its slowest rank, so each figure is the maximum over ranks. Last, every rank times
+float32 512×512 GEMMs at once (`mpdl.training.throughput.gemm_flops`), and the best rank's FLOP/s
+is the per-core peak `mpdl train` reports model-FLOPs utilisation against. `calibrate` stores the
+parameters under this world size in the cost model's file ($MPDL_COST_MODEL, or
+~/.cache/mpdl/costmodel.json; XDG_CACHE_HOME is honoured); `auto` and `mpdl bench` read them from
+there.
 """
 
 from __future__ import annotations
@@ -133,11 +138,12 @@ def exchange_buffers(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int,
-                    ring_steps: int = 1) -> list[float]:
+                    ring_steps: int = 1, reduce: bool = False) -> list[float]:
     """Seconds per sendrecv (to peers[0], from peers[1]) at SMALL_BYTES and each of LARGE_BYTES,
     timed as bench times a call (see _bench_time; 0 where no rank had peers). With ring_steps > 1,
     one timed call is that many steps in a row, each forwarding the block received in the step
-    before (as the steps of a ring all-reduce follow each other), and the time is per step. Each
+    before (as the steps of a ring all-reduce follow each other), and the time is per step (with
+    `reduce`, steps of the ring reduce-scatter, each adding the block it received). Each
     size is repeated back to back, as bench repeats a call (its buffers stay as warm as bench's),
     in SWEEPS sweeps over the sizes; the median over sweeps drops a sweep that a slow spell of the
     machine fell on."""
@@ -145,7 +151,7 @@ def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int,
     for nbytes in (SMALL_BYTES, *LARGE_BYTES):
         exchange = None
         if peers is not None and ring_steps > 1:
-            exchange = _ring_chain(comm, peers, nbytes, ring_steps)
+            exchange = _ring_chain(comm, peers, nbytes, ring_steps, reduce)
         elif peers is not None:
             send, recv = exchange_buffers(nbytes)
             exchange = functools.partial(comm.sendrecv, send, peers[0], recv, peers[1], "calibrate")
@@ -160,20 +166,54 @@ def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int,
     return np.median(sweeps, axis=0).tolist()
 
 
-def _ring_chain(comm: Any, peers: tuple[int, int], nbytes: int, steps: int):
+def _ring_chain(comm: Any, peers: tuple[int, int], nbytes: int, steps: int,
+                reduce: bool = False):
     """A call of `steps` ring steps in a row over blocks of nbytes: each step sends the block the
     step before received to peers[0] and receives the next block from peers[1]. The blocks lie
     one after another in one buffer, as a ring all-reduce's blocks do; beyond CHAIN_BYTES they
-    are reused in turn (at least three, so a step never receives into the block it sends)."""
+    are reused in turn (at least three, so a step never receives into the block it sends). With
+    `reduce`, each step is a step of the ring reduce-scatter instead: the block arrives in a
+    separate buffer and is added (float32) into the next block, which the next step sends."""
+    if reduce:
+        nbytes = max(4, nbytes - nbytes % 4)  # whole float32 elements
     count = min(steps + 1, max(3, CHAIN_BYTES // max(nbytes, 1)))
     blocks = exchange_buffers(nbytes * count)[0].reshape(count, nbytes)
+    if not reduce:
+        def run() -> None:
+            for s in range(steps):
+                comm.sendrecv(blocks[s % count], peers[0], blocks[(s + 1) % count], peers[1],
+                              "calibrate")
 
-    def run() -> None:
+        return run
+    values = blocks.view(np.float32)
+    values[:] = 1.0
+    incoming = exchange_buffers(nbytes)[1].view(np.float32)
+
+    def run_reducing() -> None:
         for s in range(steps):
-            comm.sendrecv(blocks[s % count], peers[0], blocks[(s + 1) % count], peers[1],
-                          "calibrate")
+            acc = values[(s + 1) % count]
+            recv = comm.irecv(incoming, peers[1], "calibrate")
+            send = comm.isend(values[s % count], peers[0], "calibrate")
+            comm.waitall((recv,))
+            np.add(incoming, acc, out=acc)
+            comm.waitall((send,))
 
-    return run
+    return run_reducing
+
+
+def _copy_times(iters: int) -> list[float]:
+    """Seconds of np.copyto at SMALL_BYTES and each of LARGE_BYTES on one pair of buffers copied
+    call after call, as the API copies a collective's input into its result when the same arrays
+    come back step after step (what fits in the caches stays there); every rank at once, median
+    over SWEEPS sweeps of the medians of back-to-back calls."""
+    pairs = [(np.ones(n, np.uint8), np.empty(n, np.uint8)) for n in (SMALL_BYTES, *LARGE_BYTES)]
+    sweeps = np.zeros((SWEEPS, len(pairs)))
+    for sweep in range(SWEEPS):
+        for j, (src, dst) in enumerate(pairs):
+            np.copyto(dst, src)
+            reps = iters if src.nbytes < (1 << 20) else max(3, iters // 4)
+            sweeps[sweep, j] = _median_time(functools.partial(np.copyto, dst, src), reps)
+    return np.median(sweeps, axis=0).tolist()
 
 
 def _fit(times: list[float]) -> tuple[float, float]:
@@ -193,11 +233,16 @@ def measure(comm: Any, iters: int) -> dict[str, Any]:
     def pairwise(partner: int | None) -> list[float]:
         return _exchange_times(comm, None if partner is None else (partner, partner), iters)
 
+    shifts = _shifts(groups).get(comm.rank)
+    ring_steps = 2 * (max(map(len, groups)) - 1)
     curves = {"intra": pairwise(_pairs(groups, False).get(comm.rank)),
-              # a ring of two is a pair: the ring curve is measured when a node has three ranks
-              "ring": _exchange_times(comm, _shifts(groups).get(comm.rank), iters,
-                                      ring_steps=2 * (max(map(len, groups)) - 1))
-              if max(map(len, groups)) > 2 else None,
+              # round a ring of a node's ranks (of two ranks: a pair, in a chain of steps), plain
+              # as the all-gather's steps and reducing as the reduce-scatter's
+              "ring": _exchange_times(comm, shifts, iters, ring_steps=ring_steps)
+              if max(map(len, groups)) > 1 else None,
+              "ring_reduce": _exchange_times(comm, shifts, iters, ring_steps=ring_steps,
+                                             reduce=True)
+              if max(map(len, groups)) > 1 else None,
               "inter": pairwise(_pairs(groups, True).get(comm.rank)) if len(groups) > 1 else None}
 
     # The MPI library's own latency, with no Python between the messages.
@@ -218,18 +263,42 @@ def measure(comm: Any, iters: int) -> dict[str, Any]:
     figures["copy"] = _stream_time(np.copyto, np.dtype(np.uint8), max(3, iters // 4)) / REDUCE_BYTES
     src, dst = np.ones(WINDOW_BYTES, np.uint8), np.empty(WINDOW_BYTES, np.uint8)
     figures["copy_cached"] = _median_time(lambda: np.copyto(dst, src), iters, batch=4) / WINDOW_BYTES
+    quiet_barrier(mpi)
+    curves["copy_curve"] = _copy_times(iters)
 
     # The API's fixed cost, and the barrier the shm algorithm takes twice per call: half of what
     # an 8-byte shm all-reduce takes beyond that cost (the node barriers of a shared window, with
     # the ranks as out of step as a real call leaves them).
     alone = ThreadWorld(1).comm(0)  # a world of one: the call does everything but send
     one = np.ones(1, np.float32)
-    figures["call"] = _median_time(lambda: collectives.allreduce(one, algorithm="ring", comm=alone),
-                                   iters, batch=20)
+    alone_call = _median_time(lambda: collectives.allreduce(one, algorithm="ring", comm=alone),
+                              iters, batch=20)
     small = np.ones(SMALL_BYTES // 4, np.float32)
     shm_call = _bench_time(comm, lambda: collectives.allreduce(small, algorithm="shm", comm=comm),
                            iters)
-    figures["barrier"] = max(shm_call - figures["call"], 1e-7) / 2
+    figures["barrier"] = max(shm_call - alone_call, 1e-7) / 2
+    figures["call"] = alone_call
+    if len(groups) == 1:
+        # On all p ranks the call costs more than alone (checks, allocation, the flight recorder,
+        # and each rank's share of the cores): an 8-byte ring all-reduce, less its 2(p-1) steps
+        # timed as one chain right after it, both as bench times a call.
+        quiet_barrier(mpi)
+        steps = comm.size - 1
+        reducing = _ring_chain(comm, shifts, SMALL_BYTES, steps, reduce=True)
+        plain = _ring_chain(comm, shifts, SMALL_BYTES, steps)
+        whole = lambda: collectives.allreduce(small, algorithm="ring", comm=comm)  # noqa: E731
+        chain = lambda: (reducing(), plain())  # noqa: E731
+        whole(), chain()
+        # ... and the same all-reduce handed to the communication thread and waited for (DDP's
+        # buckets, ZeRO's units): what waking the thread and handing the result back add
+        handed = lambda: collectives.allreduce_async(  # noqa: E731
+            small, algorithm="ring", comm=comm).wait()
+        handed()
+        samples = [(_bench_time(comm, whole, max(3, iters // 2)),
+                    _bench_time(comm, chain, max(3, iters // 2)),
+                    _bench_time(comm, handed, max(3, iters // 2))) for _ in range(SWEEPS)]
+        figures["call"] = max(alone_call, float(np.median([w - c for w, c, _ in samples])))
+        figures["handoff"] = max(0.0, float(np.median([h - w for w, _, h in samples])))
     quiet_barrier(mpi)
 
     keys = sorted(figures)
@@ -242,7 +311,7 @@ def measure(comm: Any, iters: int) -> dict[str, Any]:
     width = 1 + len(LARGE_BYTES)
     for i, name in enumerate(measured):
         merged[name] = worst[len(keys) + i * width:len(keys) + (i + 1) * width].tolist()
-    return {"ring": None, "inter": None, **merged}
+    return {"ring": None, "ring_reduce": None, "inter": None, "copy_curve": None, **merged}
 
 
 def _monotone(sizes: tuple[int, ...], times: list[float]) -> tuple[tuple[float, float], ...]:
@@ -264,10 +333,15 @@ def to_params(measured: dict[str, Any], ranks: int, nodes: int, host: str) -> Pa
     return Params(alpha=alpha, beta=beta, gamma=dict(gammas)["float32"], alpha_inter=alpha_inter,
                   beta_inter=beta_inter, copy=measured["copy"], copy_cached=measured["copy_cached"],
                   barrier=measured["barrier"],
-                  call=measured["call"], alpha_native=measured.get("alpha_native") or alpha,
+                  call=measured["call"], handoff=measured.get("handoff", 0.0),
+                  alpha_native=measured.get("alpha_native") or alpha,
                   gammas=gammas, ranks=ranks,
                   exchange=_monotone(sizes, measured["intra"]) if intra_pairs else (),
                   ring_exchange=_monotone(sizes, measured["ring"]) if measured["ring"] else (),
+                  ring_reduce_exchange=_monotone(sizes, measured["ring_reduce"])
+                  if measured.get("ring_reduce") else (),
+                  copy_curve=_monotone(sizes, measured["copy_curve"])
+                  if measured.get("copy_curve") else (),
                   source=f"mpdl calibrate on {host}, {ranks} ranks, {nodes} node(s), "
                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
 

@@ -83,6 +83,13 @@ class Network:
     params: cm.Params
     per_node: int = 1
     source: str = ""
+    #: the inter-node bandwidth is the node's, shared by its workers when they cross at once (the
+    #: inter-node phase of hierarchical and torus2d); False: each worker has it to itself
+    shared_inter: bool = False
+
+
+#: the all-reduces whose inter-node phase runs one flow per worker of a node at the same time
+NODE_WIDE_INTER = ("hierarchical", "torus2d")
 
 
 @dataclass(frozen=True)
@@ -104,7 +111,7 @@ class Strategy:
 
 def network(name: str, intra_bw: float, intra_latency: float, inter_bw: float | None = None,
             inter_latency: float | None = None, per_node: int = 1, gamma: float = 1 / 400e9,
-            source: str = "") -> Network:
+            source: str = "", shared_inter: bool = False) -> Network:
     """A network from bandwidths in bytes/s (math.inf allowed) and latencies in seconds. Library
     overheads of mpdl's Python API (call, copy) are zero: the model describes the hardware."""
     beta = 0.0 if math.isinf(intra_bw) else 1 / intra_bw
@@ -112,30 +119,49 @@ def network(name: str, intra_bw: float, intra_latency: float, inter_bw: float | 
     params = cm.Params(alpha=intra_latency, beta=beta, gamma=gamma, alpha_inter=inter_latency,
                        beta_inter=beta_inter, copy=0.0, barrier=0.0, call=0.0,
                        alpha_native=intra_latency, source=name)
-    return Network(name, params, per_node, source)
+    return Network(name, params, per_node, source, shared_inter)
 
 
 def _gbit(x: float) -> float:
     return x * 1e9 / 8
 
 
+def saturating(name: str, rate: float, batch: int, half_batch: float, bytes_per_param: int,
+               source: str) -> Workload:
+    """A profile measured at `rate` samples/s and `batch` samples a step whose step time is
+    (b + half_batch)·sample_s: a fixed share per step (kernel launches, small-batch kernels) worth
+    half_batch samples, so at b = half_batch the GPU runs at half its large-batch rate."""
+    sample_s = batch / rate / (batch + half_batch)
+    return Workload(name, RESNET50_PARAMS, sample_s=sample_s, step_s=half_batch * sample_s,
+                    bytes_per_param=bytes_per_param, source=source)
+
+
+#: samples' worth of fixed time per step (see `saturating`): the least-squares line through the
+#: latency of ResNet-50 v1.5 at batch 1-128 in NVIDIA DeepLearningExamples (MXNet, mixed
+#: precision, 20.12 container), taken for training as for inference: V100 16GB 2.87 ms + 0.272 ms
+#: per image (10.6 images), A100 80GB 2.37 ms + 0.170 ms per image (13.9 images)
+HALF_BATCH = {"v100": 10.6, "a100": 13.9}
+
 PROFILES: dict[str, Workload] = {
     "resnet50-p100": Workload(
         "resnet50-p100", RESNET50_PARAMS, sample_s=0.180 / 32, bytes_per_param=4,
         source="Goyal et al. 2017, §5.1: backward of 32 images takes 120 ms on one Tesla P100 "
                "(fp32); forward taken as half of that (180 ms per 32 images)"),
-    "resnet50-v100": Workload(
-        "resnet50-v100", RESNET50_PARAMS, sample_s=1 / 1200, bytes_per_param=2,
+    "resnet50-v100": saturating(
+        "resnet50-v100", 1200, 256, HALF_BATCH["v100"], 2,
         source="NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5, DGX-1 16GB: 1200 img/s on "
-               "one V100, mixed precision (fp16 gradients)"),
+               "one V100 at batch 256, mixed precision (fp16 gradients); a fixed 10.6 images' "
+               "worth per step from the same examples' V100 latency at batch 1-128 (MXNet)"),
     "resnet50-v100-fp32": Workload(
         "resnet50-v100-fp32", RESNET50_PARAMS, sample_s=1 / 367, bytes_per_param=4,
         source="NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5, DGX-1 16GB: 367 img/s on "
                "one V100, fp32"),
-    "resnet50-a100": Workload(
-        "resnet50-a100", RESNET50_PARAMS, sample_s=1 / 2470, bytes_per_param=2,
+    "resnet50-a100": saturating(
+        "resnet50-a100", 2470, 256, HALF_BATCH["a100"], 2,
         source="NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5, DGX A100 80GB: 2470 img/s "
-               "on one A100, mixed precision (fp16 gradients)"),
+               "on one A100 at batch 256, mixed precision (fp16 gradients); a fixed 13.9 "
+               "images' worth per step from the same examples' A100 latency at batch 1-128 "
+               "(MXNet)"),
     "resnet50-a100-tf32": Workload(
         "resnet50-a100-tf32", RESNET50_PARAMS, sample_s=1 / 938, bytes_per_param=4,
         source="NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5, DGX A100 80GB: 938 img/s "
@@ -144,24 +170,25 @@ PROFILES: dict[str, Workload] = {
 
 NETWORKS: dict[str, Network] = {
     "bigbasin": network(
-        "bigbasin", 20e9, 5e-6, _gbit(50), 20e-6, per_node=8,
+        "bigbasin", 20e9, 5e-6, _gbit(50), 20e-6, per_node=8, shared_inter=True,
         source="Goyal et al. 2017: Big Basin servers, 8 P100 on NVLink, 50 Gbit/s Ethernet "
-               "(NVLink rate and both latencies assumed)"),
+               "per server, shared by its GPUs (NVLink rate and both latencies assumed)"),
     "p40-ib": network(
-        "p40-ib", 10e9, 5e-6, _gbit(100), 5e-6, per_node=8,
-        source="Jia et al. 2018: 8 P40 per node (PCIe), 100 Gbit/s InfiniBand (PCIe rate and "
-               "latencies assumed)"),
+        "p40-ib", 10e9, 5e-6, _gbit(100), 5e-6, per_node=8, shared_inter=True,
+        source="Jia et al. 2018: 8 P40 per node (PCIe), 100 Gbit/s InfiniBand per node, shared "
+               "by its GPUs (PCIe rate and latencies assumed)"),
     "abci": network(
-        "abci", 50e9, 5e-6, _gbit(200), 5e-6, per_node=4,
-        source="Mikami et al. 2018 on ABCI: 4 V100 per node on NVLink, 2 x InfiniBand EDR "
-               "(NVLink rate and latencies assumed)"),
+        "abci", 50e9, 5e-6, _gbit(200), 5e-6, per_node=4, shared_inter=True,
+        source="Mikami et al. 2018 on ABCI: 4 V100 per node on NVLink, 2 x InfiniBand EDR per "
+               "node (200 Gbit/s), shared by its GPUs (NVLink rate and latencies assumed)"),
     "dgx-a100": network(
         "dgx-a100", 200e9, 5e-6, _gbit(200), 5e-6, per_node=8,
         source="DGX A100: 8 A100 on NVSwitch, one 200 Gbit/s HDR InfiniBand adapter per GPU "
                "(rates and latencies assumed from the data sheet)"),
     "ethernet-10g": network(
-        "ethernet-10g", 10e9, 5e-6, _gbit(10), 30e-6, per_node=8,
-        source="a generic cluster: PCIe inside a node, 10 Gbit/s Ethernet between nodes (assumed)"),
+        "ethernet-10g", 10e9, 5e-6, _gbit(10), 30e-6, per_node=8, shared_inter=True,
+        source="a generic cluster: PCIe inside a node, 10 Gbit/s Ethernet per node between "
+               "nodes (assumed)"),
 }
 
 #: the network each profile runs on unless told otherwise
@@ -172,12 +199,19 @@ PROFILE_NETWORK = {"resnet50-p100": "bigbasin", "resnet50-v100": "abci",
 
 # -- the all-reduce of one bucket --------------------------------------------------------------------
 def allreduce_seconds(algorithm: str, nbytes: float, workers: int, nodes: int,
-                      params: cm.Params, dtype: str = "float32") -> float:
+                      params: cm.Params, dtype: str = "float32", shared_inter: bool = False
+                      ) -> float:
     """Seconds of one all-reduce of nbytes over `workers` ranks on `nodes` nodes of consecutive
-    ranks (`mpdl.collectives.costmodel.predict`). One worker communicates nothing: 0."""
+    ranks (`mpdl.collectives.costmodel.predict`). One worker communicates nothing: 0. With
+    shared_inter, the inter-node bandwidth is the node's: in the inter-node phase of the
+    NODE_WIDE_INTER algorithms the node's workers cross at once, each at 1/g of it."""
     if workers <= 1:
         return 0.0
     nodes = max(1, min(nodes, workers))
+    if shared_inter and nodes > 1 and algorithm in NODE_WIDE_INTER:
+        g = math.ceil(workers / nodes)
+        params = replace(params, beta_inter=g * (params.beta if params.beta_inter is None
+                                                 else params.beta_inter))
     return cm.predict("allreduce", algorithm, int(round(nbytes)), workers, nodes, params, dtype)
 
 
@@ -219,23 +253,36 @@ def exposed_seconds(bucket_s: float, k: int, backward_s: float, overlap: bool) -
 
 
 def comm_per_bucket(workload: Workload, strategy: Strategy, workers: int, nodes: int,
-                    params: cm.Params) -> tuple[int, float, float]:
-    """(buckets, bytes per bucket, seconds per bucket's all-reduce)."""
+                    params: cm.Params, shared_inter: bool = False) -> tuple[int, float, float]:
+    """(buckets, bytes per bucket, seconds per bucket's all-reduce, handed to the communication
+    thread as DDP hands it: params.handoff, calibrated on this machine, 0 for a modelled one)."""
     k, size = buckets(workload, strategy)
     dtype = "float16" if workload.bytes_per_param == 2 else "float32"
-    return k, size, allreduce_seconds(strategy.algorithm, size, workers, nodes, params, dtype)
+    return k, size, allreduce_seconds(strategy.algorithm, size, workers, nodes, params, dtype,
+                                      shared_inter) + params.handoff
 
 
 def step_time(workload: Workload, strategy: Strategy, workers: int, nodes: int,
-              params: cm.Params, batch: float, bucket_s: float | None = None) -> Step:
+              params: cm.Params, batch: float, bucket_s: float | None = None,
+              shared_inter: bool = False) -> Step:
     """One step with `batch` samples per worker (bucket_s: a precomputed all-reduce time)."""
     k, size = buckets(workload, strategy)
     if workers <= 1:
         return Step(workload.compute(batch), 0.0, 0.0, k, size)
     if bucket_s is None:
-        bucket_s = comm_per_bucket(workload, strategy, workers, nodes, params)[2]
+        bucket_s = comm_per_bucket(workload, strategy, workers, nodes, params, shared_inter)[2]
     exposed = exposed_seconds(bucket_s, k, workload.backward(batch), strategy.overlap)
     return Step(workload.compute(batch), k * bucket_s, exposed, k, size)
+
+
+def pipeline_compute(stage_slots: Sequence[float], microbatches: int) -> float:
+    """Seconds of a pipeline flush: stage_slots[i] is stage i's forward + backward of one
+    microbatch. One microbatch passes every stage, the other m-1 are paced by the slowest: with
+    equal stages t, (m + pp - 1)·t, whose idle share is the bubble (pp-1)/(m+pp-1)."""
+    if not stage_slots or microbatches < 1:
+        raise ValueError(f"stage_slots and microbatches: expected stages and m >= 1, got "
+                         f"{len(stage_slots)} and {microbatches}")
+    return float(sum(stage_slots) + (microbatches - 1) * max(stage_slots))
 
 
 # -- sweeps ------------------------------------------------------------------------------------------
@@ -329,7 +376,8 @@ def simulate(workload: Workload, net: Network, strategies: Sequence[Strategy], j
     for strategy in strategies:
         for n in workers:
             m = nodes_for(n, g)
-            bucket_s = comm_per_bucket(workload, strategy, n, m, net.params)[2] if n > 1 else 0.0
+            bucket_s = (comm_per_bucket(workload, strategy, n, m, net.params, net.shared_inter)[2]
+                        if n > 1 else 0.0)
             row = Row(strategy, n, m, regime=regime)
             step = step_time(workload, strategy, n, m, net.params, per_worker_batch, bucket_s)
             row.per_worker = _regime(workload, step, n, per_worker_batch, job,
@@ -374,19 +422,26 @@ def limits(rows: Sequence[Row], min_gain: float = 0.05) -> dict[str, dict[str, i
 
 # -- measuring an mpdl model on this machine -----------------------------------------------------------
 INPUT_SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "cifar": (3, 32, 32)}
+#: the optimizers `measure_workload` can time, as `mpdl train` builds them by default
+MEASURE_OPTIMIZERS = ("sgd", "adam")
 
 
 def measure_workload(model: str, shape: str = "digits", batch: int = 32, repeats: int = 15,
-                     classes: int = 10, dtype: str = "float32", seed: int = 0) -> Workload:
-    """Time forward, backward and an SGD step of an mpdl zoo model at batch/4 and batch samples
-    (interleaved, medians) and fit sample_s (slope), step_s (intercept plus the optimizer) and the
-    backward share."""
+                     classes: int = 10, dtype: str = "float32", seed: int = 0,
+                     optimizer: str = "sgd") -> Workload:
+    """Time forward, backward and an optimizer step (SGD with momentum, or Adam) of an mpdl zoo
+    model at batch/4 and batch samples (interleaved, medians) and fit sample_s (slope), step_s
+    (intercept plus the optimizer) and the backward share."""
     if shape not in INPUT_SHAPES:
         raise ValueError(f"shape: expected one of {', '.join(INPUT_SHAPES)}, got {shape!r}")
+    if optimizer not in MEASURE_OPTIMIZERS:
+        raise ValueError(f"optimizer: expected one of {', '.join(MEASURE_OPTIMIZERS)}, "
+                         f"got {optimizer!r}")
     if batch < 1 or repeats < 1:
         raise ValueError(f"batch and repeats: expected positive counts, got {batch}, {repeats}")
     net = build_model(model, INPUT_SHAPES[shape], classes, seed=seed, dtype=np.dtype(dtype))
-    opt = optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    opt = (optim.SGD(net.parameters(), lr=0.01, momentum=0.9) if optimizer == "sgd"
+           else optim.Adam(net.parameters(), lr=1e-3))
     rng = np.random.default_rng(seed)
     sizes = sorted({max(1, batch // 4), batch})
     data = {b: (rng.standard_normal((b, *INPUT_SHAPES[shape])).astype(dtype),
@@ -471,7 +526,7 @@ def predict_published(run: Published, bucket_bytes: float = 64 * MB) -> dict[str
     one_node, full = by_n[run.per_node], by_n[run.workers]
     # at the same per-worker batch: per-worker throughput at N against one node's
     node_step = step_time(run.workload, strategy, run.per_node, 1, net.params,
-                          full["batch_per_worker"])
+                          full["batch_per_worker"], shared_inter=net.shared_inter)
     node_rate = full["batch_per_worker"] / node_step.total
     return {"name": run.name, "published": run.result, "published_s": run.seconds,
             "predicted_s": full["time_to_train_s"], "step_s": full["step_s"],
