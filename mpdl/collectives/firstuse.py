@@ -120,14 +120,15 @@ def _exchanges(comm: Any, peers: tuple[int, int] | None, steps: int = 1) -> list
     for nbytes, reps in zip(SIZES, REPS, strict=True):
         fn = None
         if peers is not None:
-            count = min(steps + 1, max(3, (64 << 20) // nbytes)) if steps > 1 else 2
-            blocks = exchange_buffers(nbytes * count)[0].reshape(count, nbytes)
             if steps == 1:
                 send, recv = exchange_buffers(nbytes)
 
                 def fn(send=send, recv=recv) -> None:
                     comm.sendrecv(send, peers[0], recv, peers[1], "first-use calibration")
-            else:
+            else:  # blocks in one buffer, reused in turn beyond 64 MiB (at least three)
+                count = min(steps + 1, max(3, (64 << 20) // nbytes))
+                blocks = exchange_buffers(nbytes * count)[0].reshape(count, nbytes)
+
                 def fn(blocks=blocks, count=count) -> None:
                     for s in range(steps):
                         comm.sendrecv(blocks[s % count], peers[0], blocks[(s + 1) % count],
