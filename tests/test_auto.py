@@ -200,3 +200,41 @@ def test_no_warning_when_all_is_well(tmp_path, monkeypatch):
         warnings.simplefilter("error")
         auto.model_for(FakeComm())
         auto.model_for(FakeComm())
+
+
+def test_measured_allreduce_times_replace_the_formula_for_their_world_shape_only():
+    table = (("ring", ((8.0, 100e-6), (1024.0, 120e-6), (1 << 20, 1e-3))),
+             ("shm", ((8.0, 50e-6), (1024.0, 60e-6), (1 << 20, 3e-3))))
+    params = replace(cm.Params(call=1e-6), allreduce_times=table, ranks=4, nodes=1)
+    assert cm.predict("allreduce", "ring", 8, 4, 1, params) == pytest.approx(101e-6)
+    assert cm.predict("allreduce", "ring", 516, 4, 1, params) == pytest.approx(111e-6)
+    # beyond the last size: the last slope
+    slope = (1e-3 - 120e-6) / ((1 << 20) - 1024)
+    assert cm.predict("allreduce", "ring", 2 << 20, 4, 1, params) == pytest.approx(
+        1e-6 + 1e-3 + slope * (1 << 20))
+    slow = ((8.0, 1.0), (1 << 20, 2.0))  # every other candidate far slower
+    params = replace(params, allreduce_times=table + tuple(
+        (name, slow) for name in cm.candidates("allreduce", True) if name not in ("ring", "shm")))
+    assert cm.choose("allreduce", 1024, 4, 1, True, params) == "shm"
+    assert cm.choose("allreduce", 1 << 20, 4, 1, True, params) == "ring"
+    # another world shape, an algorithm not timed, another collective: the formula
+    formula = cm.Params(call=1e-6)
+    for args in (("allreduce", "ring", 1024, 2, 1), ("allreduce", "ring", 1024, 4, 2),
+                 ("allreduce", "mpi", 1024, 4, 1), ("reduce", "ring", 1024, 4, 1)):
+        assert cm.predict(*args, params) == cm.predict(*args, formula)
+    # the table survives JSON, and emulated links drop it (it timed the real ones)
+    assert cm.Params.from_json(json.loads(json.dumps(params.to_json()))) == params
+    from mpdl import emulation
+
+    assert params.emulated(emulation.parse("inter=1Gbit/s")).allreduce_times == ()
+
+
+def test_allreduce_table_times_every_candidate_and_never_decreases(monkeypatch):
+    """On the in-process world: one row per candidate auto may pick, every tuned size, and a
+    small size never slower than a larger one (noise capped); every rank gets the same table."""
+    tables = run_world(2, lambda c: firstuse.allreduce_table(c))
+    assert tables[0] == tables[1]
+    assert [name for name, _ in tables[0]] == cm.candidates("allreduce", True)
+    for _, rows in tables[0]:
+        assert [b for b, _ in rows] == [float(b) for b in firstuse.TUNE_SIZES]
+        assert [t for _, t in rows] == sorted(t for _, t in rows)

@@ -6,7 +6,10 @@ Links inside a node and between nodes have their own α and β. `mpdl calibrate`
 while every rank communicates at once (as in a collective) and saves them as JSON; `load_params`
 reads that file (MPDL_COST_MODEL, or ~/.cache/mpdl/costmodel.json) and falls back to defaults.
 
-`predict(collective, algorithm, nbytes, p, nodes, params)` follows the algorithm's code: the number
+`predict(collective, algorithm, nbytes, p, nodes, params)` of an all-reduce interpolates the
+algorithm's measured times (`Params.allreduce_times`) when the parameters were measured for this
+world shape (a first-use calibration or `mpdl calibrate` times every candidate at a few sizes);
+otherwise, and for the other collectives, it follows the algorithm's code: the number
 of sequential message steps, the bytes each step carries, pipeline segments (MPDL_SEGMENT_BYTES),
 and which steps cross a node boundary (nodes are taken as p/nodes consecutive ranks). An algorithm
 without a formula here is estimated from its message schedule, recorded on the in-process world.
@@ -84,6 +87,12 @@ class Params:
     #: within 2(p-1) steps in a row as a ring all-reduce takes them: with more ranks than cores a
     #: ring step needs every rank scheduled, a pairwise step only two
     ring_exchange: tuple[tuple[float, float], ...] = field(default=())
+    #: measured (bytes, seconds) of each all-reduce algorithm with the API's input copy (not the
+    #: call's fixed cost) at a few sizes, on `ranks` ranks over `nodes` nodes, when a first-use
+    #: calibration timed them: `predict` interpolates these for that world shape, not the formula
+    allreduce_times: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = field(default=())
+    #: the node count the parameters were measured over (0: not recorded)
+    nodes: int = 0
     #: float32 FLOP/s of one core on a 512×512 GEMM, the best rank's (0: not measured); the peak
     #: against which `mpdl train` reports model-FLOPs utilisation
     gemm_flops: float = 0.0
@@ -128,12 +137,33 @@ class Params:
         if emu.inter is not None:
             a_out, b_out = a_out + emu.inter.latency, b_out + 1 / emu.inter.bandwidth
         return replace(self, alpha=a_in, beta=b_in, alpha_inter=a_out, beta_inter=b_out,
+                       allreduce_times=(),  # measured on the real links, not the emulated ones
                        exchange=table, ring_exchange=ring_table,
                        source=f"{self.source} + emulated {emu.describe()}")
+
+    def measured_time(self, algorithm: str, nbytes: float, p: int, nodes: int) -> float | None:
+        """The all-reduce algorithm's body time from `allreduce_times` (linear between measured
+        sizes, the smallest size's time below them, the last slope beyond them), when they were
+        measured for this world shape; None otherwise."""
+        if not self.allreduce_times or p != self.ranks or nodes != self.nodes:
+            return None
+        table = dict(self.allreduce_times).get(algorithm)
+        if not table:
+            return None
+        sizes = [b for b, _ in table]
+        times = [t for _, t in table]
+        if nbytes <= sizes[0] or len(sizes) == 1:
+            return times[0]
+        if nbytes >= sizes[-1]:
+            slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
+            return times[-1] + (nbytes - sizes[-1]) * max(slope, 0.0)
+        return float(np.interp(nbytes, sizes, times))
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["gammas"] = dict(self.gammas)
+        d["allreduce_times"] = {name: [list(x) for x in table]
+                                for name, table in self.allreduce_times}
         return d
 
     @classmethod
@@ -141,6 +171,9 @@ class Params:
         known = {f for f in cls.__dataclass_fields__}
         values = {k: v for k, v in d.items() if k in known}
         values["gammas"] = tuple(sorted(dict(values.get("gammas", {})).items()))
+        values["allreduce_times"] = tuple(
+            (str(name), tuple((float(b), float(t)) for b, t in table))
+            for name, table in dict(values.get("allreduce_times", {})).items())
         for curve in ("exchange", "ring_exchange"):
             values[curve] = tuple((float(b), float(t)) for b, t in values.get(curve, ()))
             if len(values[curve]) == 1:
@@ -468,6 +501,10 @@ def predict(collective: str, algorithm: str, nbytes: int, p: int, nodes: int = 1
                 gamma=params.gamma_for(dtype) if collective in _REDUCING else 0.0,
                 seg=segment_elements(itemsize) * itemsize)
     formula = FORMULAS.get(collective, {}).get(algorithm)
+    measured = (params.measured_time(algorithm, nbytes, s.p, s.nodes)
+                if collective == "allreduce" and s.p > 1 else None)
+    if measured is not None:  # measured with the input copy, as the API makes it
+        return params.call + measured
     if formula is None:
         registry.resolve(collective, algorithm)  # ValueError for unknown names
         body = schedule_estimate(collective, algorithm, nbytes, s.p, s.nodes, params, dtype)

@@ -4,10 +4,14 @@ machine and world shape, for when nobody has run `mpdl calibrate`.
 `measure(comm)` is a cut-down `mpdl calibrate` (`mpdl.perf.calibrate`) written against the
 Communicator interface, so that it runs on any MPI-backed communicator (the world, a split, a
 sub-communicator of a process grid): one sweep over five message sizes instead of three over six,
-fewer repetitions, and no GEMM peak or MPI-library latency. Each exchange is timed as `mpdl bench`
-times a call (a barrier, one call, the slowest rank, the median over repetitions); the slowest rank
-is found with one all-gather at the end, so every rank fits the same parameters from the same
-numbers. It takes well under a second for 2 ranks on 2 cores, about one for 4 (README).
+fewer repetitions, and no GEMM peak or MPI-library latency. Then it times every all-reduce
+algorithm `auto` may pick at eight sizes from 8 B to 8 MiB (`allreduce_table`, which `mpdl
+calibrate` runs too): the cost model interpolates these for this world shape instead of its
+formulas, which miss effects such as caches and cores shared by more ranks than they can run.
+Everything is timed as `mpdl bench` times a call (a barrier, one call, the slowest rank, the
+median over repetitions); the slowest rank is found with all-gathers, so every rank fits the same
+parameters from the same numbers. It takes about half a second for 2 ranks on 2 cores, one and a
+half for 4 (README).
 
 The result is kept in one JSON file per key (`cache_key`: host, MPI library, world size, ranks per
 node, and the communicator's own shape when it is a part of the world) in the settings' `auto_cache`
@@ -29,7 +33,7 @@ import numpy as np
 
 from mpdl import backend
 from mpdl.collectives import registry
-from mpdl.collectives.costmodel import ModelUnavailable, Params
+from mpdl.collectives.costmodel import ModelUnavailable, Params, candidates
 from mpdl.collectives.ops import check_array, check_op
 from mpdl.collectives.shm import WINDOW_BYTES
 from mpdl.fileio import atomic_open
@@ -44,6 +48,12 @@ REPS = (10, 8, 6, 4, 3)
 STREAM_BYTES = 1 << 22
 STREAM_PAIRS = 4
 GAMMA_DTYPES = ("float16", "float32", "float64", "int32", "int64")
+#: sizes at which every all-reduce candidate is timed (float32); beyond the last, its slope
+TUNE_SIZES = (8, 1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 23)
+#: rounds over the algorithms at each size (a slow spell of the machine then hits all alike), and
+#: timed calls of an algorithm per round, after an untimed one, below and from 1 MiB
+TUNE_ROUNDS = 2
+TUNE_REPS = (8, 3)
 
 
 # -- helpers shared with `mpdl calibrate` ------------------------------------------------------
@@ -164,6 +174,51 @@ def _median(fn, reps: int, batch: int) -> float:
     return float(np.median(times))
 
 
+def _allreduce_times(comm: Any) -> dict[str, list[list[float]]]:
+    """Per all-reduce candidate `auto` may pick, per size of TUNE_SIZES: this rank's times of its
+    calls (TUNE_ROUNDS turns of TUNE_REPS calls, each after a barrier, the algorithms taking turns
+    as in `mpdl bench`), with the input copy the public call makes (the algorithms that read their
+    input directly get it as `src`)."""
+    names = candidates("allreduce", comm.has_shared_memory)
+    out: dict[str, list[list[float]]] = {name: [] for name in names}
+    for nbytes in TUNE_SIZES:
+        x = np.ones(max(1, nbytes // 4), np.float32)
+        work = backend.empty_like_page_offset(x)
+        calls = {}
+        for name in names:
+            algo = registry.REGISTRY["allreduce"][name]
+
+            def call(algo=algo, x=x, work=work) -> None:
+                if algo.reads_input:
+                    algo.run(comm, work, "sum", src=x)
+                else:
+                    np.copyto(work, x)
+                    algo.run(comm, work, "sum")
+
+            calls[name] = call
+            out[name].append([])
+        for _ in range(TUNE_ROUNDS):
+            for name, call in calls.items():
+                comm.barrier()
+                call()  # untimed: each turn starts as bench's turns do
+                out[name][-1] += _timed(comm, call, TUNE_REPS[nbytes >= (1 << 20)])
+    return out
+
+
+def allreduce_table(comm: Any) -> tuple[tuple[str, tuple[tuple[float, float], ...]], ...]:
+    """`Params.allreduce_times` of comm: every all-reduce candidate timed at TUNE_SIZES, per size
+    the median over calls of the slowest rank's time, made non-decreasing in size (a noisy small
+    size is capped by the larger ones). Collective over comm; the same table on every rank."""
+    mine = _allreduce_times(comm)
+    everyone = comm.allgather_object(mine)
+    table = []
+    for name in mine:
+        times = [float(np.median(np.max([np.asarray(r[name][i]) for r in everyone], axis=0)))
+                 for i in range(len(TUNE_SIZES))]
+        table.append((name, monotone(TUNE_SIZES, times)))
+    return tuple(table)
+
+
 def _call_overhead() -> float:
     """The public API's fixed cost, near enough: what an all-reduce call of one element does on a
     world of one (check the arguments, allocate and copy the result, run the algorithm). It adds
@@ -216,6 +271,7 @@ def measure(comm: Any) -> Params:
         src, dst = np.ones(WINDOW_BYTES, np.uint8), np.empty(WINDOW_BYTES, np.uint8)
         rates["copy_cached"] = _median(lambda: np.copyto(dst, src), 10, 4) / WINDOW_BYTES
         rates["call"] = _call_overhead()
+        table = allreduce_table(comm)
         stamp = (socket.gethostname(), time.strftime("%Y-%m-%d %H:%M:%S"),
                  time.perf_counter() - t_start)
         everyone = comm.allgather_object((local, rates, stamp))
@@ -247,6 +303,7 @@ def measure(comm: Any) -> Params:
                   gammas=gammas, ranks=comm.size,
                   exchange=monotone(SIZES, intra) if have_pairs else (),
                   ring_exchange=monotone(SIZES, slowest("ring")) if "ring" in local else (),
+                  allreduce_times=table, nodes=len(groups),
                   source=f"first-use calibration on {host}, {comm.size} ranks, {len(groups)} "
                          f"node(s), {when}, {seconds:.2f} s")
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import collectives, emulation
-from mpdl.collectives import auto, costmodel
+from mpdl.collectives import auto, costmodel, firstuse
 from mpdl.collectives.costmodel import Params
 from mpdl.collectives.firstuse import exchange_buffers
 from mpdl.collectives.firstuse import monotone as _monotone
@@ -251,7 +251,8 @@ def calibrate(comm: Any, iters: int = 20, path: str | None = None) -> Params:
     emulation.install(comm, None)
     nodes = len(comm.node_groups())
     params = to_params(measure(comm, iters), comm.size, nodes, socket.gethostname())
-    params = dataclasses.replace(params, gemm_flops=max(comm.allgather_object(gemm_flops())))
+    params = dataclasses.replace(params, gemm_flops=max(comm.allgather_object(gemm_flops())),
+                                 allreduce_times=firstuse.allreduce_table(comm), nodes=nodes)
     if path is not None:
         if comm.rank == 0:
             costmodel.save(path, params)  # and forgets the loaded model
