@@ -12,7 +12,9 @@ copies them, on arrays not in cache, and copies a window chunk that stays in cac
 algorithm's); the barrier shm takes twice per call is measured inside an 8-byte shm all-reduce. A
 collective's time is set by its slowest rank, so each figure is the maximum over ranks. Last, every
 rank times float32 512×512 GEMMs at once (`mpdl.training.throughput.gemm_flops`), and the best
-rank's FLOP/s is the per-core peak `mpdl train` reports model-FLOPs utilisation against.
+rank's FLOP/s is the per-core peak `mpdl train` reports model-FLOPs utilisation against. Then
+every all-reduce algorithm `auto` may pick is timed at a few sizes (`firstuse.allreduce_table`, as
+`auto`'s first-use calibration does): for this world shape the model interpolates those times.
 `calibrate` stores the parameters under this world size in the cost model's file
 ($MPDL_COST_MODEL, or ~/.cache/mpdl/costmodel.json; XDG_CACHE_HOME is honoured); `auto` and
 `mpdl bench` read them from there.
