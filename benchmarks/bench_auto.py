@@ -1,7 +1,9 @@
 """How good is `auto`, how good is the cost model, and does hierarchical win on a slow network?
 
 Runs, for each world size P:
-  1. `mpdl calibrate` (into OUT/costmodel.json, via MPDL_COST_MODEL),
+  1. `mpdl calibrate` (into OUT/costmodel.json, via MPDL_COST_MODEL); with --no-calibration, none:
+     no calibration file and an empty first-use cache (OUT/auto-cache, via MPDL_AUTO_CACHE), so
+     `auto` starts as it does on a fresh machine (bench's first step is its first-use calibration),
   2. `mpdl bench allreduce` from MIN to MAX bytes with every algorithm, auto and the mpi baseline,
 and then, with MPDL_RANKS_PER_NODE=P/2 and an emulated inter-node link,
   3. `mpdl bench allreduce` of ring, hierarchical and auto at large sizes.
@@ -10,6 +12,7 @@ measurement for ring, tree and recursive doubling at >= 64 KiB; hierarchical aga
 emulation, measured and predicted.
 
     python benchmarks/bench_auto.py --ranks 2 4 --max-bytes 64M --out bench-out
+    python benchmarks/bench_auto.py --ranks 2 4 --no-calibration --no-emulated --iters 20
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,23 +99,39 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--emulate", default="inter=10Gbit/s,20us")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
-    parser.add_argument("--skip-calibrate", action="store_true")
+    parser.add_argument("--skip-calibrate", action="store_true",
+                        help="reuse OUT/costmodel.json from an earlier run")
+    parser.add_argument("--no-calibration", action="store_true",
+                        help="no calibration file: auto calibrates on first use, into an empty "
+                             "OUT/auto-cache")
+    parser.add_argument("--no-emulated", action="store_true",
+                        help="skip the emulated-network sweep")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = {"MPDL_COST_MODEL": str(args.out / "costmodel.json")}
+    cache = args.out / "auto-cache"
+    if args.no_calibration:
+        env = {"MPDL_COST_MODEL": str(args.out / "no-costmodel.json"),
+               "MPDL_AUTO_CACHE": str(cache)}
+        shutil.rmtree(cache, ignore_errors=True)
     report: list[str] = []
     for p in args.ranks:
-        if not args.skip_calibrate:
+        if not args.skip_calibrate and not args.no_calibration:
             mpdl(p, ["calibrate"], env, 300)
         sweep = args.out / f"allreduce_p{p}.json"
         mpdl(p, ["bench", "allreduce", "-b", args.min_bytes, "-e", args.max_bytes, "-n",
                  str(args.iters), "-w", "2", "--json", str(sweep),
                  "--plot", str(args.out / f"allreduce_p{p}.png")], env, 3000)
         data = rows(sweep)
-        report += [f"\n## p={p}: auto against the best algorithm", *auto_vs_best(data),
+        model = "calibrated by mpdl calibrate"
+        if args.no_calibration:
+            made = [json.loads(f.read_text())["params"]["source"] for f in cache.glob("auto-*.json")
+                    if json.loads(f.read_text())["key"]["world_size"] == p]
+            model = f"no calibration file; {'; '.join(made) or 'no first-use calibration'}"
+        report += [f"\n## p={p}: auto against the best algorithm ({model})", *auto_vs_best(data),
                    f"\n## p={p}: cost model against measurement (>= 64 KiB)",
                    *prediction_vs_measured(data)]
-        if p >= 4 and p % 2 == 0:
+        if p >= 4 and p % 2 == 0 and not args.no_emulated:
             emulated = args.out / f"allreduce_p{p}_emulated.json"
             mpdl(p, ["bench", "allreduce", "-b", "64K", "-e", args.max_bytes, "-f", "4", "-n",
                      str(max(3, args.iters // 2)), "-w", "1", "--algorithms",

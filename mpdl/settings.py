@@ -15,6 +15,7 @@ from ``current()`` (or from the communicator that was built with it).
 | MPDL_RANKS_PER_NODE | ranks_per_node | emulated nodes of k consecutive ranks (real nodes) |
 | MPDL_EMULATE | emulation | slowed links, e.g. ``inter=10Gbit/s,20us`` (none) |
 | MPDL_COST_MODEL | cost_model | parameter file of `auto`, or ``off`` / ``defaults`` (~/.cache/mpdl) |
+| MPDL_AUTO_CACHE | auto_cache | folder of `auto`'s first-use calibrations, or ``off`` (~/.cache/mpdl) |
 | MPDL_CUDA_AWARE | cuda_aware | 0 or 1: whether MPI takes GPU buffers (detected) |
 | MPDL_NO_CUPY | no_cupy | 1: act as if CuPy were not installed (0) |
 | MPDL_MALLOC | malloc | ``default``: keep glibc's malloc settings (tuned) |
@@ -140,6 +141,9 @@ class Settings:
     emulation: Emulation | None = None
     #: the cost model's parameter file, or "off" (no model: the size rule) or "defaults"
     cost_model: str = ""
+    #: the folder where `auto` keeps its first-use calibrations (one file per machine and world
+    #: shape; see mpdl.collectives.firstuse), or "off": no first-use calibration (defaults)
+    auto_cache: str = ""
     cuda_aware: bool | None = None
     no_cupy: bool = False
     malloc: str = "tuned"
@@ -174,6 +178,8 @@ class Settings:
                              f"{self.stall_warn!r}")
         if not self.cost_model:
             object.__setattr__(self, "cost_model", default_cost_model_path())
+        if not self.auto_cache:
+            object.__setattr__(self, "auto_cache", default_auto_cache())
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -208,6 +214,13 @@ class Settings:
             fields["cost_model"] = os.path.expanduser(raw)
         else:
             fields["cost_model"] = default_cost_model_path(env)
+        raw = env.get("MPDL_AUTO_CACHE", "").strip()
+        if raw.lower() in ("off", "none", "0"):
+            fields["auto_cache"] = "off"
+        elif raw:
+            fields["auto_cache"] = os.path.expanduser(raw)
+        else:
+            fields["auto_cache"] = default_auto_cache(env)
         raw = env.get("MPDL_CUDA_AWARE", "").strip()
         if raw:
             if raw not in ("0", "1"):
@@ -265,11 +278,21 @@ def _positive_int(env: Mapping[str, str], var: str, unit: str) -> int | None:
     return value
 
 
-def default_cost_model_path(env: Mapping[str, str] | None = None) -> str:
-    """Where calibrate saves and `auto` reads by default: $XDG_CACHE_HOME/mpdl (~/.cache/mpdl)."""
+def _cache_home(env: Mapping[str, str] | None = None) -> str:
+    """$XDG_CACHE_HOME/mpdl, else ~/.cache/mpdl."""
     env = os.environ if env is None else env
     cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "mpdl", "costmodel.json")
+    return os.path.join(cache, "mpdl")
+
+
+def default_cost_model_path(env: Mapping[str, str] | None = None) -> str:
+    """Where calibrate saves and `auto` reads by default: $XDG_CACHE_HOME/mpdl (~/.cache/mpdl)."""
+    return os.path.join(_cache_home(env), "costmodel.json")
+
+
+def default_auto_cache(env: Mapping[str, str] | None = None) -> str:
+    """Where `auto` keeps its first-use calibrations by default: $XDG_CACHE_HOME/mpdl."""
+    return _cache_home(env)
 
 
 _current: list[Settings] = []

@@ -18,6 +18,9 @@
 # MN_NETNS=0 (hosts without namespaces even where they are possible), MN_RATE (tc rate of every
 # link in `test`, default none).
 set -euo pipefail
+# `auto` chooses with the defaults here (no first-use calibration written into ~/.cache), as in
+# the pytest suites (tests/conftest.py); MPDL_AUTO_CACHE=DIR measures into DIR instead.
+export MPDL_AUTO_CACHE="${MPDL_AUTO_CACHE:-off}"
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${VENV:-.venv}

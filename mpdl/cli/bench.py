@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"# cost model unavailable ({result.note}); predictions use the defaults",
               file=sys.stderr)
     emulated = config.emulation.describe() if config.emulation else ""
-    print_table(result.rows, args, result.ranks, result.nodes, emulated, result.params)
+    print_table(result.rows, args, result.ranks, result.nodes, emulated, result.params,
+                result.model)
     if args.json:
         write_json_lines(args.json, result.rows)
     if args.csv:
@@ -162,12 +163,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -- output ------------------------------------------------------------------------------------
-def print_table(rows, args, p, nodes, emulated, params) -> None:
+def print_table(rows, args, p, nodes, emulated, params, model: str = "") -> None:
     rounds = len(bench.turns(args.iters))
     print(f"# mpdl bench {args.collective}: {p} ranks, {nodes} node(s), {args.iters} iterations "
           f"({args.warmup} warm-up), algorithms taking turns in {rounds} rounds; "
           f"time = slowest rank, median (min-max)")
     print(f"# predictions: {params.source}")
+    if model:
+        print(f"# auto's cost model: {model}")
     if emulated:
         print(f"# EMULATED links: {emulated} (nodes from MPDL_RANKS_PER_NODE); the mpi baseline "
               f"bypasses mpdl's sends and is not slowed")

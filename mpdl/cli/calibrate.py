@@ -75,5 +75,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"alpha_native    {params.alpha_native * 1e6:9.2f} us per message (MPI library)")
     print(f"gemm_flops      {params.gemm_flops / 1e9:9.2f} GFLOP/s per core (float32 512x512 GEMM; "
           f"the peak of `mpdl train`'s MFU)")
+    if params.allreduce_times:
+        sizes = params.allreduce_times[0][1]
+        print(f"allreduce_times {len(params.allreduce_times)} algorithms timed at {len(sizes)} "
+              f"sizes, {int(sizes[0][0])} B to {int(sizes[-1][0]) >> 20} MiB (what auto "
+              f"interpolates for {comm.size} ranks)")
     print(f"saved {path}")
     return 0

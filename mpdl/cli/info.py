@@ -17,6 +17,7 @@ import numpy
 
 import mpdl
 from mpdl import backend
+from mpdl.collectives import auto
 from mpdl.comm import as_communicator, cuda_aware_mpi, ranks_per_node_override
 from mpdl.mpi_runtime import library_version, load_mpi, usable_cores
 
@@ -64,11 +65,23 @@ def collect() -> dict[str, Any]:
         "cores": usable_cores(),
         "waiting_ranks_yield": ("at every poll (more ranks on a node than cores)"
                                 if comm.yield_every == 1 else f"every {comm.yield_every} polls"),
+        **_cost_model(comm),
         "rank": comm.rank,
         "host": socket.gethostname(),
         "node": node,
         "local_rank": nodes[node].index(comm.rank),
     }
+
+
+def _cost_model(comm) -> dict[str, Any]:
+    """Which cost model `auto` chooses with on this communicator, looked up without measuring
+    (rank 0's answer is the one every rank uses)."""
+    model, path = auto.look(comm)
+    if model is None:
+        return {"cost_model": f"not calibrated yet: the first auto call measures it (about a "
+                              f"second) and saves {path}",
+                "cost_model_calibrated": False}
+    return {"cost_model": model.describe(), "cost_model_calibrated": model.calibrated}
 
 
 _PER_RANK = ("rank", "host", "node", "local_rank")

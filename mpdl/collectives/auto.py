@@ -1,24 +1,76 @@
 """`auto`: which registered algorithm a collective call runs when the caller does not say.
 
 The choice is the algorithm the cost model (`mpdl.collectives.costmodel`) predicts fastest for the
-call's size, world size, node count and shared memory, with the calibrated parameters when
-`mpdl calibrate` saved some (defaults otherwise) plus the settings' emulated links. When no model
-is usable (`MPDL_COST_MODEL=off`, a broken parameter file) a size rule decides (`simple_choice`).
+call's size, world size, node count and shared memory, plus the settings' emulated links. The
+model's parameters (`model_for(comm)`), in this order:
 
-The choice depends on its arguments, the parameter file and the settings alone, so every rank picks
-the same algorithm. Choices are remembered in one cache, valid for one `Settings` object and one
-reading of the parameter files: a settings change (`mpdl.settings.use` / `update`) starts a fresh
-cache by itself, and `forget()` (the same as `costmodel.forget()`, which `costmodel.save` calls)
-drops it with the loaded parameter files.
+1. `MPDL_COST_MODEL=off`: no model, a size rule decides (`simple_choice`); `=defaults`: the
+   default parameters;
+2. the calibration file `mpdl calibrate` saved (MPDL_COST_MODEL, ~/.cache/mpdl/costmodel.json),
+   its entry for the nearest world size; a broken file means no model (the size rule);
+3. otherwise the first-use calibration of this machine and world shape (`mpdl.collectives.firstuse`):
+   read from the settings' `auto_cache` folder (MPDL_AUTO_CACHE), or measured now by every rank of
+   the communicator (about a second) and saved there; a cache file that cannot be read is ignored
+   with a warning and measured again;
+4. the defaults where there is nothing to measure (`MPDL_AUTO_CACHE=off`, one rank, the in-process
+   world).
+
+Every rank must run the same algorithm, or the call deadlocks. So on a communicator's first `auto`
+call its rank 0 looks at the files and tells the others what it found (one small all-gather); when
+it found nothing every rank measures, and rank 0 writes the file. The model is then kept on the
+communicator, and each choice in one cache (a dictionary lookup per call). Another look happens
+after `forget()` (call it on every rank, as `mpdl calibrate` does) or a change of the settings'
+`cost_model` / `auto_cache`; link emulation changes only the choices.
+
+`choose(collective, nbytes, p, nodes, shared_memory)` without a model is the pure function of the
+calibration file (or the defaults) that needs no communicator.
 """
 
 from __future__ import annotations
 
+import itertools
+import warnings
+from dataclasses import dataclass, field
+
 from mpdl import settings
-from mpdl.collectives import costmodel, registry
+from mpdl.collectives import costmodel, firstuse, registry
+from mpdl.collectives.handles import run_in_order
 
 #: below this size, allreduce is latency-bound and the size rule takes recursive doubling
 AUTO_SMALL_BYTES = 32 * 1024
+
+_serial = itertools.count()
+
+
+@dataclass(frozen=True)
+class Model:
+    """The parameters `auto` chooses with, and where they come from.
+
+    origin: "off" (no model: the size rule), "defaults", "file" (`mpdl calibrate`'s), "cache" (a
+    first-use calibration read back) or "measured" (a first-use calibration made in this run);
+    `path` is the file read or written, `note` says why when it matters."""
+
+    params: costmodel.Params | None
+    origin: str
+    path: str = ""
+    note: str = ""
+    #: tells models apart in the choice cache
+    serial: int = field(init=False, default_factory=lambda: next(_serial), compare=False)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.origin in ("file", "cache", "measured")
+
+    def describe(self) -> str:
+        """One line for `mpdl info` and `mpdl bench`."""
+        text = {"off": "off: a size rule picks the algorithm",
+                "defaults": "defaults (not calibrated)",
+                "file": f"calibrated by `mpdl calibrate`: {self.path}",
+                "cache": f"calibrated on first use: {self.path}",
+                "measured": f"calibrated on first use, now: saved to {self.path}"}[self.origin]
+        if self.params is not None and self.calibrated:
+            text += f" ({self.params.source})"
+        return f"{text}; {self.note}" if self.note else text
 
 
 def simple_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
@@ -32,30 +84,145 @@ def simple_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memor
     return "hierarchical" if nodes > 1 else "ring"
 
 
-def _model_or_rule(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
+# -- where the model comes from ----------------------------------------------------------------
+def _calibration_file(p: int) -> Model | None:
+    """The model of the settings' cost_model (off, defaults, or the calibration file when it has
+    entries); None when there is no calibration file."""
+    configured = settings.current().cost_model
+    if configured == "off":
+        return Model(None, "off", note=f"{costmodel.ENV}=off")
+    if configured == "defaults":
+        return Model(costmodel.Params(), "defaults", note=f"{costmodel.ENV}=defaults")
+    path = costmodel.default_path()
     try:
-        params = costmodel.current_params(p)
-    except costmodel.ModelUnavailable:
+        if not costmodel.read_file(path):
+            return None
+        return Model(costmodel.load_params(p), "file", path)
+    except costmodel.ModelUnavailable as exc:
+        return Model(None, "off", path, note=str(exc))
+
+
+_static: dict = {}
+
+
+def static_model(p: int) -> Model:
+    """The model of the calibration file or the defaults, with no first-use calibration (what a
+    call without a communicator gets)."""
+    key = (settings.current().cost_model, p, costmodel.generation())
+    model = _static.get(key)
+    if model is None:
+        model = _calibration_file(p) or Model(costmodel.Params(), "defaults",
+                                               note="no calibration file")
+        if len(_static) > 64:
+            _static.clear()
+        _static[key] = model
+    return model
+
+
+_defaults: dict[str, Model] = {}
+
+
+def _default_model(note: str) -> Model:
+    """The defaults, one Model per reason (so that their choices are remembered across comms)."""
+    if note not in _defaults:
+        _defaults[note] = Model(costmodel.Params(), "defaults", note=note)
+    return _defaults[note]
+
+
+def _measurable(comm) -> bool:
+    """A communicator over real MPI processes (not the in-process world) of two ranks or more."""
+    root = firstuse._root(comm)
+    return comm.size > 1 and getattr(root, "mpi", None) is not None
+
+
+def look(comm) -> tuple[Model | None, str]:
+    """What this rank finds without measuring: (the model, ""), or (None, the cache file to
+    measure into). No communication."""
+    static = static_model(comm.size)
+    if static.origin != "defaults" or static.note != "no calibration file":
+        return static, ""
+    folder = settings.current().auto_cache
+    if folder == "off":
+        return _default_model("no calibration file, first-use calibration off "
+                              "(MPDL_AUTO_CACHE=off)"), ""
+    if not _measurable(comm):
+        return _default_model("nothing to measure on one rank or the in-process world"), ""
+    key = firstuse.cache_key(comm)
+    path = firstuse.cache_path(folder, key)
+    try:
+        params = firstuse.read(path, key)
+    except costmodel.ModelUnavailable as exc:
+        warnings.warn(f"mpdl auto: ignoring {exc}; measuring again", RuntimeWarning, stacklevel=2)
+        return None, path
+    if params is None:
+        return None, path
+    return Model(params, "cache", path), ""
+
+
+def _agree(comm) -> Model:
+    """Collective over comm: rank 0's model, measured by every rank when rank 0 has none."""
+    if not _measurable(comm):
+        return look(comm)[0]
+    # the node layouts the cache key names: collective the first time, so every rank asks
+    comm.node_groups()
+    firstuse._root(comm).node_groups()
+    mine = look(comm) if comm.rank == 0 else None
+    found, path = comm.allgather_object(mine)[0]
+    if found is not None:  # a model of this process (its serial keys this process's cache)
+        return Model(found.params, found.origin, found.path, found.note)
+    params = firstuse.measure(comm)
+    note = ""
+    if comm.rank == 0:
+        try:
+            firstuse.write(path, firstuse.cache_key(comm), params)
+        except OSError as exc:
+            note = f"could not save it ({exc}); set MPDL_AUTO_CACHE to a writable folder"
+            warnings.warn(f"mpdl auto: first-use calibration {note}", RuntimeWarning, stacklevel=2)
+    return Model(params, "measured", path, note)
+
+
+def model_for(comm) -> Model:
+    """The model `auto` chooses with on comm (an mpdl Communicator). Collective the first time on
+    each communicator (every rank of comm calls it at the same point: its first `auto` call), and
+    again after `forget()` or a change of the settings' cost_model / auto_cache; a lookup after."""
+    current = settings.current()
+    stamp = (current.cost_model, current.auto_cache, costmodel.generation())
+    held = getattr(comm, "_auto_model", None)
+    if held is not None and held[0] == stamp:
+        return held[1]
+    model = run_in_order(comm, lambda: _agree(comm))
+    comm._auto_model = (stamp, model)
+    return model
+
+
+# -- the choice --------------------------------------------------------------------------------
+def _model_or_rule(model: Model, collective: str, nbytes: int, p: int, nodes: int,
+                   shared_memory: bool) -> str:
+    if model.params is None:
         return simple_choice(collective, nbytes, p, nodes, shared_memory)
+    params = model.params.emulated(settings.current().emulation)
     return costmodel.choose(collective, nbytes, p, nodes, shared_memory, params)
 
 
-#: the one cache: [the Settings and the parameter-file generation the choices were made under,
-#: {call signature: algorithm name}]
-_cache: list = [None, -1, {}]
+#: the one cache: [the Settings the choices were made under, {(model, call signature): name}]
+_cache: list = [None, {}]
 
 
-def choose(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
-    """The algorithm `auto` runs for a call of nbytes on p ranks over `nodes` nodes.
-    Remembered per call signature, so a repeated call costs a dictionary lookup."""
-    current, generation = settings.current(), costmodel.generation()
-    if _cache[0] is not current or _cache[1] != generation:
-        _cache[:] = current, generation, {}
-    key = (collective, nbytes, p, nodes, shared_memory)
-    choices = _cache[2]
+def choose(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool,
+           model: Model | None = None) -> str:
+    """The algorithm `auto` runs for a call of nbytes on p ranks over `nodes` nodes, with `model`
+    (default: the calibration file's or the defaults, `static_model`). Remembered per model and
+    call signature, so a repeated call costs a dictionary lookup."""
+    if model is None:
+        model = static_model(p)
+    current = settings.current()
+    if _cache[0] is not current:
+        _cache[:] = current, {}
+    key = (model.serial, collective, nbytes, p, nodes, shared_memory)
+    choices = _cache[1]
     name = choices.get(key)
     if name is None:
-        name = choices[key] = _model_or_rule(collective, nbytes, p, nodes, shared_memory)
+        name = choices[key] = _model_or_rule(model, collective, nbytes, p, nodes, shared_memory)
     return name
 
 
@@ -63,10 +230,15 @@ def algorithm_for(collective: str, nbytes: int, comm) -> registry.Algorithm:
     """The registered algorithm `auto` runs for a call of nbytes on comm (an mpdl Communicator)."""
     nodes = len(comm.node_groups()) if comm.size > 1 else 1
     return registry.resolve(collective, choose(collective, nbytes, comm.size, nodes,
-                                               comm.has_shared_memory))
+                                               comm.has_shared_memory, model_for(comm)))
 
 
 def forget() -> None:
-    """Choose again from now on: drop the remembered choices and the loaded parameter files."""
-    _cache[:] = None, -1, {}
+    """Look for the model again from now on: drop the remembered choices and the loaded parameter
+    files. Call it on every rank of a communicator or on none: the next `auto` call looks again,
+    collectively."""
+    _cache[:] = None, {}
+    _static.clear()
+    _defaults.clear()
     costmodel.forget()
+

@@ -6,7 +6,10 @@ Links inside a node and between nodes have their own α and β. `mpdl calibrate`
 while every rank communicates at once (as in a collective) and saves them as JSON; `load_params`
 reads that file (MPDL_COST_MODEL, or ~/.cache/mpdl/costmodel.json) and falls back to defaults.
 
-`predict(collective, algorithm, nbytes, p, nodes, params)` follows the algorithm's code: the number
+`predict(collective, algorithm, nbytes, p, nodes, params)` of an all-reduce interpolates the
+algorithm's measured times (`Params.allreduce_times`) when the parameters were measured for this
+world shape (a first-use calibration or `mpdl calibrate` times every candidate at a few sizes);
+otherwise, and for the other collectives, it follows the algorithm's code: the number
 of sequential message steps, the bytes each step carries, pipeline segments (MPDL_SEGMENT_BYTES),
 and which steps cross a node boundary (nodes are taken as p/nodes consecutive ranks). An algorithm
 without a formula here is estimated from its message schedule, recorded on the in-process world.
@@ -55,22 +58,24 @@ class ModelUnavailable(RuntimeError):
 class Params:
     """Machine parameters in seconds (per message, per byte). `*_inter` default to the intra values."""
 
-    alpha: float = 20e-6
-    beta: float = 1 / 2.0e9
-    gamma: float = 1 / 2.0e9
+    # The defaults (used until a calibration, or where nothing can be measured) are what
+    # `mpdl calibrate` measures for 2 ranks on one node of a current x86 server, rounded: a
+    # Python-driven message of ~10 us, ~4 GB/s through MPI's shared memory, reductions and copies
+    # of data not in cache at ~4 GB/s, ten times that in cache, a node barrier of ~25 us.
+    alpha: float = 10e-6
+    beta: float = 1 / 4.0e9
+    gamma: float = 1 / 4.0e9
     alpha_inter: float | None = None
     beta_inter: float | None = None
     #: seconds per byte of a local memory copy of data not in cache (the API's input copy)
-    copy: float = 1 / 5.0e9
+    copy: float = 1 / 4.0e9
     #: the same for data a core's caches hold (the shm algorithm's window chunks); 0: as `copy`.
     #: Its ratio to `copy` also scales the shm algorithm's reductions
-    copy_cached: float = 0.0
-    #: one node barrier (the shm algorithm takes two per call); by default a few messages' worth
-    barrier: float = 60e-6
-    #: the fixed cost of one call of the public API, before any message (calibrated on one node:
-    #: an 8-byte ring all-reduce on every rank less its steps, so the Python of the call with
-    #: every rank running it, sharing the cores, is in it)
-    call: float = 15e-6
+    copy_cached: float = 1 / 40.0e9
+    #: one node barrier (the shm algorithm takes two per call)
+    barrier: float = 25e-6
+    #: the fixed cost of one call of the public API, before any message
+    call: float = 5e-6
     #: what a collective handed to the communication thread (`*_async`, as DDP's buckets and
     #: ZeRO's units are) and waited for costs beyond the call itself (0: not measured)
     handoff: float = 0.0
@@ -92,6 +97,12 @@ class Params:
     #: measured (bytes, seconds) of the API's input copy on buffers copied call after call (what
     #: fits in the caches stays there); empty: nbytes · `copy`
     copy_curve: tuple[tuple[float, float], ...] = field(default=())
+    #: measured (bytes, seconds) of each all-reduce algorithm with the API's input copy (not the
+    #: call's fixed cost) at a few sizes, on `ranks` ranks over `nodes` nodes, when a first-use
+    #: calibration timed them: `predict` interpolates these for that world shape, not the formula
+    allreduce_times: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = field(default=())
+    #: the node count the parameters were measured over (0: not recorded)
+    nodes: int = 0
     #: float32 FLOP/s of one core on a 512×512 GEMM, the best rank's (0: not measured); the peak
     #: against which `mpdl train` reports model-FLOPs utilisation
     gemm_flops: float = 0.0
@@ -136,13 +147,34 @@ class Params:
         if emu.inter is not None:
             a_out, b_out = a_out + emu.inter.latency, b_out + 1 / emu.inter.bandwidth
         return replace(self, alpha=a_in, beta=b_in, alpha_inter=a_out, beta_inter=b_out,
+                       allreduce_times=(),  # measured on the real links, not the emulated ones
                        exchange=table, ring_exchange=ring_table,
                        ring_reduce_exchange=reduce_table,
                        source=f"{self.source} + emulated {emu.describe()}")
 
+    def measured_time(self, algorithm: str, nbytes: float, p: int, nodes: int) -> float | None:
+        """The all-reduce algorithm's body time from `allreduce_times` (linear between measured
+        sizes, the smallest size's time below them, the last slope beyond them), when they were
+        measured for this world shape; None otherwise."""
+        if not self.allreduce_times or p != self.ranks or nodes != self.nodes:
+            return None
+        table = dict(self.allreduce_times).get(algorithm)
+        if not table:
+            return None
+        sizes = [b for b, _ in table]
+        times = [t for _, t in table]
+        if nbytes <= sizes[0] or len(sizes) == 1:
+            return times[0]
+        if nbytes >= sizes[-1]:
+            slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
+            return times[-1] + (nbytes - sizes[-1]) * max(slope, 0.0)
+        return float(np.interp(nbytes, sizes, times))
+
     def to_json(self) -> dict:
         d = asdict(self)
         d["gammas"] = dict(self.gammas)
+        d["allreduce_times"] = {name: [list(x) for x in table]
+                                for name, table in self.allreduce_times}
         return d
 
     @classmethod
@@ -150,6 +182,9 @@ class Params:
         known = {f for f in cls.__dataclass_fields__}
         values = {k: v for k, v in d.items() if k in known}
         values["gammas"] = tuple(sorted(dict(values.get("gammas", {})).items()))
+        values["allreduce_times"] = tuple(
+            (str(name), tuple((float(b), float(t)) for b, t in table))
+            for name, table in dict(values.get("allreduce_times", {})).items())
         for curve in ("exchange", "ring_exchange", "ring_reduce_exchange", "copy_curve"):
             values[curve] = tuple((float(b), float(t)) for b, t in values.get(curve, ()))
             if len(values[curve]) == 1:
@@ -496,6 +531,10 @@ def predict(collective: str, algorithm: str, nbytes: int, p: int, nodes: int = 1
                 gamma=params.gamma_for(dtype) if collective in _REDUCING else 0.0,
                 seg=segment_elements(itemsize) * itemsize)
     formula = FORMULAS.get(collective, {}).get(algorithm)
+    measured = (params.measured_time(algorithm, nbytes, s.p, s.nodes)
+                if collective == "allreduce" and s.p > 1 else None)
+    if measured is not None:  # measured with the input copy, as the API makes it
+        return params.call + measured
     if formula is None:
         registry.resolve(collective, algorithm)  # ValueError for unknown names
         body = schedule_estimate(collective, algorithm, nbytes, s.p, s.nodes, params, dtype)

@@ -120,6 +120,8 @@ class Result:
     params: costmodel.Params
     #: why the predictions use the defaults, when the calibrated parameters are unavailable
     note: str | None = None
+    #: where auto's model comes from (`auto.Model.describe`)
+    model: str = ""
 
 
 # -- the measurement ---------------------------------------------------------------------------
@@ -208,12 +210,10 @@ def _measure_all(config: Config, comm: Any, xp: Any, progress: Callable[[], None
                  ) -> Result:
     p, rank = comm.size, comm.rank
     nodes = len(comm.node_groups())
-    note = None
-    try:
-        params = costmodel.load_params(p).emulated(config.emulation)
-    except costmodel.ModelUnavailable as exc:
-        note = str(exc)
-        params = costmodel.Params().emulated(config.emulation)
+    # the model auto chooses with (collective: it may calibrate on first use, before any timing)
+    model = auto.model_for(comm)
+    note = None if model.params is not None else model.describe()
+    params = (model.params or costmodel.Params()).emulated(config.emulation)
 
     rows: list[dict[str, Any]] = []
     chosen_everywhere: list[tuple[int, str]] = []
@@ -230,7 +230,7 @@ def _measure_all(config: Config, comm: Any, xp: Any, progress: Callable[[], None
     everyone = comm.allgather_object(chosen_everywhere)
     if any(c != everyone[0] for c in everyone):
         raise RuntimeError(f"auto chose differently on different ranks: {everyone}")
-    return Result(rows if rank == 0 else [], p, nodes, params, note)
+    return Result(rows if rank == 0 else [], p, nodes, params, note, model.describe())
 
 
 def measure_size(config: Config, comm: Any, size: int, xp: Any, params: costmodel.Params,
@@ -244,7 +244,7 @@ def measure_size(config: Config, comm: Any, size: int, xp: Any, params: costmode
                   config.inplace, comm) for a in names]
     chosen = {a: a for a in names}
     if "auto" in names:
-        chosen["auto"] = auto.choose(collective, nbytes, p, nodes, shared)
+        chosen["auto"] = auto.algorithm_for(collective, nbytes, comm).name
     world, MPI = comm.mpi, comm.MPI
     for _ in range(config.warmup):
         for case in cases:

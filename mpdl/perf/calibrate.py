@@ -17,8 +17,10 @@ per call is an 8-byte ring all-reduce less its 2(p-1) steps, every rank calling 
 handoff what the same call costs more when handed to the communication thread. A collective's
 time is set by its slowest rank, so each figure is the maximum over ranks. Last, every rank times
 float32 512×512 GEMMs at once (`mpdl.training.throughput.gemm_flops`), and the best rank's FLOP/s
-is the per-core peak `mpdl train` reports model-FLOPs utilisation against. `calibrate` stores the
-parameters under this world size in the cost model's file ($MPDL_COST_MODEL, or
+is the per-core peak `mpdl train` reports model-FLOPs utilisation against. Then every all-reduce
+algorithm `auto` may pick is timed at a few sizes (`firstuse.allreduce_table`, as `auto`'s
+first-use calibration does): for this world shape the model interpolates those times. `calibrate`
+stores the parameters under this world size in the cost model's file ($MPDL_COST_MODEL, or
 ~/.cache/mpdl/costmodel.json; XDG_CACHE_HOME is honoured); `auto` and `mpdl bench` read them from
 there.
 """
@@ -33,9 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from mpdl import backend, collectives, emulation
-from mpdl.collectives import costmodel
+from mpdl import collectives, emulation
+from mpdl.collectives import auto, costmodel, firstuse
 from mpdl.collectives.costmodel import Params
+from mpdl.collectives.firstuse import exchange_buffers
+from mpdl.collectives.firstuse import monotone as _monotone
+from mpdl.collectives.firstuse import pairs as _pairs
+from mpdl.collectives.firstuse import shifts as _shifts
 from mpdl.collectives.shm import WINDOW_BYTES
 from mpdl.threadworld import ThreadWorld
 from mpdl.training.throughput import gemm_flops
@@ -72,26 +78,6 @@ def _median_time(fn, iters: int, batch: int = 1) -> float:
     return float(np.median(times))
 
 
-def _pairs(groups: list[list[int]], inter: bool) -> dict[int, int]:
-    """rank -> partner: neighbours inside a node, or equal local ranks of nodes 2j and 2j+1."""
-    partner: dict[int, int] = {}
-    if not inter:
-        for g in groups:
-            for i in range(0, len(g) - 1, 2):
-                partner[g[i]], partner[g[i + 1]] = g[i + 1], g[i]
-        return partner
-    for j in range(0, len(groups) - 1, 2):
-        for a, b in zip(groups[j], groups[j + 1], strict=False):
-            partner[a], partner[b] = b, a
-    return partner
-
-
-def _shifts(groups: list[list[int]]) -> dict[int, tuple[int, int]]:
-    """rank -> (send to, receive from): the next and previous rank of its node, as in a ring step."""
-    return {g[i]: (g[(i + 1) % len(g)], g[i - 1]) for g in groups if len(g) > 1
-            for i in range(len(g))}
-
-
 def _stream_time(fn, dtype: np.dtype, iters: int) -> float:
     """Seconds per call of fn(a, b) on REDUCE_BYTES arrays, taking the next of STREAM_PAIRS pairs
     each time, so the data do not come from a core's private cache that a repeated call on one
@@ -125,16 +111,6 @@ def _bench_time(comm: Any, fn, reps: int) -> float:
             times[i] = time.perf_counter() - t0
     comm.mpi.Allreduce(comm.MPI.IN_PLACE, times, op=comm.MPI.MAX)
     return float(np.median(times))
-
-
-def exchange_buffers(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """(send, receive) byte arrays at the same offset in a 4 KiB page. Heap arrays allocated one
-    after another lie 16 bytes apart modulo 4 KiB; a copy from a peer's send buffer into this
-    rank's receive buffer then runs 3-4x slower (4K aliasing), and calibrate would measure that
-    instead of the link (the collectives place their buffers to avoid it)."""
-    send = backend.empty_half_page_in(nbytes, np.uint8, np)
-    send[:] = 1
-    return send, backend.empty_half_page_in(nbytes, np.uint8, np)
 
 
 def _exchange_times(comm: Any, peers: tuple[int, int] | None, iters: int,
@@ -314,13 +290,6 @@ def measure(comm: Any, iters: int) -> dict[str, Any]:
     return {"ring": None, "ring_reduce": None, "inter": None, "copy_curve": None, **merged}
 
 
-def _monotone(sizes: tuple[int, ...], times: list[float]) -> tuple[tuple[float, float], ...]:
-    """(bytes, seconds) pairs where a larger message never takes less time than a smaller one
-    (a noisy small measurement is capped by the larger ones)."""
-    capped = np.minimum.accumulate(np.array(times, dtype=np.float64)[::-1])[::-1]
-    return tuple((float(b), float(t)) for b, t in zip(sizes, capped, strict=True))
-
-
 def to_params(measured: dict[str, Any], ranks: int, nodes: int, host: str) -> Params:
     """The cost model's parameters fitted to what `measure` returned."""
     intra_pairs = max(measured["intra"]) > 0
@@ -358,9 +327,12 @@ def calibrate(comm: Any, iters: int = 20, path: str | None = None) -> Params:
     emulation.install(comm, None)
     nodes = len(comm.node_groups())
     params = to_params(measure(comm, iters), comm.size, nodes, socket.gethostname())
-    params = dataclasses.replace(params, gemm_flops=max(comm.allgather_object(gemm_flops())))
+    params = dataclasses.replace(params, gemm_flops=max(comm.allgather_object(gemm_flops())),
+                                 allreduce_times=firstuse.allreduce_table(comm), nodes=nodes)
     if path is not None:
         if comm.rank == 0:
-            costmodel.save(path, params)
+            costmodel.save(path, params)  # and forgets the loaded model
         quiet_barrier(comm.mpi)  # nobody reads the file before it is complete
+        if comm.rank != 0:
+            auto.forget()  # every rank forgets (auto looks again, collectively, on every rank)
     return params

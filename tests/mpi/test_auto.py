@@ -1,0 +1,136 @@
+"""`auto`'s first-use calibration under real mpiexec (any world size): it measures once, writes one
+cache file, does not hang, and every rank of the communicator ends with the same model and the same
+choices, on the world, a sub-communicator, and behind asynchronous work."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpdl import collectives as C
+from mpdl import settings
+from mpdl.collectives import auto, registry
+from mpdl.comm import MPIComm
+
+pytestmark = pytest.mark.mpi
+
+COMM = MPI.COMM_WORLD
+P, RANK = COMM.Get_size(), COMM.Get_rank()
+SIZES = [0, 8, 1 << 10, 1 << 15, 1 << 18, 1 << 20, 1 << 24, 1 << 26]
+#: a first-use calibration takes about a second for 4 ranks on 2 cores; this is the "no hang" bound
+LIMIT_S = 60
+
+
+@pytest.fixture
+def cache(tmp_path_factory):
+    """A first-use cache folder every rank agrees on (rank 0's), and no calibration file."""
+    path = str(tmp_path_factory.mktemp("auto")) if RANK == 0 else None
+    path = COMM.bcast(path, root=0)
+    previous = settings.update(auto_cache=os.path.join(path, "cache"),
+                               cost_model=os.path.join(path, "costmodel.json"))
+    auto.forget()
+    yield os.path.join(path, "cache")
+    settings.use(previous)
+    auto.forget()
+    COMM.Barrier()
+
+
+def fresh() -> MPIComm:
+    """A communicator auto has not seen (its model is looked up again)."""
+    return MPIComm(COMM.Dup())
+
+
+def files(folder: str) -> list[str]:
+    COMM.Barrier()
+    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def agree(comm, model) -> None:
+    """Every rank has the same parameters and makes the same choices."""
+    mine = (model.origin, None if model.params is None else model.params.to_json(),
+            [auto.algorithm_for(c, n, comm).name for c in registry.COLLECTIVES for n in SIZES])
+    everyone = comm.allgather_object(mine)
+    assert all(e == everyone[0] for e in everyone), everyone
+
+
+def test_first_use_calibration_writes_one_cache_and_every_rank_agrees(cache):
+    comm = fresh()
+    x = np.arange(1000, dtype=np.float32) + RANK
+    t0 = time.perf_counter()
+    y = C.allreduce(x, comm=comm)  # the first auto call: measures (with 2 or more ranks)
+    took = max(COMM.allgather(time.perf_counter() - t0))
+    np.testing.assert_allclose(y, P * np.arange(1000) + P * (P - 1) / 2)
+    assert took < LIMIT_S
+    model = auto.model_for(comm)
+    if P == 1:
+        assert model.origin == "defaults" and files(cache) == []
+        return
+    assert model.origin == "measured" and model.calibrated
+    assert model.params.ranks == P and model.params.alpha > 0
+    agree(comm, model)
+    written = files(cache)
+    assert len(written) == 1 and written[0].startswith("auto-") and f"-p{P}-" in written[0]
+
+    # another communicator of the same shape reads it back: no second measurement, same model
+    again = fresh()
+    t0 = time.perf_counter()
+    C.allreduce(x, comm=again)
+    assert auto.model_for(again).origin == "cache"
+    assert auto.model_for(again).params == model.params
+    assert time.perf_counter() - t0 < LIMIT_S / 4
+    assert files(cache) == written
+    agree(again, auto.model_for(again))
+
+
+def test_a_corrupt_cache_is_ignored_with_a_warning_on_rank_0_and_measured_again(cache):
+    if P == 1:
+        pytest.skip("one rank measures nothing")
+    C.allreduce(np.ones(4), comm=fresh())
+    (name,) = files(cache)
+    if RANK == 0:
+        with open(os.path.join(cache, name), "w") as f:
+            f.write("garbage")
+    COMM.Barrier()
+    comm = fresh()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = auto.model_for(comm)
+    said = [str(w.message) for w in caught if "first-use calibration" in str(w.message)]
+    assert (len(said) == 1 and "measuring again" in said[0]) if RANK == 0 else said == []
+    assert model.origin == "measured"
+    agree(comm, model)
+    assert files(cache) == [name]
+
+
+def test_a_sub_communicator_calibrates_for_its_own_shape(cache):
+    if P < 3:
+        pytest.skip("needs a part of the world of at least two ranks")
+    world = fresh()
+    world.node_groups()  # a part's layout is read from the whole's (collective over the whole)
+    members = list(range(P - 1))
+    if RANK in members:
+        sub = world.sub(members)
+        x = np.full(10, RANK, np.float64)
+        np.testing.assert_array_equal(C.allreduce(x, comm=sub), sum(members))
+        model = auto.model_for(sub)
+        assert model.origin == "measured" and model.params.ranks == P - 1
+        agree(sub, model)
+    written = files(cache)
+    assert len(written) == 1 and f"-sub{P - 1}-" in written[0]
+
+
+def test_first_use_behind_asynchronous_work_runs_in_order(cache):
+    """The first auto call, made while an asynchronous all-reduce is in flight on the same
+    communicator, measures after it (not in between its messages)."""
+    comm = fresh()
+    big = np.ones(1 << 18, np.float32) * (RANK + 1)
+    handle = C.allreduce_async(big, algorithm="ring", comm=comm)
+    small = C.allreduce(np.ones(3), comm=comm)
+    np.testing.assert_array_equal(small, P)
+    np.testing.assert_array_equal(handle.wait(), P * (P + 1) / 2)
+    agree(comm, auto.model_for(comm))

@@ -1,0 +1,240 @@
+"""`auto` without a calibration file: the defaults' choices, where the model comes from, and the
+first-use calibration's cache (its key, atomic writes, a corrupt file, agreement through rank 0).
+The measurement itself runs under mpiexec (tests/mpi/test_auto.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from mpdl import collectives as C
+from mpdl import settings
+from mpdl.collectives import auto, firstuse
+from mpdl.collectives import costmodel as cm
+from mpdl.threadworld import run_world
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    """No calibration file, a first-use cache in tmp_path/cache, nothing remembered."""
+    monkeypatch.setenv("MPDL_COST_MODEL", str(tmp_path / "costmodel.json"))
+    monkeypatch.setenv("MPDL_AUTO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MPDL_EMULATE", raising=False)
+    settings.use(None)
+    auto.forget()
+    yield
+    auto.forget()
+
+
+class FakeComm:
+    """Rank 0 of a two-rank MPI-backed communicator on one node, as far as `auto` looks: no
+    messages (allgather_object returns rank 0's object for both ranks)."""
+
+    mpi = object()  # "real MPI"
+    MPI = None
+    parent = None
+    collective = "p2p"
+    has_shared_memory = True
+
+    def __init__(self, size: int = 2) -> None:
+        self.size, self.rank = size, 0
+
+    def node_groups(self):
+        return [list(range(self.size))]
+
+    def allgather_object(self, obj):
+        return [obj] * self.size
+
+
+MEASURED = cm.Params(alpha=7e-6, beta=3e-10, copy_cached=2e-11, barrier=11e-6, ranks=2,
+                     source="fake first-use calibration")
+
+
+def test_without_a_calibration_file_the_defaults_take_shm_on_one_node_where_it_wins():
+    """The issue's miss: 256 KiB on one node went to ring at 1.6x shm's time."""
+    assert auto.static_model(2).origin == "defaults"
+    for p in (2, 3, 4):
+        for nbytes in (1 << 16, 1 << 18, 1 << 20, 1 << 24, 1 << 26):
+            assert auto.choose("allreduce", nbytes, p, 1, True) == "shm", (p, nbytes)
+        assert auto.choose("allreduce", 8, p, 1, True) != "shm"  # latency-bound: few messages
+    # without shared memory (or across nodes) shm is not eligible
+    assert all(auto.choose("allreduce", 1 << n, 4, 1, False) != "shm" for n in range(3, 27))
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_every_default_choice_is_the_models_fastest(p):
+    params = cm.Params()
+    for n in range(3, 27):
+        names = cm.candidates("allreduce", True)
+        times = {a: cm.predict("allreduce", a, 1 << n, p, 1, params) for a in names}
+        assert times[auto.choose("allreduce", 1 << n, p, 1, True)] == min(times.values())
+
+
+def test_the_cache_key_names_host_mpi_library_world_size_and_ranks_per_node(tmp_path):
+    comm = FakeComm(4)
+    key = firstuse.cache_key(comm, host="node-a", mpi_library="MPICH Version: 5.0.2")
+    assert key == {"host": "node-a", "mpi_library": "MPICH Version: 5.0.2", "world_size": 4,
+                   "ranks_per_node": [4]}
+    path = firstuse.cache_path(str(tmp_path), key)
+    assert os.path.basename(path).startswith("auto-node-a-p4-1x4-") and path.endswith(".json")
+    other = firstuse.cache_path(str(tmp_path), {**key, "mpi_library": "Open MPI v5.0.5"})
+    assert other != path  # another MPI library, another file
+
+
+def test_cache_round_trip_and_a_file_of_another_key_is_refused(tmp_path):
+    key = {"host": "h", "mpi_library": "m", "world_size": 2, "ranks_per_node": [2]}
+    path = str(tmp_path / "sub" / "auto.json")
+    assert firstuse.read(path, key) is None
+    firstuse.write(path, key, MEASURED)
+    assert firstuse.read(path, key) == MEASURED
+    assert os.listdir(tmp_path / "sub") == ["auto.json"]  # no temporary file left behind
+    with pytest.raises(cm.ModelUnavailable, match="made for"):
+        firstuse.read(path, {**key, "world_size": 4})
+
+
+def test_cache_is_written_atomically(tmp_path, monkeypatch):
+    """A write that fails half-way leaves the old file as it was (a reader sees old or new)."""
+    key = {"host": "h", "mpi_library": "m", "world_size": 2, "ranks_per_node": [2]}
+    path = str(tmp_path / "auto.json")
+    firstuse.write(path, key, MEASURED)
+    before = open(path).read()
+
+    def half_then_fail(obj, f, **kw):
+        f.write('{"version": 1, "ke')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(firstuse.json, "dump", half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        firstuse.write(path, key, replace(MEASURED, alpha=1.0))
+    assert open(path).read() == before and os.listdir(tmp_path) == ["auto.json"]
+
+
+def test_first_use_measures_once_writes_one_file_and_is_reused(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(firstuse, "measure", lambda comm: calls.append(comm) or MEASURED)
+    monkeypatch.setattr(firstuse.socket, "gethostname", lambda: "testhost")
+    comm = FakeComm()
+    model = auto.model_for(comm)
+    assert model.origin == "measured" and model.params == MEASURED and model.calibrated
+    assert len(calls) == 1
+    files = os.listdir(tmp_path / "cache")
+    assert len(files) == 1 and files[0].startswith("auto-testhost-p2-1x2-")
+    assert auto.model_for(comm) is model  # kept on the communicator: no second look
+    again = auto.model_for(FakeComm())  # a new communicator of the same shape reads the file
+    assert again.origin == "cache" and again.params == MEASURED and len(calls) == 1
+    assert "calibrated on first use" in again.describe()
+    # auto's choices come from the measured parameters
+    nodes, shm = 1, True
+    assert auto.choose("allreduce", 1 << 20, 2, nodes, shm, again) == cm.choose(
+        "allreduce", 1 << 20, 2, nodes, shm, MEASURED)
+
+
+def test_a_corrupt_cache_file_is_ignored_with_a_warning_and_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(firstuse, "measure", lambda comm: MEASURED)
+    comm = FakeComm()
+    model, path = auto.look(comm)
+    assert model is None  # nothing yet: measure into path
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        f.write("{not json")
+    with pytest.warns(RuntimeWarning, match="not a usable first-use calibration.*measuring again"):
+        model = auto.model_for(comm)
+    assert model.origin == "measured"
+    assert json.load(open(path))["params"]["alpha"] == MEASURED.alpha  # replaced by a good one
+
+
+def test_a_calibration_file_comes_before_the_first_use_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(firstuse, "measure", lambda comm: pytest.fail("must not measure"))
+    cm.save(str(tmp_path / "costmodel.json"), replace(cm.Params(), alpha=2e-6, ranks=2))
+    model = auto.model_for(FakeComm())
+    assert model.origin == "file" and model.params.alpha == 2e-6
+    assert "mpdl calibrate" in model.describe() and not os.path.exists(tmp_path / "cache")
+
+
+def test_first_use_calibration_can_be_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setattr(firstuse, "measure", lambda comm: pytest.fail("must not measure"))
+    monkeypatch.setenv("MPDL_AUTO_CACHE", "off")
+    settings.use(None)
+    assert settings.current().auto_cache == "off"
+    model = auto.model_for(FakeComm())
+    assert model.origin == "defaults" and not model.calibrated
+    assert "MPDL_AUTO_CACHE=off" in model.describe()
+    monkeypatch.setenv("MPDL_COST_MODEL", "off")
+    settings.use(None)
+    assert auto.model_for(FakeComm()).params is None  # the size rule
+
+
+def test_a_settings_change_makes_a_communicator_look_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(firstuse, "measure", lambda comm: MEASURED)
+    comm = FakeComm()
+    assert auto.model_for(comm).origin == "measured"
+    settings.update(auto_cache="off")
+    assert auto.model_for(comm).origin == "defaults"
+
+
+def test_the_in_process_world_uses_the_defaults_and_writes_nothing(tmp_path):
+    x = np.arange(6, dtype=np.float32)
+    for r in run_world(3, lambda c: C.allreduce(x, comm=c)):
+        np.testing.assert_array_equal(r, 3 * x)
+    origins = run_world(2, lambda c: auto.model_for(c).origin)
+    assert origins == ["defaults", "defaults"] and not os.path.exists(tmp_path / "cache")
+
+
+def test_auto_cache_setting_defaults_to_xdg_cache_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("MPDL_AUTO_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert settings.Settings.from_environment().auto_cache == str(tmp_path / "xdg" / "mpdl")
+    assert settings.Settings.from_environment({"MPDL_AUTO_CACHE": "OFF"}).auto_cache == "off"
+    assert settings.Settings.from_environment({"MPDL_AUTO_CACHE": "~/c"}).auto_cache == (
+        os.path.expanduser("~/c"))
+
+
+def test_no_warning_when_all_is_well(tmp_path, monkeypatch):
+    monkeypatch.setattr(firstuse, "measure", lambda comm: MEASURED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto.model_for(FakeComm())
+        auto.model_for(FakeComm())
+
+
+def test_measured_allreduce_times_replace_the_formula_for_their_world_shape_only():
+    table = (("ring", ((8.0, 100e-6), (1024.0, 120e-6), (1 << 20, 1e-3))),
+             ("shm", ((8.0, 50e-6), (1024.0, 60e-6), (1 << 20, 3e-3))))
+    params = replace(cm.Params(call=1e-6), allreduce_times=table, ranks=4, nodes=1)
+    assert cm.predict("allreduce", "ring", 8, 4, 1, params) == pytest.approx(101e-6)
+    assert cm.predict("allreduce", "ring", 516, 4, 1, params) == pytest.approx(111e-6)
+    # beyond the last size: the last slope
+    slope = (1e-3 - 120e-6) / ((1 << 20) - 1024)
+    assert cm.predict("allreduce", "ring", 2 << 20, 4, 1, params) == pytest.approx(
+        1e-6 + 1e-3 + slope * (1 << 20))
+    slow = ((8.0, 1.0), (1 << 20, 2.0))  # every other candidate far slower
+    params = replace(params, allreduce_times=table + tuple(
+        (name, slow) for name in cm.candidates("allreduce", True) if name not in ("ring", "shm")))
+    assert cm.choose("allreduce", 1024, 4, 1, True, params) == "shm"
+    assert cm.choose("allreduce", 1 << 20, 4, 1, True, params) == "ring"
+    # another world shape, an algorithm not timed, another collective: the formula
+    formula = cm.Params(call=1e-6)
+    for args in (("allreduce", "ring", 1024, 2, 1), ("allreduce", "ring", 1024, 4, 2),
+                 ("allreduce", "mpi", 1024, 4, 1), ("reduce", "ring", 1024, 4, 1)):
+        assert cm.predict(*args, params) == cm.predict(*args, formula)
+    # the table survives JSON, and emulated links drop it (it timed the real ones)
+    assert cm.Params.from_json(json.loads(json.dumps(params.to_json()))) == params
+    from mpdl import emulation
+
+    assert params.emulated(emulation.parse("inter=1Gbit/s")).allreduce_times == ()
+
+
+def test_allreduce_table_times_every_candidate_and_never_decreases(monkeypatch):
+    """On the in-process world: one row per candidate auto may pick, every tuned size, and a
+    small size never slower than a larger one (noise capped); every rank gets the same table."""
+    tables = run_world(2, lambda c: firstuse.allreduce_table(c))
+    assert tables[0] == tables[1]
+    assert [name for name, _ in tables[0]] == cm.candidates("allreduce", True)
+    for _, rows in tables[0]:
+        assert [b for b, _ in rows] == [float(b) for b in firstuse.TUNE_SIZES]
+        assert [t for _, t in rows] == sorted(t for _, t in rows)
