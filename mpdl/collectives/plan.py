@@ -16,6 +16,7 @@ the same benefit without asking for a plan: a plan is made at the second call on
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import threading
 import weakref
@@ -30,6 +31,7 @@ from mpdl.collectives import checks
 from mpdl.collectives.ops import block_bounds, check_array, check_op, reducer, segment_elements
 from mpdl.comm import Communicator, Request, as_communicator
 from mpdl.comm.mpi import MPIComm
+from mpdl.mpi_runtime import library_version
 
 #: plans the ordinary calls keep (oldest dropped first), and the largest array they plan for: above
 #: it a call's Python overhead is lost in the transfer, and a plan would keep the array alive
@@ -373,11 +375,20 @@ def _ring_schedule(comm, buf, f) -> _Schedule:
 
 
 # -- making plans -------------------------------------------------------------------------------
+@functools.cache
+def _persistent_matches_blocking(MPI: Any) -> bool:
+    """Whether this MPI library's persistent MPI_Allreduce_init is known to give the blocking
+    MPI_Allreduce's bits (MPICH; tests/mpi/test_plans.py checks it for every dtype)."""
+    return "MPICH" in library_version(MPI)
+
+
 def allreduce_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
                    out: Any = None) -> Plan:
     """A plan of `allreduce(x, op, algorithm, comm, out)`: each run reduces x's current values
     into `plan.result` (out, or an array the plan allocates) and returns it. With algorithm
-    "mpi" it is a persistent MPI_Allreduce_init, which every rank must plan and start alike."""
+    "mpi" it is a persistent MPI_Allreduce_init, which every rank must plan and start alike, under
+    MPICH; other libraries may reduce in another order in their persistent collectives than in
+    MPI_Allreduce (Open MPI does, for float16), so there the plan keeps the blocking call."""
     return _allreduce_plan(x, op, algorithm, comm, out, persistent=True)
 
 
@@ -412,7 +423,7 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
         seg = segment_elements(x.itemsize)
         MPI = c.MPI
         mpi_op = getattr(MPI, {"avg": "SUM"}.get(op, op.upper()))
-        if algo.name == "mpi" and not persistent:
+        if algo.name == "mpi" and not (persistent and _persistent_matches_blocking(MPI)):
             allreduce, in_place = c.mpi.Allreduce, MPI.IN_PLACE
 
             def fast() -> None:
