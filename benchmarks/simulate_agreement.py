@@ -16,7 +16,8 @@ compares the model's predictions with measurements taken right after:
            against the pipeline model: each stage's forward + backward of one microbatch (timed
            on p/pp ranks at once, the pieces cut as the pipeline cuts them), one microbatch
            through all stages and the other m-1 paced by the slowest stage (equal stages give
-           the bubble (pp-1)/(m+pp-1)), an activation and a gradient message per stage boundary
+           the bubble (pp-1)/(m+pp-1)) or, with more ranks than cores, all ranks' compute
+           spread over the cores if that is longer, an activation and a gradient message per stage boundary
            on that path, the slowest stage's optimizer step and, with dp > 1, the calibrated
            ring all-reduce of the largest stage's gradient.
 
@@ -46,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from mpdl.collectives import costmodel as cm
+from mpdl.mpi_runtime import usable_cores
 from mpdl.perf import layouts as L
 from mpdl.perf import simulate as S
 
@@ -152,7 +154,7 @@ def zero_ratios(p: int, stage: int, predicted: dict, env: dict, tmp_path: Path,
 
 
 # -- the pipeline ----------------------------------------------------------------------------------
-def stage_times(model: str, shape: str, microbatch: int, pp: int, repeats: int = 15,
+def stage_times(model: str, shape: str, microbatch: int, pp: int, repeats: int = 60,
                 seed: int = 0) -> dict:
     """Per stage of `model` cut as `mpdl train --pp` cuts it (`pipeline.model_pieces`, balanced by
     `pipeline.partition`): the median seconds of forward (the last stage with its loss), backward
@@ -175,7 +177,7 @@ def stage_times(model: str, shape: str, microbatch: int, pp: int, repeats: int =
     y = rng.integers(0, 10, microbatch)
     times = np.zeros((repeats, pp, 3))
     out_bytes = [0] * pp
-    warmup = 5
+    warmup = 20
     for it in range(repeats + warmup):
         h, inputs, outputs = x, [], []
         for s, stage in enumerate(stages):
@@ -217,13 +219,19 @@ def stage_times(model: str, shape: str, microbatch: int, pp: int, repeats: int =
             "grad_bytes": [4 * sum(q.size for q in ps) for ps in params]}
 
 
-def pipeline_step(stages: dict, m: int, dp: int, params: cm.Params) -> dict:
+def pipeline_step(stages: dict, m: int, dp: int, params: cm.Params, cores: int) -> dict:
     """The pipeline model's step: one microbatch through every stage (forward and backward) and
     m-1 more paced by the slowest stage, the activation and gradient messages of each boundary on
     that path, the slowest stage's optimizer step, and with dp > 1 the ring all-reduce of the
-    largest stage's gradient over dp ranks (after the flush: exposed)."""
+    largest stage's gradient over dp ranks (after the flush: exposed). With more ranks than
+    `cores`, the flush takes no less than all ranks' compute spread over the cores."""
     slot = [f + b for f, b in zip(stages["forward"], stages["backward"], strict=True)]
     compute = S.pipeline_compute(slot, m)
+    ranks = dp * len(slot)
+    if ranks > cores:
+        # more ranks than cores: a flush takes at least the work of every rank over the cores
+        # (Graham's bound), however short the path through the stages
+        compute = max(compute, dp * m * sum(slot) / cores)
     p2p = sum(2 * params.exchange_time(n) for n in stages["output_bytes"][:-1])
     optimizer = max(stages["optimizer"])
     dp_comm = (cm.predict("allreduce", "ring", max(stages["grad_bytes"]), dp, 1, params)
@@ -241,6 +249,10 @@ def _stage_worker(argv: list[str]) -> int:
     other ranks sleeping; rank 0 writes the slowest measuring rank's figures."""
     model, shape, microbatch, pp, out = argv
     from mpi4py import MPI
+
+    from mpdl.allocator import keep_heap
+
+    keep_heap()  # as `mpdl train` does (its command line keeps glibc's heap between steps)
 
     from mpdl.perf.calibrate import quiet_barrier
 
@@ -262,7 +274,8 @@ def pipeline_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
     path = tmp_path / f"stages{p}.{round_}.json"
     _run(p, [sys.executable, __file__, "--stage-worker", "lenet", "mnist",
              str(PP_BATCH // MICROBATCHES), str(PP), str(path)], env, 120)
-    predicted = pipeline_step(json.loads(path.read_text()), MICROBATCHES, dp, _params(env, p))
+    predicted = pipeline_step(json.loads(path.read_text()), MICROBATCHES, dp, _params(env, p),
+                              usable_cores())
     measured, _ = _train(p, ["--pp", str(PP), "--microbatches", str(MICROBATCHES),
                              "--schedule", "1f1b"], env, tmp_path / f"pp{p}.{round_}.jsonl",
                          batch_per_rank=PP_BATCH // PP)

@@ -153,8 +153,13 @@ class MPIComm(Communicator, DeviceStaging):
             if background and spins > 64 and not background_is_awaited():
                 time.sleep(20e-6)
             elif spins % yield_every == 0:
-                # Oversubscribed ranks (more ranks than cores) need the peer to run: let it.
-                os.sched_yield()
+                # Oversubscribed ranks (more ranks than cores) need the peer to run: let it; and
+                # one that has waited long (a pipeline stage for its neighbour's compute) sleeps,
+                # since a rank that only yields still takes its share of a core from the others
+                if yield_every == 1 and spins > 256:
+                    time.sleep(50e-6)
+                else:
+                    os.sched_yield()
             if spins & 1023 == 0:
                 now = time.monotonic()
                 if deadline is None:
