@@ -28,7 +28,7 @@ from mpdl.collectives import allgather, allreduce, reduce_scatter
 from mpdl.comm import Communicator
 from mpdl.parallel import flat
 from mpdl.parallel.strategy import MakeOptimizer
-from mpdl.parallel.zero import Unit
+from mpdl.parallel.zero import Unit, keep_state_pieces
 
 
 class ShardedOptimizer:
@@ -132,20 +132,8 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Keep this rank's blocks of a plain optimizer's state over `params`."""
-        saved = {int(k): v for k, v in state["state"].items()}
-        self.optimizer.state = {}
-        for t, u, i, a, b in self.entries:
-            entries = saved.get(self.index[id(u.params[i])])
-            if not entries or b == a:
-                continue
-            o = u.offsets[i]
-            self.optimizer.state[t] = {
-                k: (u.xp.asarray(np.asarray(v, dtype=u.dtype).reshape(-1)[a - o:b - o]).copy()
-                    if np.ndim(v) > 0 else (v.item() if hasattr(v, "item") else v))
-                for k, v in entries.items()}
-        hyper = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
-        for group in self.optimizer.param_groups:
-            group.update(hyper)
+        keep_state_pieces(self.optimizer, state, [e for e in self.entries if e[4] != e[3]],
+                          self.index)
 
     def _sum_squares(self, params: list[Any], sums: list[list[Any]]) -> list[list[Any]]:
         """Whole-tensor sums of squares from the pieces' (one all-reduce over dp)."""

@@ -68,6 +68,26 @@ MAX_IN_FLIGHT = 2
 ALGORITHMS = ("auto", "ring", "tree", "mpi")
 
 
+def keep_state_pieces(optimizer: Any, state: dict[str, Any], pieces: list[tuple],
+                      position: dict[int, int]) -> None:
+    """Give `optimizer` this rank's pieces of a whole-tensor optimizer state_dict: `pieces` are
+    (piece tensor, unit, index in the unit, start, end), `position` maps id(parameter) to its
+    number in `state`; the hyperparameters of its first param group go to every group."""
+    saved = {int(k): v for k, v in state["state"].items()}
+    optimizer.state = {}
+    for t, u, i, a, b in pieces:
+        entries = saved.get(position[id(u.params[i])])
+        if not entries:
+            continue
+        o = u.offsets[i]
+        optimizer.state[t] = {
+            k: (u.xp.asarray(np.asarray(v, dtype=u.dtype).reshape(-1)[a - o:b - o]).copy()
+                if np.ndim(v) > 0 else (v.item() if hasattr(v, "item") else v))
+            for k, v in entries.items()}
+    hyper = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+    for group in optimizer.param_groups:
+        group.update(hyper)
+
 class Unit:
     """A run of parameters of one dtype, flattened and split over `size` ranks; this rank owns
     elements [lo, hi) of the flat buffer."""
@@ -674,21 +694,8 @@ class ZeroStrategy(Strategy):
         `state_dict` writes it, from any number of ranks and any stage) and keep this rank's
         pieces of it."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        position = {id(p): n for n, p in enumerate(params)}
-        saved = {int(k): v for k, v in state["state"].items()}
-        self.optimizer.state = {}
-        for t, u, i, a, b in self.pieces:
-            entries = saved.get(position[id(u.params[i])])
-            if not entries:
-                continue
-            o = u.offsets[i]
-            self.optimizer.state[t] = {
-                k: (u.xp.asarray(np.asarray(v, dtype=u.dtype).reshape(-1)[a - o:b - o]).copy()
-                    if np.ndim(v) > 0 else (v.item() if hasattr(v, "item") else v))
-                for k, v in entries.items()}
-        hyper = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
-        for group in self.optimizer.param_groups:
-            group.update(hyper)
+        keep_state_pieces(self.optimizer, state, self.pieces,
+                          {id(p): n for n, p in enumerate(params)})
         self._count_optimizer_state()
 
     # -- reporting ---------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 from mpi4py import MPI
+from rankdata import local_data
 
 from mpdl import collectives as C
 from mpdl import settings
@@ -20,18 +21,6 @@ OPS = ["sum", "prod", "max", "min", "avg"]
 COUNTS = sorted({0, 1, max(P - 1, 0), P, P + 1, 7, 13, 31})
 TOL = {"float16": 2e-2, "float32": 1e-5, "float64": 1e-12}
 _MPI_OP = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
-
-
-def local_data(count: int, dtype: str, op: str, seed: int = 0) -> np.ndarray:
-    """Different data on every rank; small values for prod so nothing overflows."""
-    rng = np.random.default_rng(seed * 1000 + RANK)
-    if op == "prod":
-        values = rng.uniform(0.5, 1.5, count) if dtype.startswith("float") else rng.integers(-2, 3, count)
-    elif dtype.startswith("float"):
-        values = rng.standard_normal(count)
-    else:
-        values = rng.integers(-1000, 1000, count)
-    return values.astype(dtype)
 
 
 def mpi_reference(x: np.ndarray, op: str) -> np.ndarray:

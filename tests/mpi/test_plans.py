@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpi4py import MPI
+from rankdata import local_data
 
 from mpdl import collectives as C
 from mpdl.collectives import plan as plans
@@ -17,17 +18,6 @@ P, RANK = COMM.Get_size(), COMM.Get_rank()
 COUNTS = sorted({0, 1, max(P - 1, 0), P, P + 1, 7, 13, 31})
 DTYPES = ["float16", "float32", "float64", "int32", "int64"]
 OPS = ["sum", "prod", "max", "min", "avg"]
-
-
-def local_data(count: int, dtype: str, op: str, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed * 1000 + RANK)
-    if op == "prod":
-        values = rng.uniform(0.5, 1.5, count) if dtype.startswith("float") else rng.integers(-2, 3, count)
-    elif dtype.startswith("float"):
-        values = rng.standard_normal(count)
-    else:
-        values = rng.integers(-1000, 1000, count)
-    return values.astype(dtype)
 
 
 def same_bytes(a: np.ndarray, b: np.ndarray, what: str) -> None:
