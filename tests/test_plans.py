@@ -78,7 +78,7 @@ def test_the_cache_serves_each_array_its_own_result():
             np.testing.assert_array_equal(o, np.full(7, sum(r + i for r in range(p))))
         for r in res:
             np.testing.assert_array_equal(r, p * np.arange(5.0) + 3)
-    assert len(plans._cache) <= plans.CACHE_PLANS
+    assert len(plans.cache) <= plans.CACHE_PLANS
 
 
 def test_another_array_is_refused_with_a_clear_error():
@@ -97,10 +97,10 @@ def test_the_cache_keeps_plans_of_reused_arrays_only():
         x, out = np.ones(9), np.empty(9)
         for _ in range(3):
             C.allreduce(x, algorithm="recursive_doubling", comm=c, out=out)
-        kept = [p for p in plans._cache.values() if p.x is x]
+        kept = [p for p in plans.cache.values() if p.x is x]
         for _ in range(3):  # fresh arrays every call: seen weakly, never planned nor kept
             C.allreduce(np.ones(9), algorithm="ring", comm=c, out=np.empty(9))
-        fresh = [p for p in plans._cache.values() if p.algorithm == "ring" and p.comm is c]
+        fresh = [p for p in plans.cache.values() if p.algorithm == "ring" and p.comm is c]
         return len(kept), len(fresh), out.tolist()
 
     plans.clear_cache()

@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
     parser.add_argument("-w", "--warmup", type=int, default=3,
                         help="untimed iterations first (default 3)")
+    parser.add_argument("--loop", type=int, default=1, metavar="CALLS",
+                        help="time CALLS calls back to back per iteration, with no barrier "
+                             "between them (OSU-style latency; out= preallocated); time is per "
+                             "call (default 1: a barrier before every call)")
     parser.add_argument("--dtype", default="float32",
                         help="float16, float32 (default), float64, int32 or int64")
     parser.add_argument("--op", default="sum", help="sum (default), prod, max, min or avg")
@@ -78,6 +82,11 @@ def validate(args: argparse.Namespace) -> bench.Config:
         raise UsageError(f"--max-bytes ({max_bytes}) must be at least --min-bytes ({min_bytes})")
     if not args.factor > 1:
         raise UsageError(f"--factor: expected a number above 1, got {args.factor:g}")
+    if args.loop < 1:
+        raise UsageError(f"--loop: expected at least 1 call, got {args.loop}")
+    if args.loop > 1 and args.inplace:
+        raise UsageError("--loop with --inplace: each call would reduce the previous result; "
+                         "drop one of them")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and "
                          f"{args.warmup}")
@@ -112,7 +121,7 @@ def validate(args: argparse.Namespace) -> bench.Config:
                         sizes=tuple(bench.sizes(min_bytes, max_bytes, args.factor)),
                         op=args.op if reducing else None, iters=args.iters, warmup=args.warmup,
                         root=args.root, inplace=args.inplace, check=args.check,
-                        device=args.device, emulation=emulated)
+                        device=args.device, emulation=emulated, loop=args.loop)
 
 
 def list_algorithms(collective: str) -> None:
@@ -165,8 +174,10 @@ def run(args: argparse.Namespace) -> int:
 # -- output ------------------------------------------------------------------------------------
 def print_table(rows, args, p, nodes, emulated, params, model: str = "") -> None:
     rounds = len(bench.turns(args.iters))
+    each = (f"each {args.loop} calls back to back (time per call)" if args.loop > 1
+            else "each one call after a barrier")
     print(f"# mpdl bench {args.collective}: {p} ranks, {nodes} node(s), {args.iters} iterations "
-          f"({args.warmup} warm-up), algorithms taking turns in {rounds} rounds; "
+          f"({args.warmup} warm-up) {each}, algorithms taking turns in {rounds} rounds; "
           f"time = slowest rank, median (min-max)")
     print(f"# predictions: {params.source}")
     if model:

@@ -38,7 +38,8 @@ from mpdl.mpi_runtime import library_version
 CACHE_PLANS = 64
 CACHE_MAX_BYTES = 1 << 20
 
-_cache: dict[tuple, Plan] = {}
+#: the plans of the ordinary calls, by signature (the allreduce key: `allreduce_key`)
+cache: dict[tuple, Plan] = {}
 #: plans holding persistent MPI requests, freed before MPI finalizes
 _live: weakref.WeakSet = weakref.WeakSet()
 
@@ -54,14 +55,17 @@ class Plan:
 
     def __init__(self, comm: Communicator, collective: str, algorithm: str, x: Any, result: Any,
                  op: str | None, signature: tuple, go, finish, fast=None,
-                 requests: list | None = None) -> None:
+                 requests: list | None = None, nbytes: int | None = None) -> None:
         self.comm, self.collective, self.algorithm = comm, collective, algorithm
         #: the input array the plan was made for, and the array (or view) it returns
         self.x, self.result = x, result
         self._name = f"{collective}/{algorithm}"
         self._signature = signature
         self._go, self._fast, self._finish = go, fast, finish
-        self._nbytes, self._dtype, self._op, self._shape = x.nbytes, x.dtype, op, x.shape
+        #: the bytes the flight recorder notes: those of the buffer the collective works on, as
+        #: for the one-shot call (all-gather: the whole result)
+        self._nbytes = x.nbytes if nbytes is None else nbytes
+        self._dtype, self._op, self._shape = x.dtype, op, x.shape
         self._entry: list | None = None
         self._started = False
         self._rec: Any = None
@@ -98,7 +102,7 @@ class Plan:
         if self._started:
             raise RuntimeError(f"plan: {self._name} started again before wait()")
         comm = self.comm
-        engine = comm.__dict__.get("_engine")
+        engine = comm._engine
         if engine is not None and engine.busy() and threading.current_thread() is not engine.thread:
             # asynchronous collectives are in flight: run behind them, in issue order
             engine.submit(self._whole).wait()
@@ -124,13 +128,14 @@ class Plan:
         if x is not None and (x is not self.x or x.shape != self._shape):
             self._check_x(x)
         comm = self.comm
-        engine = comm.__dict__.get("_engine")
+        engine = comm._engine
         if self._started or comm.check or (engine is not None and engine._pending
                                            and threading.current_thread() is not engine.thread):
             return self.start().wait()
         rec = comm.flight
-        entry = None
-        if rec is not None:
+        if rec is None:
+            entry = None
+        else:
             # the flight recorder's entry, written here rather than through rec.begin: a few
             # stores instead of two calls
             if rec is not self._rec:
@@ -157,10 +162,8 @@ class Plan:
         finally:
             comm.collective = previous
         if entry is not None:
-            entry[3] = _time()
-            entry[4] = "done"
-        finish = self._finish
-        return self.result if finish is None else finish()
+            entry[3], entry[4] = _time(), "done"
+        return self.result if self._finish is None else self._finish()
 
     def _bind(self, rec: Any) -> None:
         """Keep the recorder's counter of this communicator's group at hand."""
@@ -424,12 +427,11 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
         MPI = c.MPI
         mpi_op = getattr(MPI, {"avg": "SUM"}.get(op, op.upper()))
         if algo.name == "mpi" and not (persistent and _persistent_matches_blocking(MPI)):
-            allreduce, in_place = c.mpi.Allreduce, MPI.IN_PLACE
+            # MPI reads x itself (the library's copy into out, then the same reduction as in place)
+            allreduce, send = c.mpi.Allreduce, (xflat if copy else MPI.IN_PLACE)
 
             def fast() -> None:
-                if copy:
-                    np.copyto(flat, xflat)
-                allreduce(in_place, flat, op=mpi_op)
+                allreduce(send, flat, op=mpi_op)
         elif algo.name == "mpi":
             request = (c.mpi.Allreduce_init(MPI.IN_PLACE, flat, op=mpi_op) if out is x else
                        c.mpi.Allreduce_init(xflat, flat, op=mpi_op))
@@ -517,7 +519,8 @@ def allgather_init(x: Any, algorithm: str = "auto", comm: Any = None, count: int
         xp.copyto(mine, xflat)
         run(c, result, bounds)
 
-    return Plan(c, "allgather", algo.name, x, result, None, signature, go, None)
+    return Plan(c, "allgather", algo.name, x, result, None, signature, go, None,
+                nbytes=result.nbytes)
 
 
 # -- the plan cache of the ordinary calls --------------------------------------------------------
@@ -529,12 +532,12 @@ _seen: dict[tuple, tuple] = {}
 def _cached(key: tuple, x: Any, out: Any, comm: Any, make) -> Any:
     """The cached plan for key (made by make() at the second call on these arrays), or None: then
     the caller runs the one-shot call."""
-    plan = _cache.get(key)
+    plan = cache.get(key)
     if plan is not None:
         if plan.x is x and plan._out is out and plan._comm_arg is comm and \
                 x.shape == plan._shape and x.dtype is plan._dtype:
             return plan
-        _cache.pop(key, None)
+        cache.pop(key, None)
     if x.nbytes > CACHE_MAX_BYTES or (out is not None and out.nbytes > CACHE_MAX_BYTES):
         return None
     refs = _seen.get(key)
@@ -549,8 +552,8 @@ def _cached(key: tuple, x: Any, out: Any, comm: Any, make) -> Any:
     _seen.pop(key, None)
     plan = make()
     plan._comm_arg, plan._out = comm, out
-    _evict(_cache)
-    _cache[key] = plan
+    _evict(cache)
+    cache[key] = plan
     return plan
 
 
@@ -564,14 +567,16 @@ def _evict(table: dict) -> None:
             return
 
 
+def allreduce_key(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> tuple:
+    """The cache key of `allreduce(x, op, algorithm, comm, out)`. A cached plan holds x, out and
+    comm, so while it is cached no other object has their ids: a hit whose x still has the plan's
+    dtype and shape is this call's plan."""
+    return (id(x), id(out), id(comm), op, algorithm)
+
+
 def cached_allreduce(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
     """The cached plan of `allreduce(x, op, algorithm, comm, out)` (out given), or None."""
-    key = ("allreduce", id(x), id(out), id(comm), op, algorithm)
-    plan = _cache.get(key)
-    if plan is not None and plan.x is x and plan._out is out and plan._comm_arg is comm and \
-            x.shape == plan._shape and x.dtype is plan._dtype:
-        return plan  # the common case, checked here without a further call
-    return _cached(key, x, out, comm,
+    return _cached(allreduce_key(x, op, algorithm, comm, out), x, out, comm,
                    lambda: _allreduce_plan(x, op, algorithm, comm, out, persistent=False))
 
 
@@ -590,7 +595,7 @@ def cached_allgather(x: Any, algorithm: Any, comm: Any, count: Any, out: Any) ->
 
 def clear_cache() -> None:
     """Drop the ordinary calls' cached plans."""
-    _cache.clear()
+    cache.clear()
     _seen.clear()
 
 

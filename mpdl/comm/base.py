@@ -100,6 +100,8 @@ class Communicator:
     recorder: list | None = None
     #: the flight recorder of this process (mpdl.comm.flight), or None
     flight: Any = None
+    #: the communication thread of mpdl.collectives.handles (started on first asynchronous call)
+    _engine: Any = None
 
     def __init__(self) -> None:
         self._workspace: dict[Any, Any] = {}

@@ -5,7 +5,9 @@ noisy machine that drifts treats them alike, while each call follows a call of t
 as in nccl-tests' loops: a call that follows another algorithm's (whose buffers and messages left
 the caches and the scheduler in another state) ran 1.11-1.37x slower at p=3 and 4 on 2 cores. Each
 turn starts with one untimed call. One iteration is: MPI barrier, start the clock, call, stop the
-clock.
+clock; with `loop` > 1 (`mpdl bench --loop`), the clock runs over that many calls back to back
+with no barrier between them, OSU-style, and the time is per call (the output array is then
+allocated once, so repeated calls run through their cached plan, as a training loop's do).
 A collective's time is the slowest rank's (one MAX all-reduce of all the timings after the loop),
 and a row reports the median over iterations with min and max. Bandwidths follow nccl-tests:
 algbw = bytes / time, busbw = algbw × 2(p-1)/p (allreduce), × (p-1)/p (reduce_scatter, allgather),
@@ -33,7 +35,7 @@ COLLECTIVES = tuple(registry.REGISTRY)
 #: the fields of a row, in the order of the CSV columns
 FIELDS = ["collective", "algorithm", "chosen", "ranks", "nodes", "bytes", "count", "dtype", "op",
           "time_us", "time_us_min", "time_us_max", "algbw_gbs", "busbw_gbs", "wrong",
-          "predicted_us", "emulated"]
+          "predicted_us", "emulated", "loop"]
 _TOLERANCE = {"float16": 1e-2, "float32": 1e-5, "float64": 1e-12}
 #: rounds the timed iterations of one size are split into (see the module docstring)
 ROUNDS = 4
@@ -102,6 +104,8 @@ class Config:
     device: str = "cpu"
     #: the links of this run (None: not slowed)
     emulation: Emulation | None = None
+    #: calls timed back to back per iteration (1: one barrier before every call)
+    loop: int = 1
 
 
 class Unusable(ValueError):
@@ -129,7 +133,7 @@ class Case:
     """One (size, algorithm): how to call it, and what it produced on this rank."""
 
     def __init__(self, collective: str, algorithm: str, x: Any, op: str | None, root: int,
-                 inplace: bool, comm: Any):
+                 inplace: bool, comm: Any, loop: int = 1):
         self.algorithm = algorithm
         self.result = None
         #: restores the input before an iteration (in-place runs overwrite it); outside the clock
@@ -139,10 +143,16 @@ class Case:
                 original = x.copy()
                 self.reset = lambda: x.__setitem__(Ellipsis, original)
                 self.call = lambda: C.allreduce(x, op=op, algorithm=algorithm, comm=comm, out=x)
+            elif loop > 1:
+                out = x.copy()
+                self.call = lambda: C.allreduce(x, op=op, algorithm=algorithm, comm=comm, out=out)
             else:
                 self.call = lambda: C.allreduce(x, op=op, algorithm=algorithm, comm=comm)
         elif collective == "reduce_scatter":
             self.call = lambda: C.reduce_scatter(x, op=op, algorithm=algorithm, comm=comm)
+        elif collective == "allgather" and loop > 1:
+            whole = backend.get_array_module(x).empty(x.size * comm.size, dtype=x.dtype)
+            self.call = lambda: C.allgather(x, algorithm=algorithm, comm=comm, out=whole)
         elif collective == "allgather":
             self.call = lambda: C.allgather(x, algorithm=algorithm, comm=comm)
         elif collective == "broadcast":
@@ -241,7 +251,8 @@ def measure_size(config: Config, comm: Any, size: int, xp: Any, params: costmode
     names, dtype, op = list(config.algorithms), config.dtype, config.op
     x, nbytes, count = _input(collective, size, dtype, p, rank, xp)
     cases = [Case(collective, a, x.copy() if config.inplace else x, op, config.root,
-                  config.inplace, comm) for a in names]
+                  config.inplace, comm, config.loop) for a in names]
+    calls = range(config.loop)
     chosen = {a: a for a in names}
     if "auto" in names:
         chosen["auto"] = auto.algorithm_for(collective, nbytes, comm).name
@@ -259,10 +270,12 @@ def measure_size(config: Config, comm: Any, size: int, xp: Any, params: costmode
                 if case.reset is not None:
                     case.reset()
                 world.Barrier()
+                call = case.call
                 t0 = time.perf_counter()
-                result = case.call()
+                for _ in calls:
+                    result = call()
                 if it is not None:
-                    times[i, it] = time.perf_counter() - t0
+                    times[i, it] = (time.perf_counter() - t0) / config.loop
             if config.check:  # keep results only when they are compared
                 case.result = result
     slowest = np.empty_like(times)
@@ -291,5 +304,6 @@ def measure_size(config: Config, comm: Any, size: int, xp: Any, params: costmode
                      "time_us_max": float(slowest[i].max()) * 1e6, "algbw_gbs": algbw,
                      "busbw_gbs": algbw * bus_factor(collective, p),
                      "wrong": int(wrong[i]) if config.check else None,
-                     "predicted_us": predicted * 1e6, "emulated": emulated})
+                     "predicted_us": predicted * 1e6, "emulated": emulated,
+                     "loop": config.loop})
     return rows, auto_choice

@@ -106,6 +106,26 @@ def test_emulation_is_a_setting_of_the_run_alone(shared_dir):
     assert settings.current() is before and "MPDL_EMULATE" not in os.environ
 
 
+@pytest.mark.parametrize("collective", ["allreduce", "allgather"])
+def test_loop_times_back_to_back_calls_per_call(collective, shared_dir):
+    """--loop 3: every timed or untimed iteration makes 3 calls (counted by the flight recorder),
+    the results stay right (--check) and the rows say how many calls an iteration made."""
+    recorder = as_communicator(None).flight
+    if recorder is None:
+        pytest.skip("the flight recorder is off (MPDL_FLIGHT_RECORDS=0): nothing counts the calls")
+    size = 24 * P  # bytes: an allgather of P blocks, found among the records by its size
+    before = recorder.count
+    rows = bench([collective, "-b", str(size), "-e", str(size), "--algorithms", "ring", "-n", "2",
+                  "-w", "1", "--loop", "3", "--check"], shared_dir)
+    assert [r["algorithm"] for r in rows] == ["ring", "mpi"]
+    assert all(r["wrong"] == 0 and r["loop"] == 3 and r["time_us"] > 0 for r in rows)
+    mine = [r for r in recorder.records()[-(recorder.count - before):]
+            if r["collective"] == collective and r["bytes"] == size
+            and r["algorithm"] in ("ring", "mpi")]
+    # per algorithm: 1 warm-up call, then 2 rounds of (1 untimed + 1 timed) iterations, 3 calls each
+    assert len(mine) == 2 * (1 + 2 * 2 * 3)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["-b", "1M", "-e", "1K"], "--max-bytes"),
     (["--algorithms", "ring,bogus"], "unknown 'bogus'"),
@@ -116,6 +136,8 @@ def test_emulation_is_a_setting_of_the_run_alone(shared_dir):
     (["gather"], "collective"),
     (["--emulate", "inter=fast"], "--emulate"),
     (["broadcast", "--inplace"], "--inplace"),
+    (["--loop", "0"], "--loop"),
+    (["--loop", "3", "--inplace"], "--loop with --inplace"),
 ])
 def test_bad_flags_exit_2_with_one_line_from_rank_0(argv, message, capsys):
     assert main(["bench", *argv]) == 2

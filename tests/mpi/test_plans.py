@@ -131,7 +131,7 @@ def test_the_cache_gives_right_results_for_other_arrays_of_the_same_shape(algori
         y = local_data(11, "float64", "sum", seed=9)
         same_bytes(C.allreduce(y, algorithm=algorithm, out=y.copy()),
                    C.allreduce(y, algorithm=algorithm), "fresh array")
-    assert len(plans._cache) <= plans.CACHE_PLANS
+    assert len(plans.cache) <= plans.CACHE_PLANS
 
 
 def test_the_flight_recorder_keeps_planned_calls():
