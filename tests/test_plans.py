@@ -105,3 +105,31 @@ def test_the_cache_keeps_plans_of_reused_arrays_only():
 
     plans.clear_cache()
     assert run_world(2, body) == [(1, 0, [2.0] * 9)] * 2
+
+
+def test_the_cache_notices_an_array_changed_in_place():
+    """The ordinary call's cached plan is keyed by the arrays' ids: an array reshaped in place
+    or viewed as another dtype in place must not run the old plan."""
+    def body(c):
+        x, out = np.arange(6.0) + c.rank, np.empty(6)
+        for _ in range(3):
+            C.allreduce(x, algorithm="ring", comm=c, out=out)
+        first = out.copy()
+        x.shape = (2, 3)
+        with pytest.raises(ValueError, match="out"):  # out (6,) no longer fits x (2, 3)
+            C.allreduce(x, algorithm="ring", comm=c, out=out)
+        out.shape = (2, 3)
+        reshaped = C.allreduce(x, algorithm="ring", comm=c, out=out).copy()
+        y, yout = np.arange(4, dtype=np.int64) + c.rank, np.empty(4, np.int64)
+        for _ in range(3):
+            C.allreduce(y, algorithm="ring", comm=c, out=yout)
+        y.dtype, yout.dtype = np.float64, np.float64  # the same bytes read as floats
+        y[:] = np.arange(4.0) + c.rank
+        floats = C.allreduce(y, algorithm="ring", comm=c, out=yout).copy()
+        return first, reshaped, floats
+
+    p = 3
+    for first, reshaped, floats in run_world(p, body):
+        np.testing.assert_array_equal(first, p * np.arange(6.0) + 3)
+        np.testing.assert_array_equal(reshaped, (p * np.arange(6.0) + 3).reshape(2, 3))
+        np.testing.assert_array_equal(floats, p * np.arange(4.0) + 3)

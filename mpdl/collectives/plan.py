@@ -427,11 +427,10 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
         MPI = c.MPI
         mpi_op = getattr(MPI, {"avg": "SUM"}.get(op, op.upper()))
         if algo.name == "mpi" and not (persistent and _persistent_matches_blocking(MPI)):
-            # MPI reads x itself (the library's copy into out, then the same reduction as in place)
-            allreduce, send = c.mpi.Allreduce, (xflat if copy else MPI.IN_PLACE)
-
-            def fast() -> None:
-                allreduce(send, flat, op=mpi_op)
+            # MPI reads x itself (the library's copy into out, then the same reduction as in
+            # place), called with no Python frame of ours between
+            fast = functools.partial(c.mpi.Allreduce, xflat if copy else MPI.IN_PLACE, flat,
+                                     mpi_op)
         elif algo.name == "mpi":
             request = (c.mpi.Allreduce_init(MPI.IN_PLACE, flat, op=mpi_op) if out is x else
                        c.mpi.Allreduce_init(xflat, flat, op=mpi_op))
