@@ -24,10 +24,13 @@ computes the loss, scaled by the microbatch's share of the global batch); `B j`:
 gradient of the output from stage i+1 (the last stage starts from its loss), run backward, send
 the input's gradient to stage i−1. Sends are non-blocking (waited for at the end of the step),
 receives block: the order of the ops alone makes the schedule. Each receive lands in a buffer kept
-from step to step, one persistent receive (`Communicator.recv_init`) per microbatch and kind. Gradients add up over the
-microbatches and are then all-reduced over the data-parallel axis (mpdl's all-reduce, any
-algorithm). Every message is an mpdl point-to-point message or collective, so the recorder, the
-flight recorder and the timeline see them; `verbose` prints each one (picotron's VERBOSE).
+from step to step, one persistent receive (`Communicator.recv_init`) per microbatch and kind;
+sends stay ordinary sends of the arrays backward and forward made (a persistent send would need
+a copy into a kept buffer, which costs more than it saves from 64 KiB: benchmarks/bench_p2p.py).
+Gradients add up over the microbatches and are then all-reduced over the data-parallel axis
+(mpdl's all-reduce, any algorithm). Every message is an mpdl point-to-point message or
+collective, so the recorder, the flight recorder and the timeline see them; `verbose` prints each
+one (picotron's VERBOSE).
 
 With tp > 1, the pieces are those of `TensorParallelGPT` (each block split over the tp axis,
 `mpdl.parallel.tensor`): the tp ranks of a stage run the same schedule in lockstep, each
