@@ -67,9 +67,6 @@ from mpdl.parallel.tensor import TensorParallelGPT, gather_array
 from mpdl.parallel.zero import _placeholder
 
 SCHEDULES = ("afab", "1f1b")
-#: persistent receives (each with its buffer) a stage keeps; all are dropped when a new one would
-#: exceed it (microbatch shapes change only with a short last batch)
-MAX_RECEIVES = 64
 
 
 # -- the model as a sequence of pieces ---------------------------------------------------------
@@ -385,7 +382,8 @@ class PipelineStrategy(Strategy):
         key = (what, j, shape, np.dtype(dtype).str, stage)
         request = self._receives.get(key)
         if request is None:
-            if len(self._receives) >= MAX_RECEIVES:
+            # those of two batch sizes are kept (an epoch's batches and its short last one)
+            if len(self._receives) >= 4 * self.microbatches:
                 for r in self._receives.values():
                     r.free()
                 self._receives.clear()
