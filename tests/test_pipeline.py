@@ -478,3 +478,36 @@ def test_a_stage_holds_only_its_own_parameters():
     assert held[2, 1] <= 0.6 * held[1, 1]
     assert held[4, 1] <= 0.35 * held[1, 1]
     assert held[1, 2] <= 0.6 * held[1, 1]
+
+
+def test_receives_are_kept_for_two_batch_sizes_and_give_the_same_steps():
+    """Steps alternating a full batch and a short one (an epoch's last) reuse each shape's
+    persistent receives (at most 4 m per stage: two kinds, m microbatches, two batch sizes) and
+    reach the bytes of a one-process loop over the same microbatches."""
+    m, sizes = 3, [12, 7, 12, 7, 12]
+    x, y = data("mlp", "float64")
+
+    def body(c):
+        s = PipelineStrategy(c, 1, 3, microbatches=m, schedule="1f1b")
+        s.setup(make_model("mlp", "float64"), lambda p: optim.Adam(p, lr=1e-2))
+        seen = []
+        for n in sizes:
+            s.step(Batch(x[:n], y[:n], n, 1e-2))
+            seen.append({k: id(r) for k, r in s._receives.items()})
+        with s.gathered():
+            params = np.concatenate([p.data.ravel() for p in s.model.parameters()])
+        return seen, params
+
+    model = make_model("mlp", "float64")
+    opt = optim.Adam(model.parameters(), lr=1e-2)
+    for n in sizes:
+        for idx in np.array_split(np.arange(n), m):
+            (F.cross_entropy(model(Tensor(x[idx])), y[idx]) * (len(idx) / n)).backward()
+        opt.step()
+        opt.zero_grad()
+    expected = np.concatenate([p.data.ravel() for p in model.parameters()])
+    for stage, (seen, params) in enumerate(run_world(3, body)):
+        kinds = {0: 1, 1: 2, 2: 1}[stage]  # the middle stage receives activations and gradients
+        assert len(seen[1]) == len(seen[-1]) == 2 * kinds * m
+        assert seen[2].items() >= seen[0].items() and seen[-1] == seen[1]  # reused, not remade
+        assert params.tobytes() == expected.tobytes()

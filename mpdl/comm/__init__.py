@@ -13,6 +13,7 @@ from mpdl.comm.base import (
     CollectiveMismatch,
     CollectiveTimeout,
     Communicator,
+    PersistentRequest,
     Request,
     SubComm,
     timeout_s,
@@ -23,5 +24,5 @@ from mpdl.comm.nodes import ranks_per_node_override
 from mpdl.comm.staging import StagingPool, staging_chunk_bytes
 
 __all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMismatch", "CollectiveTimeout", "Communicator",
-           "MPIComm", "Request", "StagingPool", "SubComm", "as_communicator", "cuda_aware_mpi",
-           "ranks_per_node_override", "staging_chunk_bytes", "timeout_s"]
+           "MPIComm", "PersistentRequest", "Request", "StagingPool", "SubComm", "as_communicator",
+           "cuda_aware_mpi", "ranks_per_node_override", "staging_chunk_bytes", "timeout_s"]

@@ -2,8 +2,8 @@
 
 An implementation provides four transport methods (`_isend`, `_irecv`, `_wait_all`, `_test`), the
 node layout (`node_of_rank`) and `allgather_object`; shared memory (`shared_segments`) is optional.
-This base adds recording, `waitall`/`waitany`/`test`, blocking helpers, a barrier,
-sub-communicators and reusable buffers.
+This base adds recording, `waitall`/`waitany`/`test`, blocking helpers, persistent sends and
+receives (`send_init`/`recv_init`), a barrier, sub-communicators and reusable buffers.
 """
 
 from __future__ import annotations
@@ -82,6 +82,59 @@ class Request:
         self.flight: list | None = None
 
 
+class PersistentRequest(Request):
+    """A send or receive of one buffer with one peer, made once and started again and again (as
+    MPI's Send_init / Recv_init): `start()`, then wait for it as for any request (`waitall`,
+    `test`, `waitany`). Starting it again before a wait or test saw it complete raises
+    RuntimeError. Over MPI it is one persistent MPI request (`free()` releases it, done at exit
+    for those still alive); elsewhere each start posts an ordinary send or receive."""
+
+    __slots__ = ("comm", "buf", "active", "persistent", "_inner", "__weakref__")
+
+    def __init__(self, comm: Communicator, buf: Any, peer: int, step: Any, kind: str) -> None:
+        super().__init__(None, peer, step, kind)
+        self.comm, self.buf, self.active = comm, buf, False
+        self._inner: Callable[[], None] | None = None
+        #: the transport's persistent handle, or None (each start posts an ordinary message)
+        self.persistent: Any = None
+        comm._persistent(self)
+
+    def start(self) -> PersistentRequest:
+        """Start the send or receive; returns the request."""
+        comm = self.comm
+        if self.active:
+            where = "to" if self.kind == "send" else "from"
+            raise RuntimeError(f"persistent {self.kind} {where} rank {comm.world_rank(self.peer)} "
+                               f"(step {self.step}) started again before a wait saw it complete; "
+                               f"wait for it (comm.waitall) before starting it again")
+        if self.kind == "send" and comm.recorder is not None:
+            comm.recorder.append((comm.collective, self.step, comm.world_rank(comm.rank),
+                                  comm.world_rank(self.peer), self.buf.nbytes))
+        comm._start(self)
+        self.active = True
+        self.on_complete = self._complete
+        if comm.flight is not None and comm.collective == "p2p":
+            self.flight = comm._flight_p2p(self.kind, self.buf, self.peer)
+        return self
+
+    def _complete(self) -> None:
+        self.active = False
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            inner()
+
+    def free(self) -> None:
+        """Release the transport's persistent handle (later starts post ordinary messages)."""
+        self.comm._free_persistent(self)
+
+    def __del__(self) -> None:
+        if self.persistent is not None:
+            try:
+                self.free()
+            except Exception:  # noqa: BLE001 - nothing to do about it at collection time
+                pass
+
+
 class Communicator:
     """The interface every collective algorithm is written against.
 
@@ -149,6 +202,30 @@ class Communicator:
         if self.flight is not None and self.collective == "p2p":
             request.flight = self._flight_p2p("recv", buf, source)
         return request
+
+    def send_init(self, buf: Any, dest: int, step: Any = None) -> PersistentRequest:
+        """A send of the contiguous array buf to rank dest, started by its `start()` as often as
+        needed (each start sends buf's current values)."""
+        return PersistentRequest(self, buf, dest, step, "send")
+
+    def recv_init(self, buf: Any, source: int, step: Any = None) -> PersistentRequest:
+        """A receive from rank source into the contiguous array buf, started by its `start()`
+        as often as needed."""
+        return PersistentRequest(self, buf, source, step, "recv")
+
+    def _persistent(self, request: PersistentRequest) -> None:
+        """Give the request the transport's persistent handle, where it has one."""
+
+    def _start(self, request: PersistentRequest) -> None:
+        """Start a persistent request: here by posting an ordinary send or receive."""
+        inner = (self._isend(request.buf, request.peer, request.step) if request.kind == "send"
+                 else self._irecv(request.buf, request.peer, request.step))
+        request.handle, request.progress, request._inner = (inner.handle, inner.progress,
+                                                            inner.on_complete)
+
+    def _free_persistent(self, request: PersistentRequest) -> None:
+        """Release the request's persistent handle."""
+        request.persistent = None
 
     def _flight_p2p(self, kind: str, buf: Any, peer: int) -> list:
         me, other = self.world_rank(self.rank), self.world_rank(peer)
@@ -366,6 +443,12 @@ class SubComm(Communicator):
 
     def irecv(self, buf: Any, source: int, step: Any = None) -> Request:
         return self.parent.irecv(buf, self.ranks[source], step)
+
+    def send_init(self, buf: Any, dest: int, step: Any = None) -> PersistentRequest:
+        return self.parent.send_init(buf, self.ranks[dest], step)
+
+    def recv_init(self, buf: Any, source: int, step: Any = None) -> PersistentRequest:
+        return self.parent.recv_init(buf, self.ranks[source], step)
 
     def _wait_all(self, requests: Sequence[Request]) -> None:
         self.parent._wait_all(requests)

@@ -13,6 +13,7 @@ import os
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from mpdl import backend, emulation, mpi_runtime
 from mpdl.comm import flight, nodes
-from mpdl.comm.base import Communicator, Request, background_is_awaited
+from mpdl.comm.base import Communicator, PersistentRequest, Request, background_is_awaited
 from mpdl.comm.cuda import cuda_aware_mpi
 from mpdl.comm.staging import DeviceStaging, StagingPool
 
@@ -165,8 +166,8 @@ class MPIComm(Communicator, DeviceStaging):
                 if deadline is None:
                     deadline, warn = now + self.timeout, now + self.settings.stall_warn
                 elif now > deadline or (warn is not None and now > warn):
-                    pending = [r for r in requests if any(
-                        h != self.MPI.REQUEST_NULL
+                    pending = [r for r in requests if not all(
+                        h.Get_status()
                         for h in (r.handle if isinstance(r.handle, list) else (r.handle,)))]
                     if now > deadline:
                         raise self._timeout_error(pending or list(requests))
@@ -178,6 +179,36 @@ class MPIComm(Communicator, DeviceStaging):
             request.progress()
         handle = request.handle
         return self._handles_done(handle if isinstance(handle, list) else [handle])
+
+    def _persistent(self, request: PersistentRequest) -> None:
+        """A persistent MPI request for host arrays (and device arrays under CUDA-aware MPI);
+        a staged device array keeps posting ordinary staged messages."""
+        xp = backend.get_array_module(request.buf)
+        if xp is not np and not (self.cuda_aware() and xp is not backend.standin):
+            return
+        init = self.mpi.Send_init if request.kind == "send" else self.mpi.Recv_init
+        request.persistent = request.handle = init([request.buf, self.MPI.BYTE], request.peer,
+                                                   self._TAG)
+        _live.add(request)
+
+    def _start(self, request: PersistentRequest) -> None:
+        handle = request.persistent
+        if handle is None:
+            super()._start(request)
+            return
+        if request.kind == "send" and self.link_delay is not None:
+            self.link_delay(request.peer, request.buf.nbytes)
+        xp = backend.get_array_module(request.buf)
+        if xp is not np:
+            backend.synchronize(xp)
+        handle.Start()
+
+    def _free_persistent(self, request: PersistentRequest) -> None:
+        handle, request.persistent = request.persistent, None
+        _live.discard(request)
+        if handle is not None and not self.MPI.Is_finalized():
+            handle.Free()
+        request.handle = None
 
     def _wait_mpi(self, request: Any, step: str) -> None:
         """Wait for one MPI request (a barrier) under the wait policy."""
@@ -229,6 +260,16 @@ class MPIComm(Communicator, DeviceStaging):
         if self._shared is not None and not self.MPI.Is_finalized():
             self._shared.free()
             self._shared = None
+
+
+#: persistent point-to-point requests holding an MPI request, freed before MPI finalizes
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _free_all() -> None:
+    for request in list(_live):
+        request.free()
 
 
 _world: MPIComm | None = None

@@ -11,6 +11,9 @@ holds the averaged gradient (so a gradient is held once, as with PyTorch's
 gradient_as_bucket_view, and the bucket is overwritten by the next step's backward); call it
 between `loss.backward()` and `optimizer.step()`.
 
+Each bucket's buffer is made once, with a persistent all-reduce plan of it
+(`mpdl.collectives.allreduce_init`, in place), which every step runs.
+
 Buckets are launched in bucket order on every rank (a bucket that fills early waits for its
 predecessors), so all ranks issue the same collectives in the same order whatever their graphs.
 A parameter that got no gradient this step contributes zeros, filled in by `finish()`; no rank
@@ -27,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from mpdl.backend import get_array_module
-from mpdl.collectives import allreduce, broadcast
+from mpdl.collectives import Plan, allreduce_init, broadcast
 from mpdl.collectives.api import _pick
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.registry import resolve
@@ -53,6 +56,8 @@ class Bucket:
         self.nbytes = int(self.buffer.nbytes)
         self.ready: set[int] = set()
         self.handle: Handle | None = None
+        #: the persistent all-reduce of the buffer, in place (made by the DDP that owns it)
+        self.plan: Plan | None = None
         #: (start, end) of the last all-reduce, in time.perf_counter seconds, measured on the
         #: thread that ran it
         self.span: tuple[float, float] = (0.0, 0.0)
@@ -106,6 +111,7 @@ class DistributedDataParallel:
         self._broadcast_state()
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = self._make_buckets()
+        self._plan_buckets()
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [p.register_grad_ready_hook(self._on_grad_ready) for p in self.params]
         #: seconds of the last finish(): the main thread's wait (exposed communication) and the
@@ -167,6 +173,16 @@ class DistributedDataParallel:
             nbytes += p.data.nbytes
         close()
         return buckets
+
+    def _plan_buckets(self) -> None:
+        """One persistent in-place all-reduce per bucket (without compression), made in bucket
+        order on every rank (a persistent `mpi` plan is an MPI_Allreduce_init, which all ranks
+        must make and start alike); "auto" is resolved once per bucket, by its size."""
+        if self.compression is not None:
+            return
+        for b in self.buckets:
+            b.plan = allreduce_init(b.buffer, op="sum", algorithm=self.algorithm, comm=self.comm,
+                                    out=b.buffer)
 
     # -- the wrapped module ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -262,10 +278,10 @@ class DistributedDataParallel:
             bucket.handle = engine_for(self.comm).submit(lambda: self._reduce(bucket))
 
     def _reduce(self, bucket: Bucket) -> None:
-        """Sum the bucket over the ranks, in place, and note when that ran."""
+        """Sum the bucket over the ranks, in place (its plan), and note when that ran."""
         start, buf = time.perf_counter(), bucket.buffer
-        if self.compression is None:
-            allreduce(buf, op="sum", algorithm=self.algorithm, comm=self.comm, out=buf)
+        if bucket.plan is not None:
+            bucket.plan()
         else:
             buf[...] = self.compression.aggregate(buf, self.comm, key=bucket.index,
                                                   shapes=[p.shape for p in bucket.params])
@@ -341,7 +357,9 @@ class DistributedDataParallel:
 
     def bucket_algorithms(self) -> list[str]:
         """The all-reduce algorithm each bucket runs ("auto" resolved by bucket size)."""
-        return [_pick("allreduce", self.algorithm, self.comm, b.nbytes).name for b in self.buckets]
+        return [b.plan.algorithm if b.plan is not None else
+                _pick("allreduce", self.algorithm, self.comm, b.nbytes).name
+                for b in self.buckets]
 
     def remove_hooks(self) -> None:
         """Detach from the module's parameters (the module keeps working on its own)."""

@@ -7,7 +7,8 @@ unit), each split over the dp ranks like `reduce_scatter` splits an array
 optimizer on it only, as one flat piece per (parameter, block) overlap, so it holds 1/dp of the
 optimizer state. `step()` reduce-scatters the summed gradients (each rank gets the sum of its
 block), steps the optimizer on the block and all-gathers the blocks into the parameters: the same
-update a whole optimizer takes after an all-reduce, elementwise; whole-tensor norms (LARS, LAMB)
+update a whole optimizer takes after an all-reduce, elementwise (the all-gather, on buffers kept
+between steps, through a persistent plan per unit); whole-tensor norms (LARS, LAMB)
 are completed with one small all-reduce (`Optimizer.shard`).
 
 `ShardedOptimizer` stands where a plain optimizer over the parameters stood: `lr`, `zero_grad()`,
@@ -24,7 +25,7 @@ import numpy as np
 
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
-from mpdl.collectives import allgather, allreduce, reduce_scatter
+from mpdl.collectives import allgather, allgather_init, allreduce, reduce_scatter
 from mpdl.comm import Communicator
 from mpdl.parallel import flat
 from mpdl.parallel.strategy import MakeOptimizer
@@ -46,6 +47,8 @@ class ShardedOptimizer:
             u.shard = u.full[u.lo:u.hi]                      # so a load reaches the shard
             for p, view in zip(u.params, u.views(u.full), strict=True):
                 p.data = view
+            u.gather_plan = allgather_init(u.shard, algorithm=algorithm, comm=comm, count=u.count,
+                                           out=u.full)
             for i, a, b in u.pieces():
                 t = Tensor(u.shard[a - u.lo:b - u.lo], requires_grad=True)
                 entries.append((t, u, i, a, b))
@@ -89,8 +92,7 @@ class ShardedOptimizer:
             t.grad = mine[u.index][a - u.lo:b - u.lo]
         self.optimizer.step()
         for u in self.units:
-            allgather(u.shard, algorithm=self.algorithm, comm=self.comm, count=u.count,
-                      out=u.full)
+            u.gather_plan()
 
     def state_nbytes(self) -> int:
         """Bytes of the optimizer state this rank holds."""

@@ -23,10 +23,14 @@ i−1 (stage 0 reads the batch), run the stage, send the output to stage i+1 (th
 computes the loss, scaled by the microbatch's share of the global batch); `B j`: receive the
 gradient of the output from stage i+1 (the last stage starts from its loss), run backward, send
 the input's gradient to stage i−1. Sends are non-blocking (waited for at the end of the step),
-receives block: the order of the ops alone makes the schedule. Gradients add up over the
-microbatches and are then all-reduced over the data-parallel axis (mpdl's all-reduce, any
-algorithm). Every message is an mpdl point-to-point message or collective, so the recorder, the
-flight recorder and the timeline see them; `verbose` prints each one (picotron's VERBOSE).
+receives block: the order of the ops alone makes the schedule. Each receive lands in a buffer kept
+from step to step, one persistent receive (`Communicator.recv_init`) per microbatch and kind;
+sends stay ordinary sends of the arrays backward and forward made (a persistent send would need
+a copy into a kept buffer, which costs more than it saves from 64 KiB: benchmarks/bench_p2p.py).
+Gradients add up over the microbatches and are then all-reduced over the data-parallel axis
+(mpdl's all-reduce, any algorithm). Every message is an mpdl point-to-point message or
+collective, so the recorder, the flight recorder and the timeline see them; `verbose` prints each
+one (picotron's VERBOSE).
 
 With tp > 1, the pieces are those of `TensorParallelGPT` (each block split over the tp axis,
 `mpdl.parallel.tensor`): the tp ranks of a stage run the same schedule in lockstep, each
@@ -55,7 +59,7 @@ from mpdl.autograd import nn, no_grad
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
 from mpdl.collectives import allreduce, broadcast
-from mpdl.comm import Communicator
+from mpdl.comm import Communicator, PersistentRequest
 from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, correct_predictions
@@ -253,6 +257,7 @@ class PipelineStrategy(Strategy):
         self.first, self.last = self.stage == 0, self.stage == pp - 1
         self.tied_comm: Communicator | None = None
         self._shapes: dict[Any, list[tuple[tuple[int, ...], Any]]] = {}
+        self._receives: dict[tuple, PersistentRequest] = {}
         #: the last step's op order, its peak of microbatches in flight and of their stage outputs
         #: bytes (the activations a stage holds for backward grow with both), seconds idle
         #: (waiting on receives) and the step's seconds
@@ -369,6 +374,24 @@ class PipelineStrategy(Strategy):
         self.bytes_sent += buf.nbytes
         return self.grid.pp_comm.isend(buf, stage, step=(what, j)), buf
 
+    def _recv(self, xp: Any, shape: tuple[int, ...], dtype: Any, stage: int, what: str,
+              j: int) -> Any:
+        """Receive microbatch j's activation or gradient from `stage` into this rank's buffer for
+        it: one persistent receive per (what, j, shape, dtype), kept from step to step (a
+        step's inputs and output gradients are done with before the next step receives)."""
+        key = (what, j, shape, np.dtype(dtype).str, stage)
+        request = self._receives.get(key)
+        if request is None:
+            # those of two batch sizes are kept (an epoch's batches and its short last one)
+            if len(self._receives) >= 4 * self.microbatches:
+                for r in self._receives.values():
+                    r.free()
+                self._receives.clear()
+            request = self._receives[key] = self.grid.pp_comm.recv_init(
+                xp.empty(shape, dtype=dtype), stage, step=(what, j))
+        self.grid.pp_comm.waitall([request.start()])
+        return request.buf
+
     def step(self, batch: Batch) -> StepResult:
         result = StepResult()
         start = time.perf_counter()
@@ -394,9 +417,8 @@ class PipelineStrategy(Strategy):
                     h = Tensor(batch.x[idx[0]:idx[-1] + 1])
                 else:
                     shape, dtype = shapes[prev]
-                    buf = xp.empty((len(idx), *shape), dtype=dtype)
                     self._say(f"recv activation mb {j} <- stage {prev}")
-                    pp_comm.recv(buf, prev, step=("act", j))
+                    buf = self._recv(xp, (len(idx), *shape), dtype, prev, "act", j)
                     h = inputs[j] = Tensor(buf, requires_grad=True)
                 t1, c1 = time.perf_counter(), time.thread_time()
                 for piece in self.pieces:
@@ -432,9 +454,8 @@ class PipelineStrategy(Strategy):
                     t1, c1 = t0, time.thread_time()
                     out.backward()
                 else:
-                    grad = xp.empty(out.shape, dtype=out.data.dtype)
                     self._say(f"recv gradient mb {j} <- stage {nxt}")
-                    pp_comm.recv(grad, nxt, step=("grad", j))
+                    grad = self._recv(xp, out.shape, out.data.dtype, nxt, "grad", j)
                     t1, c1 = time.perf_counter(), time.thread_time()
                     out.backward(grad)
                 t2 = time.perf_counter()

@@ -22,6 +22,10 @@ rank holds 1/p of the optimizer state.
   reduce-scattered and the parameters freed. With `prefetch`, the next unit's all-gather (the
   previous one's in backward) is started at once, so it overlaps this unit's compute.
 
+Collectives on buffers kept between steps (stage 1's gradient buffers, stages 1-2's flat
+parameters) run through persistent plans made once per unit (`mpdl.collectives.plan`); buffers
+made afresh each step go through the ordinary calls.
+
 What the autograd graph keeps: mpdl's primitives save their input arrays for backward, so the
 gathered weights a unit's forward used stay alive in the graph until its backward, as activations
 do; the accounting (`model_state_bytes`) counts the model state the strategy holds: parameters,
@@ -53,7 +57,16 @@ import numpy as np
 from mpdl.autograd import nn
 from mpdl.autograd.tensor import Function, Tensor, is_grad_enabled
 from mpdl.backend import get_array_module, to_host
-from mpdl.collectives import allgather, allreduce, broadcast, reduce_scatter
+from mpdl.collectives import (
+    Plan,
+    allgather,
+    allgather_init,
+    allreduce,
+    allreduce_init,
+    broadcast,
+    reduce_scatter,
+    reduce_scatter_init,
+)
 from mpdl.collectives.handles import Handle, engine_for
 from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator
@@ -115,6 +128,12 @@ class Unit:
         self.ready: set[int] = set()
         self.reduce: Handle | None = None
         self.gather: Handle | None = None
+        #: persistent plans of the step's collectives on buffers kept between steps (ZeroStrategy
+        #: makes them): the in-place reduce-scatter of `grad` (stage 1), the sum of its result
+        #: over the replicas (hybrid), the in-place all-gather of `shard` into `full` (stages 1-2)
+        self.reduce_plan: Plan | None = None
+        self.replica_plan: Plan | None = None
+        self.gather_plan: Plan | None = None
         self.spans: list[tuple[str, float, float]] = []
 
     @property
@@ -302,7 +321,26 @@ class ZeroStrategy(Strategy):
                 if u.module is not None:
                     self._wrap(u)
         self._order = list(reversed(self.units)) if self.stage == 3 else list(self.units)
+        self._plan_units()
         self.peak_bytes = self._held
+
+    def _plan_units(self) -> None:
+        """Persistent plans of the collectives whose arrays are the same every step, made in unit
+        order on every rank: stage 1's reduce-scatter of the kept gradient buffer (and, hybrid,
+        the all-reduce of its result over the replicas), stages 1-2's all-gather into the flat
+        parameters. Stage 2-3 gradient buffers and stage 3's gathered parameters are made afresh
+        each step, and go through the ordinary calls."""
+        for u in self.units:
+            if self.stage == 1:
+                u.reduce_plan = reduce_scatter_init(u.grad, op="sum", algorithm=self.algorithm,
+                                                    comm=self.shard_comm, in_place=True)
+                if self.replica_comm is not None:
+                    mine = u.reduce_plan.result
+                    u.replica_plan = allreduce_init(mine, op="sum", algorithm=self.algorithm,
+                                                    comm=self.replica_comm, out=mine)
+            if self.stage < 3:
+                u.gather_plan = allgather_init(u.shard, algorithm=self.algorithm,
+                                               comm=self.shard_comm, count=u.count, out=u.full)
 
     def _communicators(self) -> None:
         """shard_comm: the ranks that share the shards (all, or hybrid: this node's);
@@ -460,11 +498,16 @@ class ZeroStrategy(Strategy):
 
         def work() -> None:
             start = time.perf_counter()
-            mine = reduce_scatter(buf, op="sum", algorithm=self.algorithm, comm=self.shard_comm,
-                                  in_place=True)
-            if self.replica_comm is not None:  # hybrid: sum the node's shard over the nodes
-                allreduce(mine, op="sum", algorithm=self.algorithm, comm=self.replica_comm,
-                          out=mine)
+            if unit.reduce_plan is not None:
+                mine = unit.reduce_plan()
+                if unit.replica_plan is not None:  # hybrid: sum the node's shard over the nodes
+                    unit.replica_plan()
+            else:
+                mine = reduce_scatter(buf, op="sum", algorithm=self.algorithm,
+                                      comm=self.shard_comm, in_place=True)
+                if self.replica_comm is not None:
+                    allreduce(mine, op="sum", algorithm=self.algorithm, comm=self.replica_comm,
+                              out=mine)
             if self.stage > 1:
                 unit.xp.copyto(unit.grad_shard, mine)
                 unit.grad = None
@@ -562,8 +605,7 @@ class ZeroStrategy(Strategy):
     def _gather_in_place(self, unit: Unit) -> Any:
         def work() -> None:
             start = time.perf_counter()
-            allgather(unit.shard, algorithm=self.algorithm, comm=self.shard_comm, count=unit.count,
-                      out=unit.full)
+            unit.gather_plan()
             unit.spans.append(("all-gather", start, time.perf_counter()))
         return work
 

@@ -17,7 +17,7 @@ from mpdl.autograd import functional as F
 from mpdl.autograd import nn
 from mpdl.autograd.optim import SGD
 from mpdl.autograd.tensor import Tensor
-from mpdl.collectives import algorithms
+from mpdl.collectives import algorithms, allreduce
 from mpdl.parallel import DistributedDataParallel, DistributedSampler
 
 pytestmark = pytest.mark.mpi
@@ -130,3 +130,37 @@ def test_gpt_on_p_ranks_follows_one_rank(dtype, algorithm):
     np.testing.assert_allclose(ours, reference, rtol=0, atol=TOL[dtype])
     everyone = COMM.allgather(ours)
     assert all(np.array_equal(e, everyone[0]) for e in everyone), "replicas drifted apart"
+
+
+@pytest.mark.parametrize("algorithm", ["auto", *algorithms("allreduce")])
+def test_each_bucket_plan_gives_the_one_shot_all_reduce_bit_for_bit(algorithm):
+    """Every bucket is summed by its persistent plan, made once (in place on the bucket): after
+    each of 3 steps its bytes are those of the one-shot `allreduce` of the same weighted local
+    gradients, which a twin model (same weights, no DDP) computes beside it."""
+    m = model("float64", 100 * RANK)
+    ddp = DistributedDataParallel(m, algorithm=algorithm, first_bucket_mb=2e-4, bucket_mb=1e-3)
+    assert len(ddp.buckets) > 2
+    plans = [b.plan for b in ddp.buckets]
+    for b in ddp.buckets:
+        assert b.plan.x is b.buffer and b.plan.result is b.buffer
+    assert ddp.bucket_algorithms() == [p.algorithm for p in plans]
+    twin = model("float64", 0)
+    twin_of = dict(zip(map(id, m.parameters()), twin.parameters(), strict=True))
+    opt = SGD(m.parameters(), lr=0.05, momentum=0.9)
+    weight = np.float64(ddp.grad_weight)
+    for step in range(3):
+        for a, b in zip(twin.parameters(), m.parameters(), strict=True):
+            a.data[...] = b.data
+            a.grad = None
+        idx = np.arange(RANK + step, len(X), P + 1)
+        F.cross_entropy(twin(Tensor(X[idx])), Y[idx]).backward()
+        expected = [allreduce(np.concatenate([(twin_of[id(p)].grad * weight).ravel()
+                                              for p in b.params]), algorithm=algorithm)
+                    for b in ddp.buckets]
+        F.cross_entropy(m(Tensor(X[idx])), Y[idx]).backward()
+        ddp.finish()
+        for b, e in zip(ddp.buckets, expected, strict=True):
+            assert b.buffer.tobytes() == e.tobytes(), f"step {step} bucket {b.index}"
+        assert [b.plan for b in ddp.buckets] == plans  # the same plans every step
+        opt.step()
+        opt.zero_grad()

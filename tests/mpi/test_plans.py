@@ -9,7 +9,7 @@ from rankdata import local_data
 
 from mpdl import collectives as C
 from mpdl.collectives import plan as plans
-from mpdl.comm import as_communicator
+from mpdl.comm import CollectiveTimeout, as_communicator
 
 pytestmark = pytest.mark.mpi
 
@@ -149,3 +149,96 @@ def test_the_flight_recorder_keeps_planned_calls():
         assert (r["collective"], r["algorithm"], r["bytes"], r["dtype"], r["op"], r["state"]) == \
             ("allreduce", "recursive_doubling", 24, "float32", "max", "done")
         assert r["peers"] == tuple(range(P)) and r["end"] >= r["start"]
+
+
+# -- persistent point-to-point requests --------------------------------------------------------
+P2P_SHAPES = [(0,), (1,), (9,), (3, 5), (2, 3, 40)]
+
+
+def needs_two():
+    if P < 2:
+        pytest.skip("point to point needs 2 ranks")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64"])
+def test_persistent_sends_and_receives_deliver_each_start(dtype):
+    """Every rank sends to the right and receives from the left, 5 starts per shape, new values
+    each time; the sends and receives are persistent MPI requests."""
+    needs_two()
+    comm = as_communicator(COMM)
+    right, left = (RANK + 1) % P, (RANK - 1) % P
+    for k, shape in enumerate(P2P_SHAPES):
+        out, into = np.empty(shape, dtype), np.empty(shape, dtype)
+        send, recv = comm.send_init(out, right, step=k), comm.recv_init(into, left, step=k)
+        assert send.persistent is not None and recv.persistent is not None
+        for n in range(5):
+            out[...] = (np.arange(out.size).reshape(shape) + 1000 * RANK + 10 * n).astype(dtype)
+            comm.waitall([recv.start(), send.start()])
+            expected = (np.arange(out.size).reshape(shape) + 1000 * left + 10 * n).astype(dtype)
+            assert into.tobytes() == expected.tobytes(), f"shape {shape} start {n}"
+        send.free()
+        recv.free()
+        assert send.persistent is None and recv.persistent is None
+
+
+def test_a_persistent_request_started_twice_raises():
+    needs_two()
+    comm = as_communicator(COMM)
+    buf = np.zeros(3)
+    if RANK == 0:
+        send = comm.send_init(buf, 1, step="twice")
+        send.start()
+        with pytest.raises(RuntimeError, match=r"persistent send to rank 1 \(step twice\) "
+                                               r"started again before a wait"):
+            send.start()
+        comm.waitall([send])
+    elif RANK == 1:
+        recv = comm.recv_init(buf, 0, step="twice")
+        recv.start()
+        with pytest.raises(RuntimeError, match="persistent recv from rank 0"):
+            recv.start()
+        comm.waitall([recv])
+    COMM.Barrier()
+
+
+def test_persistent_requests_on_a_sub_communicator_and_staged_device_arrays():
+    needs_two()
+    from mpdl.backend import standin  # noqa: PLC0415
+
+    comm = as_communicator(COMM)
+    sub = comm.sub(list(range(P))[::-1])  # sub rank 0 is the last world rank
+    host = np.full(6, float(RANK))
+    device = standin.asarray(np.full(4, float(RANK)))
+    right, left = (sub.rank + 1) % P, (sub.rank - 1) % P
+    reqs = [sub.send_init(host.copy(), right, "h"), sub.recv_init(host, left, "h"),
+            sub.send_init(standin.asarray(np.full(4, float(RANK))), right, "d"),
+            sub.recv_init(device, left, "d")]
+    assert reqs[2].persistent is None  # a staged device array posts ordinary staged messages
+    for _ in range(3):
+        sub.waitall([r.start() for r in reqs])
+    sender = sub.ranks[left]
+    assert host.tolist() == [float(sender)] * 6
+    assert standin.asnumpy(device).tolist() == [float(sender)] * 4
+
+
+def test_a_persistent_receive_times_out_naming_the_peer_and_completes_later():
+    needs_two()
+    comm = as_communicator(COMM)
+    buf = np.zeros(4)
+    if RANK == 0:
+        recv = comm.recv_init(buf, 1, step=("act", 2))
+        recv.start()
+        timeout, comm.timeout = comm.timeout, 0.3
+        try:
+            with pytest.raises(CollectiveTimeout, match=r"waited more than 0.3 s receiving from "
+                                                        r"rank 1 at step \('act', 2\)"):
+                comm.waitall([recv])
+        finally:
+            comm.timeout = timeout
+        COMM.Barrier()
+        comm.waitall([recv])  # the send comes after the barrier
+        assert buf.tolist() == [1.0] * 4
+    else:
+        COMM.Barrier()
+        if RANK == 1:
+            comm.send(np.ones(4), 0)

@@ -141,3 +141,56 @@ def test_hybrid_follows_ddp_on_one_rank(stage):
     ref = train(as_communicator(MPI.COMM_SELF), AllReduceStrategy, "mlp", "adam", "float64", 2)
     mine = train(comm, make, "mlp", "adam", "float64", 2)
     np.testing.assert_allclose(mine, ref, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "tree"])  # mpi: equal blocks only
+@pytest.mark.parametrize("stage", [1, 2])
+def test_unit_plans_give_the_one_shot_calls_bit_for_bit(stage, algorithm, monkeypatch):
+    """Stages 1-2 run their units' reduce-scatters (stage 1) and all-gathers through plans made
+    once at setup; the same training with every collective a one-shot call (no plans, no plan
+    cache) ends on the same bytes. Hybrid where the nodes allow it (the Makefile's emulated
+    nodes of 2 ranks): the sum over the replicas is planned too."""
+    from mpdl.collectives import allgather  # noqa: PLC0415
+    from mpdl.collectives import plan as plans  # noqa: PLC0415
+
+    comm = as_communicator(COMM)
+    hybrid = len({len(g) for g in comm.node_groups()}) == 1 and len(comm.node_groups()) > 1
+
+    def make(c):
+        return ZeroStrategy(c, stage, algorithm=algorithm, first_bucket_mb=5e-4, bucket_mb=1e-3,
+                            hybrid=hybrid)
+
+    made: list[ZeroStrategy] = []
+
+    def planned(c):
+        made.append(make(c))
+        return made[-1]
+
+    def one_shot(c):
+        strategy = make(c)
+        original = strategy.setup
+
+        def setup(model, make_optimizer):
+            original(model, make_optimizer)
+            for u in strategy.units:
+                assert u.gather_plan is not None and (u.reduce_plan is not None) == (stage == 1)
+                assert (u.replica_plan is not None) == (stage == 1 and hybrid)
+                u.reduce_plan = u.replica_plan = None  # the ordinary calls of stages 2-3
+
+                def gather(u=u):
+                    allgather(u.shard, algorithm=algorithm, comm=strategy.shard_comm,
+                              count=u.count, out=u.full)
+                u.gather_plan = gather
+
+        strategy.setup = setup
+        return strategy
+
+    mine = train(comm, planned, "mlp", "adam", "float64", 2)
+    for u in made[0].units:
+        assert u.gather_plan.x is u.shard and u.gather_plan.result is u.full
+        if stage == 1:
+            assert u.reduce_plan.x is u.grad
+    monkeypatch.setattr(plans, "CACHE_MAX_BYTES", -1)  # nothing through the plan cache
+    plans.clear_cache()
+    ref = train(comm, one_shot, "mlp", "adam", "float64", 2)
+    assert mine.tobytes() == ref.tobytes()
