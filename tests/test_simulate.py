@@ -205,6 +205,31 @@ def test_oversubscribed_span_charges_the_waits_to_the_shared_cores():
         O.span([1.0], [0], cores=1, wait_share=1.5)
 
 
+def test_measure_workload_sums_up_time_sliced_steps_by_their_mean(monkeypatch):
+    # a clock under which forward takes 1 ms at batch 8 and 4 ms at 32, twice that in every
+    # third round (a rank time-sliced with another); backward and the optimizer take no time
+    state = {"now": 0.0, "calls": 0}
+
+    def perf_counter():
+        calls = state["calls"]
+        state["calls"] += 1
+        rnd, size, tick = calls // 8, calls // 4 % 2, calls % 4
+        if tick == 1:  # the forward's end
+            state["now"] += (1e-3 if size == 0 else 4e-3) * (2 if rnd % 3 == 2 else 1)
+        return state["now"]
+
+    monkeypatch.setattr(S.time, "perf_counter", perf_counter)
+    median = S.measure_workload("mlp", batch=32, repeats=15)
+    state.update(now=0.0, calls=0)
+    mean = S.measure_workload("mlp", batch=32, repeats=15, statistic="mean")
+    # rounds 5-19 are timed; 5, 8, 11, 14 and 17 of them slow: the median 4 ms, the mean 16/3
+    assert median.compute(32) == pytest.approx(4e-3)
+    assert mean.compute(32) == pytest.approx(16e-3 / 3)
+    assert mean.sample_s == pytest.approx(4e-3 / 24)
+    with pytest.raises(ValueError, match="statistic"):
+        S.measure_workload("mlp", batch=8, repeats=1, statistic="mode")
+
+
 def test_measure_workload_times_the_optimizer_it_is_given():
     sgd = S.measure_workload("mlp", batch=8, repeats=2)
     adam = S.measure_workload("mlp", batch=8, repeats=2, optimizer="adam")
