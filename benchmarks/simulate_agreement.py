@@ -17,9 +17,10 @@ compares the model's predictions with measurements taken right after:
            on p/pp ranks at once, the pieces cut as the pipeline cuts them), one microbatch
            through all stages and the other m-1 paced by the slowest stage (equal stages give
            the bubble (pp-1)/(m+pp-1)) or, with more ranks than cores, all ranks' compute
-           spread over the cores if that is longer, an activation and a gradient message per stage boundary
-           on that path, the slowest stage's optimizer step and, with dp > 1, the calibrated
-           ring all-reduce of the largest stage's gradient.
+           and what their waits take from the cores (the calibrated `wait_cpu` and
+           `wait_share`) spread over the cores if that is longer, an activation and a gradient
+           message per stage boundary on that path, the slowest stage's optimizer step and,
+           with dp > 1, the calibrated ring all-reduce of the largest stage's gradient.
 
     flock /tmp/mpdl-bench.lock python benchmarks/simulate_agreement.py            # everything
     python benchmarks/simulate_agreement.py --checks ring lenet --ranks 2 3 4 --rounds 5
@@ -49,6 +50,7 @@ import numpy as np
 from mpdl.collectives import costmodel as cm
 from mpdl.mpi_runtime import usable_cores
 from mpdl.perf import layouts as L
+from mpdl.perf import oversubscription as O
 from mpdl.perf import simulate as S
 
 BIN = Path(sys.executable).parent
@@ -224,14 +226,15 @@ def pipeline_step(stages: dict, m: int, dp: int, params: cm.Params, cores: int) 
     m-1 more paced by the slowest stage, the activation and gradient messages of each boundary on
     that path, the slowest stage's optimizer step, and with dp > 1 the ring all-reduce of the
     largest stage's gradient over dp ranks (after the flush: exposed). With more ranks than
-    `cores`, the flush takes no less than all ranks' compute spread over the cores."""
+    `cores`, the flush takes no less than every rank's compute and what its waits for the
+    messages of its neighbour stages take, spread over the cores (`oversubscription.span`)."""
     slot = [f + b for f, b in zip(stages["forward"], stages["backward"], strict=True)]
-    compute = S.pipeline_compute(slot, m)
-    ranks = dp * len(slot)
-    if ranks > cores:
-        # more ranks than cores: a flush takes at least the work of every rank over the cores
-        # (Graham's bound), however short the path through the stages
-        compute = max(compute, dp * m * sum(slot) / cores)
+    pp = len(slot)
+    # more ranks than cores: every rank's m slots, and its waits (stage s receives m activations
+    # when s > 0 and m gradients when s < pp - 1), share the cores, however short the path
+    flush = O.span([m * t for t in slot] * dp, [m * ((s > 0) + (s < pp - 1)) for s in range(pp)] * dp,
+                   cores, params.wait_cpu, params.wait_share)
+    compute = max(S.pipeline_compute(slot, m), flush)
     p2p = sum(2 * params.exchange_time(n) for n in stages["output_bytes"][:-1])
     optimizer = max(stages["optimizer"])
     dp_comm = (cm.predict("allreduce", "ring", max(stages["grad_bytes"]), dp, 1, params)

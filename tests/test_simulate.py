@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mpdl.collectives import costmodel as cm
+from mpdl.perf import oversubscription as O
 from mpdl.perf import simulate as S
 
 BIN = Path(sys.executable).parent
@@ -182,6 +183,51 @@ def test_pipeline_flush_is_one_pass_plus_m_minus_one_slowest_slots():
     assert all(b <= a + 1e-12 for a, b in zip(shares, shares[1:], strict=False))
     with pytest.raises(ValueError, match="microbatches"):
         S.pipeline_compute([1.0], 0)
+
+
+def test_oversubscribed_span_charges_the_waits_to_the_shared_cores():
+    # no more ranks than cores: the longest rank, whatever the waits cost
+    assert O.span([3.0, 1.0], [0, 4], cores=2, wait_cpu=0.1, wait_share=0.5) == 3.0
+    # free waits: Graham's bound, all the work over the cores (10 / 2)
+    assert O.span([4.0, 4.0, 1.0, 1.0], [0, 0, 4, 4], cores=2) == 5.0
+    # by hand: T (2 - 0.1·4) = 0.9·10 + 0.1·16 -> T = 10.6 / 1.6; at that T the cores serve
+    # the work (10), the waits' fixed CPU (1.6) and their share of the rest (0.1·(4T - 10))
+    t = O.span([4.0, 4.0, 1.0, 1.0], [4, 4, 4, 4], cores=2, wait_cpu=0.1, wait_share=0.1)
+    assert t == pytest.approx(6.625)
+    assert 10.0 + 1.6 + 0.1 * (4 * t - 10.0) == pytest.approx(2 * t)
+    # the longest rank's work bounds it from below
+    assert O.span([10.0, 1.0, 1.0], [0, 0, 0], cores=2, wait_share=0.1) == 10.0
+    # waiting ranks that alone would fill the cores: each rank gets cores/ranks of a core
+    assert O.span([4.0, 4.0, 1.0, 1.0], [0, 0, 0, 0], cores=2, wait_share=0.5) == 8.0
+    with pytest.raises(ValueError, match="one entry per rank"):
+        O.span([1.0, 2.0], [0], cores=1)
+    with pytest.raises(ValueError, match="wait_share"):
+        O.span([1.0], [0], cores=1, wait_share=1.5)
+
+
+def test_measure_workload_sums_up_time_sliced_steps_by_their_mean(monkeypatch):
+    # a clock under which forward takes 1 ms at batch 8 and 4 ms at 32, twice that in every
+    # third round (a rank time-sliced with another); backward and the optimizer take no time
+    state = {"now": 0.0, "calls": 0}
+
+    def perf_counter():
+        calls = state["calls"]
+        state["calls"] += 1
+        rnd, size, tick = calls // 8, calls // 4 % 2, calls % 4
+        if tick == 1:  # the forward's end
+            state["now"] += (1e-3 if size == 0 else 4e-3) * (2 if rnd % 3 == 2 else 1)
+        return state["now"]
+
+    monkeypatch.setattr(S.time, "perf_counter", perf_counter)
+    median = S.measure_workload("mlp", batch=32, repeats=15)
+    state.update(now=0.0, calls=0)
+    mean = S.measure_workload("mlp", batch=32, repeats=15, statistic="mean")
+    # rounds 5-19 are timed; 5, 8, 11, 14 and 17 of them slow: the median 4 ms, the mean 16/3
+    assert median.compute(32) == pytest.approx(4e-3)
+    assert mean.compute(32) == pytest.approx(16e-3 / 3)
+    assert mean.sample_s == pytest.approx(4e-3 / 24)
+    with pytest.raises(ValueError, match="statistic"):
+        S.measure_workload("mlp", batch=8, repeats=1, statistic="mode")
 
 
 def test_measure_workload_times_the_optimizer_it_is_given():

@@ -26,7 +26,7 @@ from mpdl.cli.output import is_rank0, world_size, write_json_lines
 from mpdl.cli.simulate_layouts import duration as _duration
 from mpdl.collectives import costmodel
 from mpdl.fileio import atomic_open
-from mpdl.mpi_runtime import load_mpi
+from mpdl.mpi_runtime import load_mpi, oversubscribed
 from mpdl.perf import simulate as S
 from mpdl.perf.units import parse_count, parse_size
 from mpdl.training.models import IMAGE_MODELS
@@ -167,12 +167,16 @@ def choose_network(args: argparse.Namespace, default: str, ranks: int):
 def measure_on_every_rank(model: str, shape: str, batch: int, optimizer: str = "sgd"):
     """The workload measured on this machine. Under mpiexec every rank measures at the same time,
     so the figures include what the ranks of a node take from each other (cores, caches, memory
-    bandwidth); the slowest rank's are kept, because a synchronous step waits for it."""
+    bandwidth); the slowest rank's are kept, because a synchronous step waits for it. With more
+    ranks than cores, each rank's steps are averaged (the mean, not the median: some run alone
+    on a core, some time-sliced)."""
     if world_size() == 1:
         return S.measure_workload(model, shape, batch=batch, optimizer=optimizer)
     world = load_mpi().COMM_WORLD
     world.Barrier()
-    workloads = world.allgather(S.measure_workload(model, shape, batch=batch, optimizer=optimizer))
+    statistic = "mean" if oversubscribed() else "median"
+    workloads = world.allgather(S.measure_workload(model, shape, batch=batch, optimizer=optimizer,
+                                                   statistic=statistic))
     slowest = max(workloads, key=lambda w: w.compute(batch))
     return replace(slowest, source=f"{slowest.source}; {len(workloads)} ranks measuring at once, "
                                    f"the slowest kept")

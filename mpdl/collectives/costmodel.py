@@ -79,6 +79,11 @@ class Params:
     #: what a collective handed to the communication thread (`*_async`, as DDP's buckets and
     #: ZeRO's units are) and waited for costs beyond the call itself (0: not measured)
     handoff: float = 0.0
+    #: what a rank waiting for a message takes from a core it shares with ranks that compute
+    #: (more ranks than cores): the CPU seconds of one wait however short (its polls before it
+    #: sleeps), and the share of a core for each second it lasts (0: not measured)
+    wait_cpu: float = 0.0
+    wait_share: float = 0.0
     #: the MPI library's own per-message latency (the `mpi` baseline has no Python in its loop)
     alpha_native: float = 3e-6
     #: γ per dtype name; `gamma` serves dtypes not listed
@@ -191,7 +196,7 @@ class Params:
                 raise ModelUnavailable(f"parameter {curve} needs at least two measured sizes")
         params = cls(**values)
         for name in ("alpha", "beta", "gamma", "copy", "copy_cached", "barrier", "call",
-                     "handoff", "alpha_native"):
+                     "handoff", "wait_cpu", "wait_share", "alpha_native"):
             value = getattr(params, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ModelUnavailable(f"parameter {name}={value!r} is not a time >= 0")

@@ -14,7 +14,9 @@ one pair of buffers call after call at each size (the API's input copy, as repea
 it); and copies a window chunk that stays in cache (the shm algorithm's). The barrier shm takes
 twice per call is measured inside an 8-byte shm all-reduce. On one node, the API's fixed cost
 per call is an 8-byte ring all-reduce less its 2(p-1) steps, every rank calling at once, and the
-handoff what the same call costs more when handed to the communication thread. A collective's
+handoff what the same call costs more when handed to the communication thread. Odd ranks wait
+for a message while even ranks compute, for 1 and 8 ms: what a wait takes from the cores (CPU
+seconds per wait, share of a core per second of it) is the line through the two. A collective's
 time is set by its slowest rank, so each figure is the maximum over ranks. Last, every rank times
 float32 512×512 GEMMs at once (`mpdl.training.throughput.gemm_flops`), and the best rank's FLOP/s
 is the per-core peak `mpdl train` reports model-FLOPs utilisation against. Then every all-reduce
@@ -53,6 +55,8 @@ REDUCE_BYTES = 1 << 22
 #: pairs of REDUCE_BYTES arrays the rate measurements rotate through (32 MiB): far more than a
 #: core's private caches hold, as with a collective's buffers, which other cores wrote last
 STREAM_PAIRS = 4
+#: how long the computing ranks keep a waiting rank waiting (see _wait_cost)
+WAIT_SECONDS = (1e-3, 8e-3)
 #: sweeps over the message sizes (see _exchange_times)
 SWEEPS = 3
 #: the most memory the blocks of one size's chain of ring steps take (see _ring_chain)
@@ -192,6 +196,39 @@ def _copy_times(iters: int) -> list[float]:
     return np.median(sweeps, axis=0).tolist()
 
 
+def _wait_cost(comm: Any, iters: int) -> tuple[float, float]:
+    """(CPU seconds of one wait, share of a core per second of waiting) of a rank that waits for a
+    message while the others compute: even ranks compute for WAIT_SECONDS each (a loop of small
+    in-cache additions, timed by the wall clock) and then send to the next rank, which waits for
+    it under the communicator's wait policy; the line through the waits' (wall, CPU) medians at
+    the two lengths. (0, 0) on a rank that does not wait (collective)."""
+    waiting = comm.rank % 2 == 1
+    a, b = np.ones(4096, np.float32), np.ones(4096, np.float32)
+    one = np.zeros(1, np.float32)
+    points = []
+    for seconds in WAIT_SECONDS:
+        samples = []
+        for _ in range(max(3, iters // 4)):
+            quiet_barrier(comm.mpi)
+            if waiting:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                comm.recv(one, comm.rank - 1, "calibrate")
+                samples.append((time.perf_counter() - t0, time.thread_time() - c0))
+                continue
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                np.add(a, b, out=a)
+            if comm.rank + 1 < comm.size:
+                comm.send(one, comm.rank + 1, "calibrate")
+        if waiting:
+            points.append(np.median(np.array(samples), axis=0))
+    if not waiting:
+        return 0.0, 0.0
+    (w1, c1), (w2, c2) = points
+    share = min(1.0, max(0.0, (c2 - c1) / (w2 - w1))) if w2 > w1 else 0.0
+    return max(0.0, c1 - share * w1), share
+
+
 def _fit(times: list[float]) -> tuple[float, float]:
     """(α, β): α the small-message time, β the least-squares slope over the large messages."""
     x = np.array(LARGE_BYTES, dtype=np.float64)
@@ -275,6 +312,8 @@ def measure(comm: Any, iters: int) -> dict[str, Any]:
                     _bench_time(comm, handed, max(3, iters // 2))) for _ in range(SWEEPS)]
         figures["call"] = max(alone_call, float(np.median([w - c for w, c, _ in samples])))
         figures["handoff"] = max(0.0, float(np.median([h - w for w, _, h in samples])))
+    # What a waiting rank takes from the cores (see oversubscription.span).
+    figures["wait_cpu"], figures["wait_share"] = _wait_cost(comm, iters)
     quiet_barrier(mpi)
 
     keys = sorted(figures)
@@ -303,6 +342,8 @@ def to_params(measured: dict[str, Any], ranks: int, nodes: int, host: str) -> Pa
                   beta_inter=beta_inter, copy=measured["copy"], copy_cached=measured["copy_cached"],
                   barrier=measured["barrier"],
                   call=measured["call"], handoff=measured.get("handoff", 0.0),
+                  wait_cpu=measured.get("wait_cpu", 0.0),
+                  wait_share=measured.get("wait_share", 0.0),
                   alpha_native=measured.get("alpha_native") or alpha,
                   gammas=gammas, ranks=ranks,
                   exchange=_monotone(sizes, measured["intra"]) if intra_pairs else (),

@@ -426,12 +426,19 @@ INPUT_SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "cifar": (3, 32, 32)}
 MEASURE_OPTIMIZERS = ("sgd", "adam")
 
 
+#: how `measure_workload` sums up its repeats: the median drops the odd slow one; the mean is
+#: what a rank sharing its core with other ranks computes per step over time (its steps run either
+#: alone or time-sliced, and the median lands on one of the two)
+STATISTICS = {"median": np.median, "mean": np.mean}
+
+
 def measure_workload(model: str, shape: str = "digits", batch: int = 32, repeats: int = 15,
                      classes: int = 10, dtype: str = "float32", seed: int = 0,
-                     optimizer: str = "sgd") -> Workload:
+                     optimizer: str = "sgd", statistic: str = "median") -> Workload:
     """Time forward, backward and an optimizer step (SGD with momentum, or Adam) of an mpdl zoo
-    model at batch/4 and batch samples (interleaved, medians) and fit sample_s (slope), step_s
-    (intercept plus the optimizer) and the backward share."""
+    model at batch/4 and batch samples (interleaved; each summed up by `statistic` over the
+    repeats, see STATISTICS) and fit sample_s (slope), step_s (intercept plus the optimizer) and
+    the backward share."""
     if shape not in INPUT_SHAPES:
         raise ValueError(f"shape: expected one of {', '.join(INPUT_SHAPES)}, got {shape!r}")
     if optimizer not in MEASURE_OPTIMIZERS:
@@ -439,6 +446,8 @@ def measure_workload(model: str, shape: str = "digits", batch: int = 32, repeats
                          f"got {optimizer!r}")
     if batch < 1 or repeats < 1:
         raise ValueError(f"batch and repeats: expected positive counts, got {batch}, {repeats}")
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic: expected one of {', '.join(STATISTICS)}, got {statistic!r}")
     net = build_model(model, INPUT_SHAPES[shape], classes, seed=seed, dtype=np.dtype(dtype))
     opt = (optim.SGD(net.parameters(), lr=0.01, momentum=0.9) if optimizer == "sgd"
            else optim.Adam(net.parameters(), lr=1e-3))
@@ -461,7 +470,7 @@ def measure_workload(model: str, shape: str = "digits", batch: int = 32, repeats
             t3 = time.perf_counter()
             if i >= warmup:
                 times[b].append((t1 - t0, t2 - t1, t3 - t2))
-    med = {b: np.median(np.array(times[b]), axis=0) for b in sizes}
+    med = {b: STATISTICS[statistic](np.array(times[b]), axis=0) for b in sizes}
     fwd_bwd = {b: float(med[b][0] + med[b][1]) for b in sizes}
     optimizer = float(np.median([med[b][2] for b in sizes]))
     if len(sizes) == 2:
@@ -474,7 +483,8 @@ def measure_workload(model: str, shape: str = "digits", batch: int = 32, repeats
     params = sum(int(p.data.size) for p in net.parameters())
     return Workload(f"{model} ({shape} input)", params, sample_s, intercept + optimizer,
                     np.dtype(dtype).itemsize, min(max(backward_fraction, 0.0), 1.0),
-                    source=f"measured on this machine: batches {sizes}, {repeats} repeats, medians")
+                    source=f"measured on this machine: batches {sizes}, {repeats} repeats, "
+                           f"{statistic}s")
 
 
 # -- published results --------------------------------------------------------------------------------
