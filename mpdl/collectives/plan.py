@@ -15,7 +15,6 @@ the same benefit without asking for a plan: a plan is made at the second call on
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import threading
@@ -30,7 +29,7 @@ from mpdl import backend, faults
 from mpdl.collectives import checks
 from mpdl.collectives.ops import block_bounds, check_array, check_op, reducer, segment_elements
 from mpdl.comm import Communicator, Request, as_communicator
-from mpdl.comm.mpi import MPIComm
+from mpdl.comm.mpi import MPIComm, free_before_finalize
 from mpdl.mpi_runtime import library_version
 
 #: plans the ordinary calls keep (oldest dropped first), and the largest array they plan for: above
@@ -40,8 +39,6 @@ CACHE_MAX_BYTES = 1 << 20
 
 #: the plans of the ordinary calls, by signature (the allreduce key: `allreduce_key`)
 cache: dict[tuple, Plan] = {}
-#: plans holding persistent MPI requests, freed before MPI finalizes
-_live: weakref.WeakSet = weakref.WeakSet()
 
 
 class Plan:
@@ -79,7 +76,7 @@ class Plan:
         self._comm_arg: Any = None
         self._out: Any = None
         if self._requests:
-            _live.add(self)
+            free_before_finalize(self)  # its persistent MPI requests
 
     def __repr__(self) -> str:
         return (f"<Plan {self._name} of {self._shape} {self._dtype} over {self.comm.size} "
@@ -225,12 +222,6 @@ class Plan:
                 self.free()
             except Exception:  # noqa: BLE001 - nothing to do about it at collection time
                 pass
-
-
-@atexit.register
-def _free_all() -> None:
-    for plan in list(_live):
-        plan.free()
 
 
 # -- schedules of persistent point-to-point requests (MPIComm, NumPy arrays) ---------------------

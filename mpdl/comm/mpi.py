@@ -189,7 +189,7 @@ class MPIComm(Communicator, DeviceStaging):
         init = self.mpi.Send_init if request.kind == "send" else self.mpi.Recv_init
         request.persistent = request.handle = init([request.buf, self.MPI.BYTE], request.peer,
                                                    self._TAG)
-        _live.add(request)
+        free_before_finalize(request)
 
     def _start(self, request: PersistentRequest) -> None:
         handle = request.persistent
@@ -262,14 +262,20 @@ class MPIComm(Communicator, DeviceStaging):
             self._shared = None
 
 
-#: persistent point-to-point requests holding an MPI request, freed before MPI finalizes
+#: objects holding persistent MPI requests (persistent sends and receives, collective plans),
+#: whose `free()` runs before MPI finalizes
 _live: weakref.WeakSet = weakref.WeakSet()
+
+
+def free_before_finalize(holder: Any) -> None:
+    """Call holder.free() at exit, before MPI finalizes, if holder is still alive then."""
+    _live.add(holder)
 
 
 @atexit.register
 def _free_all() -> None:
-    for request in list(_live):
-        request.free()
+    for holder in list(_live):
+        holder.free()
 
 
 _world: MPIComm | None = None
