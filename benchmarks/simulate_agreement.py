@@ -8,7 +8,10 @@ compares the model's predictions with measurements taken right after:
 * zero   - `mpdl train --zero S --optimizer adam` of LeNet at each stage: its step against the
            compute measured with Adam plus, per ZeRO unit, the calibrated ring reduce-scatter and
            all-gather (two all-gathers at stage 3), all exposed, each with the calibrated
-           handoff to the communication thread; and its measured
+           handoff to the communication thread, or, with more ranks than cores, every rank's
+           compute (timed with no more ranks than cores at once), collectives and handoffs and
+           what their waits take from the cores, spread over the cores, if that is longer;
+           and its measured
            `model_state_bytes` against `mpdl.perf.layouts`' memory per GPU (float32 Adam sharded
            over p, plus the largest unit held whole: its gradient at stage 2, its gradient and
            gathered weights at stage 3; the unit sizes are the ones the run reports);
@@ -131,28 +134,71 @@ def lenet_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
     return predicted / measured
 
 
-def zero_ratios(p: int, stage: int, predicted: dict, env: dict, tmp_path: Path,
+def zero_step(compute_s: float, pure_s: float, unit_bytes: list[int], stage: int, p: int,
+              params: cm.Params, cores: int) -> float:
+    """The ZeRO model's step: the compute (timed with every rank at once) and, per unit, the
+    calibrated ring reduce-scatter and all-gather (two all-gathers at stage 3: before forward and
+    again before backward), all exposed, each handed to the communication thread and waited for
+    (`params.handoff` a call). LeNet's stages 1 and 2 have a single unit, whose reduce-scatter
+    starts when backward ends and whose all-gather follows the optimizer; stage 3's prefetched
+    gathers and early reduce-scatters are taken as exposed too.
+
+    With more ranks than `cores`, the step takes no less than what every rank asks of the shared
+    cores (`oversubscription.span`): its compute `pure_s` (timed with no more ranks than cores at
+    once), its collectives' share of the cores (a calibrated time at p ranks on `cores` cores held
+    cores/p of a core) and its handoffs, and one wait for each ring step and each handoff."""
+    gathers = 2 if stage == 3 else 1
+    calls = len(unit_bytes) * (1 + gathers)
+    comm = sum(cm.predict("reduce_scatter", "ring", b, p, 1, params)
+               + gathers * cm.predict("allgather", "ring", b, p, 1, params) for b in unit_bytes)
+    handoffs = calls * params.handoff
+    step = compute_s + comm + handoffs
+    if p > cores:
+        work = pure_s + comm * cores / p + handoffs
+        waits = calls * (p - 1) + calls
+        step = max(step, O.span([work] * p, [waits] * p, cores, params.wait_cpu,
+                                params.wait_share))
+    return step
+
+
+def zero_ratios(p: int, stage: int, predicted: dict, pure_s: float, env: dict, tmp_path: Path,
                 round_: int) -> tuple[float, float]:
     """(predicted/measured step time, predicted/measured model_state_bytes) of `mpdl train
     --zero stage` (LeNet, 32 samples per rank, float32 Adam)."""
     measured_step, summary = _train(p, ["--optimizer", "adam", "--zero", str(stage)], env,
                                     tmp_path / f"zero{stage}.{p}.{round_}.jsonl")
     units = [b // 4 for b in summary["unit_bytes"]]
-    # each unit is reduce-scattered and all-gathered (stage 3: gathered before forward and again
-    # before backward), one collective call per unit, charged by the calibrated cost model. They
-    # are taken as exposed: LeNet's stage 1 and 2 have a single unit, whose reduce-scatter starts
-    # when backward ends and whose all-gather follows the optimizer
-    # Each is handed to the communication thread and waited for: params.handoff per call.
-    params = _params(env, p)
-    comm = sum(cm.predict("reduce_scatter", "ring", b, p, 1, params)
-               + (2 if stage == 3 else 1) * cm.predict("allgather", "ring", b, p, 1, params)
-               + (3 if stage == 3 else 2) * params.handoff
-               for b in summary["unit_bytes"])
-    step = predicted["compute_s"] + comm
+    step = zero_step(predicted["compute_s"], pure_s, summary["unit_bytes"], stage, p,
+                     _params(env, p), usable_cores())
     fp32 = L.PRECISIONS["fp32"]
     memory = (L.model_states(sum(units), fp32, stage, p)["model_state_bytes"]
               + L.zero_working_bytes(max(units), fp32, stage))
     return step / measured_step, memory / summary["model_state_bytes"]
+
+
+def _compute_worker(argv: list[str]) -> int:
+    """Under mpiexec -n n: every rank times LeNet's step (forward and backward of 32 samples and
+    an Adam step, `simulate.measure_workload`) at once; rank 0 writes the slowest rank's seconds."""
+    (out,) = argv
+    from mpi4py import MPI
+
+    from mpdl.allocator import keep_heap
+
+    keep_heap()  # as `mpdl train` does
+    work = S.measure_workload("lenet", "mnist", batch=32, optimizer="adam")
+    slowest = MPI.COMM_WORLD.reduce(work.sample_s * 32 + work.step_s, op=MPI.MAX, root=0)
+    if MPI.COMM_WORLD.rank == 0:
+        Path(out).write_text(json.dumps(slowest))
+    return 0
+
+
+def pure_compute(p: int, env: dict, tmp_path: Path, round_: int) -> float:
+    """LeNet's Adam step (32 samples) timed by min(p, cores) ranks at once: the compute of one rank
+    when no more ranks than cores run."""
+    path = tmp_path / f"compute{p}.{round_}.json"
+    _run(min(p, usable_cores()), [sys.executable, __file__, "--compute-worker", str(path)], env,
+         120)
+    return float(json.loads(path.read_text()))
 
 
 # -- the pipeline ----------------------------------------------------------------------------------
@@ -300,6 +346,8 @@ def allreduce_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
 def main() -> int:
     if sys.argv[1:2] == ["--stage-worker"]:
         return _stage_worker(sys.argv[2:])
+    if sys.argv[1:2] == ["--compute-worker"]:
+        return _compute_worker(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checks", nargs="+", default=list(CHECKS), choices=CHECKS,
                         help="what to compare (default: all)")
@@ -343,8 +391,11 @@ def main() -> int:
                     add("LeNet step, train", lenet_ratio(p, env, Path(tmp), round_))
                 if "zero" in checks and p in args.zero_ranks:
                     predicted = predicted_lenet_step(p, env, Path(tmp), f"z{p}.{round_}", "adam")
+                    pure = (pure_compute(p, env, Path(tmp), round_) if p > usable_cores()
+                            else predicted["compute_s"])
                     for stage in args.zero:
-                        step, memory = zero_ratios(p, stage, predicted, env, Path(tmp), round_)
+                        step, memory = zero_ratios(p, stage, predicted, pure, env, Path(tmp),
+                                                   round_)
                         add(f"ZeRO {stage} step, train", step)
                         add(f"ZeRO {stage} model state", memory, MEMORY_TOLERANCE)
                 if "pp" in checks and p in args.pp_ranks:

@@ -84,6 +84,9 @@ def test_calibrate_at_an_odd_world_size(tmp_path):
     # three ranks on a node: the ring curve is measured beside the pair curve
     assert len(entry["ring_exchange"]) == len(entry["exchange"]) == 6
     assert all(t > 0 for _, t in entry["ring_exchange"] + entry["ring_reduce_exchange"])
+    # rank 1 waits for rank 0's compute: its polls cost CPU, whatever core it shares
+    assert entry["wait_cpu"] >= 0 and 0 <= entry["wait_share"] <= 1
+    assert entry["wait_cpu"] + entry["wait_share"] > 0
 
 
 @pytest.mark.parametrize("iters", [1, 2, 3, 4, 5, 20, 41])

@@ -199,34 +199,35 @@ def _copy_times(iters: int) -> list[float]:
 def _wait_cost(comm: Any, iters: int) -> tuple[float, float]:
     """(CPU seconds of one wait, share of a core per second of waiting) of a rank that waits for a
     message while the others compute: even ranks compute for WAIT_SECONDS each (a loop of small
-    in-cache additions, timed by the wall clock) and then send to the next rank, which waits for
-    it under the communicator's wait policy; the line through the waits' (wall, CPU) medians at
-    the two lengths. (0, 0) on a rank that does not wait (collective)."""
+    in-cache additions, timed by the wall clock; the lengths take turns) and then send to the
+    next rank, which waits for it under the communicator's wait policy; the line through the
+    waits' (wall, CPU) means at the two lengths, averaged over the waiting ranks (the span of
+    oversubscribed ranks adds their CPU up, and a wait's CPU depends on which rank it shares a
+    core with). The same figures on every rank (collective)."""
     waiting = comm.rank % 2 == 1
     a, b = np.ones(4096, np.float32), np.ones(4096, np.float32)
     one = np.zeros(1, np.float32)
-    points = []
-    for seconds in WAIT_SECONDS:
-        samples = []
-        for _ in range(max(3, iters // 4)):
+    samples: list[list[tuple[float, float]]] = [[] for _ in WAIT_SECONDS]
+    for _ in range(max(5, iters)):
+        for i, seconds in enumerate(WAIT_SECONDS):
             quiet_barrier(comm.mpi)
             if waiting:
                 t0, c0 = time.perf_counter(), time.thread_time()
                 comm.recv(one, comm.rank - 1, "calibrate")
-                samples.append((time.perf_counter() - t0, time.thread_time() - c0))
+                samples[i].append((time.perf_counter() - t0, time.thread_time() - c0))
                 continue
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < seconds:
                 np.add(a, b, out=a)
             if comm.rank + 1 < comm.size:
                 comm.send(one, comm.rank + 1, "calibrate")
-        if waiting:
-            points.append(np.median(np.array(samples), axis=0))
-    if not waiting:
+    mine = [np.mean(np.array(s), axis=0) for s in samples] if waiting else None
+    points = [m for m in comm.mpi.allgather(mine) if m is not None]
+    if not points:
         return 0.0, 0.0
-    (w1, c1), (w2, c2) = points
+    (w1, c1), (w2, c2) = np.mean(np.array(points), axis=0)
     share = min(1.0, max(0.0, (c2 - c1) / (w2 - w1))) if w2 > w1 else 0.0
-    return max(0.0, c1 - share * w1), share
+    return float(max(0.0, c1 - share * w1)), float(share)
 
 
 def _fit(times: list[float]) -> tuple[float, float]:
