@@ -8,9 +8,11 @@ compares the model's predictions with measurements taken right after:
 * zero   - `mpdl train --zero S --optimizer adam` of LeNet at each stage: its step against the
            compute measured with Adam plus, per ZeRO unit, the calibrated ring reduce-scatter and
            all-gather (two all-gathers at stage 3), all exposed, each with the calibrated
-           handoff to the communication thread, or, with more ranks than cores, every rank's
-           compute (timed with no more ranks than cores at once), collectives and handoffs and
-           what their waits take from the cores, spread over the cores, if that is longer;
+           handoff to the communication thread, and ZeRO's own work (a step of `mpdl train
+           --zero S` less one of plain training, both on one rank), or, with more ranks than
+           cores, every rank's compute (timed with no more ranks than cores at once), own work,
+           collectives and handoffs and what their waits take from the cores, spread over the
+           cores, if that is longer;
            and its measured
            `model_state_bytes` against `mpdl.perf.layouts`' memory per GPU (float32 Adam sharded
            over p, plus the largest unit held whole: its gradient at stage 2, its gradient and
@@ -134,9 +136,11 @@ def lenet_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
     return predicted / measured
 
 
-def zero_step(compute_s: float, pure_s: float, unit_bytes: list[int], stage: int, p: int,
-              params: cm.Params, cores: int) -> float:
-    """The ZeRO model's step: the compute (timed with every rank at once) and, per unit, the
+def zero_step(compute_s: float, pure_s: float, own_s: float, unit_bytes: list[int], stage: int,
+              p: int, params: cm.Params, cores: int) -> float:
+    """The ZeRO model's step: the compute (timed with every rank at once), ZeRO's own work `own_s`
+    (timed on one rank, see `zero_own_work`; time-sliced like the compute when ranks outnumber
+    the cores) and, per unit, the
     calibrated ring reduce-scatter and all-gather (two all-gathers at stage 3: before forward and
     again before backward), all exposed, each handed to the communication thread and waited for
     (`params.handoff` a call). LeNet's stages 1 and 2 have a single unit, whose reduce-scatter
@@ -146,29 +150,40 @@ def zero_step(compute_s: float, pure_s: float, unit_bytes: list[int], stage: int
     With more ranks than `cores`, the step takes no less than what every rank asks of the shared
     cores (`oversubscription.span`): its compute `pure_s` (timed with no more ranks than cores at
     once), its collectives' share of the cores (a calibrated time at p ranks on `cores` cores held
-    cores/p of a core) and its handoffs, and one wait for each ring step and each handoff."""
+    cores/p of a core), its own work and its handoffs, and one wait for each ring step and each
+    handoff."""
     gathers = 2 if stage == 3 else 1
     calls = len(unit_bytes) * (1 + gathers)
     comm = sum(cm.predict("reduce_scatter", "ring", b, p, 1, params)
                + gathers * cm.predict("allgather", "ring", b, p, 1, params) for b in unit_bytes)
     handoffs = calls * params.handoff
-    step = compute_s + comm + handoffs
+    step = compute_s + own_s * max(1.0, p / cores) + comm + handoffs
     if p > cores:
-        work = pure_s + comm * cores / p + handoffs
+        work = pure_s + own_s + comm * cores / p + handoffs
         waits = calls * (p - 1) + calls
         step = max(step, O.span([work] * p, [waits] * p, cores, params.wait_cpu,
                                 params.wait_share))
     return step
 
 
-def zero_ratios(p: int, stage: int, predicted: dict, pure_s: float, env: dict, tmp_path: Path,
-                round_: int) -> tuple[float, float]:
+def zero_own_work(stage: int, plain_s: float, env: dict, tmp_path: Path, tag: str) -> float:
+    """Seconds a step of `mpdl train --zero stage` takes beyond `plain_s`, a step of plain training
+    (LeNet, 32 samples, Adam), both on one rank, where nothing moves: ZeRO's own work (gathering
+    into and freeing flat buffers, the hooks, the optimizer on pieces), at least 0."""
+    zero, _ = _train(1, ["--optimizer", "adam", "--zero", str(stage)], env,
+                     tmp_path / f"one{stage}.{tag}.jsonl")
+    return max(0.0, zero - plain_s)
+
+
+def zero_ratios(p: int, stage: int, predicted: dict, pure_s: float, plain_s: float, env: dict,
+                tmp_path: Path, round_: int) -> tuple[float, float]:
     """(predicted/measured step time, predicted/measured model_state_bytes) of `mpdl train
     --zero stage` (LeNet, 32 samples per rank, float32 Adam)."""
     measured_step, summary = _train(p, ["--optimizer", "adam", "--zero", str(stage)], env,
                                     tmp_path / f"zero{stage}.{p}.{round_}.jsonl")
     units = [b // 4 for b in summary["unit_bytes"]]
-    step = zero_step(predicted["compute_s"], pure_s, summary["unit_bytes"], stage, p,
+    own = zero_own_work(stage, plain_s, env, tmp_path, f"{p}.{round_}")
+    step = zero_step(predicted["compute_s"], pure_s, own, summary["unit_bytes"], stage, p,
                      _params(env, p), usable_cores())
     fp32 = L.PRECISIONS["fp32"]
     memory = (L.model_states(sum(units), fp32, stage, p)["model_state_bytes"]
@@ -393,9 +408,11 @@ def main() -> int:
                     predicted = predicted_lenet_step(p, env, Path(tmp), f"z{p}.{round_}", "adam")
                     pure = (pure_compute(p, env, Path(tmp), round_) if p > usable_cores()
                             else predicted["compute_s"])
+                    plain, _ = _train(1, ["--optimizer", "adam"], env,
+                                      Path(tmp) / f"one.{p}.{round_}.jsonl")
                     for stage in args.zero:
-                        step, memory = zero_ratios(p, stage, predicted, pure, env, Path(tmp),
-                                                   round_)
+                        step, memory = zero_ratios(p, stage, predicted, pure, plain, env,
+                                                   Path(tmp), round_)
                         add(f"ZeRO {stage} step, train", step)
                         add(f"ZeRO {stage} model state", memory, MEMORY_TOLERANCE)
                 if "pp" in checks and p in args.pp_ranks:
