@@ -157,6 +157,14 @@ def test_measure_under_mpiexec_reports_once_with_every_rank_measuring(tmp_path):
 
 def test_agreement_verdict_is_on_the_median_and_can_fail():
     """benchmarks/simulate_agreement.py passes a median within ±25% and fails one outside."""
+    agreement = _agreement_module()
+    assert agreement.verdict([0.5, 0.9, 1.6]) == (0.9, True)  # one wild round does not decide
+    assert agreement.verdict([0.7, 0.74, 1.3]) == (0.74, False)
+    assert agreement.verdict([1.2, 1.3, 1.26]) == (1.26, False)
+    assert agreement.verdict([0.76, 0.8, 0.9])[1]
+
+
+def _agreement_module():
     import importlib.util
     from pathlib import Path
 
@@ -164,10 +172,36 @@ def test_agreement_verdict_is_on_the_median_and_can_fail():
     spec = importlib.util.spec_from_file_location("simulate_agreement", path)
     agreement = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(agreement)
-    assert agreement.verdict([0.5, 0.9, 1.6]) == (0.9, True)  # one wild round does not decide
-    assert agreement.verdict([0.7, 0.74, 1.3]) == (0.74, False)
-    assert agreement.verdict([1.2, 1.3, 1.26]) == (1.26, False)
-    assert agreement.verdict([0.76, 0.8, 0.9])[1]
+    return agreement
+
+
+def test_zero_model_adds_its_parts_and_on_shared_cores_the_span_of_every_rank():
+    agreement = _agreement_module()
+    params = cm.Params(alpha=1e-5, beta=1e-9, handoff=2e-4, wait_cpu=1e-4, wait_share=0.1)
+    units = [4000, 400000, 40000]
+    rs = sum(cm.predict("reduce_scatter", "ring", b, 2, 1, params) for b in units)
+    ag = sum(cm.predict("allgather", "ring", b, 2, 1, params) for b in units)
+    # no more ranks than cores: compute, own work, the collectives and one handoff each
+    one = agreement.zero_step(0.010, 0.010, 0.001, units, 1, 2, params, cores=2)
+    assert one == pytest.approx(0.010 + 0.001 + rs + ag + 6 * 2e-4)
+    three = agreement.zero_step(0.010, 0.010, 0.001, units, 3, 2, params, cores=2)
+    assert three - one == pytest.approx(ag + 3 * 2e-4)  # stage 3 gathers twice
+    # four ranks on two cores: by hand, each rank's work w and its 9 calls' 36 waits
+    p, cores = 4, 2
+    rs4 = sum(cm.predict("reduce_scatter", "ring", b, p, 1, params) for b in units)
+    ag4 = sum(cm.predict("allgather", "ring", b, p, 1, params) for b in units)
+    comm, handoffs = rs4 + 2 * ag4, 9 * 2e-4
+    w = 0.006 + 0.001 + comm * cores / p + handoffs
+    span = ((1 - 0.1) * p * w + 1e-4 * p * (9 * 3 + 9)) / (cores - 0.1 * p)
+    exposed = 0.014 + 0.001 * p / cores + comm + handoffs
+    assert span > exposed
+    assert agreement.zero_step(0.014, 0.006, 0.001, units, 3, p, params, cores) \
+        == pytest.approx(span)
+    # free waits: the span falls below the exposed sum, which then holds
+    free = cm.Params(alpha=1e-5, beta=1e-9, handoff=2e-4)
+    assert agreement.zero_step(0.030, 0.006, 0.0, units, 1, p, free, cores) == pytest.approx(
+        0.030 + sum(cm.predict("reduce_scatter", "ring", b, p, 1, free)
+                    + cm.predict("allgather", "ring", b, p, 1, free) for b in units) + 6 * 2e-4)
 
 
 def test_pipeline_flush_is_one_pass_plus_m_minus_one_slowest_slots():
