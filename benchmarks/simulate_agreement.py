@@ -8,8 +8,8 @@ compares the model's predictions with measurements taken right after:
 * zero   - `mpdl train --zero S --optimizer adam` of LeNet at each stage: its step against the
            compute measured with Adam plus, per ZeRO unit, the calibrated ring reduce-scatter and
            all-gather (two all-gathers at stage 3), all exposed, each with the calibrated
-           handoff to the communication thread, and ZeRO's own work (a step of `mpdl train
-           --zero S` less one of plain training, both on one rank), or, with more ranks than
+           handoff to the communication thread, and ZeRO's own work (a step of ZeRO less one
+           of plain training, both on one rank, in turns), or, with more ranks than
            cores, every rank's compute (timed with no more ranks than cores at once), own work,
            collectives and handoffs and what their waits take from the cores, spread over the
            cores, if that is longer;
@@ -139,7 +139,7 @@ def lenet_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
 def zero_step(compute_s: float, pure_s: float, own_s: float, unit_bytes: list[int], stage: int,
               p: int, params: cm.Params, cores: int) -> float:
     """The ZeRO model's step: the compute (timed with every rank at once), ZeRO's own work `own_s`
-    (timed on one rank, see `zero_own_work`; time-sliced like the compute when ranks outnumber
+    (timed on one rank, see `own_work_times`; time-sliced like the compute when ranks outnumber
     the cores) and, per unit, the
     calibrated ring reduce-scatter and all-gather (two all-gathers at stage 3: before forward and
     again before backward), all exposed, each handed to the communication thread and waited for
@@ -166,24 +166,64 @@ def zero_step(compute_s: float, pure_s: float, own_s: float, unit_bytes: list[in
     return step
 
 
-def zero_own_work(stage: int, plain_s: float, env: dict, tmp_path: Path, tag: str) -> float:
-    """Seconds a step of `mpdl train --zero stage` takes beyond `plain_s`, a step of plain training
-    (LeNet, 32 samples, Adam), both on one rank, where nothing moves: ZeRO's own work (gathering
-    into and freeing flat buffers, the hooks, the optimizer on pieces), at least 0."""
-    zero, _ = _train(1, ["--optimizer", "adam", "--zero", str(stage)], env,
-                     tmp_path / f"one{stage}.{tag}.jsonl")
-    return max(0.0, zero - plain_s)
+def own_work_times(repeats: int = 50, warmup: int = 10) -> dict[int, float]:
+    """ZeRO's own work at each stage: the seconds a step of `ZeroStrategy` takes beyond one of
+    plain data parallel training (`AllReduceStrategy`), LeNet, 32 samples, Adam, on a world of
+    one rank, where nothing moves (gathering into and freeing flat buffers, the hooks, the
+    optimizer on pieces); the four take turns step by step, medians, at least 0."""
+    from mpdl.autograd import optim
+    from mpdl.comm import as_communicator
+    from mpdl.parallel.strategies import AllReduceStrategy
+    from mpdl.parallel.strategy import Batch
+    from mpdl.parallel.zero import ZeroStrategy
+    from mpdl.training.models import build_model
+
+    comm = as_communicator(None)
+    shape = S.INPUT_SHAPES["mnist"]
+    rng = np.random.default_rng(0)
+    batch = Batch(rng.standard_normal((32, *shape)).astype(np.float32),
+                  rng.integers(0, 10, 32), 32, 1e-3)
+    strategies = {0: AllReduceStrategy(comm, algorithm="ring"),
+                  **{stage: ZeroStrategy(comm, stage=stage, algorithm="ring")
+                     for stage in (1, 2, 3)}}
+    for strategy in strategies.values():
+        strategy.setup(build_model("lenet", shape, 10, seed=0),
+                       lambda ps: optim.Adam(ps, lr=1e-3))
+    times: dict[int, list[float]] = {k: [] for k in strategies}
+    for i in range(warmup + repeats):
+        for k, strategy in strategies.items():
+            t0 = time.perf_counter()
+            strategy.step(batch)
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    plain = statistics.median(times[0])
+    return {stage: max(0.0, statistics.median(times[stage]) - plain) for stage in (1, 2, 3)}
 
 
-def zero_ratios(p: int, stage: int, predicted: dict, pure_s: float, plain_s: float, env: dict,
+def _own_worker(argv: list[str]) -> int:
+    """Under mpiexec -n 1: writes `own_work_times()` (stage -> seconds) to argv[0]."""
+    from mpdl.allocator import keep_heap
+
+    keep_heap()  # as `mpdl train` does
+    Path(argv[0]).write_text(json.dumps(own_work_times()))
+    return 0
+
+
+def zero_own_work(env: dict, tmp_path: Path, tag: str) -> dict[int, float]:
+    """`own_work_times()` measured in a process of its own (one rank)."""
+    path = tmp_path / f"own.{tag}.json"
+    _run(1, [sys.executable, __file__, "--own-worker", str(path)], env, 120)
+    return {int(stage): t for stage, t in json.loads(path.read_text()).items()}
+
+
+def zero_ratios(p: int, stage: int, predicted: dict, pure_s: float, own_s: float, env: dict,
                 tmp_path: Path, round_: int) -> tuple[float, float]:
     """(predicted/measured step time, predicted/measured model_state_bytes) of `mpdl train
     --zero stage` (LeNet, 32 samples per rank, float32 Adam)."""
     measured_step, summary = _train(p, ["--optimizer", "adam", "--zero", str(stage)], env,
                                     tmp_path / f"zero{stage}.{p}.{round_}.jsonl")
     units = [b // 4 for b in summary["unit_bytes"]]
-    own = zero_own_work(stage, plain_s, env, tmp_path, f"{p}.{round_}")
-    step = zero_step(predicted["compute_s"], pure_s, own, summary["unit_bytes"], stage, p,
+    step = zero_step(predicted["compute_s"], pure_s, own_s, summary["unit_bytes"], stage, p,
                      _params(env, p), usable_cores())
     fp32 = L.PRECISIONS["fp32"]
     memory = (L.model_states(sum(units), fp32, stage, p)["model_state_bytes"]
@@ -363,6 +403,8 @@ def main() -> int:
         return _stage_worker(sys.argv[2:])
     if sys.argv[1:2] == ["--compute-worker"]:
         return _compute_worker(sys.argv[2:])
+    if sys.argv[1:2] == ["--own-worker"]:
+        return _own_worker(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checks", nargs="+", default=list(CHECKS), choices=CHECKS,
                         help="what to compare (default: all)")
@@ -408,10 +450,9 @@ def main() -> int:
                     predicted = predicted_lenet_step(p, env, Path(tmp), f"z{p}.{round_}", "adam")
                     pure = (pure_compute(p, env, Path(tmp), round_) if p > usable_cores()
                             else predicted["compute_s"])
-                    plain, _ = _train(1, ["--optimizer", "adam"], env,
-                                      Path(tmp) / f"one.{p}.{round_}.jsonl")
+                    own = zero_own_work(env, Path(tmp), f"{p}.{round_}")
                     for stage in args.zero:
-                        step, memory = zero_ratios(p, stage, predicted, pure, plain, env,
+                        step, memory = zero_ratios(p, stage, predicted, pure, own[stage], env,
                                                    Path(tmp), round_)
                         add(f"ZeRO {stage} step, train", step)
                         add(f"ZeRO {stage} model state", memory, MEMORY_TOLERANCE)
