@@ -7,10 +7,17 @@ of rank j); tests/mpi/test_alltoall.py compares the same algorithms with MPI_All
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from mpdl import collectives as C
+from mpdl import emulation
+from mpdl.collectives import auto
+from mpdl.collectives import costmodel as cm
 from mpdl.threadworld import run_world
 
 OURS = [a for a in C.algorithms("alltoall") if a != "mpi"]
@@ -288,3 +295,100 @@ def test_pairwise_partners_are_xor_for_powers_of_two_else_shifts():
 
     assert [partners(5, 8, i) for i in (1, 2, 3)] == [(4, 4), (7, 7), (6, 6)]
     assert [partners(1, 5, i) for i in (1, 2, 4)] == [(2, 0), (3, 4), (0, 2)]
+
+
+@pytest.mark.parametrize("algorithm", OURS)
+def test_device_arrays_stay_on_the_device(algorithm):
+    from mpdl.backend import standin
+
+    p = 5
+    xs = inputs(p, 3)
+    counts, rows = v_inputs(p, 5)
+
+    def body(c):
+        result = C.alltoall(standin.asarray(xs[c.rank]), comm=c, algorithm=algorithm)
+        received, _ = C.alltoallv(standin.asarray(rows[c.rank]), counts[c.rank], comm=c,
+                                  algorithm=algorithm)
+        assert isinstance(result, standin.ndarray) and isinstance(received, standin.ndarray)
+        return standin.asnumpy(result), standin.asnumpy(received)
+
+    for r, (result, received) in enumerate(run_world(p, body, ranks_per_node=2)):
+        assert_bits(result, expected(xs, r))
+        assert_bits(received, v_expected(counts, rows, r))
+
+
+# -- the cost model and auto ---------------------------------------------------------------------
+TEXTBOOK = cm.Params(alpha=10e-6, beta=1e-9, copy=0.0, copy_cached=0.0, call=0.0)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_pairwise_and_bruck_predictions_are_the_textbook_formulas(p):
+    n = 4096 * p  # bytes each rank sends in all
+    pairwise = (p - 1) * 10e-6 + n * (p - 1) / p * 1e-9
+    assert cm.predict("alltoall", "pairwise", n, p, 1, TEXTBOOK) == pytest.approx(pairwise)
+    steps = math.ceil(math.log2(p))
+    moved = sum(sum(1 for i in range(p) if i & (1 << k)) for k in range(steps)) * n / p
+    bruck = steps * 10e-6 + moved * 1e-9
+    assert cm.predict("alltoall", "bruck", n, p, 1, TEXTBOOK) == pytest.approx(bruck)
+    if p & (p - 1) == 0:  # every step moves half the blocks: (n/2)·lg p·β
+        assert moved == pytest.approx(n / 2 * steps)
+
+
+def test_hierarchical_prediction_is_its_derived_formula():
+    slow = replace(TEXTBOOK, alpha_inter=50e-6, beta_inter=1e-8)
+    p, g, n = 8, 2, 1 << 16
+    m, b = p // g, n / p
+    k = math.ceil((m - 1) / g)
+    derived = ((g - 1) * (10e-6 + b * 1e-9) + 2 * (m - 1) * (10e-6 + (g - 1) * b * 1e-9)
+               + k * (50e-6 + g * g * b * 1e-8))
+    assert cm.predict("alltoall", "hierarchical", n, p, m, slow) == pytest.approx(derived)
+    # across nodes it sends k messages per rank where pairwise sends p - g: it wins when they
+    # are expensive, and stays out of the way on one node
+    assert cm.predict("alltoall", "hierarchical", 64 * p, p, m, slow) < cm.predict(
+        "alltoall", "pairwise", 64 * p, p, m, slow)
+
+
+@pytest.mark.parametrize("algorithm", ["pairwise", "bruck", "scattered"])
+@pytest.mark.parametrize("p", [2, 4, 5, 8])
+def test_latency_terms_count_the_messages_of_the_recorded_schedule(algorithm, p):
+    """With α = 1 and nothing else the prediction counts messages: the busiest rank's in the
+    recorded schedule for the algorithms that wait for each one (pairwise, Bruck); one per batch
+    plus POST_SHARE for each other message for scattered."""
+    x = np.ones((p, 8), np.float32)
+    _, schedule = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm=algorithm), record=True)
+    sent = max(Counter(src for _, _, src, _, _ in schedule).values())
+    alpha_only = cm.predict("alltoall", algorithm, x.nbytes, p, 1,
+                            cm.Params(alpha=1.0, beta=0.0, copy=0.0, copy_cached=0.0, call=0.0))
+    if algorithm == "scattered":
+        assert alpha_only == pytest.approx(1 + cm.POST_SHARE * (sent - 1))
+    else:
+        assert alpha_only == sent
+
+
+def test_mpi_prediction_follows_mpichs_switch_points():
+    native = cm.Params(alpha=10e-6, beta=1e-9, copy=0.0, copy_cached=0.0, call=0.0,
+                       alpha_native=10e-6)
+    for p in (4, 8):
+        for per_destination in (64, 256, 257, 32768, 32769):
+            n = per_destination * p
+            if per_destination <= 256 and p >= 8:
+                twin = "bruck"
+            elif per_destination <= 32768:
+                twin = "scattered"
+            else:
+                twin = "pairwise"
+            assert cm.predict("alltoall", "mpi", n, p, 1, native) == pytest.approx(
+                cm.predict("alltoall", twin, n, p, 1, native)), (p, per_destination)
+            assert auto.simple_choice("alltoall", n, p, 1, False) == twin
+
+
+def test_auto_chooses_few_steps_for_small_blocks_at_many_ranks_and_never_the_baseline():
+    params = cm.Params()
+    assert cm.choose("alltoall", 8 * 16, 16, 1, False, params) == "bruck"
+    for p in (2, 4, 5, 8):
+        for per_destination in (8, 256, 4096, 1 << 20):
+            assert cm.choose("alltoall", per_destination * p, p, 1, False, params) != "mpi"
+    # a large block is never forwarded: Bruck's (n/2)·lg p bytes lose to p-1 direct messages
+    assert cm.choose("alltoall", (16 << 20) * 16, 16, 1, False, params) != "bruck"
+    slow = params.emulated(emulation.parse("inter=10Gbit/s,20us"))
+    assert cm.choose("alltoall", 64 * 16, 16, 4, False, slow) == "hierarchical"

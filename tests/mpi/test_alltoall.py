@@ -158,3 +158,19 @@ def test_a_sub_communicator():
     for algorithm in [a for a in ALGORITHMS if a != "mpi"]:
         result = C.alltoall(x, comm=sub, algorithm=algorithm)
         np.testing.assert_array_equal(result[:, 0], evens)
+
+
+def test_device_arrays_are_staged_and_come_back_on_the_device():
+    from mpdl.backend import standin
+
+    x = local_bits((P, 1001), "float32", 4)
+    counts = v_counts(9)
+    rows = local_bits((int(counts[RANK].sum()), 3), "int64", 5)
+    want_v = mpi_alltoallv(rows, list(counts[RANK]), list(counts[:, RANK]))
+    for algorithm in ALGORITHMS:
+        result = C.alltoall(standin.asarray(x), algorithm=algorithm)
+        assert isinstance(result, standin.ndarray)
+        assert_bits(standin.asnumpy(result), mpi_alltoall(x))
+        received, _ = C.alltoallv(standin.asarray(rows), counts[RANK], algorithm=algorithm)
+        assert isinstance(received, standin.ndarray)
+        assert_bits(standin.asnumpy(received), want_v)
