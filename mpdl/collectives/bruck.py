@@ -17,15 +17,18 @@ steps below distance d left rank r - (i mod d), bound for that rank + i.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from mpdl.backend import get_array_module
 from mpdl.collectives.blocks import Blocks, copy_own_block, separate_input
 
 
-def moving(p: int, distance: int) -> list[int]:
+@functools.lru_cache(maxsize=256)
+def moving(p: int, distance: int) -> np.ndarray:
     """The positions whose blocks move at the step of this distance (bit set in their index)."""
-    return [i for i in range(p) if i & distance]
+    return np.array([i for i in range(p) if i & distance], dtype=np.intp)
 
 
 def bruck_alltoall(comm, recv, send, blocks: Blocks) -> None:
@@ -51,7 +54,7 @@ def _equal_blocks(comm, recv, send, b: int) -> None:
     distance = 1
     while distance < p:
         positions = moving(p, distance)
-        rows = len(positions)
+        rows = positions.size
         out, into = outgoing[:rows * b].reshape(rows, b), incoming[:rows * b].reshape(rows, b)
         out[...] = work[positions]
         comm.sendrecv(outgoing[:rows * b], (r + distance) % p, incoming[:rows * b],
@@ -69,7 +72,7 @@ def _varying_blocks(comm, recv, send, blocks: Blocks) -> None:
     held = [blocks.send_block(send, (r + i) % p) for i in range(p)]
     distance = 1
     while distance < p:
-        positions = moving(p, distance)
+        positions = moving(p, distance).tolist()
         src = (r - distance) % p
         outgoing = [held[i] for i in positions]
         out = xp.concatenate(outgoing) if outgoing else held[0][:0]
