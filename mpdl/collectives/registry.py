@@ -125,7 +125,7 @@ REGISTRY: dict[str, dict[str, Algorithm]] = {
            needs_matrix=True),
         _a("scattered", scattered_alltoall, "non-blocking messages to all peers, in batches of "
            "32 with staggered peers (MPICH's medium sizes)",
-           "ceil((p-1)/32)·α + (p-1)·o + n(p-1)/p·β", reads_input=True),
+           "ceil((p-1)/32)·α + (p-1-ceil((p-1)/32))·α/2 + n(p-1)/p·β", reads_input=True),
         _a("hierarchical", hierarchical_alltoall, "direct inside a node; gathered per remote "
            "node, one message per node pair, scattered inside the node",
            "(g-1)(α+bβ) + 2(m-1)(α + (g-1)bβ) + k(α'+g²bβ') + k·g²b·c, b = n/p, m = p/g, "
