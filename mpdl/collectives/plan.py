@@ -30,6 +30,7 @@ import numpy as np
 
 from mpdl import backend, faults
 from mpdl.collectives import blocks, checks
+from mpdl.collectives.bruck import moving
 from mpdl.collectives.ops import block_bounds, check_array, check_op, reducer, segment_elements
 from mpdl.collectives.pairwise import partners
 from mpdl.collectives.scattered import THROTTLE
@@ -553,6 +554,8 @@ def _alltoall_plan(x: Any, comm: Any, algorithm: str, out: Any, persistent: bool
             fast, requests = _mpi_alltoall_fast(c, flat, send, persistent)
         elif algo.name in ("pairwise", "scattered"):
             fast, requests = _direct_alltoall_fast(c, flat, send, layout, algo.name)
+        elif algo.name == "bruck" and block:
+            fast, requests = _bruck_alltoall_fast(c, flat, send, block)
     return Plan(c, "alltoall", algo.name, x, out, None, signature, go, None, fast, requests)
 
 
@@ -612,6 +615,49 @@ def _direct_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, layout, name: s
         runner()
 
     return fast, s.requests
+
+
+def _bruck_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, b: int):
+    """Bruck's steps as persistent requests between kept buffers; the rotations, packs and unpacks
+    run after each step's messages (`bruck.bruck_alltoall`'s order, bit for bit)."""
+    p, r = c.size, c.rank
+    work = np.empty((p, b), flat.dtype)
+    source, result = send.reshape(p, b), flat.reshape(p, b)
+    steps = []
+    distance = 1
+    while distance < p:
+        positions = moving(p, distance)
+        steps.append((distance, positions, np.empty((positions.size, b), flat.dtype),
+                      np.empty((positions.size, b), flat.dtype)))
+        distance *= 2
+
+    def rotate_and_pack(*_: Any, out: Any = None) -> None:
+        work[:p - r] = source[r:]
+        work[p - r:] = source[:r]
+        _, positions, outgoing, _ = steps[0]
+        np.take(work, positions, axis=0, out=outgoing)
+
+    def unpack(k: int):
+        _, positions, _, incoming = steps[k]
+        after = steps[k + 1] if k + 1 < len(steps) else None
+
+        def run(*_: Any, out: Any = None) -> None:
+            work[positions] = incoming
+            if after is not None:
+                np.take(work, after[1], axis=0, out=after[2])
+            else:
+                result[r::-1] = work[:r + 1]
+                result[p - 1:r:-1] = work[r + 1:]
+
+        return run
+
+    s = _Schedule(c)
+    s.then(rotate_and_pack)
+    for k, (distance, _, outgoing, incoming) in enumerate(steps):
+        s.recv(incoming, (r - distance) % p, distance)
+        s.send(outgoing, (r + distance) % p, distance)
+        s.then(unpack(k))
+    return s.runner(), s.requests
 
 
 # -- the plan cache of the ordinary calls --------------------------------------------------------
