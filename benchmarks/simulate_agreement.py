@@ -112,7 +112,7 @@ def _train(p: int, args: list[str], env: dict, path: Path, batch_per_rank: int =
     _mpirun(p, ["train", "--model", "lenet", "--dataset", "synthetic", "--synthetic-samples",
                 str(2048 * p), "--global-batch-size", str(batch_per_rank * p), "--epochs", "3",
                 "--algorithm", "ring", "--no-progress", "--json", str(path), *args], env, 300)
-    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    rows = [json.loads(x) for x in path.read_text().splitlines()][1:]  # after the configuration
     epochs = rows[1:-1]  # the first epoch pays for compiling kernels
     return statistics.median(r["compute_s"] + r["exposed_comm_s"] for r in epochs), rows[-1]
 
