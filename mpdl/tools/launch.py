@@ -279,7 +279,7 @@ def run_once(cmd: list[str], say: Callable[[str], None]) -> Run:
 
 
 @dataclass
-class Plan:
+class LaunchPlan:
     """What `supervise` runs: ranks, hostfile, restarts, the train arguments."""
 
     ranks: int
@@ -299,7 +299,7 @@ def checkpoint_dir(train_args: Sequence[str]) -> str | None:
     return None
 
 
-def check(plan: Plan) -> None:
+def check(plan: LaunchPlan) -> None:
     """LaunchError naming the flag for a plan that cannot run."""
     if plan.ranks < 1:
         raise LaunchError(f"-n: expected a positive number of ranks, got {plan.ranks}")
@@ -339,7 +339,7 @@ def live_hosts(launcher: Launcher, hosts: list[tuple[str, int]],
     return alive
 
 
-def supervise(plan: Plan, launcher: Launcher | None = None,
+def supervise(plan: LaunchPlan, launcher: Launcher | None = None,
               say: Callable[[str], None] | None = None) -> int:
     """Run the plan, restarting after failures; the exit status for `mpdl launch`."""
     say = say or (lambda text: print(f"mpdl launch: {text}", file=sys.stderr, flush=True))
