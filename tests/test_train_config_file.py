@@ -17,6 +17,7 @@ import pytest
 from mpdl.cli import UsageError
 from mpdl.cli.train import add_arguments, check, config_from_args
 from mpdl.threadworld import ThreadWorld
+from mpdl.tools.launch import checkpoint_dir
 from mpdl.training.config import OPTIONS, ConfigError, TrainConfig, resume_mismatch
 from mpdl.training.config_file import config_toml, read_config_file
 from mpdl.training.loop import Trainer
@@ -191,3 +192,13 @@ def test_checkpoints_and_json_record_the_sections_and_old_checkpoints_still_resu
 def test_an_unknown_key_in_the_library_is_refused():
     with pytest.raises(ConfigError, match=r"optim\.epoch: no such option"):
         TrainConfig.from_keys({"optim.epoch": 3})
+
+
+def test_the_launcher_finds_the_checkpoint_directory_in_the_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[checkpoint]\ndir = "from-file"\n')
+    assert checkpoint_dir(["train", "--config", str(path)]) == "from-file"
+    assert checkpoint_dir(["train", f"--config={path}", "--checkpoint", "flag"]) == "flag"
+    assert checkpoint_dir(["train", "--config", str(tmp_path / "none.toml")]) is None
+    path.write_text("[optim]\nepochs = 2\n")
+    assert checkpoint_dir(["train", "--config", str(path)]) is None
