@@ -3,7 +3,8 @@
 The pages under docs/ link to each other and to the repository as GitHub shows it (README.md,
 ../notebooks/*.ipynb, ../mpdl/.../*.py). The site needs three things those files do not hold:
 
-- the home page is README.md, its links rewritten from the repository root to the site;
+- the home page is README.md (a link to it from docs/ leads there), its links rewritten from
+  the repository root to the site;
 - the notebooks (notebooks/*.ipynb) are pages of the site, rendered by mkdocs-jupyter;
 - the API reference: one page per layer of `.layers`, generated from the docstrings by
   mkdocstrings (`::: mpdl.collectives` and the like), so a new package appears once it is in
@@ -73,7 +74,9 @@ def site_link(target: str, anchor: str, page_repo_path: str, page_site_path: str
     if "://" in target or target.startswith(("mailto:", "/")):
         return target + anchor
     repo_target = posixpath.normpath(posixpath.join(posixpath.dirname(page_repo_path), target))
-    if repo_target.startswith("docs/"):
+    if repo_target == "README.md":
+        site_target = "index.md"
+    elif repo_target.startswith("docs/"):
         site_target = repo_target.removeprefix("docs/")
     elif repo_target.startswith("notebooks/"):
         site_target = repo_target
