@@ -10,8 +10,11 @@ The pages under docs/ link to each other and to the repository as GitHub shows i
   mkdocstrings (`::: mpdl.collectives` and the like), so a new package appears once it is in
   `.layers`.
 
-A link into mpdl/ becomes a link to that module's entry in the API reference; a link to any other
-file outside docs/ is left as it is, and `mkdocs build --strict` reports it.
+A link into mpdl/ becomes a link to that module's entry in the API reference; a link to another
+file of the repository that the site does not hold (benchmarks/, tools/, ...) keeps its text
+and loses the link; a link to a file that does not exist is left as it is, and
+`mkdocs build --strict` reports it. A page of docs/ that mkdocs.yml's nav does not list is
+added at the end of its Topics section, a layer's reference page at the end of the API reference.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ LAYER_NAMES = {
     5: "measurement and tools",
     6: "the command line",
 }
-LINK = re.compile(r"(\]\()([^)\s#]+)(#[^)\s]*)?(\))")
+LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s#]+)(#[^)\s]*)?\)")
 
 
 def layers() -> dict[int, list[str]]:
@@ -69,8 +72,9 @@ def module_anchor(repo_path: str, table: dict[int, list[str]]) -> str | None:
 
 
 def site_link(target: str, anchor: str, page_repo_path: str, page_site_path: str,
-              table: dict[int, list[str]]) -> str:
-    """A link written for GitHub (relative to the page's place in the repository), for the site."""
+              table: dict[int, list[str]]) -> str | None:
+    """A link written for GitHub (relative to the page's place in the repository), for the site:
+    None for a file of the repository that the site does not hold."""
     if "://" in target or target.startswith(("mailto:", "/")):
         return target + anchor
     repo_target = posixpath.normpath(posixpath.join(posixpath.dirname(page_repo_path), target))
@@ -83,10 +87,43 @@ def site_link(target: str, anchor: str, page_repo_path: str, page_site_path: str
     elif repo_target.startswith("mpdl/") and (entry := module_anchor(repo_target, table)):
         site_target, anchor = entry.split("#")
         anchor = "#" + anchor
+    elif (ROOT / repo_target).exists() and not repo_target.startswith(".."):
+        return None
     else:
         return target + anchor
     here = posixpath.dirname(page_site_path) or "."
     return posixpath.relpath(site_target, here) + anchor
+
+
+def listed(nav) -> set[str]:
+    """Every page path mkdocs.yml's nav lists."""
+    if isinstance(nav, str):
+        return {nav}
+    if isinstance(nav, dict):
+        return set().union(*(listed(value) for value in nav.values()))
+    return set().union(*(listed(item) for item in nav)) if nav else set()
+
+
+def section(nav: list, title: str) -> list:
+    """The children of the nav's top-level section of that title (made when missing)."""
+    for item in nav:
+        if isinstance(item, dict) and title in item:
+            return item[title]
+    nav.append({title: []})
+    return nav[-1][title]
+
+
+def on_config(config):
+    nav = config["nav"]
+    have = listed(nav)
+    docs = Path(config["docs_dir"])
+    for page in sorted(docs.glob("*.md")):
+        if page.name not in have:
+            section(nav, "Topics").append(page.name)
+    for layer in sorted(layers()):
+        if f"reference/layer-{layer}.md" not in have:
+            section(nav, "API reference").append(f"reference/layer-{layer}.md")
+    return config
 
 
 @event_priority(100)  # before mkdocs-jupyter turns the notebooks into pages
@@ -114,7 +151,10 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     table = layers()
 
     def rewrite(match: re.Match) -> str:
-        target = site_link(match.group(2), match.group(3) or "", repo_path, site_path, table)
-        return f"{match.group(1)}{target}{match.group(4)}"
+        image, text, target, anchor = match.group(1), match.group(2), match.group(3), match.group(4)
+        new = site_link(target, anchor or "", repo_path, site_path, table)
+        if new is None:
+            return match.group(0) if image else text
+        return f"{image}[{text}]({new})"
 
     return LINK.sub(rewrite, markdown)
