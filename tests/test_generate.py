@@ -113,8 +113,9 @@ def test_bad_input_is_one_line_and_exit_2_on_every_rank(ckpt, tmp_path):
             (["--prompts", str(tmp_path / "bad.txt")], "--prompts: " + str(tmp_path / "bad.txt")
              + " line 2: '*' not in the model's vocabulary"),
             (["--tp", "4"], "--tp: 4 tensor-parallel ranks must divide the model's 2 heads"),
-            (["--pp", "2", "--dp", "2"], "--dp × --pp × --tp = 2 × 2 × 1 = 4 must equal the 2 "
-                                         "ranks")]:
+            (["--pp", "2"], "--pp: 2 pipeline stages need at least as many blocks, the model "
+                            "has 1"),
+            (["--dp", "3"], "--dp × --pp × --tp = 3 × 1 × 1 = 3 must equal the 2 ranks")]:
         out = generate_in(ckpt, *flags, ranks=2)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert out.stderr.startswith(f"mpdl generate: error: {message}"), out.stderr
