@@ -173,6 +173,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true",
                    help="continue from the checkpoint in --checkpoint DIR (any number of ranks; "
                         "starts fresh when DIR holds none yet)")
+    g.add_argument("--init-from", metavar="FILE",
+                   help="start a GPT from the weights of a safetensors file under nanoGPT's names "
+                        "(`mpdl export` writes one); a checkpoint to --resume from wins")
     g.add_argument("--json", metavar="PATH", help="one JSON line per epoch, then a summary line")
     g.add_argument("--timeline", metavar="PATH",
                    help="Chrome-trace JSON (Perfetto, chrome://tracing), one track per rank")
@@ -213,7 +216,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         scale_lr=args.scale_lr, lr_schedule=args.lr_schedule, algorithm=args.algorithm,
         bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,
         overlap=not args.no_overlap, seed=args.seed, checkpoint=args.checkpoint,
-        resume=args.resume, checkpoint_every=args.checkpoint_every, keep=args.keep,
+        resume=args.resume, init_from=args.init_from, checkpoint_every=args.checkpoint_every, keep=args.keep,
         json=args.json, timeline=args.timeline, device=args.device,
         dtype=args.dtype, synthetic_shape=args.synthetic_shape,
         synthetic_samples=args.synthetic_samples, drop_last=args.drop_last,

@@ -121,6 +121,8 @@ class TrainConfig:
     seed: int = 0
     checkpoint: str | None = None
     resume: bool = False
+    #: start from the weights of this safetensors file (nanoGPT's names; `mpdl export` writes one)
+    init_from: str | None = None
     #: also checkpoint every this many steps (0: at the end of each epoch only)
     checkpoint_every: int = 0
     #: copies of old checkpoints kept in CHECKPOINT/history (0: none)
