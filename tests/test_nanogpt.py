@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from mpdl.autograd import no_grad
-from mpdl.threadworld import ThreadWorld
+from mpdl.threadworld import run_world
 from mpdl.training.checkpoint import save_checkpoint
 from mpdl.training.config import TrainConfig
 from mpdl.training.gpt import GPT
@@ -165,13 +165,22 @@ def test_init_from_and_export_refuse_what_does_not_fit(tmp_path):
         assert message in out.stderr, out.stderr
 
 
-def test_a_run_starts_from_the_file(tmp_path):
+@pytest.mark.parametrize("layout", [{}, {"pp": 2}, {"zero": 3}])
+def test_a_run_starts_from_the_file(tmp_path, layout):
+    """One rank, and two ranks of the in-process world as a pipeline or with ZeRO-3: the whole
+    model gathered after setup is the file's."""
     gpt = gpt_checkpoint(tmp_path / "ckpt")
     assert export(tmp_path / "ckpt", tmp_path / "model.safetensors").returncode == 0
     config = TrainConfig(model="gpt", dataset="addition", digits=1, n_layer=2, n_head=4,
-                         n_embd=16, epochs=1, progress=False,
+                         n_embd=16, epochs=1, progress=False, **layout,
                          init_from=str(tmp_path / "model.safetensors"))
-    trainer = Trainer(config, comm=ThreadWorld(1).comm(0), out=io.StringIO())
-    trainer.setup()
-    for name, value in gpt.state_dict().items():
-        np.testing.assert_array_equal(trainer.model.state_dict()[name], value)
+
+    def body(comm):
+        trainer = Trainer(config, comm=comm, out=io.StringIO())
+        trainer.setup()
+        with trainer.strategy.gathered():
+            return trainer.model.state_dict()
+
+    for state in run_world(2 if layout else 1, body):
+        for name, value in gpt.state_dict().items():
+            np.testing.assert_array_equal(state[name], value)

@@ -40,8 +40,8 @@ from mpdl.training.inference import Decoder
 
 @dataclass
 class Sequence:
-    """One prompt's generation: its index among the prompts, its tokens (prompt then new), when
-    each new token was ready (seconds from the start), and the rank that sampled them."""
+    """One prompt's generation: its index among the prompts, its length, its tokens (prompt
+    then new) and when each new token was ready (seconds from the start)."""
 
     index: int
     prompt_len: int
