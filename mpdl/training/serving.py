@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from mpdl.backend import to_host
-from mpdl.comm import Communicator
+from mpdl.comm import Communicator, MPIComm, as_communicator
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.training.gpt import _sample
 from mpdl.training.inference import Decoder
@@ -209,6 +209,16 @@ def _next_tokens(logits: np.ndarray, indices: list[int], rngs: dict[int, np.rand
                      for b, i in enumerate(indices)], dtype=np.int64)
 
 
+def tp_communicator(comm: Communicator, grid: ProcessGrid) -> Communicator:
+    """The grid's tp axis as a communicator of its own (collective over comm): over MPI a split
+    of comm (MPI_Comm_split), on which an all-reduce plan takes the persistent small-message path
+    (a few microseconds per decode step's message on 2 ranks, against tens over the grid's view
+    of comm); elsewhere the grid's `tp_comm`."""
+    if not isinstance(comm, MPIComm):
+        return grid.tp_comm
+    return as_communicator(comm.mpi.Split(grid.d * grid.pp + grid.p, grid.t))
+
+
 def serve(comm: Communicator, gpt: Any, prompts: list[list[int]], max_new_tokens: int,
           dp: int, pp: int, tp: int, temperature: float = 1.0, top_k: int | None = None,
           seed: int = 0, microbatches: int | None = None, algorithm: str = "auto"
@@ -218,7 +228,7 @@ def serve(comm: Communicator, gpt: Any, prompts: list[list[int]], max_new_tokens
     Returns every sequence in prompt order and every rank's figures, on every rank."""
     grid = ProcessGrid(comm, dp, pp, tp)
     decoder = Decoder(gpt, stage_layers(gpt.n_layer, pp, grid.p),
-                      grid.tp_comm if tp > 1 else None, algorithm,
+                      tp_communicator(comm, grid) if tp > 1 else None, algorithm,
                       embed=grid.p == 0, head=grid.p == pp - 1)
     part = np.array_split(np.arange(len(prompts)), dp)[grid.d]
     mine = [prompts[i] for i in part]
