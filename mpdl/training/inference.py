@@ -120,8 +120,7 @@ class Decoder:
         t = 0 if tp_comm is None else tp_comm.rank
         if gpt.n_head % tp:
             raise ValueError(f"tp: {tp} tensor-parallel ranks must divide the {gpt.n_head} heads")
-        self.block_size, self.n_embd, self.vocab_size = gpt.block_size, gpt.n_embd, gpt.vocab_size
-        self.layer_range = range(gpt.n_layer) if layers is None else layers
+        self.block_size, self.n_embd = gpt.block_size, gpt.n_embd
         self.heads = gpt.n_head // tp
         self.head_dim = gpt.n_embd // gpt.n_head
         self.scale = 1.0 / math.sqrt(self.head_dim)
@@ -130,8 +129,8 @@ class Decoder:
             auto.model_for(self.tp_comm)  # collective the first time (over the world): now
         self.dtype = gpt.token_embedding.weight.data.dtype
         self.xp = get_array_module(gpt.token_embedding.weight.data)
-        self.layers = [self._shard(gpt.blocks[i], t, tp) for i in self.layer_range]
-        self.has_embed, self.has_head = embed, head
+        self.layers = [self._shard(gpt.blocks[i], t, tp)
+                       for i in (range(gpt.n_layer) if layers is None else layers)]
         if embed or head:
             self.wte = gpt.token_embedding.weight.data
         if embed:
