@@ -165,15 +165,16 @@ def test_init_from_and_export_refuse_what_does_not_fit(tmp_path):
         assert message in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("layout", [{}, {"pp": 2}, {"zero": 3}])
+@pytest.mark.parametrize("layout", [{}, {"parallel.pp": 2}, {"parallel.zero": 3}])
 def test_a_run_starts_from_the_file(tmp_path, layout):
     """One rank, and two ranks of the in-process world as a pipeline or with ZeRO-3: the whole
     model gathered after setup is the file's."""
     gpt = gpt_checkpoint(tmp_path / "ckpt")
     assert export(tmp_path / "ckpt", tmp_path / "model.safetensors").returncode == 0
-    config = TrainConfig(model="gpt", dataset="addition", digits=1, n_layer=2, n_head=4,
-                         n_embd=16, epochs=1, progress=False, **layout,
-                         init_from=str(tmp_path / "model.safetensors"))
+    config = TrainConfig.from_keys({
+        "model.name": "gpt", "data.dataset": "addition", "data.digits": 1, "model.n_layer": 2,
+        "model.n_head": 4, "model.n_embd": 16, "optim.epochs": 1, "output.progress": False,
+        **layout, "checkpoint.init_from": str(tmp_path / "model.safetensors")})
 
     def body(comm):
         trainer = Trainer(config, comm=comm, out=io.StringIO())

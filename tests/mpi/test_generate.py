@@ -28,12 +28,14 @@ N_HEAD, N_LAYER = 6, 3
 #: (dp, pp, tp) with dp·pp·tp = P, tp dividing the heads, pp at most the blocks
 LAYOUTS = [(P // (pp * tp), pp, tp) for pp in range(1, N_LAYER + 1) for tp in (1, 2, 3, 6)
            if P % (pp * tp) == 0 and N_HEAD % tp == 0]
-TINY = dict(model="gpt", dataset="addition", digits=1, n_layer=N_LAYER, n_head=N_HEAD, n_embd=12,
-            global_batch_size=20, epochs=1, optimizer="adam", progress=False)
+TINY = {"model.name": "gpt", "data.dataset": "addition", "data.digits": 1, "model.n_layer": N_LAYER,
+        "model.n_head": N_HEAD, "model.n_embd": 12, "optim.global_batch_size": 20,
+        "optim.epochs": 1, "optim.optimizer": "adam", "output.progress": False}
 #: the layout of training: whole at one rank (the same file as from more: tests/test_generate.py),
 #: per stage (a pipeline of 2) at an even world size, sharded (ZeRO-3) at an odd one
-TRAINING = ({"whole": {}} if P == 1 else {"pipeline": {"pp": 2, "microbatches": 2}} if P % 2 == 0
-            else {"zero3": {"zero": 3}})
+TRAINING = ({"whole": {}} if P == 1
+            else {"pipeline": {"parallel.pp": 2, "parallel.microbatches": 2}} if P % 2 == 0
+            else {"zero3": {"parallel.zero": 3}})
 PROMPTS = ["3+4=", "1", "9+9=1", "2+2", "0+7=7", "5+5=10"]
 
 
@@ -42,8 +44,8 @@ def checkpoints():
     comm = as_communicator(None)
     root = Path(comm.mpi.bcast(tempfile.mkdtemp() if comm.rank == 0 else None, root=0))
     for name, layout in TRAINING.items():
-        trainer = Trainer(TrainConfig(**TINY, **layout, checkpoint=str(root / name)), comm=comm,
-                          out=io.StringIO())
+        config = TrainConfig.from_keys({**TINY, **layout, "checkpoint.dir": str(root / name)})
+        trainer = Trainer(config, comm=comm, out=io.StringIO())
         trainer.setup()
         trainer.run()
     return root
