@@ -106,7 +106,7 @@ def test_prompts_file_json_and_timings_on_two_tensor_parallel_ranks(ckpt, tmp_pa
     assert summary["tokens_per_s"] == pytest.approx(9 / summary["wall_s"])
 
 
-def test_bad_input_is_one_line_and_exit_2_on_every_rank(ckpt, tmp_path):
+def test_bad_input_exits_2_on_every_rank_with_one_line(ckpt, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "bad.txt").write_text("3+4=\n3*4=\n")
     for flags, message in [

@@ -29,7 +29,7 @@ N_HEAD, N_LAYER = 6, 3
 LAYOUTS = [(P // (pp * tp), pp, tp) for pp in range(1, N_LAYER + 1) for tp in (1, 2, 3, 6)
            if P % (pp * tp) == 0 and N_HEAD % tp == 0]
 TINY = {"model.name": "gpt", "data.dataset": "addition", "data.digits": 1, "model.n_layer": N_LAYER,
-        "model.n_head": N_HEAD, "model.n_embd": 12, "optim.global_batch_size": 20,
+        "model.n_head": N_HEAD, "model.n_embd": 12, "optim.global_batch_size": 80,
         "optim.epochs": 1, "optim.optimizer": "adam", "output.progress": False}
 #: the layout of training: whole at one rank (the same file as from more: tests/test_generate.py),
 #: per stage (a pipeline of 2) at an even world size, sharded (ZeRO-3) at an odd one
