@@ -4,10 +4,13 @@ repeats it, and its errors (exit 2, one line)."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from mpdl.threadworld import ThreadWorld
 from mpdl.training.config import TrainConfig
@@ -15,6 +18,7 @@ from mpdl.training.generation import load_gpt, sample
 from mpdl.training.loop import Trainer
 
 MPDL = str(Path(sys.executable).parent / "mpdl")
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 #: a tiny GPT on 1-digit addition, one epoch
 TINY = {"model.name": "gpt", "data.dataset": "addition", "data.digits": 1, "model.n_layer": 1,
         "model.n_head": 2, "model.n_embd": 8, "optim.global_batch_size": 12, "optim.epochs": 1,
@@ -27,17 +31,28 @@ def run(config: TrainConfig) -> None:
     trainer.run()
 
 
-def test_generate_from_a_tiny_checkpoint(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    run(TrainConfig.from_keys({**TINY, "checkpoint.dir": str(ckpt)}))
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("generate") / "ckpt"
+    run(TrainConfig.from_keys({**TINY, "checkpoint.dir": str(directory)}))
+    return directory
+
+
+def generate_in(ckpt: Path, *flags: str, ranks: int = 0) -> subprocess.CompletedProcess:
+    """`mpdl generate --checkpoint ckpt flags`, under `mpiexec -n ranks` when ranks > 0."""
+    launch = [MPIEXEC, "-n", str(ranks)] if ranks else []
+    return subprocess.run([*launch, MPDL, "generate", "--checkpoint", str(ckpt), *flags],
+                          capture_output=True, text=True, timeout=90,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_generate_from_a_tiny_checkpoint(ckpt):
     model, info = load_gpt(ckpt)
     assert info["vocab"] == "0123456789+=" and info["block_size"] == 5
     expected = sample(model, info["vocab"], "3+4=", 2, top_k=1)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def generate(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([MPDL, "generate", "--checkpoint", str(ckpt), *flags],
-                              capture_output=True, text=True, timeout=60, env=env)
+        return generate_in(ckpt, *flags)
 
     out = generate("--prompt", "3+4=", "--max-new-tokens", "2", "--top-k", "1")
     assert out.returncode == 0, out.stderr
@@ -62,3 +77,47 @@ def test_generate_refuses_what_is_not_a_gpt_checkpoint(tmp_path):
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert f"--checkpoint: {directory}: {message}" in out.stderr
+
+
+def test_prompts_file_json_and_timings_on_two_tensor_parallel_ranks(ckpt, tmp_path):
+    model, info = load_gpt(ckpt)
+    prompts = ["3+4=", "1", "9+9=1"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    expected = [sample(model, info["vocab"], p, 3, top_k=1) for p in prompts]
+    out = generate_in(ckpt, "--prompts", str(tmp_path / "prompts.txt"), "--max-new-tokens", "3",
+                      "--top-k", "1", "--tp", "2", "--json", str(tmp_path / "out.jsonl"),
+                      ranks=2)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:3] == expected
+    assert lines[3].startswith("# 3 prompts, 3 new tokens each, dp 1 x pp 1 x tp 2")
+    assert [line.split()[1:3] for line in lines[5:7]] == [["0", "(0,0,0)"], ["1", "(0,0,1)"]]
+    assert lines[7].startswith("# total 9 new tokens in ") and "p99" in lines[7]
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["text"] for r in rows[:3]] == expected and len(rows) == 4
+    for row, p, text in zip(rows, prompts, expected, strict=False):
+        assert row["prompt"] == p and row["new_tokens"] == 3
+        assert row["tokens"] == [info["vocab"].index(ch) for ch in text[len(p):]]
+        assert row["ttft_s"] > 0 and row["tokens_per_s"] > 0
+        assert 0 <= row["latency_p50_s"] <= row["latency_p99_s"]
+    summary = rows[3]
+    assert summary["summary"] and summary["tp"] == 2 and summary["new_tokens"] == 9
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    assert summary["tokens_per_s"] == pytest.approx(9 / summary["wall_s"])
+
+
+def test_bad_input_exits_2_on_every_rank_with_one_line(ckpt, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.txt").write_text("3+4=\n3*4=\n")
+    for flags, message in [
+            (["--prompts", str(tmp_path / "empty.txt")], f"--prompts: {tmp_path}/empty.txt holds "
+                                                          f"no prompts (expected one per line)"),
+            (["--prompts", str(tmp_path / "bad.txt")], "--prompts: " + str(tmp_path / "bad.txt")
+             + " line 2: '*' not in the model's vocabulary"),
+            (["--tp", "4"], "--tp: 4 tensor-parallel ranks must divide the model's 2 heads"),
+            (["--pp", "2"], "--pp: 2 pipeline stages need at least as many blocks, the model "
+                            "has 1"),
+            (["--dp", "3"], "--dp × --pp × --tp = 3 × 1 × 1 = 3 must equal the 2 ranks")]:
+        out = generate_in(ckpt, *flags, ranks=2)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr.startswith(f"mpdl generate: error: {message}"), out.stderr

@@ -1,5 +1,5 @@
 """The `mpdl` command: one module per verb (info, bench, calibrate, train, simulate, generate,
-launch, doctor).
+export, launch, doctor).
 
 Only the verb asked for is imported (with what it needs), so that a verb's start-up, which every
 mpiexec rank pays, does not include the other verbs' dependencies.
@@ -23,6 +23,7 @@ VERBS = {
     "calibrate": "measure this machine's α, β, γ for the cost model that drives algorithm='auto'",
     "simulate": "predict step time, speedup against N (up to 65,536), time and cost to train",
     "generate": "sample text from a GPT checkpoint of `mpdl train --model gpt`",
+    "export": "write a GPT checkpoint as a safetensors file under nanoGPT's names",
     "launch": "run `mpdl train` under mpiexec or srun and restart it from its checkpoint when "
               "it fails",
     "doctor": "say what went wrong from the flight records of every rank",

@@ -1,38 +1,91 @@
-"""`mpdl generate`: sample text from the GPT checkpoint of a `mpdl train --model gpt` run.
+"""`mpdl generate`: generate text from the GPT checkpoint of a `mpdl train --model gpt` run.
 
-    mpdl generate --checkpoint DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T]
-                  [--top-k K] [--seed S]
+    mpiexec -n P mpdl generate --checkpoint DIR [--prompt TEXT | --prompts FILE]
+                  [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]
+                  [--tp T] [--pp S] [--dp D] [--microbatches M] [--json OUT] [--metrics]
 
-One process is enough; under mpiexec every rank checks the flags and the checkpoint, and rank 0
-samples and prints. An addition model writes its answers reversed (123+456= then 9750).
+The prompts (one per line of FILE) run as one batch with a KV cache (`mpdl.training.inference`),
+on a dp × pp × tp grid of the ranks (`mpdl.training.serving`): data parallel splits the prompts,
+pipeline parallel streams micro-batches of them through the stages, tensor parallel splits each
+block's heads and MLP. The checkpoint may come from any training layout. Rank 0 prints each
+prompt's text on a line of its own; with --prompts or --metrics, then a table of time to first
+token, per-token latency and tokens/s per rank and in total; --json OUT writes one JSON line per
+prompt and a last line of the run's figures. An addition model writes its answers reversed
+(123+456= then 9750).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from typing import Any
+
+import numpy as np
 
 from mpdl.cli import UsageError
-from mpdl.cli.output import is_rank0
+from mpdl.cli.output import write_json_lines
+from mpdl.cli.train import limit_blas_threads
+from mpdl.comm import as_communicator
 from mpdl.training.checkpoint import CheckpointError
-from mpdl.training.generation import check_prompt, default_prompt, load_gpt, sample
+from mpdl.training.generation import check_prompt, default_prompt, load_gpt
+from mpdl.training.serving import check_layout, serve, summary
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.epilog = ("example: mpdl generate --checkpoint ckpt --prompt '123+456=' --max-new-tokens 4 "
-                "--top-k 1")
+    p.epilog = ("example: mpiexec -n 2 mpdl generate --checkpoint ckpt --prompts prompts.txt "
+                "--max-new-tokens 4 --top-k 1 --tp 2 --json out.jsonl")
     p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="the --checkpoint DIR of a `mpdl train --model gpt` run")
-    p.add_argument("--prompt", metavar="TEXT",
-                   help="the text to continue, in the model's vocabulary (default: a newline, or "
-                        "the vocabulary's first character when it has none)")
+                   help="the --checkpoint DIR of a `mpdl train --model gpt` run (any layout)")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--prompt", metavar="TEXT",
+                      help="the text to continue, in the model's vocabulary (default: a newline, "
+                           "or the vocabulary's first character when it has none)")
+    what.add_argument("--prompts", metavar="FILE",
+                      help="a file of prompts, one per line, generated as one batch")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
-                   help="characters to sample (default: %(default)s)")
+                   help="characters to generate after each prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",
                    help="divides the logits: below 1 sharper, above 1 flatter (default: "
                         "%(default)s)")
     p.add_argument("--top-k", type=int, metavar="K",
                    help="sample among the K most likely characters only (1: greedy; default: all)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed; prompt i draws from its own generator (seed, i) "
+                        "(default: %(default)s)")
+    p.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor-parallel ranks per stage; must divide the heads (default: 1)")
+    p.add_argument("--pp", type=int, default=1, metavar="S",
+                   help="pipeline stages, at most the blocks (default: 1)")
+    p.add_argument("--dp", type=int, metavar="D",
+                   help="data-parallel replicas, each generating its share of the prompts "
+                        "(default: the ranks / (pp·tp))")
+    p.add_argument("--microbatches", type=int, metavar="M",
+                   help="micro-batches of prompts per replica streamed through the stages "
+                        "(default: pp)")
+    p.add_argument("--json", metavar="OUT",
+                   help="write one JSON line per prompt (text, tokens, time to first token, "
+                        "tokens/s, latency) and a last line of the run's figures")
+    p.add_argument("--metrics", action="store_true",
+                   help="print the table of timings after the texts (always with --prompts)")
+
+
+def read_prompts(path: str, vocab: str) -> list[str]:
+    """The prompts of a file, one per line; ValueError naming --prompts for a file that cannot be
+    read or is empty, an empty line or a character outside the vocabulary."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--prompts: cannot read {path} ({exc})") from None
+    if not lines:
+        raise ValueError(f"--prompts: {path} holds no prompts (expected one per line)")
+    for n, line in enumerate(lines, 1):
+        try:
+            check_prompt(vocab, line)
+        except ValueError as exc:
+            raise ValueError(f"--prompts: {path} line {n}: {str(exc).removeprefix('prompt: ')}"
+                             ) from None
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,16 +95,77 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--temperature: expected a positive number, got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         raise UsageError(f"--top-k: expected a positive number, got {args.top_k}")
+    if args.microbatches is not None and args.microbatches < 1:
+        raise UsageError(f"--microbatches: expected a positive number, got {args.microbatches}")
     try:
         model, info = load_gpt(args.checkpoint)
     except CheckpointError as exc:
         raise UsageError(f"--checkpoint: {exc}") from None
-    prompt = default_prompt(info["vocab"]) if args.prompt is None else args.prompt
+    vocab = info["vocab"]
     try:
-        check_prompt(info["vocab"], prompt)
+        if args.prompts is not None:
+            texts = read_prompts(args.prompts, vocab)
+        else:
+            texts = [default_prompt(vocab) if args.prompt is None else args.prompt]
+            check_prompt(vocab, texts[0])
     except ValueError as exc:
-        raise UsageError(f"--{exc}") from None
-    if is_rank0():
-        print(sample(model, info["vocab"], prompt, args.max_new_tokens, args.temperature,
-                     args.top_k, args.seed))
+        message = str(exc)
+        raise UsageError(message if message.startswith("--") else f"--{message}") from None
+    comm = as_communicator(None)
+    try:
+        dp, pp, tp = check_layout(comm.size, model.n_head, model.n_layer, args.dp, args.pp,
+                                  args.tp)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    limit_blas_threads()
+    model.eval()
+    prompts = [[vocab.index(ch) for ch in text] for text in texts]
+    sequences, figures = serve(comm, model, prompts, args.max_new_tokens, dp, pp, tp,
+                               args.temperature, args.top_k, args.seed, args.microbatches)
+    if comm.rank != 0:
+        return 0
+    for s in sequences:
+        print("".join(vocab[i] for i in s.tokens))
+    totals = summary(sequences, figures)
+    layout = {"dp": dp, "pp": pp, "tp": tp, "microbatches": args.microbatches or pp}
+    if args.prompts is not None or args.metrics:
+        print(metrics_table(totals, figures, layout, args.max_new_tokens), end="", flush=True)
+    if args.json:
+        rows: list[dict[str, Any]] = [prompt_row(s, texts[s.index], vocab) for s in sequences]
+        rows.append({"summary": True, **layout, **totals,
+                     "ranks": [{"rank": f.rank, "dpt": list(f.coords), "prompts": f.prompts,
+                                "new_tokens": f.new_tokens, "wall_s": f.wall_s,
+                                "tokens_per_s": f.tokens_per_s} for f in figures]})
+        write_json_lines(os.fspath(args.json), rows)
     return 0
+
+
+def prompt_row(s: Any, prompt: str, vocab: str) -> dict[str, Any]:
+    """One prompt's JSON line."""
+    gaps = s.latencies_s
+    p50, p99 = (float(v) for v in np.percentile(gaps, [50, 99])) if gaps else (None, None)
+    return {"index": s.index, "prompt": prompt, "text": "".join(vocab[i] for i in s.tokens),
+            "tokens": s.new_tokens, "new_tokens": len(s.new_tokens),
+            "ttft_s": s.ttft_s if s.token_times else None, "tokens_per_s": s.tokens_per_s,
+            "latency_p50_s": p50, "latency_p99_s": p99}
+
+
+def metrics_table(totals: dict[str, Any], figures: list[Any], layout: dict[str, int],
+                  max_new_tokens: int) -> str:
+    """The timings as '#' comment lines: one row per rank, then the totals."""
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1e3:.2f} ms"
+
+    lines = [f"# {totals['prompts']} prompts, {max_new_tokens} new tokens each, dp {layout['dp']}"
+             f" x pp {layout['pp']} x tp {layout['tp']}, {layout['microbatches']} micro-batches",
+             f"# {'rank':>5} {'(d,p,t)':>9} {'prompts':>8} {'new tokens':>11} {'wall s':>9} "
+             f"{'tokens/s':>10}"]
+    for f in figures:
+        coords = "(" + ",".join(map(str, f.coords)) + ")"
+        lines.append(f"# {f.rank:>5} {coords:>9} {f.prompts:>8} {f.new_tokens:>11} "
+                     f"{f.wall_s:>9.3f} {f.tokens_per_s:>10.1f}")
+    lines.append(f"# total {totals['new_tokens']} new tokens in {totals['wall_s']:.3f} s: "
+                 f"{totals['tokens_per_s']:.1f} tokens/s; time to first token p50 "
+                 f"{ms(totals['ttft_p50_s'])}, max {ms(totals['ttft_max_s'])}; per-token latency "
+                 f"p50 {ms(totals['latency_p50_s'])}, p99 {ms(totals['latency_p99_s'])}")
+    return "\n".join(lines) + "\n"

@@ -327,6 +327,9 @@ class CheckpointConfig:
                        check=COUNT, metavar="N")
     resume: bool = option(False, "continue from the checkpoint in --checkpoint DIR (any number of "
                           "ranks; starts fresh when DIR holds none yet)")
+    init_from: str | None = option(None, "start a GPT from the weights of a safetensors file "
+                                   "under nanoGPT's names (`mpdl export` writes one); a checkpoint "
+                                   "to --resume from wins", metavar="FILE")
 
 
 @dataclasses.dataclass

@@ -29,7 +29,7 @@ from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator
 from mpdl.parallel import DistributedSampler, split_bounds
 from mpdl.parallel.strategy import Batch
-from mpdl.training import checkpoint, throughput
+from mpdl.training import checkpoint, nanogpt, throughput
 from mpdl.training.config import ConfigError, TrainConfig, agreed, literal, resume_mismatch, validate
 from mpdl.training.factory import make_optimizer, make_strategy
 from mpdl.training.models import build_model, describe_model
@@ -112,6 +112,8 @@ class Trainer:
         warmup = int(round(o.warmup_epochs * self.steps_per_epoch))
         self.schedule = optim.WarmupSchedule(self.lr, warmup_steps=min(warmup, total),
                                              total_steps=total, kind=o.lr_schedule)
+        if ck.init_from:
+            agreed(self.comm, self._init_from)
         if ck.resume:
             seen = self.comm.allgather_object(checkpoint.has_checkpoint(ck.dir))
             if any(seen) and not all(seen):
@@ -122,6 +124,20 @@ class Trainer:
                 agreed(self.comm, self._resume)
             else:
                 self.report.print(f"# no checkpoint in {ck.dir} yet: starting from epoch 1")
+
+    def _init_from(self) -> None:
+        """Load the weights of the --init-from safetensors file (nanoGPT's names) into the GPT."""
+        c = self.config
+        if c.model.name != "gpt":
+            raise ConfigError(f"{{checkpoint.init_from}} needs {{model.name}} gpt, not "
+                              f"{c.model.name}")
+        info = self.task.model_info() or {}
+        try:
+            state = nanogpt.import_state(c.checkpoint.init_from, self.model, info.get("vocab"))
+        except ValueError as exc:
+            raise ConfigError("{checkpoint.init_from}: " + literal(str(exc))) from None
+        with self.strategy.gathered():
+            self.model.load_state_dict(state)
 
     def _resume(self) -> None:
         model_state, optim_state, state = checkpoint.load_checkpoint(self.config.checkpoint.dir)
