@@ -41,6 +41,8 @@ class CopyToTP(Function):
         return x
 
     def backward(self, grad: Any) -> Any:
+        if self.comm.size == 1:
+            return grad
         return allreduce(grad, op="sum", algorithm=self.algorithm, comm=self.comm)
 
 
@@ -48,10 +50,17 @@ class ReduceFromTP(Function):
     """g: forward, the sum of the partial outputs over the tp ranks; identity backward."""
 
     def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto") -> Any:
+        if comm.size == 1:
+            return x
         return allreduce(x, op="sum", algorithm=algorithm, comm=comm)
 
     def backward(self, grad: Any) -> Any:
         return grad
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal scaled-dot-product attention of (B, H, T, hd) q, k and v."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def _shard(data: Any, index: Any) -> nn.Parameter:
@@ -80,6 +89,8 @@ class TPAttention(nn.Module):
         self.proj_weight = _shard(attn.proj.weight.data, cols(comm.rank))
         self.proj_bias = attn.proj.bias  # replicated, added after the all-reduce
         self.dropout = attn.dropout
+        #: attention of this rank's (B, heads, T, hd) q, k, v (context parallelism swaps it)
+        self.attend = causal_attention
         self.__dict__["shards"] = [(self.qkv_weight, attn.qkv.weight, rows),
                                    (self.qkv_bias, attn.qkv.bias, rows),
                                    (self.proj_weight, attn.proj.weight, cols)]
@@ -91,7 +102,7 @@ class TPAttention(nn.Module):
         local = self.qkv_weight.shape[0] // 3
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias).reshape(b, t, 3, h, local // h)
         qkv = qkv.transpose(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        y = self.attend(qkv[0], qkv[1], qkv[2])
         y = F.linear(y.transpose(0, 2, 1, 3).reshape(b, t, local), self.proj_weight)
         y = ReduceFromTP.apply(y, comm=self.comm, algorithm=self.algorithm)
         return self.dropout(y + self.proj_bias)

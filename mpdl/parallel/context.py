@@ -1,0 +1,341 @@
+"""Context parallelism: attention over a sequence split across the cp ranks.
+
+Each of the C ranks of `comm` holds a slice of the sequence: the sequence is cut into chunks of
+equal length and rank r holds
+
+    contiguous:  chunk r of C                    (picotron's split)
+    zigzag:      chunks r and 2C−1−r of 2C       (Megatron's and PyTorch's load balance)
+
+With a causal mask, query chunk a sees key chunk b wholly when b < a, triangularly when b = a and
+not at all when b > a. Under the contiguous split rank C−1 sees every chunk and rank 0 only its
+own, so the last rank does about 2C−1 times the work of the first and every ring step waits for
+it; under zigzag every rank does the same work (each rank holds an early and a late chunk: a pair
+of chunks from any other rank costs exactly half of a full block).
+
+Three ways to compute attention for the local queries (`context_attention`, all autograd
+Functions over mpdl's own messages and collectives):
+
+- **ring** (Liu et al. 2023, ring attention): the K/V blocks travel around the ring, rank r
+  sending to r+1 with non-blocking messages while it computes attention of its queries against
+  the block it holds; the partial outputs merge with a running log-sum-exp (online softmax).
+  Backward sends the K/V blocks around once more, each with the dK/dV sums of the ranks it has
+  visited, and after C steps each block's gradient is home. Bytes per rank and layer, forward:
+  2·(C−1)/C of the whole sequence's K and V.
+- **allgather** (Llama 3): all-gather K and V, attend locally, reduce-scatter dK and dV.
+- **ulysses** (DeepSpeed-Ulysses): an all-to-all turns "all heads, my positions" into "my heads,
+  all positions" for Q, K and V; attention is then local; an all-to-all turns the output back.
+  Needs heads divisible by C.
+
+`reference_attention` is the naive version: gather Q, K, V, run whole-sequence attention, keep
+this rank's rows (forward only; for teaching and checking).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+import mpdl.autograd.functional as F
+from mpdl.autograd.tensor import Function, Tensor
+from mpdl.backend import get_array_module
+from mpdl.collectives import allgather, reduce_scatter
+from mpdl.comm import Communicator
+
+MODES = ("ring", "allgather", "ulysses")
+BALANCES = ("zigzag", "contiguous")
+
+
+# -- which rank holds which positions -----------------------------------------------------------
+def chunks_per_rank(balance: str) -> int:
+    """How many chunks of the sequence each rank holds: 2 under zigzag, 1 contiguous."""
+    if balance not in BALANCES:
+        raise ValueError(f"cp_balance: expected one of {', '.join(BALANCES)}, got {balance!r}")
+    return 2 if balance == "zigzag" else 1
+
+
+def chunks_of(rank: int, cp: int, balance: str) -> list[int]:
+    """The chunk indices rank `rank` of `cp` holds, in the order they sit in its slice."""
+    return [rank, 2 * cp - 1 - rank] if chunks_per_rank(balance) == 2 else [rank]
+
+
+def check_sequence(length: int, cp: int, balance: str) -> None:
+    """Raise ValueError unless a sequence of `length` splits into cp·chunks equal chunks."""
+    n = cp * chunks_per_rank(balance)
+    if length % n:
+        raise ValueError(f"cp: the sequence length {length} must be divisible by "
+                         f"{'2·cp' if n != cp else 'cp'} = {n} ({balance} split over {cp} ranks)")
+
+
+def positions(rank: int, cp: int, length: int, balance: str) -> np.ndarray:
+    """The global positions (0..length−1) that rank `rank` of `cp` holds, in its order."""
+    check_sequence(length, cp, balance)
+    n = cp * chunks_per_rank(balance)
+    size = length // n
+    return np.concatenate([np.arange(c * size, (c + 1) * size) for c in chunks_of(rank, cp,
+                                                                                   balance)])
+
+
+def shard_sequence(x: Any, rank: int, cp: int, balance: str, axis: int = 1) -> Any:
+    """Rank `rank`'s slice of x along the sequence axis `axis`."""
+    xp = get_array_module(x)
+    index = positions(rank, cp, x.shape[axis], balance)
+    return xp.take(x, xp.asarray(index), axis=axis)
+
+
+def block_work(rank: int, cp: int, balance: str, causal: bool = True) -> float:
+    """The attention work of rank `rank` in units of one full chunk-by-chunk block."""
+    mine, total = chunks_of(rank, cp, balance), 0.0
+    for src in range(cp):
+        for a in mine:
+            for b in chunks_of(src, cp, balance):
+                kind = _kind(a, b, causal)
+                total += 0.0 if kind is None else (0.5 if kind == "causal" else 1.0)
+    return total
+
+
+# -- one block: softmax(q kᵀ · scale) v with its log-sum-exp, and its gradients -----------------
+def _kind(a: int, b: int, causal: bool) -> str | None:
+    """How query chunk a sees key chunk b: "full", "causal" (the diagonal) or None (not at all)."""
+    if not causal or b < a:
+        return "full"
+    return "causal" if a == b else None
+
+
+def _scores(q: Any, k: Any, mask: Any, scale: float) -> Any:
+    xp = get_array_module(q)
+    s = q @ xp.swapaxes(k, -1, -2)
+    s *= scale
+    if mask is not None:
+        s[..., mask] = -xp.inf
+    return s
+
+
+def _block_forward(q: Any, k: Any, v: Any, mask: Any, scale: float) -> tuple[Any, Any]:
+    """(softmax(q kᵀ · scale) v, the log-sum-exp of each query's scores); `mask` (Tq, Tk) hides
+    the True entries (every query must see at least one key)."""
+    xp = get_array_module(q)
+    s = _scores(q, k, mask, scale)
+    top = s.max(axis=-1, keepdims=True)
+    s -= top
+    xp.exp(s, out=s)
+    total = s.sum(axis=-1, keepdims=True)
+    out = (s @ v) / total
+    return out, (top + xp.log(total))[..., 0]
+
+
+def _block_backward(q: Any, k: Any, v: Any, dout: Any, delta: Any, lse: Any, mask: Any,
+                    scale: float) -> tuple[Any, Any, Any]:
+    """The gradients (dq, dk, dv) of one block's share of the output, given the final
+    log-sum-exp of each query and delta = Σ dout·out per query (the softmax's correction)."""
+    xp = get_array_module(q)
+    p = _scores(q, k, mask, scale)
+    p -= lse[..., None]
+    xp.exp(p, out=p)
+    dv = xp.swapaxes(p, -1, -2) @ dout
+    ds = dout @ xp.swapaxes(v, -1, -2)
+    ds -= delta[..., None]
+    ds *= p
+    ds *= scale
+    return ds @ k, xp.swapaxes(ds, -1, -2) @ q, dv
+
+
+def _merge(out: Any, lse: Any, block_out: Any, block_lse: Any) -> None:
+    """Fold a block's normalised output and log-sum-exp into the running (out, lse), in place."""
+    xp = get_array_module(out)
+    new = xp.logaddexp(lse, block_lse)
+    out *= xp.exp(lse - new)[..., None]
+    out += xp.exp(block_lse - new)[..., None] * block_out
+    lse[...] = new
+
+
+def _pairs(mine: list[int], theirs: list[int], length: int, causal: bool):
+    """(query slice, key slice, mask) of each chunk pair that sees anything, where `length` is
+    the chunk length and both sides lay their chunks out in the given order."""
+    for i, a in enumerate(mine):
+        for j, b in enumerate(theirs):
+            kind = _kind(a, b, causal)
+            if kind is None:
+                continue
+            mask = np.triu(np.ones((length, length), dtype=bool), 1) if kind == "causal" else None
+            yield slice(i * length, (i + 1) * length), slice(j * length, (j + 1) * length), mask
+
+
+def _attend(q: Any, k: Any, v: Any, mine: list[int], theirs: list[int], causal: bool,
+            scale: float, out: Any, lse: Any) -> None:
+    """Fold the attention of the local queries (chunks `mine`) to one K/V block (chunks
+    `theirs`) into (out, lse)."""
+    length = q.shape[-2] // len(mine)
+    for qs, ks, mask in _pairs(mine, theirs, length, causal):
+        o, l_ = _block_forward(q[..., qs, :], k[..., ks, :], v[..., ks, :], mask, scale)
+        _merge(out[..., qs, :], lse[..., qs], o, l_)
+
+
+def _attend_backward(q: Any, k: Any, v: Any, dout: Any, delta: Any, lse: Any, mine: list[int],
+                     theirs: list[int], causal: bool, scale: float, dq: Any, dk: Any,
+                     dv: Any) -> None:
+    """Add one K/V block's part of the gradients into dq and into that block's dk, dv."""
+    length = q.shape[-2] // len(mine)
+    for qs, ks, mask in _pairs(mine, theirs, length, causal):
+        gq, gk, gv = _block_backward(q[..., qs, :], k[..., ks, :], v[..., ks, :],
+                                     dout[..., qs, :], delta[..., qs], lse[..., qs], mask, scale)
+        dq[..., qs, :] += gq
+        dk[..., ks, :] += gk
+        dv[..., ks, :] += gv
+
+
+def _tally(timings: dict | None, key: str, value: float) -> None:
+    if timings is not None:
+        timings[key] = timings.get(key, 0.0) + value
+
+
+# -- ring ----------------------------------------------------------------------------------------
+class RingAttention(Function):
+    """Ring attention over `comm`: q, k, v (B, H, T/C, D) this rank's slice; the output is
+    this rank's rows of the whole sequence's attention."""
+
+    def forward(self, q: Any, k: Any, v: Any, comm: Communicator = None, causal: bool = True,
+                balance: str = "zigzag", scale: float = 1.0, timings: dict | None = None) -> Any:
+        xp = get_array_module(q)
+        cp, r = comm.size, comm.rank
+        mine = chunks_of(r, cp, balance)
+        out = xp.zeros_like(q)
+        lse = xp.full(q.shape[:-1], -xp.inf, dtype=q.dtype)
+        kv = xp.stack([k, v])
+        with comm.recording("ring_attention", "ring", kv.nbytes, str(kv.dtype)):
+            for step in range(cp):
+                if step + 1 < cp:  # the next block travels while this one is attended to
+                    incoming = xp.empty_like(kv)
+                    requests = [comm.irecv(incoming, (r - 1) % cp, ("kv", step)),
+                                comm.isend(kv, (r + 1) % cp, ("kv", step))]
+                start = time.perf_counter()
+                _attend(q, kv[0], kv[1], mine, chunks_of((r - step) % cp, cp, balance), causal,
+                        scale, out, lse)
+                waited = time.perf_counter()
+                if step + 1 < cp:
+                    comm.waitall(requests)
+                    _tally(timings, "bytes", kv.nbytes)
+                    kv = incoming
+                _tally(timings, "compute_s", waited - start)
+                _tally(timings, "wait_s", time.perf_counter() - waited)
+        self.saved = (q, k, v, out, lse)
+        self.comm, self.causal, self.balance, self.scale, self.timings = (
+            comm, causal, balance, scale, timings)
+        return out
+
+    def backward(self, grad: Any) -> tuple[Any, Any, Any]:
+        q, k, v, out, lse = self.saved
+        comm, causal, balance, scale = self.comm, self.causal, self.balance, self.scale
+        xp = get_array_module(q)
+        cp, r = comm.size, comm.rank
+        mine = chunks_of(r, cp, balance)
+        delta = (grad * out).sum(axis=-1)
+        dq = xp.zeros_like(q)
+        kv = xp.stack([k, v])
+        nxt, prev = (r + 1) % cp, (r - 1) % cp
+        arriving: list[Any] = []  # the receive and send of the dK/dV sums now travelling
+        with comm.recording("ring_attention_backward", "ring", kv.nbytes, str(kv.dtype)):
+            for step in range(cp):
+                if step + 1 < cp:
+                    incoming = xp.empty_like(kv)
+                    requests = [comm.irecv(incoming, prev, ("kv", step)),
+                                comm.isend(kv, nxt, ("kv", step))]
+                dkv = xp.zeros_like(kv)
+                _attend_backward(q, kv[0], kv[1], grad, delta, lse, mine,
+                                 chunks_of((r - step) % cp, cp, balance), causal, scale, dq,
+                                 dkv[0], dkv[1])
+                if cp == 1:
+                    return dq, dkv[0], dkv[1]
+                if arriving:  # the sums of the ranks this block visited before
+                    comm.waitall(arriving[1:])
+                    dkv += arriving[0]
+                arriving = [xp.empty_like(kv)]
+                arriving += [comm.irecv(arriving[0], prev, ("dkv", step)),
+                             comm.isend(dkv, nxt, ("dkv", step))]
+                if step + 1 < cp:
+                    comm.waitall(requests)
+                    kv = incoming
+            comm.waitall(arriving[1:])  # after C steps each block's gradient is home
+        return dq, arriving[0][0], arriving[0][1]
+
+
+# -- all-gather ----------------------------------------------------------------------------------
+class AllGatherAttention(Function):
+    """K and V all-gathered over `comm` (Llama 3); backward reduce-scatters dK and dV. The
+    gathered K/V are not kept: backward gathers them again."""
+
+    def forward(self, q: Any, k: Any, v: Any, comm: Communicator = None, causal: bool = True,
+                balance: str = "zigzag", scale: float = 1.0, timings: dict | None = None) -> Any:
+        xp = get_array_module(q)
+        cp, r = comm.size, comm.rank
+        everyone = _gather_kv(k, v, comm, timings)
+        out = xp.zeros_like(q)
+        lse = xp.full(q.shape[:-1], -xp.inf, dtype=q.dtype)
+        start = time.perf_counter()
+        for src in range(cp):
+            _attend(q, everyone[src, 0], everyone[src, 1], chunks_of(r, cp, balance),
+                    chunks_of(src, cp, balance), causal, scale, out, lse)
+        _tally(timings, "compute_s", time.perf_counter() - start)
+        self.saved = (q, k, v, out, lse)
+        self.comm, self.causal, self.balance, self.scale, self.timings = (
+            comm, causal, balance, scale, timings)
+        return out
+
+    def backward(self, grad: Any) -> tuple[Any, Any, Any]:
+        q, k, v, out, lse = self.saved
+        comm, balance = self.comm, self.balance
+        xp = get_array_module(q)
+        cp, r = comm.size, comm.rank
+        everyone = _gather_kv(k, v, comm, self.timings)
+        delta = (grad * out).sum(axis=-1)
+        dq, dkv = xp.zeros_like(q), xp.zeros_like(everyone)
+        for src in range(cp):
+            _attend_backward(q, everyone[src, 0], everyone[src, 1], grad, delta, lse,
+                             chunks_of(r, cp, balance), chunks_of(src, cp, balance), self.causal,
+                             self.scale, dq, dkv[src, 0], dkv[src, 1])
+        mine = reduce_scatter(dkv, op="sum", comm=comm).reshape(2, *k.shape)
+        return dq, mine[0], mine[1]
+
+
+def _gather_kv(k: Any, v: Any, comm: Communicator, timings: dict | None) -> Any:
+    """Every rank's (k, v), shape (C, 2, *k.shape)."""
+    xp = get_array_module(k)
+    start = time.perf_counter()
+    everyone = allgather(xp.stack([k, v]), comm=comm).reshape(comm.size, 2, *k.shape)
+    _tally(timings, "wait_s", time.perf_counter() - start)
+    _tally(timings, "bytes", 2 * k.nbytes * (comm.size - 1))
+    return everyone
+
+
+# -- the naive version ---------------------------------------------------------------------------
+def reference_attention(q: Any, k: Any, v: Any, comm: Communicator, causal: bool = True,
+                        balance: str = "zigzag") -> Any:
+    """This rank's rows of whole-sequence attention, the plain way: all-gather q, k and v
+    (arrays (B, H, T/C, D)), put every position in its place, attend, keep this rank's rows."""
+    xp = get_array_module(q)
+    cp = comm.size
+    length = q.shape[-2] * cp
+    order = np.concatenate([positions(r, cp, length, balance) for r in range(cp)])
+    qkv = allgather(xp.stack([q, k, v]), comm=comm).reshape(cp, 3, *q.shape)
+    whole = xp.empty((3, *q.shape[:-2], length, q.shape[-1]), dtype=q.dtype)
+    whole[..., xp.asarray(order), :] = xp.moveaxis(qkv, 0, -3).reshape(whole.shape)
+    out = F.scaled_dot_product_attention(whole[0], whole[1], whole[2], is_causal=causal).data
+    return out[..., xp.asarray(positions(comm.rank, cp, length, balance)), :]
+
+
+# -- the entry point -----------------------------------------------------------------------------
+def context_attention(q: Tensor, k: Tensor, v: Tensor, comm: Communicator, mode: str = "ring",
+                      balance: str = "zigzag", causal: bool = True, scale: float | None = None,
+                      timings: dict | None = None) -> Tensor:
+    """Attention of this rank's queries over the whole sequence, split over `comm` as `balance`
+    says (q, k, v: (B, H, T/C, D) Tensors, this rank's positions in the order of `positions`).
+    `timings`, a dict, gains compute_s, wait_s (exposed communication) and bytes sent."""
+    if mode not in MODES:
+        raise ValueError(f"cp_mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    check_sequence(q.shape[-2] * comm.size, comm.size, balance)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    kind = {"ring": RingAttention, "allgather": AllGatherAttention}[mode]
+    return kind.apply(q, k, v, comm=comm, causal=causal, balance=balance, scale=scale,
+                      timings=timings)

@@ -1,0 +1,156 @@
+"""Context parallelism on the in-process world: the attention function alone (each mode, each
+split, causal or not, forward and backward) against unsharded scaled-dot-product attention, the
+layout of the sequence, the 4-axis grid, and the GPT trained with cp following one process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mpdl.autograd.functional as F
+from mpdl.autograd import optim
+from mpdl.autograd.tensor import Tensor
+from mpdl.collectives import allreduce
+from mpdl.parallel.context import (
+    block_work,
+    chunks_of,
+    context_attention,
+    positions,
+    reference_attention,
+    shard_sequence,
+)
+from mpdl.parallel.grid import ProcessGrid
+from mpdl.parallel.pipeline import PipelineStrategy
+from mpdl.parallel.strategy import Batch
+from mpdl.threadworld import run_world
+from mpdl.training.gpt import GPT
+
+TOL = {np.float64: 1e-10, np.float32: 1e-5}
+MODES = ["ring", "allgather"]
+
+
+def sharded_attention(cp, q, k, v, g, mode, balance, causal):
+    """Each rank's (out, dq, dk, dv) from context_attention over `cp` in-process ranks."""
+    def body(comm):
+        def mine(a):
+            return shard_sequence(a, comm.rank, cp, balance, axis=2)
+        qs, ks, vs = (Tensor(mine(a), requires_grad=True) for a in (q, k, v))
+        out = context_attention(qs, ks, vs, comm, mode, balance, causal)
+        (out * Tensor(mine(g))).sum().backward()
+        return out.data, qs.grad, ks.grad, vs.grad
+    return run_world(cp, body)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_attention_matches_the_unsharded_one_forward_and_backward(mode, dtype):
+    rng = np.random.default_rng(abs(hash((mode, dtype.__name__))) % 2**32)
+    for _ in range(6):
+        cp = int(rng.integers(1, 6))
+        balance = str(rng.choice(["zigzag", "contiguous"]))
+        causal = bool(rng.integers(0, 2))
+        chunk = int(rng.integers(1, 4))
+        t = cp * chunk * (2 if balance == "zigzag" else 1)
+        heads = cp * int(rng.integers(1, 3)) if mode == "ulysses" else int(rng.integers(1, 4))
+        b, d = int(rng.integers(1, 3)), int(rng.integers(1, 5))
+        q, k, v, g = (rng.standard_normal((b, heads, t, d)).astype(dtype) for _ in range(4))
+        tq, tk, tv = (Tensor(a, requires_grad=True) for a in (q, k, v))
+        (F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal) * Tensor(g)).sum().backward()
+        want = F.scaled_dot_product_attention(Tensor(q), Tensor(k), Tensor(v),
+                                              is_causal=causal).data
+        case = f"cp {cp} T {t} heads {heads} {balance} causal {causal}"
+        for rank, got in enumerate(sharded_attention(cp, q, k, v, g, mode, balance, causal)):
+            for name, mine, whole in zip(("out", "dq", "dk", "dv"), got,
+                                         (want, tq.grad, tk.grad, tv.grad), strict=True):
+                assert mine.dtype == dtype
+                np.testing.assert_allclose(mine, shard_sequence(whole, rank, cp, balance, axis=2),
+                                           rtol=0, atol=TOL[dtype],
+                                           err_msg=f"{mode} {name} rank {rank} {case}")
+
+
+def test_the_naive_version_gives_the_same_rows():
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 12, 3)) for _ in range(3))
+    want = F.scaled_dot_product_attention(Tensor(q), Tensor(k), Tensor(v), is_causal=True).data
+
+    def body(comm):
+        return reference_attention(*(shard_sequence(a, comm.rank, 3, "zigzag", axis=2)
+                                     for a in (q, k, v)), comm, balance="zigzag")
+    for rank, rows in enumerate(run_world(3, body)):
+        np.testing.assert_allclose(rows, want[..., positions(rank, 3, 12, "zigzag"), :],
+                                   atol=1e-12)
+
+
+def test_zigzag_gives_every_rank_the_same_causal_work_and_contiguous_does_not():
+    assert chunks_of(1, 4, "zigzag") == [1, 6] and chunks_of(1, 4, "contiguous") == [1]
+    assert list(positions(0, 2, 8, "zigzag")) == [0, 1, 6, 7]
+    assert list(positions(1, 2, 8, "contiguous")) == [4, 5, 6, 7]
+    for cp in (2, 3, 4, 8):
+        zigzag = [block_work(r, cp, "zigzag") for r in range(cp)]
+        contiguous = [block_work(r, cp, "contiguous") for r in range(cp)]
+        assert len(set(zigzag)) == 1 and zigzag[0] == pytest.approx(4 * cp * cp / 2 / cp)
+        assert contiguous == [r + 0.5 for r in range(cp)]  # rank r: r full blocks + a triangle
+    with pytest.raises(ValueError, match="divisible by 2·cp = 6"):
+        positions(0, 3, 9, "zigzag")
+
+
+def test_grid_of_four_axes_is_row_major_tp_fastest_then_cp():
+    def body(comm):
+        g = ProcessGrid(comm, 2, 1, 2, cp=3)
+        sums = [int(allreduce(np.array([comm.rank]), comm=c)[0])
+                for c in (g.dp_comm, g.cp_comm, g.tp_comm, g.dcp_comm)]
+        return (g.d, g.p, g.c, g.t), sums
+
+    for rank, ((d, p, c, t), sums) in enumerate(run_world(12, body)):
+        assert rank == ((d * 1 + p) * 3 + c) * 2 + t
+        assert sums == [sum((dd * 3 + c) * 2 + t for dd in range(2)),
+                        sum((d * 3 + cc) * 2 + t for cc in range(3)),
+                        sum((d * 3 + c) * 2 + tt for tt in range(2)),
+                        sum((dd * 3 + cc) * 2 + t for dd in range(2) for cc in range(3))]
+
+
+N, STEPS = 6, 3
+
+
+def gpt(length):
+    return GPT(vocab_size=11, block_size=length, n_layer=2, n_head=4, n_embd=8, seed=0,
+               dtype=np.float64)
+
+
+def one_process(x, y):
+    model = gpt(x.shape[1])
+    opt = optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(STEPS):
+        loss = F.cross_entropy(model(Tensor(x)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.item()))
+    return losses
+
+
+@pytest.mark.parametrize("dp, pp, tp, cp, mode, balance", [
+    (1, 1, 1, 2, "ring", "zigzag"), (1, 1, 1, 3, "allgather", "contiguous"),
+    (2, 1, 1, 2, "allgather", "zigzag"), (1, 1, 2, 2, "ring", "contiguous"),
+    (1, 2, 1, 2, "ring", "zigzag")])
+def test_the_gpt_with_context_parallelism_follows_one_process(dp, pp, tp, cp, mode, balance):
+    rng = np.random.default_rng(5)
+    length = 12 if cp == 3 else 8
+    x, y = rng.integers(0, 11, (N, length)), rng.integers(0, 11, (N, length))
+
+    def body(comm):
+        s = PipelineStrategy(comm, dp, pp, tp, microbatches=2, cp=cp, cp_mode=mode,
+                             cp_balance=balance)
+        s.setup(gpt(length), lambda p: optim.Adam(p, lr=1e-2))
+        bounds = np.linspace(0, N, dp + 1).astype(int)
+        d, losses = s.data_comm.rank, []
+        for _ in range(STEPS):
+            r = s.step(Batch(x[bounds[d]:bounds[d + 1]], y[bounds[d]:bounds[d + 1]], N, 1e-2))
+            total = allreduce(np.array([r.loss, r.samples]), comm=s.data_comm)
+            losses.append(total[0] / total[1])
+        return losses
+
+    want = one_process(x, y)
+    for rank, losses in enumerate(run_world(dp * pp * tp * cp, body)):
+        np.testing.assert_allclose(losses, want, rtol=0, atol=1e-10, err_msg=f"rank {rank}")
