@@ -140,14 +140,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--zero 3: gather each unit's parameters only when it runs, not while "
                         "the previous one computes")
     g.add_argument("--dp", type=int, metavar="D",
-                   help="data-parallel degree of the process grid dp x pp x tp (default: the "
-                        "number of ranks / (pp x tp)); ranks row-major, tp fastest")
+                   help="data-parallel degree of the process grid dp x pp x cp x tp (default: "
+                        "the number of ranks / (pp x cp x tp)); ranks row-major, tp fastest")
     g.add_argument("--pp", type=int, default=1, metavar="P",
                    help="pipeline stages, balanced by parameter count (mlp, lenet, gpt; default: "
                         "%(default)s)")
     g.add_argument("--tp", type=int, default=1, metavar="T",
                    help="tensor-parallel degree: Megatron attention heads and MLP split over T "
                         "ranks (gpt; embeddings and LayerNorms replicated; default: %(default)s)")
+    g.add_argument("--cp", type=int, default=1, metavar="C",
+                   help="context-parallel degree: each sequence split over C ranks, attention "
+                        "across them (gpt; default: %(default)s)")
+    g.add_argument("--cp-mode", default="ring", metavar="{ring,allgather,ulysses}",
+                   help="--cp: K/V blocks passed around a ring, K/V all-gathered, or all-to-all "
+                        "of heads and positions (default: %(default)s)")
+    g.add_argument("--cp-balance", default="zigzag", metavar="{zigzag,contiguous}",
+                   help="--cp: rank r holds chunks r and 2C-1-r of 2C (equal causal work), or "
+                        "chunk r of C (default: %(default)s)")
     g.add_argument("--microbatches", type=int, default=1, metavar="M",
                    help="--pp/--tp: microbatches per step (default: %(default)s)")
     g.add_argument("--schedule", default="1f1b", metavar="{afab,1f1b}",
@@ -223,7 +232,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         staleness=args.staleness, ps_async=args.ps_async, emulate=args.emulate,
         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
         digits=args.digits, zero=args.zero, prefetch=not args.no_prefetch,
-        zero_hybrid=args.zero_hybrid, dp=args.dp, pp=args.pp, tp=args.tp,
+        zero_hybrid=args.zero_hybrid, dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp,
+        cp_mode=args.cp_mode, cp_balance=args.cp_balance,
         microbatches=args.microbatches, schedule=args.schedule, verbose_comm=args.verbose_comm)
 
 

@@ -26,6 +26,9 @@ OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
 DATASETS = ("digits", "mnist", "synthetic", "addition", "text")
 #: the datasets of the GPT (token sequences); the image models take the others
 SEQUENCE_DATASETS = ("addition", "text")
+#: context parallelism's ways to attend and to split the sequence (mpdl.parallel.context)
+CP_MODES = ("ring", "allgather", "ulysses")
+CP_BALANCES = ("zigzag", "contiguous")
 SCHEDULES = ("constant", "cosine")
 MODES = ("allreduce", "ps")
 #: the learning rate of each optimizer when --lr is not given ...
@@ -152,10 +155,14 @@ class TrainConfig:
     zero: int = 0
     prefetch: bool = True
     zero_hybrid: bool = False
-    #: the process grid (dp × pp × tp = world size); dp None: the world size / (pp × tp)
+    #: the process grid (dp × pp × cp × tp = world size); dp None: the world size / (pp × cp × tp)
     dp: int | None = None
     pp: int = 1
     tp: int = 1
+    #: context parallelism: cp ranks share each sequence (mpdl.parallel.context)
+    cp: int = 1
+    cp_mode: str = "ring"
+    cp_balance: str = "zigzag"
     microbatches: int = 1
     schedule: str = "1f1b"
     verbose_comm: bool = False
@@ -169,11 +176,16 @@ class TrainConfig:
         or the data-parallel degree of a process grid."""
         if self.mode == "ps":
             return world_size - self.servers
-        return world_size // (self.pp * self.tp) if self.model_parallel() else world_size
+        return world_size // self.model_ranks() if self.model_parallel() else world_size
+
+    def model_ranks(self) -> int:
+        """The ranks of one data-parallel replica: pp × cp × tp."""
+        return self.pp * self.cp * self.tp
 
     def model_parallel(self) -> bool:
-        """Whether the run splits the model (pipeline or tensor parallelism)."""
-        return self.pp > 1 or self.tp > 1
+        """Whether the run splits the model or its sequences (pipeline, tensor or context
+        parallelism)."""
+        return self.pp > 1 or self.tp > 1 or self.cp > 1
 
     def base_lr(self) -> float:
         """The learning rate after warmup: lr, or the default of the model, optimizer and
@@ -261,7 +273,8 @@ PIPELINE_SCHEDULES = ("afab", "1f1b")
 
 def validate_grid(config: TrainConfig, world_size: int) -> None:
     """The process grid (dp × pp × tp), the pipeline's fields and what they cannot combine with."""
-    for field in ("pp", "tp", "microbatches", *(("dp",) if config.dp is not None else ())):
+    for field in ("pp", "tp", "cp", "microbatches",
+                  *(("dp",) if config.dp is not None else ())):
         value = getattr(config, field)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{{{field}}}: expected a positive number, got "
@@ -269,15 +282,18 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
     if config.schedule not in PIPELINE_SCHEDULES:
         raise ConfigError(f"{{schedule}}: expected one of {', '.join(PIPELINE_SCHEDULES)}, got "
                           f"{literal(repr(config.schedule))}")
-    if config.dp is None and world_size % (config.pp * config.tp):
-        raise ConfigError(f"{{pp}} x {{tp}} = {config.pp} x {config.tp} = "
-                          f"{config.pp * config.tp} must divide the number of ranks "
+    replica = config.model_ranks()
+    axes = ("pp", "cp", "tp") if config.cp > 1 else ("pp", "tp")
+    names = " x ".join(f"{{{a}}}" for a in axes)
+    sizes = " x ".join(str(getattr(config, a)) for a in axes)
+    if config.dp is None and world_size % replica:
+        raise ConfigError(f"{names} = {sizes} = {replica} must divide the number of ranks "
                           f"({world_size})")
-    dp = config.dp if config.dp is not None else world_size // (config.pp * config.tp)
-    if dp * config.pp * config.tp != world_size:
-        raise ConfigError(f"{{dp}} x {{pp}} x {{tp}} = {dp} x {config.pp} x {config.tp} = "
-                          f"{dp * config.pp * config.tp} must equal the number of ranks "
-                          f"({world_size})")
+    dp = config.dp if config.dp is not None else world_size // replica
+    if dp * replica != world_size:
+        raise ConfigError(f"{{dp}} x {names} = {dp} x {sizes} = {dp * replica} must equal the "
+                          f"number of ranks ({world_size})")
+    validate_context(config)
     if not config.model_parallel():
         for field, default in (("microbatches", 1), ("schedule", "1f1b"),
                                ("verbose_comm", False)):
@@ -307,6 +323,38 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
         if getattr(config, field) != default:
             raise ConfigError(f"{{pp}} > 1 or {{tp}} > 1 cannot be combined with {{{field}}} "
                               f"(not supported with model parallelism yet)")
+
+
+def validate_context(config: TrainConfig) -> None:
+    """Context parallelism: its mode, its split of the sequence and what the model must offer."""
+    for field, allowed in (("cp_mode", CP_MODES), ("cp_balance", CP_BALANCES)):
+        if getattr(config, field) not in allowed:
+            raise ConfigError(f"{{{field}}}: expected one of {', '.join(allowed)}, got "
+                              f"{literal(repr(getattr(config, field)))}")
+    if config.cp == 1:
+        return
+    if config.model != "gpt":
+        raise ConfigError(f"{{cp}} > 1 needs {{model}} gpt (it splits the sequences attention "
+                          f"runs over), not {config.model}")
+    if config.cp_mode == "ulysses" and config.n_head % (config.cp * config.tp):
+        raise ConfigError(f"{{cp_mode}} ulysses: {{cp}} {config.cp} must divide the "
+                          f"{config.n_head // config.tp} heads of a tensor-parallel rank "
+                          f"({{n_head}} {config.n_head} / {{tp}} {config.tp})")
+    if config.zero:
+        raise ConfigError("{cp} > 1 cannot be combined with {zero} (not supported yet)")
+    length = sequence_length(config)
+    parts = config.cp * (2 if config.cp_balance == "zigzag" else 1)
+    if length % parts:
+        raise ConfigError(f"{{cp}} {config.cp} with {{cp_balance}} {config.cp_balance}: the "
+                          f"sequence length {length} must be divisible by {parts}"
+                          + (" (2 x cp chunks)" if parts != config.cp else ""))
+
+
+def sequence_length(config: TrainConfig) -> int:
+    """The tokens of one training sequence of a sequence task."""
+    if config.dataset == "addition":
+        return 3 * config.digits + 2
+    return config.block_size or TEXT_BLOCK_SIZE
 
 
 def validate_sequence(config: TrainConfig) -> None:
