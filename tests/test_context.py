@@ -26,7 +26,7 @@ from mpdl.threadworld import run_world
 from mpdl.training.gpt import GPT
 
 TOL = {np.float64: 1e-10, np.float32: 1e-5}
-MODES = ["ring", "allgather"]
+MODES = ["ring", "allgather", "ulysses"]
 
 
 def sharded_attention(cp, q, k, v, g, mode, balance, causal):
@@ -45,7 +45,7 @@ def sharded_attention(cp, q, k, v, g, mode, balance, causal):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_attention_matches_the_unsharded_one_forward_and_backward(mode, dtype):
     rng = np.random.default_rng(abs(hash((mode, dtype.__name__))) % 2**32)
-    for _ in range(6):
+    for _ in range(10):
         cp = int(rng.integers(1, 6))
         balance = str(rng.choice(["zigzag", "contiguous"]))
         causal = bool(rng.integers(0, 2))
@@ -94,6 +94,12 @@ def test_zigzag_gives_every_rank_the_same_causal_work_and_contiguous_does_not():
         positions(0, 3, 9, "zigzag")
 
 
+def test_ulysses_needs_heads_divisible_by_cp():
+    q = Tensor(np.zeros((1, 3, 4, 2)))
+    with pytest.raises(ValueError, match="the 3 heads must be divisible by cp = 2"):
+        run_world(2, lambda comm: context_attention(q, q, q, comm, "ulysses"))
+
+
 def test_grid_of_four_axes_is_row_major_tp_fastest_then_cp():
     def body(comm):
         g = ProcessGrid(comm, 2, 1, 2, cp=3)
@@ -132,7 +138,7 @@ def one_process(x, y):
 
 @pytest.mark.parametrize("dp, pp, tp, cp, mode, balance", [
     (1, 1, 1, 2, "ring", "zigzag"), (1, 1, 1, 3, "allgather", "contiguous"),
-    (2, 1, 1, 2, "allgather", "zigzag"), (1, 1, 2, 2, "ring", "contiguous"),
+    (2, 1, 1, 2, "ulysses", "zigzag"), (1, 1, 2, 2, "ring", "contiguous"),
     (1, 2, 1, 2, "ring", "zigzag")])
 def test_the_gpt_with_context_parallelism_follows_one_process(dp, pp, tp, cp, mode, balance):
     rng = np.random.default_rng(5)

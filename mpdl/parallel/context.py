@@ -41,7 +41,7 @@ import numpy as np
 import mpdl.autograd.functional as F
 from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
-from mpdl.collectives import allgather, reduce_scatter
+from mpdl.collectives import allgather, alltoall, reduce_scatter
 from mpdl.comm import Communicator
 
 MODES = ("ring", "allgather", "ulysses")
@@ -309,6 +309,57 @@ def _gather_kv(k: Any, v: Any, comm: Communicator, timings: dict | None) -> Any:
     return everyone
 
 
+# -- Ulysses -------------------------------------------------------------------------------------
+class UlyssesAttention(Function):
+    """DeepSpeed-Ulysses over `comm`: an all-to-all sends head group j of this rank's q, k, v
+    to rank j and gathers every rank's positions of this rank's head group; attention runs on
+    the whole sequence for H/C heads; an all-to-all sends each rank's rows of the output back."""
+
+    def forward(self, q: Any, k: Any, v: Any, comm: Communicator = None, causal: bool = True,
+                balance: str = "zigzag", scale: float = 1.0, timings: dict | None = None) -> Any:
+        xp = get_array_module(q)
+        cp = comm.size
+        b, h, t, d = q.shape
+        heads = h // cp
+        self.comm, self.scale, self.timings = comm, scale, timings
+        send = xp.stack([q, k, v]).reshape(3, b, cp, heads, t, d)
+        whole = self._exchange(xp.moveaxis(send, 2, 0), timings)  # (C, 3, B, H/C, T/C, D)
+        whole = xp.moveaxis(whole, 0, 3).reshape(3, b, heads, cp * t, d)
+        order = np.concatenate([positions(r, cp, cp * t, balance) for r in range(cp)])
+        mask = order[None, :] > order[:, None] if causal else None  # in the ranks' order
+        start = time.perf_counter()
+        out, lse = _block_forward(whole[0], whole[1], whole[2], mask, scale)
+        _tally(timings, "compute_s", time.perf_counter() - start)
+        back = self._exchange(xp.moveaxis(out.reshape(b, heads, cp, t, d), 2, 0), timings)
+        self.saved = (whole, out, lse, mask)
+        return xp.moveaxis(back, 0, 1).reshape(b, h, t, d)
+
+    def _exchange(self, blocks: Any, timings: dict | None) -> Any:
+        """All-to-all of (C, ...) blocks: block j to rank j; block i of the result from rank i."""
+        xp = get_array_module(blocks)
+        start = time.perf_counter()
+        received = alltoall(xp.ascontiguousarray(blocks), comm=self.comm)
+        _tally(timings, "wait_s", time.perf_counter() - start)
+        _tally(timings, "bytes", blocks.nbytes * (blocks.shape[0] - 1) // blocks.shape[0])
+        return received
+
+    def backward(self, grad: Any) -> tuple[Any, Any, Any]:
+        whole, out, lse, mask = self.saved
+        xp = get_array_module(grad)
+        cp = self.comm.size
+        b, h, t, d = grad.shape
+        heads = h // cp
+        dout = self._exchange(xp.moveaxis(grad.reshape(b, cp, heads, t, d), 1, 0), self.timings)
+        dout = xp.moveaxis(dout, 0, 2).reshape(b, heads, cp * t, d)
+        delta = (dout * out).sum(axis=-1)
+        grads = xp.stack(_block_backward(whole[0], whole[1], whole[2], dout, delta, lse, mask,
+                                         self.scale))
+        mine = self._exchange(xp.moveaxis(grads.reshape(3, b, heads, cp, t, d), 3, 0),
+                              self.timings)
+        mine = xp.moveaxis(mine, 0, 2).reshape(3, b, h, t, d)
+        return mine[0], mine[1], mine[2]
+
+
 # -- the naive version ---------------------------------------------------------------------------
 def reference_attention(q: Any, k: Any, v: Any, comm: Communicator, causal: bool = True,
                         balance: str = "zigzag") -> Any:
@@ -335,7 +386,11 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, comm: Communicator, mode:
     if mode not in MODES:
         raise ValueError(f"cp_mode: expected one of {', '.join(MODES)}, got {mode!r}")
     check_sequence(q.shape[-2] * comm.size, comm.size, balance)
+    if mode == "ulysses" and q.shape[-3] % comm.size:
+        raise ValueError(f"cp_mode ulysses: the {q.shape[-3]} heads must be divisible by cp = "
+                         f"{comm.size}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    kind = {"ring": RingAttention, "allgather": AllGatherAttention}[mode]
+    kind = {"ring": RingAttention, "allgather": AllGatherAttention,
+            "ulysses": UlyssesAttention}[mode]
     return kind.apply(q, k, v, comm=comm, causal=causal, balance=balance, scale=scale,
                       timings=timings)
