@@ -1,6 +1,7 @@
 """Context parallelism on the in-process world: the attention function alone (each mode, each
 split, causal or not, forward and backward) against unsharded scaled-dot-product attention, the
-layout of the sequence, the 4-axis grid, and the GPT trained with cp following one process."""
+layout of the sequence, the 4-axis grid, and the GPT trained with cp (and with Megatron sequence
+parallelism) following one process."""
 
 from __future__ import annotations
 
@@ -136,18 +137,19 @@ def one_process(x, y):
     return losses
 
 
-@pytest.mark.parametrize("dp, pp, tp, cp, mode, balance", [
-    (1, 1, 1, 2, "ring", "zigzag"), (1, 1, 1, 3, "allgather", "contiguous"),
-    (2, 1, 1, 2, "ulysses", "zigzag"), (1, 1, 2, 2, "ring", "contiguous"),
-    (1, 2, 1, 2, "ring", "zigzag")])
-def test_the_gpt_with_context_parallelism_follows_one_process(dp, pp, tp, cp, mode, balance):
+@pytest.mark.parametrize("dp, pp, tp, cp, mode, balance, sp", [
+    (1, 1, 1, 2, "ring", "zigzag", False), (1, 1, 1, 3, "allgather", "contiguous", False),
+    (2, 1, 1, 2, "ulysses", "zigzag", False), (1, 1, 2, 2, "ring", "contiguous", False),
+    (1, 2, 1, 2, "ring", "zigzag", False), (1, 1, 2, 2, "ring", "zigzag", True),
+    (1, 1, 2, 1, "ring", "zigzag", True), (1, 2, 2, 1, "ring", "zigzag", True)])
+def test_the_gpt_with_context_parallelism_follows_one_process(dp, pp, tp, cp, mode, balance, sp):
     rng = np.random.default_rng(5)
     length = 12 if cp == 3 else 8
     x, y = rng.integers(0, 11, (N, length)), rng.integers(0, 11, (N, length))
 
     def body(comm):
         s = PipelineStrategy(comm, dp, pp, tp, microbatches=2, cp=cp, cp_mode=mode,
-                             cp_balance=balance)
+                             cp_balance=balance, sp=sp)
         s.setup(gpt(length), lambda p: optim.Adam(p, lr=1e-2))
         bounds = np.linspace(0, N, dp + 1).astype(int)
         d, losses = s.data_comm.rank, []

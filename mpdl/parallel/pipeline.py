@@ -80,6 +80,8 @@ class Embed(nn.Module):
         #: (rank, cp, balance) when the input is a context-parallel slice of each sequence: its
         #: tokens then take their global positions
         self.sequence_shard: tuple[int, int, str] | None = None
+        #: into the sequence-parallel region (this tp rank's slice), when there is one
+        self.enter: Any = None
 
     def forward(self, idx: Any) -> Tensor:
         xp = get_array_module(self.tok.weight.data)
@@ -88,7 +90,8 @@ class Embed(nn.Module):
         if self.sequence_shard is not None:
             rank, cp, balance = self.sequence_shard
             where = xp.asarray(positions(rank, cp, idx.shape[1] * cp, balance))
-        return self.drop(self.tok(idx) + self.pos(where))
+        x = self.tok(idx) + self.pos(where)
+        return self.drop(x if self.enter is None else self.enter(x))
 
 
 class Head(nn.Module):
@@ -98,9 +101,12 @@ class Head(nn.Module):
         super().__init__()
         self.ln_f = gpt.ln_f
         self.__dict__["tied"] = gpt.token_embedding.weight  # not a parameter of this piece
+        #: out of the sequence-parallel region (the whole sequence), when there is one
+        self.leave: Any = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(self.ln_f(x), self.tied)
+        x = self.ln_f(x)
+        return F.linear(x if self.leave is None else self.leave(x), self.tied)
 
 
 def model_pieces(model: Any) -> list[tuple[nn.Module, int]]:
@@ -252,7 +258,7 @@ class PipelineStrategy(Strategy):
     def __init__(self, comm: Communicator, dp: int, pp: int, tp: int = 1, microbatches: int = 1,
                  schedule: str = "1f1b", algorithm: str = "auto", verbose: bool = False,
                  zero: int = 0, cp: int = 1, cp_mode: str = "ring",
-                 cp_balance: str = "zigzag") -> None:
+                 cp_balance: str = "zigzag", sp: bool = False) -> None:
         super().__init__(comm)
         if zero not in (0, 1):
             raise ValueError(f"zero: with a pipeline or tensor parallelism only stage 1 (the "
@@ -263,6 +269,7 @@ class PipelineStrategy(Strategy):
             raise ValueError(f"microbatches: must be a positive int, not {microbatches!r}")
         self.grid = ProcessGrid(comm, dp, pp, tp, cp)
         self.cp, self.cp_mode, self.cp_balance = cp, cp_mode, cp_balance
+        self.sp = sp and tp > 1
         self.pp, self.stage = pp, self.grid.p
         self.microbatches, self.schedule, self.algorithm = microbatches, schedule, algorithm
         self.verbose, self.zero = verbose, zero
@@ -298,8 +305,12 @@ class PipelineStrategy(Strategy):
             if not hasattr(model, "blocks"):
                 raise ValueError(f"{'tp' if self.grid.tp > 1 else 'cp'}: tensor and context "
                                  f"parallelism need the GPT")
-            self.tp_model = TensorParallelGPT(model, self.grid.tp_comm, self.algorithm)
+            self.tp_model = TensorParallelGPT(model, self.grid.tp_comm, self.algorithm,
+                                              sequence_parallel=self.sp)
         pieces = model_pieces(self.tp_model or model)
+        if self.sp:
+            pieces[0][0].enter = self.tp_model.enter_sequence
+            pieces[-1][0].leave = self.tp_model.leave_sequence
         if self.cp > 1:  # each rank holds a slice of every sequence
             pieces[0][0].sequence_shard = (self.grid.c, self.cp, self.cp_balance)
             for block in self.tp_model.blocks:
@@ -529,16 +540,24 @@ class PipelineStrategy(Strategy):
                 w.grad = get_array_module(w.data).zeros_like(w.data)
             self._say("all-reduce tied embedding gradient with the other end of the pipeline")
             w.grad = allreduce(w.grad, op="sum", algorithm=self.algorithm, comm=self.tied_comm)
+        if self.sp:  # the sliced regions' parameters hold a part of the gradient per tp rank
+            self._sum_gradients([p for p in self.tp_model.sequence_parallel_params()
+                                 if id(p) in self._owned], self.grid.tp_comm, "tp")
         if self.grid.dp * self.cp == 1 or not self.stage_params or self.zero:
             return  # ZeRO-1: the optimizer's step reduce-scatters over dp
-        xp = get_array_module(self.stage_params[0].data)
-        grads = [p.grad if p.grad is not None else xp.zeros_like(p.data)
-                 for p in self.stage_params]
+        self._sum_gradients(self.stage_params, self.grid.dcp_comm, "dp x cp")
+
+    def _sum_gradients(self, params: list[Any], comm: Communicator, axis: str) -> None:
+        """Replace the gradients of `params` by their sum over `comm` (one flat all-reduce)."""
+        if not params:
+            return
+        xp = get_array_module(params[0].data)
+        grads = [p.grad if p.grad is not None else xp.zeros_like(p.data) for p in params]
         flat = xp.concatenate([g.reshape(-1) for g in grads])
-        self._say(f"all-reduce {flat.nbytes} bytes of gradients over dp x cp")
-        allreduce(flat, op="sum", algorithm=self.algorithm, comm=self.grid.dcp_comm, out=flat)
+        self._say(f"all-reduce {flat.nbytes} bytes of gradients over {axis}")
+        allreduce(flat, op="sum", algorithm=self.algorithm, comm=comm, out=flat)
         offset = 0
-        for p in self.stage_params:
+        for p in params:
             p.grad = flat[offset:offset + p.size].reshape(p.shape)
             offset += p.size
 
@@ -722,6 +741,8 @@ class PipelineStrategy(Strategy):
             return ""
         sizes = [sum(p.size for p in self._params_of(s)) for s in range(self.pp)]
         tp = f"tensor parallel over {self.grid.tp} ranks, " if self.grid.tp > 1 else ""
+        if self.sp:
+            tp = f"tensor and sequence parallel over {self.grid.tp} ranks, "
         if self.cp > 1:
             tp += (f"context parallel over {self.cp} ranks ({self.cp_mode}, "
                    f"{self.cp_balance}), ")
@@ -737,7 +758,7 @@ class PipelineStrategy(Strategy):
                                   ("tensor" if self.grid.tp > 1 else "context"),
                                   "dp": self.grid.dp, "pp": self.pp, "cp": self.cp,
                                   "tp": self.grid.tp, "cp_mode": self.cp_mode,
-                                  "cp_balance": self.cp_balance,
+                                  "cp_balance": self.cp_balance, "sp": self.sp,
                                   "schedule": self.schedule, "microbatches": self.microbatches,
                                   "zero_stage": self.zero,
                                   "bubble_formula": bubble_formula(self.pp, self.microbatches)}
