@@ -5,6 +5,12 @@ parallelism) following one process."""
 
 from __future__ import annotations
 
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -24,7 +30,9 @@ from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.threadworld import run_world
+from mpdl.training.config import ConfigError, TrainConfig, validate
 from mpdl.training.gpt import GPT
+from mpdl.training.loop import Trainer
 
 TOL = {np.float64: 1e-10, np.float32: 1e-5}
 MODES = ["ring", "allgather", "ulysses"]
@@ -146,6 +154,7 @@ def test_the_gpt_with_context_parallelism_follows_one_process(dp, pp, tp, cp, mo
     rng = np.random.default_rng(5)
     length = 12 if cp == 3 else 8
     x, y = rng.integers(0, 11, (N, length)), rng.integers(0, 11, (N, length))
+    y[:, :length // 2 + 1] = -100  # a prompt without targets (as on the addition task)
 
     def body(comm):
         s = PipelineStrategy(comm, dp, pp, tp, microbatches=2, cp=cp, cp_mode=mode,
@@ -162,3 +171,61 @@ def test_the_gpt_with_context_parallelism_follows_one_process(dp, pp, tp, cp, mo
     want = one_process(x, y)
     for rank, losses in enumerate(run_world(dp * pp * tp * cp, body)):
         np.testing.assert_allclose(losses, want, rtol=0, atol=1e-10, err_msg=f"rank {rank}")
+
+
+#: a tiny GPT on a short text in sequences of 8 characters
+TINY = dict(model="gpt", dataset="text", block_size=8, n_layer=2, n_head=2, n_embd=8,
+            global_batch_size=12, optimizer="adam", progress=False, lr_schedule="constant")
+TEXT = "the cat sat on the mat; the dog sat on the log.\n" * 8
+
+
+def train(config: TrainConfig, comm) -> tuple[np.ndarray, list[dict]]:
+    trainer = Trainer(config, comm=comm, out=io.StringIO())
+    trainer.setup()
+    rows = trainer.run()
+    with trainer.strategy.gathered():
+        return np.concatenate([p.data.ravel() for p in trainer.model.parameters()]), rows
+
+
+def test_mpdl_train_with_cp_follows_one_rank_and_its_checkpoints_load_on_any_layout(tmp_path):
+    (tmp_path / "text.txt").write_text(TEXT)
+    tiny = {**TINY, "data": str(tmp_path / "text.txt")}
+    ref, ref_rows = run_world(1, lambda c: train(TrainConfig(**tiny, epochs=2), c))[0]
+    ckpt = str(tmp_path / "ckpt")
+    for kw in (dict(cp=2, dp=2, cp_mode="ulysses", checkpoint=ckpt), dict(cp=2, tp=2, sp=True)):
+        for _, rows in run_world(4, lambda c, kw=kw: train(TrainConfig(
+                **tiny, epochs=1, **kw), c)):
+            assert rows[0]["loss"] == pytest.approx(ref_rows[0]["loss"], abs=1e-5)
+            assert rows[-1]["cp"] == 2
+    for params, _ in run_world(1, lambda c: train(TrainConfig(
+            **tiny, epochs=2, checkpoint=ckpt, resume=True), c)):
+        np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(cp=2, block_size=6), "cp 2 with cp_balance zigzag: the sequence length 6 must be "
+                               "divisible by 4 \\(2 x cp chunks\\)"),
+    (dict(cp=4, cp_balance="contiguous", block_size=6),
+     "cp 4 with cp_balance contiguous: the sequence length 6 must be divisible by 4"),
+    (dict(cp=4, cp_mode="ulysses", n_head=2, n_embd=8),
+     "cp_mode ulysses: cp 4 must divide the 2 heads"),
+    (dict(sp=True), "sp needs tp > 1"),
+    (dict(cp=2, model="mlp", dataset="digits"), "cp > 1 needs model gpt"),
+    (dict(cp=2, cp_mode="star"), "cp_mode: expected one of ring, allgather, ulysses"),
+])
+def test_bad_context_configurations_say_which_field(kw, message):
+    config = TrainConfig(**{**TINY, "data": "text.txt", **kw})
+    with pytest.raises(ConfigError, match=message):
+        validate(config, 4)
+
+
+def test_a_bad_cp_flag_stops_every_rank_with_one_line_and_exit_2():
+    binary = Path(sys.executable).parent
+    cmd = ["timeout", "-k", "5", "120", str(binary / "mpiexec"), "-n", "2", str(binary / "mpdl"),
+           "train", "--no-progress", "--model", "gpt", "--dataset", "addition", "--digits", "1",
+           "--cp", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=135, env=dict(os.environ))
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    errors = out.stderr.strip().splitlines()
+    assert errors == ["mpdl train: error: --cp 2 with --cp-balance zigzag: the sequence length 5 "
+                      "must be divisible by 4 (2 x cp chunks)"], out.stderr

@@ -186,6 +186,12 @@ def _attend_backward(q: Any, k: Any, v: Any, dout: Any, delta: Any, lse: Any, mi
         dv[..., ks, :] += gv
 
 
+def _pack(*arrays: Any) -> Any:
+    """The arrays stacked into one C-contiguous message buffer."""
+    xp = get_array_module(arrays[0])
+    return xp.ascontiguousarray(xp.stack(arrays))
+
+
 def _tally(timings: dict | None, key: str, value: float) -> None:
     if timings is not None:
         timings[key] = timings.get(key, 0.0) + value
@@ -203,7 +209,7 @@ class RingAttention(Function):
         mine = chunks_of(r, cp, balance)
         out = xp.zeros_like(q)
         lse = xp.full(q.shape[:-1], -xp.inf, dtype=q.dtype)
-        kv = xp.stack([k, v])
+        kv = _pack(k, v)
         with comm.recording("ring_attention", "ring", kv.nbytes, str(kv.dtype)):
             for step in range(cp):
                 if step + 1 < cp:  # the next block travels while this one is attended to
@@ -233,7 +239,7 @@ class RingAttention(Function):
         mine = chunks_of(r, cp, balance)
         delta = (grad * out).sum(axis=-1)
         dq = xp.zeros_like(q)
-        kv = xp.stack([k, v])
+        kv = _pack(k, v)
         nxt, prev = (r + 1) % cp, (r - 1) % cp
         arriving: list[Any] = []  # the receive and send of the dK/dV sums now travelling
         with comm.recording("ring_attention_backward", "ring", kv.nbytes, str(kv.dtype)):
@@ -301,9 +307,8 @@ class AllGatherAttention(Function):
 
 def _gather_kv(k: Any, v: Any, comm: Communicator, timings: dict | None) -> Any:
     """Every rank's (k, v), shape (C, 2, *k.shape)."""
-    xp = get_array_module(k)
     start = time.perf_counter()
-    everyone = allgather(xp.stack([k, v]), comm=comm).reshape(comm.size, 2, *k.shape)
+    everyone = allgather(_pack(k, v), comm=comm).reshape(comm.size, 2, *k.shape)
     _tally(timings, "wait_s", time.perf_counter() - start)
     _tally(timings, "bytes", 2 * k.nbytes * (comm.size - 1))
     return everyone
@@ -322,7 +327,7 @@ class UlyssesAttention(Function):
         b, h, t, d = q.shape
         heads = h // cp
         self.comm, self.scale, self.timings = comm, scale, timings
-        send = xp.stack([q, k, v]).reshape(3, b, cp, heads, t, d)
+        send = _pack(q, k, v).reshape(3, b, cp, heads, t, d)
         whole = self._exchange(xp.moveaxis(send, 2, 0), timings)  # (C, 3, B, H/C, T/C, D)
         whole = xp.moveaxis(whole, 0, 3).reshape(3, b, heads, cp * t, d)
         order = np.concatenate([positions(r, cp, cp * t, balance) for r in range(cp)])
@@ -369,7 +374,7 @@ def reference_attention(q: Any, k: Any, v: Any, comm: Communicator, causal: bool
     cp = comm.size
     length = q.shape[-2] * cp
     order = np.concatenate([positions(r, cp, length, balance) for r in range(cp)])
-    qkv = allgather(xp.stack([q, k, v]), comm=comm).reshape(cp, 3, *q.shape)
+    qkv = allgather(_pack(q, k, v), comm=comm).reshape(cp, 3, *q.shape)
     whole = xp.empty((3, *q.shape[:-2], length, q.shape[-1]), dtype=q.dtype)
     whole[..., xp.asarray(order), :] = xp.moveaxis(qkv, 0, -3).reshape(whole.shape)
     out = F.scaled_dot_product_attention(whole[0], whole[1], whole[2], is_causal=causal).data

@@ -249,8 +249,8 @@ def bubble_formula(pp: int, m: int) -> float:
 class PipelineStrategy(Strategy):
     """Pipeline parallelism over the pp axis of a (dp, pp, cp, tp) grid, tensor parallelism of
     the GPT's blocks over tp (`mpdl.parallel.tensor`), context parallelism of its attention over
-    cp (`mpdl.parallel.context`: each cp rank holds a slice of every sequence, the loss is the
-    mean of theirs, gradients are summed over dp × cp), data parallelism over dp."""
+    cp (`mpdl.parallel.context`: each cp rank holds a slice of every sequence and its part of
+    the loss, gradients are summed over dp × cp), data parallelism over dp."""
 
     mode = "pipeline"
     sharded_checkpoint = True
@@ -343,6 +343,19 @@ class PipelineStrategy(Strategy):
         if self.cp == 1:
             return a
         return shard_sequence(a, self.grid.c, self.cp, self.cp_balance, axis=1)
+
+    def _loss(self, logits: Tensor, y: Any) -> tuple[Tensor, float]:
+        """The microbatch's loss and correct predictions; with cp, this rank's part of them:
+        its positions' summed loss over the positions of the whole sequences that have a
+        target (the parts of the cp ranks add up to the whole sequences' mean)."""
+        if self.cp == 1:
+            return F.cross_entropy(logits, y), correct_predictions(logits.data, y)
+        mine = self._local(y)
+        counted = max(int((y >= 0).sum()), 1)
+        loss = F.cross_entropy(logits, mine, reduction="sum") * (1.0 / counted)
+        xp = get_array_module(logits.data)
+        hits = (logits.data.argmax(axis=-1) == xp.asarray(mine)) & xp.asarray(mine >= 0)
+        return loss, len(y) * float(hits.sum()) / counted
 
     def _all_params(self) -> list[Any]:
         """Every trainable parameter of the model and of its tensor-parallel pieces, once."""
@@ -463,13 +476,12 @@ class PipelineStrategy(Strategy):
                     h = piece(h)
                 t2 = time.perf_counter()
                 if self.last:
-                    y = self._local(batch.y[idx[0]:idx[-1] + 1])
-                    loss = F.cross_entropy(h, y)
+                    y = batch.y[idx[0]:idx[-1] + 1]
+                    loss, correct = self._loss(h, y)
                     result.loss += float(loss.item()) * len(idx)
-                    result.correct += correct_predictions(h.data, y)
+                    result.correct += correct
                     result.samples += len(idx)
-                    # the mean over this rank's positions, 1/cp of the sequence's mean
-                    outputs[j] = loss * (len(idx) / batch.global_size / self.cp)
+                    outputs[j] = loss * (len(idx) / batch.global_size)
                 else:
                     outputs[j] = h
                     sends.append(self._send(xp.ascontiguousarray(h.data), nxt, "act", j, result))
@@ -565,8 +577,8 @@ class PipelineStrategy(Strategy):
         """The last stage's loss, correct predictions and samples on every stage, averaged over
         the cp ranks' slices of the sequences."""
         vec = np.array([result.loss, result.correct, result.samples], dtype=np.float64)
-        if self.cp > 1 and self.last:
-            vec[:2] = allreduce(vec[:2], op="sum", comm=self.grid.cp_comm) / self.cp
+        if self.cp > 1 and self.last:  # each cp rank's part of the sequences' loss
+            vec[:2] = allreduce(vec[:2], op="sum", comm=self.grid.cp_comm)
             result.loss, result.correct = float(vec[0]), float(vec[1])
         if self.pp == 1:
             return
