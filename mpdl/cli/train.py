@@ -157,6 +157,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp-balance", default="zigzag", metavar="{zigzag,contiguous}",
                    help="--cp: rank r holds chunks r and 2C-1-r of 2C (equal causal work), or "
                         "chunk r of C (default: %(default)s)")
+    g.add_argument("--sp", action="store_true",
+                   help="--tp: Megatron sequence parallelism, LayerNorms and dropouts on a slice "
+                        "of the sequence, reduce-scatter + all-gather instead of all-reduce")
     g.add_argument("--microbatches", type=int, default=1, metavar="M",
                    help="--pp/--tp: microbatches per step (default: %(default)s)")
     g.add_argument("--schedule", default="1f1b", metavar="{afab,1f1b}",
@@ -233,7 +236,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
         digits=args.digits, zero=args.zero, prefetch=not args.no_prefetch,
         zero_hybrid=args.zero_hybrid, dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp,
-        cp_mode=args.cp_mode, cp_balance=args.cp_balance,
+        cp_mode=args.cp_mode, cp_balance=args.cp_balance, sp=args.sp,
         microbatches=args.microbatches, schedule=args.schedule, verbose_comm=args.verbose_comm)
 
 

@@ -163,6 +163,8 @@ class TrainConfig:
     cp: int = 1
     cp_mode: str = "ring"
     cp_balance: str = "zigzag"
+    #: Megatron sequence parallelism with tp (mpdl.parallel.tensor)
+    sp: bool = False
     microbatches: int = 1
     schedule: str = "1f1b"
     verbose_comm: bool = False
@@ -331,6 +333,13 @@ def validate_context(config: TrainConfig) -> None:
         if getattr(config, field) not in allowed:
             raise ConfigError(f"{{{field}}}: expected one of {', '.join(allowed)}, got "
                               f"{literal(repr(getattr(config, field)))}")
+    if config.sp and config.tp == 1:
+        raise ConfigError("{sp} needs {tp} > 1 (sequence parallelism splits the tensor-parallel "
+                          "ranks' LayerNorm and dropout regions along the sequence)")
+    length = sequence_length(config) if config.model == "gpt" else 0
+    if config.sp and (length // config.cp) % config.tp:
+        raise ConfigError(f"{{sp}}: each rank's {length // config.cp} positions of a sequence "
+                          f"must be divisible by {{tp}} {config.tp}")
     if config.cp == 1:
         return
     if config.model != "gpt":
@@ -342,7 +351,6 @@ def validate_context(config: TrainConfig) -> None:
                           f"({{n_head}} {config.n_head} / {{tp}} {config.tp})")
     if config.zero:
         raise ConfigError("{cp} > 1 cannot be combined with {zero} (not supported yet)")
-    length = sequence_length(config)
     parts = config.cp * (2 if config.cp_balance == "zigzag" else 1)
     if length % parts:
         raise ConfigError(f"{{cp}} {config.cp} with {{cp_balance}} {config.cp_balance}: the "

@@ -26,7 +26,7 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
         return PipelineStrategy(comm, dp=c.data_ranks(comm.size), pp=c.pp, tp=c.tp,
                                 microbatches=c.microbatches, schedule=c.schedule,
                                 algorithm=c.algorithm, verbose=c.verbose_comm, zero=c.zero,
-                                cp=c.cp, cp_mode=c.cp_mode, cp_balance=c.cp_balance)
+                                cp=c.cp, cp_mode=c.cp_mode, cp_balance=c.cp_balance, sp=c.sp)
     common = dict(algorithm=c.algorithm, bucket_mb=c.bucket_mb, first_bucket_mb=c.first_bucket_mb,
                   overlap=c.overlap)
     if c.zero:
