@@ -42,6 +42,7 @@ import mpdl.autograd.functional as F
 from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
 from mpdl.collectives import allgather, alltoall, reduce_scatter
+from mpdl.collectives.handles import Handle, engine_for
 from mpdl.comm import Communicator
 
 MODES = ("ring", "allgather", "ulysses")
@@ -198,6 +199,24 @@ def _tally(timings: dict | None, key: str, value: float) -> None:
 
 
 # -- ring ----------------------------------------------------------------------------------------
+def _shift(comm: Communicator, block: Any, step: Any) -> tuple[Any, Handle]:
+    """Start passing `block` on around the ring (to rank r+1, receiving rank r−1's) on the
+    communicator's communication thread, so that it travels while this thread computes: (the
+    receive buffer, the handle to wait on). Shifts run in the order they are started."""
+    xp = get_array_module(block)
+    incoming = xp.empty_like(block)
+    cp, r = comm.size, comm.rank
+    handle = engine_for(comm).submit(
+        lambda: comm.sendrecv(block, (r + 1) % cp, incoming, (r - 1) % cp, step))
+    return incoming, handle
+
+
+def _wait(handle: Handle, timings: dict | None) -> None:
+    start = time.perf_counter()
+    handle.wait()
+    _tally(timings, "wait_s", time.perf_counter() - start)
+
+
 class RingAttention(Function):
     """Ring attention over `comm`: q, k, v (B, H, T/C, D) this rank's slice; the output is
     this rank's rows of the whole sequence's attention."""
@@ -213,19 +232,15 @@ class RingAttention(Function):
         with comm.recording("ring_attention", "ring", kv.nbytes, str(kv.dtype)):
             for step in range(cp):
                 if step + 1 < cp:  # the next block travels while this one is attended to
-                    incoming = xp.empty_like(kv)
-                    requests = [comm.irecv(incoming, (r - 1) % cp, ("kv", step)),
-                                comm.isend(kv, (r + 1) % cp, ("kv", step))]
+                    incoming, handle = _shift(comm, kv, ("kv", step))
+                    _tally(timings, "bytes", kv.nbytes)
                 start = time.perf_counter()
                 _attend(q, kv[0], kv[1], mine, chunks_of((r - step) % cp, cp, balance), causal,
                         scale, out, lse)
-                waited = time.perf_counter()
+                _tally(timings, "compute_s", time.perf_counter() - start)
                 if step + 1 < cp:
-                    comm.waitall(requests)
-                    _tally(timings, "bytes", kv.nbytes)
+                    _wait(handle, timings)
                     kv = incoming
-                _tally(timings, "compute_s", waited - start)
-                _tally(timings, "wait_s", time.perf_counter() - waited)
         self.saved = (q, k, v, out, lse)
         self.comm, self.causal, self.balance, self.scale, self.timings = (
             comm, causal, balance, scale, timings)
@@ -240,31 +255,30 @@ class RingAttention(Function):
         delta = (grad * out).sum(axis=-1)
         dq = xp.zeros_like(q)
         kv = _pack(k, v)
-        nxt, prev = (r + 1) % cp, (r - 1) % cp
-        arriving: list[Any] = []  # the receive and send of the dK/dV sums now travelling
+        # the dK/dV sums of the ranks that the block now arriving has visited, and their shift
+        sums: Any = None
+        sums_handle: Handle | None = None
         with comm.recording("ring_attention_backward", "ring", kv.nbytes, str(kv.dtype)):
             for step in range(cp):
                 if step + 1 < cp:
-                    incoming = xp.empty_like(kv)
-                    requests = [comm.irecv(incoming, prev, ("kv", step)),
-                                comm.isend(kv, nxt, ("kv", step))]
+                    incoming, handle = _shift(comm, kv, ("kv", step))
                 dkv = xp.zeros_like(kv)
+                start = time.perf_counter()
                 _attend_backward(q, kv[0], kv[1], grad, delta, lse, mine,
                                  chunks_of((r - step) % cp, cp, balance), causal, scale, dq,
                                  dkv[0], dkv[1])
+                _tally(self.timings, "compute_s", time.perf_counter() - start)
                 if cp == 1:
                     return dq, dkv[0], dkv[1]
-                if arriving:  # the sums of the ranks this block visited before
-                    comm.waitall(arriving[1:])
-                    dkv += arriving[0]
-                arriving = [xp.empty_like(kv)]
-                arriving += [comm.irecv(arriving[0], prev, ("dkv", step)),
-                             comm.isend(dkv, nxt, ("dkv", step))]
+                if sums_handle is not None:  # they travelled while this block was computed
+                    _wait(sums_handle, self.timings)
+                    dkv += sums
+                sums, sums_handle = _shift(comm, dkv, ("dkv", step))
                 if step + 1 < cp:
-                    comm.waitall(requests)
+                    _wait(handle, self.timings)
                     kv = incoming
-            comm.waitall(arriving[1:])  # after C steps each block's gradient is home
-        return dq, arriving[0][0], arriving[0][1]
+            _wait(sums_handle, self.timings)  # after C steps each block's gradient is home
+        return dq, sums[0], sums[1]
 
 
 # -- all-gather ----------------------------------------------------------------------------------
