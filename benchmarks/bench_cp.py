@@ -13,6 +13,8 @@ C = the world size. For each sequence length T (batch 1, 4 heads of 16, float32)
   rank's time, median over reps.
 - hidden: the share of the ring's K/V messages hidden behind attention in forward, 1 − (time
   waited for the messages) / (time the same C−1 messages take alone, blocking, measured in turn).
+  With more ranks than cores a rank's wait is mostly waiting for a core: measure it with as many
+  ranks as cores.
 - work: the causal blocks of the most loaded rank over the mean (1.0 is balanced): what the
   contiguous split costs.
 - bytes: bytes each rank sends in one forward, against the formulas: ring and all-gather
