@@ -110,7 +110,7 @@ def _scores(q: Any, k: Any, mask: Any, scale: float) -> Any:
     s = q @ xp.swapaxes(k, -1, -2)
     s *= scale
     if mask is not None:
-        s[..., mask] = -xp.inf
+        s = xp.where(xp.asarray(mask), -xp.inf, s)
     return s
 
 
@@ -170,8 +170,9 @@ def _attend(q: Any, k: Any, v: Any, mine: list[int], theirs: list[int], causal: 
     `theirs`) into (out, lse)."""
     length = q.shape[-2] // len(mine)
     for qs, ks, mask in _pairs(mine, theirs, length, causal):
-        o, l_ = _block_forward(q[..., qs, :], k[..., ks, :], v[..., ks, :], mask, scale)
-        _merge(out[..., qs, :], lse[..., qs], o, l_)
+        block_out, block_lse = _block_forward(q[..., qs, :], k[..., ks, :], v[..., ks, :], mask,
+                                              scale)
+        _merge(out[..., qs, :], lse[..., qs], block_out, block_lse)
 
 
 def _attend_backward(q: Any, k: Any, v: Any, dout: Any, delta: Any, lse: Any, mine: list[int],
