@@ -37,6 +37,13 @@ With tp > 1, the pieces are those of `TensorParallelGPT` (each block split over 
 exchanging activations with the rank of the same t on the neighbouring stages, and `gathered()`
 also all-gathers the shards into the whole GPT.
 
+With cp > 1 (`mpdl.parallel.context`), the cp ranks of a replica read the same batch and each
+feeds its positions of every sequence (zigzag or contiguous): the embedding adds their global
+positions, every block's attention runs over cp_comm, each rank's loss is its positions' part
+of the sequences' mean, and the gradients are summed over dp × cp. With sp (Megatron sequence
+parallelism, `mpdl.parallel.tensor`), the embedding's output enters the tp ranks' sequence
+slices and the final LayerNorm's output leaves them.
+
 Bubble: with unit-time forwards and backwards, a stage of a p-stage pipeline with m microbatches
 is idle (p−1)/(m+p−1) of the step under either schedule (`slot_bubble` replays an executed order
 on that clock; `timed_bubble` on a clock of measured op times: each forward and backward span
