@@ -766,7 +766,8 @@ class PipelineStrategy(Strategy):
             tp += (f"context parallel over {self.cp} ranks ({self.cp_mode}, "
                    f"{self.cp_balance}), ")
         return (f"{tp}pipeline {self.schedule}, {self.pp} stages (pieces {self.bounds}, parameters "
-                f"{sizes}), {self.microbatches} microbatches, dp {self.grid.dp} "
+                f"{sizes}), {self.microbatches} microbatches, "
+                f"{f'dp x cp {self.grid.dp} x {self.cp}' if self.cp > 1 else f'dp {self.grid.dp}'} "
                 f"{'ZeRO-1 reduce-scatter/all-gather' if self.zero else 'all-reduce'} "
                 f"{self.algorithm}; bubble formula "
                 f"{bubble_formula(self.pp, self.microbatches):.1%}")
