@@ -174,8 +174,9 @@ def test_the_gpt_with_context_parallelism_follows_one_process(dp, pp, tp, cp, mo
 
 
 #: a tiny GPT on a short text in sequences of 8 characters
-TINY = dict(model="gpt", dataset="text", block_size=8, n_layer=2, n_head=2, n_embd=8,
-            global_batch_size=12, optimizer="adam", progress=False, lr_schedule="constant")
+TINY = {"model.name": "gpt", "data.dataset": "text", "model.block_size": 8, "model.n_layer": 2,
+        "model.n_head": 2, "model.n_embd": 8, "optim.global_batch_size": 12,
+        "optim.optimizer": "adam", "output.progress": False, "optim.lr_schedule": "constant"}
 TEXT = "the cat sat on the mat; the dog sat on the log.\n" * 8
 
 
@@ -189,32 +190,39 @@ def train(config: TrainConfig, comm) -> tuple[np.ndarray, list[dict]]:
 
 def test_mpdl_train_with_cp_follows_one_rank_and_its_checkpoints_load_on_any_layout(tmp_path):
     (tmp_path / "text.txt").write_text(TEXT)
-    tiny = {**TINY, "data": str(tmp_path / "text.txt")}
-    ref, ref_rows = run_world(1, lambda c: train(TrainConfig(**tiny, epochs=2), c))[0]
-    ckpt = str(tmp_path / "ckpt")
-    for kw in (dict(cp=2, dp=2, cp_mode="ulysses", checkpoint=ckpt), dict(cp=2, tp=2, sp=True)):
-        for _, rows in run_world(4, lambda c, kw=kw: train(TrainConfig(
-                **tiny, epochs=1, **kw), c)):
+    tiny = {**TINY, "data.path": str(tmp_path / "text.txt")}
+    ref, ref_rows = run_world(1, lambda c: train(TrainConfig.from_keys(
+        {**tiny, "optim.epochs": 2}), c))[0]
+    ckpt = {"checkpoint.dir": str(tmp_path / "ckpt")}
+    for kw in ({"parallel.cp": 2, "parallel.dp": 2, "parallel.cp_mode": "ulysses", **ckpt},
+               {"parallel.cp": 2, "parallel.tp": 2, "parallel.sp": True}):
+        for _, rows in run_world(4, lambda c, kw=kw: train(TrainConfig.from_keys(
+                {**tiny, "optim.epochs": 1, **kw}), c)):
             assert rows[0]["loss"] == pytest.approx(ref_rows[0]["loss"], abs=1e-5)
             assert rows[-1]["cp"] == 2
-    for params, _ in run_world(1, lambda c: train(TrainConfig(
-            **tiny, epochs=2, checkpoint=ckpt, resume=True), c)):
+    for params, _ in run_world(1, lambda c: train(TrainConfig.from_keys(
+            {**tiny, "optim.epochs": 2, **ckpt, "checkpoint.resume": True}), c)):
         np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(cp=2, block_size=6), "cp 2 with cp_balance zigzag: the sequence length 6 must be "
-                               "divisible by 4 \\(2 x cp chunks\\)"),
-    (dict(cp=4, cp_balance="contiguous", block_size=6),
-     "cp 4 with cp_balance contiguous: the sequence length 6 must be divisible by 4"),
-    (dict(cp=4, cp_mode="ulysses", n_head=2, n_embd=8),
-     "cp_mode ulysses: cp 4 must divide the 2 heads"),
-    (dict(sp=True), "sp needs tp > 1"),
-    (dict(cp=2, model="mlp", dataset="digits"), "cp > 1 needs model gpt"),
-    (dict(cp=2, cp_mode="star"), "cp_mode: expected one of ring, allgather, ulysses"),
+    ({"parallel.cp": 2, "model.block_size": 6},
+     "parallel.cp 2 with parallel.cp_balance zigzag: the sequence length 6 must be divisible by "
+     "4 \\(2 x cp chunks\\)"),
+    ({"parallel.cp": 4, "parallel.cp_balance": "contiguous", "model.block_size": 6},
+     "parallel.cp 4 with parallel.cp_balance contiguous: the sequence length 6 must be divisible "
+     "by 4"),
+    ({"parallel.cp": 4, "parallel.cp_mode": "ulysses", "model.n_head": 2, "model.n_embd": 8},
+     "parallel.cp_mode ulysses: parallel.cp 4 must divide the 2 heads"),
+    ({"parallel.sp": True}, "parallel.sp needs parallel.tp > 1"),
+    ({"parallel.cp": 2, "model.name": "mlp", "data.dataset": "digits"},
+     "parallel.cp > 1 needs model.name gpt"),
+    ({"parallel.cp": 2, "parallel.cp_mode": "star"},
+     "parallel.cp_mode: expected one of ring, allgather, ulysses"),
+    ({"parallel.cp": 0}, "parallel.cp: expected a positive number, got 0"),
 ])
-def test_bad_context_configurations_say_which_field(kw, message):
-    config = TrainConfig(**{**TINY, "data": "text.txt", **kw})
+def test_bad_context_configurations_say_which_option(kw, message):
+    config = TrainConfig.from_keys({**TINY, "data.path": "text.txt", **kw})
     with pytest.raises(ConfigError, match=message):
         validate(config, 4)
 

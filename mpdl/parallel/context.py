@@ -45,15 +45,15 @@ from mpdl.collectives import allgather, alltoall, reduce_scatter
 from mpdl.collectives.handles import Handle, engine_for
 from mpdl.comm import Communicator
 
-MODES = ("ring", "allgather", "ulysses")
-BALANCES = ("zigzag", "contiguous")
+CP_MODES = ("ring", "allgather", "ulysses")
+CP_BALANCES = ("zigzag", "contiguous")
 
 
 # -- which rank holds which positions -----------------------------------------------------------
 def chunks_per_rank(balance: str) -> int:
     """How many chunks of the sequence each rank holds: 2 under zigzag, 1 contiguous."""
-    if balance not in BALANCES:
-        raise ValueError(f"cp_balance: expected one of {', '.join(BALANCES)}, got {balance!r}")
+    if balance not in CP_BALANCES:
+        raise ValueError(f"cp_balance: expected one of {', '.join(CP_BALANCES)}, got {balance!r}")
     return 2 if balance == "zigzag" else 1
 
 
@@ -403,8 +403,8 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, comm: Communicator, mode:
     """Attention of this rank's queries over the whole sequence, split over `comm` as `balance`
     says (q, k, v: (B, H, T/C, D) Tensors, this rank's positions in the order of `positions`).
     `timings`, a dict, gains compute_s, wait_s (exposed communication) and bytes sent."""
-    if mode not in MODES:
-        raise ValueError(f"cp_mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in CP_MODES:
+        raise ValueError(f"cp_mode: expected one of {', '.join(CP_MODES)}, got {mode!r}")
     check_sequence(q.shape[-2] * comm.size, comm.size, balance)
     if mode == "ulysses" and q.shape[-3] % comm.size:
         raise ValueError(f"cp_mode ulysses: the {q.shape[-3]} heads must be divisible by cp = "
