@@ -129,6 +129,9 @@ def list_algorithms(collective: str) -> None:
     width = max(len(n) for n in [*table, "auto"])
     print(f"# {collective}: algorithm, what it is, cost (α latency, β s/byte, γ reduction s/byte, "
           f"n bytes, p ranks, g ranks per node)")
+    if collective == "alltoall":
+        print("# n: the bytes each rank sends in all (n/p to each rank); α', β' between nodes, "
+              "c a local copy per byte")
     for name, algo in table.items():
         print(f"{name:<{width}}  {algo.summary}; cost {algo.cost}")
     print(f"{'auto':<{width}}  the algorithm the cost model predicts fastest for the size, ranks "

@@ -7,6 +7,7 @@ flat result buffer, and hands that buffer to the chosen algorithm, which works i
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from mpdl.collectives import registry
 from mpdl.collectives.checks import agree as _agree
 from mpdl.collectives.checks import allgather_bounds as _allgather_bounds
 from mpdl.collectives.checks import check_allgather_out as _check_allgather_out
+from mpdl.collectives.checks import check_blocks as _check_blocks
 from mpdl.collectives.checks import check_out as _check_out
 from mpdl.collectives.checks import pick as _pick
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
@@ -257,7 +259,12 @@ def reduce(x: Any, root: int = 0, op: str = "sum", algorithm: str = "auto",
 def alltoall(x: Any, comm: Any = None, algorithm: str = "auto", out: Any = None) -> Any:
     """Block j of x (x[j], its first axis of length p) goes to rank j; block i of the result came
     from rank i. The result has x's shape and dtype; `out` (of that shape and dtype) receives it,
-    and `out is x` exchanges in place. x is left untouched otherwise."""
+    and `out is x` exchanges in place. x is left untouched otherwise. With `out`, the call runs
+    through a cached plan (`mpdl.collectives.plan`) of these arrays."""
+    if out is not None and type(algorithm) is str:
+        plan = _plan.cached_alltoall(x, algorithm, comm, out)
+        if plan is not None:
+            return plan()
     return _prepare_alltoall(x, comm, algorithm, out)[1]()
 
 
@@ -266,14 +273,6 @@ def alltoall_async(x: Any, comm: Any = None, algorithm: str = "auto", out: Any =
     handle's `.wait()` gives the result; x must not change until the handle is done."""
     c, work = _prepare_alltoall(x, comm, algorithm, out)
     return engine_for(c).submit(work)
-
-
-def _check_blocks(x: Any, p: int) -> int:
-    """Elements per block of an all-to-all of x over p ranks."""
-    if x.ndim == 0 or x.shape[0] != p:
-        raise ValueError(f"x: expected a first axis of length {p} (one block per rank), got shape "
-                         f"{tuple(x.shape)}")
-    return x.size // p
 
 
 def _prepare_alltoall(x: Any, comm: Any, algorithm: str, out: Any):
@@ -313,6 +312,26 @@ def alltoallv(x: Any, send_counts: Any, comm: Any = None, algorithm: str = "auto
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm: expected a name, got {type(algorithm).__name__}")
     named = None if algorithm == "auto" else registry.resolve("alltoall", algorithm)
+    sends, exchanged, matrix = _alltoallv_counts(c, named, x, send_counts, recv_counts)
+    row = math.prod(x.shape[1:])
+    if named is None:
+        mean_bytes = sum(map(sum, matrix)) * row * x.itemsize // c.size
+        algo = _pick("alltoall", "auto", c, mean_bytes)
+    else:
+        algo = named
+    _agree(c, "alltoallv", algo.name, x.shape[1:], dtype, None, None)
+    layout = _blocks.varying([n * row for n in sends], [n * row for n in exchanged],
+                             None if matrix is None else [[n * row for n in r] for r in matrix])
+    out = xp.empty((sum(exchanged), *x.shape[1:]), dtype=dtype)
+    _run(c, algo, "alltoallv", out.reshape(-1), x.reshape(-1), layout)
+    return out, exchanged
+
+
+def _alltoallv_counts(c: Communicator, named: registry.Algorithm | None, x: Any, send_counts: Any,
+                      recv_counts: Any) -> tuple[list[int], list[int], list[list[int]] | None]:
+    """(this rank's send counts, its receive counts, every rank's send counts or None), exchanged
+    as the algorithm needs (see `alltoallv`). A rank whose counts are wrong sends -1s in the
+    exchange and raises its own error; the others raise one naming it."""
     p = c.size
     sends: list[int] | None = None
     recvs: list[int] | None = None
@@ -322,7 +341,7 @@ def alltoallv(x: Any, send_counts: Any, comm: Any = None, algorithm: str = "auto
         if recv_counts is not None:
             recvs = _counts.check_counts(recv_counts, p, "recv_counts")
     except ValueError as exc:
-        problem, sends = exc, None
+        sends, problem = None, exc
     matrix = None
     if named is None or named.needs_matrix:
         exchange_with = "mpi" if named is not None and named.name == "mpi" else "auto"
@@ -335,8 +354,8 @@ def alltoallv(x: Any, send_counts: Any, comm: Any = None, algorithm: str = "auto
     elif problem is not None:
         raise problem
     else:
-        exchanged = recvs
-    if recvs is not None and exchanged is not recvs:
+        return sends or [], recvs, None  # nothing exchanged: nothing to compare
+    if recvs is not None:  # compared on every rank, so that every rank raises alike
         fits = c.allgather_object(recvs == exchanged)
         if recvs != exchanged:
             raise ValueError(f"recv_counts: the ranks send this one {exchanged} rows, got "
@@ -345,18 +364,4 @@ def alltoallv(x: Any, send_counts: Any, comm: Any = None, algorithm: str = "auto
             raise ValueError(f"recv_counts: rank(s) {[r for r, ok in enumerate(fits) if not ok]} "
                              f"passed counts other than what the ranks send them; no rank sent "
                              f"any rows")
-    sends = sends or []
-    row = 1
-    for extent in x.shape[1:]:
-        row *= extent
-    if named is None:
-        mean_bytes = sum(map(sum, matrix)) * row * x.itemsize // p
-        algo = _pick("alltoall", "auto", c, mean_bytes)
-    else:
-        algo = named
-    _agree(c, "alltoallv", algo.name, x.shape[1:], dtype, None, None)
-    layout = _blocks.varying([n * row for n in sends], [n * row for n in exchanged],
-                             None if matrix is None else [[n * row for n in r] for r in matrix])
-    out = xp.empty((sum(exchanged), *x.shape[1:]), dtype=dtype)
-    _run(c, algo, "alltoallv", out.reshape(-1), x.reshape(-1), layout)
-    return out, exchanged
+    return sends or [], exchanged, matrix
