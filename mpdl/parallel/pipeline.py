@@ -37,6 +37,13 @@ With tp > 1, the pieces are those of `TensorParallelGPT` (each block split over 
 exchanging activations with the rank of the same t on the neighbouring stages, and `gathered()`
 also all-gathers the shards into the whole GPT.
 
+With cp > 1 (`mpdl.parallel.context`), the cp ranks of a replica read the same batch and each
+feeds its positions of every sequence (zigzag or contiguous): the embedding adds their global
+positions, every block's attention runs over cp_comm, each rank's loss is its positions' part
+of the sequences' mean, and the gradients are summed over dp × cp. With sp (Megatron sequence
+parallelism, `mpdl.parallel.tensor`), the embedding's output enters the tp ranks' sequence
+slices and the final LayerNorm's output leaves them.
+
 Bubble: with unit-time forwards and backwards, a stage of a p-stage pipeline with m microbatches
 is idle (p−1)/(m+p−1) of the step under either schedule (`slot_bubble` replays an executed order
 on that clock; `timed_bubble` on a clock of measured op times: each forward and backward span
@@ -60,6 +67,7 @@ from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
 from mpdl.collectives import allreduce, broadcast
 from mpdl.comm import Communicator, PersistentRequest
+from mpdl.parallel.context import context_attention, positions, shard_sequence
 from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, correct_predictions
@@ -76,11 +84,21 @@ class Embed(nn.Module):
     def __init__(self, gpt: Any) -> None:
         super().__init__()
         self.tok, self.pos, self.drop = gpt.token_embedding, gpt.position_embedding, gpt.dropout
+        #: (rank, cp, balance) when the input is a context-parallel slice of each sequence: its
+        #: tokens then take their global positions
+        self.sequence_shard: tuple[int, int, str] | None = None
+        #: into the sequence-parallel region (this tp rank's slice), when there is one
+        self.enter: Any = None
 
     def forward(self, idx: Any) -> Tensor:
         xp = get_array_module(self.tok.weight.data)
         idx = xp.asarray(idx.data if isinstance(idx, Tensor) else idx)
-        return self.drop(self.tok(idx) + self.pos(xp.arange(idx.shape[1])))
+        where = xp.arange(idx.shape[1])
+        if self.sequence_shard is not None:
+            rank, cp, balance = self.sequence_shard
+            where = xp.asarray(positions(rank, cp, idx.shape[1] * cp, balance))
+        x = self.tok(idx) + self.pos(where)
+        return self.drop(x if self.enter is None else self.enter(x))
 
 
 class Head(nn.Module):
@@ -90,9 +108,12 @@ class Head(nn.Module):
         super().__init__()
         self.ln_f = gpt.ln_f
         self.__dict__["tied"] = gpt.token_embedding.weight  # not a parameter of this piece
+        #: out of the sequence-parallel region (the whole sequence), when there is one
+        self.leave: Any = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(self.ln_f(x), self.tied)
+        x = self.ln_f(x)
+        return F.linear(x if self.leave is None else self.leave(x), self.tied)
 
 
 def model_pieces(model: Any) -> list[tuple[nn.Module, int]]:
@@ -233,15 +254,18 @@ def bubble_formula(pp: int, m: int) -> float:
 
 # -- the strategy --------------------------------------------------------------------------------
 class PipelineStrategy(Strategy):
-    """Pipeline parallelism over the pp axis of a (dp, pp, tp) grid, tensor parallelism of the
-    GPT's blocks over tp (`mpdl.parallel.tensor`), data parallelism over dp."""
+    """Pipeline parallelism over the pp axis of a (dp, pp, cp, tp) grid, tensor parallelism of
+    the GPT's blocks over tp (`mpdl.parallel.tensor`), context parallelism of its attention over
+    cp (`mpdl.parallel.context`: each cp rank holds a slice of every sequence and its part of
+    the loss, gradients are summed over dp × cp), data parallelism over dp."""
 
     mode = "pipeline"
     sharded_checkpoint = True
 
     def __init__(self, comm: Communicator, dp: int, pp: int, tp: int = 1, microbatches: int = 1,
                  schedule: str = "1f1b", algorithm: str = "auto", verbose: bool = False,
-                 zero: int = 0) -> None:
+                 zero: int = 0, cp: int = 1, cp_mode: str = "ring",
+                 cp_balance: str = "zigzag", sp: bool = False) -> None:
         super().__init__(comm)
         if zero not in (0, 1):
             raise ValueError(f"zero: with a pipeline or tensor parallelism only stage 1 (the "
@@ -250,7 +274,9 @@ class PipelineStrategy(Strategy):
             raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches: must be a positive int, not {microbatches!r}")
-        self.grid = ProcessGrid(comm, dp, pp, tp)
+        self.grid = ProcessGrid(comm, dp, pp, tp, cp)
+        self.cp, self.cp_mode, self.cp_balance = cp, cp_mode, cp_balance
+        self.sp = sp and tp > 1
         self.pp, self.stage = pp, self.grid.p
         self.microbatches, self.schedule, self.algorithm = microbatches, schedule, algorithm
         self.verbose, self.zero = verbose, zero
@@ -282,11 +308,20 @@ class PipelineStrategy(Strategy):
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
         self.model = model
         self.tp_model = None
-        if self.grid.tp > 1:
+        if self.grid.tp > 1 or self.cp > 1:
             if not hasattr(model, "blocks"):
-                raise ValueError("tp: tensor parallelism needs the GPT")
-            self.tp_model = TensorParallelGPT(model, self.grid.tp_comm, self.algorithm)
+                raise ValueError(f"{'tp' if self.grid.tp > 1 else 'cp'}: tensor and context "
+                                 f"parallelism need the GPT")
+            self.tp_model = TensorParallelGPT(model, self.grid.tp_comm, self.algorithm,
+                                              sequence_parallel=self.sp)
         pieces = model_pieces(self.tp_model or model)
+        if self.sp:
+            pieces[0][0].enter = self.tp_model.enter_sequence
+            pieces[-1][0].leave = self.tp_model.leave_sequence
+        if self.cp > 1:  # each rank holds a slice of every sequence
+            pieces[0][0].sequence_shard = (self.grid.c, self.cp, self.cp_balance)
+            for block in self.tp_model.blocks:
+                block.attn.attend = self._context_attention
         self.bounds = partition([w for _, w in pieces], self.pp)
         self.all_pieces = [piece for piece, _ in pieces]
         self.pieces = self.all_pieces[self.bounds[self.stage]:self.bounds[self.stage + 1]]
@@ -306,6 +341,28 @@ class PipelineStrategy(Strategy):
             self.optimizer = make_optimizer(self.stage_params)
         self._owned = {id(p) for p in self.stage_params}
         self._release_others()
+
+    def _context_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return context_attention(q, k, v, self.grid.cp_comm, self.cp_mode, self.cp_balance)
+
+    def _local(self, a: Any) -> Any:
+        """This rank's slice of (N, T) inputs or labels along the sequence (all of it at cp 1)."""
+        if self.cp == 1:
+            return a
+        return shard_sequence(a, self.grid.c, self.cp, self.cp_balance, axis=1)
+
+    def _loss(self, logits: Tensor, y: Any) -> tuple[Tensor, float]:
+        """The microbatch's loss and correct predictions; with cp, this rank's part of them:
+        its positions' summed loss over the positions of the whole sequences that have a
+        target (the parts of the cp ranks add up to the whole sequences' mean)."""
+        if self.cp == 1:
+            return F.cross_entropy(logits, y), correct_predictions(logits.data, y)
+        mine = self._local(y)
+        counted = max(int((y >= 0).sum()), 1)
+        loss = F.cross_entropy(logits, mine, reduction="sum") * (1.0 / counted)
+        xp = get_array_module(logits.data)
+        hits = (logits.data.argmax(axis=-1) == xp.asarray(mine)) & xp.asarray(mine >= 0)
+        return loss, len(y) * float(hits.sum()) / counted
 
     def _all_params(self) -> list[Any]:
         """Every trainable parameter of the model and of its tensor-parallel pieces, once."""
@@ -349,7 +406,8 @@ class PipelineStrategy(Strategy):
             was = self.model.training
             self.model.eval()
             shapes = []
-            with no_grad():
+            # the other stages' parameters are NaN placeholders: only the shapes count here
+            with no_grad(), np.errstate(invalid="ignore"):
                 h = Tensor(x[:1])
                 for s in range(self.pp):
                     for piece in self.all_pieces[self.bounds[s]:self.bounds[s + 1]]:
@@ -400,7 +458,7 @@ class PipelineStrategy(Strategy):
         parts = [p for p in np.array_split(np.arange(n), self.microbatches) if len(p)]
         m = len(parts)
         xp = get_array_module(self.stage_params[0].data) if self.stage_params else np
-        shapes = self._boundary_shapes(batch.x) if m and self.pp > 1 else []
+        shapes = self._boundary_shapes(self._local(batch.x)) if m and self.pp > 1 else []
         pp_comm, prev, nxt = self.grid.pp_comm, self.stage - 1, self.stage + 1
         inputs: dict[int, Tensor] = {}
         outputs: dict[int, Tensor] = {}
@@ -414,7 +472,7 @@ class PipelineStrategy(Strategy):
             if kind == "F":
                 t0 = time.perf_counter()
                 if self.first:
-                    h = Tensor(batch.x[idx[0]:idx[-1] + 1])
+                    h = Tensor(self._local(batch.x[idx[0]:idx[-1] + 1]))
                 else:
                     shape, dtype = shapes[prev]
                     self._say(f"recv activation mb {j} <- stage {prev}")
@@ -426,9 +484,9 @@ class PipelineStrategy(Strategy):
                 t2 = time.perf_counter()
                 if self.last:
                     y = batch.y[idx[0]:idx[-1] + 1]
-                    loss = F.cross_entropy(h, y)
+                    loss, correct = self._loss(h, y)
                     result.loss += float(loss.item()) * len(idx)
-                    result.correct += correct_predictions(h.data, y)
+                    result.correct += correct
                     result.samples += len(idx)
                     outputs[j] = loss * (len(idx) / batch.global_size)
                 else:
@@ -501,24 +559,36 @@ class PipelineStrategy(Strategy):
                 w.grad = get_array_module(w.data).zeros_like(w.data)
             self._say("all-reduce tied embedding gradient with the other end of the pipeline")
             w.grad = allreduce(w.grad, op="sum", algorithm=self.algorithm, comm=self.tied_comm)
-        if self.grid.dp == 1 or not self.stage_params or self.zero:
+        if self.sp:  # the sliced regions' parameters hold a part of the gradient per tp rank
+            self._sum_gradients([p for p in self.tp_model.sequence_parallel_params()
+                                 if id(p) in self._owned], self.grid.tp_comm, "tp")
+        if self.grid.dp * self.cp == 1 or not self.stage_params or self.zero:
             return  # ZeRO-1: the optimizer's step reduce-scatters over dp
-        xp = get_array_module(self.stage_params[0].data)
-        grads = [p.grad if p.grad is not None else xp.zeros_like(p.data)
-                 for p in self.stage_params]
+        self._sum_gradients(self.stage_params, self.grid.dcp_comm, "dp x cp")
+
+    def _sum_gradients(self, params: list[Any], comm: Communicator, axis: str) -> None:
+        """Replace the gradients of `params` by their sum over `comm` (one flat all-reduce)."""
+        if not params:
+            return
+        xp = get_array_module(params[0].data)
+        grads = [p.grad if p.grad is not None else xp.zeros_like(p.data) for p in params]
         flat = xp.concatenate([g.reshape(-1) for g in grads])
-        self._say(f"all-reduce {flat.nbytes} bytes of gradients over dp")
-        allreduce(flat, op="sum", algorithm=self.algorithm, comm=self.grid.dp_comm, out=flat)
+        self._say(f"all-reduce {flat.nbytes} bytes of gradients over {axis}")
+        allreduce(flat, op="sum", algorithm=self.algorithm, comm=comm, out=flat)
         offset = 0
-        for p in self.stage_params:
+        for p in params:
             p.grad = flat[offset:offset + p.size].reshape(p.shape)
             offset += p.size
 
     def _share_metrics(self, result: StepResult) -> None:
-        """The last stage's loss, correct predictions and samples on every stage."""
+        """The last stage's loss, correct predictions and samples on every stage, averaged over
+        the cp ranks' slices of the sequences."""
+        vec = np.array([result.loss, result.correct, result.samples], dtype=np.float64)
+        if self.cp > 1 and self.last:  # each cp rank's part of the sequences' loss
+            vec[:2] = allreduce(vec[:2], op="sum", comm=self.grid.cp_comm)
+            result.loss, result.correct = float(vec[0]), float(vec[1])
         if self.pp == 1:
             return
-        vec = np.array([result.loss, result.correct, result.samples], dtype=np.float64)
         vec = broadcast(vec, root=self.pp - 1, comm=self.grid.pp_comm)
         result.loss, result.correct, result.samples = float(vec[0]), float(vec[1]), int(vec[2])
 
@@ -593,7 +663,7 @@ class PipelineStrategy(Strategy):
                          if getattr(v, "shape", ()) == self.stage_params[k].shape else v
                          for key, v in state.items()}
             mine[i] = state
-        keep = self.grid.d == 0 and self.grid.t == 0
+        keep = self.grid.d == 0 and self.grid.c == 0 and self.grid.t == 0
         merged: dict[int, Any] = {}
         for part in self.comm.allgather_object(mine if keep else None):
             for i, state in (part or {}).items():
@@ -651,14 +721,14 @@ class PipelineStrategy(Strategy):
                 continue  # written by the first stage / by tp rank 0
             index = np.arange(full.size).reshape(full.shape)
             positions[k] = (index[where(g.t)] if where is not None else index).reshape(-1)
-            if g.d == 0:
+            if g.d == 0 and g.c == 0:
                 add("model", names[id(full)], None, full, positions[k], p.data)
         if self.zero:
             parts = self.optimizer.pieces()
         else:
             parts = [(k, 0, self.stage_params[k].size, st) for k, st in
                      ((int(k), st) for k, st in self.optimizer.state_dict()["state"].items())
-                     if g.d == 0]
+                     if g.d == 0 and g.c == 0]
         scalars: dict[str, Any] = {}
         entries = {k: (i, full) for k, i, full, _ in self._entries()}
         for k, a, b, st in parts:
@@ -678,7 +748,8 @@ class PipelineStrategy(Strategy):
         manifest = {"format": "parts", "ranks": self.comm.size, "scalars": scalars,
                     "param_groups": [{**group,
                                       "params": list(range(len(self.model.parameters())))}],
-                    "layout": {"dp": g.dp, "pp": self.pp, "tp": g.tp, "zero": self.zero}}
+                    "layout": {"dp": g.dp, "pp": self.pp, "cp": self.cp, "tp": g.tp,
+                               "zero": self.zero}}
         if not meta:
             return None, manifest
         arrays["meta"] = np.array(json.dumps(meta))
@@ -689,16 +760,25 @@ class PipelineStrategy(Strategy):
             return ""
         sizes = [sum(p.size for p in self._params_of(s)) for s in range(self.pp)]
         tp = f"tensor parallel over {self.grid.tp} ranks, " if self.grid.tp > 1 else ""
+        if self.sp:
+            tp = f"tensor and sequence parallel over {self.grid.tp} ranks, "
+        if self.cp > 1:
+            tp += (f"context parallel over {self.cp} ranks ({self.cp_mode}, "
+                   f"{self.cp_balance}), ")
         return (f"{tp}pipeline {self.schedule}, {self.pp} stages (pieces {self.bounds}, parameters "
-                f"{sizes}), {self.microbatches} microbatches, dp {self.grid.dp} "
+                f"{sizes}), {self.microbatches} microbatches, "
+                f"{f'dp x cp {self.grid.dp} x {self.cp}' if self.cp > 1 else f'dp {self.grid.dp}'} "
                 f"{'ZeRO-1 reduce-scatter/all-gather' if self.zero else 'all-reduce'} "
                 f"{self.algorithm}; bubble formula "
                 f"{bubble_formula(self.pp, self.microbatches):.1%}")
 
     def report(self, final: bool = False) -> dict[str, Any]:
         fields: dict[str, Any] = {"algorithm": self.algorithm,
-                                  "mode": self.mode if self.pp > 1 else "tensor",
-                                  "dp": self.grid.dp, "pp": self.pp, "tp": self.grid.tp,
+                                  "mode": self.mode if self.pp > 1 else
+                                  ("tensor" if self.grid.tp > 1 else "context"),
+                                  "dp": self.grid.dp, "pp": self.pp, "cp": self.cp,
+                                  "tp": self.grid.tp, "cp_mode": self.cp_mode,
+                                  "cp_balance": self.cp_balance, "sp": self.sp,
                                   "schedule": self.schedule, "microbatches": self.microbatches,
                                   "zero_stage": self.zero,
                                   "bubble_formula": bubble_formula(self.pp, self.microbatches)}

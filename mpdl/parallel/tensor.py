@@ -15,6 +15,20 @@ tp rank (the documented alternative to a vocabulary-parallel embedding and cross
 inputs and output gradients are the same on every tp rank, so their gradients are too, and they
 need no communication.
 
+**Sequence parallelism** (Megatron-LM, Korthikanti et al. 2022; `sequence_parallel=True`): the
+LayerNorms, the row-parallel biases and the dropouts run on this tp rank's contiguous slice of
+the sequence instead of the whole replicated activation, and the conjugate pair becomes
+
+    f: all-gather along the sequence forward, reduce-scatter of the gradient backward
+    g: reduce-scatter along the sequence forward, all-gather of the gradient backward
+
+which move the same bytes as the all-reduces they replace (an all-reduce is a reduce-scatter
+then an all-gather) while each rank keeps 1/T of those activations. The embedding's output is
+split (backward: all-gather), the final LayerNorm's output gathered (backward: this rank's
+slice; the loss is computed whole on every tp rank). The parameters of the sliced regions see
+only 1/T of the positions: `sequence_parallel_params()` lists them, and their gradients are
+summed over tp after backward.
+
 `TensorParallelGPT` wraps a GPT: the replicated parts are the GPT's own parameters, the shards new
 parameters holding slices of the GPT's. `gather_into_model()` all-gathers the shards back into
 the GPT's parameters (evaluation and checkpoints use the whole model), `scatter_from_model()`
@@ -29,7 +43,7 @@ import mpdl.autograd.functional as F
 from mpdl.autograd import nn
 from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
-from mpdl.collectives import allgather, allreduce
+from mpdl.collectives import allgather, allreduce, reduce_scatter
 from mpdl.comm import Communicator
 
 
@@ -41,6 +55,8 @@ class CopyToTP(Function):
         return x
 
     def backward(self, grad: Any) -> Any:
+        if self.comm.size == 1:
+            return grad
         return allreduce(grad, op="sum", algorithm=self.algorithm, comm=self.comm)
 
 
@@ -48,10 +64,96 @@ class ReduceFromTP(Function):
     """g: forward, the sum of the partial outputs over the tp ranks; identity backward."""
 
     def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto") -> Any:
+        if comm.size == 1:
+            return x
         return allreduce(x, op="sum", algorithm=algorithm, comm=comm)
 
     def backward(self, grad: Any) -> Any:
         return grad
+
+
+def _to_blocks(x: Any, p: int) -> Any:
+    """(B, T, ...) as (p, B, T/p, ...): rank t's contiguous slice of the sequence as block t."""
+    xp = get_array_module(x)
+    b, t = x.shape[:2]
+    return xp.ascontiguousarray(xp.moveaxis(x.reshape(b, p, t // p, *x.shape[2:]), 1, 0))
+
+
+def _from_blocks(blocks: Any) -> Any:
+    """(p, B, T/p, ...) blocks as the (B, T, ...) sequence."""
+    xp = get_array_module(blocks)
+    p, b, t = blocks.shape[:3]
+    return xp.moveaxis(blocks, 0, 1).reshape(b, p * t, *blocks.shape[3:])
+
+
+def gather_sequence(x: Any, comm: Communicator, algorithm: str = "auto") -> Any:
+    """Every tp rank's (B, T/p, ...) slice joined into the (B, T, ...) sequence."""
+    whole = allgather(x, algorithm=algorithm, comm=comm)
+    return _from_blocks(whole.reshape(comm.size, *x.shape))
+
+
+def reduce_scatter_sequence(x: Any, comm: Communicator, algorithm: str = "auto") -> Any:
+    """This rank's (B, T/p, ...) slice of the sum of (B, T, ...) x over the tp ranks."""
+    b, t = x.shape[:2]
+    mine = reduce_scatter(_to_blocks(x, comm.size), op="sum", algorithm=algorithm, comm=comm)
+    return mine.reshape(b, t // comm.size, *x.shape[2:])
+
+
+def sequence_slice(x: Any, comm: Communicator) -> Any:
+    """This rank's contiguous (B, T/p, ...) slice of a (B, T, ...) array."""
+    part = x.shape[1] // comm.size
+    return x[:, comm.rank * part:(comm.rank + 1) * part]
+
+
+class GatherSequence(Function):
+    """Sequence parallelism's f: all-gather along the sequence; backward, reduce-scatter."""
+
+    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto") -> Any:
+        self.comm, self.algorithm = comm, algorithm
+        return gather_sequence(x, comm, algorithm)
+
+    def backward(self, grad: Any) -> Any:
+        return reduce_scatter_sequence(grad, self.comm, self.algorithm)
+
+
+class ReduceScatterSequence(Function):
+    """Sequence parallelism's g: reduce-scatter along the sequence; backward, all-gather."""
+
+    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto") -> Any:
+        self.comm, self.algorithm = comm, algorithm
+        return reduce_scatter_sequence(x, comm, algorithm)
+
+    def backward(self, grad: Any) -> Any:
+        return gather_sequence(grad, self.comm, self.algorithm)
+
+
+class SplitSequence(Function):
+    """Into the sequence-parallel region: this rank's slice of a replicated activation;
+    backward, the all-gather of every rank's slice of the gradient."""
+
+    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto") -> Any:
+        self.comm, self.algorithm = comm, algorithm
+        return get_array_module(x).ascontiguousarray(sequence_slice(x, comm))
+
+    def backward(self, grad: Any) -> Any:
+        return gather_sequence(grad, self.comm, self.algorithm)
+
+
+class JoinSequence(Function):
+    """Out of the sequence-parallel region: the whole replicated activation; backward, this
+    rank's slice (every tp rank computes the same loss from it)."""
+
+    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto") -> Any:
+        self.comm = comm
+        return gather_sequence(x, comm, algorithm)
+
+    def backward(self, grad: Any) -> Any:
+        return get_array_module(grad).ascontiguousarray(sequence_slice(grad, self.comm))
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal scaled-dot-product attention of (B, H, T, hd) q, k and v."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def _shard(data: Any, index: Any) -> nn.Parameter:
@@ -62,9 +164,10 @@ def _shard(data: Any, index: Any) -> nn.Parameter:
 class TPAttention(nn.Module):
     """Causal self-attention on this tp rank's heads (column-parallel qkv, row-parallel proj)."""
 
-    def __init__(self, attn: Any, comm: Communicator, algorithm: str) -> None:
+    def __init__(self, attn: Any, comm: Communicator, algorithm: str,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.comm, self.algorithm = comm, algorithm
+        self.comm, self.algorithm, self.sequence_parallel = comm, algorithm, sequence_parallel
         c = attn.proj.weight.shape[0]
         self.heads = attn.n_head // comm.size
         width = self.heads * (c // attn.n_head)  # this rank's columns of q, k and v each
@@ -80,29 +183,34 @@ class TPAttention(nn.Module):
         self.proj_weight = _shard(attn.proj.weight.data, cols(comm.rank))
         self.proj_bias = attn.proj.bias  # replicated, added after the all-reduce
         self.dropout = attn.dropout
+        #: attention of this rank's (B, heads, T, hd) q, k, v (context parallelism swaps it)
+        self.attend = causal_attention
         self.__dict__["shards"] = [(self.qkv_weight, attn.qkv.weight, rows),
                                    (self.qkv_bias, attn.qkv.bias, rows),
                                    (self.proj_weight, attn.proj.weight, cols)]
 
     def forward(self, x: Tensor) -> Tensor:
+        x = (GatherSequence if self.sequence_parallel else CopyToTP).apply(
+            x, comm=self.comm, algorithm=self.algorithm)
         b, t, _ = x.shape
         h = self.heads
-        x = CopyToTP.apply(x, comm=self.comm, algorithm=self.algorithm)
         local = self.qkv_weight.shape[0] // 3
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias).reshape(b, t, 3, h, local // h)
         qkv = qkv.transpose(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        y = self.attend(qkv[0], qkv[1], qkv[2])
         y = F.linear(y.transpose(0, 2, 1, 3).reshape(b, t, local), self.proj_weight)
-        y = ReduceFromTP.apply(y, comm=self.comm, algorithm=self.algorithm)
+        y = (ReduceScatterSequence if self.sequence_parallel else ReduceFromTP).apply(
+            y, comm=self.comm, algorithm=self.algorithm)
         return self.dropout(y + self.proj_bias)
 
 
 class TPMLP(nn.Module):
     """The MLP on this tp rank's hidden units (column-parallel fc, row-parallel proj)."""
 
-    def __init__(self, mlp: Any, comm: Communicator, algorithm: str) -> None:
+    def __init__(self, mlp: Any, comm: Communicator, algorithm: str,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.comm, self.algorithm = comm, algorithm
+        self.comm, self.algorithm, self.sequence_parallel = comm, algorithm, sequence_parallel
         part = mlp.fc.weight.shape[0] // comm.size
 
         def rows(t: int) -> slice:
@@ -121,20 +229,24 @@ class TPMLP(nn.Module):
                                    (self.proj_weight, mlp.proj.weight, cols)]
 
     def forward(self, x: Tensor) -> Tensor:
-        x = CopyToTP.apply(x, comm=self.comm, algorithm=self.algorithm)
+        x = (GatherSequence if self.sequence_parallel else CopyToTP).apply(
+            x, comm=self.comm, algorithm=self.algorithm)
         y = F.linear(F.gelu(F.linear(x, self.fc_weight, self.fc_bias)), self.proj_weight)
-        y = ReduceFromTP.apply(y, comm=self.comm, algorithm=self.algorithm)
+        y = (ReduceScatterSequence if self.sequence_parallel else ReduceFromTP).apply(
+            y, comm=self.comm, algorithm=self.algorithm)
         return self.dropout(y + self.proj_bias)
 
 
 class TPBlock(nn.Module):
-    """A transformer block with tensor-parallel attention and MLP, replicated LayerNorms."""
+    """A transformer block with tensor-parallel attention and MLP, replicated LayerNorms (with
+    sequence parallelism: on this rank's slice of the sequence)."""
 
-    def __init__(self, block: Any, comm: Communicator, algorithm: str) -> None:
+    def __init__(self, block: Any, comm: Communicator, algorithm: str,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.ln1, self.ln2 = block.ln1, block.ln2
-        self.attn = TPAttention(block.attn, comm, algorithm)
-        self.mlp = TPMLP(block.mlp, comm, algorithm)
+        self.attn = TPAttention(block.attn, comm, algorithm, sequence_parallel)
+        self.mlp = TPMLP(block.mlp, comm, algorithm, sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
@@ -145,25 +257,50 @@ class TensorParallelGPT(nn.Module):
     """A GPT whose blocks are split over `comm` (the tp axis); the rest is the GPT's own,
     replicated. Has the GPT's attribute names, so a pipeline cuts it like a GPT."""
 
-    def __init__(self, gpt: Any, comm: Communicator, algorithm: str = "auto") -> None:
+    def __init__(self, gpt: Any, comm: Communicator, algorithm: str = "auto",
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         if gpt.n_head % comm.size:
             raise ValueError(f"tp: {comm.size} tensor-parallel ranks must divide the "
                              f"{gpt.n_head} heads")
         self.token_embedding, self.position_embedding = gpt.token_embedding, gpt.position_embedding
         self.dropout, self.ln_f = gpt.dropout, gpt.ln_f
-        self.blocks = nn.ModuleList(TPBlock(b, comm, algorithm) for b in gpt.blocks)
-        self.comm = comm
+        self.blocks = nn.ModuleList(TPBlock(b, comm, algorithm, sequence_parallel)
+                                    for b in gpt.blocks)
+        self.comm, self.algorithm, self.sequence_parallel = comm, algorithm, sequence_parallel
         self.__dict__["gpt"] = gpt  # not a submodule: its sharded weights are not trained here
 
     def forward(self, idx: Any) -> Tensor:
         xp = get_array_module(self.token_embedding.weight.data)
         data = xp.asarray(idx.data if isinstance(idx, Tensor) else idx)
-        x = self.dropout(self.token_embedding(data) + self.position_embedding(
-            xp.arange(data.shape[1])))
+        x = self.dropout(self.enter_sequence(self.token_embedding(data) + self.position_embedding(
+            xp.arange(data.shape[1]))))
         for block in self.blocks:
             x = block(x)
-        return F.linear(self.ln_f(x), self.token_embedding.weight)
+        return F.linear(self.leave_sequence(self.ln_f(x)), self.token_embedding.weight)
+
+    def enter_sequence(self, x: Tensor) -> Tensor:
+        """x as the blocks take it: this rank's slice with sequence parallelism, else x."""
+        if not self.sequence_parallel:
+            return x
+        return SplitSequence.apply(x, comm=self.comm, algorithm=self.algorithm)
+
+    def leave_sequence(self, x: Tensor) -> Tensor:
+        """The blocks' output made whole again for the output projection."""
+        if not self.sequence_parallel:
+            return x
+        return JoinSequence.apply(x, comm=self.comm, algorithm=self.algorithm)
+
+    def sequence_parallel_params(self) -> list[Any]:
+        """The parameters used on slices of the sequence (LayerNorms, row-parallel biases):
+        with sequence parallelism each tp rank holds part of their gradient."""
+        if not self.sequence_parallel:
+            return []
+        params = [*self.ln_f.parameters()]
+        for b in self.blocks:
+            params += [*b.ln1.parameters(), *b.ln2.parameters(), b.attn.proj_bias,
+                       b.mlp.proj_bias]
+        return params
 
     @property
     def shards(self) -> list[tuple[Any, Any, Any]]:

@@ -36,6 +36,7 @@ from mpdl import datasets, emulation
 from mpdl.autograd.optim import scale_lr
 from mpdl.collectives.registry import algorithms
 from mpdl.parallel.compression import COMPRESSORS, make_compression
+from mpdl.parallel.context import CP_BALANCES, CP_MODES
 from mpdl.parallel.ps import check_config
 from mpdl.parallel.zero import ALGORITHMS as ZERO_ALGORITHMS
 from mpdl.parallel.zero import STAGES as ZERO_STAGES
@@ -233,7 +234,7 @@ class OptimConfig:
 @dataclasses.dataclass
 class ParallelConfig:
     """How the ranks share the work: data parallel (plain or ZeRO), a parameter server, or a
-    process grid dp x pp x tp."""
+    process grid dp x pp x cp x tp."""
 
     mode: str = option("allreduce", "ps: parameter server; the last --servers ranks hold the "
                        "parameters and run sgd, the others train; synchronous unless --staleness "
@@ -254,15 +255,25 @@ class ParallelConfig:
                                "(nodes from MPI shared memory or MPDL_RANKS_PER_NODE; equal sizes)")
     prefetch: bool = option(True, "--zero 3: gather each unit's parameters only when it runs, not "
                             "while the previous one computes", flag="--no-prefetch")
-    #: the process grid (dp × pp × tp = world size); dp None: the world size / (pp × tp)
-    dp: int | None = option(None, "data-parallel degree of the process grid dp x pp x tp "
-                            "(default: the number of ranks / (pp x tp)); ranks row-major, tp "
+    #: the process grid (dp × pp × cp × tp = world size); dp None: the world size / (pp × cp × tp)
+    dp: int | None = option(None, "data-parallel degree of the process grid dp x pp x cp x tp "
+                            "(default: the number of ranks / (pp x cp x tp)); ranks row-major, tp "
                             "fastest", check=OPTIONAL_POSITIVE_INT, metavar="D")
     pp: int = option(1, "pipeline stages, balanced by parameter count (mlp, lenet, gpt)",
                      check=POSITIVE_INT, metavar="P")
     tp: int = option(1, "tensor-parallel degree: Megatron attention heads and MLP split over T "
                      "ranks (gpt; embeddings and LayerNorms replicated)", check=POSITIVE_INT,
                      metavar="T")
+    #: context parallelism: cp ranks share each sequence (mpdl.parallel.context)
+    cp: int = option(1, "context-parallel degree: each sequence split over C ranks, attention "
+                     "across them (gpt)", check=POSITIVE_INT, metavar="C")
+    cp_mode: str = option("ring", "--cp: K/V blocks passed around a ring, K/V all-gathered, or "
+                          "all-to-all of heads and positions", choices=CP_MODES)
+    cp_balance: str = option("zigzag", "--cp: rank r holds chunks r and 2C-1-r of 2C (equal "
+                             "causal work), or chunk r of C", choices=CP_BALANCES)
+    #: Megatron sequence parallelism with tp (mpdl.parallel.tensor)
+    sp: bool = option(False, "--tp: Megatron sequence parallelism, LayerNorms and dropouts on a "
+                      "slice of the sequence, reduce-scatter + all-gather instead of all-reduce")
     microbatches: int = option(1, "--pp/--tp: microbatches per step", check=POSITIVE_INT,
                                metavar="M")
     schedule: str = option("1f1b", "--pp: all forward then all backward (GPipe), or one forward "
@@ -278,11 +289,16 @@ class ParallelConfig:
         or the data-parallel degree of a process grid."""
         if self.mode == "ps":
             return world_size - self.servers
-        return world_size // (self.pp * self.tp) if self.model_parallel() else world_size
+        return world_size // self.model_ranks() if self.model_parallel() else world_size
+
+    def model_ranks(self) -> int:
+        """The ranks of one data-parallel replica: pp × cp × tp."""
+        return self.pp * self.cp * self.tp
 
     def model_parallel(self) -> bool:
-        """Whether the run splits the model (pipeline or tensor parallelism)."""
-        return self.pp > 1 or self.tp > 1
+        """Whether the run splits the model or its sequences (pipeline, tensor or context
+        parallelism)."""
+        return self.pp > 1 or self.tp > 1 or self.cp > 1
 
 
 @dataclasses.dataclass
@@ -481,18 +497,23 @@ def validate(config: TrainConfig, world_size: int) -> None:
 
 
 def validate_grid(config: TrainConfig, world_size: int) -> None:
-    """The process grid (dp × pp × tp), the pipeline's options and what they cannot combine
+    """The process grid (dp × pp × cp × tp), the pipeline's options and what they cannot combine
     with."""
     p, m = config.parallel, config.model
-    if p.dp is None and world_size % (p.pp * p.tp):
-        raise ConfigError(f"{{parallel.pp}} x {{parallel.tp}} = {p.pp} x {p.tp} = {p.pp * p.tp} "
-                          f"must divide the number of ranks ({world_size})")
-    dp = p.dp if p.dp is not None else world_size // (p.pp * p.tp)
-    if dp * p.pp * p.tp != world_size:
-        raise ConfigError(f"{{parallel.dp}} x {{parallel.pp}} x {{parallel.tp}} = {dp} x {p.pp} "
-                          f"x {p.tp} = {dp * p.pp * p.tp} must equal the number of ranks "
+    replica = p.model_ranks()
+    axes = ("pp", "cp", "tp") if p.cp > 1 else ("pp", "tp")
+    names = " x ".join(f"{{parallel.{a}}}" for a in axes)
+    sizes = " x ".join(str(getattr(p, a)) for a in axes)
+    if p.dp is None and world_size % replica:
+        raise ConfigError(f"{names} = {sizes} = {replica} must divide the number of ranks "
                           f"({world_size})")
-    grid = "{parallel.pp} > 1 or {parallel.tp} > 1"
+    dp = p.dp if p.dp is not None else world_size // replica
+    if dp * replica != world_size:
+        raise ConfigError(f"{{parallel.dp}} x {names} = {dp} x {sizes} = {dp * replica} must "
+                          f"equal the number of ranks ({world_size})")
+    validate_context(config)
+    grid = "{parallel.pp} > 1 or {parallel.tp} > 1" if p.pp > 1 or p.tp > 1 \
+        else "{parallel.cp} > 1"
     if not p.model_parallel():
         for key in ("parallel.microbatches", "parallel.schedule", "parallel.verbose_comm"):
             if getattr(p, key.split(".")[1]) != OPTIONS[key].default:
@@ -523,6 +544,44 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
         if value != OPTIONS[key].default:
             raise ConfigError(f"{grid} cannot be combined with {{{key}}} (not supported with "
                               f"model parallelism yet)")
+
+
+def validate_context(config: TrainConfig) -> None:
+    """Context parallelism: its split of the sequence and what the model must offer; sequence
+    parallelism: its tensor-parallel ranks."""
+    p, m = config.parallel, config.model
+    if p.sp and p.tp == 1:
+        raise ConfigError("{parallel.sp} needs {parallel.tp} > 1 (sequence parallelism splits the "
+                          "tensor-parallel ranks' LayerNorm and dropout regions along the "
+                          "sequence)")
+    length = sequence_length(config) if m.name == "gpt" else 0
+    if p.sp and (length // p.cp) % p.tp:
+        raise ConfigError(f"{{parallel.sp}}: each rank's {length // p.cp} positions of a sequence "
+                          f"must be divisible by {{parallel.tp}} {p.tp}")
+    if p.cp == 1:
+        return
+    if m.name != "gpt":
+        raise ConfigError(f"{{parallel.cp}} > 1 needs {{model.name}} gpt (it splits the sequences "
+                          f"attention runs over), not {m.name}")
+    if p.cp_mode == "ulysses" and m.n_head % (p.cp * p.tp):
+        raise ConfigError(f"{{parallel.cp_mode}} ulysses: {{parallel.cp}} {p.cp} must divide the "
+                          f"{m.n_head // p.tp} heads of a tensor-parallel rank ({{model.n_head}} "
+                          f"{m.n_head} / {{parallel.tp}} {p.tp})")
+    if p.zero:
+        raise ConfigError("{parallel.cp} > 1 cannot be combined with {parallel.zero} (not "
+                          "supported yet)")
+    parts = p.cp * (2 if p.cp_balance == "zigzag" else 1)
+    if length % parts:
+        raise ConfigError(f"{{parallel.cp}} {p.cp} with {{parallel.cp_balance}} {p.cp_balance}: "
+                          f"the sequence length {length} must be divisible by {parts}"
+                          + (" (2 x cp chunks)" if parts != p.cp else ""))
+
+
+def sequence_length(config: TrainConfig) -> int:
+    """The tokens of one training sequence of a sequence task."""
+    if config.data.dataset == "addition":
+        return 3 * config.data.digits + 2
+    return config.model.block_size or TEXT_BLOCK_SIZE
 
 
 def validate_sequence(config: TrainConfig) -> None:

@@ -25,7 +25,8 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
     if p.model_parallel():
         return PipelineStrategy(comm, dp=p.data_ranks(comm.size), pp=p.pp, tp=p.tp,
                                 microbatches=p.microbatches, schedule=p.schedule,
-                                algorithm=c.algorithm, verbose=p.verbose_comm, zero=p.zero)
+                                algorithm=c.algorithm, verbose=p.verbose_comm, zero=p.zero,
+                                cp=p.cp, cp_mode=p.cp_mode, cp_balance=p.cp_balance, sp=p.sp)
     common = dict(algorithm=c.algorithm, bucket_mb=c.bucket_mb, first_bucket_mb=c.first_bucket_mb,
                   overlap=c.overlap)
     if p.zero:
