@@ -2,6 +2,7 @@
 
 Public calls take NumPy or CuPy arrays and return the same kind. `comm` is an mpi4py communicator
 (default MPI.COMM_WORLD) or an mpdl Communicator (for example one rank of the in-process world).
+`alltoall` and `alltoallv` exchange blocks between every pair of ranks.
 `allreduce_init`, `reduce_scatter_init` and `allgather_init` prepare persistent plans
 (`mpdl.collectives.plan`).
 """
@@ -11,6 +12,9 @@ from mpdl.collectives.api import (
     allgather_async,
     allreduce,
     allreduce_async,
+    alltoall,
+    alltoall_async,
+    alltoallv,
     broadcast,
     reduce,
     reduce_scatter,
@@ -23,4 +27,4 @@ from mpdl.collectives.registry import COLLECTIVES, REGISTRY, algorithms
 __all__ = ["allreduce", "allreduce_async", "reduce_scatter", "reduce_scatter_async",
            "allgather", "allgather_async", "broadcast", "reduce", "algorithms", "Handle",
            "COLLECTIVES", "REGISTRY", "Plan", "allreduce_init", "reduce_scatter_init",
-           "allgather_init"]
+           "allgather_init", "alltoall", "alltoall_async", "alltoallv"]

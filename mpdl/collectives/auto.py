@@ -75,6 +75,8 @@ class Model:
 
 def simple_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
     """The size rule `auto` uses when no cost model is usable."""
+    if collective == "alltoall":
+        return "pairwise"
     if collective != "allreduce":
         return "ring"
     if nbytes <= AUTO_SMALL_BYTES:

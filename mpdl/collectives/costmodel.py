@@ -464,12 +464,59 @@ def _native(s: Setting) -> Setting:
                                      alpha_inter=s.params.alpha_native + extra), seg=1 << 62)
 
 
+#: MPICH's all-to-all switch points, bytes per destination (MPIR_CVAR_ALLTOALL_SHORT_MSG_SIZE and
+#: MPIR_CVAR_ALLTOALL_MEDIUM_MSG_SIZE): Bruck at or below the first when p >= 8, the scattered
+#: algorithm at or below the second, pairwise exchange above it
+MPICH_ALLTOALL_SHORT_BYTES = 256
+MPICH_ALLTOALL_MEDIUM_BYTES = 32768
+
+
+def mpi_alltoall_time(s: Setting) -> float:
+    """MPICH's choice by bytes per destination, timed with the library's own latency."""
+    native = _native(s)
+    per_destination = s.n / s.p
+    if per_destination <= MPICH_ALLTOALL_SHORT_BYTES and s.p >= 8:
+        return bruck_alltoall_time(native)
+    return pairwise_alltoall_time(native)
+
+
 def mpi_allreduce_time(s: Setting) -> float:
     """MPICH: recursive doubling for short messages, Rabenseifner for long ones."""
     native = _native(s)
     if s.n <= MPICH_SHORT_BYTES:
         return recursive_doubling_time(native)
     return rabenseifner_time(native)
+
+
+# -- all-to-all: n is what each rank sends in all (its own block included), n/p per destination --
+def _step_crosses(s: Setting, dst: np.ndarray) -> bool:
+    """Does any rank's message of one step (rank r to dst[r]) cross a node boundary?"""
+    return s.crosses(np.arange(s.p), dst)
+
+
+def pairwise_alltoall_time(s: Setting) -> float:
+    """p-1 exchanges of one block, one after another, and the local copy of this rank's own."""
+    block, ranks = s.n / s.p, np.arange(s.p)
+    power_of_two = s.p & (s.p - 1) == 0
+    steps = 0.0
+    for i in range(1, s.p):
+        dst = ranks ^ i if power_of_two else (ranks + i) % s.p
+        steps += s.msg(block, _step_crosses(s, dst))
+    return steps + s.params.copy_time(block)
+
+
+def bruck_alltoall_time(s: Setting) -> float:
+    """ceil(lg p) steps, step k carrying the blocks whose index has bit k set (about n/2), each
+    packed before and unpacked after; a rotation of the whole array before and after."""
+    block, ranks = s.n / s.p, np.arange(s.p)
+    t = 2 * s.params.copy_time(s.n)
+    distance = 1
+    while distance < s.p:
+        moved = sum(1 for i in range(s.p) if i & distance) * block
+        t += s.msg(moved, _step_crosses(s, (ranks + distance) % s.p))
+        t += 2 * s.params.copy_time(moved)
+        distance *= 2
+    return t
 
 
 def tree_reduce_scatter_time(s: Setting) -> float:
@@ -508,6 +555,7 @@ FORMULAS: dict[str, dict[str, Callable[[Setting], float]]] = {
                   "mpi": lambda s: tree_broadcast_time(_native(s))},
     "reduce": {"ring": ring_reduce_time, "tree": tree_reduce_time,
                "mpi": lambda s: tree_reduce_time(_native(s))},
+    "alltoall": {"pairwise": pairwise_alltoall_time, "mpi": lambda s: mpi_alltoall_time(s)},
 }
 
 
