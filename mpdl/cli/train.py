@@ -64,6 +64,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gpt: width of the embeddings (default: %(default)s)")
     g.add_argument("--block-size", type=int, metavar="T",
                    help="gpt: the longest sequence (default: addition 3 x digits + 2, text 64)")
+    g.add_argument("--moe-experts", type=int, default=0, metavar="E",
+                   help="gpt: a mixture of E expert MLPs with a router in place of the MLP "
+                        "(default: %(default)s, dense)")
+    g.add_argument("--moe-every", type=int, default=1, metavar="N",
+                   help="--moe-experts: in blocks 0, N, 2N, ... (default: %(default)s, every block)")
+    g.add_argument("--moe-top-k", type=int, default=2, metavar="{1,2}",
+                   help="--moe-experts: experts per token; top-2 gates renormalised, top-1 the "
+                        "router probability (default: %(default)s)")
+    g.add_argument("--moe-capacity-factor", type=float, default=0.0, metavar="CF",
+                   help="--moe-experts: each expert takes at most ceil(tokens x k / E x CF) of a "
+                        "rank's routings, the rest dropped by position; 0: dropless (default: "
+                        "%(default)s)")
+    g.add_argument("--moe-aux-loss-coef", type=float, default=0.01, metavar="ALPHA",
+                   help="--moe-experts: load-balancing loss coefficient (default: %(default)s)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int,
                    help="total epochs (a resumed run continues up to this) (default: "
@@ -148,6 +162,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, metavar="T",
                    help="tensor-parallel degree: Megatron attention heads and MLP split over T "
                         "ranks (gpt; embeddings and LayerNorms replicated; default: %(default)s)")
+    g.add_argument("--ep", type=int, default=1, metavar="P",
+                   help="expert parallelism: groups of P data-parallel ranks share the "
+                        "--moe-experts E experts, E/P on each, tokens moved by all-to-all "
+                        "(default: %(default)s)")
     g.add_argument("--microbatches", type=int, default=1, metavar="M",
                    help="--pp/--tp: microbatches per step (default: %(default)s)")
     g.add_argument("--schedule", default="1f1b", metavar="{afab,1f1b}",
@@ -224,7 +242,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
         digits=args.digits, zero=args.zero, prefetch=not args.no_prefetch,
         zero_hybrid=args.zero_hybrid, dp=args.dp, pp=args.pp, tp=args.tp,
-        microbatches=args.microbatches, schedule=args.schedule, verbose_comm=args.verbose_comm)
+        microbatches=args.microbatches, schedule=args.schedule, verbose_comm=args.verbose_comm,
+        moe_experts=args.moe_experts, moe_every=args.moe_every, moe_top_k=args.moe_top_k,
+        moe_capacity_factor=args.moe_capacity_factor, moe_aux_loss_coef=args.moe_aux_loss_coef,
+        ep=args.ep)
 
 
 def limit_blas_threads() -> None:

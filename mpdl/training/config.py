@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import datasets, emulation
+from mpdl.autograd.moe import MoESettings
 from mpdl.autograd.optim import scale_lr
 from mpdl.collectives.registry import algorithms
 from mpdl.parallel.compression import COMPRESSORS, make_compression
@@ -47,7 +48,8 @@ COMPRESSION_LR_SCALE = {"signsgd": 0.25}
 BASE_BATCH = 256
 #: config fields a resumed run must share with the checkpoint
 RESUME_FIELDS = ("model", "dataset", "synthetic_shape", "synthetic_samples", "global_batch_size",
-                 "seed", "dtype", "n_layer", "n_head", "n_embd", "block_size", "digits")
+                 "seed", "dtype", "n_layer", "n_head", "n_embd", "block_size", "digits",
+                 "moe_experts", "moe_every", "moe_top_k")
 
 
 class ConfigError(ValueError):
@@ -159,6 +161,15 @@ class TrainConfig:
     microbatches: int = 1
     schedule: str = "1f1b"
     verbose_comm: bool = False
+    #: mixture of experts (gpt): experts per MoE layer (0: dense MLPs), in every `moe_every`-th
+    #: block; top-k routing, capacity factor (0: dropless), load-balancing loss coefficient
+    moe_experts: int = 0
+    moe_every: int = 1
+    moe_top_k: int = 2
+    moe_capacity_factor: float = 0.0
+    moe_aux_loss_coef: float = 0.01
+    #: expert parallelism: the data-parallel ranks in groups of `ep` sharing the experts
+    ep: int = 1
 
     def ps_mode(self) -> str:
         """The parameter server's synchronisation: sync, ssp (staleness) or async (ps_async)."""
@@ -170,6 +181,13 @@ class TrainConfig:
         if self.mode == "ps":
             return world_size - self.servers
         return world_size // (self.pp * self.tp) if self.model_parallel() else world_size
+
+    def moe(self) -> MoESettings | None:
+        """The GPT's mixture-of-experts layers, or None for dense MLPs."""
+        if not self.moe_experts:
+            return None
+        return MoESettings(self.moe_experts, self.moe_top_k, self.moe_capacity_factor,
+                           self.moe_aux_loss_coef, self.moe_every)
 
     def model_parallel(self) -> bool:
         """Whether the run splits the model (pipeline or tensor parallelism)."""
@@ -221,6 +239,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"{{lr}}: expected a positive learning rate, got {config.lr}")
     validate_communication(config, world_size)
     validate_grid(config, world_size)
+    validate_moe(config, world_size)
     ranks = config.data_ranks(world_size)
     if config.global_batch_size < ranks:
         what = "workers" if config.mode == "ps" else "ranks"
@@ -307,6 +326,46 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
         if getattr(config, field) != default:
             raise ConfigError(f"{{pp}} > 1 or {{tp}} > 1 cannot be combined with {{{field}}} "
                               f"(not supported with model parallelism yet)")
+
+
+def validate_moe(config: TrainConfig, world_size: int) -> None:
+    """The mixture-of-experts fields, expert parallelism and what they cannot combine with."""
+    for field in ("moe_experts", "moe_every", "ep"):
+        value = getattr(config, field)
+        least = 0 if field == "moe_experts" else 1
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigError(f"{{{field}}}: expected an integer >= {least}, got "
+                              f"{literal(repr(value))}")
+    for field in ("moe_capacity_factor", "moe_aux_loss_coef"):
+        if not getattr(config, field) >= 0:
+            raise ConfigError(f"{{{field}}}: expected a number >= 0, got "
+                              f"{getattr(config, field)}")
+    if config.moe_top_k not in (1, 2):
+        raise ConfigError(f"{{moe_top_k}}: expected 1 or 2, got {literal(repr(config.moe_top_k))}")
+    if not config.moe_experts:
+        if config.ep > 1:
+            raise ConfigError("{ep} > 1 needs {moe_experts} E > 0 (experts to share)")
+        return
+    if config.model != "gpt":
+        raise ConfigError(f"{{moe_experts}} needs {{model}} gpt, not {config.model}")
+    if config.moe_top_k > config.moe_experts:
+        raise ConfigError(f"{{moe_top_k}} {config.moe_top_k} must not exceed {{moe_experts}} "
+                          f"{config.moe_experts} (each token goes to k different experts)")
+    if config.moe_experts % config.ep:
+        raise ConfigError(f"{{moe_experts}} {config.moe_experts} must be divisible by {{ep}} "
+                          f"{config.ep} (each rank of an expert-parallel group holds E / ep "
+                          f"experts)")
+    ranks = config.data_ranks(world_size)
+    if ranks % config.ep:
+        raise ConfigError(f"{{ep}} {config.ep} must divide the {ranks} data-parallel ranks")
+    if config.model_parallel() or config.mode != "allreduce" or config.sync_every > 1 \
+            or config.compression != "none" or config.zero not in (0, 1):
+        raise ConfigError("{moe_experts} combines with plain data parallelism or {zero} 1 only "
+                          "(not with {pp}, {tp}, {mode} ps, {sync_every}, {compression} or "
+                          "{zero} 2/3 yet)")
+    if config.checkpoint and (config.ep > 1 or config.zero):
+        raise ConfigError("{checkpoint} with {moe_experts} needs {ep} 1 and no {zero} (the "
+                          "optimizer state of experts held on other ranks is not saved yet)")
 
 
 def validate_sequence(config: TrainConfig) -> None:

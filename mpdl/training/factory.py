@@ -8,6 +8,7 @@ from typing import Any
 from mpdl.autograd import optim
 from mpdl.comm import Communicator
 from mpdl.parallel.compression import make_compression
+from mpdl.parallel.expert import ExpertParallelStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategies import AllReduceStrategy, LocalSGDStrategy, ParameterServerStrategy
 from mpdl.parallel.strategy import Strategy
@@ -26,6 +27,9 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
         return PipelineStrategy(comm, dp=c.data_ranks(comm.size), pp=c.pp, tp=c.tp,
                                 microbatches=c.microbatches, schedule=c.schedule,
                                 algorithm=c.algorithm, verbose=c.verbose_comm, zero=c.zero)
+    if c.moe_experts:
+        return ExpertParallelStrategy(comm, ep=c.ep, algorithm=c.algorithm, bucket_mb=c.bucket_mb,
+                                      first_bucket_mb=c.first_bucket_mb, zero=c.zero)
     common = dict(algorithm=c.algorithm, bucket_mb=c.bucket_mb, first_bucket_mb=c.first_bucket_mb,
                   overlap=c.overlap)
     if c.zero:
