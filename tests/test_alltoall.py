@@ -7,10 +7,17 @@ of rank j); tests/mpi/test_alltoall.py compares the same algorithms with MPI_All
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from mpdl import collectives as C
+from mpdl import emulation
+from mpdl.collectives import auto
+from mpdl.collectives import costmodel as cm
 from mpdl.threadworld import run_world
 
 OURS = [a for a in C.algorithms("alltoall") if a != "mpi"]
@@ -180,3 +187,208 @@ def test_alltoallv_recv_counts_that_do_not_match_raise_on_every_rank():
 def test_unknown_algorithm_names_the_choices():
     with pytest.raises(ValueError, match="algorithm: expected 'auto' or one of pairwise"):
         run_world(2, lambda c: C.alltoall(np.ones(2), comm=c, algorithm="ring"))
+
+
+@pytest.mark.parametrize("algorithm", OURS)
+def test_persistent_plan_runs_again_on_new_values_in_place_and_not(algorithm):
+    p = 5
+    rounds = [inputs(p, 3, "int64"), inputs(p, 4, "int64")[:p]]
+    rounds[1] = [x[:, :3].copy() for x in rounds[1]]
+
+    def body(c):
+        x = rounds[0][c.rank].copy()
+        plan = C.alltoall_init(x, comm=c, algorithm=algorithm)
+        held = x.copy()
+        in_place = C.alltoall_init(held, comm=c, algorithm=algorithm, out=held)
+        results = []
+        for values in rounds:
+            x[...] = values[c.rank]
+            held[...] = values[c.rank]
+            results.append((plan().copy(), in_place.start().wait().copy()))
+        return results
+
+    out = run_world(p, body, ranks_per_node=2)
+    for r in range(p):
+        for k, values in enumerate(rounds):
+            assert_bits(out[r][k][0], expected(values, r))
+            assert_bits(out[r][k][1], expected(values, r))
+
+
+def test_async_handles_complete_in_issue_order():
+    p = 4
+    rounds = [inputs(p, k) for k in (1, 2, 3)]
+
+    def body(c):
+        handles = [C.alltoall_async(xs[c.rank], comm=c, algorithm=a)
+                   for xs, a in zip(rounds, ["pairwise", "bruck", "auto"], strict=True)]
+        blocking = C.alltoall(rounds[0][c.rank], comm=c, algorithm="scattered")
+        return [h.wait() for h in handles], blocking
+
+    for r, (results, blocking) in enumerate(run_world(p, body)):
+        for xs, result in zip(rounds, results, strict=True):
+            assert_bits(result, expected(xs, r))
+        assert_bits(blocking, expected(rounds[0], r))
+
+
+def test_repeated_calls_with_out_run_a_cached_plan_with_the_same_bytes():
+    p = 3
+    xs = inputs(p, 5)
+
+    def body(c):
+        x, out = xs[c.rank].copy(), np.empty_like(xs[c.rank])
+        return [C.alltoall(x, comm=c, algorithm="pairwise", out=out).copy() for _ in range(3)]
+
+    for r, results in enumerate(run_world(p, body)):
+        for result in results:
+            assert_bits(result, expected(xs, r))
+
+
+def test_hierarchical_nodes_need_not_be_consecutive_ranks(monkeypatch):
+    """Nodes {0, 2, 4}, {1, 3}: the blocks of a node are not back to back in the buffers."""
+    from mpdl.threadworld import ThreadComm
+
+    monkeypatch.setattr(ThreadComm, "node_of_rank", lambda self: [r % 2 for r in range(self.size)])
+    for p in (4, 5):
+        xs = inputs(p, 3)
+        out = run_world(p, lambda c: C.alltoall(xs[c.rank], comm=c, algorithm="hierarchical"))
+        for r, result in enumerate(out):
+            assert_bits(result, expected(xs, r))
+        counts, rows = v_inputs(p, 11)
+        out = run_world(p, lambda c: C.alltoallv(rows[c.rank], counts[c.rank], comm=c,
+                                                 algorithm="hierarchical"))
+        for r, (result, _) in enumerate(out):
+            assert_bits(result, v_expected(counts, rows, r))
+
+
+def test_hierarchical_sends_one_message_per_node_pair_across_nodes():
+    p, per_node = 8, 2
+    x = np.ones((p, 16), np.float32)
+    _, schedule = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm="hierarchical"),
+                            ranks_per_node=per_node, record=True)
+    across = [(src, dst, n) for _, _, src, dst, n in schedule
+              if src // per_node != dst // per_node]
+    nodes = p // per_node
+    assert len(across) == nodes * (nodes - 1)
+    assert {n for _, _, n in across} == {per_node * per_node * 16 * 4}
+    _, direct = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm="pairwise"),
+                          ranks_per_node=per_node, record=True)
+    assert sum(src // 2 != dst // 2 for _, _, src, dst, _ in direct) == p * (p - per_node)
+
+
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
+def test_bruck_takes_ceil_lg_p_steps_of_about_half_the_blocks(p):
+    block = 4
+    x = np.ones((p, block), np.float64)
+    _, schedule = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm="bruck"), record=True)
+    steps = (p - 1).bit_length()
+    for rank in range(p):
+        sent = [m for m in schedule if m[2] == rank]
+        assert len(sent) == steps
+        distances = sorted((dst - rank) % p for _, _, _, dst, _ in sent)
+        assert distances == [1 << k for k in range(steps)]
+        moved = sum(sum(1 for i in range(p) if i & (1 << k)) for k in range(steps))
+        assert sum(m[4] for m in sent) == moved * block * 8
+
+
+def test_pairwise_partners_are_xor_for_powers_of_two_else_shifts():
+    from mpdl.collectives.pairwise import partners
+
+    assert [partners(5, 8, i) for i in (1, 2, 3)] == [(4, 4), (7, 7), (6, 6)]
+    assert [partners(1, 5, i) for i in (1, 2, 4)] == [(2, 0), (3, 4), (0, 2)]
+
+
+@pytest.mark.parametrize("algorithm", OURS)
+def test_device_arrays_stay_on_the_device(algorithm):
+    from mpdl.backend import standin
+
+    p = 5
+    xs = inputs(p, 3)
+    counts, rows = v_inputs(p, 5)
+
+    def body(c):
+        result = C.alltoall(standin.asarray(xs[c.rank]), comm=c, algorithm=algorithm)
+        received, _ = C.alltoallv(standin.asarray(rows[c.rank]), counts[c.rank], comm=c,
+                                  algorithm=algorithm)
+        assert isinstance(result, standin.ndarray) and isinstance(received, standin.ndarray)
+        return standin.asnumpy(result), standin.asnumpy(received)
+
+    for r, (result, received) in enumerate(run_world(p, body, ranks_per_node=2)):
+        assert_bits(result, expected(xs, r))
+        assert_bits(received, v_expected(counts, rows, r))
+
+
+# -- the cost model and auto ---------------------------------------------------------------------
+TEXTBOOK = cm.Params(alpha=10e-6, beta=1e-9, copy=0.0, copy_cached=0.0, call=0.0)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_pairwise_and_bruck_predictions_are_the_textbook_formulas(p):
+    n = 4096 * p  # bytes each rank sends in all
+    pairwise = (p - 1) * 10e-6 + n * (p - 1) / p * 1e-9
+    assert cm.predict("alltoall", "pairwise", n, p, 1, TEXTBOOK) == pytest.approx(pairwise)
+    steps = math.ceil(math.log2(p))
+    moved = sum(sum(1 for i in range(p) if i & (1 << k)) for k in range(steps)) * n / p
+    bruck = steps * 10e-6 + moved * 1e-9
+    assert cm.predict("alltoall", "bruck", n, p, 1, TEXTBOOK) == pytest.approx(bruck)
+    if p & (p - 1) == 0:  # every step moves half the blocks: (n/2)·lg p·β
+        assert moved == pytest.approx(n / 2 * steps)
+
+
+def test_hierarchical_prediction_is_its_derived_formula():
+    slow = replace(TEXTBOOK, alpha_inter=50e-6, beta_inter=1e-8)
+    p, g, n = 8, 2, 1 << 16
+    m, b = p // g, n / p
+    k = math.ceil((m - 1) / g)
+    derived = ((g - 1) * (10e-6 + b * 1e-9) + 2 * (m - 1) * (10e-6 + (g - 1) * b * 1e-9)
+               + k * (50e-6 + g * g * b * 1e-8))
+    assert cm.predict("alltoall", "hierarchical", n, p, m, slow) == pytest.approx(derived)
+    # across nodes it sends k messages per rank where pairwise sends p - g: it wins when they
+    # are expensive, and stays out of the way on one node
+    assert cm.predict("alltoall", "hierarchical", 64 * p, p, m, slow) < cm.predict(
+        "alltoall", "pairwise", 64 * p, p, m, slow)
+
+
+@pytest.mark.parametrize("algorithm", ["pairwise", "bruck", "scattered"])
+@pytest.mark.parametrize("p", [2, 4, 5, 8])
+def test_latency_terms_count_the_messages_of_the_recorded_schedule(algorithm, p):
+    """With α = 1 and nothing else the prediction counts messages: the busiest rank's in the
+    recorded schedule for the algorithms that wait for each one (pairwise, Bruck); one per batch
+    plus POST_SHARE for each other message for scattered."""
+    x = np.ones((p, 8), np.float32)
+    _, schedule = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm=algorithm), record=True)
+    sent = max(Counter(src for _, _, src, _, _ in schedule).values())
+    alpha_only = cm.predict("alltoall", algorithm, x.nbytes, p, 1,
+                            cm.Params(alpha=1.0, beta=0.0, copy=0.0, copy_cached=0.0, call=0.0))
+    if algorithm == "scattered":
+        assert alpha_only == pytest.approx(1 + cm.POST_SHARE * (sent - 1))
+    else:
+        assert alpha_only == sent
+
+
+def test_mpi_prediction_follows_mpichs_switch_points():
+    native = cm.Params(alpha=10e-6, beta=1e-9, copy=0.0, copy_cached=0.0, call=0.0,
+                       alpha_native=10e-6)
+    for p in (4, 8):
+        for per_destination in (64, 256, 257, 32768, 32769):
+            n = per_destination * p
+            if per_destination <= 256 and p >= 8:
+                twin = "bruck"
+            elif per_destination <= 32768:
+                twin = "scattered"
+            else:
+                twin = "pairwise"
+            assert cm.predict("alltoall", "mpi", n, p, 1, native) == pytest.approx(
+                cm.predict("alltoall", twin, n, p, 1, native)), (p, per_destination)
+            assert auto.simple_choice("alltoall", n, p, 1, False) == twin
+
+
+def test_auto_chooses_few_steps_for_small_blocks_at_many_ranks_and_never_the_baseline():
+    params = cm.Params()
+    assert cm.choose("alltoall", 8 * 16, 16, 1, False, params) == "bruck"
+    for p in (2, 4, 5, 8):
+        for per_destination in (8, 256, 4096, 1 << 20):
+            assert cm.choose("alltoall", per_destination * p, p, 1, False, params) != "mpi"
+    # a large block is never forwarded: Bruck's (n/2)·lg p bytes lose to p-1 direct messages
+    assert cm.choose("alltoall", (16 << 20) * 16, 16, 1, False, params) != "bruck"
+    slow = params.emulated(emulation.parse("inter=10Gbit/s,20us"))
+    assert cm.choose("alltoall", 64 * 16, 16, 4, False, slow) == "hierarchical"

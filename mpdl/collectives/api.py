@@ -19,6 +19,7 @@ from mpdl.collectives import registry
 from mpdl.collectives.checks import agree as _agree
 from mpdl.collectives.checks import allgather_bounds as _allgather_bounds
 from mpdl.collectives.checks import check_allgather_out as _check_allgather_out
+from mpdl.collectives.checks import check_blocks as _check_blocks
 from mpdl.collectives.checks import check_out as _check_out
 from mpdl.collectives.checks import pick as _pick
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
@@ -257,7 +258,12 @@ def reduce(x: Any, root: int = 0, op: str = "sum", algorithm: str = "auto",
 def alltoall(x: Any, comm: Any = None, algorithm: str = "auto", out: Any = None) -> Any:
     """Block j of x (x[j], its first axis of length p) goes to rank j; block i of the result came
     from rank i. The result has x's shape and dtype; `out` (of that shape and dtype) receives it,
-    and `out is x` exchanges in place. x is left untouched otherwise."""
+    and `out is x` exchanges in place. x is left untouched otherwise. With `out`, the call runs
+    through a cached plan (`mpdl.collectives.plan`) of these arrays."""
+    if out is not None and type(algorithm) is str:
+        plan = _plan.cached_alltoall(x, algorithm, comm, out)
+        if plan is not None:
+            return plan()
     return _prepare_alltoall(x, comm, algorithm, out)[1]()
 
 
@@ -266,14 +272,6 @@ def alltoall_async(x: Any, comm: Any = None, algorithm: str = "auto", out: Any =
     handle's `.wait()` gives the result; x must not change until the handle is done."""
     c, work = _prepare_alltoall(x, comm, algorithm, out)
     return engine_for(c).submit(work)
-
-
-def _check_blocks(x: Any, p: int) -> int:
-    """Elements per block of an all-to-all of x over p ranks."""
-    if x.ndim == 0 or x.shape[0] != p:
-        raise ValueError(f"x: expected a first axis of length {p} (one block per rank), got shape "
-                         f"{tuple(x.shape)}")
-    return x.size // p
 
 
 def _prepare_alltoall(x: Any, comm: Any, algorithm: str, out: Any):

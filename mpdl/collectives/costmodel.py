@@ -39,6 +39,7 @@ from mpdl import settings
 from mpdl.collectives import registry
 from mpdl.collectives.hierarchical import INTER_RING_BYTES
 from mpdl.collectives.ops import block_bounds, segment_elements
+from mpdl.collectives.scattered import THROTTLE
 from mpdl.collectives.shm import WINDOW_BYTES
 from mpdl.collectives.torus import grid_shape
 from mpdl.fileio import atomic_open
@@ -477,6 +478,8 @@ def mpi_alltoall_time(s: Setting) -> float:
     per_destination = s.n / s.p
     if per_destination <= MPICH_ALLTOALL_SHORT_BYTES and s.p >= 8:
         return bruck_alltoall_time(native)
+    if per_destination <= MPICH_ALLTOALL_MEDIUM_BYTES:
+        return scattered_alltoall_time(native)
     return pairwise_alltoall_time(native)
 
 
@@ -519,6 +522,36 @@ def bruck_alltoall_time(s: Setting) -> float:
     return t
 
 
+#: what posting one more non-blocking message of a batch costs, as a share of α (the scattered
+#: algorithm's messages overlap their latencies but each is still posted and completed in turn)
+POST_SHARE = 0.5
+
+
+def scattered_alltoall_time(s: Setting) -> float:
+    """Batches of THROTTLE peers: one α per batch, a posting cost for each further message, the
+    bytes of all p-1 blocks, and the local copy of this rank's own block."""
+    block = s.n / s.p
+    batches = math.ceil((s.p - 1) / THROTTLE)
+    inter = s.nodes > 1
+    alpha = s.params.link(inter)[0]
+    return (batches * s.msg(block, inter) + (s.p - 1 - batches) * (POST_SHARE * alpha
+            + s.msg(block, inter) - s.msg(0, inter)) + s.params.copy_time(block))
+
+
+def hierarchical_alltoall_time(s: Setting) -> float:
+    """The four phases of `hierarchical_alltoall` (see its module) on nodes of g ranks."""
+    g, m = s.g, max(1, -(-s.p // s.g))
+    b = s.n / s.p
+    inside = (g - 1) * s.msg(b) + s.params.copy_time(b)
+    if m == 1:
+        return inside
+    served = math.ceil((m - 1) / g)
+    gather = (m - 1) * s.msg(0) + (m - 1) * (g - 1) * (s.msg(b) - s.msg(0))
+    across = served * s.msg(g * g * b, inter=True)
+    reorder = served * s.params.copy_time(g * g * b)
+    return inside + 2 * gather + across + reorder
+
+
 def tree_reduce_scatter_time(s: Setting) -> float:
     scatter = sum(s.msg(s.n / (2 << i), inter) for i, inter in enumerate(_binomial_levels(s)))
     return tree_reduce_time(s) + scatter
@@ -555,7 +588,9 @@ FORMULAS: dict[str, dict[str, Callable[[Setting], float]]] = {
                   "mpi": lambda s: tree_broadcast_time(_native(s))},
     "reduce": {"ring": ring_reduce_time, "tree": tree_reduce_time,
                "mpi": lambda s: tree_reduce_time(_native(s))},
-    "alltoall": {"pairwise": pairwise_alltoall_time, "mpi": lambda s: mpi_alltoall_time(s)},
+    "alltoall": {"pairwise": pairwise_alltoall_time, "bruck": bruck_alltoall_time,
+                 "scattered": scattered_alltoall_time, "hierarchical": hierarchical_alltoall_time,
+                 "mpi": mpi_alltoall_time},
 }
 
 

@@ -11,7 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpdl.collectives import native
+from mpdl.collectives.bruck import bruck_alltoall
 from mpdl.collectives.hierarchical import hierarchical_allreduce
+from mpdl.collectives.hierarchical_alltoall import hierarchical_alltoall
 from mpdl.collectives.ops import with_reducer
 from mpdl.collectives.pairwise import pairwise_alltoall
 from mpdl.collectives.recursive import rabenseifner_allreduce, recursive_doubling_allreduce
@@ -22,6 +24,7 @@ from mpdl.collectives.ring import (
     ring_reduce,
     ring_reduce_scatter,
 )
+from mpdl.collectives.scattered import scattered_alltoall
 from mpdl.collectives.shm import shm_allreduce
 from mpdl.collectives.torus import torus2d_allreduce
 from mpdl.collectives.tree import (
@@ -116,6 +119,17 @@ REGISTRY: dict[str, dict[str, Algorithm]] = {
     "alltoall": {a.name: a for a in [
         _a("pairwise", pairwise_alltoall, "p-1 exchanges, partner r XOR i (p = 2^k) or send to "
            "r+i, receive from r-i", "(p-1)α + n(p-1)/p·β", reads_input=True),
+        _a("bruck", bruck_alltoall, "ceil(lg p) steps forwarding the blocks whose position has "
+           "bit k set, between two local rotations",
+           "ceil(lg p)·α + (n/2)·ceil(lg p)·β + copies (2n + n·ceil(lg p))", reads_input=True,
+           needs_matrix=True),
+        _a("scattered", scattered_alltoall, "non-blocking messages to all peers, in batches of "
+           "32 with staggered peers (MPICH's medium sizes)",
+           "ceil((p-1)/32)·α + (p-1)·o + n(p-1)/p·β", reads_input=True),
+        _a("hierarchical", hierarchical_alltoall, "direct inside a node; gathered per remote "
+           "node, one message per node pair, scattered inside the node",
+           "(g-1)(α+bβ) + 2(m-1)(α + (g-1)bβ) + k(α'+g²bβ') + k·g²b·c, b = n/p, m = p/g, "
+           "k = ceil((m-1)/g)", reads_input=True, needs_matrix=True),
         _a("mpi", native.mpi_alltoall, _MPI + ": MPI_Alltoall / MPI_Alltoallv",
            "library's choice", baseline=True, reads_input=True),
     ]},

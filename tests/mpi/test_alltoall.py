@@ -113,3 +113,64 @@ def test_bad_input_raises_on_every_rank(algorithm):
     # nothing was left in flight: a following call works
     result, got = C.alltoallv(x, good, algorithm=algorithm)
     assert got == good and result.shape == (P, 2)
+
+
+@pytest.mark.parametrize("algorithm", [*ALGORITHMS, "auto"])
+def test_persistent_plans_and_cached_calls_match_mpi(algorithm):
+    """alltoall_init (persistent requests where the algorithm has them) and repeated calls with
+    out= (a cached plan from the second call), in place and not, on values that change."""
+    x = local_bits((P, 5), "float32", 3)
+    out = np.empty_like(x)
+    held = x.copy()
+    plan = C.alltoall_init(x, algorithm=algorithm, out=out)
+    in_place = C.alltoall_init(held, algorithm=algorithm, out=held)
+    for seed in range(3):
+        x[...] = local_bits((P, 5), "float32", 10 + seed)
+        held[...] = x
+        want = mpi_alltoall(x)
+        assert plan() is out
+        assert_bits(out, want)
+        assert_bits(in_place.start().wait(), want)
+        assert_bits(C.alltoall(x, algorithm=algorithm, out=out), want)
+    plan.free()
+    in_place.free()
+
+
+def test_async_handles_complete_in_issue_order():
+    xs = [local_bits((P, 100 * (i + 1)), "int32", i) for i in range(len(ALGORITHMS))]
+    handles = [C.alltoall_async(x, algorithm=a) for x, a in zip(xs, ALGORITHMS, strict=True)]
+    blocking = C.alltoall(xs[0], algorithm="pairwise")  # queued behind the async ones
+    for x, handle in zip(xs, handles, strict=True):
+        assert_bits(handle.wait(), mpi_alltoall(x))
+    assert_bits(blocking, mpi_alltoall(xs[0]))
+
+
+@pytest.mark.skipif(P < 2, reason="a sub-communicator of the even ranks needs two ranks")
+def test_a_sub_communicator():
+    from mpdl.comm import as_communicator
+
+    world = as_communicator(None)
+    evens = list(range(0, P, 2))
+    if RANK % 2:
+        return
+    sub = world.sub(evens)
+    x = np.full((len(evens), 2), RANK, np.int64)
+    for algorithm in [a for a in ALGORITHMS if a != "mpi"]:
+        result = C.alltoall(x, comm=sub, algorithm=algorithm)
+        np.testing.assert_array_equal(result[:, 0], evens)
+
+
+def test_device_arrays_are_staged_and_come_back_on_the_device():
+    from mpdl.backend import standin
+
+    x = local_bits((P, 1001), "float32", 4)
+    counts = v_counts(9)
+    rows = local_bits((int(counts[RANK].sum()), 3), "int64", 5)
+    want_v = mpi_alltoallv(rows, list(counts[RANK]), list(counts[:, RANK]))
+    for algorithm in ALGORITHMS:
+        result = C.alltoall(standin.asarray(x), algorithm=algorithm)
+        assert isinstance(result, standin.ndarray)
+        assert_bits(standin.asnumpy(result), mpi_alltoall(x))
+        received, _ = C.alltoallv(standin.asarray(rows), counts[RANK], algorithm=algorithm)
+        assert isinstance(received, standin.ndarray)
+        assert_bits(standin.asnumpy(received), want_v)
