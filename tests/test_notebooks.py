@@ -16,8 +16,8 @@ pytest.importorskip("ipykernel")
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
-def test_there_are_six_notebooks():
-    assert len(NOTEBOOKS) == 6
+def test_there_are_seven_notebooks():
+    assert len(NOTEBOOKS) == 7
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -97,6 +97,8 @@ class AllToAllExperts:
         self.grad_weight = 1.0
         #: (name, start, end, bytes) of each all-to-all since the strategy last took them
         self.spans: list[tuple[str, float, float, int]] = []
+        #: the rows the last dispatch sent each rank of ep_comm
+        self.last_send_counts: list[int] = []
 
     def routed_counts(self, counts: np.ndarray) -> np.ndarray:
         return allreduce(np.asarray(counts, dtype=np.int64), op="sum", comm=self.dp_comm)
@@ -108,6 +110,7 @@ class AllToAllExperts:
         from_source = alltoall(per_expert, comm=self.ep_comm)  # [s, l]: rows s sends expert l
         self.spans.append(("dispatch counts", start, time.perf_counter(), int(per_expert.nbytes)))
         send, recv = per_expert.sum(axis=1), from_source.sum(axis=1)
+        self.last_send_counts = send.tolist()
         w = self.grad_weight
         received = AllToAll.apply(rows, send_counts=send.tolist(), recv_counts=recv.tolist(),
                                   comm=self.ep_comm, algorithm=self.algorithm,
