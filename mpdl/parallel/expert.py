@@ -129,11 +129,9 @@ class AllToAllExperts:
 def _source_to_expert_order(from_source: np.ndarray) -> np.ndarray:
     """For rows laid out by source then expert (from_source[s, l] rows each), the row positions
     in expert-then-source order."""
-    starts = np.cumsum(from_source.reshape(-1)) - from_source.reshape(-1)
-    starts = starts.reshape(from_source.shape)
-    return np.concatenate([np.arange(starts[s, l], starts[s, l] + from_source[s, l])
-                           for l in range(from_source.shape[1]) for s in range(
-                               from_source.shape[0])] or [np.zeros(0, np.int64)]).astype(np.int64)
+    sources, local = from_source.shape
+    expert_of_row = np.repeat(np.tile(np.arange(local), sources), from_source.reshape(-1))
+    return np.argsort(expert_of_row, kind="stable").astype(np.int64)
 
 
 class _Parameters:
