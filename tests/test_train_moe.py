@@ -49,13 +49,10 @@ def test_json_carries_the_experts_figures_and_the_timeline_dispatch_and_combine(
             "dispatch counts"} <= names
 
 
-@pytest.mark.parametrize("n, flags, message", [
-    (2, ["--moe-experts", "3", "--ep", "2"],
-     "--moe-experts 3 must be divisible by --ep 2"),
-    (2, ["--moe-experts", "4", "--ep", "4"], "--ep 4 must divide the 2 data-parallel ranks"),
-])
-def test_bad_input_exits_2_with_one_line_on_every_rank(n, flags, message):
-    out = train(n, *TINY, *flags, timeout=60)
+def test_bad_input_exits_2_with_one_line_on_every_rank():
+    """Every check below takes this way out (`check`, before any rank communicates)."""
+    message = "--ep 4 must divide the 2 data-parallel ranks"
+    out = train(2, *TINY, "--moe-experts", "4", "--ep", "4", timeout=60)
     assert out.returncode == 2, (out.stdout, out.stderr)
     errors = out.stderr.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("mpdl train: error: "), out.stderr
@@ -63,6 +60,7 @@ def test_bad_input_exits_2_with_one_line_on_every_rank(n, flags, message):
 
 
 @pytest.mark.parametrize("flags, ranks, message", [
+    (["--moe-experts", "3", "--ep", "2"], 2, "--moe-experts 3 must be divisible by --ep 2"),
     (["--moe-experts", "1", "--moe-top-k", "2"], 1,
      "--moe-top-k 2 must not exceed --moe-experts 1"),
     (["--moe-experts", "4", "--moe-top-k", "3"], 1, "--moe-top-k: expected 1 or 2, got 3"),
@@ -72,7 +70,9 @@ def test_bad_input_exits_2_with_one_line_on_every_rank(n, flags, message):
     (["--moe-experts", "4", "--moe-capacity-factor", "-1"], 1,
      "--moe-capacity-factor: expected a number >= 0, got -1.0"),
     (["--moe-experts", "-2"], 1, "--moe-experts: expected an integer >= 0, got -2"),
-    (["--moe-experts", "4", "--pp", "2"], 2, "--moe-experts combines with plain data parallelism"),
+    (["--moe-experts", "4", "--ep", "2", "--pp", "2"], 4,
+     "--ep > 1 cannot be combined with --pp or --tp"),
+    (["--moe-experts", "4", "--zero", "2"], 2, "--moe-experts combines with plain data"),
     (["--moe-experts", "4", "--ep", "2", "--checkpoint", "c"], 2,
      "--checkpoint with --moe-experts needs --ep 1"),
 ])

@@ -358,10 +358,13 @@ def validate_moe(config: TrainConfig, world_size: int) -> None:
     ranks = config.data_ranks(world_size)
     if ranks % config.ep:
         raise ConfigError(f"{{ep}} {config.ep} must divide the {ranks} data-parallel ranks")
-    if config.model_parallel() or config.mode != "allreduce" or config.sync_every > 1 \
-            or config.compression != "none" or config.zero not in (0, 1):
-        raise ConfigError("{moe_experts} combines with plain data parallelism or {zero} 1 only "
-                          "(not with {pp}, {tp}, {mode} ps, {sync_every}, {compression} or "
+    if config.model_parallel() and config.ep > 1:
+        raise ConfigError("{ep} > 1 cannot be combined with {pp} or {tp} yet (with {ep} 1 the "
+                          "experts are replicated over tp and cut with their block over pp)")
+    if config.mode != "allreduce" or config.sync_every > 1 or config.compression != "none" \
+            or config.zero not in (0, 1):
+        raise ConfigError("{moe_experts} combines with plain data parallelism, {pp}, {tp} or "
+                          "{zero} 1 only (not with {mode} ps, {sync_every}, {compression} or "
                           "{zero} 2/3 yet)")
     if config.checkpoint and (config.ep > 1 or config.zero):
         raise ConfigError("{checkpoint} with {moe_experts} needs {ep} 1 and no {zero} (the "

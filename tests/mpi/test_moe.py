@@ -25,6 +25,7 @@ from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator
 from mpdl.parallel import split_bounds
 from mpdl.parallel.expert import ExpertParallelStrategy
+from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.training.gpt import GPT
 
@@ -67,9 +68,10 @@ class FixedCounts:
         return run_experts(list(moe.experts), rows, counts)
 
 
-def reference(experts: int, cf: float, slices: int):
+def reference(experts: int, cf: float, slices: int, global_counts: bool = True):
     """(loss per step, routings dropped per step, parameters at the end) of one process that
-    runs the `slices` ranks' slices one by one."""
+    runs the `slices` ranks' slices one by one (with `global_counts`, the load-balancing loss
+    counts the routings of the whole batch, else those of each slice)."""
     model = make_model(experts, cf)
     opt = optim.Adam(model.parameters(), lr=LR)
     x, y = data()
@@ -83,7 +85,8 @@ def reference(experts: int, cf: float, slices: int):
                 for total, m in zip(counts, moes(model), strict=True):
                     total += m.last_routing.counts
         for m, total in zip(moes(model), counts, strict=True):
-            m.dispatcher = FixedCounts(total)
+            if global_counts:
+                m.dispatcher = FixedCounts(total)
         loss_sum, drops = 0.0, 0
         for r in range(slices):
             lo, hi = bounds[r], bounds[r + 1]
@@ -173,3 +176,29 @@ def test_zero_one_with_experts_follows_one_process():
     losses, _, params, _ = run(ep, experts, 0.0, zero=1)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     assert_same_parameters(params, ref_params, 1e-5)
+
+
+#: (dp, pp, tp) grids of one pipeline: the GPT has 4 pieces, its 2 heads allow tp = 2
+MODEL_PARALLEL = [(1, P, 1)] * (2 <= P <= 4) + [(1, P // 2, 2)] * (P % 2 == 0 and P // 2 <= 4)
+
+
+def test_pipeline_and_tensor_parallel_with_experts_follow_one_process(microbatches=2):
+    """ep 1: the MoE layers cut with their blocks over pp, replicated over tp; each microbatch's
+    load-balancing loss counts its own routings and joins backward scaled as its loss is."""
+    if not MODEL_PARALLEL:
+        pytest.skip(f"no pipeline or tensor-parallel grid of the 2-block GPT on {P} rank(s)")
+    ref_losses, _, ref_params = reference(4, 0.0, microbatches, global_counts=False)
+    x, y = data()
+    for dp, pp, tp in MODEL_PARALLEL:
+        strategy = PipelineStrategy(as_communicator(MPI.COMM_WORLD), dp, pp, tp,
+                                    microbatches=microbatches)
+        model = make_model(4, 0.0)
+        strategy.setup(model, lambda p: optim.Adam(p, lr=LR))
+        losses = []
+        for _ in range(STEPS):
+            r = strategy.step(Batch(x, y, N, LR))
+            losses.append(r.loss / r.samples)
+        np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5,
+                                   err_msg=f"pp {pp} tp {tp} m {microbatches}")
+        with strategy.gathered():
+            assert_same_parameters(model.state_dict(), ref_params, 1e-5)
