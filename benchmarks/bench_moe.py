@@ -14,7 +14,8 @@ over ranks).
 
 Then, per ep > 1, every all-to-all algorithm against `mpi` at the sizes the run sends: the
 dispatch's `alltoallv` of this rank's rows with the counts of the last step (each rank's own),
-over the expert-parallel group, in turns, slowest rank, median.
+over the expert-parallel group (as an MPI communicator of its own: `mpi` runs on nothing else),
+in turns, slowest rank, median.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def time_algorithms(strategy: ExpertParallelStrategy, reps: int, world: MPI.Comm
     send = dispatcher.last_send_counts
     rows_out = np.random.default_rng(world.Get_rank()).standard_normal(
         (int(sum(send)), strategy.moes[0].n_embd)).astype(np.float32)
-    comm = strategy.ep_comm
+    # the same ranks as strategy.ep_comm, as an MPI communicator of their own (`mpi` needs one)
+    comm = as_communicator(world.Split(world.Get_rank() // strategy.ep, world.Get_rank()))
     names = C.algorithms("alltoall")
     times = {a: np.empty(reps) for a in names}
     for turn in turns(reps):
