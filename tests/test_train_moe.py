@@ -35,7 +35,8 @@ def test_json_carries_the_experts_figures_and_the_timeline_dispatch_and_combine(
     assert out.returncode == 0, out.stderr
     assert "1 MoE layer(s) of 4 experts, top-2, capacity factor 1; expert parallel over 2" \
         in out.stdout.splitlines()[0]
-    row, summary = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    (row,), (summary,) = [r for r in lines if "epoch" in r], [r for r in lines if "summary" in r]
     assert row["mode"] == "expert" and row["ep"] == 2 and row["moe_experts"] == 4
     tokens = row["tokens_per_expert"]
     # one MoE layer (blocks 0 of 2); 90 problems of 5 tokens a epoch, 2 routings each
@@ -63,7 +64,7 @@ def test_bad_input_exits_2_with_one_line_on_every_rank():
     (["--moe-experts", "3", "--ep", "2"], 2, "--moe-experts 3 must be divisible by --ep 2"),
     (["--moe-experts", "1", "--moe-top-k", "2"], 1,
      "--moe-top-k 2 must not exceed --moe-experts 1"),
-    (["--moe-experts", "4", "--moe-top-k", "3"], 1, "--moe-top-k: expected 1 or 2, got 3"),
+    (["--moe-experts", "4", "--moe-top-k", "3"], 1, "--moe-top-k: expected one of 1, 2, got 3"),
     (["--moe-experts", "6", "--ep", "4"], 4, "--moe-experts 6 must be divisible by --ep 4"),
     (["--moe-experts", "4", "--ep", "2"], 3, "--ep 2 must divide the 3 data-parallel ranks"),
     (["--ep", "2"], 2, "--ep > 1 needs --moe-experts E > 0"),
@@ -79,7 +80,7 @@ def test_bad_input_exits_2_with_one_line_on_every_rank():
 def test_bad_combinations_name_the_flag(flags, ranks, message):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    config = config_from_args(parser.parse_args([*TINY, *flags]))
+    config, _ = config_from_args(parser.parse_args([*TINY, *flags]))
     with pytest.raises(UsageError) as error:
         check(config, ranks)
     assert message in str(error.value) and "\n" not in str(error.value)
