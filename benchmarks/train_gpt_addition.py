@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 import mpdl.autograd.functional as F  # noqa: E402
 from mpdl import datasets  # noqa: E402
 from mpdl.autograd import optim  # noqa: E402
+from mpdl.autograd.moe import MoESettings  # noqa: E402
 from mpdl.training.gpt import GPT  # noqa: E402
 
 
@@ -41,11 +42,13 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--target", type=float, default=0.95, help="stop at this exact match")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--moe-experts", type=int, default=0,
+                        help="a mixture of E experts (top-2, dropless) in place of each MLP")
     args = parser.parse_args()
 
     task = datasets.addition(args.digits, args.n_train, args.n_test, seed=args.seed)
     model = GPT(len(task.vocab), task.block_size, args.n_layer, args.n_head, args.n_embd,
-                seed=args.seed)
+                seed=args.seed, moe=MoESettings(args.moe_experts) if args.moe_experts else None)
     opt = optim.Adam(model.parameters(), lr=args.lr)
     schedule = optim.WarmupSchedule(args.lr, args.warmup, args.steps, kind="cosine",
                                     min_lr=args.lr / 10)

@@ -63,6 +63,7 @@ import numpy as np
 
 from mpdl.autograd import functional as F
 from mpdl.autograd import nn, no_grad
+from mpdl.autograd.moe import aux_loss_scale
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
 from mpdl.collectives import allreduce, broadcast
@@ -479,8 +480,9 @@ class PipelineStrategy(Strategy):
                     buf = self._recv(xp, (len(idx), *shape), dtype, prev, "act", j)
                     h = inputs[j] = Tensor(buf, requires_grad=True)
                 t1, c1 = time.perf_counter(), time.thread_time()
-                for piece in self.pieces:
-                    h = piece(h)
+                with aux_loss_scale(len(idx) / batch.global_size):  # as the loss (MoE layers)
+                    for piece in self.pieces:
+                        h = piece(h)
                 t2 = time.perf_counter()
                 if self.last:
                     y = batch.y[idx[0]:idx[-1] + 1]

@@ -10,10 +10,11 @@ applied locally) and its second row-wise. Each column-then-row pair needs two op
 
 so a block all-reduces twice forward (g after attention, g after the MLP) and twice backward (f
 before each), over `tp_comm` with mpdl's all-reduce. The row-parallel layers' biases are added
-once, after g. Embeddings, LayerNorms and the tied output projection are **replicated** on every
-tp rank (the documented alternative to a vocabulary-parallel embedding and cross-entropy): their
-inputs and output gradients are the same on every tp rank, so their gradients are too, and they
-need no communication.
+once, after g. Embeddings, LayerNorms, mixtures of experts (`mpdl.autograd.moe.MoE`: router and
+experts) and the tied output projection are **replicated** on every tp rank (the documented
+alternative to a vocabulary-parallel embedding and cross-entropy): their inputs and output
+gradients are the same on every tp rank, so their gradients are too, and they need no
+communication.
 
 **Sequence parallelism** (Megatron-LM, Korthikanti et al. 2022; `sequence_parallel=True`): the
 LayerNorms, the row-parallel biases and the dropouts run on this tp rank's contiguous slice of
@@ -41,6 +42,7 @@ from typing import Any
 
 import mpdl.autograd.functional as F
 from mpdl.autograd import nn
+from mpdl.autograd.moe import MoE
 from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
 from mpdl.collectives import allgather, allreduce, reduce_scatter
@@ -246,7 +248,9 @@ class TPBlock(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = block.ln1, block.ln2
         self.attn = TPAttention(block.attn, comm, algorithm, sequence_parallel)
-        self.mlp = TPMLP(block.mlp, comm, algorithm, sequence_parallel)
+        # a mixture of experts stays whole on every tp rank (replicated, like the LayerNorms)
+        self.mlp = block.mlp if isinstance(block.mlp, MoE) \
+            else TPMLP(block.mlp, comm, algorithm, sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
@@ -305,7 +309,8 @@ class TensorParallelGPT(nn.Module):
     @property
     def shards(self) -> list[tuple[Any, Any, Any]]:
         """(shard, the GPT's whole parameter, index(t): where rank t's shard sits in it)."""
-        return [entry for b in self.blocks for m in (b.attn, b.mlp) for entry in m.shards]
+        return [entry for b in self.blocks for m in (b.attn, b.mlp)
+                for entry in getattr(m, "shards", [])]
 
     def gather_into_model(self) -> None:
         """All-gather every shard into the wrapped GPT's parameters (collective over tp)."""

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import datasets, emulation
+from mpdl.autograd.moe import MoESettings
 from mpdl.autograd.optim import scale_lr
 from mpdl.collectives.registry import algorithms
 from mpdl.parallel.compression import COMPRESSORS, make_compression
@@ -70,7 +71,8 @@ BASE_BATCH = 256
 #: options a resumed run must share with the checkpoint
 RESUME_KEYS = ("model.name", "data.dataset", "data.synthetic_shape", "data.synthetic_samples",
                "optim.global_batch_size", "optim.seed", "model.dtype", "model.n_layer",
-               "model.n_head", "model.n_embd", "model.block_size", "data.digits")
+               "model.n_head", "model.n_embd", "model.block_size", "data.digits",
+               "model.moe_experts", "model.moe_every", "model.moe_top_k")
 #: the pipeline pieces of the zoo's models (the GPT: n_layer + 2)
 PIPELINE_PIECES = {"mlp": 2, "lenet": 5}
 
@@ -185,6 +187,27 @@ class ModelConfig:
                                     metavar="T")
     dtype: str = option("float32", choices=("float32", "float64"))
     device: str = option("cpu", "gpu needs CuPy and a GPU", choices=("cpu", "gpu"))
+    moe_experts: int = option(0, "gpt: a mixture of E expert MLPs with a router in place of the "
+                              "MLP (0: dense)", check=expect(lambda v: _integer(v) and v >= 0,
+                                                             "expected an integer >= 0"),
+                              metavar="E")
+    moe_every: int = option(1, "--moe-experts: in blocks 0, N, 2N, ...", check=POSITIVE_INT,
+                            metavar="N")
+    moe_top_k: int = option(2, "--moe-experts: experts per token; top-2 gates renormalised, top-1 "
+                            "the router probability", choices=(1, 2))
+    moe_capacity_factor: float = option(0.0, "--moe-experts: each expert takes at most ceil("
+                                        "tokens x k / E x CF) of a rank's routings, the rest "
+                                        "dropped by position; 0: dropless", check=AT_LEAST_ZERO,
+                                        metavar="CF")
+    moe_aux_loss_coef: float = option(0.01, "--moe-experts: load-balancing loss coefficient",
+                                      check=AT_LEAST_ZERO, metavar="ALPHA")
+
+    def moe(self) -> MoESettings | None:
+        """The GPT's mixture-of-experts layers, or None for dense MLPs."""
+        if not self.moe_experts:
+            return None
+        return MoESettings(self.moe_experts, self.moe_top_k, self.moe_capacity_factor,
+                           self.moe_aux_loss_coef, self.moe_every)
 
 
 @dataclasses.dataclass
@@ -279,6 +302,9 @@ class ParallelConfig:
     schedule: str = option("1f1b", "--pp: all forward then all backward (GPipe), or one forward "
                            "one backward (PipeDream-flush)", choices=PIPELINE_SCHEDULES)
     verbose_comm: bool = option(False, "--pp: print every message between stages (stderr)")
+    ep: int = option(1, "expert parallelism: groups of P data-parallel ranks share the "
+                     "--moe-experts E experts, E/P on each, tokens moved by all-to-all",
+                     check=POSITIVE_INT, metavar="P")
 
     def ps_mode(self) -> str:
         """The parameter server's synchronisation: sync, ssp (staleness) or async (ps_async)."""
@@ -468,6 +494,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
     check_options(config)
     validate_communication(config, world_size)
     validate_grid(config, world_size)
+    validate_moe(config, world_size)
     p, o, d, ck = config.parallel, config.optim, config.data, config.checkpoint
     ranks = p.data_ranks(world_size)
     if o.global_batch_size < ranks:
@@ -582,6 +609,47 @@ def sequence_length(config: TrainConfig) -> int:
     if config.data.dataset == "addition":
         return 3 * config.data.digits + 2
     return config.model.block_size or TEXT_BLOCK_SIZE
+
+
+def validate_moe(config: TrainConfig, world_size: int) -> None:
+    """The mixture-of-experts options, expert parallelism and what they cannot combine with."""
+    m, p, c = config.model, config.parallel, config.communication
+    if not m.moe_experts:
+        if p.ep > 1:
+            raise ConfigError("{parallel.ep} > 1 needs {model.moe_experts} E > 0 (experts to "
+                              "share)")
+        return
+    if m.name != "gpt":
+        raise ConfigError(f"{{model.moe_experts}} needs {{model.name}} gpt, not {m.name}")
+    if m.moe_top_k > m.moe_experts:
+        raise ConfigError(f"{{model.moe_top_k}} {m.moe_top_k} must not exceed "
+                          f"{{model.moe_experts}} {m.moe_experts} (each token goes to k different "
+                          f"experts)")
+    if m.moe_experts % p.ep:
+        raise ConfigError(f"{{model.moe_experts}} {m.moe_experts} must be divisible by "
+                          f"{{parallel.ep}} {p.ep} (each rank of an expert-parallel group holds "
+                          f"E / ep experts)")
+    ranks = p.data_ranks(world_size)
+    if ranks % p.ep:
+        raise ConfigError(f"{{parallel.ep}} {p.ep} must divide the {ranks} data-parallel ranks")
+    if p.cp > 1 or p.sp:
+        raise ConfigError("{model.moe_experts} cannot be combined with {parallel.cp} > 1 or "
+                          "{parallel.sp} yet (a replicated mixture of experts would see a slice "
+                          "of the sequence)")
+    if p.model_parallel() and p.ep > 1:
+        raise ConfigError("{parallel.ep} > 1 cannot be combined with {parallel.pp} or "
+                          "{parallel.tp} yet (with {parallel.ep} 1 the experts are replicated "
+                          "over tp and cut with their block over pp)")
+    if p.mode != "allreduce" or c.sync_every > 1 or c.compression != "none" \
+            or p.zero not in (0, 1):
+        raise ConfigError("{model.moe_experts} combines with plain data parallelism, "
+                          "{parallel.pp}, {parallel.tp} or {parallel.zero} 1 only (not with "
+                          "{parallel.mode} ps, {communication.sync_every}, "
+                          "{communication.compression} or {parallel.zero} 2/3 yet)")
+    if config.checkpoint.dir and (p.ep > 1 or p.zero):
+        raise ConfigError("{checkpoint.dir} with {model.moe_experts} needs {parallel.ep} 1 and "
+                          "no {parallel.zero} (the optimizer state of experts held on other "
+                          "ranks is not saved yet)")
 
 
 def validate_sequence(config: TrainConfig) -> None:

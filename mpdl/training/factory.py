@@ -8,6 +8,7 @@ from typing import Any
 from mpdl.autograd import optim
 from mpdl.comm import Communicator
 from mpdl.parallel.compression import make_compression
+from mpdl.parallel.expert import ExpertParallelStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategies import AllReduceStrategy, LocalSGDStrategy, ParameterServerStrategy
 from mpdl.parallel.strategy import Strategy
@@ -27,6 +28,9 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
                                 microbatches=p.microbatches, schedule=p.schedule,
                                 algorithm=c.algorithm, verbose=p.verbose_comm, zero=p.zero,
                                 cp=p.cp, cp_mode=p.cp_mode, cp_balance=p.cp_balance, sp=p.sp)
+    if config.model.moe_experts:
+        return ExpertParallelStrategy(comm, ep=p.ep, algorithm=c.algorithm, bucket_mb=c.bucket_mb,
+                                      first_bucket_mb=c.first_bucket_mb, zero=p.zero)
     common = dict(algorithm=c.algorithm, bucket_mb=c.bucket_mb, first_bucket_mb=c.first_bucket_mb,
                   overlap=c.overlap)
     if p.zero:

@@ -21,6 +21,7 @@ import numpy as np
 
 import mpdl.autograd.functional as F
 from mpdl.autograd import Tensor, nn, no_grad
+from mpdl.autograd.moe import MoE, MoESettings
 from mpdl.backend import get_array_module, to_host
 
 
@@ -58,15 +59,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(x))."""
+    """A pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)); with `moe`, the
+    MLP is a mixture of experts (`mpdl.autograd.moe.MoE`)."""
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, rng: np.random.Generator,
-                 dtype: Any) -> None:
+                 dtype: Any, moe: MoESettings | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd, dtype=dtype)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, rng, dtype)
         self.ln2 = nn.LayerNorm(n_embd, dtype=dtype)
-        self.mlp = MLP(n_embd, dropout, rng, dtype)
+        self.mlp = MLP(n_embd, dropout, rng, dtype) if moe is None else MoE(
+            n_embd, moe.experts, moe.top_k, moe.capacity_factor, moe.aux_loss_coef, rng=rng,
+            dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
@@ -76,12 +80,15 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A decoder-only transformer mapping token ids (B, T) to next-token logits (B, T, vocab).
 
-    ``dropout`` applies to the embedding sum and to the output of each residual branch.
+    ``dropout`` applies to the embedding sum and to the output of each residual branch (but a
+    mixture of experts'). ``moe`` puts mixture-of-experts layers in place of the MLPs of the
+    blocks it names (``blocks.0.mlp.router.weight``, ``blocks.0.mlp.experts.3.fc.weight``, ...).
     """
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
                  dropout: float = 0.0, *, rng: np.random.Generator | None = None,
-                 seed: int | None = None, dtype: Any = np.float32) -> None:
+                 seed: int | None = None, dtype: Any = np.float32,
+                 moe: MoESettings | None = None) -> None:
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("block_size", block_size),
                             ("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd)):
@@ -97,8 +104,9 @@ class GPT(nn.Module):
         self.token_embedding = nn.Embedding(vocab_size, n_embd, rng=g, dtype=dtype)
         self.position_embedding = nn.Embedding(block_size, n_embd, rng=g, dtype=dtype)
         self.dropout = nn.Dropout(dropout, rng=g)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, g, dtype)
-                                    for _ in range(n_layer))
+        self.blocks = nn.ModuleList(
+            Block(n_embd, n_head, dropout, g, dtype, moe if moe and moe.in_block(i) else None)
+            for i in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd, dtype=dtype)
         self._init_weights(g)
 
@@ -170,10 +178,13 @@ class GPT(nn.Module):
         """Training FLOPs (forward + backward) per token at sequence length ``seq_len``
         (default block_size): 6·N + 12·n_layer·n_embd·seq_len, with N = ``num_parameters(
         non_embedding=True)`` (the tied token embedding counts: it is also the output
-        projection). This is the PaLM paper's formula (appendix B), the one llm.c and nanoGPT use
-        for model FLOPs utilisation."""
+        projection; of a mixture of experts, the router and the k experts a token uses). This is
+        the PaLM paper's formula (appendix B), the one llm.c and nanoGPT use for model FLOPs
+        utilisation."""
         t = self.block_size if seq_len is None else seq_len
-        return 6 * self.num_parameters(non_embedding=True) + 12 * self.n_layer * self.n_embd * t
+        active = self.num_parameters(non_embedding=True) - sum(
+            b.mlp.inactive_parameters() for b in self.blocks if isinstance(b.mlp, MoE))
+        return 6 * active + 12 * self.n_layer * self.n_embd * t
 
     def extra_repr(self) -> str:
         return (f"vocab_size={self.vocab_size}, block_size={self.block_size}, "

@@ -91,7 +91,8 @@ class Trainer:
         shape = self.comm.allgather_object(self.task and self.task.shape)[0]  # servers: no data
         m, o, ck = c.model, c.optim, c.checkpoint
         self.model = build_model(m.name, shape[0], shape[1], seed=o.seed, dtype=np.dtype(m.dtype),
-                                 n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd)
+                                 n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
+                                 moe=m.moe())
         self.peak = throughput.peak_flops(self.comm) if m.name == "gpt" else None
         if m.device == "gpu":
             node = self.comm.node_groups()[self.comm.node_of_rank()[self.rank]]

@@ -1,0 +1,204 @@
+"""Expert parallelism over real MPI, at whatever size mpiexec gives (the Makefile runs 1..5).
+
+For every ep dividing the world size (the data-parallel ranks in groups of ep sharing the experts;
+dp = the world size): the loss of every step of a GPT with MoE layers must be that of one process
+training on the whole global batch (no strategy, no communication, every expert local), within
+1e-5 in float32, dropless; the parameters after the steps too. The global batch (10 sequences)
+splits unevenly over 3 and 4 ranks. With a capacity, each rank drops its own overflow: the
+reference is one process that runs each rank's slice through the model on its own (the capacity
+of that many tokens), with the routing counts of the whole batch in the load-balancing loss, and
+adds up the slices' gradients weighted by their share; the tokens dropped and the losses must
+agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpdl.autograd import functional as F
+from mpdl.autograd import no_grad, optim
+from mpdl.autograd.moe import MoE, MoESettings, aux_loss_scale, run_experts
+from mpdl.autograd.tensor import Tensor
+from mpdl.collectives import allreduce
+from mpdl.comm import as_communicator
+from mpdl.parallel import split_bounds
+from mpdl.parallel.expert import ExpertParallelStrategy
+from mpdl.parallel.pipeline import PipelineStrategy
+from mpdl.parallel.strategy import Batch
+from mpdl.training.gpt import GPT
+
+pytestmark = pytest.mark.mpi
+
+P = MPI.COMM_WORLD.Get_size()
+N, STEPS, LR = 10, 3, 1e-2
+EPS = [ep for ep in range(1, P + 1) if P % ep == 0]
+
+
+def experts_for(ep: int) -> int:
+    return 4 if 4 % ep == 0 else ep if ep > 1 else 2
+
+
+def make_model(experts: int, cf: float) -> GPT:
+    return GPT(vocab_size=11, block_size=6, n_layer=2, n_head=2, n_embd=8, seed=0,
+               moe=MoESettings(experts, top_k=2, capacity_factor=cf, aux_loss_coef=0.05))
+
+
+def data():
+    rng = np.random.default_rng(5)
+    return rng.integers(0, 11, (N, 6)), rng.integers(0, 11, (N, 6))
+
+
+def moes(model) -> list[MoE]:
+    return [m for _, m in model.named_modules() if isinstance(m, MoE)]
+
+
+class FixedCounts:
+    """A one-process dispatcher whose load-balancing counts are given (those of the whole
+    global batch) instead of those of the call."""
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def routed_counts(self, counts):
+        return self.counts
+
+    def __call__(self, moe, rows, counts):
+        return run_experts(list(moe.experts), rows, counts)
+
+
+def reference(experts: int, cf: float, slices: int, global_counts: bool = True):
+    """(loss per step, routings dropped per step, parameters at the end) of one process that
+    runs the `slices` ranks' slices one by one (with `global_counts`, the load-balancing loss
+    counts the routings of the whole batch, else those of each slice)."""
+    model = make_model(experts, cf)
+    opt = optim.Adam(model.parameters(), lr=LR)
+    x, y = data()
+    bounds = split_bounds(N, slices)
+    losses, dropped = [], []
+    for _ in range(STEPS):
+        counts = [np.zeros(experts, np.int64) for _ in moes(model)]
+        with no_grad():
+            for r in range(slices):
+                model(Tensor(x[bounds[r]:bounds[r + 1]]))
+                for total, m in zip(counts, moes(model), strict=True):
+                    total += m.last_routing.counts
+        for m, total in zip(moes(model), counts, strict=True):
+            if global_counts:
+                m.dispatcher = FixedCounts(total)
+        loss_sum, drops = 0.0, 0
+        for r in range(slices):
+            lo, hi = bounds[r], bounds[r + 1]
+            share = (hi - lo) / N
+            with aux_loss_scale(share):
+                loss = F.cross_entropy(model(Tensor(x[lo:hi])), y[lo:hi])
+                (loss * share).backward()
+            loss_sum += float(loss.item()) * (hi - lo)
+            drops += sum(m.last_routing.dropped for m in moes(model))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss_sum / N)
+        dropped.append(drops)
+    return losses, dropped, model.state_dict()
+
+
+def whole_batch(experts: int):
+    """Losses and final parameters of one process on the whole batch (dropless)."""
+    model = make_model(experts, 0.0)
+    opt = optim.Adam(model.parameters(), lr=LR)
+    x, y = data()
+    losses = []
+    for _ in range(STEPS):
+        loss = F.cross_entropy(model(Tensor(x)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.item()))
+    return losses, model.state_dict()
+
+
+def run(ep: int, experts: int, cf: float, zero: int = 0):
+    comm = as_communicator(MPI.COMM_WORLD)
+    strategy = ExpertParallelStrategy(comm, ep=ep, zero=zero)
+    model = make_model(experts, cf)
+    strategy.setup(model, lambda p: optim.Adam(p, lr=LR))
+    x, y = data()
+    bounds = split_bounds(N, P)
+    lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
+    losses, dropped = [], []
+    for _ in range(STEPS):
+        r = strategy.step(Batch(x[lo:hi], y[lo:hi], N, LR))
+        drops = sum(m.last_routing.dropped for m in moes(model))
+        total = allreduce(np.array([r.loss, r.samples, drops], dtype=np.float64), comm=comm)
+        losses.append(total[0] / total[1])
+        dropped.append(int(total[2]))
+    with strategy.gathered():
+        params = model.state_dict()
+        report = strategy.report()
+    return losses, dropped, params, report
+
+
+def assert_same_parameters(ours, theirs, atol):
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=0, atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("ep", EPS)
+def test_dropless_expert_parallel_follows_one_process(ep):
+    experts = experts_for(ep)
+    ref_losses, ref_params = whole_batch(experts)
+    losses, dropped, params, report = run(ep, experts, 0.0)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert dropped == [0] * STEPS and report["dropped_fraction"] == 0.0
+    assert_same_parameters(params, ref_params, 1e-5)
+    # every layer routed N·6 tokens to k = 2 experts each step
+    assert [sum(t) for t in report["tokens_per_expert"]] == [N * 6 * 2 * STEPS] * 2
+    assert report["aux_loss"] > 0 and (report["alltoall_s"] > 0)
+
+
+def test_dropping_follows_one_process_with_each_rank_s_capacity():
+    ep = P
+    experts = experts_for(ep)
+    ref_losses, ref_dropped, ref_params = reference(experts, 0.5, P)
+    losses, dropped, params, report = run(ep, experts, 0.5)
+    assert dropped == ref_dropped and sum(dropped) > 0
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert_same_parameters(params, ref_params, 1e-5)
+    assert report["dropped_fraction"] == pytest.approx(sum(dropped) / (STEPS * 2 * N * 6 * 2))
+
+
+def test_zero_one_with_experts_follows_one_process():
+    ep = max(EPS)
+    experts = experts_for(ep)
+    ref_losses, ref_params = whole_batch(experts)
+    losses, _, params, _ = run(ep, experts, 0.0, zero=1)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert_same_parameters(params, ref_params, 1e-5)
+
+
+#: (dp, pp, tp) grids of one pipeline: the GPT has 4 pieces, its 2 heads allow tp = 2
+MODEL_PARALLEL = [(1, P, 1)] * (2 <= P <= 4) + [(1, P // 2, 2)] * (P % 2 == 0 and P // 2 <= 4)
+
+
+def test_pipeline_and_tensor_parallel_with_experts_follow_one_process(microbatches=2):
+    """ep 1: the MoE layers cut with their blocks over pp, replicated over tp; each microbatch's
+    load-balancing loss counts its own routings and joins backward scaled as its loss is."""
+    if not MODEL_PARALLEL:
+        pytest.skip(f"no pipeline or tensor-parallel grid of the 2-block GPT on {P} rank(s)")
+    ref_losses, _, ref_params = reference(4, 0.0, microbatches, global_counts=False)
+    x, y = data()
+    for dp, pp, tp in MODEL_PARALLEL:
+        strategy = PipelineStrategy(as_communicator(MPI.COMM_WORLD), dp, pp, tp,
+                                    microbatches=microbatches)
+        model = make_model(4, 0.0)
+        strategy.setup(model, lambda p: optim.Adam(p, lr=LR))
+        losses = []
+        for _ in range(STEPS):
+            r = strategy.step(Batch(x, y, N, LR))
+            losses.append(r.loss / r.samples)
+        np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5,
+                                   err_msg=f"pp {pp} tp {tp} m {microbatches}")
+        with strategy.gathered():
+            assert_same_parameters(model.state_dict(), ref_params, 1e-5)
