@@ -115,6 +115,10 @@ check_layout() {
 
 pytest_mpi() { launch "$1" "$PY" -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider --timeout=240 "${@:2}"; }
 
+# the all-to-all tests each collectives layout runs: every algorithm against MPI_Alltoall(v) in
+# one dtype, varying counts in every dtype, one rank's bad counts
+ALLTOALL_ACROSS_NODES="(matches_mpi_every_count and float32) or alltoallv_matches or bad_input"
+
 # run_tests [PART...]: collectives, suite, train, kill (default: all four).
 run_tests() {
   local started=$SECONDS parts=("$@") layout
@@ -127,6 +131,8 @@ run_tests() {
           check_layout "$layout"
           say "== collectives across nodes $layout"
           pytest_mpi "$layout" tests/mpi/test_collectives.py tests/mpi/test_nodes.py
+          say "== all-to-all across nodes $layout (hierarchical over the real nodes)"
+          pytest_mpi "$layout" tests/mpi/test_alltoall.py -k "$ALLTOALL_ACROSS_NODES"
         done ;;
       suite)
         for layout in 2,2 2,1; do
