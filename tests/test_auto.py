@@ -282,3 +282,29 @@ def test_allreduce_table_times_every_candidate_and_never_decreases(monkeypatch):
     for _, rows in tables[0]:
         assert [b for b, _ in rows] == [float(b) for b in measuring.TUNE_SIZES]
         assert [t for _, t in rows] == sorted(t for _, t in rows)
+
+
+@pytest.mark.parametrize("runner_up_time, winner", [(0.89, "b"), (0.91, "a")])
+def test_a_trial_switches_only_when_the_runner_up_is_ten_percent_faster(runner_up_time, winner,
+                                                                        monkeypatch):
+    """Per run the slowest rank's time, per algorithm the median of its runs: the runner-up (b)
+    wins at <= 0.9 of the choice's (a) time; rank 1's slow run of b counts, rank 0's fast one of
+    a does not lower a's median."""
+    from mpdl.collectives import verify
+
+    learned = []
+    monkeypatch.setattr(auto, "learn", lambda comm, *verdict: learned.append(verdict))
+    trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
+    assert trial.order == ["a", "b"] * 3
+    rank0 = [1.0, 0.5, 0.1, 0.5, 1.0, 0.5]
+    rank1 = [0.5, runner_up_time, 1.0, runner_up_time, 0.5, 5.0]
+    assert trial.verdict([rank0, rank1]) == winner
+    assert learned == [("allreduce", 4096, winner)]
+
+
+def test_a_verified_choice_overrides_the_prediction_for_its_size_only():
+    model = auto.Model(cm.Params(), "cache", verified={"allreduce:4096": "ring"})
+    assert auto.choose("allreduce", 4096, 2, 1, True, model) == "ring"
+    assert auto.choose("allreduce", 4096, 2, 1, True) != "ring"  # the defaults' choice differs
+    assert auto.choose("allreduce", 8192, 2, 1, True, model) == auto.choose(
+        "allreduce", 8192, 2, 1, True)
