@@ -57,6 +57,9 @@ test-mpi: install
 	  MPDL_RANKS_PER_NODE=2 timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PYTEST_MPI) \
 	    tests/mpi/test_collectives.py -k allreduce || exit 1; \
 	done
+	@echo "== hierarchical all-to-all tests, mpiexec -n 5, emulated nodes of 2, 2 and 1 ranks"
+	@MPDL_RANKS_PER_NODE=2 timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n 5 $(PYTEST_MPI) \
+	  tests/mpi/test_alltoall.py -k hierarchical
 	@echo "== ZeRO hybrid tests, mpiexec -n 4, emulated nodes of 2 ranks"
 	@MPDL_RANKS_PER_NODE=2 timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n 4 $(PYTEST_MPI) \
 	  tests/mpi/test_zero.py -k hybrid
