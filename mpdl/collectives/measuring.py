@@ -11,9 +11,9 @@ timed on arrays larger than a core's caches, every rank at once. Every all-reduc
 
 A calibration is only as good as the machine was quiet while it ran. `Busy` says whether it was:
 the load average per core (beyond the measuring ranks themselves) before and after, and the
-spread between the rounds of identical all-reduce calls; rank 0's verdict on the largest figures
-over ranks is every rank's, so all ranks agree. A calibration taken on a busy machine is kept as
-provisional (`Params.provisional` holds why).
+spread between the rounds of identical all-reduce calls; every rank judges the largest figures
+over ranks (one all-gather), so all ranks reach the same verdict. A calibration taken on a busy
+machine is kept as provisional (`Params.provisional` holds why).
 """
 
 from __future__ import annotations
@@ -382,6 +382,7 @@ class Busy:
 
 
 def busy_check(comm: Any, load_before: float, load_after: float, spread: float) -> Busy:
-    """Every rank's verdict: rank 0's on the largest loads over ranks (collective over comm)."""
+    """The verdict on the largest loads over ranks, the same on every rank (collective over comm;
+    `spread` is the same on every rank already)."""
     loads = comm.allgather_object((load_before, load_after))
     return Busy(max(b for b, _ in loads), max(a for _, a in loads), spread)
