@@ -16,6 +16,7 @@ from ``current()`` (or from the communicator that was built with it).
 | MPDL_EMULATE | emulation | slowed links, e.g. ``inter=10Gbit/s,20us`` (none) |
 | MPDL_COST_MODEL | cost_model | parameter file of `auto`, or ``off`` / ``defaults`` (~/.cache/mpdl) |
 | MPDL_AUTO_CACHE | auto_cache | folder of `auto`'s first-use calibrations, or ``off`` (~/.cache/mpdl) |
+| MPDL_VERIFY_RUNS | verify_runs | runs of `auto`'s choice and its runner-up that a plan times (0: off) |
 | MPDL_CUDA_AWARE | cuda_aware | 0 or 1: whether MPI takes GPU buffers (detected) |
 | MPDL_NO_CUPY | no_cupy | 1: act as if CuPy were not installed (0) |
 | MPDL_MALLOC | malloc | ``default``: keep glibc's malloc settings (tuned) |
@@ -144,6 +145,9 @@ class Settings:
     #: the folder where `auto` keeps its first-use calibrations (one file per machine and world
     #: shape; see mpdl.collectives.firstuse), or "off": no first-use calibration (defaults)
     auto_cache: str = ""
+    #: runs of each of `auto`'s choice and the cost model's runner-up that a persistent all-reduce
+    #: plan times, taking turns, before it keeps the faster (mpdl.collectives.verify); 0: off
+    verify_runs: int = 0
     cuda_aware: bool | None = None
     no_cupy: bool = False
     malloc: str = "tuned"
@@ -173,6 +177,8 @@ class Settings:
         if not isinstance(self.flight_records, int) or self.flight_records < 0:
             raise ValueError(f"flight_records: expected an integer >= 0, got "
                              f"{self.flight_records!r}")
+        if not isinstance(self.verify_runs, int) or self.verify_runs < 0:
+            raise ValueError(f"verify_runs: expected an integer >= 0, got {self.verify_runs!r}")
         if not self.stall_warn > 0:
             raise ValueError(f"stall_warn: expected a positive number of seconds, got "
                              f"{self.stall_warn!r}")
@@ -198,7 +204,8 @@ class Settings:
         for var, field, unit in (("MPDL_SEGMENT_BYTES", "segment_bytes", "integer (bytes)"),
                                  ("MPDL_STAGING_CHUNK_BYTES", "staging_chunk_bytes",
                                   "integer (bytes)"),
-                                 ("MPDL_RANKS_PER_NODE", "ranks_per_node", "integer")):
+                                 ("MPDL_RANKS_PER_NODE", "ranks_per_node", "integer"),
+                                 ("MPDL_VERIFY_RUNS", "verify_runs", "integer")):
             value = _positive_int(env, var, unit)
             if value is not None:
                 fields[field] = value

@@ -14,7 +14,7 @@ import pytest
 
 from mpdl import collectives as C
 from mpdl import settings
-from mpdl.collectives import auto, firstuse
+from mpdl.collectives import auto, firstuse, measuring
 from mpdl.collectives import costmodel as cm
 from mpdl.threadworld import run_world
 
@@ -95,6 +95,50 @@ def test_cache_round_trip_and_a_file_of_another_key_is_refused(tmp_path):
     assert os.listdir(tmp_path / "sub") == ["auto.json"]  # no temporary file left behind
     with pytest.raises(cm.ModelUnavailable, match="made for"):
         firstuse.read(path, {**key, "world_size": 4})
+
+
+def test_the_provisional_flag_round_trips_and_never_replaces_a_quiet_calibration(tmp_path):
+    key = {"host": "h", "mpi_library": "m", "world_size": 2, "ranks_per_node": [2]}
+    path = str(tmp_path / "auto.json")
+    busy = replace(MEASURED, provisional="busy machine: load 3.00 per core")
+    assert firstuse.write(path, key, busy)
+    assert firstuse.read(path, key).provisional == "busy machine: load 3.00 per core"
+    assert firstuse.write(path, key, MEASURED)  # a quiet one replaces a provisional one
+    assert firstuse.read(path, key) == MEASURED and MEASURED.provisional == ""
+    assert not firstuse.write(path, key, busy)  # ... and a provisional one never replaces it
+    assert firstuse.read(path, key) == MEASURED
+    # the same rule in `mpdl calibrate`'s file, per world size
+    model = str(tmp_path / "costmodel.json")
+    assert cm.save(model, replace(busy, ranks=2)) and cm.read_file(model)[2].provisional
+    assert cm.save(model, replace(MEASURED, ranks=2))
+    assert not cm.save(model, replace(busy, ranks=2)) and cm.read_file(model)[2].provisional == ""
+
+
+def test_a_provisional_cache_is_used_but_measured_again_by_the_next_run(tmp_path, monkeypatch):
+    """look() hands back a provisional model with the file to measure into; the next model_for
+    measures, and a quiet measurement replaces the file; `mpdl info`'s line says provisional."""
+    settings.update(auto_cache=str(tmp_path), cost_model=str(tmp_path / "none.json"))
+    comm = FakeComm(2)
+    key = firstuse.cache_key(comm)
+    path = firstuse.cache_path(str(tmp_path), key)
+    firstuse.write(path, key, replace(MEASURED, provisional="busy machine: spread 2.00x"))
+    model, again = auto.look(comm)
+    assert again == path and model.provisional == "busy machine: spread 2.00x"
+    assert model.describe().startswith("provisional (busy machine: spread 2.00x)")
+    monkeypatch.setattr(firstuse, "measure", lambda comm: MEASURED)
+    assert auto.model_for(comm).origin == "measured"
+    assert firstuse.read(path, key) == MEASURED and auto.look(comm)[1] == ""
+
+
+def test_busy_check_names_the_load_and_the_spread(monkeypatch):
+    from mpdl.collectives import measuring
+
+    assert measuring.Busy(0.1, 0.2, 1.1).why == ""
+    assert "load 0.90 per core" in measuring.Busy(0.1, 0.9, 1.1).why
+    assert "differed 2.00x" in measuring.Busy(0.0, 0.0, 2.0).why
+    monkeypatch.setattr(measuring.os, "getloadavg", lambda: (5.0, 0.0, 0.0))
+    monkeypatch.setattr(measuring.os, "cpu_count", lambda: 2)
+    assert measuring.load_per_core(3) == 1.0  # (5 - 3 measuring ranks) over 2 cores
 
 
 def test_cache_is_written_atomically(tmp_path, monkeypatch):
@@ -232,9 +276,35 @@ def test_measured_allreduce_times_replace_the_formula_for_their_world_shape_only
 def test_allreduce_table_times_every_candidate_and_never_decreases(monkeypatch):
     """On the in-process world: one row per candidate auto may pick, every tuned size, and a
     small size never slower than a larger one (noise capped); every rank gets the same table."""
-    tables = run_world(2, lambda c: firstuse.allreduce_table(c))
+    tables = run_world(2, lambda c: measuring.allreduce_table(c).rows)
     assert tables[0] == tables[1]
     assert [name for name, _ in tables[0]] == cm.candidates("allreduce", True)
     for _, rows in tables[0]:
-        assert [b for b, _ in rows] == [float(b) for b in firstuse.TUNE_SIZES]
+        assert [b for b, _ in rows] == [float(b) for b in measuring.TUNE_SIZES]
         assert [t for _, t in rows] == sorted(t for _, t in rows)
+
+
+@pytest.mark.parametrize("runner_up_time, winner", [(0.89, "b"), (0.91, "a")])
+def test_a_trial_switches_only_when_the_runner_up_is_ten_percent_faster(runner_up_time, winner,
+                                                                        monkeypatch):
+    """Per run the slowest rank's time, per algorithm the median of its runs: the runner-up (b)
+    wins at <= 0.9 of the choice's (a) time; rank 1's slow run of b counts, rank 0's fast one of
+    a does not lower a's median."""
+    from mpdl.collectives import verify
+
+    learned = []
+    monkeypatch.setattr(auto, "learn", lambda comm, *verdict: learned.append(verdict))
+    trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
+    assert trial.order == ["a", "b"] * 3
+    rank0 = [1.0, 0.5, 0.1, 0.5, 1.0, 0.5]
+    rank1 = [0.5, runner_up_time, 1.0, runner_up_time, 0.5, 5.0]
+    assert trial.verdict([rank0, rank1]) == winner
+    assert learned == [("allreduce", 4096, winner)]
+
+
+def test_a_verified_choice_overrides_the_prediction_for_its_size_only():
+    model = auto.Model(cm.Params(), "cache", verified={"allreduce:4096": "ring"})
+    assert auto.choose("allreduce", 4096, 2, 1, True, model) == "ring"
+    assert auto.choose("allreduce", 4096, 2, 1, True) != "ring"  # the defaults' choice differs
+    assert auto.choose("allreduce", 8192, 2, 1, True, model) == auto.choose(
+        "allreduce", 8192, 2, 1, True)

@@ -218,9 +218,9 @@ def test_ring_steps_use_the_ring_curve_and_pairwise_steps_the_pair_curve():
 
 
 def test_calibrated_curve_never_decreases():
-    from mpdl.perf.calibrate import _monotone
+    from mpdl.collectives.measuring import monotone
 
-    assert _monotone((8, 64, 128), [5e-6, 2e-6, 3e-6]) == ((8.0, 2e-6), (64.0, 2e-6), (128.0, 3e-6))
+    assert monotone((8, 64, 128), [5e-6, 2e-6, 3e-6]) == ((8.0, 2e-6), (64.0, 2e-6), (128.0, 3e-6))
 
 
 def test_recursive_doubling_pays_the_inter_node_link_only_where_pairs_cross_nodes():
@@ -235,25 +235,26 @@ def test_recursive_doubling_pays_the_inter_node_link_only_where_pairs_cross_node
 def test_calibrated_exchange_drops_a_sweep_a_slow_spell_fell_on(monkeypatch):
     """Each size is timed in several sweeps; one sweep ten times slower (the machine paused) must
     not move the figure, as it would with a mean or with a single sweep."""
-    from mpdl.perf import calibrate
+    from mpdl.collectives import measuring
 
-    sizes = (calibrate.SMALL_BYTES, *calibrate.LARGE_BYTES)
+    effort = measuring.thorough(4)
+    sizes = effort.sizes
     calls = iter(range(10_000))
 
-    def fake_bench_time(comm, fn, reps):
+    def fake_bench_time(comm, fn, reps, mpi_barrier=False):
         sweep, size = divmod(next(calls), len(sizes))
         return (10.0 if sweep == 1 and size == 3 else 1.0) * (size + 1)
 
-    monkeypatch.setattr(calibrate, "_bench_time", fake_bench_time)
-    assert calibrate.SWEEPS >= 3
-    times = calibrate._exchange_times(comm=None, peers=None, iters=4)
+    monkeypatch.setattr(measuring, "bench_time", fake_bench_time)
+    assert effort.sweeps >= 3
+    times = measuring.exchange_times(comm=None, peers=None, effort=effort)
     assert times == [float(i + 1) for i in range(len(sizes))]
 
 
 @pytest.mark.parametrize("nbytes", [8, 1 << 16, 1 << 20])
 def test_calibrated_exchange_buffers_share_a_page_offset(nbytes):
     """Not 16 bytes apart modulo 4 KiB, as two heap arrays allocated in a row are (4K aliasing)."""
-    from mpdl.perf.calibrate import exchange_buffers
+    from mpdl.collectives.measuring import exchange_buffers
 
     send, recv = exchange_buffers(nbytes)
     assert send.nbytes == recv.nbytes == nbytes and not np.shares_memory(send, recv)
@@ -264,15 +265,15 @@ def test_calibrated_exchange_buffers_share_a_page_offset(nbytes):
 def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
     """The ring curve times 2(p-1) forwarding steps in one call and reports the time per step;
     each step sends one block to the next rank and receives one from the previous."""
-    from mpdl.perf import calibrate
+    from mpdl.collectives import measuring
     from mpdl.threadworld import run_world
 
-    monkeypatch.setattr(calibrate, "_bench_time", lambda comm, fn, reps: 6.0)
-    assert calibrate._exchange_times(None, None, 4, ring_steps=6) == [1.0] * (
-        1 + len(calibrate.LARGE_BYTES))
+    monkeypatch.setattr(measuring, "bench_time", lambda comm, fn, reps, mpi_barrier=False: 6.0)
+    effort = measuring.thorough(4)
+    assert measuring.exchange_times(None, None, effort, steps=6) == [1.0] * len(effort.sizes)
 
     def chain(c):
-        calibrate._ring_chain(c, ((c.rank + 1) % c.size, (c.rank - 1) % c.size), 64, 4)()
+        measuring.ring_chain(c, ((c.rank + 1) % c.size, (c.rank - 1) % c.size), 64, 4)()
 
     _, schedule = run_world(3, chain, record=True)
     for rank in range(3):
@@ -280,12 +281,12 @@ def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
         assert [(m[3], m[4]) for m in sent] == [((rank + 1) % 3, 64)] * 4
 
     # large blocks are reused in turn: memory stays within CHAIN_BYTES however long the chain
-    monkeypatch.setattr(calibrate, "CHAIN_BYTES", 4 * 64)
+    monkeypatch.setattr(measuring, "CHAIN_BYTES", 4 * 64)
     allocated = []
-    real_buffers = calibrate.exchange_buffers
-    monkeypatch.setattr(calibrate, "exchange_buffers",
+    real_buffers = measuring.exchange_buffers
+    monkeypatch.setattr(measuring, "exchange_buffers",
                         lambda n: allocated.append(n) or real_buffers(n))
-    _, schedule = run_world(3, lambda c: calibrate._ring_chain(
+    _, schedule = run_world(3, lambda c: measuring.ring_chain(
         c, ((c.rank + 1) % 3, (c.rank - 1) % 3), 64, 10)(), record=True)
     assert len(schedule) == 3 * 10 and allocated == [4 * 64] * 3
 
@@ -339,16 +340,16 @@ def test_calibrated_reducing_ring_chain_adds_each_block_it_receives(nbytes, monk
     """Each step sends its block to the next rank, receives the next block from the previous one
     and adds it in (float32: whole elements, 66 bytes become 64); the block a step sends is the
     one the step before added into, so after 4 steps the last block holds 1 + 4 (all ones)."""
-    from mpdl.perf import calibrate
+    from mpdl.collectives import measuring
     from mpdl.threadworld import run_world
 
     buffers = []
-    real_buffers = calibrate.exchange_buffers
-    monkeypatch.setattr(calibrate, "exchange_buffers",
+    real_buffers = measuring.exchange_buffers
+    monkeypatch.setattr(measuring, "exchange_buffers",
                         lambda n: buffers.append(real_buffers(n)) or buffers[-1])
 
     def chain(c):
-        run = calibrate._ring_chain(c, ((c.rank + 1) % c.size, (c.rank - 1) % c.size), nbytes, 4,
+        run = measuring.ring_chain(c, ((c.rank + 1) % c.size, (c.rank - 1) % c.size), nbytes, 4,
                                     reduce=True)
         run()
 

@@ -80,5 +80,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"allreduce_times {len(params.allreduce_times)} algorithms timed at {len(sizes)} "
               f"sizes, {int(sizes[0][0])} B to {int(sizes[-1][0]) >> 20} MiB (what auto "
               f"interpolates for {comm.size} ranks)")
+    if params.provisional:
+        print(f"provisional     {params.provisional}: rerun on a quiet machine")
+        if costmodel.read_file(path).get(comm.size) != params:
+            print(f"kept the quiet calibration already in {path} (a provisional one never "
+                  f"replaces it)")
+            return 0
     print(f"saved {path}")
     return 0

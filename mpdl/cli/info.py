@@ -81,7 +81,8 @@ def _cost_model(comm) -> dict[str, Any]:
         return {"cost_model": f"not calibrated yet: the first auto call measures it (about a "
                               f"second) and saves {path}",
                 "cost_model_calibrated": False}
-    return {"cost_model": model.describe(), "cost_model_calibrated": model.calibrated}
+    return {"cost_model": model.describe(), "cost_model_calibrated": model.calibrated,
+            "cost_model_provisional": model.provisional}
 
 
 _PER_RANK = ("rank", "host", "node", "local_rank")

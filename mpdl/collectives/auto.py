@@ -11,7 +11,9 @@ model's parameters (`model_for(comm)`), in this order:
 3. otherwise the first-use calibration of this machine and world shape (`mpdl.collectives.firstuse`):
    read from the settings' `auto_cache` folder (MPDL_AUTO_CACHE), or measured now by every rank of
    the communicator (about a second) and saved there; a cache file that cannot be read is ignored
-   with a warning and measured again;
+   with a warning and measured again. A calibration taken on a busy machine is provisional: it is
+   used, and measured again on the next run's first `auto` call, which replaces it (a
+   provisional one never replaces one taken on a quiet machine);
 4. the defaults where there is nothing to measure (`MPDL_AUTO_CACHE=off`, one rank, the in-process
    world).
 
@@ -21,6 +23,9 @@ it found nothing every rank measures, and rank 0 writes the file. The model is t
 communicator, and each choice in one cache (a dictionary lookup per call). Another look happens
 after `forget()` (call it on every rank, as `mpdl calibrate` does) or a change of the settings'
 `cost_model` / `auto_cache`; link emulation changes only the choices.
+
+A model also holds the choices that plans verified online (`mpdl.collectives.verify`), read from
+and written to the first-use cache: for those sizes they override the prediction.
 
 `choose(collective, nbytes, p, nodes, shared_memory)` without a model is the pure function of the
 calibration file (or the defaults) that needs no communicator.
@@ -48,18 +53,25 @@ class Model:
 
     origin: "off" (no model: the size rule), "defaults", "file" (`mpdl calibrate`'s), "cache" (a
     first-use calibration read back) or "measured" (a first-use calibration made in this run);
-    `path` is the file read or written, `note` says why when it matters."""
+    `path` is the file read or written, `note` says why when it matters; `verified` holds the
+    choices plans verified online ("collective:bytes" -> algorithm)."""
 
     params: costmodel.Params | None
     origin: str
     path: str = ""
     note: str = ""
+    verified: dict = field(default_factory=dict, compare=False, hash=False)
     #: tells models apart in the choice cache
     serial: int = field(init=False, default_factory=lambda: next(_serial), compare=False)
 
     @property
     def calibrated(self) -> bool:
         return self.origin in ("file", "cache", "measured")
+
+    @property
+    def provisional(self) -> str:
+        """Why the calibration is provisional (taken on a busy machine); "" when it is not."""
+        return self.params.provisional if self.params is not None and self.calibrated else ""
 
     def describe(self) -> str:
         """One line for `mpdl info` and `mpdl bench`."""
@@ -70,6 +82,8 @@ class Model:
                 "measured": f"calibrated on first use, now: saved to {self.path}"}[self.origin]
         if self.params is not None and self.calibrated:
             text += f" ({self.params.source})"
+        if self.provisional:
+            text = f"provisional ({self.provisional}): {text}"
         return f"{text}; {self.note}" if self.note else text
 
 
@@ -137,13 +151,13 @@ def _default_model(note: str) -> Model:
 
 def _measurable(comm) -> bool:
     """A communicator over real MPI processes (not the in-process world) of two ranks or more."""
-    root = firstuse._root(comm)
+    root = firstuse.root_of(comm)
     return comm.size > 1 and getattr(root, "mpi", None) is not None
 
 
 def look(comm) -> tuple[Model | None, str]:
-    """What this rank finds without measuring: (the model, ""), or (None, the cache file to
-    measure into). No communication."""
+    """What this rank finds without measuring: (the model, ""), or (None or a provisional model,
+    the cache file to measure into). No communication."""
     static = static_model(comm.size)
     if static.origin != "defaults" or static.note != "no calibration file":
         return static, ""
@@ -162,7 +176,8 @@ def look(comm) -> tuple[Model | None, str]:
         return None, path
     if params is None:
         return None, path
-    return Model(params, "cache", path), ""
+    model = Model(params, "cache", path, verified=firstuse.read_verified(path, key))
+    return model, path if params.provisional else ""
 
 
 def _agree(comm) -> Model:
@@ -171,12 +186,13 @@ def _agree(comm) -> Model:
         return look(comm)[0]
     # the node layouts the cache key names: collective the first time, so every rank asks
     comm.node_groups()
-    firstuse._root(comm).node_groups()
+    firstuse.root_of(comm).node_groups()
     mine = look(comm) if comm.rank == 0 else None
     found, path = comm.allgather_object(mine)[0]
-    if found is not None:  # a model of this process (its serial keys this process's cache)
-        return Model(found.params, found.origin, found.path, found.note)
-    params = firstuse.measure(comm)
+    if found is not None and not path:  # a model of this process (its serial keys its cache)
+        return Model(found.params, found.origin, found.path, found.note, dict(found.verified))
+    params = firstuse.measure(comm)  # none yet, or a provisional one: measure again
+    verified = dict(found.verified) if found is not None else {}  # the file keeps them too
     note = ""
     if comm.rank == 0:
         try:
@@ -184,7 +200,7 @@ def _agree(comm) -> Model:
         except OSError as exc:
             note = f"could not save it ({exc}); set MPDL_AUTO_CACHE to a writable folder"
             warnings.warn(f"mpdl auto: first-use calibration {note}", RuntimeWarning, stacklevel=2)
-    return Model(params, "measured", path, note)
+    return Model(params, "measured", path, note, verified)
 
 
 def model_for(comm) -> Model:
@@ -228,7 +244,10 @@ def choose(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool
     choices = _cache[1]
     name = choices.get(key)
     if name is None:
-        name = choices[key] = _model_or_rule(model, collective, nbytes, p, nodes, shared_memory)
+        name = model.verified.get(f"{collective}:{nbytes}") if not current.emulation else None
+        if name is None or name not in costmodel.candidates(collective, shared_memory):
+            name = _model_or_rule(model, collective, nbytes, p, nodes, shared_memory)
+        choices[key] = name
     return name
 
 
@@ -237,6 +256,34 @@ def algorithm_for(collective: str, nbytes: int, comm) -> registry.Algorithm:
     nodes = len(comm.node_groups()) if comm.size > 1 else 1
     return registry.resolve(collective, choose(collective, nbytes, comm.size, nodes,
                                                comm.has_shared_memory, model_for(comm)))
+
+
+def ranked(collective: str, nbytes: int, comm, model: Model) -> tuple[str, ...]:
+    """(auto's choice for nbytes on comm, the cost model's runner-up): the two candidates predicted
+    fastest, the choice first; () with fewer than two candidates."""
+    nodes = len(comm.node_groups()) if comm.size > 1 else 1
+    choice = algorithm_for(collective, nbytes, comm).name
+    params = model.params.emulated(settings.current().emulation)
+    others = [n for n in costmodel.candidates(collective, comm.has_shared_memory) if n != choice]
+    if not others:
+        return ()
+    times = [costmodel.predict(collective, n, nbytes, comm.size, nodes, params) for n in others]
+    return choice, others[min(range(len(others)), key=lambda i: (times[i], i))]
+
+
+def learn(comm, collective: str, nbytes: int, algorithm: str) -> None:
+    """Keep a plan's verdict: `algorithm` is the fastest for nbytes of collective on comm. Every
+    rank of comm calls it with the same verdict; it holds for the rest of the run, and rank 0
+    writes it into the first-use cache file for the next runs."""
+    model = model_for(comm)
+    model.verified[f"{collective}:{nbytes}"] = algorithm
+    _cache[:] = None, {}
+    if comm.rank == 0 and model.origin in ("cache", "measured"):
+        try:
+            firstuse.remember(model.path, firstuse.cache_key(comm), collective, nbytes, algorithm)
+        except OSError as exc:
+            warnings.warn(f"mpdl auto: could not note a verified choice in {model.path} ({exc})",
+                          RuntimeWarning, stacklevel=2)
 
 
 def forget() -> None:

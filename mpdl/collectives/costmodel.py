@@ -115,6 +115,9 @@ class Params:
     #: the world size the parameters were measured at (0: defaults)
     ranks: int = 0
     source: str = "defaults"
+    #: why the calibration is provisional (taken on a busy machine: used, never the final word);
+    #: "" for a calibration taken on a quiet machine
+    provisional: str = ""
 
     def link(self, inter: bool) -> tuple[float, float]:
         """(α, β) of an intra-node or an inter-node link."""
@@ -243,12 +246,17 @@ def read_file(path: str) -> dict:
                                f"rerun `mpdl calibrate`") from None
 
 
-def save(path: str, params: Params) -> None:
-    """Store params under their world size in path, keeping the entries of other sizes."""
+def save(path: str, params: Params) -> bool:
+    """Store params under their world size in path, keeping the entries of other sizes; a
+    provisional calibration never replaces one taken on a quiet machine (then False, and the
+    file is left as it was)."""
     try:
         entries = read_file(path)
     except ModelUnavailable:
         entries = {}
+    held = entries.get(params.ranks)
+    if params.provisional and held is not None and not held.provisional:
+        return False
     entries[params.ranks] = params
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with atomic_open(path) as f:
@@ -256,6 +264,7 @@ def save(path: str, params: Params) -> None:
                    "entries": {str(k): v.to_json() for k, v in sorted(entries.items())}}, f, indent=1)
         f.write("\n")
     forget()
+    return True
 
 
 def load_params(ranks: int | None = None, path: str | None = None) -> Params:

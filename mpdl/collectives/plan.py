@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from mpdl import backend, faults
-from mpdl.collectives import blocks, checks
+from mpdl import backend, faults, settings
+from mpdl.collectives import blocks, checks, registry, verify
 from mpdl.collectives.bruck import moving
 from mpdl.collectives.ops import block_bounds, check_array, check_op, reducer, segment_elements
 from mpdl.collectives.pairwise import partners
@@ -54,7 +54,7 @@ class Plan:
     __slots__ = ("comm", "collective", "algorithm", "x", "result", "_name", "_signature", "_go",
                  "_fast", "_finish", "_nbytes", "_dtype", "_op", "_shape", "_entry", "_started",
                  "_rec", "_cell", "_slots", "_info", "_fault", "_requests", "_comm_arg", "_out",
-                 "__weakref__")
+                 "trial", "__weakref__")
 
     def __init__(self, comm: Communicator, collective: str, algorithm: str, x: Any, result: Any,
                  op: str | None, signature: tuple, go, finish, fast=None,
@@ -81,6 +81,8 @@ class Plan:
         #: the comm and out arguments of the ordinary call a cached plan stands for
         self._comm_arg: Any = None
         self._out: Any = None
+        #: the verification of auto's choice on the first runs (mpdl.collectives.verify), if any
+        self.trial: Any = None
         if self._requests:
             free_before_finalize(self)  # its persistent MPI requests
 
@@ -395,7 +397,9 @@ def allreduce_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any =
 def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
                     persistent: bool) -> Plan:
     """allreduce_init; without `persistent`, "mpi" stays the blocking MPI_Allreduce (a cached
-    plan on one rank must match a one-shot call on another)."""
+    plan on one rank must match a one-shot call on another). With algorithm "auto" and the
+    settings' verify_runs, the plan times auto's choice against the runner-up on its first runs
+    (`mpdl.collectives.verify`)."""
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     check_op(op, dtype)
@@ -406,6 +410,55 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
         checks.check_out(out, x, xp)
     signature = ("allreduce", algo.name, x.shape, dtype, op, None)
     checks.agree(c, *signature)
+    go, fast, requests = _allreduce_runner(c, algo, x, out, op, xp, persistent)
+    if op == "avg":
+        flat, size = out.reshape(-1), c.size
+
+        def finish() -> Any:
+            xp.true_divide(flat, size, out=flat)
+            return out
+    else:
+        finish = None
+    plan = Plan(c, "allreduce", algo.name, x, out, op, signature, go, finish, fast, requests)
+    names = verify.candidates("allreduce", x.nbytes, c) if algorithm == "auto" else None
+    if names is not None:
+        _verifying(plan, names, xp, persistent)
+    return plan
+
+
+def _verifying(plan: Plan, names: tuple[str, str], xp: Any, persistent: bool) -> None:
+    """Make plan run a verify.Trial of names (its algorithm and the runner-up) on its first runs,
+    then the winner's schedule."""
+    c, x, out, op = plan.comm, plan.x, plan.result, plan._op
+    built = {plan.algorithm: (plan._go, plan._fast, plan._requests)}
+    other = registry.resolve("allreduce", names[1])
+    built[other.name] = _allreduce_runner(c, other, x, out, op, xp, persistent)
+    requests = [r for _, _, rs in built.values() for r in rs or []]
+
+    def runner(name: str):
+        go, fast, _ = built[name]
+        return lambda: (fast if fast is not None and c.recorder is None
+                        and c.link_delay is None else go)()
+
+    def settle(name: str) -> None:
+        go, fast, _ = built[name]
+        plan._go, plan._fast = go, fast
+        plan.algorithm, plan._name = name, f"allreduce/{name}"
+        plan._signature = ("allreduce", name, *plan._signature[2:])
+        plan._rec = None  # the flight recorder's entries name the algorithm afresh
+
+    trial = verify.Trial(c, "allreduce", x.nbytes, names, {n: runner(n) for n in names}, settle,
+                         settings.current().verify_runs)
+    plan._go, plan._fast, plan.trial = trial.run, None, trial
+    if requests and not plan._requests:
+        free_before_finalize(plan)
+    plan._requests = requests
+
+
+def _allreduce_runner(c: Any, algo: Any, x: Any, out: Any, op: str, xp: Any,
+                      persistent: bool) -> tuple[Any, Any, list | None]:
+    """(go, fast, requests) of algo reducing x into out on c: `go` runs the registered algorithm
+    (after the input copy it needs), `fast` a prepared schedule where there is one."""
     flat, xflat = out.reshape(-1), x.reshape(-1)
     size = c.size
     copy = out is not x and not algo.reads_input
@@ -454,13 +507,7 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
                 if copy:
                     np.copyto(flat, xflat)
                 ring()
-    if op == "avg":
-        def finish() -> Any:
-            xp.true_divide(flat, size, out=flat)
-            return out
-    else:
-        finish = None
-    return Plan(c, "allreduce", algo.name, x, out, op, signature, go, finish, fast, requests)
+    return go, fast, requests
 
 
 def reduce_scatter_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,

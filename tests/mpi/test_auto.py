@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from mpdl import collectives as C
 from mpdl import settings
-from mpdl.collectives import auto, registry
+from mpdl.collectives import auto, firstuse, measuring, registry
 from mpdl.comm import MPIComm
 
 pytestmark = pytest.mark.mpi
@@ -27,8 +27,11 @@ LIMIT_S = 60
 
 
 @pytest.fixture
-def cache(tmp_path_factory):
-    """A first-use cache folder every rank agrees on (rank 0's), and no calibration file."""
+def cache(tmp_path_factory, monkeypatch):
+    """A first-use cache folder every rank agrees on (rank 0's), no calibration file, and a
+    machine taken as quiet however loaded it is (the busy check has its own test below)."""
+    monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", float("inf"))
+    monkeypatch.setattr(measuring, "BUSY_SPREAD", float("inf"))
     path = str(tmp_path_factory.mktemp("auto")) if RANK == 0 else None
     path = COMM.bcast(path, root=0)
     previous = settings.update(auto_cache=os.path.join(path, "cache"),
@@ -134,3 +137,41 @@ def test_first_use_behind_asynchronous_work_runs_in_order(cache):
     np.testing.assert_array_equal(small, P)
     np.testing.assert_array_equal(handle.wait(), P * (P + 1) / 2)
     agree(comm, auto.model_for(comm))
+
+
+def test_a_calibration_under_load_is_provisional_on_every_rank_until_a_quiet_one_replaces_it(
+        cache, monkeypatch):
+    """The last rank alone sees a loaded machine: every rank takes the calibration as provisional
+    (the largest load over ranks decides); the next look measures again, and a calibration on a
+    quiet machine replaces it in the cache and is then the final word."""
+    loaded = RANK == P - 1
+    # the slow probes stand aside (the rest of the calibration runs as it is)
+    sizes = measuring.QUICK.sizes
+    monkeypatch.setattr(measuring, "link_curves", lambda comm, effort: {
+        "intra": [1e-6 * (1 + n / 1e6) for n in sizes], "ring": None, "ring_reduce": None,
+        "inter": None})
+    monkeypatch.setattr(measuring, "allreduce_table", lambda comm: measuring.Table((), 1.0))
+    monkeypatch.setattr(measuring, "load_per_core", lambda ranks_here: 3.0 if loaded else 0.0)
+    monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", 0.5)
+    comm = fresh()
+    model = auto.model_for(comm)
+    if P == 1:  # nothing to measure on one rank
+        assert model.origin == "defaults" and not model.provisional
+        return
+    verdicts = comm.allgather_object(model.provisional)
+    assert all(v == verdicts[0] for v in verdicts) and "load 3.00 per core" in verdicts[0]
+    assert "provisional (busy machine" in model.describe()
+    key = firstuse.cache_key(comm)
+    [name] = files(cache)
+    assert firstuse.read(os.path.join(cache, name), key).provisional == verdicts[0]
+
+    monkeypatch.setattr(measuring, "load_per_core", lambda ranks_here: 0.0)
+    auto.forget()
+    again = auto.model_for(fresh())
+    assert again.origin == "measured" and again.provisional == ""
+    assert files(cache) == [name]  # (a barrier: rank 0 has written it)
+    assert firstuse.read(os.path.join(cache, name), key).provisional == ""
+    auto.forget()
+    measured = []
+    monkeypatch.setattr(firstuse, "measure", lambda c: measured.append(c))
+    assert auto.model_for(fresh()).origin == "cache" and measured == []

@@ -1,0 +1,388 @@
+"""Measuring this machine's links, rates and all-reduce algorithms: the one set of probes behind
+`auto`'s first-use calibration (`mpdl.collectives.firstuse`, effort QUICK) and `mpdl calibrate`
+(`mpdl.perf.calibrate`, effort `thorough(iters)`).
+
+Every probe runs on all ranks of a communicator at once, as a collective. An exchange is timed as
+`mpdl bench` times a call (a barrier, one call, the slowest rank; the median over repetitions),
+at every size of the effort's sweep, in `sweeps` sweeps over the sizes (the median over sweeps
+drops a sweep that a slow spell of the machine fell on). Rates (reductions per dtype, copies) are
+timed on arrays larger than a core's caches, every rank at once. Every all-reduce candidate of
+`auto` is timed at TUNE_SIZES with the algorithms taking turns (`allreduce_table`).
+
+A calibration is only as good as the machine was quiet while it ran. `Busy` says whether it was:
+the load average per core (beyond the measuring ranks themselves) before and after, and the
+spread between the rounds of identical all-reduce calls; every rank judges the largest figures
+over ranks (one all-gather), so all ranks reach the same verdict. A calibration taken on a busy
+machine is kept as provisional (`Params.provisional` holds why).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mpdl import backend
+from mpdl.collectives import registry
+from mpdl.collectives.costmodel import candidates
+from mpdl.collectives.shm import WINDOW_BYTES
+
+GAMMA_DTYPES = ("float16", "float32", "float64", "int32", "int64")
+#: the rate measurements' arrays: pairs of STREAM_BYTES, 32 MiB in all (more than a core's caches)
+STREAM_BYTES = 1 << 22
+STREAM_PAIRS = 4
+#: the most memory the blocks of one size's chain of ring steps take (see ring_chain)
+CHAIN_BYTES = 64 << 20
+#: sizes at which every all-reduce candidate is timed (float32); beyond the last, its slope
+TUNE_SIZES = (8, 1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 23)
+#: rounds over the algorithms at each size (a slow spell of the machine then hits all alike), and
+#: timed calls of an algorithm per round, after an untimed one, below and from 1 MiB
+TUNE_ROUNDS = 2
+TUNE_REPS = (8, 3)
+#: a machine is busy when other work keeps more than this many runnable processes per core
+#: beyond the measuring ranks, or when the rounds of identical calls differ by more than this
+#: factor (the median over algorithms and sizes of the slower round over the faster)
+BUSY_LOAD_PER_CORE = 0.5
+BUSY_SPREAD = 1.5
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How hard to measure: the exchange sizes and repetitions per size, the sweeps over them, and
+    what else to time."""
+
+    name: str
+    #: message sizes of the exchanges: α from the first, β from the slope of the others
+    sizes: tuple[int, ...]
+    #: timed repetitions of each size (the median of the slowest rank's times is kept)
+    reps: tuple[int, ...]
+    sweeps: int
+    #: time a ring chain on a node of two ranks too (otherwise a ring of two is taken as a pair)
+    ring_of_two: bool
+    #: time the ring reduce-scatter's steps, each adding the block it received
+    reducing_ring: bool
+    #: timed passes over the rate arrays (the median is kept), and calls per pair in each
+    stream_blocks: int
+    stream_passes: int
+    #: repetitions of the cached copy
+    cached_reps: int
+    #: barrier before each timed call: the MPI library's own (blocking) or the communicator's
+    mpi_barrier: bool
+
+
+#: auto's first use: one sweep over five sizes, few repetitions (about a second for 4 ranks)
+QUICK = Effort("quick", sizes=(8, 1 << 16, 1 << 18, 1 << 20, 1 << 22), reps=(10, 8, 6, 4, 3),
+               sweeps=1, ring_of_two=False, reducing_ring=False, stream_blocks=3,
+               stream_passes=1, cached_reps=10, mpi_barrier=False)
+
+
+def thorough(iters: int) -> Effort:
+    """`mpdl calibrate`'s effort: three sweeps over six sizes up to 16 MiB, `iters` repetitions of
+    a small size (a quarter, at least three, from 1 MiB)."""
+    sizes = (8, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+    return Effort("thorough", sizes=sizes,
+                  reps=tuple(iters if n < (1 << 20) else max(3, iters // 4) for n in sizes),
+                  sweeps=3, ring_of_two=True, reducing_ring=True,
+                  stream_blocks=max(3, iters // 4), stream_passes=2, cached_reps=iters,
+                  mpi_barrier=True)
+
+
+# -- buffers and partners ----------------------------------------------------------------------
+def exchange_buffers(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(send, receive) byte arrays at the same offset in a 4 KiB page. Heap arrays allocated one
+    after another lie 16 bytes apart modulo 4 KiB; a copy from a peer's send buffer into this
+    rank's receive buffer then runs 3-4x slower (4K aliasing), and a calibration would measure
+    that instead of the link (the collectives place their buffers to avoid it)."""
+    send = backend.empty_half_page_in(nbytes, np.uint8, np)
+    send[:] = 1
+    return send, backend.empty_half_page_in(nbytes, np.uint8, np)
+
+
+def pairs(groups: list[list[int]], inter: bool) -> dict[int, int]:
+    """rank -> partner: neighbours inside a node, or equal local ranks of nodes 2j and 2j+1."""
+    partner: dict[int, int] = {}
+    if not inter:
+        for g in groups:
+            for i in range(0, len(g) - 1, 2):
+                partner[g[i]], partner[g[i + 1]] = g[i + 1], g[i]
+        return partner
+    for j in range(0, len(groups) - 1, 2):
+        for a, b in zip(groups[j], groups[j + 1], strict=False):
+            partner[a], partner[b] = b, a
+    return partner
+
+
+def shifts(groups: list[list[int]]) -> dict[int, tuple[int, int]]:
+    """rank -> (send to, receive from): the next and previous rank of its node, as in a ring step."""
+    return {g[i]: (g[(i + 1) % len(g)], g[i - 1]) for g in groups if len(g) > 1
+            for i in range(len(g))}
+
+
+# -- fitting -----------------------------------------------------------------------------------
+def monotone(sizes: tuple[int, ...], times: list[float]) -> tuple[tuple[float, float], ...]:
+    """(bytes, seconds) pairs where a larger message never takes less time than a smaller one
+    (a noisy small measurement is capped by the larger ones)."""
+    capped = np.minimum.accumulate(np.array(times, dtype=np.float64)[::-1])[::-1]
+    return tuple((float(b), float(t)) for b, t in zip(sizes, capped, strict=True))
+
+
+def fit(sizes: tuple[int, ...], times: list[float]) -> tuple[float, float]:
+    """(α, β): α the first (small) message's time, β the least-squares slope over the others."""
+    x = np.array(sizes[1:], dtype=np.float64)
+    y = np.array(times[1:], dtype=np.float64)
+    beta = float(np.polyfit(x, y, 1)[0]) if len(x) > 1 else float(y[0] / x[0])
+    return max(times[0], 1e-9), max(beta, 1e-13)
+
+
+# -- timing ------------------------------------------------------------------------------------
+def median_time(fn, reps: int, batch: int = 1) -> float:
+    """The median over `reps` timings of `batch` calls of fn, per call (this rank alone)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        times.append((time.perf_counter() - t0) / batch)
+    return float(np.median(times))
+
+
+def timed(comm: Any, fn, reps: int, mpi_barrier: bool = False) -> list[float]:
+    """This rank's seconds of `reps` calls of fn, each started after a barrier of comm (fn None:
+    this rank only takes part in the barriers; its times are 0)."""
+    barrier = comm.mpi.Barrier if mpi_barrier else comm.barrier
+    times = []
+    for _ in range(reps):
+        barrier()
+        t0 = time.perf_counter()
+        if fn is not None:
+            fn()
+        times.append(time.perf_counter() - t0 if fn is not None else 0.0)
+    return times
+
+
+def slowest(everyone: list[list[float]]) -> float:
+    """The median over repetitions of the slowest rank's time (every rank's times, in order)."""
+    return float(np.median(np.max(np.array(everyone, dtype=np.float64), axis=0)))
+
+
+def bench_time(comm: Any, fn, reps: int, mpi_barrier: bool = False) -> float:
+    """Seconds of fn timed as `mpdl bench` times a collective: barrier, one call, slowest rank;
+    the median over reps (collective: every rank calls it, fn may be None on some)."""
+    return slowest(comm.allgather_object(timed(comm, fn, reps, mpi_barrier)))
+
+
+def ring_chain(comm: Any, peers: tuple[int, int], nbytes: int, steps: int, reduce: bool = False):
+    """A call of `steps` ring steps in a row over blocks of nbytes: each step sends the block the
+    step before received to peers[0] and receives the next block from peers[1]. The blocks lie
+    one after another in one buffer, as a ring all-reduce's blocks do; beyond CHAIN_BYTES they
+    are reused in turn (at least three, so a step never receives into the block it sends). With
+    `reduce`, each step is a step of the ring reduce-scatter instead: the block arrives in a
+    separate buffer and is added (float32) into the next block, which the next step sends."""
+    if reduce:
+        nbytes = max(4, nbytes - nbytes % 4)  # whole float32 elements
+    count = min(steps + 1, max(3, CHAIN_BYTES // max(nbytes, 1)))
+    blocks = exchange_buffers(nbytes * count)[0].reshape(count, nbytes)
+    if not reduce:
+        def run() -> None:
+            for s in range(steps):
+                comm.sendrecv(blocks[s % count], peers[0], blocks[(s + 1) % count], peers[1],
+                              "calibrate")
+
+        return run
+    values = blocks.view(np.float32)
+    values[:] = 1.0
+    incoming = exchange_buffers(nbytes)[1].view(np.float32)
+
+    def run_reducing() -> None:
+        for s in range(steps):
+            acc = values[(s + 1) % count]
+            recv = comm.irecv(incoming, peers[1], "calibrate")
+            send = comm.isend(values[s % count], peers[0], "calibrate")
+            comm.waitall((recv,))
+            np.add(incoming, acc, out=acc)
+            comm.waitall((send,))
+
+    return run_reducing
+
+
+def exchange_times(comm: Any, peers: tuple[int, int] | None, effort: Effort, steps: int = 1,
+                   reduce: bool = False) -> list[float]:
+    """Seconds per sendrecv (to peers[0], from peers[1]; None: no partner) at each of the effort's
+    sizes, timed as bench times a call (see bench_time; 0 where no rank had peers). With steps > 1,
+    one timed call is that many ring steps in a row (ring_chain) and the time is per step. Each
+    size is repeated back to back, as bench repeats a call, in the effort's sweeps over the
+    sizes; the median over sweeps drops a sweep that a slow spell of the machine fell on."""
+    exchanges = []
+    for nbytes in effort.sizes:
+        exchange = None
+        if peers is not None and steps > 1:
+            exchange = ring_chain(comm, peers, nbytes, steps, reduce)
+        elif peers is not None:
+            send, recv = exchange_buffers(nbytes)
+            exchange = functools.partial(comm.sendrecv, send, peers[0], recv, peers[1], "calibrate")
+        exchanges.append(exchange)
+    sweeps = np.zeros((effort.sweeps, len(exchanges)))
+    for sweep in range(effort.sweeps):
+        for j, (exchange, reps) in enumerate(zip(exchanges, effort.reps, strict=True)):
+            if exchange is not None:
+                exchange()  # warm up the path and the buffers
+            sweeps[sweep, j] = bench_time(comm, exchange, reps, effort.mpi_barrier) / steps
+    return np.median(sweeps, axis=0).tolist()
+
+
+def link_curves(comm: Any, effort: Effort) -> dict[str, list[float] | None]:
+    """Per size of the effort: the exchange between neighbours of a node ("intra"), a step round a
+    ring of a node's ranks ("ring", and "ring_reduce" with the effort's reducing ring), and the
+    exchange between equal local ranks of paired nodes ("inter"); None where not measured. The
+    same curves on every rank (collective)."""
+    groups = comm.node_groups()
+    widest = max(map(len, groups))
+    shift = shifts(groups).get(comm.rank)
+    steps = 2 * (widest - 1)
+    mine = pairs(groups, False).get(comm.rank)
+    curves: dict[str, list[float] | None] = {
+        "intra": exchange_times(comm, None if mine is None else (mine, mine), effort),
+        "ring": None, "ring_reduce": None, "inter": None}
+    if widest > 2 or (effort.ring_of_two and widest > 1):
+        curves["ring"] = exchange_times(comm, shift, effort, steps)
+        if effort.reducing_ring:
+            curves["ring_reduce"] = exchange_times(comm, shift, effort, steps, reduce=True)
+    if len(groups) > 1:
+        partner = pairs(groups, True).get(comm.rank)
+        curves["inter"] = exchange_times(comm, None if partner is None else (partner, partner),
+                                         effort)
+    return curves
+
+
+def stream_time(fn, dtype: np.dtype, effort: Effort) -> float:
+    """Seconds per byte of fn(a, b) on STREAM_BYTES arrays of dtype, taking the next of
+    STREAM_PAIRS pairs each call, so the data do not come from a core's caches (a collective
+    reduces and copies what other cores or MPI wrote last). Each of the effort's blocks times
+    its passes over all pairs; the median over blocks drops the blocks a slow spell hit (with
+    more ranks than cores, the time slices a rank waits for are part of the rate: every rank
+    runs this at the same time)."""
+    count = STREAM_BYTES // dtype.itemsize
+    arrays = [(np.ones(count, dtype), np.ones(count, dtype)) for _ in range(STREAM_PAIRS)]
+    for a, b in arrays:
+        fn(a, b)
+    calls = effort.stream_passes * STREAM_PAIRS
+    blocks = []
+    for _ in range(effort.stream_blocks):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(*arrays[i % STREAM_PAIRS])
+        blocks.append((time.perf_counter() - t0) / calls)
+    return float(np.median(blocks)) / STREAM_BYTES
+
+
+def rates(effort: Effort) -> dict[str, float]:
+    """This rank's seconds per byte of a reduction per dtype ("gamma:DTYPE") and of a copy
+    ("copy") on arrays not in cache, and of a copy of a window chunk that stays in cache
+    ("copy_cached", the shm algorithm's). Run it on every rank at once."""
+    out = {f"gamma:{d}": stream_time(lambda a, b: np.add(a, b, out=a), np.dtype(d), effort)
+           for d in GAMMA_DTYPES}
+    out["copy"] = stream_time(np.copyto, np.dtype(np.uint8), effort)
+    src, dst = np.ones(WINDOW_BYTES, np.uint8), np.empty(WINDOW_BYTES, np.uint8)
+    out["copy_cached"] = median_time(lambda: np.copyto(dst, src), effort.cached_reps, 4) \
+        / WINDOW_BYTES
+    return out
+
+
+# -- the all-reduce candidates -----------------------------------------------------------------
+def _allreduce_times(comm: Any) -> dict[str, list[list[list[float]]]]:
+    """Per all-reduce candidate `auto` may pick, per size of TUNE_SIZES, per round: this rank's
+    times of its calls (TUNE_ROUNDS turns of TUNE_REPS calls, each after a barrier, the
+    algorithms taking turns as in `mpdl bench`), with the input copy the public call makes (the
+    algorithms that read their input directly get it as `src`)."""
+    names = candidates("allreduce", comm.has_shared_memory)
+    out: dict[str, list[list[list[float]]]] = {name: [] for name in names}
+    for nbytes in TUNE_SIZES:
+        x = np.ones(max(1, nbytes // 4), np.float32)
+        work = backend.empty_like_page_offset(x)
+        calls = {}
+        for name in names:
+            algo = registry.REGISTRY["allreduce"][name]
+
+            def call(algo=algo, x=x, work=work) -> None:
+                if algo.reads_input:
+                    algo.run(comm, work, "sum", src=x)
+                else:
+                    np.copyto(work, x)
+                    algo.run(comm, work, "sum")
+
+            calls[name] = call
+            out[name].append([])
+        for _ in range(TUNE_ROUNDS):
+            for name, call in calls.items():
+                comm.barrier()
+                call()  # untimed: each turn starts as bench's turns do
+                out[name][-1].append(timed(comm, call, TUNE_REPS[nbytes >= (1 << 20)]))
+    return out
+
+
+@dataclass(frozen=True)
+class Table:
+    """`Params.allreduce_times` (every candidate's (bytes, seconds) per size, the median over
+    calls of the slowest rank's time, non-decreasing in size) and `spread`: the median over
+    candidates and sizes of the slower round's median over the faster's (1 on a quiet machine)."""
+
+    rows: tuple[tuple[str, tuple[tuple[float, float], ...]], ...]
+    spread: float
+
+
+def allreduce_table(comm: Any) -> Table:
+    """Every all-reduce candidate timed at TUNE_SIZES, the algorithms taking turns. Collective
+    over comm; the same table on every rank."""
+    everyone = comm.allgather_object(_allreduce_times(comm))
+    rows, ratios = [], []
+    for name in everyone[0]:
+        times = []
+        for i in range(len(TUNE_SIZES)):
+            times.append(slowest([sum(r[name][i], []) for r in everyone]))
+            rounds = sorted(slowest([r[name][i][k] for r in everyone]) for k in range(TUNE_ROUNDS))
+            ratios.append(rounds[-1] / max(rounds[0], 1e-12))
+        rows.append((name, monotone(TUNE_SIZES, times)))
+    return Table(tuple(rows), float(np.median(ratios)))
+
+
+# -- was the machine quiet? --------------------------------------------------------------------
+def load_per_core(ranks_here: int) -> float:
+    """Runnable processes per core beyond this node's `ranks_here` measuring ranks: the 1-minute
+    load average (os.getloadavg) less the measuring ranks, over the cores; 0 where unknown."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+    return max(0.0, load - ranks_here) / (os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Busy:
+    """The busy-machine check of one calibration: the largest load per core over ranks, before and
+    after, and the spread of the tuning rounds. `why` is "" on a quiet machine."""
+
+    load_before: float
+    load_after: float
+    spread: float
+
+    @property
+    def why(self) -> str:
+        reasons = []
+        load = max(self.load_before, self.load_after)
+        if load > BUSY_LOAD_PER_CORE:
+            reasons.append(f"load {load:.2f} per core beyond the measuring ranks "
+                           f"(before {self.load_before:.2f}, after {self.load_after:.2f})")
+        if self.spread > BUSY_SPREAD:
+            reasons.append(f"repeated identical calls differed {self.spread:.2f}x")
+        return "busy machine: " + ", ".join(reasons) if reasons else ""
+
+
+def busy_check(comm: Any, load_before: float, load_after: float, spread: float) -> Busy:
+    """The verdict on the largest loads over ranks, the same on every rank (collective over comm;
+    `spread` is the same on every rank already)."""
+    loads = comm.allgather_object((load_before, load_after))
+    return Busy(max(b for b, _ in loads), max(a for _, a in loads), spread)

@@ -1,0 +1,87 @@
+"""Online verification of `auto`'s choice in a persistent all-reduce plan, under real mpiexec: with
+the choice made slower on purpose, every rank switches to the runner-up at the same run, every run
+gives the bits of the one-shot all-reduce of the algorithm that ran, and the next run starts with
+the verdict (read from the first-use cache)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpdl import collectives as C
+from mpdl import settings
+from mpdl.collectives import auto, firstuse, measuring
+from mpdl.collectives import plan as plans
+from mpdl.comm import MPIComm
+
+pytestmark = pytest.mark.mpi
+
+COMM = MPI.COMM_WORLD
+P, RANK = COMM.Get_size(), COMM.Get_rank()
+RUNS = 2
+#: elements of the planned array: an awkward count (prime, not divisible by p)
+COUNT = 1009
+
+
+@pytest.fixture
+def world(tmp_path_factory, monkeypatch):
+    """A first-use calibration (quick probes stood aside: a fixed, quiet one) in a fresh cache
+    folder, verification on with RUNS runs of each algorithm, and a communicator auto has not
+    seen."""
+    path = COMM.bcast(str(tmp_path_factory.mktemp("verify")) if RANK == 0 else None, root=0)
+    previous = settings.update(auto_cache=os.path.join(path, "cache"),
+                               cost_model=os.path.join(path, "costmodel.json"), verify_runs=RUNS)
+    monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", float("inf"))
+    monkeypatch.setattr(measuring, "BUSY_SPREAD", float("inf"))
+    sizes = measuring.QUICK.sizes
+    monkeypatch.setattr(measuring, "link_curves", lambda comm, effort: {
+        "intra": [1e-6 * (1 + n / 1e6) for n in sizes], "ring": None, "ring_reduce": None,
+        "inter": None})
+    monkeypatch.setattr(measuring, "allreduce_table", lambda comm: measuring.Table((), 1.0))
+    auto.forget()
+    yield MPIComm(COMM.Dup())
+    settings.use(previous)
+    auto.forget()
+    COMM.Barrier()
+
+
+def test_a_slowed_choice_is_replaced_by_the_runner_up_the_same_way_on_every_rank(world,
+                                                                                   monkeypatch):
+    if P == 1:
+        pytest.skip("one rank: there is no algorithm to verify (auto runs nothing)")
+    model = auto.model_for(world)
+    assert model.calibrated
+    x = np.random.default_rng(RANK).standard_normal(COUNT).astype(np.float32)
+    choice, runner_up = auto.ranked("allreduce", x.nbytes, world, model)
+    real = plans._allreduce_runner
+
+    def slowed(c, algo, *args):  # the test hook: the choice takes 20 ms longer on every rank
+        go, fast, requests = real(c, algo, *args)
+        if algo.name != choice:
+            return go, fast, requests
+        return (lambda: (time.sleep(0.02), go())), None, requests
+
+    monkeypatch.setattr(plans, "_allreduce_runner", slowed)
+    plan = C.allreduce_init(x, algorithm="auto", comm=world)
+    assert plan.algorithm == choice and plan.trial is not None
+    ran = []
+    for _ in range(2 * RUNS + 2):
+        got = plan().copy()
+        name = plan.trial.current if len(ran) < 2 * RUNS else plan.algorithm
+        ran.append(name)
+        want = C.allreduce(x, algorithm=name, comm=world)
+        assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), name
+    assert ran == [choice, runner_up] * RUNS + [runner_up, runner_up]
+    assert world.allgather_object(plan.algorithm) == [runner_up] * P
+    # the next run starts right: the verdict is in the cache file, and a new plan takes it
+    world.barrier()
+    key = firstuse.cache_key(world)
+    assert firstuse.read_verified(firstuse.cache_path(settings.current().auto_cache, key),
+                                  key) == {f"allreduce:{x.nbytes}": runner_up}
+    auto.forget()
+    again = C.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
+    assert again.algorithm == runner_up and again.trial is None
