@@ -420,8 +420,8 @@ def saved_keys(saved: Mapping[str, Any]) -> dict[str, Any]:
     return {OLD_KEYS.get(name, name): value for name, value in saved.items()}
 
 
-#: the flat field names of configurations recorded before the sections, where the key is not
-#: SECTION.NAME with the same name
+#: the option of each flat field of the configurations recorded before the sections (four were
+#: renamed: model, data, checkpoint, checkpoint_every; the others kept their name in a section)
 OLD_KEYS = {"model": "model.name", "data": "data.path", "checkpoint": "checkpoint.dir",
             "checkpoint_every": "checkpoint.every",
             **{key.split(".")[1]: key for key in OPTIONS
