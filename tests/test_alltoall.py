@@ -384,11 +384,11 @@ def test_mpi_prediction_follows_mpichs_switch_points():
 
 def test_auto_chooses_few_steps_for_small_blocks_at_many_ranks_and_never_the_baseline():
     params = cm.Params()
-    assert cm.choose("alltoall", 8 * 16, 16, 1, False, params) == "bruck"
+    assert cm.fastest("alltoall", 8 * 16, 16, 1, False, params) == "bruck"
     for p in (2, 4, 5, 8):
         for per_destination in (8, 256, 4096, 1 << 20):
-            assert cm.choose("alltoall", per_destination * p, p, 1, False, params) != "mpi"
+            assert cm.fastest("alltoall", per_destination * p, p, 1, False, params) != "mpi"
     # a large block is never forwarded: Bruck's (n/2)·lg p bytes lose to p-1 direct messages
-    assert cm.choose("alltoall", (16 << 20) * 16, 16, 1, False, params) != "bruck"
+    assert cm.fastest("alltoall", (16 << 20) * 16, 16, 1, False, params) != "bruck"
     slow = params.emulated(emulation.parse("inter=10Gbit/s,20us"))
-    assert cm.choose("alltoall", 64 * 16, 16, 4, False, slow) == "hierarchical"
+    assert cm.fastest("alltoall", 64 * 16, 16, 4, False, slow) == "hierarchical"

@@ -174,7 +174,7 @@ def test_first_use_measures_once_writes_one_file_and_is_reused(tmp_path, monkeyp
     assert "calibrated on first use" in again.describe()
     # auto's choices come from the measured parameters
     nodes, shm = 1, True
-    assert auto.choose("allreduce", 1 << 20, 2, nodes, shm, again) == cm.choose(
+    assert auto.choose("allreduce", 1 << 20, 2, nodes, shm, again) == cm.fastest(
         "allreduce", 1 << 20, 2, nodes, shm, MEASURED)
 
 
@@ -259,8 +259,8 @@ def test_measured_allreduce_times_replace_the_formula_for_their_world_shape_only
     slow = ((8.0, 1.0), (1 << 20, 2.0))  # every other candidate far slower
     params = replace(params, allreduce_times=table + tuple(
         (name, slow) for name in cm.candidates("allreduce", True) if name not in ("ring", "shm")))
-    assert cm.choose("allreduce", 1024, 4, 1, True, params) == "shm"
-    assert cm.choose("allreduce", 1 << 20, 4, 1, True, params) == "ring"
+    assert cm.fastest("allreduce", 1024, 4, 1, True, params) == "shm"
+    assert cm.fastest("allreduce", 1 << 20, 4, 1, True, params) == "ring"
     # another world shape, an algorithm not timed, another collective: the formula
     formula = cm.Params(call=1e-6)
     for args in (("allreduce", "ring", 1024, 2, 1), ("allreduce", "ring", 1024, 4, 2),

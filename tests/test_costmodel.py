@@ -83,23 +83,23 @@ def test_hierarchical_wins_under_a_slow_inter_node_link():
         ring = cm.predict("allreduce", "ring", n, 4, 2, slow)
         hier = cm.predict("allreduce", "hierarchical", n, 4, 2, slow)
         assert hier < ring
-    assert cm.choose("allreduce", 1 << 24, 4, 2, False, slow) in ("hierarchical", "torus2d")
+    assert cm.fastest("allreduce", 1 << 24, 4, 2, False, slow) in ("hierarchical", "torus2d")
 
 
 def test_choice_is_deterministic_excludes_the_baseline_and_breaks_ties_by_registration_order():
     for collective in registry.COLLECTIVES:
         first = next(iter(cm.candidates(collective, True)))
-        assert cm.choose(collective, 1 << 20, 4, 1, True, ZERO) == first
+        assert cm.fastest(collective, 1 << 20, 4, 1, True, ZERO) == first
         for n in SIZES:
-            picks = {cm.choose(collective, n, 4, 1, True) for _ in range(3)}
+            picks = {cm.fastest(collective, n, 4, 1, True) for _ in range(3)}
             assert len(picks) == 1 and picks != {"mpi"}
-    assert all(cm.choose("allreduce", n, 4, 1, False) != "shm" for n in SIZES)
+    assert all(cm.fastest("allreduce", n, 4, 1, False) != "shm" for n in SIZES)
 
 
 def test_small_messages_go_to_few_steps_and_large_ones_to_bandwidth_optimal_algorithms():
     params = cm.Params()
-    assert cm.choose("allreduce", 8, 8, 1, False, params) == "recursive_doubling"
-    assert cm.choose("allreduce", 64 << 20, 8, 1, False, params) in ("ring", "rabenseifner",
+    assert cm.fastest("allreduce", 8, 8, 1, False, params) == "recursive_doubling"
+    assert cm.fastest("allreduce", 64 << 20, 8, 1, False, params) in ("ring", "rabenseifner",
                                                                       "torus2d")
 
 

@@ -202,7 +202,7 @@ def test_launch_bad_flags_exit_2_naming_the_flag(tmp_path):
 
 
 def test_failure_reports_of_each_launcher_are_read():
-    from mpdl.tools.launch import parse_failure
+    from mpdl.tools.supervisor import parse_failure
 
     hydra = ("=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n=   PID 4242 RUNNING AT n1\n"
              "=   EXIT CODE: 9\n=   CLEANING UP REMAINING PROCESSES\nYOUR APPLICATION TERMINATED "
@@ -222,7 +222,7 @@ def test_failure_reports_of_each_launcher_are_read():
 
 
 def test_hostfiles_of_hydra_and_open_mpi(tmp_path):
-    from mpdl.tools.launch import read_hostfile
+    from mpdl.tools.supervisor import read_hostfile
 
     path = tmp_path / "hosts"
     path.write_text("# nodes\nn1:4\nn2 slots=2\nn3\n")

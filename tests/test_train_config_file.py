@@ -17,7 +17,7 @@ import pytest
 from mpdl.cli import UsageError
 from mpdl.cli.train import add_arguments, check, config_from_args
 from mpdl.threadworld import ThreadWorld
-from mpdl.tools.launch import checkpoint_dir
+from mpdl.tools.supervisor import checkpoint_dir
 from mpdl.training.config import OPTIONS, ConfigError, TrainConfig, resume_mismatch
 from mpdl.training.config_file import config_toml, read_config_file
 from mpdl.training.loop import Trainer

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from mpdl.cli import UsageError
-from mpdl.tools.launch import LaunchError, LaunchPlan, supervise
+from mpdl.tools.supervisor import LaunchError, LaunchPlan, supervise
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -223,7 +223,7 @@ def _model_or_rule(model: Model, collective: str, nbytes: int, p: int, nodes: in
     if model.params is None:
         return simple_choice(collective, nbytes, p, nodes, shared_memory)
     params = model.params.emulated(settings.current().emulation)
-    return costmodel.choose(collective, nbytes, p, nodes, shared_memory, params)
+    return costmodel.fastest(collective, nbytes, p, nodes, shared_memory, params)
 
 
 #: the one cache: [the Settings the choices were made under, {(model, call signature): name}]
@@ -293,5 +293,5 @@ def forget() -> None:
     _cache[:] = None, {}
     _static.clear()
     _defaults.clear()
-    costmodel.forget()
+    costmodel.forget_loaded()
 

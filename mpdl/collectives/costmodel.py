@@ -14,7 +14,7 @@ of sequential message steps, the bytes each step carries, pipeline segments (MPD
 and which steps cross a node boundary (nodes are taken as p/nodes consecutive ranks). An algorithm
 without a formula here is estimated from its message schedule, recorded on the in-process world.
 
-`choose` returns the algorithm with the smallest prediction. It is a pure function of its
+`fastest` returns the algorithm with the smallest prediction. It is a pure function of its
 arguments and the parameter file, which every rank reads itself, so all ranks pick the same one;
 ties go to the algorithm registered first. `mpdl.collectives.auto` remembers its choices.
 
@@ -263,7 +263,7 @@ def save(path: str, params: Params) -> bool:
         json.dump({"version": FORMAT_VERSION,
                    "entries": {str(k): v.to_json() for k, v in sorted(entries.items())}}, f, indent=1)
         f.write("\n")
-    forget()
+    forget_loaded()
     return True
 
 
@@ -700,7 +700,7 @@ def candidates(collective: str, shared_memory: bool) -> list[str]:
             if not algo.baseline and (name != "shm" or shared_memory)]
 
 
-def choose(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool,
+def fastest(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool,
            params: Params | None = None, dtype: str = "float32") -> str:
     """The algorithm with the smallest predicted time (ties: the one registered first)."""
     params = Params() if params is None else params
@@ -715,7 +715,7 @@ def current_params(p: int) -> Params:
     return load_params(p).emulated(settings.current().emulation)
 
 
-#: bumped by forget(), so that `auto` chooses again with the parameters read afresh
+#: bumped by forget_loaded(), so that `auto` chooses again with the parameters read afresh
 _generation = [0]
 
 
@@ -724,8 +724,8 @@ def generation() -> int:
     return _generation[0]
 
 
-def forget() -> None:
+def forget_loaded() -> None:
     """Drop the loaded parameter files, and with them `auto`'s remembered choices (after writing a
-    new parameter file; a settings change needs no forget)."""
+    new parameter file; a settings change needs no forgetting)."""
     _load.cache_clear()
     _generation[0] += 1

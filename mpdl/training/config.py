@@ -1,5 +1,5 @@
-"""What defines a training run (`TrainConfig`): its options by section, their checks, the default
-learning rates and the data.
+"""What defines a training run (`TrainConfig`): its options by section, their checks and the
+default learning rates.
 
 A `TrainConfig` has seven sections (model, data, optim, parallel, communication, checkpoint,
 output), each a dataclass whose fields are the options. An option is declared once, as a field of
@@ -30,9 +30,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-
-from mpdl import datasets, emulation
+from mpdl import emulation
 from mpdl.autograd.moe import MoESettings
 from mpdl.autograd.optim import scale_lr
 from mpdl.collectives.registry import algorithms
@@ -467,8 +465,8 @@ def saved_keys(saved: Mapping[str, Any]) -> dict[str, Any]:
     return {OLD_KEYS.get(name, name): value for name, value in saved.items()}
 
 
-#: the flat field names of configurations recorded before the sections, where the key is not
-#: SECTION.NAME with the same name
+#: the option of each flat field of the configurations recorded before the sections (four were
+#: renamed: model, data, checkpoint, checkpoint_every; the others kept their name in a section)
 OLD_KEYS = {"model": "model.name", "data": "data.path", "checkpoint": "checkpoint.dir",
             "checkpoint_every": "checkpoint.every",
             **{key.split(".")[1]: key for key in OPTIONS
@@ -759,19 +757,3 @@ def resume_mismatch(config: TrainConfig, saved: Mapping[str, Any]) -> str | None
                 f"{saved['optim.epochs']}, or continue with {{optim.lr_schedule}} constant to "
                 f"train for more epochs")
     return None
-
-
-def load_data(config: TrainConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(x_train, y_train, x_test, y_test) with images as (N, C, H, W) in the model's dtype."""
-    d = config.data
-    if d.dataset == "digits":
-        xtr, ytr, xte, yte = datasets.load_digits(seed=0)
-        xtr, xte = xtr.reshape(-1, 1, 8, 8), xte.reshape(-1, 1, 8, 8)
-    elif d.dataset == "mnist":
-        xtr, ytr, xte, yte = datasets.load_mnist(d.path)
-    else:
-        n_test = max(d.synthetic_samples // 4, 1)
-        xtr, ytr, xte, yte = datasets.synthetic(d.synthetic_shape, d.synthetic_samples, n_test,
-                                                seed=config.optim.seed)
-    dtype = np.dtype(config.model.dtype)
-    return xtr.astype(dtype, copy=False), ytr, xte.astype(dtype, copy=False), yte

@@ -26,7 +26,7 @@ from mpdl import datasets
 from mpdl.autograd import functional as F
 from mpdl.autograd.tensor import Tensor, no_grad
 from mpdl.backend import to_host
-from mpdl.training.config import TEXT_BLOCK_SIZE, ConfigError, TrainConfig, literal, load_data
+from mpdl.training.config import TEXT_BLOCK_SIZE, ConfigError, TrainConfig, literal
 
 #: the fields of a sequence task's last row that its summary repeats
 SUMMARY_FIELDS = ("val_loss", "exact_match", "bits_per_char", "unigram_bits_per_char",
@@ -67,6 +67,22 @@ class Task:
     def model_info(self) -> dict[str, Any] | None:
         """What a checkpoint must record to rebuild the model outside a run (None: nothing)."""
         return None
+
+
+def load_data(config: TrainConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x_train, y_train, x_test, y_test) with images as (N, C, H, W) in the model's dtype."""
+    d = config.data
+    if d.dataset == "digits":
+        xtr, ytr, xte, yte = datasets.load_digits(seed=0)
+        xtr, xte = xtr.reshape(-1, 1, 8, 8), xte.reshape(-1, 1, 8, 8)
+    elif d.dataset == "mnist":
+        xtr, ytr, xte, yte = datasets.load_mnist(d.path)
+    else:
+        n_test = max(d.synthetic_samples // 4, 1)
+        xtr, ytr, xte, yte = datasets.synthetic(d.synthetic_shape, d.synthetic_samples, n_test,
+                                                seed=config.optim.seed)
+    dtype = np.dtype(config.model.dtype)
+    return xtr.astype(dtype, copy=False), ytr, xte.astype(dtype, copy=False), yte
 
 
 class ImageTask(Task):
