@@ -37,7 +37,7 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
     compression = make_compression(c.compression, ratio=c.ratio, levels=c.levels,
                                    rank=c.powersgd_rank, momentum=c.momentum if dgc(c) else 0.0,
                                    algorithm=c.algorithm)
-    return AllReduceStrategy(comm, compression=compression, **common)
+    return AllReduceStrategy(comm, compression=compression, grad_accum=c.grad_accum, **common)
 
 
 def dgc(config: TrainConfig) -> bool:

@@ -1,0 +1,104 @@
+"""`mpdl train --precision` and `--grad-accum`: the loss scaler's record in the JSON, checkpoints of an
+overflowing fp16 run, accumulation against the large batch, and bad input under mpiexec."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpdl.backend import bfloat16
+from mpdl.threadworld import ThreadWorld, run_world
+from mpdl.training.config import ConfigError, TrainConfig, validate
+from mpdl.training.loop import Trainer
+
+BIN = Path(sys.executable).parent
+#: a tiny GPT on 1-digit addition: 90 training problems, 8 steps an epoch of 12
+TINY = dict(model="gpt", dataset="addition", digits=1, n_layer=1, n_head=2, n_embd=8,
+            global_batch_size=12, epochs=1, optimizer="adam", progress=False)
+
+
+def run(config: TrainConfig, comm=None) -> tuple[np.ndarray, list[dict]]:
+    trainer = Trainer(config, comm=comm or ThreadWorld(1).comm(0), out=io.StringIO())
+    trainer.setup()
+    rows = trainer.run()
+    return np.concatenate([p.data.astype(np.float64).ravel()
+                           for p in trainer.model.parameters()]), rows
+
+
+def test_grad_accum_follows_the_large_batch():
+    p = 2
+    reference = run(TrainConfig(**TINY))[0]
+    for params, rows in run_world(p, lambda c: run(TrainConfig(**TINY, grad_accum=4), c)):
+        np.testing.assert_allclose(params, reference, rtol=0, atol=1e-5)
+        assert rows[-1]["grad_accum"] == 4
+
+
+def test_fp16_from_an_overflowing_scale_skips_steps_and_backs_off(tmp_path):
+    path = tmp_path / "run.jsonl"
+    params, rows = run(TrainConfig(**TINY, precision="fp16", loss_scale_init=2.0**20,
+                                   json=str(path)))
+    summary = [json.loads(line) for line in path.read_text().splitlines()][-1]
+    assert summary["precision"] == "fp16"
+    assert summary["skipped_steps"] >= 1 and summary["scale_backoffs"] >= 1
+    assert summary["loss_scale"] == 2.0**20 * 0.5 ** summary["scale_backoffs"]
+    assert summary["skipped_steps"] < 8, "no step was taken"
+    assert np.isfinite(params).all()
+
+
+def test_an_overflowing_fp16_run_never_checkpoints_nan(tmp_path):
+    """Every step overflows (the scale stays astronomically high for the whole run): every step
+    is skipped, and the checkpoints hold the finite initial weights."""
+    ckpt = tmp_path / "ckpt"
+    config = TrainConfig(**{**TINY, "epochs": 2}, precision="fp16", loss_scale_init=3e38,
+                         checkpoint=str(ckpt), checkpoint_every=3)
+    initial, _ = run(TrainConfig(**{**TINY, "epochs": 2, "lr": 1e-30}))
+    params, rows = run(config)
+    assert rows[-1]["skipped_steps"] == 2 * 8
+    saved = dict(np.load(ckpt / "model.npz"))
+    for name, value in saved.items():
+        value = value.view(bfloat16) if value.dtype == np.dtype("V2") else value
+        assert np.isfinite(value.astype(np.float64)).all(), name
+    np.testing.assert_allclose(params, initial, rtol=0, atol=1e-3)
+
+
+def test_bf16_training_learns_and_records_its_precision():
+    params, rows = run(TrainConfig(**{**TINY, "epochs": 3}, precision="bf16"))
+    assert rows[-1]["precision"] == "bf16" and "loss_scale" not in rows[-1]
+    assert rows[2]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(precision="fp16", compression="topk"), "the optimizer of {compression} (its error"),
+    (dict(precision="fp16", sync_every=4), "the optimizer of {sync_every} > 1"),
+    (dict(grad_accum=2, zero=2), "{grad_accum} > 1 cannot be combined with {zero}"),
+    (dict(precision="bf16", dtype="float64"), "needs {dtype} float32"),
+    (dict(precision="bf16", pp=2), "not supported with {pp} > 1"),
+    (dict(precision="fp16", loss_scale_init=0.0), "{loss_scale_init}: expected a finite loss"),
+])
+def test_combinations_that_cannot_work_are_config_errors(fields, message):
+    with pytest.raises(ConfigError) as error:
+        validate(TrainConfig(**fields), 4)
+    assert message in error.value.template
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--precision", "fp8"], "--precision: expected one of fp32, bf16, fp16, got 'fp8'"),
+    (["--precision", "fp16", "--mode", "ps"], "--precision fp16 skips the optimizer step"),
+    (["--grad-accum", "0"], "--grad-accum: expected a positive number of microbatches"),
+])
+def test_bad_precision_flags_exit_2_with_one_line_on_every_rank(flags, message):
+    cmd = ["timeout", "-k", "5", "60", str(BIN / "mpiexec"), "-n", "2", str(BIN / "mpdl"),
+           "train", "--no-progress", *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=75,
+                         env={**os.environ, "MPDL_NO_CUPY": "1"})
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    errors = out.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("mpdl train: error: "), out.stderr
+    assert message in errors[0]
