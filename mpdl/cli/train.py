@@ -92,6 +92,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drop each epoch's last, short global batch")
     g.add_argument("--seed", type=int, default=0,
                    help="model initialisation and data order (default: %(default)s)")
+    g.add_argument("--precision", default="fp32", metavar="{fp32,bf16,fp16}",
+                   help="bf16/fp16: 16-bit parameters, gradients and communication over float32 "
+                        "master weights; fp16 with dynamic loss scaling (default: %(default)s)")
+    g.add_argument("--loss-scale-init", type=float, default=65536.0, metavar="S",
+                   help="--precision fp16: the first step's loss scale (default: 2^16)")
+    g.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="split each rank's batch into N microbatches and accumulate their "
+                        "gradients before one update (default: %(default)s)")
     g = p.add_argument_group("communication")
     g.add_argument("--algorithm", default=_D["algorithm"], metavar="NAME",
                    help="gradient all-reduce: auto or any name of `mpdl bench --list` "
@@ -224,7 +232,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
         digits=args.digits, zero=args.zero, prefetch=not args.no_prefetch,
         zero_hybrid=args.zero_hybrid, dp=args.dp, pp=args.pp, tp=args.tp,
-        microbatches=args.microbatches, schedule=args.schedule, verbose_comm=args.verbose_comm)
+        microbatches=args.microbatches, schedule=args.schedule, verbose_comm=args.verbose_comm,
+        precision=args.precision, loss_scale_init=args.loss_scale_init,
+        grad_accum=args.grad_accum)
 
 
 def limit_blas_threads() -> None:

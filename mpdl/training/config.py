@@ -20,6 +20,7 @@ from mpdl.parallel.compression import COMPRESSORS, make_compression
 from mpdl.parallel.ps import check_config
 from mpdl.parallel.zero import ALGORITHMS as ZERO_ALGORITHMS
 from mpdl.parallel.zero import STAGES as ZERO_STAGES
+from mpdl.training import precision
 from mpdl.training.models import MODELS
 
 OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
@@ -159,6 +160,12 @@ class TrainConfig:
     microbatches: int = 1
     schedule: str = "1f1b"
     verbose_comm: bool = False
+    #: fp32, or bf16 / fp16 compute copies over float32 master weights (mpdl.training.precision)
+    precision: str = "fp32"
+    #: fp16: the loss scale of the first step (PyTorch GradScaler's 2^16)
+    loss_scale_init: float = 65536.0
+    #: microbatches per step whose gradients are accumulated before one update
+    grad_accum: int = 1
 
     def ps_mode(self) -> str:
         """The parameter server's synchronisation: sync, ssp (staleness) or async (ps_async)."""
@@ -221,6 +228,10 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"{{lr}}: expected a positive learning rate, got {config.lr}")
     validate_communication(config, world_size)
     validate_grid(config, world_size)
+    try:
+        precision.check(config)
+    except precision.PrecisionError as exc:
+        raise ConfigError(str(exc)) from None
     ranks = config.data_ranks(world_size)
     if config.global_batch_size < ranks:
         what = "workers" if config.mode == "ps" else "ranks"
