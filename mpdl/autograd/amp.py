@@ -205,6 +205,7 @@ class MixedPrecisionOptimizer:
         for p, m in zip(self.params, self.masters, strict=True):
             if p.grad is not None:
                 p.data[...] = m.data
+            m.grad = None  # the float32 gradient lives only for the update
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state_dict with each parameter's "master" weight, and the loss
