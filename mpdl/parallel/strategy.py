@@ -106,6 +106,11 @@ class Strategy:
         ("server", 1)]; [("rank", p)] when every rank does the same."""
         return [("rank", self.comm.size)]
 
+    def build(self, make_model: Callable[[], Any]) -> Any:
+        """The model this rank holds, from `make_model()` (which builds the whole model): the
+        whole of it, unless the strategy holds a part only (a pipeline stage)."""
+        return make_model()
+
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
         """Take `model` (the same architecture on every rank; rank 0's values win) and build what
         the strategy keeps: its optimizer, buffers, communicators. Collective over comm."""
