@@ -102,3 +102,12 @@ def test_bad_precision_flags_exit_2_with_one_line_on_every_rank(flags, message):
     errors = out.stderr.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("mpdl train: error: "), out.stderr
     assert message in errors[0]
+
+
+def test_bf16_resume_restores_the_master_weights(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    common = {**TINY, "epochs": 2, "precision": "bf16", "lr_schedule": "constant"}
+    straight, _ = run(TrainConfig(**common))
+    run(TrainConfig(**{**common, "epochs": 1}, checkpoint=ckpt))
+    resumed, rows = run(TrainConfig(**common, checkpoint=ckpt, resume=True))
+    np.testing.assert_array_equal(resumed, straight)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from mpdl.autograd.tensor import Tensor
-from mpdl.backend import get_array_module, is_low_precision
+from mpdl.backend import get_array_module, is_low_precision, to_host
 
 #: PyTorch GradScaler's defaults
 INITIAL_SCALE = 2.0**16
@@ -212,7 +212,7 @@ class MixedPrecisionOptimizer:
         scaler's state."""
         state = self.inner.state_dict()
         for i, m in enumerate(self.masters):
-            state["state"].setdefault(i, {})["master"] = np.array(_host(m.data), copy=True)
+            state["state"].setdefault(i, {})["master"] = np.array(to_host(m.data), copy=True)
         if self.scaler is not None:
             state["loss_scale"] = self.scaler.state_dict()
         return state
@@ -236,11 +236,6 @@ class MixedPrecisionOptimizer:
             p.data[...] = m.data
         if self.scaler is not None and "loss_scale" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scale"])
-
-
-def _host(a: Any) -> np.ndarray:
-    xp = get_array_module(a)
-    return a if xp is np else xp.asnumpy(a)
 
 
 class _MasterState(MutableMapping):
