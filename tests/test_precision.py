@@ -215,3 +215,15 @@ def test_zero_bytes_follow_the_mixed_precision_formulas():
                            (3, lambda psi: 16 * psi / p)):
         psi, measured = run_world(p, lambda c, s=stage: deep(c, s))[0]
         assert abs(measured - formula(psi)) <= 0.10 * formula(psi), (stage, measured, formula(psi))
+
+
+def test_precision_dtypes_per_array_module():
+    from mpdl.backend import precision_dtype, standin
+
+    assert precision_dtype("bf16") == bfloat16 and precision_dtype("bf16", standin) == bfloat16
+    assert precision_dtype("fp16") == np.float16 and precision_dtype("fp32") == np.float32
+    no_bf16 = types.SimpleNamespace(__name__="cupy", __version__="13.0")
+    with pytest.raises(TypeError, match="bf16 needs an array module with a bfloat16 type"):
+        precision_dtype("bf16", no_bf16)
+    with pytest.raises(ValueError, match="precision: expected one of fp32, bf16, fp16"):
+        precision_dtype("fp8")
