@@ -3,9 +3,10 @@
 One step is forward + cross-entropy + backward + the optimizer update (Adam; under bf16/fp16 over
 float32 master weights, fp16 with loss scaling), on mpdl train's default GPT and batch. Runs
 alternate (fp32, bf16, fp16, fp32, ...) so that machine noise hits all alike; the table reports
-the median ms/step of each and its ratio to fp32. A second table times what the emulation adds
-per element: rounding a float32 array to the 16-bit dtype and back (every product does that to
-its operands and result), against a float32 add of the same array.
+the median CPU ms/step of each (this thread's CPU time: on a machine shared with other jobs the
+wall clock mostly measures the wait for a core) and its ratio to fp32. A second table times what
+the emulation adds per element: rounding a float32 array to the 16-bit dtype and back (every
+product does that to its operands and result), against a float32 add of the same array.
 
     python benchmarks/bench_precision.py [--reps 5] [--steps 4] [--batch 128]
 """
@@ -66,19 +67,19 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in PRECISIONS}
     for _ in range(args.reps):
         for name, step in steps.items():
-            start = time.perf_counter()
+            start = time.thread_time()
             for _ in range(args.steps):
                 step()
-            times[name].append((time.perf_counter() - start) / args.steps)
+            times[name].append((time.thread_time() - start) / args.steps)
     base = statistics.median(times["fp32"])
     print(f"# GPT (2 layers, width 64, block {args.block_size}), batch {args.batch}, 1 thread; "
-          f"median of {args.reps} x {args.steps} steps, interleaved")
+          f"median of {args.reps} x {args.steps} steps, interleaved; CPU time")
     print(f"{'precision':>9} {'ms/step':>9} {'x fp32':>7}")
     for name in PRECISIONS:
         med = statistics.median(times[name])
         print(f"{name:>9} {1000 * med:9.1f} {med / base:7.2f}")
     a = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
-    print("# per element of a 2^20 float32 array, median of 9")
+    print("# per element of a 2^20 float32 array, median of 9, CPU time")
     print(f"{'operation':>28} {'ns':>6}")
     ops = {"float32 add": lambda: np.add(a, a),
            "round to bfloat16 and back": lambda: a.astype(bfloat16).astype(np.float32),
@@ -86,9 +87,9 @@ def main() -> None:
     for label, op in ops.items():
         samples = []
         for _ in range(9):
-            start = time.perf_counter()
+            start = time.thread_time()
             op()
-            samples.append(time.perf_counter() - start)
+            samples.append(time.thread_time() - start)
         print(f"{label:>28} {1e9 * statistics.median(samples) / a.size:6.2f}")
 
 
