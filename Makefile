@@ -57,6 +57,9 @@ test-mpi: install
 	  MPDL_RANKS_PER_NODE=2 timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PYTEST_MPI) \
 	    tests/mpi/test_collectives.py -k allreduce || exit 1; \
 	done
+	@echo "== hierarchical all-to-all tests, mpiexec -n 5, emulated nodes of 2, 2 and 1 ranks"
+	@MPDL_RANKS_PER_NODE=2 timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n 5 $(PYTEST_MPI) \
+	  tests/mpi/test_alltoall.py -k hierarchical
 	@echo "== ZeRO hybrid tests, mpiexec -n 4, emulated nodes of 2 ranks"
 	@MPDL_RANKS_PER_NODE=2 timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n 4 $(PYTEST_MPI) \
 	  tests/mpi/test_zero.py -k hybrid
@@ -89,7 +92,14 @@ lint: install
 	$(VENV)/bin/ruff check mpdl tests benchmarks tools
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache site .cache/mkdocs-jupyter
+
+# The docs site (mkdocs.yml): README, docs/, the notebooks (not executed) and the API reference
+# from the docstrings, built into site/ with --strict, so a broken link or a missing page fails.
+.PHONY: docs
+docs: install
+	$(PY) -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # The teaching notebooks, executed top to bottom (nbclient), with the notebooks extra.
 .PHONY: notebooks

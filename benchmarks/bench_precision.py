@@ -38,7 +38,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 def trainer(name: str, batch: int, block: int):
     """A function running one train step of a fresh default GPT in precision `name`."""
     model = GPT(vocab_size=13, block_size=block, n_layer=2, n_head=4, n_embd=64, seed=0)
-    config = types.SimpleNamespace(precision=name, loss_scale_init=2.0**16)
+    config = types.SimpleNamespace(optim=types.SimpleNamespace(precision=name,
+                                                               loss_scale_init=2.0**16))
     precision.prepare(model, config)
     opt = precision.optimizer_factory(lambda p: optim.Adam(p, lr=3e-3), config)(model.parameters())
     rng = np.random.default_rng(0)

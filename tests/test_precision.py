@@ -32,7 +32,8 @@ def gpt_data(n: int = N):
 
 
 def config(name: str, scale: float = amp.INITIAL_SCALE) -> types.SimpleNamespace:
-    return types.SimpleNamespace(precision=name, loss_scale_init=scale)
+    return types.SimpleNamespace(optim=types.SimpleNamespace(precision=name,
+                                                             loss_scale_init=scale))
 
 
 def adam(p):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-node harness: real MPI nodes on one machine (see README, "More than one node").
+# The multi-node harness: real MPI nodes on one machine (see docs/multinode.md).
 #
 #   tools/multinode.sh test [PART...]    the MPI tests, a training run and a killed rank across
 #                                        2-3 MPI nodes (PART: collectives suite train kill)
@@ -115,6 +115,10 @@ check_layout() {
 
 pytest_mpi() { launch "$1" "$PY" -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider --timeout=240 "${@:2}"; }
 
+# the all-to-all tests each collectives layout runs: every algorithm against MPI_Alltoall(v),
+# every dtype, one rank's bad counts
+ALLTOALL_ACROSS_NODES="matches_mpi_every_count or alltoallv_matches or bad_input"
+
 # run_tests [PART...]: collectives, suite, train, kill (default: all four).
 run_tests() {
   local started=$SECONDS parts=("$@") layout
@@ -127,6 +131,8 @@ run_tests() {
           check_layout "$layout"
           say "== collectives across nodes $layout"
           pytest_mpi "$layout" tests/mpi/test_collectives.py tests/mpi/test_nodes.py
+          say "== all-to-all across nodes $layout (hierarchical over the real nodes)"
+          pytest_mpi "$layout" tests/mpi/test_alltoall.py -k "$ALLTOALL_ACROSS_NODES"
         done ;;
       suite)
         for layout in 2,2 2,1; do

@@ -318,7 +318,7 @@ class Tensor:
         return Sigmoid.apply(self)
 
     def relu(self) -> Tensor:
-        return Rectify.apply(self)
+        return ReLU.apply(self)
 
 
 def _lift(value: Any, like: Tensor) -> Tensor:
@@ -408,7 +408,8 @@ def _finish_leaf(leaf: Tensor, g: Any, owned: bool, handed: set[int]) -> None:
     """Accumulate the final gradient of this backward into ``leaf.grad`` and fire its hooks."""
     if g is not None:
         if g.dtype != leaf.data.dtype:
-            g = g.astype(leaf.data.dtype)
+            with np.errstate(over="ignore"):  # a float16 leaf: overflow is inf, as it should be
+                g = g.astype(leaf.data.dtype)
             owned = True
         if g.shape != leaf.data.shape:
             raise RuntimeError(f"backward(): gradient of shape {tuple(g.shape)} for a leaf of "
@@ -685,7 +686,7 @@ class Sigmoid(Function):
         return grad * self.out * (1 - self.out)
 
 
-class Rectify(Function):
+class ReLU(Function):
     """max(a, 0); the gradient passes where the output is positive."""
 
     def forward(self, a):

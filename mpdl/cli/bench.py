@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="float16, float32 (default), float64, int32 or int64")
     parser.add_argument("--op", default="sum", help="sum (default), prod, max, min or avg")
     parser.add_argument("--inplace", action="store_true",
-                        help="allreduce into the input array (out=x)")
+                        help="allreduce or alltoall into the input array (out=x)")
     parser.add_argument("--device", default="cpu",
                         help="where the arrays live (default cpu)")
     parser.add_argument("--algorithms", default="all", metavar="LIST",
@@ -84,7 +84,7 @@ def validate(args: argparse.Namespace) -> bench.Config:
         raise UsageError(f"--factor: expected a number above 1, got {args.factor:g}")
     if args.loop < 1:
         raise UsageError(f"--loop: expected at least 1 call, got {args.loop}")
-    if args.loop > 1 and args.inplace:
+    if args.loop > 1 and args.inplace and args.collective == "allreduce":
         raise UsageError("--loop with --inplace: each call would reduce the previous result; "
                          "drop one of them")
     if args.iters < 1 or args.warmup < 0:
@@ -99,8 +99,8 @@ def validate(args: argparse.Namespace) -> bench.Config:
         raise UsageError(f"--op: expected one of {', '.join(OPS)}, got {args.op!r}")
     if args.op == "avg" and dtype.kind != "f":
         raise UsageError(f"--op avg needs a floating-point --dtype, got {args.dtype}")
-    if args.inplace and args.collective != "allreduce":
-        raise UsageError("--inplace applies to allreduce only")
+    if args.inplace and args.collective not in ("allreduce", "alltoall"):
+        raise UsageError("--inplace applies to allreduce and alltoall only")
     chosen = None
     if args.algorithms.strip() != "all":
         chosen = [a.strip() for a in args.algorithms.split(",") if a.strip()]
@@ -129,6 +129,9 @@ def list_algorithms(collective: str) -> None:
     width = max(len(n) for n in [*table, "auto"])
     print(f"# {collective}: algorithm, what it is, cost (α latency, β s/byte, γ reduction s/byte, "
           f"n bytes, p ranks, g ranks per node)")
+    if collective == "alltoall":
+        print("# n: the bytes each rank sends in all (n/p to each rank); α', β' between nodes, "
+              "c a local copy per byte")
     for name, algo in table.items():
         print(f"{name:<{width}}  {algo.summary}; cost {algo.cost}")
     print(f"{'auto':<{width}}  the algorithm the cost model predicts fastest for the size, ranks "

@@ -2,7 +2,8 @@
 
 Public calls take NumPy or CuPy arrays and return the same kind. `comm` is an mpi4py communicator
 (default MPI.COMM_WORLD) or an mpdl Communicator (for example one rank of the in-process world).
-`allreduce_init`, `reduce_scatter_init` and `allgather_init` prepare persistent plans
+`alltoall` and `alltoallv` exchange blocks between every pair of ranks.
+`allreduce_init`, `reduce_scatter_init`, `allgather_init` and `alltoall_init` prepare persistent plans
 (`mpdl.collectives.plan`).
 """
 
@@ -11,16 +12,25 @@ from mpdl.collectives.api import (
     allgather_async,
     allreduce,
     allreduce_async,
+    alltoall,
+    alltoall_async,
+    alltoallv,
     broadcast,
     reduce,
     reduce_scatter,
     reduce_scatter_async,
 )
 from mpdl.collectives.handles import Handle
-from mpdl.collectives.plan import Plan, allgather_init, allreduce_init, reduce_scatter_init
+from mpdl.collectives.plan import (
+    Plan,
+    allgather_init,
+    allreduce_init,
+    alltoall_init,
+    reduce_scatter_init,
+)
 from mpdl.collectives.registry import COLLECTIVES, REGISTRY, algorithms
 
 __all__ = ["allreduce", "allreduce_async", "reduce_scatter", "reduce_scatter_async",
            "allgather", "allgather_async", "broadcast", "reduce", "algorithms", "Handle",
            "COLLECTIVES", "REGISTRY", "Plan", "allreduce_init", "reduce_scatter_init",
-           "allgather_init"]
+           "allgather_init", "alltoall", "alltoall_async", "alltoallv", "alltoall_init"]

@@ -1,4 +1,5 @@
-"""The public collectives: allreduce, reduce_scatter, allgather, broadcast, reduce (and async).
+"""The public collectives: allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall and
+alltoallv (and async).
 
 Each call checks its arguments on every rank before any message is sent, copies the input into a
 flat result buffer, and hands that buffer to the chosen algorithm, which works in place.
@@ -6,16 +7,20 @@ flat result buffer, and hands that buffer to the chosen algorithm, which works i
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from mpdl import backend, faults
+from mpdl.collectives import blocks as _blocks
+from mpdl.collectives import counts as _counts
 from mpdl.collectives import plan as _plan
 from mpdl.collectives import registry
 from mpdl.collectives.checks import agree as _agree
 from mpdl.collectives.checks import allgather_bounds as _allgather_bounds
 from mpdl.collectives.checks import check_allgather_out as _check_allgather_out
+from mpdl.collectives.checks import check_blocks as _check_blocks
 from mpdl.collectives.checks import check_out as _check_out
 from mpdl.collectives.checks import pick as _pick
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
@@ -249,3 +254,114 @@ def reduce(x: Any, root: int = 0, op: str = "sum", algorithm: str = "auto",
     if result is not None and op == "avg":
         xp.true_divide(flat, c.size, out=flat)
     return result
+
+
+def alltoall(x: Any, comm: Any = None, algorithm: str = "auto", out: Any = None) -> Any:
+    """Block j of x (x[j], its first axis of length p) goes to rank j; block i of the result came
+    from rank i. The result has x's shape and dtype; `out` (of that shape and dtype) receives it,
+    and `out is x` exchanges in place. x is left untouched otherwise. With `out`, the call runs
+    through a cached plan (`mpdl.collectives.plan`) of these arrays."""
+    if out is not None and type(algorithm) is str:
+        plan = _plan.cached_alltoall(x, algorithm, comm, out)
+        if plan is not None:
+            return plan()
+    return _prepare_alltoall(x, comm, algorithm, out)[1]()
+
+
+def alltoall_async(x: Any, comm: Any = None, algorithm: str = "auto", out: Any = None) -> Handle:
+    """`alltoall` on the communicator's communication thread (see `allreduce_async`): the
+    handle's `.wait()` gives the result; x must not change until the handle is done."""
+    c, work = _prepare_alltoall(x, comm, algorithm, out)
+    return engine_for(c).submit(work)
+
+
+def _prepare_alltoall(x: Any, comm: Any, algorithm: str, out: Any):
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    block = _check_blocks(x, c.size)
+    algo = _pick("alltoall", algorithm, c, x.nbytes)
+    if out is None:
+        out = xp.empty(x.shape, dtype=dtype)
+    else:
+        _check_out(out, x, xp)
+    _agree(c, "alltoall", algo.name, x.shape, dtype, None, None)
+    layout = _blocks.uniform(c.size, block)
+    flat = out.reshape(-1)
+    send = flat if out is x else x.reshape(-1)
+
+    def work() -> Any:
+        _run(c, algo, "alltoall", flat, send, layout)
+        return out
+
+    return c, work
+
+
+def alltoallv(x: Any, send_counts: Any, comm: Any = None, algorithm: str = "auto",
+              recv_counts: Any = None) -> tuple[Any, list[int]]:
+    """Send the first send_counts[0] rows of x (its first axis) to rank 0, the next
+    send_counts[1] to rank 1, and so on (counts may be 0); return (the rows received, in rank
+    order, as one array of x's row shape and dtype; how many came from each rank).
+
+    The counts each rank receives are exchanged first (an all-to-all of the counts), unless
+    `recv_counts` gives them; "auto" and the algorithms that forward other ranks' blocks (Bruck,
+    hierarchical) gather every rank's counts instead (an all-gather of p counts per rank), which
+    gives every rank the same size to choose by. Counts that do not fit x raise ValueError on
+    every rank that exchanges counts, before any row is sent."""
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm: expected a name, got {type(algorithm).__name__}")
+    named = None if algorithm == "auto" else registry.resolve("alltoall", algorithm)
+    sends, exchanged, matrix = _alltoallv_counts(c, named, x, send_counts, recv_counts)
+    row = math.prod(x.shape[1:])
+    if named is None:
+        mean_bytes = sum(map(sum, matrix)) * row * x.itemsize // c.size
+        algo = _pick("alltoall", "auto", c, mean_bytes)
+    else:
+        algo = named
+    _agree(c, "alltoallv", algo.name, x.shape[1:], dtype, None, None)
+    layout = _blocks.varying([n * row for n in sends], [n * row for n in exchanged],
+                             None if matrix is None else [[n * row for n in r] for r in matrix])
+    out = xp.empty((sum(exchanged), *x.shape[1:]), dtype=dtype)
+    _run(c, algo, "alltoallv", out.reshape(-1), x.reshape(-1), layout)
+    return out, exchanged
+
+
+def _alltoallv_counts(c: Communicator, named: registry.Algorithm | None, x: Any, send_counts: Any,
+                      recv_counts: Any) -> tuple[list[int], list[int], list[list[int]] | None]:
+    """(this rank's send counts, its receive counts, every rank's send counts or None), exchanged
+    as the algorithm needs (see `alltoallv`). A rank whose counts are wrong sends -1s in the
+    exchange and raises its own error; the others raise one naming it."""
+    p = c.size
+    sends: list[int] | None = None
+    recvs: list[int] | None = None
+    problem: ValueError | None = None
+    try:
+        sends = _counts.check_send(x, send_counts, p)
+        if recv_counts is not None:
+            recvs = _counts.check_counts(recv_counts, p, "recv_counts")
+    except ValueError as exc:
+        sends, problem = None, exc
+    matrix = None
+    if named is None or named.needs_matrix:
+        exchange_with = "mpi" if named is not None and named.name == "mpi" else "auto"
+        matrix = _counts.exchange_matrix(
+            sends, problem, p, lambda row: allgather(row, algorithm=exchange_with, comm=c))
+        exchanged = [row[c.rank] for row in matrix]
+    elif recvs is None or c.check:
+        exchanged = _counts.exchange(
+            sends, problem, p, lambda row: alltoall(row, comm=c, algorithm=named.name))
+    elif problem is not None:
+        raise problem
+    else:
+        return sends or [], recvs, None  # nothing exchanged: nothing to compare
+    if recvs is not None:  # compared on every rank, so that every rank raises alike
+        fits = c.allgather_object(recvs == exchanged)
+        if recvs != exchanged:
+            raise ValueError(f"recv_counts: the ranks send this one {exchanged} rows, got "
+                             f"recv_counts={recvs}")
+        if not all(fits):
+            raise ValueError(f"recv_counts: rank(s) {[r for r, ok in enumerate(fits) if not ok]} "
+                             f"passed counts other than what the ranks send them; no rank sent "
+                             f"any rows")
+    return sends or [], exchanged, matrix

@@ -75,6 +75,12 @@ class Model:
 
 def simple_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
     """The size rule `auto` uses when no cost model is usable."""
+    if collective == "alltoall":  # MPICH's rule, by bytes per destination
+        per_destination = nbytes / max(1, p)
+        if per_destination <= costmodel.MPICH_ALLTOALL_SHORT_BYTES and p >= 8:
+            return "bruck"
+        return "scattered" if per_destination <= costmodel.MPICH_ALLTOALL_MEDIUM_BYTES \
+            else "pairwise"
     if collective != "allreduce":
         return "ring"
     if nbytes <= AUTO_SMALL_BYTES:

@@ -43,6 +43,14 @@ def check_out(out: Any, x: Any, xp: Any) -> None:
         raise ValueError("out: expected a C-contiguous array")
 
 
+def check_blocks(x: Any, p: int) -> int:
+    """Elements per block of an all-to-all of x over p ranks (x's first axis must be p)."""
+    if x.ndim == 0 or x.shape[0] != p:
+        raise ValueError(f"x: expected a first axis of length {p} (one block per rank), got shape "
+                         f"{tuple(x.shape)}")
+    return x.size // p
+
+
 def allgather_bounds(x: Any, c: Communicator, count: Any) -> tuple[list[int], int]:
     """(block bounds, total elements) of an all-gather of x (see `allgather`'s count)."""
     if count is None:

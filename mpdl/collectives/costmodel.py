@@ -39,6 +39,7 @@ from mpdl import settings
 from mpdl.collectives import registry
 from mpdl.collectives.hierarchical import INTER_RING_BYTES
 from mpdl.collectives.ops import block_bounds, segment_elements
+from mpdl.collectives.scattered import THROTTLE
 from mpdl.collectives.shm import WINDOW_BYTES
 from mpdl.collectives.torus import grid_shape
 from mpdl.fileio import atomic_open
@@ -464,12 +465,91 @@ def _native(s: Setting) -> Setting:
                                      alpha_inter=s.params.alpha_native + extra), seg=1 << 62)
 
 
+#: MPICH's all-to-all switch points, bytes per destination (MPIR_CVAR_ALLTOALL_SHORT_MSG_SIZE and
+#: MPIR_CVAR_ALLTOALL_MEDIUM_MSG_SIZE): Bruck at or below the first when p >= 8, the scattered
+#: algorithm at or below the second, pairwise exchange above it
+MPICH_ALLTOALL_SHORT_BYTES = 256
+MPICH_ALLTOALL_MEDIUM_BYTES = 32768
+
+
+def mpi_alltoall_time(s: Setting) -> float:
+    """MPICH's choice by bytes per destination, timed with the library's own latency."""
+    native = _native(s)
+    per_destination = s.n / s.p
+    if per_destination <= MPICH_ALLTOALL_SHORT_BYTES and s.p >= 8:
+        return bruck_alltoall_time(native)
+    if per_destination <= MPICH_ALLTOALL_MEDIUM_BYTES:
+        return scattered_alltoall_time(native)
+    return pairwise_alltoall_time(native)
+
+
 def mpi_allreduce_time(s: Setting) -> float:
     """MPICH: recursive doubling for short messages, Rabenseifner for long ones."""
     native = _native(s)
     if s.n <= MPICH_SHORT_BYTES:
         return recursive_doubling_time(native)
     return rabenseifner_time(native)
+
+
+# -- all-to-all: n is what each rank sends in all (its own block included), n/p per destination --
+def _step_crosses(s: Setting, dst: np.ndarray) -> bool:
+    """Does any rank's message of one step (rank r to dst[r]) cross a node boundary?"""
+    return s.crosses(np.arange(s.p), dst)
+
+
+def pairwise_alltoall_time(s: Setting) -> float:
+    """p-1 exchanges of one block, one after another, and the local copy of this rank's own."""
+    block, ranks = s.n / s.p, np.arange(s.p)
+    power_of_two = s.p & (s.p - 1) == 0
+    steps = 0.0
+    for i in range(1, s.p):
+        dst = ranks ^ i if power_of_two else (ranks + i) % s.p
+        steps += s.msg(block, _step_crosses(s, dst))
+    return steps + s.params.copy_time(block)
+
+
+def bruck_alltoall_time(s: Setting) -> float:
+    """ceil(lg p) steps, step k carrying the blocks whose index has bit k set (about n/2), each
+    packed before and unpacked after; a rotation of the whole array before and after."""
+    block, ranks = s.n / s.p, np.arange(s.p)
+    t = 2 * s.params.copy_time(s.n)
+    distance = 1
+    while distance < s.p:
+        moved = sum(1 for i in range(s.p) if i & distance) * block
+        t += s.msg(moved, _step_crosses(s, (ranks + distance) % s.p))
+        t += 2 * s.params.copy_time(moved)
+        distance *= 2
+    return t
+
+
+#: what posting one more non-blocking message of a batch costs, as a share of α (the scattered
+#: algorithm's messages overlap their latencies but each is still posted and completed in turn)
+POST_SHARE = 0.5
+
+
+def scattered_alltoall_time(s: Setting) -> float:
+    """Batches of THROTTLE peers: one α per batch, a posting cost for each further message, the
+    bytes of all p-1 blocks, and the local copy of this rank's own block."""
+    block = s.n / s.p
+    batches = math.ceil((s.p - 1) / THROTTLE)
+    inter = s.nodes > 1
+    alpha = s.params.link(inter)[0]
+    return (batches * s.msg(block, inter) + (s.p - 1 - batches) * (POST_SHARE * alpha
+            + s.msg(block, inter) - s.msg(0, inter)) + s.params.copy_time(block))
+
+
+def hierarchical_alltoall_time(s: Setting) -> float:
+    """The four phases of `hierarchical_alltoall` (see its module) on nodes of g ranks."""
+    g, m = s.g, max(1, -(-s.p // s.g))
+    b = s.n / s.p
+    inside = (g - 1) * s.msg(b) + s.params.copy_time(b)
+    if m == 1:
+        return inside
+    served = math.ceil((m - 1) / g)
+    gather = (m - 1) * s.msg(0) + (m - 1) * (g - 1) * (s.msg(b) - s.msg(0))
+    across = served * s.msg(g * g * b, inter=True)
+    reorder = served * s.params.copy_time(g * g * b)
+    return inside + 2 * gather + across + reorder
 
 
 def tree_reduce_scatter_time(s: Setting) -> float:
@@ -508,6 +588,9 @@ FORMULAS: dict[str, dict[str, Callable[[Setting], float]]] = {
                   "mpi": lambda s: tree_broadcast_time(_native(s))},
     "reduce": {"ring": ring_reduce_time, "tree": tree_reduce_time,
                "mpi": lambda s: tree_reduce_time(_native(s))},
+    "alltoall": {"pairwise": pairwise_alltoall_time, "bruck": bruck_alltoall_time,
+                 "scattered": scattered_alltoall_time, "hierarchical": hierarchical_alltoall_time,
+                 "mpi": mpi_alltoall_time},
 }
 
 

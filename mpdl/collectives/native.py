@@ -99,3 +99,21 @@ def mpi_reduce(comm, buf, op: str, root: int) -> None:
         mpi.Reduce(wide, None, op=getattr(MPI, _MPI_OPS[op]), root=root)
     narrow()
     back()
+
+
+def mpi_alltoall(comm, recv, send, blocks) -> None:
+    """MPI_Alltoall for equal blocks, MPI_Alltoallv otherwise (counts in bytes: any dtype)."""
+    mpi, MPI = _mpi(comm)
+    host, back = _host(recv, comm)
+    in_place = send is recv
+    source = host if in_place else _host(send, comm)[0]
+    size = recv.itemsize
+    if blocks.block is not None:
+        mpi.Alltoall(MPI.IN_PLACE if in_place else [source, MPI.BYTE], [host, MPI.BYTE])
+    else:
+        outgoing = [source, ([c * size for c in blocks.send_counts],
+                             [o * size for o in blocks.send_offsets]), MPI.BYTE]
+        incoming = [host, ([c * size for c in blocks.recv_counts],
+                           [o * size for o in blocks.recv_offsets]), MPI.BYTE]
+        mpi.Alltoallv(MPI.IN_PLACE if in_place else outgoing, incoming)
+    back()

@@ -7,7 +7,10 @@ requests); `h.start()` and `h.wait()`, or `h()`, then run it with little Python 
 is bound to its arrays: starting it with another one raises ValueError. Results are bit-identical
 to the one-shot calls'.
 
-`allreduce`, `reduce_scatter` and `allgather` keep a bounded cache of plans keyed by their arrays'
+`alltoall_init` plans an all-to-all the same way (persistent sends and receives for the pairwise
+and scattered algorithms, MPI_Alltoall_init for mpi).
+
+`allreduce`, `reduce_scatter`, `allgather` and `alltoall` keep a bounded cache of plans keyed by their arrays'
 identity and the other arguments, so repeated calls on the same arrays (`out=` preallocated) get
 the same benefit without asking for a plan: a plan is made at the second call on the same arrays
 (until then they are held weakly), for arrays up to CACHE_MAX_BYTES.
@@ -26,8 +29,11 @@ from typing import Any
 import numpy as np
 
 from mpdl import backend, faults
-from mpdl.collectives import checks
+from mpdl.collectives import blocks, checks
+from mpdl.collectives.bruck import moving
 from mpdl.collectives.ops import block_bounds, check_array, check_op, reducer, segment_elements
+from mpdl.collectives.pairwise import partners
+from mpdl.collectives.scattered import THROTTLE
 from mpdl.comm import Communicator, Request, as_communicator
 from mpdl.comm.mpi import MPIComm, free_before_finalize
 from mpdl.mpi_runtime import library_version
@@ -513,6 +519,147 @@ def allgather_init(x: Any, algorithm: str = "auto", comm: Any = None, count: int
                 nbytes=result.nbytes)
 
 
+def alltoall_init(x: Any, comm: Any = None, algorithm: str = "auto", out: Any = None) -> Plan:
+    """A plan of `alltoall(x, comm, algorithm, out)`: each run exchanges x's current blocks into
+    `plan.result` (out, or an array the plan allocates; `out is x` in place) and returns it. With
+    algorithm "mpi" it is a persistent MPI_Alltoall_init where the library has one (every rank
+    must then plan and start it alike)."""
+    return _alltoall_plan(x, comm, algorithm, out, persistent=True)
+
+
+def _alltoall_plan(x: Any, comm: Any, algorithm: str, out: Any, persistent: bool) -> Plan:
+    """alltoall_init; without `persistent`, "mpi" stays the blocking MPI_Alltoall (a cached plan
+    on one rank must match a one-shot call on another)."""
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    block = checks.check_blocks(x, c.size)
+    algo = checks.pick("alltoall", algorithm, c, x.nbytes)
+    if out is None:
+        out = xp.empty(x.shape, dtype=dtype)
+    else:
+        checks.check_out(out, x, xp)
+    signature = ("alltoall", algo.name, x.shape, dtype, None, None)
+    checks.agree(c, *signature)
+    layout = blocks.uniform(c.size, block)
+    flat = out.reshape(-1)
+    send = flat if out is x else x.reshape(-1)
+    run = algo.run
+
+    def go() -> None:
+        run(c, flat, send, layout)
+
+    fast, requests = None, None
+    if c.size > 1 and _fast_path_possible(c, x, out):
+        if algo.name == "mpi":
+            fast, requests = _mpi_alltoall_fast(c, flat, send, persistent)
+        elif algo.name in ("pairwise", "scattered"):
+            fast, requests = _direct_alltoall_fast(c, flat, send, layout, algo.name)
+        elif algo.name == "bruck" and block:
+            fast, requests = _bruck_alltoall_fast(c, flat, send, block)
+    return Plan(c, "alltoall", algo.name, x, out, None, signature, go, None, fast, requests)
+
+
+def _mpi_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, persistent: bool):
+    """(MPI_Alltoall called with no Python frame of ours between, or a persistent request's
+    start and wait; its requests)."""
+    MPI = c.MPI
+    source = MPI.IN_PLACE if send is flat else [send, MPI.BYTE]
+    init = getattr(c.mpi, "Alltoall_init", None)
+    if not persistent or init is None:
+        return functools.partial(c.mpi.Alltoall, source, [flat, MPI.BYTE]), None
+    try:
+        request = init(source, [flat, MPI.BYTE])
+    except NotImplementedError:
+        return functools.partial(c.mpi.Alltoall, source, [flat, MPI.BYTE]), None
+    wrapped = [Request(request, -1, "alltoall", "collective")]
+    spin = 4 if c.yield_every == 1 else 64
+    test = request.Test
+
+    def fast() -> None:
+        request.Start()
+        for _ in range(spin):
+            if test():
+                return
+        _wait_one(c, test, wrapped)
+
+    return fast, [request]
+
+
+def _direct_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, layout, name: str):
+    """The pairwise or scattered algorithm's messages as persistent requests (in place: from a
+    kept copy of the input, refreshed each run)."""
+    p, r = c.size, c.rank
+    in_place = send is flat
+    source = np.empty_like(flat) if in_place else send
+    s = _Schedule(c)
+    if name == "pairwise":
+        batches = [[partners(r, p, step) + (step,)] for step in range(1, p)]
+    else:
+        batches = [[((r - i) % p, (r + i) % p, i) for i in range(first, min(p, first + THROTTLE))]
+                   for first in range(1, p, THROTTLE)]
+    for batch in batches:
+        for _, src, step in batch:
+            if layout.recv_counts[src]:
+                s.recv(layout.recv_block(flat, src), src, step)
+        for dst, _, step in batch:
+            if layout.send_counts[dst]:
+                s.send(layout.send_block(source, dst), dst, step)
+        s.then()
+    runner = s.runner()
+    own_in, own_out = layout.send_block(source, r), layout.recv_block(flat, r)
+
+    def fast() -> None:
+        if in_place:
+            np.copyto(source, flat)
+        np.copyto(own_out, own_in)
+        runner()
+
+    return fast, s.requests
+
+
+def _bruck_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, b: int):
+    """Bruck's steps as persistent requests between kept buffers; the rotations, packs and unpacks
+    run after each step's messages (`bruck.bruck_alltoall`'s order, bit for bit)."""
+    p, r = c.size, c.rank
+    work = np.empty((p, b), flat.dtype)
+    source, result = send.reshape(p, b), flat.reshape(p, b)
+    steps = []
+    distance = 1
+    while distance < p:
+        positions = moving(p, distance)
+        steps.append((distance, positions, np.empty((positions.size, b), flat.dtype),
+                      np.empty((positions.size, b), flat.dtype)))
+        distance *= 2
+
+    def rotate_and_pack(*_: Any, out: Any = None) -> None:
+        work[:p - r] = source[r:]
+        work[p - r:] = source[:r]
+        _, positions, outgoing, _ = steps[0]
+        np.take(work, positions, axis=0, out=outgoing)
+
+    def unpack(k: int):
+        _, positions, _, incoming = steps[k]
+        after = steps[k + 1] if k + 1 < len(steps) else None
+
+        def run(*_: Any, out: Any = None) -> None:
+            work[positions] = incoming
+            if after is not None:
+                np.take(work, after[1], axis=0, out=after[2])
+            else:
+                result[r::-1] = work[:r + 1]
+                result[p - 1:r:-1] = work[r + 1:]
+
+        return run
+
+    s = _Schedule(c)
+    s.then(rotate_and_pack)
+    for k, (distance, _, outgoing, incoming) in enumerate(steps):
+        s.recv(incoming, (r - distance) % p, distance)
+        s.send(outgoing, (r + distance) % p, distance)
+        s.then(unpack(k))
+    return s.runner(), s.requests
+
+
 # -- the plan cache of the ordinary calls --------------------------------------------------------
 #: arrays seen once (weakly held): a plan is made and kept at the second call on the same arrays,
 #: so arrays made afresh for every call are never kept alive by the cache
@@ -583,10 +730,17 @@ def cached_allgather(x: Any, algorithm: Any, comm: Any, count: Any, out: Any) ->
                    lambda: allgather_init(x, algorithm, comm, count, out))
 
 
+def cached_alltoall(x: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
+    """The cached plan of `alltoall(x, comm, algorithm, out)` (out given), or None."""
+    return _cached(("alltoall", id(x), id(out), id(comm), algorithm), x, out, comm,
+                   lambda: _alltoall_plan(x, comm, algorithm, out, persistent=False))
+
+
 def clear_cache() -> None:
     """Drop the ordinary calls' cached plans."""
     cache.clear()
     _seen.clear()
 
 
-__all__ = ["Plan", "allreduce_init", "reduce_scatter_init", "allgather_init", "clear_cache"]
+__all__ = ["Plan", "allreduce_init", "reduce_scatter_init", "allgather_init", "alltoall_init",
+           "clear_cache"]

@@ -11,8 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpdl.collectives import native
+from mpdl.collectives.bruck import bruck_alltoall
 from mpdl.collectives.hierarchical import hierarchical_allreduce
+from mpdl.collectives.hierarchical_alltoall import hierarchical_alltoall
 from mpdl.collectives.ops import with_reducer
+from mpdl.collectives.pairwise import pairwise_alltoall
 from mpdl.collectives.recursive import rabenseifner_allreduce, recursive_doubling_allreduce
 from mpdl.collectives.ring import (
     ring_allgather,
@@ -21,6 +24,7 @@ from mpdl.collectives.ring import (
     ring_reduce,
     ring_reduce_scatter,
 )
+from mpdl.collectives.scattered import scattered_alltoall
 from mpdl.collectives.shm import shm_allreduce
 from mpdl.collectives.torus import torus2d_allreduce
 from mpdl.collectives.tree import (
@@ -32,13 +36,14 @@ from mpdl.collectives.tree import (
     tree_reduce_scatter,
 )
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall")
 
 
 @dataclass(frozen=True)
 class Algorithm:
     """A registered algorithm. `run` takes (comm, flat buffer, op, extra) per collective:
-    allreduce (op), reduce_scatter (op, bounds), allgather (bounds), broadcast (root), reduce (op, root)."""
+    allreduce (op), reduce_scatter (op, bounds), allgather (bounds), broadcast (root), reduce (op, root),
+    alltoall (send, blocks: the result buffer first, then the input and its `blocks.Blocks`)."""
 
     name: str
     run: Callable
@@ -47,10 +52,14 @@ class Algorithm:
     baseline: bool = False
     #: reads the input from a separate `src` array (so the caller need not copy it into buf first)
     reads_input: bool = False
+    #: (all-to-all) forwards other ranks' blocks, so with varying counts it needs every rank's
+    #: counts (`blocks.Blocks.matrix`)
+    needs_matrix: bool = False
 
 
-def _a(name, run, summary, cost, baseline=False, reads_input=False) -> Algorithm:
-    return Algorithm(name, run, summary, cost, baseline, reads_input)
+def _a(name, run, summary, cost, baseline=False, reads_input=False,
+       needs_matrix=False) -> Algorithm:
+    return Algorithm(name, run, summary, cost, baseline, reads_input, needs_matrix)
 
 
 _MPI = "the MPI library's own implementation (baseline, not ours)"
@@ -106,6 +115,23 @@ REGISTRY: dict[str, dict[str, Algorithm]] = {
         _a("tree", with_reducer(tree_reduce), "binomial tree, pipelined segments",
            "lg p·α + n·lg p·(β+γ)"),
         _a("mpi", native.mpi_reduce, _MPI, "library's choice", baseline=True),
+    ]},
+    "alltoall": {a.name: a for a in [
+        _a("pairwise", pairwise_alltoall, "p-1 exchanges, partner r XOR i (p = 2^k) or send to "
+           "r+i, receive from r-i", "(p-1)α + n(p-1)/p·β", reads_input=True),
+        _a("bruck", bruck_alltoall, "ceil(lg p) steps forwarding the blocks whose position has "
+           "bit k set, between two local rotations",
+           "ceil(lg p)·α + (n/2)·ceil(lg p)·β + copies (2n + n·ceil(lg p))", reads_input=True,
+           needs_matrix=True),
+        _a("scattered", scattered_alltoall, "non-blocking messages to all peers, in batches of "
+           "32 with staggered peers (MPICH's medium sizes)",
+           "ceil((p-1)/32)·α + (p-1-ceil((p-1)/32))·α/2 + n(p-1)/p·β", reads_input=True),
+        _a("hierarchical", hierarchical_alltoall, "direct inside a node; gathered per remote "
+           "node, one message per node pair, scattered inside the node",
+           "(g-1)(α+bβ) + 2(m-1)(α + (g-1)bβ) + k(α'+g²bβ') + k·g²b·c, b = n/p, m = p/g, "
+           "k = ceil((m-1)/g)", reads_input=True, needs_matrix=True),
+        _a("mpi", native.mpi_alltoall, _MPI + ": MPI_Alltoall / MPI_Alltoallv",
+           "library's choice", baseline=True, reads_input=True),
     ]},
 }
 

@@ -10,8 +10,9 @@ with no barrier between them, OSU-style, and the time is per call (the output ar
 allocated once, so repeated calls run through their cached plan, as a training loop's do).
 A collective's time is the slowest rank's (one MAX all-reduce of all the timings after the loop),
 and a row reports the median over iterations with min and max. Bandwidths follow nccl-tests:
-algbw = bytes / time, busbw = algbw × 2(p-1)/p (allreduce), × (p-1)/p (reduce_scatter, allgather),
-× 1 (broadcast, reduce); bytes is the whole array (the result, for allgather).
+algbw = bytes / time, busbw = algbw × 2(p-1)/p (allreduce), × (p-1)/p (reduce_scatter, allgather,
+alltoall), × 1 (broadcast, reduce); bytes is the whole array (the result, for allgather; what each
+rank sends in all, for alltoall: bytes/p per destination).
 Beside each measurement is the cost model's prediction (`mpdl calibrate` sets its parameters).
 """
 
@@ -45,7 +46,7 @@ def bus_factor(collective: str, p: int) -> float:
     """nccl-tests' busbw / algbw ratio."""
     if collective == "allreduce":
         return 2 * (p - 1) / p
-    if collective in ("reduce_scatter", "allgather"):
+    if collective in ("reduce_scatter", "allgather", "alltoall"):
         return (p - 1) / p
     return 1.0
 
@@ -148,6 +149,14 @@ class Case:
                 self.call = lambda: C.allreduce(x, op=op, algorithm=algorithm, comm=comm, out=out)
             else:
                 self.call = lambda: C.allreduce(x, op=op, algorithm=algorithm, comm=comm)
+        elif collective == "alltoall":
+            if inplace:
+                original = x.copy()
+                self.reset = lambda: x.__setitem__(Ellipsis, original)
+                self.call = lambda: C.alltoall(x, comm=comm, algorithm=algorithm, out=x)
+            else:
+                out = x.copy()
+                self.call = lambda: C.alltoall(x, comm=comm, algorithm=algorithm, out=out)
         elif collective == "reduce_scatter":
             self.call = lambda: C.reduce_scatter(x, op=op, algorithm=algorithm, comm=comm)
         elif collective == "allgather" and loop > 1:
@@ -164,12 +173,12 @@ class Case:
 def _input(collective: str, nbytes: int, dtype: np.dtype, p: int, rank: int, xp: Any) -> tuple:
     """(this rank's input array, the size in bytes the row reports, its element count)."""
     count = nbytes // dtype.itemsize
-    if collective == "allgather":
-        count -= count % p  # every rank contributes count/p elements
-        local = count // p
-    else:
-        local = count
+    if collective in ("allgather", "alltoall"):
+        count -= count % p  # every rank contributes (allgather), sends (alltoall) count/p elements
+    local = count // p if collective == "allgather" else count
     values = ((np.arange(local, dtype=np.int64) + rank) % 3 + 1).astype(dtype)
+    if collective == "alltoall":  # block j goes to rank j; its values say from whom and where to
+        values = (np.arange(local, dtype=np.int64) * (p + 1) + rank).astype(dtype).reshape(p, -1)
     return xp.asarray(values) if xp is not np else values, count * dtype.itemsize, count
 
 

@@ -59,16 +59,18 @@ def test_allreduce_sweep_rows_bandwidths_and_check(shared_dir):
             assert r["chosen"] == r["algorithm"]
 
 
-@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "broadcast", "reduce"])
+@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "broadcast", "reduce",
+                                        "alltoall"])
 def test_other_collectives_check_and_bus_factor(collective, shared_dir):
-    extra = [] if collective in ("allgather", "broadcast") else ["--dtype", "int64", "--op", "max"]
+    extra = [] if collective in ("allgather", "broadcast", "alltoall") else [
+        "--dtype", "int64", "--op", "max"]
     rows = bench([collective, "-b", "64", "-e", "1K", "-f", "16", "-n", "2", "-w", "0", "--check",
                   *extra], shared_dir)
     assert {r["algorithm"] for r in rows} == {*registry.algorithms(collective), "auto"}
     for r in rows:
         assert r["wrong"] == 0, r
         assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * bus_factor(collective, P))
-        if collective == "allgather":
+        if collective in ("allgather", "alltoall"):
             assert r["count"] % P == 0
 
 
@@ -77,6 +79,13 @@ def test_inplace_float64_avg_and_a_chosen_list(shared_dir):
                   "--algorithms", "ring,auto", "-n", "2", "-w", "1", "--check"], shared_dir)
     assert [r["algorithm"] for r in rows] == ["ring", "auto", "mpi"]  # the baseline is added
     assert all(r["wrong"] == 0 and r["dtype"] == "float64" and r["op"] == "avg" for r in rows)
+
+
+def test_alltoall_in_place_in_a_loop_matches_mpi(shared_dir):
+    rows = bench(["alltoall", "-b", str(40 * P), "-e", str(40 * P), "--inplace", "--loop", "3",
+                  "--dtype", "int32", "-n", "2", "-w", "1", "--check"], shared_dir)
+    assert {r["algorithm"] for r in rows} == {*registry.algorithms("alltoall"), "auto"}
+    assert all(r["wrong"] == 0 and r["count"] == 10 * P for r in rows)
 
 
 def test_emulated_rows_say_so(shared_dir):
@@ -106,7 +115,7 @@ def test_emulation_is_a_setting_of_the_run_alone(shared_dir):
     assert settings.current() is before and "MPDL_EMULATE" not in os.environ
 
 
-@pytest.mark.parametrize("collective", ["allreduce", "allgather"])
+@pytest.mark.parametrize("collective", ["allreduce", "allgather", "alltoall"])
 def test_loop_times_back_to_back_calls_per_call(collective, shared_dir):
     """--loop 3: every timed or untimed iteration makes 3 calls (counted by the flight recorder),
     the results stay right (--check) and the rows say how many calls an iteration made."""
@@ -114,14 +123,15 @@ def test_loop_times_back_to_back_calls_per_call(collective, shared_dir):
     if recorder is None:
         pytest.skip("the flight recorder is off (MPDL_FLIGHT_RECORDS=0): nothing counts the calls")
     size = 24 * P  # bytes: an allgather of P blocks, found among the records by its size
+    ours = "pairwise" if collective == "alltoall" else "ring"
     before = recorder.count
-    rows = bench([collective, "-b", str(size), "-e", str(size), "--algorithms", "ring", "-n", "2",
+    rows = bench([collective, "-b", str(size), "-e", str(size), "--algorithms", ours, "-n", "2",
                   "-w", "1", "--loop", "3", "--check"], shared_dir)
-    assert [r["algorithm"] for r in rows] == ["ring", "mpi"]
+    assert [r["algorithm"] for r in rows] == [ours, "mpi"]
     assert all(r["wrong"] == 0 and r["loop"] == 3 and r["time_us"] > 0 for r in rows)
     mine = [r for r in recorder.records()[-(recorder.count - before):]
             if r["collective"] == collective and r["bytes"] == size
-            and r["algorithm"] in ("ring", "mpi")]
+            and r["algorithm"] in (ours, "mpi")]
     # per algorithm: 1 warm-up call, then 2 rounds of (1 untimed + 1 timed) iterations, 3 calls each
     assert len(mine) == 2 * (1 + 2 * 2 * 3)
 
