@@ -126,7 +126,7 @@ def test_sixteen_bit_floats_every_reducing_algorithm(dtype):
     """Every all-reduce and reduce-scatter algorithm (the MPI library's too: it upcasts bfloat16)
     within the rounding bound of the float64 sum, and the same bytes on every rank."""
     eps = 2.0 ** (-7 if dtype == "bfloat16" else -10)
-    for count in COUNTS:
+    for count in sorted({0, 1, P + 1, 31}):
         x = sixteen_bit_data(count, dtype, seed=3)
         wide = x.astype(np.float64)
         exact, magnitude = np.empty_like(wide), np.empty_like(wide)
