@@ -10,13 +10,19 @@ import types
 import warnings
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from mpdl import settings
 
-SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
-    np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")
-)
+#: bfloat16 on the host (NumPy has no 16-bit brain float of its own: ml_dtypes provides it)
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+
+#: the 16-bit floating-point types of mixed precision
+LOW_PRECISION: tuple[np.dtype, ...] = (np.dtype("float16"), bfloat16)
+
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = (
+    *(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")), bfloat16)
 
 
 @functools.lru_cache(maxsize=1)
@@ -93,6 +99,41 @@ def empty_half_page_in(count: int, dtype: Any, xp: Any) -> Any:
     raw = np.empty(nbytes + 2 * PAGE, dtype=np.uint8)
     start = (PAGE // 2 - raw.ctypes.data) % PAGE
     return raw[start:start + nbytes].view(dtype)
+
+
+def is_floating(dtype: Any) -> bool:
+    """Whether dtype is a floating-point type (NumPy's own or bfloat16, whose kind is "V")."""
+    dt = np.dtype(dtype)
+    return dt.kind == "f" or dt == bfloat16
+
+
+def is_low_precision(dtype: Any) -> bool:
+    """Whether dtype is float16 or bfloat16."""
+    return np.dtype(dtype) in LOW_PRECISION
+
+
+def precision_dtype(name: str, xp: types.ModuleType = np) -> np.dtype:
+    """The dtype of a precision name ("fp32", "bf16", "fp16") on the array module xp: bfloat16 is
+    ml_dtypes' on the host and the stand-in device, CuPy's own where CuPy has one."""
+    if name == "fp32":
+        return np.dtype("float32")
+    if name == "fp16":
+        return np.dtype("float16")
+    if name != "bf16":
+        raise ValueError(f"precision: expected one of fp32, bf16, fp16, got {name!r}")
+    if xp is np or xp is standin:
+        return bfloat16
+    own = getattr(xp, "bfloat16", None)
+    if own is None:
+        raise TypeError(f"precision: bf16 needs an array module with a bfloat16 type; "
+                        f"{xp.__name__} {getattr(xp, '__version__', '')} has none")
+    return np.dtype(own)
+
+
+def as_bytes(host: np.ndarray) -> np.ndarray:
+    """A host array's memory as a NumPy buffer MPI can read (bfloat16 exposes no buffer format:
+    it is viewed as unsigned 16-bit words; other dtypes are returned as they are)."""
+    return host.view(np.uint16) if host.dtype == bfloat16 else host
 
 
 def check_dtype(dtype: Any, argument: str = "x") -> np.dtype:

@@ -14,7 +14,7 @@ import pytest
 
 from mpdl import collectives as C
 from mpdl import settings
-from mpdl.backend import standin
+from mpdl.backend import bfloat16, standin
 from mpdl.collectives.handles import Engine
 from mpdl.comm import CollectiveTimeout
 from mpdl.comm.base import background_is_awaited
@@ -242,3 +242,64 @@ def test_a_subcommunicator_allgathers_objects_among_its_members_only():
     out = run_world(5, body)
     assert out[0] == out[2] == out[4] == [{"rank": r, "tail": "x" * r} for r in (0, 2, 4)]
     assert out[1] == out[3] == [{"rank": r, "tail": "x" * r} for r in (1, 3)]
+
+
+LOW_PRECISION = ["float16", "bfloat16"]
+
+
+def low_precision_data(p: int, n: int, dtype: str) -> list[np.ndarray]:
+    rng = np.random.default_rng(p * 100 + n)
+    return [rng.standard_normal(n).astype(np.dtype(dtype) if dtype != "bfloat16" else bfloat16)
+            for _ in range(p)]
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("collective,algorithm",
+                         [("allreduce", a) for a in OURS] +
+                         [("reduce_scatter", a) for a in C.algorithms("reduce_scatter") if a != "mpi"])
+def test_sixteen_bit_floats_reduce_close_to_float64_and_identically(collective, algorithm, dtype):
+    eps = 2.0 ** (-7 if dtype == "bfloat16" else -10)
+    for p in (1, 2, 3, 5, 8):
+        for n in (0, 1, p + 1, 13):
+            xs = low_precision_data(p, n, dtype)
+            exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+            bound = p * eps * np.sum([np.abs(x.astype(np.float64)) for x in xs], axis=0)
+            if collective == "allreduce":
+                res = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm=algorithm, comm=c),
+                                ranks_per_node=2 if p > 2 else None)
+                expected = [exact] * p
+            else:
+                res = run_world(p, lambda c: C.reduce_scatter(xs[c.rank], algorithm=algorithm, comm=c))
+                expected = np.array_split(exact, p)
+                bound = np.concatenate([b for b in np.array_split(bound, p)])
+            got = np.concatenate([r.astype(np.float64) for r in res])
+            assert all(r.dtype == xs[0].dtype for r in res)
+            assert np.all(np.abs(got - np.concatenate(expected)) <= np.tile(bound, p if
+                                                                            collective == "allreduce" else 1))
+            if collective == "allreduce":
+                assert all(r.tobytes() == res[0].tobytes() for r in res), f"p={p} n={n}: ranks differ"
+
+
+@pytest.mark.parametrize("algorithm,p", [("tree", 4), ("shm", 3)])
+def test_sixteen_bit_chunks_accumulate_in_float32(algorithm, p):
+    # 1 + 2^-8 rounds back to 1 in bfloat16 (a tie, to even): summed one by one in bfloat16 the
+    # two halves of an ulp vanish, summed in float32 and rounded once they give 1 + 2^-7
+    values = [1.0, 2.0**-8, 2.0**-8, 0.0][:p]
+    xs = [np.full(5, v, dtype=bfloat16) for v in values]
+    res = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm=algorithm, comm=c),
+                    ranks_per_node=p)
+    for r in res:
+        np.testing.assert_array_equal(r.astype(np.float32), np.full(5, 1 + 2.0**-7, np.float32))
+
+
+def test_stand_in_device_arrays_reduce_bfloat16():
+    xs = low_precision_data(3, 40, "bfloat16")
+
+    def f(c):
+        result = C.allreduce(standin.asarray(xs[c.rank]), algorithm="ring", comm=c)
+        assert isinstance(result, standin.ndarray) and result.dtype == bfloat16
+        return standin.asnumpy(result)
+
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    for r in run_world(3, f):
+        np.testing.assert_allclose(r.astype(np.float64), exact, rtol=3 * 2.0**-7, atol=0.05)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl.autograd import kernels
+from mpdl.autograd import amp, kernels
 from mpdl.autograd.tensor import Function, ReLU, Sigmoid, Tanh, Tensor, unbroadcast
 from mpdl.backend import get_array_module
 
@@ -219,17 +219,19 @@ class Linear(Function):
         if x.shape[-1] != w.shape[1]:
             raise ValueError(f"linear: input shape {tuple(x.shape)} does not fit weight shape "
                              f"{tuple(w.shape)} (expected input[..., {w.shape[1]}])")
-        self.x, self.w = x, w
-        out = _fold(x) @ w.T  # one GEMM over all leading axes (a stacked matmul is slower)
+        self.x, self.w, self.dtype = x, w, amp.compute_dtype(w)
+        # one GEMM over all leading axes (a stacked matmul is slower)
+        out = amp.matmul(_fold(x), w.T, self.dtype)
         if bias:
             out += bias[0]
         return out.reshape(x.shape[:-1] + (w.shape[0],))
 
     def backward(self, grad):
         x, w = self.x, self.w
-        g2 = _fold(grad)
-        gx = (g2 @ w).reshape(x.shape) if self.needs_input_grad[0] else None
-        gw = g2.T @ x.reshape(-1, x.shape[-1]) if self.needs_input_grad[1] else None
+        g2, dtype = _fold(grad), self.dtype
+        gx = amp.matmul(g2, w, dtype).reshape(x.shape) if self.needs_input_grad[0] else None
+        gw = amp.matmul(g2.T, x.reshape(-1, x.shape[-1]), dtype) if self.needs_input_grad[1] \
+            else None
         if len(self.needs_input_grad) == 2:
             return gx, gw
         gb = g2.sum(axis=0) if self.needs_input_grad[2] else None
@@ -261,9 +263,11 @@ class Conv2d(Function):
     def forward(self, x, w, *bias, stride, padding):
         o, c, kh, kw = w.shape
         n = x.shape[0]
-        cols, (oh, ow, row) = kernels.im2col(x, kh, kw, stride, padding)
+        self.dtype = dtype = amp.compute_dtype(w)
+        cols, (oh, ow, row) = kernels.im2col(amp.operand(x, dtype), kh, kw, stride, padding)
         # one (O, K) @ (K, OH·R) product per image, read in place from the (K, N, OH·R) columns
-        out = (w.reshape(o, -1) @ cols.transpose(1, 0, 2)).reshape(n, o, oh, row)[..., :ow]
+        out = amp.rounded(amp.operand(w.reshape(o, -1), dtype) @ cols.transpose(1, 0, 2), dtype)
+        out = out.reshape(n, o, oh, row)[..., :ow]
         out = out + bias[0][:, None, None] if bias else get_array_module(x).ascontiguousarray(out)
         self.cols, self.w, self.stride, self.padding = cols, w, stride, padding
         self.geometry, self.x_shape = (oh, ow, row), x.shape
@@ -276,19 +280,21 @@ class Conv2d(Function):
         n = grad.shape[0]
         oh, ow, row = self.geometry
         # the gradient in the columns' (O, N, OH·R) layout, zero in the junk columns
-        g = xp.zeros((o, n, oh, row), dtype=grad.dtype)
-        g[..., :ow] = grad.transpose(1, 0, 2, 3)
+        dtype = self.dtype
+        g = xp.zeros((o, n, oh, row), dtype=grad.dtype if dtype is None else np.float32)
+        g[..., :ow] = amp.operand(grad, dtype).transpose(1, 0, 2, 3)
         g = g.reshape(o, n * oh * row)
         gx = gw = gb = None
         if self.needs_input_grad[0]:
-            gcols = w.reshape(o, -1).T @ g.reshape(o, n, -1).transpose(1, 0, 2)
+            gcols = amp.rounded(amp.operand(w.reshape(o, -1), dtype).T @
+                                g.reshape(o, n, -1).transpose(1, 0, 2), dtype)
             gx = kernels.col2im(gcols, self.x_shape, kh, kw, self.stride, self.padding, row)
         if self.needs_input_grad[1]:
             flat = cols.reshape(cols.shape[0], -1)
             gwt = flat[:, :_GW_CHUNK] @ g[:, :_GW_CHUNK].T
             for start in range(_GW_CHUNK, flat.shape[1], _GW_CHUNK):
                 gwt += flat[:, start:start + _GW_CHUNK] @ g[:, start:start + _GW_CHUNK].T
-            gw = gwt.T.reshape(w.shape)
+            gw = amp.rounded(gwt, dtype).T.reshape(w.shape)
         if len(self.needs_input_grad) == 2:
             return gx, gw
         if self.needs_input_grad[2]:
@@ -505,7 +511,7 @@ def scatter_add_rows(indices: Any, values: Any, num_rows: int) -> Any:
 class Embedding(Function):
     def forward(self, weight, indices):
         self.indices, self.num_rows = indices, weight.shape[0]
-        return weight[indices]
+        return amp.operand(weight[indices], amp.compute_dtype(weight))
 
     def backward(self, grad):
         d = grad.shape[-1]

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from mpdl.autograd import functional as F
+from mpdl.autograd import partial
 from mpdl.autograd.tensor import Tensor, _move
 from mpdl.backend import get_array_module, to_host
 
@@ -19,7 +20,7 @@ class Parameter(Tensor):
     __slots__ = ()
 
     def __init__(self, data: Any, requires_grad: bool = True) -> None:
-        super().__init__(data, requires_grad=requires_grad)
+        super().__init__(partial.admit(data), requires_grad=requires_grad)
 
     def __repr__(self) -> str:
         return f"Parameter(shape={self.shape}, dtype={self.dtype})"

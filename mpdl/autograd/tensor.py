@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl.backend import cupy_module, get_array_module, to_host
+from mpdl.backend import cupy_module, get_array_module, is_floating, to_host
 
 _state = threading.local()
 
@@ -108,7 +108,7 @@ def _as_array(value: Any, like: Any) -> Any:
     if isinstance(value, Tensor):
         return value.data
     xp = get_array_module(like)
-    if isinstance(value, (bool, int, float)) and like.dtype.kind == "f":
+    if isinstance(value, (bool, int, float)) and is_floating(like.dtype):
         return xp.asarray(value, dtype=like.dtype)
     return xp.asarray(value)
 
@@ -130,7 +130,7 @@ class Tensor:
         elif not hasattr(data, "dtype") or not hasattr(data, "shape"):
             raise TypeError(f"Tensor: data must be an array, a number or a list, not "
                             f"{type(data).__name__}")
-        if requires_grad and data.dtype.kind not in "fc":
+        if requires_grad and not (is_floating(data.dtype) or data.dtype.kind == "c"):
             raise TypeError(f"Tensor: requires_grad needs a floating dtype, not {data.dtype}")
         self.data = data
         self.grad = None
@@ -408,7 +408,8 @@ def _finish_leaf(leaf: Tensor, g: Any, owned: bool, handed: set[int]) -> None:
     """Accumulate the final gradient of this backward into ``leaf.grad`` and fire its hooks."""
     if g is not None:
         if g.dtype != leaf.data.dtype:
-            g = g.astype(leaf.data.dtype)
+            with np.errstate(over="ignore"):  # a float16 leaf: overflow is inf, as it should be
+                g = g.astype(leaf.data.dtype)
             owned = True
         if g.shape != leaf.data.shape:
             raise RuntimeError(f"backward(): gradient of shape {tuple(g.shape)} for a leaf of "

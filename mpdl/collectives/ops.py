@@ -1,4 +1,11 @@
-"""Reduction operators and the argument checks every collective shares."""
+"""Reduction operators and the argument checks every collective shares.
+
+float16 and bfloat16 reduce like any dtype: each elementwise result of two operands is computed in
+float32 and rounded once (NumPy's float16 loops and ml_dtypes' bfloat16 loops do so). Where a
+rank adds several incoming arrays into one chunk (a tree node's children, a node's shared-memory
+peers), it accumulates them in float32 and rounds once at the end (`accumulator`, `settle`). The
+partial sums that travel between ranks stay in the 16-bit dtype: that is what halves the bytes.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ def check_op(op: Any, dtype: np.dtype) -> str:
     """The op name if it is valid for dtype; ValueError naming the allowed ops otherwise."""
     if op not in OPS:
         raise ValueError(f"op: expected one of {', '.join(OPS)}, got {op!r}")
-    if op == "avg" and dtype.kind != "f":
+    if op == "avg" and not backend.is_floating(dtype):
         raise ValueError(f"op: 'avg' needs a floating-point dtype, got {dtype.name}; "
                          f"use 'sum' and divide")
     return op
@@ -27,6 +34,21 @@ def check_op(op: Any, dtype: np.dtype) -> str:
 def reducer(op: str, xp: Any):
     """The elementwise function f(a, b, out=...) for op on the array module xp."""
     return getattr(xp, OPS[op])
+
+
+def accumulator(part: Any, operands: int) -> Any:
+    """Where `operands` arrays will be reduced into `part` one after another: part itself, or a
+    float32 copy of it when part is float16 or bfloat16 and more than one operand comes (reduce
+    into the copy, then `settle`)."""
+    if operands > 1 and backend.is_low_precision(part.dtype):
+        return part.astype(np.float32)
+    return part
+
+
+def settle(part: Any, acc: Any) -> None:
+    """Round the float32 accumulator of `accumulator` back into part (nothing if acc is part)."""
+    if acc is not part:
+        part[...] = acc
 
 
 def check_array(x: Any, argument: str = "x") -> tuple[Any, np.dtype]:

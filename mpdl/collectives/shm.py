@@ -19,7 +19,7 @@ import numpy as np
 
 from mpdl import backend
 from mpdl.collectives.hierarchical import inter_node_allreduce
-from mpdl.collectives.ops import block_bounds
+from mpdl.collectives.ops import accumulator, block_bounds, settle
 
 #: bytes per rank that go through the window at once: small enough to stay in cache
 WINDOW_BYTES = 1 << 20
@@ -67,8 +67,10 @@ def _allreduce_chunk(comm, src, part, reduce, xp, segments, half, node_barrier) 
     bounds = block_bounds(n, g)
     lo, hi = bounds[local_rank], bounds[local_rank + 1]
     result = views[0]
+    acc = accumulator(result[lo:hi], g - 1)
     for v in views[1:]:
-        reduce(result[lo:hi], v[lo:hi], out=result[lo:hi])
+        reduce(acc, v[lo:hi], out=acc)
+    settle(result[lo:hi], acc)
     equal_nodes = len({len(grp) for grp in groups}) == 1
     if len(groups) > 1 and equal_nodes:
         inter_node_allreduce(comm.sub([grp[local_rank] for grp in groups]), result[lo:hi], reduce)

@@ -4,7 +4,7 @@ trees. Segments flow through the tree one after another, so large messages pipel
 from __future__ import annotations
 
 from mpdl.backend import get_array_module
-from mpdl.collectives.ops import segment_elements
+from mpdl.collectives.ops import accumulator, segment_elements, settle
 
 
 def binomial_parent_children(rel: int, p: int) -> tuple[int | None, list[int]]:
@@ -61,9 +61,11 @@ def _pipelined_reduce(comm, buf, reduce, parent, children, root) -> None:
     for step, (a, b) in enumerate(_segments(buf)):
         part = buf[a:b]
         incoming = tmp[: b - a]
+        acc = accumulator(part, len(real))
         for child in real:  # children hold higher ranks: own data first keeps the order canonical
             comm.recv(incoming, child, ("reduce", step))
-            reduce(part, incoming, out=part)
+            reduce(acc, incoming, out=acc)
+        settle(part, acc)
         if parent is not None:
             sends.append(comm.isend(part, (parent + root) % p, ("reduce", step)))
     comm.waitall(sends)
@@ -162,13 +164,15 @@ def double_tree_allreduce(comm, buf, reduce) -> None:
             a, b = segs[t][step]
             part = halves[t][a:b]
             parent, children = trees[t][comm.rank]
+            acc = accumulator(part, len(children))
             for child in sorted(children):
                 incoming = tmp[: b - a]
                 comm.recv(incoming, child, ("up", t, step))
                 if child < comm.rank:
-                    reduce(incoming, part, out=part)
+                    reduce(incoming, acc, out=acc)
                 else:
-                    reduce(part, incoming, out=part)
+                    reduce(acc, incoming, out=acc)
+            settle(part, acc)
             if parent is not None:
                 up_sends[t].append(comm.isend(part, parent, ("up", t, step)))
         for t in (0, 1):

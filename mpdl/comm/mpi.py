@@ -101,10 +101,10 @@ class MPIComm(Communicator, DeviceStaging):
         return self._cuda_aware
 
     def _post_send(self, host: np.ndarray, dest: int) -> Any:
-        return self.mpi.Isend([host, self.MPI.BYTE], dest, self._TAG)
+        return self.mpi.Isend([backend.as_bytes(host), self.MPI.BYTE], dest, self._TAG)
 
     def _post_recv(self, host: np.ndarray, source: int) -> Any:
-        return self.mpi.Irecv([host, self.MPI.BYTE], source, self._TAG)
+        return self.mpi.Irecv([backend.as_bytes(host), self.MPI.BYTE], source, self._TAG)
 
     def _handle_done(self, handle: Any) -> bool:
         return handle.Test()
@@ -187,8 +187,8 @@ class MPIComm(Communicator, DeviceStaging):
         if xp is not np and not (self.cuda_aware() and xp is not backend.standin):
             return
         init = self.mpi.Send_init if request.kind == "send" else self.mpi.Recv_init
-        request.persistent = request.handle = init([request.buf, self.MPI.BYTE], request.peer,
-                                                   self._TAG)
+        request.persistent = request.handle = init([backend.as_bytes(request.buf), self.MPI.BYTE],
+                                                   request.peer, self._TAG)
         free_before_finalize(request)
 
     def _start(self, request: PersistentRequest) -> None:

@@ -329,11 +329,10 @@ class DistributedDataParallel:
             self.last_hook_s, self._hook_s = self._hook_s, 0.0
         self.last_exposed_s, self.last_comm_s = waited, comm_s
 
-    @staticmethod
-    def _fill_missing(bucket: Bucket, p: Any) -> None:
-        """A parameter whose hook did not fire this step contributes zeros."""
-        bucket.view(p)[...] = 0
-        bucket.ready.add(id(p))
+    def _fill_missing(self, bucket: Bucket, p: Any) -> None:
+        """A parameter whose hook did not fire this step contributes what it accumulated under
+        no_sync(), or zeros."""
+        self._fill(bucket, p)
 
     def model_state_bytes(self, optimizer: Any = None) -> int:
         """Bytes of model state this rank holds: parameters, buckets, gradients that are not

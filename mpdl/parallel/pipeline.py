@@ -7,9 +7,11 @@ and the output projection, tied to the token embedding). `partition` cuts the pi
 contiguous stages **balanced by parameter count** (the head counts the tied matrix it multiplies
 by), minimising the largest stage.
 
-Every rank builds the whole model (the same seed, so the same values as on one rank), keeps the
-parameters of its stage (with tp > 1: its shards of them) and drops the values of all others
-(each becomes a zero-byte placeholder), so that a rank holds about 1/(pp·tp) of the blocks'
+Every rank builds only the parameters of its stage (`build`, through `mpdl.autograd.partial`: the
+constructor makes the whole model's draws from the same seed, so the values equal one rank's,
+but every other parameter is a zero-byte placeholder and each of its drawn values is dropped at
+once), so that a stage's setup holds its share; with tp > 1 a rank builds the whole model, keeps
+its shards of its stage and drops the rest. A rank holds about 1/(pp·tp) of the blocks'
 parameters while it trains; `gathered()` broadcasts each stage's parameters along the pipeline
 (and all-gathers the shards), so that evaluation sees the whole up-to-date model on every rank,
 and drops them again on leaving. The tied embedding lives
@@ -56,13 +58,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from mpdl.autograd import functional as F
-from mpdl.autograd import nn, no_grad
+from mpdl.autograd import nn, no_grad, partial
 from mpdl.autograd.moe import aux_loss_scale
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
@@ -305,6 +308,23 @@ class PipelineStrategy(Strategy):
     def roles(self) -> list[tuple[str, int]]:
         dp = self.grid.dp
         return [("replica lead", dp), ("replica rank", self.comm.size - dp)]
+
+    def build(self, make_model: Callable[[], Any]) -> Any:
+        """The model with the parameters of this rank's stage only (the tied embedding on the
+        first and last stages), each equal to the whole model's; with tp > 1 the whole model
+        (each tp rank cuts its shards from it)."""
+        if self.grid.tp > 1:
+            return make_model()
+        skeleton, index = partial.skeleton(make_model)
+        pieces = model_pieces(skeleton)
+        bounds = partition([w for _, w in pieces], self.pp)
+        keep = set()
+        for piece, _ in pieces[bounds[self.stage]:bounds[self.stage + 1]]:
+            keep |= {index[id(p)] for p in piece.parameters()}
+            tied = getattr(piece, "tied", None)
+            if tied is not None:
+                keep.add(index[id(tied)])
+        return partial.build(make_model, keep, _placeholder)
 
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
         self.model = model

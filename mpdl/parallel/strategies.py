@@ -12,7 +12,14 @@ from mpdl.parallel.compression import GradientCompression
 from mpdl.parallel.ddp import DistributedDataParallel
 from mpdl.parallel.localsgd import LocalSGD
 from mpdl.parallel.ps import ParameterServer, format_histogram
-from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy
+from mpdl.parallel.strategy import (
+    Batch,
+    MakeOptimizer,
+    Span,
+    StepResult,
+    Strategy,
+    microbatches,
+)
 
 
 class AllReduceStrategy(Strategy):
@@ -23,9 +30,11 @@ class AllReduceStrategy(Strategy):
 
     def __init__(self, comm: Communicator, algorithm: str = "auto", bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, overlap: bool = True,
-                 compression: GradientCompression | None = None) -> None:
+                 compression: GradientCompression | None = None, grad_accum: int = 1) -> None:
         super().__init__(comm)
         self.algorithm, self.overlap, self.compression = algorithm, overlap, compression
+        #: microbatches per step: the first grad_accum - 1 accumulate locally (no_sync)
+        self.grad_accum = grad_accum
         self.bucket_mb, self.first_bucket_mb = bucket_mb, first_bucket_mb
         self.ddp: Any = None
 
@@ -42,7 +51,11 @@ class AllReduceStrategy(Strategy):
         self.ddp.set_local_batch(len(batch.y), batch.global_size)
         result = StepResult()
         start = time.perf_counter()
-        backward_end = self.forward_backward(batch, result)
+        parts = microbatches(batch, self.grad_accum)
+        with self.ddp.no_sync():
+            for part, share in parts[:-1]:
+                self.forward_backward(part, result, share)
+        backward_end = self.forward_backward(parts[-1][0], result, parts[-1][1])
         self.ddp.finish()
         waited = time.perf_counter()
         self.optimizer.step()

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from mpdl.autograd import functional as F
 from mpdl.autograd.tensor import Tensor
 from mpdl.comm import Communicator
@@ -104,6 +106,11 @@ class Strategy:
         ("server", 1)]; [("rank", p)] when every rank does the same."""
         return [("rank", self.comm.size)]
 
+    def build(self, make_model: Callable[[], Any]) -> Any:
+        """The model this rank holds, from `make_model()` (which builds the whole model): the
+        whole of it, unless the strategy holds a part only (a pipeline stage)."""
+        return make_model()
+
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
         """Take `model` (the same architecture on every rank; rank 0's values win) and build what
         the strategy keeps: its optimizer, buffers, communicators. Collective over comm."""
@@ -152,17 +159,19 @@ class Strategy:
         raise NotImplementedError
 
     # -- for subclasses ---------------------------------------------------------------------------
-    def forward_backward(self, batch: Batch, result: StepResult) -> float:
+    def forward_backward(self, batch: Batch, result: StepResult, weight: float = 1.0) -> float:
         """Forward and backward of the batch (nothing when it is empty), adding loss, correct
         predictions, samples and the forward and backward spans to `result`; returns the time
-        backward ended."""
+        backward ended. The gradient is that of `weight` × the mean loss (a microbatch's share
+        of the batch), times the optimizer's loss scale under fp16."""
         start = time.perf_counter()
         if not len(batch.y):
             return start
         logits = self.model(Tensor(batch.x))
         loss = F.cross_entropy(logits, batch.y)
         forward_end = time.perf_counter()
-        loss.backward()
+        seed = weight * getattr(self.optimizer, "loss_scale", 1.0)
+        loss.backward(None if seed == 1.0 else seed)
         end = time.perf_counter()
         n = len(batch.y)
         result.loss += float(loss.item()) * n
@@ -170,6 +179,23 @@ class Strategy:
         result.samples += n
         result.spans += [Span("forward", start, forward_end), Span("backward", forward_end, end)]
         return end
+
+
+def microbatches(batch: Batch, n: int) -> list[tuple[Batch, float]]:
+    """The batch cut into n contiguous microbatches, each with its share of the batch's samples;
+    empty ones (fewer samples than n) come first, so that the last one, whose backward
+    communicates, always has samples when the batch has any."""
+    if n == 1:
+        return [(batch, 1.0)]
+    total = len(batch.y)
+    sizes = sorted(len(a) for a in np.array_split(np.arange(total), n))
+    parts, start = [], 0
+    for size in sizes:
+        part = Batch(batch.x[start:start + size], batch.y[start:start + size], batch.global_size,
+                     batch.lr)
+        parts.append((part, size / total if total else 0.0))
+        start += size
+    return parts
 
 
 def correct_predictions(logits: Any, labels: Any) -> float:

@@ -56,7 +56,7 @@ import numpy as np
 
 from mpdl.autograd import nn
 from mpdl.autograd.tensor import Function, Tensor, is_grad_enabled
-from mpdl.backend import get_array_module, to_host
+from mpdl.backend import get_array_module, is_low_precision, to_host
 from mpdl.collectives import (
     Plan,
     allgather,
@@ -81,6 +81,12 @@ MAX_IN_FLIGHT = 2
 ALGORITHMS = ("auto", "ring", "tree", "mpi")
 
 
+def state_dtype(dtype: Any) -> np.dtype:
+    """The dtype of the optimizer state of parameters of `dtype`: float32 for 16-bit parameters
+    (their master weights and moments, see mpdl.autograd.amp), dtype otherwise."""
+    return np.dtype(np.float32) if is_low_precision(dtype) else np.dtype(dtype)
+
+
 def keep_state_pieces(optimizer: Any, state: dict[str, Any], pieces: list[tuple],
                       position: dict[int, int]) -> None:
     """Give `optimizer` this rank's pieces of a whole-tensor optimizer state_dict: `pieces` are
@@ -94,7 +100,8 @@ def keep_state_pieces(optimizer: Any, state: dict[str, Any], pieces: list[tuple]
             continue
         o = u.offsets[i]
         optimizer.state[t] = {
-            k: (u.xp.asarray(np.asarray(v, dtype=u.dtype).reshape(-1)[a - o:b - o]).copy()
+            k: (u.xp.asarray(np.asarray(v, dtype=state_dtype(u.dtype)).reshape(-1)[a - o:b - o])
+                .copy()
                 if np.ndim(v) > 0 else (v.item() if hasattr(v, "item") else v))
             for k, v in entries.items()}
     hyper = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
@@ -314,6 +321,8 @@ class ZeroStrategy(Strategy):
         self.pieces = pieces
         self.optimizer = make_optimizer([t for t, *_ in pieces])
         self.optimizer.shard(ndims, self._sum_squares)
+        if hasattr(self.optimizer, "agree"):  # mixed precision: skip a step on every rank alike
+            self.optimizer.agree = self._all_finite
         self._hooks = [p.register_grad_ready_hook(self._on_grad) for u in self.units
                        for p in u.params]
         if self.stage == 3:
@@ -542,7 +551,7 @@ class ZeroStrategy(Strategy):
         for t, s in zip(params, sums, strict=True):
             total[rows[index[id(t)]]] += [float(v) for v in s]
         total = allreduce(total, op="sum", algorithm="auto", comm=self.shard_comm)
-        return [[get_array_module(t.data).asarray(v, dtype=t.data.dtype)
+        return [[get_array_module(t.data).asarray(v, dtype=state_dtype(t.data.dtype))
                  for v in total[rows[index[id(t)]]]] for t in params]
 
     # -- a step ------------------------------------------------------------------------------------
@@ -635,6 +644,11 @@ class ZeroStrategy(Strategy):
         self._steps += 1
 
     # -- the whole model, for evaluation and checkpoints -------------------------------------------
+    def _all_finite(self, finite: bool) -> bool:
+        """Whether every rank's gradient shard is finite (one tiny all-reduce)."""
+        flags = allreduce(np.array([0 if finite else 1], np.int32), op="max", comm=self.comm)
+        return not flags[0]
+
     @contextmanager
     def gathered(self, optimizer_state: bool = False) -> Iterator[None]:
         """Within the block every rank holds the whole model (stage 3 gathers it; values
@@ -672,7 +686,7 @@ class ZeroStrategy(Strategy):
         state: dict[int, dict[str, Any]] = {}
         for u in self.units:
             for key in keys:
-                local = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
+                local = u.xp.zeros(u.hi - u.lo, dtype=state_dtype(u.dtype))
                 for t, pu, _, a, b in self.pieces:
                     if pu is u and key in self.optimizer.state.get(t, {}):
                         local[a - u.lo:b - u.lo] = self.optimizer.state[t][key]
@@ -713,7 +727,7 @@ class ZeroStrategy(Strategy):
         for u in self.units:
             arrays[f"unit{u.index}/param"] = np.array(to_host(u.shard))
             for key in keys:
-                local = np.zeros(u.hi - u.lo, dtype=u.dtype)
+                local = np.zeros(u.hi - u.lo, dtype=state_dtype(u.dtype))
                 for t, pu, _, a, b in self.pieces:
                     if pu is u and key in self.optimizer.state.get(t, {}):
                         local[a - u.lo:b - u.lo] = to_host(self.optimizer.state[t][key])

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl.backend import bfloat16
 from mpdl.fileio import write_atomic
 
 FILES = ("model.npz", "optimizer.npz", "state.json")
@@ -270,10 +271,16 @@ def load_checkpoint(directory: str | Path
         model, optim = _assemble(state["manifest"], blobs)
         return model, optim, state
     with np.load(io.BytesIO(blobs["model.npz"]), allow_pickle=False) as archive:
-        model = {k: archive[k] for k in archive.files}
+        model = {k: _typed(archive[k]) for k in archive.files}
     with np.load(io.BytesIO(blobs["optimizer.npz"]), allow_pickle=False) as archive:
-        optim = optimizer_state({k: archive[k] for k in archive.files})
+        optim = optimizer_state({k: _typed(archive[k]) for k in archive.files})
     return model, optim, state
+
+
+def _typed(a: np.ndarray) -> np.ndarray:
+    """An array as read from an .npz: bfloat16 (which .npy stores as 2-byte void) gets its type
+    back."""
+    return a.view(bfloat16) if a.dtype == np.dtype("V2") else a
 
 
 def assemble_parts(manifest: dict[str, Any], blobs: dict[str, bytes]
@@ -288,7 +295,7 @@ def assemble_parts(manifest: dict[str, Any], blobs: dict[str, bytes]
     filled: dict[tuple[str, str, Any], int] = {}
     for name in sorted(n for n in blobs if n.startswith("shard-")):
         with np.load(io.BytesIO(blobs[name]), allow_pickle=False) as archive:
-            arrays = {k: archive[k] for k in archive.files}
+            arrays = {k: _typed(archive[k]) for k in archive.files}
         for n, (target, key, entry, shape, dtype) in enumerate(json.loads(str(arrays["meta"]))):
             dest, slot = (model, key) if target == "model" else (state.setdefault(key, {}), entry)
             if slot not in dest:
@@ -320,7 +327,7 @@ def _assemble(manifest: dict[str, Any], blobs: dict[str, bytes]
     shards = []
     for rank in range(manifest["ranks"]):
         with np.load(io.BytesIO(blobs[f"shard-{rank:05d}.npz"]), allow_pickle=False) as a:
-            shards.append({k: a[k] for k in a.files})
+            shards.append({k: _typed(a[k]) for k in a.files})
     model: dict[str, np.ndarray] = {}
     state: dict[str, dict[str, Any]] = {}
     for i, unit in enumerate(manifest["units"]):

@@ -39,7 +39,9 @@ from mpdl.parallel.context import CP_BALANCES, CP_MODES
 from mpdl.parallel.ps import check_config
 from mpdl.parallel.zero import ALGORITHMS as ZERO_ALGORITHMS
 from mpdl.parallel.zero import STAGES as ZERO_STAGES
+from mpdl.training import precision
 from mpdl.training.models import MODELS
+from mpdl.training.precision import PRECISIONS
 
 OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
 DATASETS = ("digits", "mnist", "synthetic", "addition", "text")
@@ -250,6 +252,16 @@ class OptimConfig:
                             "scaled by B/256")
     lr_schedule: str = option("cosine", "after warmup", choices=LR_SCHEDULES)
     seed: int = option(0, "model initialisation and data order")
+    precision: str = option("fp32", "bf16/fp16: 16-bit parameters, gradients and communication "
+                            "over float32 master weights; fp16 with dynamic loss scaling "
+                            "(docs/precision.md)", choices=PRECISIONS)
+    loss_scale_init: float = option(65536.0, "--precision fp16: the first step's loss scale "
+                                    "(PyTorch GradScaler's 2^16)",
+                                    check=expect(lambda v: _number(v) and 0 < v < float("inf"),
+                                                 "expected a finite loss scale > 0"),
+                                    metavar="S")
+    grad_accum: int = option(1, "split each rank's batch into N microbatches and accumulate their "
+                             "gradients before one update", check=POSITIVE_INT, metavar="N")
 
 
 @dataclasses.dataclass
@@ -493,6 +505,10 @@ def validate(config: TrainConfig, world_size: int) -> None:
     validate_communication(config, world_size)
     validate_grid(config, world_size)
     validate_moe(config, world_size)
+    try:
+        precision.check(config)
+    except precision.PrecisionError as exc:
+        raise ConfigError(str(exc)) from None
     p, o, d, ck = config.parallel, config.optim, config.data, config.checkpoint
     ranks = p.data_ranks(world_size)
     if o.global_batch_size < ranks:

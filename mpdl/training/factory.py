@@ -43,7 +43,7 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
                                    rank=c.powersgd_rank,
                                    momentum=o.momentum if dgc(config) else 0.0,
                                    algorithm=c.algorithm)
-    return AllReduceStrategy(comm, compression=compression, **common)
+    return AllReduceStrategy(comm, compression=compression, grad_accum=o.grad_accum, **common)
 
 
 def dgc(config: TrainConfig) -> bool:

@@ -29,7 +29,7 @@ from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator
 from mpdl.parallel import DistributedSampler, split_bounds
 from mpdl.parallel.strategy import Batch
-from mpdl.training import checkpoint, nanogpt, throughput
+from mpdl.training import checkpoint, nanogpt, precision, throughput
 from mpdl.training.config import ConfigError, TrainConfig, agreed, literal, resume_mismatch, validate
 from mpdl.training.factory import make_optimizer, make_strategy
 from mpdl.training.models import build_model, describe_model
@@ -90,15 +90,16 @@ class Trainer:
             self.report.columns = self.task.columns
         shape = self.comm.allgather_object(self.task and self.task.shape)[0]  # servers: no data
         m, o, ck = c.model, c.optim, c.checkpoint
-        self.model = build_model(m.name, shape[0], shape[1], seed=o.seed, dtype=np.dtype(m.dtype),
-                                 n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
-                                 moe=m.moe())
+        self.model = self.strategy.build(lambda: build_model(
+            m.name, shape[0], shape[1], seed=o.seed, dtype=np.dtype(m.dtype), n_layer=m.n_layer,
+            n_head=m.n_head, n_embd=m.n_embd, moe=m.moe()))
         self.peak = throughput.peak_flops(self.comm) if m.name == "gpt" else None
         if m.device == "gpu":
             node = self.comm.node_groups()[self.comm.node_of_rank()[self.rank]]
             use_local_gpu(node.index(self.rank), len(node))
             self.model.to("gpu")
-        self.strategy.setup(self.model, make_optimizer(c))
+        precision.prepare(self.model, c)
+        self.strategy.setup(self.model, precision.optimizer_factory(make_optimizer(c), c))
         self.lr = c.base_lr()
         self.start_epoch, self.step = 0, 0
         self.partial, self.resumed_at = None, None
@@ -288,7 +289,8 @@ class Trainer:
                "compute_s": tot[3] / ranks / steps, "comm_s": tot[4] / ranks / steps,
                "exposed_comm_s": tot[5] / ranks / steps, "ranks": self.size,
                "algorithm": fields.pop("algorithm"), "lr": self.lr, "mode": fields.pop("mode"),
-               "emulated": emulation.describe_active(self.comm), **fields}
+               "emulated": emulation.describe_active(self.comm), **fields,
+               **precision.fields(self.optimizer)}
         if self.peak is not None:
             row.update(throughput.fields(row["samples_per_s"], self.task.seq_len,
                                          self.model.flops_per_token(self.task.seq_len), self.peak,
@@ -299,8 +301,11 @@ class Trainer:
             self._save(epoch + 1)
 
     def _summary(self, seconds: float) -> dict[str, Any]:
-        return summary_row(self.config, self.rows, self.size, self.strategy.report(final=True),
-                           emulation.describe_active(self.comm), seconds)
+        c = self.config
+        return {**summary_row(c, self.rows, self.size, self.strategy.report(final=True),
+                              emulation.describe_active(self.comm), seconds),
+                "precision": c.optim.precision, "grad_accum": c.optim.grad_accum,
+                **precision.fields(self.optimizer)}
 
     def _print_header(self) -> None:
         c = self.config

@@ -11,6 +11,7 @@ from rankdata import local_data
 
 from mpdl import collectives as C
 from mpdl import settings
+from mpdl.backend import bfloat16
 
 pytestmark = pytest.mark.mpi
 
@@ -113,6 +114,40 @@ def test_other_collectives_match_mpi(collective):
                         else:
                             assert result is None
                 np.testing.assert_array_equal(x, before, err_msg="input was modified")
+
+
+def sixteen_bit_data(count: int, dtype: str, seed: int) -> np.ndarray:
+    values = np.random.default_rng(seed * 1000 + RANK).standard_normal(count)
+    return values.astype(bfloat16 if dtype == "bfloat16" else dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sixteen_bit_floats_every_reducing_algorithm(dtype):
+    """Every all-reduce and reduce-scatter algorithm (the MPI library's too: it upcasts bfloat16)
+    within the rounding bound of the float64 sum, and the same bytes on every rank."""
+    eps = 2.0 ** (-7 if dtype == "bfloat16" else -10)
+    for count in sorted({0, 1, P + 1, 31}):
+        x = sixteen_bit_data(count, dtype, seed=3)
+        wide = x.astype(np.float64)
+        exact, magnitude = np.empty_like(wide), np.empty_like(wide)
+        COMM.Allreduce(wide, exact)
+        COMM.Allreduce(np.abs(wide), magnitude)
+        bound = P * eps * magnitude
+        for algorithm in C.algorithms("allreduce"):
+            result = C.allreduce(x, algorithm=algorithm)
+            assert result.dtype == x.dtype
+            assert np.all(np.abs(result.astype(np.float64) - exact) <= bound), algorithm
+            assert_same_everywhere(result)
+        for algorithm in C.algorithms("reduce_scatter"):
+            mine = C.reduce_scatter(x, algorithm=algorithm)
+            assert mine.dtype == x.dtype
+            lo = sum(len(b) for b in np.array_split(exact, P)[:RANK])
+            assert np.all(np.abs(mine.astype(np.float64) - exact[lo:lo + mine.size])
+                          <= bound[lo:lo + mine.size]), algorithm
+        for algorithm in C.algorithms("allgather"):
+            gathered = C.allgather(x, algorithm=algorithm)
+            everyone = COMM.allgather(x.view(np.uint16))
+            np.testing.assert_array_equal(gathered.view(np.uint16), np.concatenate(everyone))
 
 
 def test_allreduce_async_completes_in_issue_order():
