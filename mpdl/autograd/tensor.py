@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl import memory
 from mpdl.backend import cupy_module, get_array_module, to_host
 
 _state = threading.local()
@@ -73,6 +74,9 @@ class Function:
         if record:
             ctx.inputs = inputs
             result._ctx = ctx
+            ledger = memory.current()
+            if ledger is not None:  # what the node keeps: its saved arrays and its inputs' data
+                ctx._saved = ledger.save([*vars(ctx).values(), *(t.data for t in inputs)])
         return result
 
     def forward(self, *arrays: Any, **params: Any) -> Any:
@@ -417,6 +421,7 @@ def _finish_leaf(leaf: Tensor, g: Any, owned: bool, handed: set[int]) -> None:
             exclusive = owned or (g.base is None and id(g) not in handed)
             leaf.grad = g if exclusive else g.copy()
             handed.add(id(leaf.grad))
+            memory.hold(leaf.grad, "gradients")
         else:
             leaf.grad += g
     if leaf._hooks:

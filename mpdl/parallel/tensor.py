@@ -27,6 +27,7 @@ from typing import Any
 
 import mpdl.autograd.functional as F
 from mpdl.autograd import nn
+from mpdl.autograd.recompute import checkpoint
 from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
 from mpdl.collectives import allgather, allreduce
@@ -59,6 +60,10 @@ def _shard(data: Any, index: Any) -> nn.Parameter:
     return nn.Parameter(xp.ascontiguousarray(data[index]))
 
 
+def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class TPAttention(nn.Module):
     """Causal self-attention on this tp rank's heads (column-parallel qkv, row-parallel proj)."""
 
@@ -80,6 +85,7 @@ class TPAttention(nn.Module):
         self.proj_weight = _shard(attn.proj.weight.data, cols(comm.rank))
         self.proj_bias = attn.proj.bias  # replicated, added after the all-reduce
         self.dropout = attn.dropout
+        self.recompute_core = getattr(attn, "recompute_core", False)
         self.__dict__["shards"] = [(self.qkv_weight, attn.qkv.weight, rows),
                                    (self.qkv_bias, attn.qkv.bias, rows),
                                    (self.proj_weight, attn.proj.weight, cols)]
@@ -91,7 +97,10 @@ class TPAttention(nn.Module):
         local = self.qkv_weight.shape[0] // 3
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias).reshape(b, t, 3, h, local // h)
         qkv = qkv.transpose(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        if self.recompute_core:
+            y = checkpoint(_causal_attention, qkv[0], qkv[1], qkv[2])
+        else:
+            y = _causal_attention(qkv[0], qkv[1], qkv[2])
         y = F.linear(y.transpose(0, 2, 1, 3).reshape(b, t, local), self.proj_weight)
         y = ReduceFromTP.apply(y, comm=self.comm, algorithm=self.algorithm)
         return self.dropout(y + self.proj_bias)
@@ -135,8 +144,13 @@ class TPBlock(nn.Module):
         self.ln1, self.ln2 = block.ln1, block.ln2
         self.attn = TPAttention(block.attn, comm, algorithm)
         self.mlp = TPMLP(block.mlp, comm, algorithm)
+        self.recompute = getattr(block, "recompute", False)
 
     def forward(self, x: Tensor) -> Tensor:
+        return checkpoint(self.residual, x) if self.recompute else self.residual(x)
+
+    def residual(self, x: Tensor) -> Tensor:
+        """The block without recomputation."""
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 

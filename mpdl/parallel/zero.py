@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl import memory
 from mpdl.autograd import nn
 from mpdl.autograd.tensor import Function, Tensor, is_grad_enabled
 from mpdl.backend import get_array_module, to_host
@@ -77,6 +78,11 @@ MB = 1 << 20
 STAGES = (1, 2, 3)
 #: stages 2 and 3: reduce-scatters in flight before backward waits for the oldest
 MAX_IN_FLIGHT = 2
+#: stages 1-2 by default: a unit holds at most 1/UNITS_PER_MODEL of the model's bytes and at most
+#: DEFAULT_BUCKET_MB MiB (DDP's bucket), so that the full-size gradient buffers in flight (at most
+#: MAX_IN_FLIGHT + 1 units) stay a small part of the model even when it is far below 25 MiB
+UNITS_PER_MODEL = 16
+DEFAULT_BUCKET_MB = 25.0
 #: the collective algorithms ZeRO can run: those reduce_scatter and allgather both have
 ALGORITHMS = ("auto", "ring", "tree", "mpi")
 
@@ -135,6 +141,9 @@ class Unit:
         self.replica_plan: Plan | None = None
         self.gather_plan: Plan | None = None
         self.spans: list[tuple[str, float, float]] = []
+        #: stage 3: (graph node, attribute, parameter index) of the references to the gathered
+        #: parameters taken out of the graph after forward, put back before backward
+        self.saved: list[tuple[Any, str, int]] = []
 
     @property
     def nbytes(self) -> int:
@@ -174,6 +183,28 @@ def _placeholder(p: Any) -> Any:
     NaN, so that a use outside its unit's forward and backward shows at once."""
     xp = get_array_module(p.data)
     return xp.broadcast_to(xp.full((), np.nan, dtype=p.data.dtype), p.shape)
+
+
+def _unhook_parameters(unit: Unit, out: Tensor, inputs: Sequence[Any]) -> list[tuple]:
+    """Take the graph's references to unit's gathered parameter arrays (what its forward's
+    nodes saved for backward: a linear layer's weight) out of the nodes between `out` and the
+    unit's `inputs`, so that freeing the parameters frees their memory until backward gathers
+    them again; returns (node, attribute, parameter index) to put them back."""
+    arrays = {id(p.data): i for i, p in enumerate(unit.params)}
+    stop = {id(t) for t in inputs if isinstance(t, Tensor)}
+    taken, seen, stack = [], set(), [out]
+    while stack:
+        ctx = stack.pop()._ctx
+        if ctx is None or id(ctx) in seen or isinstance(ctx, _BeforeBackward):
+            continue
+        seen.add(id(ctx))
+        for name, value in list(vars(ctx).items()):
+            i = arrays.get(id(value))
+            if i is not None:
+                taken.append((ctx, name, i))
+                setattr(ctx, name, None)
+        stack.extend(t for t in ctx.inputs or () if id(t) not in stop)
+    return taken
 
 
 def broadcast_model(model: Any, comm: Communicator) -> None:
@@ -223,14 +254,16 @@ def _module_units(model: Any, names: Sequence[str] | None = None) -> list[tuple[
 class ZeroStrategy(Strategy):
     """ZeRO stage 1, 2 or 3 over `comm` (see the module docstring); `algorithm` names the
     reduce-scatter and all-gather (auto, ring, tree or mpi); `bucket_mb` and `first_bucket_mb`
-    size stages 1-2's units; `units` names stage 3's (submodules, in forward order; default: the
+    size stages 1-2's units (`bucket_mb` None: at most 1/UNITS_PER_MODEL of the model's bytes
+    and at most DEFAULT_BUCKET_MB); `units` names stage 3's (submodules, in forward order; default: the
     members of every ModuleList and Sequential); `hybrid` shards within nodes only."""
 
     mode = "zero"
     sharded_checkpoint = True
 
     def __init__(self, comm: Communicator, stage: int, algorithm: str = "auto",
-                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, overlap: bool = True,
+                 bucket_mb: float | None = None, first_bucket_mb: float = 1.0,
+                 overlap: bool = True,
                  prefetch: bool = True, hybrid: bool = False,
                  units: Sequence[str] | None = None) -> None:
         if stage not in STAGES:
@@ -245,7 +278,8 @@ class ZeroStrategy(Strategy):
                 raise ValueError(f"hybrid sharding needs the same number of ranks on every node, "
                                  f"got {sizes}")
         self.stage, self.algorithm = stage, algorithm
-        self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
+        self.bucket_mb = None if bucket_mb is None else float(bucket_mb)
+        self.first_bucket_mb = float(first_bucket_mb)
         self.overlap, self.prefetch, self.hybrid = bool(overlap), bool(prefetch), bool(hybrid)
         self.unit_names = None if units is None else list(units)
         self.shard_comm: Communicator = comm
@@ -289,20 +323,24 @@ class ZeroStrategy(Strategy):
             whole = flat.pack([p.data for p in u.params])
             if self.stage == 3:
                 u.shard = whole[u.lo:u.hi].copy()
+                memory.hold(u.shard, "parameters")
                 for p in u.params:
                     p.data = _placeholder(p)
                 self._hold(u.shard_nbytes)
             else:
                 u.full, u.shard = whole, whole[u.lo:u.hi]
+                memory.hold(whole, "parameters")
                 for p, view in zip(u.params, u.views(whole), strict=True):
                     p.data = view
                 self._hold(u.nbytes)
             if self.stage == 1:
                 u.grad = u.xp.zeros(u.count, dtype=u.dtype)
                 u.grad_shard = u.grad[u.lo:u.hi]
+                memory.hold(u.grad, "gradients")
                 self._hold(u.nbytes)
             else:
                 u.grad_shard = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
+                memory.hold(u.grad_shard, "gradients")
                 self._hold(u.shard_nbytes)
             for i, a, b in u.pieces():
                 t = Tensor(u.shard[a - u.lo:b - u.lo], requires_grad=True)
@@ -320,7 +358,12 @@ class ZeroStrategy(Strategy):
             for u in self.units:
                 if u.module is not None:
                     self._wrap(u)
-        self._order = list(reversed(self.units)) if self.stage == 3 else list(self.units)
+        # stage 3 reduce-scatters the blocks as backward finishes them, the root unit (whose
+        # embedding gradient is complete only when backward ends) last, so that it holds no
+        # block's gradient buffer back
+        self._order = ([u for u in reversed(self.units) if u.module is not None]
+                       + [u for u in self.units if u.module is None]
+                       if self.stage == 3 else list(self.units))
         self._plan_units()
         self.peak_bytes = self._held
 
@@ -360,9 +403,12 @@ class ZeroStrategy(Strategy):
         buckets: list[list[Any]] = []
         current: list[Any] = []
         nbytes = 0
-        for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        params = [p for p in model.parameters() if p.requires_grad]
+        largest = (self.bucket_mb * MB if self.bucket_mb is not None else
+                   min(DEFAULT_BUCKET_MB * MB, sum(p.data.nbytes for p in params) / UNITS_PER_MODEL))
+        for p in reversed(params):
             if current:
-                cap = (self.first_bucket_mb if not buckets else self.bucket_mb) * MB
+                cap = min(self.first_bucket_mb * MB, largest) if not buckets else largest
                 if p.data.dtype != current[0].data.dtype or nbytes + p.data.nbytes > cap:
                     buckets.append(current)
                     current, nbytes = [], 0
@@ -382,9 +428,10 @@ class ZeroStrategy(Strategy):
             if self.prefetch and unit.index + 1 < len(self.units):
                 self._gather(self.units[unit.index + 1])
             out = original(*args, **kwargs)
-            self._free(unit)
             if isinstance(out, Tensor) and out.requires_grad and is_grad_enabled():
+                unit.saved = _unhook_parameters(unit, out, args)
                 out = _BeforeBackward.apply(out, hook=lambda: self._before_backward(unit))
+            self._free(unit)
             return out
 
         unit.module.forward = forward
@@ -405,6 +452,7 @@ class ZeroStrategy(Strategy):
         if unit.full is not None or unit.gather is not None:
             return
         full = unit.xp.empty(unit.count, dtype=unit.dtype)
+        memory.hold(full, "parameters")
         self._hold(unit.nbytes)
 
         def work() -> Any:
@@ -441,6 +489,9 @@ class ZeroStrategy(Strategy):
 
     def _before_backward(self, unit: Unit) -> None:
         self._gathered(unit)
+        for ctx, name, i in unit.saved:  # the graph's references, to the gathered parameters
+            setattr(ctx, name, unit.params[i].data)
+        unit.saved = []
         if self.prefetch and unit.index > 0:
             self._gather(self.units[unit.index - 1])
 
@@ -465,6 +516,7 @@ class ZeroStrategy(Strategy):
         if unit.grad is None:
             self._limit()
             unit.grad = unit.xp.empty(unit.count, dtype=unit.dtype)
+            memory.hold(unit.grad, "gradients")
             self._hold(unit.nbytes)
         i = unit.position[id(p)]
         slot = unit.grad[unit.offsets[i]:unit.offsets[i] + p.data.size].reshape(p.shape)

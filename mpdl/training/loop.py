@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
-from mpdl import emulation, faults
+from mpdl import emulation, faults, memory
 from mpdl.autograd import optim
 from mpdl.backend import cupy_module, use_local_gpu
 from mpdl.collectives import allreduce
@@ -37,6 +37,7 @@ from mpdl.training.report import (
     ZERO_COLUMNS,
     Report,
     describe_run,
+    memory_fields,
     resumed_text,
     summary_row,
     write_timeline,
@@ -62,6 +63,9 @@ class Trainer:
         self.timeline: Timeline | None = None
         self.strategy: Any = None
         self._restore: Callable[[], None] | None = None
+        #: this rank's memory ledger (mpdl.memory): what setup and training hold, by category
+        self.ledger = memory.Ledger()
+        self._memory_peaks: dict[str, int] = {}
 
     @property
     def optimizer(self) -> Any:
@@ -74,7 +78,8 @@ class Trainer:
         if c.emulate is not None:
             self._restore = emulation.apply(self.comm, emulation.resolve(c.emulate))
         try:
-            self._setup()
+            with self.ledger.installed():
+                self._setup()
         except BaseException:
             self._end_emulation()
             raise
@@ -95,6 +100,8 @@ class Trainer:
             use_local_gpu(node.index(self.rank), len(node))
             self.model.to("gpu")
         self.strategy.setup(self.model, make_optimizer(c))
+        memory.hold_all([p.data for p in self.model.parameters()], "parameters")
+        memory.hold_all([b.data for b in self.model.buffers()], "other")
         self.lr = c.base_lr()
         self.start_epoch, self.step = 0, 0
         self.partial, self.resumed_at = None, None
@@ -181,6 +188,7 @@ class Trainer:
             bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}", file=sys.stderr,
                        leave=False, disable=None, unit="step")
         epoch_start = time.perf_counter()
+        self.ledger.reset_peaks()
         for idx, global_batch in self.sampler:
             self.lr = self.schedule(self.step)
             batch = Batch(self._to_device(self.task.xtr[idx]),
@@ -200,6 +208,8 @@ class Trainer:
             if bar is not None:
                 bar.update()
         sums["wall"] = time.perf_counter() - epoch_start
+        self._memory_peaks = {**self.ledger.peak, "total": self.ledger.peak_total,
+                              "model_state": self.ledger.peak_state}
         if bar is not None:
             bar.close()
         return sums
@@ -217,7 +227,8 @@ class Trainer:
         """Train from start_epoch to config.epochs; return one row per epoch plus a summary.
         Puts the emulation setting in force before setup back at the end."""
         try:
-            return self._run()
+            with self.ledger.installed():
+                return self._run()
         finally:
             self._end_emulation()
 
@@ -231,6 +242,7 @@ class Trainer:
         if c.timeline:
             self.comm.barrier()
             self.timeline = Timeline(self.rank, time.perf_counter())
+            self.ledger.trace()
         run_start = time.perf_counter()
         if not strategy.trains:
             strategy.serve()
@@ -240,12 +252,13 @@ class Trainer:
             data_comm = strategy.data_comm
             for epoch in range(self.start_epoch, c.epochs):
                 s = self.train_epoch(epoch)
+                peaks = memory_fields(self._memory_peaks, data_comm)
                 with strategy.gathered(optimizer_state=bool(c.checkpoint) and
                                        not strategy.sharded_checkpoint):
                     vec = np.array([s["loss"], s["correct"], s["n"], s["compute"], s["comm"],
                                     s["exposed"], s["wall"], *self.evaluate()], dtype=np.float64)
                     self._add_row(epoch, allreduce(vec, op="sum", comm=data_comm),
-                                  data_comm.size)
+                                  data_comm.size, peaks)
             final = None
             if strategy.finish():
                 with strategy.gathered():
@@ -256,10 +269,12 @@ class Trainer:
                 summary.update(self.task.metrics(final))
         self.report.summary(summary, self.rows, strategy.describe(final=True))
         if self.timeline is not None:
+            self.timeline.counters("memory (bytes)", memory.CATEGORIES, self.ledger.samples or [])
             write_timeline(self.comm, self.timeline, c.timeline)
         return [*self.rows, summary]
 
-    def _add_row(self, epoch: int, tot: np.ndarray, ranks: int) -> None:
+    def _add_row(self, epoch: int, tot: np.ndarray, ranks: int,
+                 memory_peaks: dict[str, Any]) -> None:
         """Record, print and write the epoch's row from the sums over the `ranks` that train."""
         steps = self.steps_per_epoch
         fields = self.strategy.report()
@@ -268,7 +283,7 @@ class Trainer:
                "compute_s": tot[3] / ranks / steps, "comm_s": tot[4] / ranks / steps,
                "exposed_comm_s": tot[5] / ranks / steps, "ranks": self.size,
                "algorithm": fields.pop("algorithm"), "lr": self.lr, "mode": fields.pop("mode"),
-               "emulated": emulation.describe_active(self.comm), **fields}
+               "emulated": emulation.describe_active(self.comm), **fields, **memory_peaks}
         if self.peak is not None:
             row.update(throughput.fields(row["samples_per_s"], self.task.seq_len,
                                          self.model.flops_per_token(self.task.seq_len), self.peak,
