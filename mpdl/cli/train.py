@@ -26,7 +26,7 @@ from mpdl.training.config import ConfigError, TrainConfig, model_defaults, valid
 from mpdl.training.loop import Trainer
 
 _D = {"model": "mlp", "dataset": "digits", "epochs": 15, "global_batch_size": 64,
-      "optimizer": "sgd", "algorithm": "auto", "bucket_mb": 25.0, "first_bucket_mb": 1.0}
+      "optimizer": "sgd", "algorithm": "auto", "first_bucket_mb": 1.0}
 #: the GPT's defaults where they differ (mpdl.training.config.MODEL_DEFAULTS)
 _GPT = model_defaults("gpt")
 
@@ -96,8 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--algorithm", default=_D["algorithm"], metavar="NAME",
                    help="gradient all-reduce: auto or any name of `mpdl bench --list` "
                         "(default: %(default)s)")
-    g.add_argument("--bucket-mb", type=float, default=_D["bucket_mb"],
-                   help="gradient bucket size in MiB (default: %(default)s)")
+    g.add_argument("--bucket-mb", type=float,
+                   help="gradient bucket size in MiB (default: 25; --zero 1 and 2: at most 1/16 "
+                        "of the model and 25)")
     g.add_argument("--first-bucket-mb", type=float, default=_D["first_bucket_mb"],
                    help="size of the first (last layers') bucket (default: %(default)s)")
     g.add_argument("--no-overlap", action="store_true",
@@ -136,6 +137,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zero-hybrid", action="store_true",
                    help="--zero: shard within each node, replicate across nodes (nodes from MPI "
                         "shared memory or MPDL_RANKS_PER_NODE; equal sizes)")
+    g.add_argument("--recompute", default="none", metavar="{none,selective,full}",
+                   help="--model gpt: recompute in backward each attention core (selective) or "
+                        "each whole block (full) instead of keeping their activations "
+                        "(default: %(default)s)")
     g.add_argument("--no-prefetch", action="store_true",
                    help="--zero 3: gather each unit's parameters only when it runs, not while "
                         "the previous one computes")
@@ -223,7 +228,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         staleness=args.staleness, ps_async=args.ps_async, emulate=args.emulate,
         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
         digits=args.digits, zero=args.zero, prefetch=not args.no_prefetch,
-        zero_hybrid=args.zero_hybrid, dp=args.dp, pp=args.pp, tp=args.tp,
+        zero_hybrid=args.zero_hybrid, recompute=args.recompute, dp=args.dp, pp=args.pp, tp=args.tp,
         microbatches=args.microbatches, schedule=args.schedule, verbose_comm=args.verbose_comm)
 
 

@@ -20,6 +20,7 @@ from mpdl.parallel.compression import COMPRESSORS, make_compression
 from mpdl.parallel.ps import check_config
 from mpdl.parallel.zero import ALGORITHMS as ZERO_ALGORITHMS
 from mpdl.parallel.zero import STAGES as ZERO_STAGES
+from mpdl.training.gpt import RECOMPUTE
 from mpdl.training.models import MODELS
 
 OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
@@ -115,7 +116,8 @@ class TrainConfig:
     scale_lr: bool = False
     lr_schedule: str = "cosine"
     algorithm: str = "auto"
-    bucket_mb: float = 25.0
+    #: None: DDP's 25 MiB; ZeRO's units at most 1/16 of the model and 25 MiB
+    bucket_mb: float | None = None
     first_bucket_mb: float = 1.0
     overlap: bool = True
     seed: int = 0
@@ -159,6 +161,8 @@ class TrainConfig:
     microbatches: int = 1
     schedule: str = "1f1b"
     verbose_comm: bool = False
+    #: recompute in backward: none, selective (each attention core) or full (each block)
+    recompute: str = "none"
 
     def ps_mode(self) -> str:
         """The parameter server's synchronisation: sync, ssp (staleness) or async (ps_async)."""
@@ -210,7 +214,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
                               f"{literal(repr(value))}")
     for field in ("epochs", "global_batch_size", "bucket_mb", "first_bucket_mb",
                   "synthetic_samples"):
-        if not getattr(config, field) > 0:
+        if getattr(config, field) is not None and not getattr(config, field) > 0:
             raise ConfigError(f"{{{field}}}: expected a positive number, got "
                               f"{getattr(config, field)}")
     for field in ("momentum", "weight_decay", "warmup_epochs"):
@@ -221,6 +225,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"{{lr}}: expected a positive learning rate, got {config.lr}")
     validate_communication(config, world_size)
     validate_grid(config, world_size)
+    validate_recompute(config)
     ranks = config.data_ranks(world_size)
     if config.global_batch_size < ranks:
         what = "workers" if config.mode == "ps" else "ranks"
@@ -257,6 +262,16 @@ def validate(config: TrainConfig, world_size: int) -> None:
 #: the model pieces a pipeline can cut the zoo's models into (the GPT: n_layer + 2)
 PIPELINE_PIECES = {"mlp": 2, "lenet": 5}
 PIPELINE_SCHEDULES = ("afab", "1f1b")
+
+
+def validate_recompute(config: TrainConfig) -> None:
+    """Activation recomputation: a known mode, on a model made of transformer blocks."""
+    if config.recompute not in RECOMPUTE:
+        raise ConfigError(f"{{recompute}}: expected one of {', '.join(RECOMPUTE)}, got "
+                          f"{literal(repr(config.recompute))}")
+    if config.recompute != "none" and config.model != "gpt":
+        raise ConfigError(f"{{recompute}} {config.recompute} needs a model of transformer blocks "
+                          f"({{model}} gpt), got {{model}} {config.model}")
 
 
 def validate_grid(config: TrainConfig, world_size: int) -> None:

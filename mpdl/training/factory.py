@@ -11,6 +11,7 @@ from mpdl.parallel.compression import make_compression
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategies import AllReduceStrategy, LocalSGDStrategy, ParameterServerStrategy
 from mpdl.parallel.strategy import Strategy
+from mpdl.parallel.zero import DEFAULT_BUCKET_MB as DDP_BUCKET_MB
 from mpdl.parallel.zero import ZeroStrategy
 from mpdl.training.config import TrainConfig
 
@@ -26,11 +27,11 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
         return PipelineStrategy(comm, dp=c.data_ranks(comm.size), pp=c.pp, tp=c.tp,
                                 microbatches=c.microbatches, schedule=c.schedule,
                                 algorithm=c.algorithm, verbose=c.verbose_comm, zero=c.zero)
-    common = dict(algorithm=c.algorithm, bucket_mb=c.bucket_mb, first_bucket_mb=c.first_bucket_mb,
-                  overlap=c.overlap)
+    common = dict(algorithm=c.algorithm, first_bucket_mb=c.first_bucket_mb, overlap=c.overlap)
     if c.zero:
         return ZeroStrategy(comm, stage=c.zero, prefetch=c.prefetch, hybrid=c.zero_hybrid,
-                            **common)
+                            bucket_mb=c.bucket_mb, **common)
+    common["bucket_mb"] = c.bucket_mb if c.bucket_mb is not None else DDP_BUCKET_MB
     if c.sync_every > 1:
         return LocalSGDStrategy(comm, sync_every=c.sync_every, warmup_steps=c.post_local_warmup,
                                 **common)

@@ -94,6 +94,8 @@ class Trainer:
         shape = self.comm.allgather_object(self.task and self.task.shape)[0]  # servers: no data
         self.model = build_model(c.model, shape[0], shape[1], seed=c.seed, dtype=np.dtype(c.dtype),
                                  n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd)
+        if c.recompute != "none":
+            self.model.set_recompute(c.recompute)
         self.peak = throughput.peak_flops(self.comm) if c.model == "gpt" else None
         if c.device == "gpu":
             node = self.comm.node_groups()[self.comm.node_of_rank()[self.rank]]
