@@ -18,7 +18,9 @@ the same graph (as with PyTorch's reentrant checkpoint).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,25 @@ import numpy as np
 from mpdl import memory
 from mpdl.autograd import functional as F
 from mpdl.autograd.tensor import Function, Tensor, enable_grad, is_grad_enabled, no_grad
+
+_state = threading.local()
+
+
+def recomputing() -> bool:
+    """Whether this thread is running a checkpointed function again, in backward (a module that
+    gathers its parameters for forward, as ZeRO-3's units, then keeps them for the backward that
+    follows)."""
+    return getattr(_state, "recomputing", False)
+
+
+@contextlib.contextmanager
+def _recomputing() -> Iterator[None]:
+    previous = recomputing()
+    _state.recomputing = True
+    try:
+        yield
+    finally:
+        _state.recomputing = previous
 
 
 def module_generators(fn: Any) -> list[np.random.Generator]:
@@ -65,7 +86,7 @@ class Recompute(Function):
             g.bit_generator.state = state
         boxes: list[list[Any]] = [[] for _ in self.inputs]
         try:
-            with enable_grad():
+            with enable_grad(), _recomputing():
                 args = [_Capture.apply(Tensor._wrap(t.data, True), box=box) if need
                         else Tensor._wrap(t.data, False)
                         for t, need, box in zip(self.inputs, self.needs_input_grad, boxes,

@@ -421,12 +421,13 @@ def _finish_leaf(leaf: Tensor, g: Any, owned: bool, handed: set[int]) -> None:
             exclusive = owned or (g.base is None and id(g) not in handed)
             leaf.grad = g if exclusive else g.copy()
             handed.add(id(leaf.grad))
-            memory.hold(leaf.grad, "gradients")
         else:
             leaf.grad += g
     if leaf._hooks:
         for hook in list(leaf._hooks):
             hook(leaf)
+    if leaf.grad is not None:  # where the gradient is kept, once the hooks have moved it
+        memory.hold(leaf.grad, "gradients")
 
 
 # ---------------------------------------------------------------------- primitives

@@ -56,6 +56,7 @@ import numpy as np
 
 from mpdl import memory
 from mpdl.autograd import nn
+from mpdl.autograd.recompute import recomputing
 from mpdl.autograd.tensor import Function, Tensor, is_grad_enabled
 from mpdl.backend import get_array_module, to_host
 from mpdl.collectives import (
@@ -78,9 +79,10 @@ MB = 1 << 20
 STAGES = (1, 2, 3)
 #: stages 2 and 3: reduce-scatters in flight before backward waits for the oldest
 MAX_IN_FLIGHT = 2
-#: stages 1-2 by default: a unit holds at most 1/UNITS_PER_MODEL of the model's bytes and at most
-#: DEFAULT_BUCKET_MB MiB (DDP's bucket), so that the full-size gradient buffers in flight (at most
-#: MAX_IN_FLIGHT + 1 units) stay a small part of the model even when it is far below 25 MiB
+#: by default a unit holds at most 1/UNITS_PER_MODEL of the model (stages 1-2: and at most
+#: DEFAULT_BUCKET_MB MiB, DDP's bucket; stage 3: a module larger than that is split into its
+#: children), so that the buffers in flight (stage 3: two units' gathered parameters and up to
+#: MAX_IN_FLIGHT + 1 units' gradient buffers) stay a small part of the model at any size
 UNITS_PER_MODEL = 16
 DEFAULT_BUCKET_MB = 25.0
 #: the collective algorithms ZeRO can run: those reduce_scatter and allgather both have
@@ -221,8 +223,11 @@ def broadcast_model(model: Any, comm: Communicator) -> None:
 def _module_units(model: Any, names: Sequence[str] | None = None) -> list[tuple[Any, list[Any]]]:
     """(module, its parameters) of stage 3's units in forward order: the submodules `names` (of
     model.named_modules()), or by default the modules held in a ModuleList or Sequential
-    (searched from the root down, not inside a unit); then (None, the rest): the root unit. A
-    parameter registered in two units goes to the root unit."""
+    (searched from the root down, not inside a unit), each one holding more than 1/UNITS_PER_MODEL
+    of the model's parameters replaced by its children (again while too large; FSDP wraps
+    transformer blocks, DeepSpeed fetches by submodule); then (None, the rest): the root unit. A
+    parameter registered in two units, or registered on a module that was split, goes to the root
+    unit."""
     found: list[Any] = []
 
     def visit(module: Any) -> None:
@@ -232,8 +237,20 @@ def _module_units(model: Any, names: Sequence[str] | None = None) -> list[tuple[
             else:
                 visit(child)
 
+    def size(module: Any) -> int:
+        return sum(p.size for p in module.parameters() if p.requires_grad)
+
+    cap = size(model) / UNITS_PER_MODEL
+
+    def split(module: Any) -> list[Any]:
+        children = [c for c in module.children() if size(c)]
+        if size(module) > cap and children:
+            return [unit for c in children for unit in split(c)]
+        return [module]
+
     if names is None:
         visit(model)
+        found = [unit for m in found for unit in split(m)]
     else:
         modules = dict(model.named_modules())
         unknown = [n for n in names if n not in modules or not n]
@@ -423,6 +440,9 @@ class ZeroStrategy(Strategy):
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not self._sharded:
+                return original(*args, **kwargs)
+            if recomputing():  # in backward: gathered until its gradients are in, no prefetch
+                self._gathered(unit)
                 return original(*args, **kwargs)
             self._gathered(unit)
             if self.prefetch and unit.index + 1 < len(self.units):
