@@ -12,8 +12,9 @@ count for scale. bf16 rows need `mpdl train --precision`; without it they are re
 available.
 
 Then the step time recomputation costs, on one process: forward + backward of the same GPT and
-batch under each mode, taking turns (none, selective, full, none, ...), median of `--reps`, and
-the forward alone; (full - none) / forward is the extra forward full recomputation runs.
+batch under each mode, taking turns (none, selective, full, none with the memory ledger
+counting, none, ...), median of `--reps`, and the forward alone; (full - none) / forward is the
+extra forward full recomputation runs, and the ledger's row its overhead.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpdl import memory
 from mpdl.autograd import functional as F
 from mpdl.parallel.pipeline import model_pieces, partition
 from mpdl.training.activation_memory import korthikanti_layer_bytes, model_activation_bytes
@@ -89,14 +91,16 @@ def step_times(args: argparse.Namespace) -> dict[str, float]:
     rng = np.random.default_rng(0)
     x = rng.integers(0, len(VOCAB), (args.batch, args.block))
     y = rng.integers(0, len(VOCAB), (args.batch, args.block))
-    times: dict[str, list[float]] = {m: [] for m in (*MODES, "forward")}
+    ledger = memory.Ledger()
+    times: dict[str, list[float]] = {m: [] for m in (*MODES, "forward", "ledger")}
     for rep in range(args.reps + 1):
-        for mode in MODES:
-            start = time.perf_counter()
-            loss = F.cross_entropy(models[mode](x), y)
-            forward = time.perf_counter()
-            loss.backward()
-            end = time.perf_counter()
+        for mode in (*MODES, "ledger"):
+            with memory.counting_into(ledger if mode == "ledger" else None):
+                start = time.perf_counter()
+                loss = F.cross_entropy(models[mode if mode != "ledger" else "none"](x), y)
+                forward = time.perf_counter()
+                loss.backward()
+                end = time.perf_counter()
             if rep:  # the first round warms up
                 times[mode].append(end - start)
                 if mode == "none":
@@ -164,7 +168,8 @@ def main() -> None:
           f"(forward {times['forward'] * 1e3:.1f} ms), selective {times['selective'] * 1e3:.1f} "
           f"ms ({times['selective'] / times['none']:.2f}x), full {times['full'] * 1e3:.1f} ms "
           f"({times['full'] / times['none']:.2f}x): full recomputation adds {extra:.2f} "
-          f"forwards")
+          f"forwards; with the memory ledger counting, none takes {times['ledger'] * 1e3:.1f} ms "
+          f"({times['ledger'] / times['none']:.3f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "step_s": times, "psi": psi}))
 

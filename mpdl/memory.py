@@ -78,6 +78,8 @@ class Ledger:
         #: the most bytes held at one time: of all categories, and of the model state
         self.peak_total = 0
         self.peak_state = 0
+        #: the live bytes per category when the total was at its peak
+        self.at_peak = dict(self.live)
         self._total = 0
         self._state = 0
         self._held: dict[int, tuple[str, int]] = {}    # id(root) -> (category, bytes)
@@ -94,6 +96,7 @@ class Ledger:
         self._total += nbytes
         if self._total > self.peak_total:
             self.peak_total = self._total
+            self.at_peak = dict(self.live)
         if category in MODEL_STATE:
             self._state += nbytes
             if self._state > self.peak_state:
@@ -171,7 +174,7 @@ class Ledger:
     def reset_peaks(self) -> None:
         """Start the peaks afresh from what is held now."""
         with self._lock:
-            self.peak = dict(self.live)
+            self.peak, self.at_peak = dict(self.live), dict(self.live)
             self.peak_total, self.peak_state = self._total, self._state
 
     def trace(self) -> None:

@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl import memory
 from mpdl.autograd import functional as F
 from mpdl.autograd import nn, no_grad
 from mpdl.autograd.tensor import Tensor
@@ -306,6 +307,7 @@ class PipelineStrategy(Strategy):
             self.optimizer = make_optimizer(self.stage_params)
         self._owned = {id(p) for p in self.stage_params}
         self._release_others()
+        memory.hold_all([p.data for p in self.stage_params], "parameters")
 
     def _all_params(self) -> list[Any]:
         """Every trainable parameter of the model and of its tensor-parallel pieces, once."""
@@ -387,8 +389,9 @@ class PipelineStrategy(Strategy):
                 for r in self._receives.values():
                     r.free()
                 self._receives.clear()
-            request = self._receives[key] = self.grid.pp_comm.recv_init(
-                xp.empty(shape, dtype=dtype), stage, step=(what, j))
+            buf = xp.empty(shape, dtype=dtype)
+            memory.hold(buf, "communication")
+            request = self._receives[key] = self.grid.pp_comm.recv_init(buf, stage, step=(what, j))
         self.grid.pp_comm.waitall([request.start()])
         return request.buf
 

@@ -72,12 +72,15 @@ def model_activation_bytes(s: int, b: int, h: int, a: int, vocab: int, layers: i
     logits and their log-softmax, the loss's labels and row index (int64). With full
     recomputation the peak is the larger of the end of forward (every block's input, the
     embedding and the head) and the recomputation of the last block in backward (its whole set,
-    while the head is already released)."""
+    while the head is already released). A pipeline stage without the embedding takes its input
+    in its receive buffer, which the ledger counts as communication, not here."""
     sbh, sb = s * b * h, s * b
     embed = (8 * sb + 8 * s + itemsize * (sbh + s * h) + (2 * itemsize * sbh if dropout else 0)
              if embedding else 0)
     top = itemsize * (3 * sbh + sb + 2 * sb * vocab) + 16 * sb if head else 0
     kept = layers * layer_activation_bytes(s, b, h, a, itemsize, t, recompute, dropout, numpy)
+    if not embedding and layers:
+        kept -= itemsize * sbh
     if recompute != "full" or not layers:
         return kept + embed + top
     whole = layer_activation_bytes(s, b, h, a, itemsize, t, "none", dropout, numpy)

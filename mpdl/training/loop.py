@@ -246,6 +246,10 @@ class Trainer:
             self.timeline = Timeline(self.rank, time.perf_counter())
             self.ledger.trace()
         run_start = time.perf_counter()
+        # the memory peaks are the max over the ranks that train: every rank (pipeline stages
+        # too) unless some only serve
+        everyone = all(self.comm.allgather_object(strategy.trains))
+        self._trainers = self.comm if everyone else strategy.data_comm
         if not strategy.trains:
             strategy.serve()
             summary = self._summary(time.perf_counter() - run_start)
@@ -254,7 +258,7 @@ class Trainer:
             data_comm = strategy.data_comm
             for epoch in range(self.start_epoch, c.epochs):
                 s = self.train_epoch(epoch)
-                peaks = memory_fields(self._memory_peaks, data_comm)
+                peaks = memory_fields(self._memory_peaks, self._trainers)
                 with strategy.gathered(optimizer_state=bool(c.checkpoint) and
                                        not strategy.sharded_checkpoint):
                     vec = np.array([s["loss"], s["correct"], s["n"], s["compute"], s["comm"],
