@@ -89,7 +89,14 @@ lint: install
 	$(VENV)/bin/ruff check mpdl tests benchmarks tools
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache site .cache/mkdocs-jupyter
+
+# The docs site (mkdocs.yml): README, docs/, the notebooks (not executed) and the API reference
+# from the docstrings, built into site/ with --strict, so a broken link or a missing page fails.
+.PHONY: docs
+docs: install
+	$(PY) -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # The teaching notebooks, executed top to bottom (nbclient), with the notebooks extra.
 .PHONY: notebooks

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-node harness: real MPI nodes on one machine (see README, "More than one node").
+# The multi-node harness: real MPI nodes on one machine (see docs/multinode.md).
 #
 #   tools/multinode.sh test [PART...]    the MPI tests, a training run and a killed rank across
 #                                        2-3 MPI nodes (PART: collectives suite train kill)

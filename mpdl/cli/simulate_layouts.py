@@ -1,7 +1,11 @@
-"""`mpdl simulate` for transformer layouts: memory per GPU and step time of dp × pp × tp with ZeRO,
-`--search` for the fastest layout that fits, `--published` for the papers' figures.
+"""`mpdl simulate` for transformer layouts: memory per GPU and step time of dp × pp × cp × tp × ep
+with ZeRO, recomputation and precision, `--search` for the fastest layout that fits, `--published`
+for the papers' figures.
 
-    mpdl simulate --model-shape megatron-8.3b --dp 64 --tp 8 --recompute --network dgx2h --gpu v100-32gb
+    mpdl simulate --model-shape megatron-8.3b --dp 64 --tp 8 --recompute full --network dgx2h --gpu v100-32gb
+    mpdl simulate --model-shape llama3-405b --seq 131072 --tp 8 --cp 16 --pp 16 --dp 8 --sp \
+        --recompute selective --gpu h100-80gb
+    mpdl simulate --model-shape mixtral-8x7b --dp 8 --ep 8 --tp 2 --moe-capacity-factor 1.25
     mpdl simulate --layers 24 --hidden 2048 --heads 16 --seq 2048 --vocab 51200 --gpus 64 --search
     mpdl simulate --published --json published.jsonl
 """
@@ -33,18 +37,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seq", type=int, help="sequence length T")
     g.add_argument("--vocab", type=int, help="vocabulary size V")
     g.add_argument("--microbatch-size", type=int, help="sequences per micro-batch b (default 1)")
+    g.add_argument("--ffn", type=int, help="the MLP's hidden width (default 4 x hidden)")
+    g.add_argument("--kv-heads", type=int, help="key/value heads, grouped-query attention "
+                   "(default: --heads)")
+    g.add_argument("--gated", action="store_true", help="a gated (SwiGLU) MLP: three matrices")
+    g.add_argument("--family", choices=L.FAMILIES,
+                   help="gpt: biases, LayerNorm, learned positions, tied output (default); "
+                        "llama: none of these")
+    g.add_argument("--moe-experts", type=int, metavar="E",
+                   help="mixture of experts: E expert MLPs in every --moe-every-th block")
+    g.add_argument("--moe-top-k", type=int, metavar="K", help="experts per token (default 1)")
+    g.add_argument("--moe-every", type=int, metavar="N", help="every N-th block is a MoE block "
+                   "(default 1)")
+    g.add_argument("--moe-capacity-factor", type=float, default=1.0, metavar="CF",
+                   help="expert capacity over the even share; 0: dropless (default 1.0)")
     g.add_argument("--dp", type=int, help="data-parallel degree (default: GPUs / (pp·tp))")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel degree: the sequence "
+                   "split over cp ranks (default 1)")
+    g.add_argument("--cp-mode", default="ring", help=f"{', '.join(L.CP_MODES)} (default ring)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel degree, carved out of dp "
+                   "(default 1)")
+    g.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (with --tp)")
+    g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="interleaved pipeline: model chunks per GPU (default 1)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0 (DDP), 1, 2 or 3 (default 0)")
     g.add_argument("--zero-group", type=int,
                    help="hybrid sharding: ZeRO shards over groups of this many dp ranks")
     g.add_argument("--microbatches", type=int,
                    help="micro-batches per step m (default 1, or from --global-batch)")
     g.add_argument("--schedule", default="1f1b", help="pipeline schedule afab or 1f1b (default)")
-    g.add_argument("--recompute", action="store_true", help="full activation recomputation")
-    g.add_argument("--precision", default="mixed",
-                   help="mixed (mixed-precision Adam, K=12; default) or fp32 (float32 Adam)")
+    g.add_argument("--recompute", nargs="?", const="full", default="none",
+                   help=f"activation recomputation: {', '.join(L.RECOMPUTE)} (default none; "
+                        f"--recompute alone: full)")
+    g.add_argument("--precision", default="bf16",
+                   help="bf16 or fp16 (16-bit compute, float32 master weights and Adam, K=12; "
+                        "default bf16) or fp32 (float32 Adam), as mpdl train --precision")
     g.add_argument("--gpu", default="a100-80gb", help=f"{', '.join(L.GPUS)} (default a100-80gb)")
     g.add_argument("--gpu-memory", metavar="SIZE",
                    help="memory per GPU, e.g. 40GB (default: the GPU's); layouts above it are "
@@ -63,15 +92,29 @@ def wanted(args: argparse.Namespace) -> bool:
                 or any(getattr(args, k) is not None for k in SHAPE_FLAGS))
 
 
+#: the flags of a shape's optional fields
+OPTIONAL_SHAPE_FLAGS = {"microbatch_size": "microbatch", "ffn": "ffn", "kv_heads": "kv_heads",
+                        "family": "family", "moe_experts": "experts", "moe_top_k": "top_k",
+                        "moe_every": "moe_every"}
+#: the flag of a Shape field, for errors
+SHAPE_FIELD_FLAGS = {"microbatch": "--microbatch-size", "kv_heads": "--kv-heads",
+                     "experts": "--moe-experts", "top_k": "--moe-top-k",
+                     "moe_every": "--moe-every"}
+
+
 def _shape(args: argparse.Namespace) -> L.Shape:
     given = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
-    if args.microbatch_size is not None:
-        given["microbatch"] = args.microbatch_size
+    given.update({field: getattr(args, flag) for flag, field in OPTIONAL_SHAPE_FLAGS.items()
+                  if getattr(args, flag) is not None})
+    if args.gated:
+        given["gated"] = True
     if args.model_shape:
         if args.model_shape not in L.SHAPES:
             raise UsageError(f"--model-shape: expected one of {', '.join(L.SHAPES)}, got "
                              f"{args.model_shape!r}")
-        fields = {k: getattr(L.SHAPES[args.model_shape], k) for k in (*SHAPE_FLAGS, "microbatch")}
+        known = L.SHAPES[args.model_shape]
+        fields = {f: getattr(known, f) for f in (*SHAPE_FLAGS, *OPTIONAL_SHAPE_FLAGS.values(),
+                                                 "gated")}
         name = args.model_shape
     else:
         missing = [f"--{k}" for k in SHAPE_FLAGS if k not in given]
@@ -83,11 +126,14 @@ def _shape(args: argparse.Namespace) -> L.Shape:
         return L.Shape(**fields, name=name)
     except ValueError as exc:
         key = str(exc).split(":")[0].split(" ")[0]
-        flag = "--microbatch-size" if key == "microbatch" else f"--{key}"
+        flag = SHAPE_FIELD_FLAGS.get(key, f"--{key}")
         raise UsageError(f"{flag}: {exc}") from None
 
 
 def _setup(args: argparse.Namespace):
+    if args.recompute not in L.RECOMPUTE:
+        raise UsageError(f"--recompute: expected one of {', '.join(L.RECOMPUTE)}, got "
+                         f"{args.recompute!r}")
     if args.precision not in L.PRECISIONS:
         raise UsageError(f"--precision: expected one of {', '.join(L.PRECISIONS)}, got "
                          f"{args.precision!r}")
@@ -113,14 +159,14 @@ def print_rows(rows: list[dict[str, Any]], title: str) -> None:
     print(title)
     print(f"{'layout':<42} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total GB':>8} "
           f"{'fits':>4} {'step_s':>9} {'bubble':>6} {'tokens/s':>10} {'MFU':>5}"
-          f"{'  train time':>12}")
+          f"{'  train time':>12}  slower by")
     for r in rows:
         train = duration(r["time_to_train_s"]) if "time_to_train_s" in r else "-"
         print(f"{r['layout']:<42} {_gb(r['params_bytes']):>7} {_gb(r['grads_bytes']):>7} "
               f"{_gb(r['optimizer_bytes']):>7} {_gb(r['activation_bytes']):>7} "
               f"{_gb(r['total_bytes']):>8} {'yes' if r['fits'] else 'NO':>4} "
               f"{r['step_s']:>9.3f} {r['bubble_share']:>6.1%} {r['tokens_per_s']:>10.0f} "
-              f"{r['mfu']:>5.1%} {train:>12}")
+              f"{r['mfu']:>5.1%} {train:>12}  {r.get('slower_by', '')}")
 
 
 def duration(seconds: float) -> str:
@@ -151,10 +197,10 @@ def run_published(args: argparse.Namespace) -> int:
     rows = P.rows()
     if not is_rank0():
         return 0
-    print(f"{'published figure':<52} {'published':>10} {'predicted':>10} {'ratio':>6} "
+    print(f"{'published figure':<54} {'published':>10} {'predicted':>10} {'ratio':>6} "
           f"{'band':>6} ok   unit")
     for r in rows:
-        print(f"{r['name']:<52} {r['published']:>10.4g} {r['predicted']:>10.4g} "
+        print(f"{r['name']:<54} {r['published']:>10.4g} {r['predicted']:>10.4g} "
               f"{r['ratio']:>6.3f} {r['band']:>6.0%} {'yes' if r['ok'] else 'NO ':<4} {r['unit']}")
     if args.json:
         write_json_lines(args.json, rows)
@@ -175,34 +221,49 @@ def run(args: argparse.Namespace) -> int:
         if not tokens > 0:
             raise UsageError("--tokens: expected a positive count")
     for flag, value in (("--pp", args.pp), ("--tp", args.tp), ("--dp", args.dp),
+                        ("--cp", args.cp), ("--ep", args.ep),
+                        ("--virtual-stages", args.virtual_stages),
                         ("--microbatches", args.microbatches), ("--gpus", args.gpus),
                         ("--top", args.top)):
         if value is not None and value < 1:
             raise UsageError(f"{flag}: expected a positive integer, got {value}")
     gpus = args.gpus or (args.nodes or 1) * per_node
+    moe = (f", {shape.experts} experts top-{shape.top_k} ({shape.active_params / 1e9:.3f}B "
+           f"active)" if shape.experts else "")
     head = (f"# mpdl simulate: {shape.name}, L={shape.layers} d={shape.hidden} a={shape.heads} "
             f"T={shape.seq} V={shape.vocab} b={shape.microbatch}: {shape.params / 1e9:.3f}B "
-            f"parameters, {shape.flops_per_token / 1e9:.2f} GFLOP per token; {precision.name}; "
+            f"parameters{moe}, {shape.flops_per_token / 1e9:.2f} GFLOP per token; "
+            f"{precision.name}; "
             f"{gpu.name} ({gpu.memory / L.GB:.0f} GB, {gpu.sustained_flops / 1e12:.0f} of "
             f"{gpu.peak_flops / 1e12:.0f} TFLOP/s); network {net.name}, {per_node} per node")
     if args.search:
         batch = args.global_batch or gpus * shape.microbatch
+        if args.cp_mode not in L.CP_MODES:
+            raise UsageError(f"--cp-mode: expected one of {', '.join(L.CP_MODES)}, got "
+                             f"{args.cp_mode!r}")
         try:
-            rows = L.search(shape, gpus, batch, precision, gpu, net.params, per_node,
-                            args.schedule, top=args.top)
+            report = L.search_report(shape, gpus, batch, precision, gpu, net.params, per_node,
+                                     args.schedule, top=args.top, cp_mode=args.cp_mode,
+                                     capacity_factor=args.moe_capacity_factor)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        rows = report["rows"]
         if tokens:
             rows = [L.evaluate(shape, _layout_of(r), precision, gpu, net.params, per_node,
                                tokens, args.price_per_hour) for r in rows]
         if not is_rank0():
             return 0
         print(head)
+        small = report["smallest_too_big"]
+        print(f"# {report['tried']} layouts tried: {report['fit']} fit, {report['too_big']} do "
+              f"not" + (f" (the smallest of those, {small['layout']}, needs "
+                        f"{small['total_bytes'] / L.GB:.1f} GB)" if small else ""))
         if not rows:
             print(f"# no layout of {gpus} GPUs fits in {gpu.memory / L.GB:.1f} GB")
         else:
             print_rows(rows, f"# the fastest layouts of {gpus} GPUs that fit, global batch "
-                             f"{batch} sequences (first: the answer)")
+                             f"{batch} sequences (first: the answer; the others: the part of "
+                             f"their step that costs the most over it)")
         if args.json:
             write_json_lines(args.json, rows)
         return 0
@@ -216,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
                              f"micro-batch = {dp * shape.microbatch}")
         m = args.global_batch // (dp * shape.microbatch)
     layout = L.Layout(dp, args.pp, args.tp, args.zero, m or 1, args.schedule.lower(),
-                      args.recompute, args.zero_group)
+                      args.recompute, args.zero_group, args.cp, args.ep, args.sp,
+                      args.cp_mode, args.moe_capacity_factor, args.virtual_stages)
     try:
         L.check_layout(shape, layout, per_node)
     except ValueError as exc:
@@ -228,7 +290,9 @@ def run(args: argparse.Namespace) -> int:
     print(head)
     print_rows([row], f"# {layout.gpus} GPUs; step: compute {row['compute_s']:.3f} s, tensor "
                       f"parallel {row['tp_comm_s']:.3f} s, pipeline sends {row['pp_comm_s']:.3f} s, "
-                      f"bubble {row['bubble_s']:.3f} s, data parallel {row['dp_comm_s']:.3f} s "
+                      f"context parallel {row['cp_comm_s']:.3f} s ({row['cp_exposed_s']:.3f} s "
+                      f"exposed), experts' all-to-all {row['ep_comm_s']:.3f} s, bubble "
+                      f"{row['bubble_s']:.3f} s, data parallel {row['dp_comm_s']:.3f} s "
                       f"({row['dp_exposed_s']:.3f} s exposed)")
     if args.json:
         write_json_lines(args.json, [row])
@@ -237,4 +301,5 @@ def run(args: argparse.Namespace) -> int:
 
 def _layout_of(row: dict[str, Any]) -> L.Layout:
     return L.Layout(row["dp"], row["pp"], row["tp"], row["zero"], row["microbatches"],
-                    row["schedule"], row["recompute"], row["zero_group"])
+                    row["schedule"], row["recompute"], row["zero_group"], row["cp"], row["ep"],
+                    row["sp"], row["cp_mode"], row["capacity_factor"], row["virtual"])

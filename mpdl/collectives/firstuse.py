@@ -11,7 +11,7 @@ formulas, which miss effects such as caches and cores shared by more ranks than 
 Everything is timed as `mpdl bench` times a call (a barrier, one call, the slowest rank, the
 median over repetitions); the slowest rank is found with all-gathers, so every rank fits the same
 parameters from the same numbers. It takes about half a second for 2 ranks on 2 cores, one and a
-half for 4 (README).
+half for 4 (docs/results.md).
 
 The result is kept in one JSON file per key (`cache_key`: host, MPI library, world size, ranks per
 node, and the communicator's own shape when it is a part of the world) in the settings' `auto_cache`

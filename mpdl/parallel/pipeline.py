@@ -183,7 +183,7 @@ def slot_bubble(orders: list[list[tuple[str, int]]]) -> tuple[int, list[int]]:
 def timed_bubble(orders: list[list[tuple[str, int]]],
                  durations: list[dict[tuple[str, int], float]] | None = None
                  ) -> tuple[float, list[float]]:
-    """`slot_bubble` on a clock where op (kind, j) of stage i takes durations[i][(kind, j)]
+    """`slot_bubble` on a clock where op (kind, j) of stage i takes `durations[i][(kind, j)]`
     (default: 1 each), every stage runs on a core of its own and messages take no time: (the
     step's length, each stage's idle time, i.e. length − the sum of its ops)."""
     pp = len(orders)

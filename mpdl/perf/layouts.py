@@ -1,43 +1,66 @@
-"""Transformer layouts for `mpdl simulate`: memory per GPU and step time of dp × pp × tp with ZeRO.
+"""Transformer layouts for `mpdl simulate`: memory per GPU and step time of dp × pp × cp × tp × ep
+with ZeRO, recomputation and precision.
 
-A workload is a GPT's shape (`Shape`: layers L, hidden d, heads a, sequence T, vocab V,
-micro-batch b). Its parameter count and FLOPs per token are derived with the formulas of
-`mpdl.training.gpt.GPT` (tied embedding, learned positions):
+A workload is a transformer's shape (`Shape`: layers L, hidden d, heads a, sequence T, vocab V,
+micro-batch b; optionally an MLP width f, grouped-query key/value heads, a gated (SwiGLU) MLP, and
+mixture-of-experts blocks of E experts with top-k routing). Two families: ``gpt`` counts as
+`mpdl.training.gpt.GPT` (biases, LayerNorms, learned positions, output tied to the input
+embedding); ``llama`` has no biases, RMSNorms, rotary positions and an untied output layer.
 
-    params          N = V·d + T·d + L·(12d² + 13d) + 2d
-    model FLOPs     6·(N − T·d) + 12·L·d·T per token (forward + backward, PaLM appendix B)
-    recomputation   full recomputation runs each layer's forward again: + 2·L·(12d² + 13d) + 4·L·d·T
+    params          N = embeddings + L·(attention + norms) + dense blocks·MLP
+                        + MoE blocks·(E·MLP + router)         (the GPT: V·d + T·d + L·(12d² + 13d) + 2d)
+    model FLOPs     6·(N_active − T·d) + 12·L·d·T per token (PaLM appendix B; N_active counts k
+                    experts of E)
+    recomputation   full: each layer's forward again, 2·(N_active − embeddings) + 4·L·d·T;
+                    selective (the attention core only): 4·L·d·T
 
 Memory per GPU (bytes; `Precision`): parameters, gradients and optimizer state per parameter are
-2 / 2 / 12 for mixed-precision Adam (K = 12, the ZeRO paper: fp32 master copy, momentum and
-variance) and 4 / 4 / 8 for float32 Adam (what `mpdl train` runs). A GPU holds the parameters of
-L/pp layers split t ways plus the embedding split t ways (the worst stage). ZeRO stage 1 divides the
-optimizer state, stage 2 also the gradients, stage 3 also the parameters by the sharding group (dp,
-or the hybrid group); stages 2 and 3 also hold one layer whole for a moment (its gradient;
-and its gathered parameters), as mpdl's ZeRO does with its units. Activations follow
-Korthikanti et al. 2022 (tensor parallel without sequence parallelism, 16-bit activations, scaled
-by bytes/2 for float32): per layer and micro-batch
+2 / 2 / 12 for bf16 or fp16 training with Adam (K = 12, the ZeRO paper: fp32 master copy, momentum
+and variance) and 4 / 4 / 8 for float32 Adam (what `mpdl train` runs by default). A GPU holds the
+parameters of ceil(L/pp) layers split t ways plus the embeddings split t ways (the worst stage); the
+experts of a MoE block are split over ep ranks (and t ways within each expert). ZeRO stage 1
+divides the optimizer state, stage 2 also the gradients, stage 3 also the parameters by the
+sharding group (dp × cp ranks hold the same dense parameters; dp × cp / ep the same experts);
+stages 2 and 3 also hold one layer whole for a moment (its gradient; and its gathered parameters),
+as mpdl's ZeRO does with its units.
 
-    no recomputation    T·b·d·(10 + 24/t + 5·a·T/(d·t))
-    full recomputation  2·T·b·d (each layer's input), plus one layer's full activations while it
-                        is recomputed
+Activations per layer and micro-batch follow Korthikanti et al. 2022 (16-bit activations; scaled by
+bytes/2 for float32), with s = T/cp the tokens a rank holds:
 
-held for L/pp layers and, at the first stage, m micro-batches (AFAB) or min(m, pp) (1F1B).
+    none                    s·b·d·(10 + 24/t + 5·a·T/(d·t))       sp: s·b·d·(34/t + 5·a·T/(d·t))
+    selective               s·b·d·(10 + 24/t)                      sp: s·b·d·34/t
+    full                    2·s·b·d (each layer's input)           sp: 2·s·b·d/t
+
+(T in the attention term: a rank's s queries against all T keys; without cp, s = T and these are
+the paper's Table 2.) The 24 is Q, K, V and the projection's input (8, less with fewer key/value
+heads) and the MLP's two hidden activations (16 = 4·f/d, 8·f/d for a gated MLP); a MoE block holds
+its experts' part k·cf times (each token at k experts, padded to the capacity) and the router's
+float32 logits and probabilities. Held for ceil(L/pp) layers and, at the first stage, m micro-batches
+(AFAB) or min(m, pp) (1F1B), times (1 + (pp − 1)/(pp·v)) with v interleaved stages per GPU.
 
 Step time (one step = m micro-batches on each of dp replicas):
 
-    per micro-batch   compute = b·T·FLOPs per token / (pp·t) / the GPU's sustained FLOP/s
-                      + tensor parallel: 4 ring all-reduces of b·T·d activations per layer (6 with
-                      recomputation), inside the node, not overlapped
-                      + pipeline: 2 point-to-point sends of b·T·d/t activations (scatter/gather)
-    pipeline          (m + pp − 1) micro-batch slots: bubble share (pp − 1)/(m + pp − 1), the same
-                      for AFAB and 1F1B
-    data parallel     ring all-reduce of the gradients over dp (ZeRO 1/2: reduce-scatter +
-                      all-gather, the same bytes; stage 3: 1.5×), overlapped with the last
-                      micro-batch's backward when pp = 1, exposed after the flush when pp > 1;
-                      ZeRO's all-gather of the parameters after the optimizer is always exposed
+    per micro-batch   compute = b·T·FLOPs per token (+ recomputation) · ceil(L/pp)/L / (t·cp)
+                        / sustained FLOP/s (the heaviest stage sets the pace)
+                      + tensor parallel: 4 ring all-reduces of b·s·d activations per layer (6 with
+                        full recomputation; sp's reduce-scatter + all-gather move the same bytes)
+                      + pipeline: 2·v point-to-point sends of b·s·d/t activations
+                      + context parallel, per layer: ring: cp − 1 sends of a K and V block, each
+                        behind one block's attention (only the excess counts), twice in backward;
+                        ulysses: 4 all-to-alls of b·s·d/t over cp in forward, 4 in backward;
+                        allgather: all-gather of K and V, reduce-scatter of their gradients
+                      + experts, per MoE block: dispatch and combine all-to-alls over ep of
+                        b·s·k·cf·d/t bytes (2 in forward, 2 in backward)
+                      (each forward's messages again under full recomputation)
+    pipeline          (m + (pp − 1)/v) micro-batch slots: bubble share (pp − 1)/(v·m + pp − 1)
+    data parallel     ring all-reduce of the dense gradients over dp × cp and of the experts'
+                      over dp × cp / ep (ZeRO 1/2: reduce-scatter + all-gather, the same bytes;
+                      stage 3: 1.5×), overlapped with the last micro-batch's backward when pp = 1,
+                      exposed after the flush when pp > 1; ZeRO's all-gather of the parameters
+                      after the optimizer is always exposed
 
-Pure functions; the cost model is `mpdl.collectives.costmodel`.
+All-to-all is pairwise: (p − 1)·α + n·(p − 1)/p·β for n bytes a rank sends in all. Pure
+functions; the cost model is `mpdl.collectives.costmodel`.
 """
 
 from __future__ import annotations
@@ -49,12 +72,17 @@ from typing import Any
 from mpdl.collectives import costmodel as cm
 
 GB = 1e9
+FAMILIES = ("gpt", "llama")
+RECOMPUTE = ("none", "selective", "full")
+CP_MODES = ("ring", "ulysses", "allgather")
 
 
 # -- the model -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Shape:
-    """A GPT: layers, hidden size, heads, sequence length, vocabulary and micro-batch size."""
+    """A transformer: layers, hidden size, heads, sequence length, vocabulary, micro-batch size;
+    the MLP's width (default 4·hidden), key/value heads (default heads), a gated MLP, the family,
+    and mixture-of-experts blocks (experts 0: dense; every `moe_every`-th block a MoE block)."""
 
     layers: int
     hidden: int
@@ -63,49 +91,127 @@ class Shape:
     vocab: int
     microbatch: int = 1
     name: str = "gpt"
+    ffn: int | None = None
+    kv_heads: int | None = None
+    gated: bool = False
+    family: str = "gpt"
+    experts: int = 0
+    top_k: int = 1
+    moe_every: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("layers", "hidden", "heads", "seq", "vocab", "microbatch"):
+        for key in ("layers", "hidden", "heads", "seq", "vocab", "microbatch", "top_k",
+                    "moe_every"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}: expected a positive integer, got {value!r}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+            raise ValueError(f"kv_heads: {self.kv_heads} must divide heads ({self.heads})")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family: expected one of {', '.join(FAMILIES)}, got "
+                             f"{self.family!r}")
+        if self.experts < 0 or (self.experts and self.top_k > self.experts):
+            raise ValueError(f"top_k: {self.top_k} must not exceed the experts ({self.experts})")
+
+    @property
+    def d_ff(self) -> int:
+        """The MLP's hidden width f."""
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def d_kv(self) -> int:
+        """The width of the keys (and of the values): d·kv_heads/heads."""
+        return self.hidden * (self.kv_heads or self.heads) // self.heads
+
+    @property
+    def _bias(self) -> int:
+        return 1 if self.family == "gpt" else 0
+
+    @property
+    def attention_params(self) -> int:
+        """Q, K, V and the output projection (with their biases in the gpt family)."""
+        d, kv = self.hidden, self.d_kv
+        return d * (d + 2 * kv) + d * d + self._bias * (2 * d + 2 * kv)
+
+    @property
+    def norm_params(self) -> int:
+        """A block's two norms: LayerNorm scale and shift (gpt), RMSNorm scale (llama)."""
+        return 2 * self.hidden * (2 if self.family == "gpt" else 1)
+
+    @property
+    def mlp_params(self) -> int:
+        """One MLP (one expert): two matrices, three when gated."""
+        d, f = self.hidden, self.d_ff
+        return (3 if self.gated else 2) * d * f + self._bias * ((2 if self.gated else 1) * f + d)
+
+    @property
+    def moe_layers(self) -> int:
+        """The MoE blocks: every moe_every-th block (none for a dense model)."""
+        return self.layers // self.moe_every if self.experts else 0
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one transformer block: 12d² + 13d."""
-        d = self.hidden
-        return 12 * d * d + 13 * d
+        """Parameters of one dense block (the GPT's: 12d² + 13d)."""
+        return self.attention_params + self.norm_params + self.mlp_params
+
+    def _moe_params(self, experts: int) -> int:
+        return self.attention_params + self.norm_params + experts * self.mlp_params \
+            + self.hidden * self.experts
 
     @property
     def embedding_params(self) -> int:
-        """Token and position embeddings and the final LayerNorm: V·d + T·d + 2d."""
-        return (self.vocab + self.seq) * self.hidden + 2 * self.hidden
+        """Embeddings and the final norm: V·d + T·d + 2d (gpt); 2·V·d + d (llama, untied)."""
+        d = self.hidden
+        if self.family == "gpt":
+            return (self.vocab + self.seq) * d + 2 * d
+        return 2 * self.vocab * d + d
 
     @property
     def params(self) -> int:
-        """N, as `GPT.num_parameters()` counts it."""
-        return self.layers * self.layer_params + self.embedding_params
+        """N, as `GPT.num_parameters()` counts it (every expert counted)."""
+        dense = self.layers - self.moe_layers
+        return dense * self.layer_params + self.moe_layers * self._moe_params(self.experts) \
+            + self.embedding_params
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token passes through: k experts of each MoE block."""
+        dense = self.layers - self.moe_layers
+        return dense * self.layer_params + self.moe_layers * self._moe_params(self.top_k) \
+            + self.embedding_params
 
     @property
     def flops_per_token(self) -> int:
-        """Model FLOPs per token, as `GPT.flops_per_token()`: 6·(N − T·d) + 12·L·d·T."""
+        """Model FLOPs per token, as `GPT.flops_per_token()`: 6·(N_active − T·d) + 12·L·d·T."""
         d, t = self.hidden, self.seq
-        return 6 * (self.params - t * d) + 12 * self.layers * d * t
+        positions = t * d if self.family == "gpt" else 0
+        return 6 * (self.active_params - positions) + 12 * self.layers * d * t
 
-    @property
-    def recompute_flops_per_token(self) -> int:
-        """Extra FLOPs per token of full recomputation: the layers' forward again."""
-        return 2 * self.layers * self.layer_params + 4 * self.layers * self.hidden * self.seq
+    def recompute_flops_per_token(self, mode: str = "full") -> int:
+        """Extra FLOPs per token of recomputation: full, the layers' forward again; selective,
+        the attention core's forward (QKᵀ and the weighted sum of V)."""
+        core = 4 * self.layers * self.hidden * self.seq
+        if mode == "full":
+            return 2 * (self.active_params - self.embedding_params) + core
+        return core if mode == "selective" else 0
 
 
-#: shapes of published models (Megatron-LM 2019 Table 1; Narayanan et al. 2021 Table 1)
+#: shapes of published models (Megatron-LM 2019 Table 1; Narayanan et al. 2021 Table 1;
+#: Korthikanti et al. 2022 Table 3; Llama 3 405B, Dubey et al. 2024 Table 3; Mixtral 8x7B's
+#: released configuration)
 SHAPES: dict[str, Shape] = {
     "gpt2-small": Shape(12, 768, 12, 1024, 50257, 8, "gpt2-small"),
     "megatron-8.3b": Shape(72, 3072, 32, 1024, 51200, 8, "megatron-8.3b"),
     "ptdp-1t": Shape(128, 25600, 160, 2048, 51200, 1, "ptdp-1t"),
     "ptdp-1.7b": Shape(24, 2304, 24, 2048, 51200, 1, "ptdp-1.7b"),
+    "gpt3-175b": Shape(96, 12288, 96, 2048, 51200, 1, "gpt3-175b"),
+    "mt-nlg-530b": Shape(105, 20480, 128, 2048, 51200, 1, "mt-nlg-530b"),
+    "llama3-405b": Shape(126, 16384, 128, 8192, 128256, 1, "llama3-405b", ffn=53248, kv_heads=8,
+                         gated=True, family="llama"),
+    "mixtral-8x7b": Shape(32, 4096, 32, 4096, 32000, 1, "mixtral-8x7b", ffn=14336, kv_heads=8,
+                          gated=True, family="llama", experts=8, top_k=2),
 }
 
 
@@ -120,8 +226,10 @@ class Precision:
     activation: int
 
 
+#: the words of `mpdl train --precision`
 PRECISIONS = {
-    "mixed": Precision("mixed-precision Adam (K=12)", 2, 2, 12, 2),
+    "bf16": Precision("bf16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
+    "fp16": Precision("fp16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
     "fp32": Precision("float32 Adam", 4, 4, 8, 4),
 }
 
@@ -154,7 +262,9 @@ GPUS = {
 @dataclass(frozen=True)
 class Layout:
     """How the GPUs are split: data, pipeline and tensor parallel degrees, ZeRO stage and group,
-    micro-batches per step, schedule and recomputation."""
+    micro-batches per step, schedule and recomputation; context parallel degree and mode, expert
+    parallel degree (carved out of dp) and capacity factor, sequence parallelism, and interleaved
+    pipeline stages per GPU."""
 
     dp: int = 1
     pp: int = 1
@@ -162,42 +272,90 @@ class Layout:
     zero: int = 0
     microbatches: int = 1
     schedule: str = "1f1b"
-    recompute: bool = False
+    recompute: str = "none"
     #: hybrid sharding: ZeRO shards over groups of this many data-parallel ranks (None: all dp)
     zero_group: int | None = None
+    cp: int = 1
+    ep: int = 1
+    sp: bool = False
+    cp_mode: str = "ring"
+    #: expert capacity over the even share (0: dropless, no padding)
+    capacity_factor: float = 1.0
+    #: interleaved pipeline: model chunks per GPU (Narayanan et al. 2021)
+    virtual: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def shard(self) -> int:
-        return self.zero_group or self.dp
+        """Ranks that hold the same dense parameters and share ZeRO's shards."""
+        return (self.zero_group or self.dp) * self.cp
 
     def label(self) -> str:
         text = f"dp{self.dp} pp{self.pp} tp{self.tp}"
+        if self.cp > 1:
+            text += f" cp{self.cp} {self.cp_mode}"
+        if self.ep > 1:
+            text += f" ep{self.ep}"
+        if self.sp:
+            text += " sp"
         if self.zero:
             text += f" zero{self.zero}" + (f"/{self.zero_group}" if self.zero_group else "")
         if self.pp > 1:
             text += f" m{self.microbatches} {self.schedule}"
-        return text + (" recompute" if self.recompute else "")
+            if self.virtual > 1:
+                text += f" v{self.virtual}"
+        return text + ("" if self.recompute == "none" else f" recompute={self.recompute}")
 
 
 def check_layout(shape: Shape, layout: Layout, per_node: int) -> None:
     """ValueError naming the setting when the layout cannot run the shape."""
-    for key in ("dp", "pp", "tp", "microbatches"):
+    for key in ("dp", "pp", "tp", "cp", "ep", "microbatches", "virtual"):
         if getattr(layout, key) < 1:
             raise ValueError(f"--{key}: expected a positive integer, got {getattr(layout, key)}")
     if layout.zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero: expected 0, 1, 2 or 3, got {layout.zero}")
     if layout.schedule not in ("afab", "1f1b"):
         raise ValueError(f"--schedule: expected afab or 1f1b, got {layout.schedule!r}")
-    if shape.layers % layout.pp:
-        raise ValueError(f"--pp: {layout.pp} does not divide {shape.layers} layers")
+    if layout.recompute not in RECOMPUTE:
+        raise ValueError(f"--recompute: expected one of {', '.join(RECOMPUTE)}, got "
+                         f"{layout.recompute!r}")
+    if layout.cp_mode not in CP_MODES:
+        raise ValueError(f"--cp-mode: expected one of {', '.join(CP_MODES)}, got "
+                         f"{layout.cp_mode!r}")
+    if layout.pp * layout.virtual > shape.layers:
+        what = "pp" if layout.virtual == 1 else "pp x virtual stages"
+        raise ValueError(f"--pp: {what} = {layout.pp * layout.virtual} exceeds the "
+                         f"{shape.layers} layers")
+    if layout.virtual > 1 and layout.pp == 1:
+        raise ValueError("--virtual-stages: an interleaved schedule needs --pp > 1")
     if shape.heads % layout.tp:
         raise ValueError(f"--tp: {layout.tp} does not divide {shape.heads} heads")
     if layout.tp > per_node:
         raise ValueError(f"--tp: {layout.tp} exceeds {per_node} GPUs per node")
+    if layout.sp and layout.tp == 1:
+        raise ValueError("--sp: sequence parallelism shards the tensor-parallel regions; it "
+                         "needs --tp > 1")
+    if shape.seq % layout.cp:
+        raise ValueError(f"--cp: {layout.cp} does not divide the sequence ({shape.seq})")
+    if layout.cp > 1 and layout.cp_mode == "ring" and shape.seq % (2 * layout.cp):
+        raise ValueError(f"--cp: the zigzag ring splits the sequence into 2 x cp = "
+                         f"{2 * layout.cp} chunks; {shape.seq} is not divisible")
+    if layout.cp_mode == "ulysses" and (shape.heads // layout.tp) % layout.cp:
+        raise ValueError(f"--cp: ulysses scatters heads; {layout.cp} does not divide the "
+                         f"{shape.heads // layout.tp} heads of a tensor-parallel rank")
+    if layout.ep > 1 and not shape.experts:
+        raise ValueError("--ep: expert parallelism needs --moe-experts E > 0")
+    if shape.experts and shape.experts % layout.ep:
+        raise ValueError(f"--ep: {layout.ep} does not divide the {shape.experts} experts")
+    if layout.dp % layout.ep:
+        raise ValueError(f"--ep: {layout.ep} does not divide dp = {layout.dp} (expert-parallel "
+                         f"groups are carved out of the data-parallel ranks)")
+    if layout.capacity_factor < 0:
+        raise ValueError(f"--moe-capacity-factor: expected >= 0 (0: dropless), got "
+                         f"{layout.capacity_factor}")
     if layout.pp > 1 and layout.zero > 1:
         raise ValueError("--zero: stages 2 and 3 shard gradients or parameters that a pipeline "
                          "accumulates over micro-batches; use --zero 0 or 1 with --pp > 1")
@@ -206,26 +364,64 @@ def check_layout(shape: Shape, layout: Layout, per_node: int) -> None:
 
 
 # -- memory ----------------------------------------------------------------------------------------
+def stage_layers(shape: Shape, layout: Layout) -> int:
+    """Layers of the heaviest pipeline stage: ceil(L/pp) (Llama 3 ran 126 layers on 16 stages,
+    the first and last one layer short)."""
+    return math.ceil(shape.layers / layout.pp)
+
+
+def stage_params(shape: Shape, layout: Layout) -> tuple[float, float]:
+    """(dense, expert) parameters one GPU holds before ZeRO: ceil(L/pp) layers and the embeddings split
+    tp ways, and the experts of the stage's MoE blocks split ep × tp ways."""
+    layers = stage_layers(shape, layout)
+    moe = shape.moe_layers * layers / shape.layers
+    dense = (layers * (shape.attention_params + shape.norm_params)
+             + (layers - moe) * shape.mlp_params + moe * shape.hidden * shape.experts
+             + shape.embedding_params) / layout.tp
+    experts = moe * shape.experts * shape.mlp_params / (layout.ep * layout.tp)
+    return dense, experts
+
+
 def params_per_gpu(shape: Shape, layout: Layout) -> float:
-    """Parameters one GPU holds before ZeRO: L/pp layers and the embedding, split tp ways."""
-    return (shape.layers // layout.pp * shape.layer_params + shape.embedding_params) / layout.tp
+    """Parameters one GPU holds before ZeRO (dense and expert)."""
+    return sum(stage_params(shape, layout))
 
 
-def activation_bytes_per_layer(shape: Shape, tp: int, precision: Precision,
-                               recompute: bool) -> float:
-    """Korthikanti et al. 2022, per layer and micro-batch (see the module docstring)."""
-    s, b, d, a = shape.seq, shape.microbatch, shape.hidden, shape.heads
+def activation_bytes_per_layer(shape: Shape, layout: Layout, precision: Precision,
+                               recompute: str | None = None, moe: bool = False) -> float:
+    """Korthikanti et al. 2022, per layer and micro-batch on one GPU (the module docstring);
+    `recompute` overrides the layout's, `moe` counts a MoE block."""
+    mode = layout.recompute if recompute is None else recompute
+    t, sp = layout.tp, layout.sp
+    s, b, d, a = shape.seq / layout.cp, shape.microbatch, shape.hidden, shape.heads
+    sbd = s * b * d
     scale = precision.activation / 2
-    if recompute:
-        return 2 * s * b * d * scale
-    return s * b * d * (10 + 24 / tp + 5 * a * s / (d * tp)) * scale
+    if mode == "full":
+        return 2 * sbd * scale / (t if sp else 1)
+    routed = shape.top_k * (layout.capacity_factor or 1.0) if moe else 1.0
+    mlp_hidden = (8 if shape.gated else 4) * shape.d_ff / d
+    # replicated without sp: the QKV input (2), the attention output's dropout mask (1), two norm
+    # inputs (4), the MLP's input (2, at every expert it reaches) and dropout mask (1)
+    replicated = 7 + 1 + 2 * routed
+    # split t ways: Q, K, V (2 + 4·kv/d), the projection's input (2), the MLP's hidden (2·4f/d)
+    split = 4 + 4 * shape.d_kv / d + mlp_hidden * routed
+    per_token = (replicated + split) / t if sp else replicated + split / t
+    if mode == "none":
+        per_token += 5 * a * shape.seq / (d * t)
+    router = 8 * s * b * shape.experts / scale if moe else 0.0  # float32 logits, probabilities
+    return (sbd * per_token + router) * scale
 
 
-def in_flight(layout: Layout) -> int:
-    """Micro-batches whose activations the first stage holds at once."""
+def in_flight(layout: Layout) -> float:
+    """Micro-batches whose activations the first stage holds at once (interleaved: times
+    1 + (pp − 1)/(pp·v), Korthikanti et al. 2022 §4.2.3)."""
     if layout.pp == 1:
         return 1
-    return layout.microbatches if layout.schedule == "afab" else min(layout.microbatches, layout.pp)
+    held = layout.microbatches if layout.schedule == "afab" \
+        else min(layout.microbatches, layout.pp)
+    if layout.virtual > 1:
+        held *= 1 + (layout.pp - 1) / (layout.pp * layout.virtual)
+    return held
 
 
 def model_states(params: float, precision: Precision, zero: int = 0, shard: int = 1
@@ -254,23 +450,29 @@ def zero_working_bytes(unit_params: float, precision: Precision, zero: int) -> f
 def memory(shape: Shape, layout: Layout, precision: Precision) -> dict[str, float]:
     """Bytes per GPU: parameters, gradients, optimizer state, ZeRO's working buffers of one
     layer (in model_state_bytes), activations and the total."""
-    out = model_states(params_per_gpu(shape, layout), precision, layout.zero, layout.shard)
+    dense, experts = stage_params(shape, layout)
+    out = model_states(dense, precision, layout.zero, layout.shard)
+    expert_shard = max(1, layout.shard // layout.ep)
+    for key, value in model_states(experts, precision, layout.zero, expert_shard).items():
+        out[key] += value
     out["zero_working_bytes"] = zero_working_bytes(shape.layer_params / layout.tp, precision,
                                                    layout.zero)
     out["model_state_bytes"] += out["zero_working_bytes"]
-    layers = shape.layers // layout.pp
-    act = layers * in_flight(layout) * activation_bytes_per_layer(
-        shape, layout.tp, precision, layout.recompute)
-    if layout.recompute:  # one layer's activations while it is recomputed
-        act += activation_bytes_per_layer(shape, layout.tp, precision, False)
+    layers = stage_layers(shape, layout)
+    moe = shape.moe_layers * layers / shape.layers
+    per_mb = ((layers - moe) * activation_bytes_per_layer(shape, layout, precision)
+              + moe * activation_bytes_per_layer(shape, layout, precision, moe=bool(moe)))
+    act = in_flight(layout) * per_mb
+    if layout.recompute == "full":  # one layer's activations while it is recomputed
+        act += activation_bytes_per_layer(shape, layout, precision, "none", moe=bool(moe))
     out["activation_bytes"] = act
     out["total_bytes"] = out["model_state_bytes"] + act
     return out
 
 
-def bubble(pp: int, microbatches: int) -> float:
-    """The pipeline bubble's share of a step: (p − 1)/(m + p − 1)."""
-    return (pp - 1) / (microbatches + pp - 1)
+def bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
+    """The pipeline bubble's share of a step: (p − 1)/(v·m + p − 1)."""
+    return (pp - 1) / (virtual * microbatches + pp - 1)
 
 
 # -- time ------------------------------------------------------------------------------------------
@@ -281,9 +483,69 @@ def _allreduce(nbytes: float, ranks: int, nodes: int, params: cm.Params) -> floa
                       params, "float16")
 
 
+def _allgather(nbytes: float, ranks: int, inter: bool, params: cm.Params) -> float:
+    """A ring all-gather (or reduce-scatter) of nbytes in all: (p − 1)·(α + n/p·β)."""
+    if ranks <= 1:
+        return 0.0
+    alpha, beta = params.link(inter)
+    return (ranks - 1) * (alpha + nbytes / ranks * beta)
+
+
+def alltoall_time(nbytes: float, ranks: int, inter: bool, params: cm.Params) -> float:
+    """Pairwise all-to-all of nbytes a rank sends in all: (p − 1)·α + n·(p − 1)/p·β."""
+    if ranks <= 1:
+        return 0.0
+    alpha, beta = params.link(inter)
+    return (ranks - 1) * alpha + nbytes * (ranks - 1) / ranks * beta
+
+
 def _p2p(nbytes: float, inter: bool, params: cm.Params) -> float:
     alpha, beta = params.link(inter)
     return alpha + nbytes * beta
+
+
+def context_parallel_time(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu,
+                          params: cm.Params, per_node: int) -> dict[str, float]:
+    """One micro-batch's context-parallel messages over all the stage's layers: their time,
+    and the part not hidden behind attention (all of it for ulysses and allgather)."""
+    cp = layout.cp
+    if cp == 1:
+        return {"cp_comm_s": 0.0, "cp_exposed_s": 0.0}
+    layers = stage_layers(shape, layout)
+    b, s, t = shape.microbatch, shape.seq / cp, layout.tp
+    inter = layout.tp * cp > per_node
+    passes = 4 if layout.recompute == "full" else 3  # forward, backward (2x), forward again
+    forwards = passes - 2
+    if layout.cp_mode == "ring":
+        block = 2 * b * s * shape.d_kv / t * precision.activation  # one K and one V block
+        send = _p2p(block, inter, params)
+        # one block of causal attention (zigzag: half of every off-diagonal pair), forward
+        attend = 2 * b * s * s * shape.hidden / t / gpu.sustained_flops
+        comm = (cp - 1) * send * (forwards + 2)  # backward also sends dK and dV
+        exposed = (cp - 1) * (forwards * max(0.0, send - attend) + 2 * max(0.0, send - attend))
+    elif layout.cp_mode == "ulysses":
+        qkvo = b * s * (2 * shape.hidden + 2 * shape.d_kv) / t * precision.activation
+        comm = alltoall_time(qkvo, cp, inter, params) * (forwards + 1)
+        exposed = comm
+    else:
+        kv = 2 * b * shape.seq * shape.d_kv / t * precision.activation
+        comm = _allgather(kv, cp, inter, params) * (forwards + 1)
+        exposed = comm
+    return {"cp_comm_s": layers * comm, "cp_exposed_s": layers * exposed}
+
+
+def expert_time(shape: Shape, layout: Layout, precision: Precision, params: cm.Params,
+                per_node: int) -> float:
+    """One micro-batch's dispatch and combine all-to-alls over the stage's MoE blocks."""
+    if not shape.moe_layers or layout.ep == 1:
+        return 0.0
+    tokens = shape.microbatch * shape.seq / layout.cp
+    sent = tokens * shape.top_k * (layout.capacity_factor or 1.0) * shape.hidden / layout.tp \
+        * precision.activation
+    inter = layout.tp * layout.cp * layout.ep > per_node
+    calls = 6 if layout.recompute == "full" else 4
+    moe = shape.moe_layers * stage_layers(shape, layout) / shape.layers
+    return moe * calls * alltoall_time(sent, layout.ep, inter, params)
 
 
 def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: cm.Params,
@@ -292,37 +554,52 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     b, s, d = shape.microbatch, shape.seq, shape.hidden
     tokens_mb = b * s
     model_tok = shape.flops_per_token
-    hw_tok = model_tok + (shape.recompute_flops_per_token if layout.recompute else 0)
-    compute_mb = tokens_mb * hw_tok / (layout.pp * layout.tp) / gpu.sustained_flops
-    layers = shape.layers // layout.pp
-    act = tokens_mb * d * precision.activation
-    tp_calls = (6 if layout.recompute else 4) * layers
+    hw_tok = model_tok + shape.recompute_flops_per_token(layout.recompute)
+    layers = stage_layers(shape, layout)
+    compute_mb = tokens_mb * hw_tok * layers / shape.layers / (layout.tp * layout.cp) \
+        / gpu.sustained_flops
+    act = tokens_mb / layout.cp * d * precision.activation
+    tp_calls = (6 if layout.recompute == "full" else 4) * layers
     tp_mb = tp_calls * _allreduce(act, layout.tp, 1, params)
-    inter_stage = layout.tp * layout.pp > per_node or layout.tp == per_node
-    pp_mb = 2 * _p2p(act / layout.tp, inter_stage, params) if layout.pp > 1 else 0.0
-    slot = compute_mb + tp_mb + pp_mb
+    inter_stage = layout.tp * layout.cp * layout.pp > per_node or layout.tp * layout.cp == per_node
+    pp_mb = 2 * layout.virtual * _p2p(act / layout.tp, inter_stage, params) \
+        if layout.pp > 1 else 0.0
+    cp = context_parallel_time(shape, layout, precision, gpu, params, per_node)
+    ep_mb = expert_time(shape, layout, precision, params, per_node)
+    slot = compute_mb + tp_mb + pp_mb + cp["cp_exposed_s"] + ep_mb
     m = layout.microbatches
-    slots = m + layout.pp - 1
-    pipeline_s = slots * slot
-    # data parallel: the gradient of one GPU over dp ranks; nodes that group spans
-    grad_bytes = params_per_gpu(shape, layout) * precision.grad
-    per_node_replicas = max(1, per_node // (layout.tp * layout.pp))
+    bubble_slots = (layout.pp - 1) / layout.virtual
+    pipeline_s = (m + bubble_slots) * slot
+    # data parallel: the gradient of one GPU over the ranks holding the same parameters
+    dense, experts = stage_params(shape, layout)
+    per_node_replicas = max(1, per_node // (layout.tp * layout.cp * layout.pp))
     dp_nodes = math.ceil(layout.dp / per_node_replicas)
-    dp_s = _allreduce(grad_bytes, layout.dp, dp_nodes, params)
+    ranks = layout.dp * layout.cp
+    dense_bytes, expert_bytes = dense * precision.grad, experts * precision.grad
+    expert_ranks = ranks // layout.ep
+    expert_nodes = math.ceil(dp_nodes / layout.ep)
+    dp_s = _allreduce(dense_bytes, ranks, dp_nodes, params) \
+        + _allreduce(expert_bytes, expert_ranks, expert_nodes, params)
     if layout.zero == 3:
-        group_nodes = math.ceil(layout.shard / per_node_replicas)
-        dp_s += 0.5 * _allreduce(grad_bytes, layout.shard, group_nodes, params)
+        group_nodes = math.ceil(layout.shard / layout.cp / per_node_replicas)
+        dp_s += 0.5 * (_allreduce(dense_bytes, layout.shard, group_nodes, params)
+                       + _allreduce(expert_bytes, max(1, layout.shard // layout.ep),
+                                    math.ceil(group_nodes / layout.ep), params))
     window = (2 / 3) * compute_mb if (overlap and layout.pp == 1) else 0.0
     # ZeRO gathers the parameters after the optimizer step (stage 3: before the first forward):
     # half an all-reduce that no backward hides
-    after = 0.5 * _allreduce(grad_bytes, layout.dp, dp_nodes, params) if layout.zero else 0.0
+    after = 0.5 * (_allreduce(dense_bytes, ranks, dp_nodes, params)
+                   + _allreduce(expert_bytes, expert_ranks, expert_nodes, params)) \
+        if layout.zero else 0.0
     dp_exposed = after + max(0.0, dp_s - after - window)
     total = pipeline_s + dp_exposed
     global_batch = layout.dp * m * b
     tokens_s = global_batch * s / total
     gpus = layout.gpus
     return {"compute_s": m * compute_mb, "tp_comm_s": m * tp_mb, "pp_comm_s": m * pp_mb,
-            "bubble_s": (layout.pp - 1) * slot, "bubble_share": bubble(layout.pp, m),
+            "cp_comm_s": m * cp["cp_comm_s"], "cp_exposed_s": m * cp["cp_exposed_s"],
+            "ep_comm_s": m * ep_mb, "bubble_s": bubble_slots * slot,
+            "bubble_share": bubble(layout.pp, m, layout.virtual),
             "dp_comm_s": dp_s, "dp_exposed_s": dp_exposed, "step_s": total,
             "global_batch": global_batch, "tokens_per_s": tokens_s,
             "model_flops_per_s": tokens_s * model_tok,
@@ -338,6 +615,7 @@ def evaluate(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, param
     the step and, with `tokens`, time (and cost) to train."""
     row: dict[str, Any] = {"layout": layout.label(), **asdict(layout), "gpus": layout.gpus,
                            "model": shape.name, "params": shape.params,
+                           "active_params": shape.active_params,
                            "flops_per_token": shape.flops_per_token, "precision": precision.name,
                            "gpu": gpu.name, "gpu_memory_bytes": gpu.memory}
     row.update(memory(shape, layout, precision))
@@ -356,35 +634,81 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def search(shape: Shape, gpus: int, global_batch: int, precision: Precision, gpu: Gpu,
-           params: cm.Params, per_node: int, schedule: str = "1f1b",
-           zero_stages: tuple[int, ...] = (0, 1, 2, 3), top: int = 5) -> list[dict[str, Any]]:
-    """The fastest layouts of `gpus` GPUs that fit in the GPU's memory, fastest first: every
-    dp × pp × tp = gpus with tp dividing the heads and at most a node, pp dividing the layers, dp
-    dividing the global batch in micro-batches, each ZeRO stage allowed, with and without
-    recomputation."""
-    if global_batch % shape.microbatch:
-        raise ValueError(f"--global-batch: {global_batch} is not a multiple of the micro-batch "
-                         f"{shape.microbatch}")
-    rows = []
+#: the parts of a step `why_slower` compares
+STEP_PARTS = ("compute_s", "tp_comm_s", "pp_comm_s", "cp_exposed_s", "ep_comm_s", "bubble_s",
+              "dp_exposed_s")
+
+
+def why_slower(row: dict[str, Any], best: dict[str, Any]) -> str:
+    """The part of row's step that exceeds the best layout's the most, in words."""
+    part = max(STEP_PARTS, key=lambda k: row[k] - best[k])
+    return f"{part[:-2].replace('_', ' ')} +{row[part] - best[part]:.3g} s"
+
+
+def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
+               schedule: str = "1f1b", zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+               cp_mode: str = "ring", capacity_factor: float = 1.0,
+               recomputes: tuple[str, ...] = RECOMPUTE, context: bool = True,
+               sequence_parallel: bool = True):
+    """Every dp × pp × cp × tp × ep layout of `gpus` GPUs that can run the shape: tp dividing the
+    heads and at most a node, pp the layers, cp the sequence, ep the experts and dp, dp the global
+    batch in micro-batches; each ZeRO stage allowed, each of `recomputes`, with and without sp
+    (unless `sequence_parallel` is false), cp > 1 only with `context`."""
     for tp in _divisors(gpus):
         if tp > per_node or shape.heads % tp:
             continue
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            if shape.layers % pp or (global_batch // shape.microbatch) % dp:
-                continue
-            m = global_batch // shape.microbatch // dp
-            for zero in zero_stages:
-                if (pp > 1 and zero > 1) or (dp == 1 and zero > 0):
+        for cp in (_divisors(gpus // tp) if context else [1]):
+            for pp in _divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                if shape.layers % pp or (global_batch // shape.microbatch) % dp:
                     continue
-                for recompute in (False, True):
-                    layout = Layout(dp, pp, tp, zero, m, schedule, recompute)
-                    row = evaluate(shape, layout, precision, gpu, params, per_node)
-                    if row["fits"]:
-                        rows.append(row)
-    rows.sort(key=lambda r: (r["step_s"], r["total_bytes"]))
-    return rows[:top]
+                m = global_batch // shape.microbatch // dp
+                for ep in (_divisors(dp) if shape.experts else [1]):
+                    for zero in zero_stages:
+                        if (pp > 1 and zero > 1) or (dp * cp == 1 and zero > 0):
+                            continue
+                        for recompute in recomputes:
+                            for sp in ((False, True) if tp > 1 and sequence_parallel
+                                       else (False,)):
+                                layout = Layout(dp, pp, tp, zero, m, schedule, recompute, None,
+                                                cp, ep, sp, cp_mode, capacity_factor)
+                                try:
+                                    check_layout(shape, layout, per_node)
+                                except ValueError:
+                                    continue
+                                yield layout
+
+
+def search(shape: Shape, gpus: int, global_batch: int, precision: Precision, gpu: Gpu,
+           params: cm.Params, per_node: int, schedule: str = "1f1b",
+           zero_stages: tuple[int, ...] = (0, 1, 2, 3), top: int = 5,
+           **axes: Any) -> list[dict[str, Any]]:
+    """The fastest layouts of `gpus` GPUs that fit in the GPU's memory, fastest first (see
+    `candidates` for `axes`); each row after the first says why it is slower (`slower_by`)."""
+    return search_report(shape, gpus, global_batch, precision, gpu, params, per_node, schedule,
+                         zero_stages, top, **axes)["rows"]
+
+
+def search_report(shape: Shape, gpus: int, global_batch: int, precision: Precision, gpu: Gpu,
+                  params: cm.Params, per_node: int, schedule: str = "1f1b",
+                  zero_stages: tuple[int, ...] = (0, 1, 2, 3), top: int = 5,
+                  **axes: Any) -> dict[str, Any]:
+    """`search`'s rows, how many layouts were tried and did not fit, and the smallest of those
+    that did not (what it would need)."""
+    if global_batch % shape.microbatch:
+        raise ValueError(f"--global-batch: {global_batch} is not a multiple of the micro-batch "
+                         f"{shape.microbatch}")
+    fit, too_big = [], []
+    for layout in candidates(shape, gpus, global_batch, per_node, schedule, zero_stages, **axes):
+        row = evaluate(shape, layout, precision, gpu, params, per_node)
+        (fit if row["fits"] else too_big).append(row)
+    fit.sort(key=lambda r: (r["step_s"], r["total_bytes"]))
+    rows = fit[:top]
+    for row in rows[1:]:
+        row["slower_by"] = why_slower(row, rows[0])
+    smallest = min(too_big, key=lambda r: r["total_bytes"]) if too_big else None
+    return {"rows": rows, "tried": len(fit) + len(too_big), "fit": len(fit),
+            "too_big": len(too_big), "smallest_too_big": smallest}
 
 
 def with_microbatch(shape: Shape, microbatch: int) -> Shape:

@@ -25,12 +25,35 @@ NETWORKS: dict[str, S.Network] = {
         source="Narayanan et al. 2021: DGX A100, 8 A100 on NVSwitch (600 GB/s stated, both "
                "directions: 300 GB/s each way), 8 x 200 Gbit/s HDR InfiniBand per node "
                "(25 GB/s per GPU); latencies assumed"),
+    "grand-teton": S.network(
+        "grand-teton", 450e9, 5e-6, 50e9, 5e-6, per_node=8, gamma=0.0,
+        source="Dubey et al. 2024 (Llama 3), section 3.3.1: 8 H100 per server on NVLink (900 "
+               "GB/s both directions: 450 GB/s each way), 400 Gbit/s RoCE per GPU (50 GB/s); "
+               "latencies assumed"),
 }
 
 MEGATRON = (L.SHAPES["megatron-8.3b"], L.Layout(dp=64, pp=1, tp=8, microbatches=1,
-                                                recompute=True), "dgx2h", "v100-32gb")
-PTDP = (L.SHAPES["ptdp-1t"], L.Layout(dp=6, pp=64, tp=8, microbatches=512, recompute=True),
+                                                recompute="full"), "dgx2h", "v100-32gb")
+PTDP = (L.SHAPES["ptdp-1t"], L.Layout(dp=6, pp=64, tp=8, microbatches=512, recompute="full"),
         "selene", "a100-80gb")
+#: Korthikanti et al. 2022: the 530B model on 2240 A100 (t = 8, p = 35, d = 8), one sequence a
+#: micro-batch; the global batch of 2240 sequences is assumed (the abstract states the GPUs and the
+#: MFU only)
+KORTHIKANTI_530B = dict(dp=8, pp=35, tp=8, microbatches=280)
+#: Llama 3 405B, Dubey et al. 2024, Table 4: (GPUs, tp, cp, pp, dp, sequence, sequences per dp
+#: rank, TFLOP/s per GPU). FlashAttention recomputes the attention core in backward: the memory
+#: and FLOPs of selective recomputation
+LLAMA3 = ((8192, 8, 1, 16, 64, 8192, 32, 430.0), (16384, 8, 1, 16, 128, 8192, 16, 400.0),
+          (16384, 8, 16, 16, 8, 131072, 16, 380.0))
+#: Korthikanti et al. 2022, Table 2: activation bytes per layer, 16-bit, as the paper writes them
+KORTHIKANTI_TABLE2 = {
+    ("none", False, 1): lambda s, b, h, a, t: s * b * h * (34 + 5 * a * s / h),
+    ("none", False, 8): lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+    ("none", True, 8): lambda s, b, h, a, t: s * b * h * (34 / t + 5 * a * s / (h * t)),
+    ("selective", False, 8): lambda s, b, h, a, t: s * b * h * (10 + 24 / t),
+    ("selective", True, 8): lambda s, b, h, a, t: s * b * h * 34 / t,
+    ("full", False, 8): lambda s, b, h, a, t: 2 * s * b * h,
+}
 
 
 def _row(name: str, published: float, predicted: float, unit: str, band: float,
@@ -85,7 +108,7 @@ def pipeline_schedule_bubble(pp: int, m: int, schedule: str) -> float:
 def rows(search: bool = True) -> list[dict[str, Any]]:
     """Every published figure beside its prediction."""
     out = []
-    mixed = L.PRECISIONS["mixed"]
+    mixed = L.PRECISIONS["fp16"]
     psi, nd = 7.5e9, 64
     for stage, figure in ((0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)):
         got = L.model_states(psi, mixed, stage, nd)["model_state_bytes"] / L.GB
@@ -110,8 +133,11 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
     out.append(_row("PTD-P 1T share of peak", 0.52, p["hfu"], "of peak", 0.30,
                     layout=layout.label(), fits=p["fits"], source=src))
     if search:
+        # what 2021's Megatron-LM could choose: no context or sequence parallelism, full
+        # recomputation or none
         found = L.search(shape, layout.gpus, 3072, mixed, gpu, net.params, net.per_node,
-                         zero_stages=(0,))
+                         zero_stages=(0,), recomputes=("none", "full"), context=False,
+                         sequence_parallel=False)
         best = found[0]
         out.append(_row("PTD-P 1T: --search's best against the stated layout",
                         p["step_s"], best["step_s"], "s per step", 0.30,
@@ -128,6 +154,7 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
         r = S.predict_published(run)
         out.append(_row(run.name, run.seconds, r["predicted_s"], "s to train", 0.30,
                         source=run.result))
+    out += five_axis_rows()
     # the same cluster, model inputs and all-reduce as Mikami et al.'s row, 40 images per GPU
     r = S.predict_published(YAMAZAKI)
     out.append(_row("Yamazaki et al. 2019 throughput", 1.73e6,
@@ -142,3 +169,46 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
 YAMAZAKI = S.Published(
     "Yamazaki et al. 2019", "2048 V100 on ABCI, batch 81,920, 74.7 s, over 1.73 M images/s",
     74.7, S.PROFILES["resnet50-v100"], "abci", 2048, 4, 81920, "torus2d")
+
+
+def five_axis_rows() -> list[dict[str, Any]]:
+    """Recomputation, sequence and context parallelism, and experts: Korthikanti et al.'s
+    activation table and 530B run, Llama 3 405B's three layouts, Mixtral 8x7B's parameters."""
+    out = []
+    bf16 = L.PRECISIONS["bf16"]
+    shape = L.SHAPES["mt-nlg-530b"]
+    src = "Korthikanti et al. 2022, Table 2 (530B: s = 2048, b = 1, h = 20480, a = 128)"
+    for (mode, sp, t), formula in KORTHIKANTI_TABLE2.items():
+        layout = L.Layout(tp=t, sp=sp, recompute=mode)
+        got = L.activation_bytes_per_layer(shape, layout, bf16)
+        want = formula(shape.seq, shape.microbatch, shape.hidden, shape.heads, t)
+        name = f"Korthikanti Table 2: t={t}{' sp' if sp else ''} recompute={mode}"
+        out.append(_row(name, want / L.GB, got / L.GB,
+                        "GB per layer", 1e-9, source=src))
+    net, gpu = NETWORKS["selene"], L.GPUS["a100-80gb"]
+    src = ("Korthikanti et al. 2022, abstract: 530B on 2240 A100, 54.2% MFU with sequence "
+           "parallelism and selective recomputation, 42.1% with full recomputation")
+    for mode, sp, figure in (("selective", True, 0.542), ("full", False, 0.421)):
+        layout = L.Layout(**KORTHIKANTI_530B, recompute=mode, sp=sp)
+        r = L.evaluate(shape, layout, bf16, gpu, net.params, net.per_node)
+        out.append(_row(f"Korthikanti 530B MFU, recompute={mode}", figure, r["mfu"], "MFU", 0.15,
+                        layout=layout.label(), fits=r["fits"], source=src))
+    net, gpu = NETWORKS["grand-teton"], L.GPUS["h100-80gb"]
+    for gpus, tp, cp, pp, dp, seq, per_dp, figure in LLAMA3:
+        shape = L.replace(L.SHAPES["llama3-405b"], seq=seq)
+        layout = L.Layout(dp=dp, pp=pp, tp=tp, zero=1, microbatches=per_dp, recompute="selective",
+                          cp=cp, sp=True)
+        r = L.evaluate(shape, layout, bf16, gpu, net.params, net.per_node)
+        out.append(_row(f"Llama 3 405B on {gpus} H100, cp {cp}, sequence {seq}", figure,
+                        r["model_flops_per_s"] / gpus / 1e12, "TFLOP/s per GPU", 0.15,
+                        layout=layout.label(), fits=r["fits"],
+                        source="Dubey et al. 2024, Table 4: BF16 model TFLOP/s per GPU"))
+    mixtral = L.SHAPES["mixtral-8x7b"]
+    src = ("Mistral AI, 'Mixtral of experts' (2023-12-11): 46.7B total parameters, 12.9B used per "
+           "token (32 layers, d 4096, 8 experts of SwiGLU width 14336, top-2, 8 key/value heads, "
+           "vocabulary 32000, untied output)")
+    out.append(_row("Mixtral 8x7B parameters", 46.7, mixtral.params / 1e9, "billion", 0.15,
+                    source=src))
+    out.append(_row("Mixtral 8x7B active parameters per token", 12.9,
+                    mixtral.active_params / 1e9, "billion", 0.15, source=src))
+    return out
