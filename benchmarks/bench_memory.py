@@ -1,6 +1,7 @@
 """Where the memory of a GPT step goes, per rank, with and without activation recomputation.
 
-    python benchmarks/bench_memory.py [--layers 8] [--width 64] [--batch 16] [--reps 5] [--json PATH]
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory.py [--layers 8] [--width 64] [--batch 16]
+        [--reps 5] [--json PATH]
 
 For {none, selective, full} recomputation x {1 rank, tp 2, pp 2, ZeRO-3 at 4 ranks}, one
 `mpiexec -n N mpdl train --model gpt --dataset text` epoch each (Adam, float32, a 17-character
@@ -11,10 +12,12 @@ share of the heads, the embedding and head it holds) and Korthikanti et al.'s pe
 count for scale. bf16 rows need `mpdl train --precision`; without it they are reported as not
 available.
 
-Then the step time recomputation costs, on one process: forward + backward of the same GPT and
-batch under each mode, taking turns (none, selective, full, none with the memory ledger
-counting, none, ...), median of `--reps`, and the forward alone; (full - none) / forward is the
-extra forward full recomputation runs, and the ledger's row its overhead.
+Then the step time recomputation costs, on one process, as the thread's CPU time (steadier than
+wall time on a shared machine; with OMP_NUM_THREADS=1 it is the whole step's): forward +
+backward of the same GPT and batch under each mode, taking turns (none, selective, full, none
+with the memory ledger counting, none, ...), median of `--reps`, and the forward alone;
+(full - none) / forward is the extra forward full recomputation runs, and the ledger's row its
+overhead.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ def formula(args: argparse.Namespace, layout: str, mode: str) -> int:
 
 
 def step_times(args: argparse.Namespace) -> dict[str, float]:
-    """Median seconds of forward + backward per mode, and of the forward alone."""
+    """Median CPU seconds of this thread, forward + backward, per mode and with the ledger
+    counting; and of the forward alone."""
     models = {}
     for mode in MODES:
         models[mode] = GPT(len(VOCAB), args.block, args.layers, args.heads, args.width, seed=0)
@@ -96,11 +100,11 @@ def step_times(args: argparse.Namespace) -> dict[str, float]:
     for rep in range(args.reps + 1):
         for mode in (*MODES, "ledger"):
             with memory.counting_into(ledger if mode == "ledger" else None):
-                start = time.perf_counter()
+                start = time.thread_time()
                 loss = F.cross_entropy(models[mode if mode != "ledger" else "none"](x), y)
-                forward = time.perf_counter()
+                forward = time.thread_time()
                 loss.backward()
-                end = time.perf_counter()
+                end = time.thread_time()
             if rep:  # the first round warms up
                 times[mode].append(end - start)
                 if mode == "none":
@@ -164,7 +168,9 @@ def main() -> None:
           f"{korthikanti_layer_bytes(s, b, h, a, recompute='full'):,.0f} bytes")
     times = step_times(args)
     extra = (times["full"] - times["none"]) / times["forward"]
-    print(f"# step time, 1 process, median of {args.reps}: none {times['none'] * 1e3:.1f} ms "
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    print(f"# step CPU time, 1 process (OMP_NUM_THREADS={threads}), median of {args.reps}: "
+          f"none {times['none'] * 1e3:.1f} ms "
           f"(forward {times['forward'] * 1e3:.1f} ms), selective {times['selective'] * 1e3:.1f} "
           f"ms ({times['selective'] / times['none']:.2f}x), full {times['full'] * 1e3:.1f} ms "
           f"({times['full'] / times['none']:.2f}x): full recomputation adds {extra:.2f} "

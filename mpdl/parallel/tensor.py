@@ -56,8 +56,10 @@ class ReduceFromTP(Function):
 
 
 def _shard(data: Any, index: Any) -> nn.Parameter:
+    """This rank's slice of a whole parameter, in a buffer of its own (a view of a row slice
+    would keep the whole tensor alive after the pipeline releases it)."""
     xp = get_array_module(data)
-    return nn.Parameter(xp.ascontiguousarray(data[index]))
+    return nn.Parameter(xp.array(data[index], copy=True, order="C"))
 
 
 def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -249,16 +249,16 @@ class Trainer:
         # the memory peaks are the max over the ranks that train: every rank (pipeline stages
         # too) unless some only serve
         everyone = all(self.comm.allgather_object(strategy.trains))
-        self._trainers = self.comm if everyone else strategy.data_comm
         if not strategy.trains:
             strategy.serve()
             summary = self._summary(time.perf_counter() - run_start)
         else:
             self._print_header()
             data_comm = strategy.data_comm
+            trainers = self.comm if everyone else data_comm
             for epoch in range(self.start_epoch, c.epochs):
                 s = self.train_epoch(epoch)
-                peaks = memory_fields(self._memory_peaks, self._trainers)
+                peaks = memory_fields(self._memory_peaks, trainers)
                 with strategy.gathered(optimizer_state=bool(c.checkpoint) and
                                        not strategy.sharded_checkpoint):
                     vec = np.array([s["loss"], s["correct"], s["n"], s["compute"], s["comm"],
