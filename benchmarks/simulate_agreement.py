@@ -55,23 +55,15 @@ import numpy as np
 from mpdl.collectives import costmodel as cm
 from mpdl.mpi_runtime import usable_cores
 from mpdl.perf import layouts as L
-from mpdl.perf import oversubscription as O
 from mpdl.perf import simulate as S
+from mpdl.perf.agreement import MEMORY_TOLERANCE, TOLERANCE, pipeline_step, verdict, zero_step
 
 BIN = Path(sys.executable).parent
 MPIEXEC, MPDL = str(BIN / "mpiexec"), str(BIN / "mpdl")
 
-TOLERANCE = 0.25
-MEMORY_TOLERANCE = 0.10
 CHECKS = ("ring", "lenet", "zero", "pp")
 #: the pipeline check: stages, microbatches, samples per pipeline
 PP, MICROBATCHES, PP_BATCH = 2, 4, 32
-
-
-def verdict(ratios: list[float], tolerance: float = TOLERANCE) -> tuple[float, bool]:
-    """(median ratio, whether it lies within ±tolerance of 1)."""
-    ratio = statistics.median(ratios)
-    return ratio, abs(ratio - 1) <= tolerance
 
 
 def _run(n: int, argv: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
@@ -112,7 +104,7 @@ def _train(p: int, args: list[str], env: dict, path: Path, batch_per_rank: int =
     _mpirun(p, ["train", "--model", "lenet", "--dataset", "synthetic", "--synthetic-samples",
                 str(2048 * p), "--global-batch-size", str(batch_per_rank * p), "--epochs", "3",
                 "--algorithm", "ring", "--no-progress", "--json", str(path), *args], env, 300)
-    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    rows = [json.loads(x) for x in path.read_text().splitlines()][1:]  # after the configuration
     epochs = rows[1:-1]  # the first epoch pays for compiling kernels
     return statistics.median(r["compute_s"] + r["exposed_comm_s"] for r in epochs), rows[-1]
 
@@ -134,36 +126,6 @@ def lenet_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
     predicted = predicted_lenet_step(p, env, tmp_path, f"dp{p}.{round_}")["step_s"]
     measured, _ = _train(p, [], env, tmp_path / f"train{p}.{round_}.jsonl")
     return predicted / measured
-
-
-def zero_step(compute_s: float, pure_s: float, own_s: float, unit_bytes: list[int], stage: int,
-              p: int, params: cm.Params, cores: int) -> float:
-    """The ZeRO model's step: the compute (timed with every rank at once), ZeRO's own work `own_s`
-    (timed on one rank, see `own_work_times`; time-sliced like the compute when ranks outnumber
-    the cores) and, per unit, the
-    calibrated ring reduce-scatter and all-gather (two all-gathers at stage 3: before forward and
-    again before backward), all exposed, each handed to the communication thread and waited for
-    (`params.handoff` a call). LeNet's stages 1 and 2 have a single unit, whose reduce-scatter
-    starts when backward ends and whose all-gather follows the optimizer; stage 3's prefetched
-    gathers and early reduce-scatters are taken as exposed too.
-
-    With more ranks than `cores`, the step takes no less than what every rank asks of the shared
-    cores (`oversubscription.span`): its compute `pure_s` (timed with no more ranks than cores at
-    once), its collectives' share of the cores (a calibrated time at p ranks on `cores` cores held
-    cores/p of a core), its own work and its handoffs, and one wait for each ring step and each
-    handoff."""
-    gathers = 2 if stage == 3 else 1
-    calls = len(unit_bytes) * (1 + gathers)
-    comm = sum(cm.predict("reduce_scatter", "ring", b, p, 1, params)
-               + gathers * cm.predict("allgather", "ring", b, p, 1, params) for b in unit_bytes)
-    handoffs = calls * params.handoff
-    step = compute_s + own_s * max(1.0, p / cores) + comm + handoffs
-    if p > cores:
-        work = pure_s + own_s + comm * cores / p + handoffs
-        waits = calls * (p - 1) + calls
-        step = max(step, O.span([work] * p, [waits] * p, cores, params.wait_cpu,
-                                params.wait_share))
-    return step
 
 
 def own_work_times(repeats: int = 50, warmup: int = 10) -> dict[int, float]:
@@ -320,31 +282,6 @@ def stage_times(model: str, shape: str, microbatch: int, pp: int, repeats: int =
     return {"forward": med[:, 0].tolist(), "backward": med[:, 1].tolist(),
             "optimizer": med[:, 2].tolist(), "output_bytes": out_bytes,
             "grad_bytes": [4 * sum(q.size for q in ps) for ps in params]}
-
-
-def pipeline_step(stages: dict, m: int, dp: int, params: cm.Params, cores: int) -> dict:
-    """The pipeline model's step: one microbatch through every stage (forward and backward) and
-    m-1 more paced by the slowest stage, the activation and gradient messages of each boundary on
-    that path, the slowest stage's optimizer step, and with dp > 1 the ring all-reduce of the
-    largest stage's gradient over dp ranks (after the flush: exposed). With more ranks than
-    `cores`, the flush takes no less than every rank's compute and what its waits for the
-    messages of its neighbour stages take, spread over the cores (`oversubscription.span`)."""
-    slot = [f + b for f, b in zip(stages["forward"], stages["backward"], strict=True)]
-    pp = len(slot)
-    # more ranks than cores: every rank's m slots, and its waits (stage s receives m activations
-    # when s > 0 and m gradients when s < pp - 1), share the cores, however short the path
-    flush = O.span([m * t for t in slot] * dp, [m * ((s > 0) + (s < pp - 1)) for s in range(pp)] * dp,
-                   cores, params.wait_cpu, params.wait_share)
-    compute = max(S.pipeline_compute(slot, m), flush)
-    p2p = sum(2 * params.exchange_time(n) for n in stages["output_bytes"][:-1])
-    optimizer = max(stages["optimizer"])
-    dp_comm = (cm.predict("allreduce", "ring", max(stages["grad_bytes"]), dp, 1, params)
-               if dp > 1 else 0.0)
-    # the last stage's loss and accuracy go to every stage (a broadcast of three numbers)
-    share = cm.predict("broadcast", "tree", 24, len(slot), 1, params)
-    total = compute + p2p + optimizer + dp_comm + share
-    return {"step_s": total, "compute_s": compute, "bubble_s": compute - m * max(slot),
-            "p2p_s": p2p, "optimizer_s": optimizer, "dp_comm_s": dp_comm}
 
 
 def _stage_worker(argv: list[str]) -> int:

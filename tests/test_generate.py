@@ -16,8 +16,9 @@ from mpdl.training.loop import Trainer
 
 MPDL = str(Path(sys.executable).parent / "mpdl")
 #: a tiny GPT on 1-digit addition, one epoch
-TINY = dict(model="gpt", dataset="addition", digits=1, n_layer=1, n_head=2, n_embd=8,
-            global_batch_size=12, epochs=1, optimizer="adam", progress=False)
+TINY = {"model.name": "gpt", "data.dataset": "addition", "data.digits": 1, "model.n_layer": 1,
+        "model.n_head": 2, "model.n_embd": 8, "optim.global_batch_size": 12, "optim.epochs": 1,
+        "optim.optimizer": "adam", "output.progress": False}
 
 
 def run(config: TrainConfig) -> None:
@@ -28,7 +29,7 @@ def run(config: TrainConfig) -> None:
 
 def test_generate_from_a_tiny_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
-    run(TrainConfig(**TINY, checkpoint=str(ckpt)))
+    run(TrainConfig.from_keys({**TINY, "checkpoint.dir": str(ckpt)}))
     model, info = load_gpt(ckpt)
     assert info["vocab"] == "0123456789+=" and info["block_size"] == 5
     expected = sample(model, info["vocab"], "3+4=", 2, top_k=1)
@@ -52,7 +53,8 @@ def test_generate_from_a_tiny_checkpoint(tmp_path):
 
 
 def test_generate_refuses_what_is_not_a_gpt_checkpoint(tmp_path):
-    run(TrainConfig(model="mlp", epochs=1, progress=False, checkpoint=str(tmp_path / "mlp")))
+    run(TrainConfig.from_keys({"model.name": "mlp", "optim.epochs": 1, "output.progress": False,
+                               "checkpoint.dir": str(tmp_path / "mlp")}))
     for directory, message in [(tmp_path / "mlp", "not a GPT checkpoint (written by mpdl train "
                                                   "--model mlp)"),
                                (tmp_path / "none", "not a checkpoint")]:

@@ -261,10 +261,12 @@ def _run(config: TrainConfig, comm) -> dict:
 
 
 def test_train_reports_peaks_per_category_and_a_memory_track(tmp_path):
-    config = TrainConfig(model="gpt", dataset="text", data=_text(tmp_path), block_size=8,
-                         n_layer=1, n_embd=16, n_head=2, epochs=1, global_batch_size=8,
-                         optimizer="adam", progress=False, timeline=str(tmp_path / "trace.json"))
-    vocab = len(set(Path(config.data).read_text()))
+    config = TrainConfig.from_keys({
+        "model.name": "gpt", "data.dataset": "text", "data.path": _text(tmp_path),
+        "model.block_size": 8, "model.n_layer": 1, "model.n_embd": 16, "model.n_head": 2,
+        "optim.epochs": 1, "optim.global_batch_size": 8, "optim.optimizer": "adam",
+        "output.progress": False, "output.timeline": str(tmp_path / "trace.json")})
+    vocab = len(set(Path(config.data.path).read_text()))
     psi = sum(p.size for p in GPT(vocab, 8, 1, 2, 16).parameters())
     rows = run_world(2, lambda c: _run(config, c))
     peaks = rows[0]["memory_peak_bytes"]
@@ -282,13 +284,14 @@ def test_train_reports_peaks_per_category_and_a_memory_track(tmp_path):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"recompute": "some"}, "--recompute: expected one of none, selective, full, got 'some'"),
-    ({"recompute": "full"}, "--recompute full needs a model of transformer blocks (--model gpt), "
-                            "got --model mlp"),
+    ({"model.recompute": "some"}, "--recompute: expected one of none, selective, full, got "
+                                  "'some'"),
+    ({"model.recompute": "full"}, "--recompute full needs a model of transformer blocks "
+                                  "(--model gpt), got --model mlp"),
 ])
 def test_bad_recompute_flags_are_one_line_naming_the_flag(changes, message):
     with pytest.raises(UsageError) as caught:
-        check(TrainConfig(**changes), 1)
+        check(TrainConfig.from_keys(changes), 1)
     assert str(caught.value) == message
 
 

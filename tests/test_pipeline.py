@@ -267,8 +267,9 @@ def test_a_stage_that_raises_ends_the_job_within_the_timeout():
 
 
 def test_train_pipeline_follows_one_rank():
-    tiny = dict(model="gpt", dataset="addition", digits=1, n_layer=2, n_head=2, n_embd=8,
-                global_batch_size=12, epochs=1, optimizer="adam", progress=False)
+    tiny = {"model.name": "gpt", "data.dataset": "addition", "data.digits": 1, "model.n_layer": 2,
+            "model.n_head": 2, "model.n_embd": 8, "optim.global_batch_size": 12,
+            "optim.optimizer": "adam", "output.progress": False, "optim.epochs": 1}
 
     def run(config, comm):
         trainer = Trainer(config, comm=comm, out=io.StringIO())
@@ -277,19 +278,26 @@ def test_train_pipeline_follows_one_rank():
         with trainer.strategy.gathered():  # a stage holds only its own parameters
             return np.concatenate([p.data.ravel() for p in trainer.model.parameters()]), rows
 
-    ref, ref_rows = run_world(1, lambda c: run(TrainConfig(**tiny), c))[0]
+    ref, ref_rows = run_world(1, lambda c: run(TrainConfig.from_keys(tiny), c))[0]
     for kw in (dict(pp=2, microbatches=3), dict(pp=2, dp=2, schedule="afab", microbatches=2),
                dict(pp=2, dp=2, zero=1, microbatches=2)):
         p = kw.get("dp", 1) * kw["pp"]
-        for params, rows in run_world(p, lambda c, kw=kw: run(TrainConfig(**tiny, **kw), c)):
+        for params, rows in run_world(p, lambda c, kw=kw: run(
+                TrainConfig.from_keys({**tiny, **grid(kw)}), c)):
             np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
             assert rows[0]["loss"] == pytest.approx(ref_rows[0]["loss"], abs=1e-5)
             assert rows[-1]["mode"] == "pipeline" and rows[-1]["pp"] == kw["pp"]
-    tiny["n_head"] = 2
+    tiny["model.n_head"] = 2
     for kw in (dict(tp=2, pp=2), dict(tp=2, dp=2, zero=1)):
-        for params, rows in run_world(4, lambda c, kw=kw: run(TrainConfig(**tiny, **kw), c)):
+        for params, rows in run_world(4, lambda c, kw=kw: run(
+                TrainConfig.from_keys({**tiny, **grid(kw)}), c)):
             np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
             assert rows[-1]["zero_stage"] == kw.get("zero", 0)
+
+
+def grid(kw: dict) -> dict:
+    """The parallel section's options of a layout given by name (pp=2, dp=2, ...)."""
+    return {f"parallel.{name}": value for name, value in kw.items()}
 
 
 def mpdl_train(n: int, *flags: str) -> subprocess.CompletedProcess:
@@ -365,8 +373,10 @@ def test_checkpoint_continues_on_another_layout(tmp_path, first, second):
     """Each stage and tensor-parallel shard writes its part (with ZeRO-1 each dp rank its block
     of the optimizer state); any layout (or one rank without a pipeline) continues from them and
     ends where the uninterrupted run ends."""
-    tiny = dict(model="gpt", dataset="addition", digits=1, n_layer=2, n_head=2, n_embd=8,
-                global_batch_size=12, optimizer="adam", progress=False, lr_schedule="constant")
+    tiny = {"model.name": "gpt", "data.dataset": "addition", "data.digits": 1, "model.n_layer": 2,
+            "model.n_head": 2, "model.n_embd": 8, "optim.global_batch_size": 12,
+            "optim.optimizer": "adam", "output.progress": False,
+            "optim.lr_schedule": "constant"}
 
     def run(config, comm):
         trainer = Trainer(config, comm=comm, out=io.StringIO())
@@ -378,10 +388,10 @@ def test_checkpoint_continues_on_another_layout(tmp_path, first, second):
     def size(kw):
         return kw.get("dp", 1) * kw.get("pp", 1) * kw.get("tp", 1)
 
-    ref = run_world(1, lambda c: run(TrainConfig(**tiny, epochs=2), c))[0]
+    ref = run_world(1, lambda c: run(TrainConfig.from_keys({**tiny, "optim.epochs": 2}), c))[0]
     ckpt = str(tmp_path / "ckpt")
-    saved = run_world(size(first), lambda c: run(TrainConfig(**tiny, epochs=1, checkpoint=ckpt,
-                                                             **first), c))[0]
+    saved = run_world(size(first), lambda c: run(TrainConfig.from_keys(
+        {**tiny, "optim.epochs": 1, "checkpoint.dir": ckpt, **grid(first)}), c))[0]
     files = sorted(os.listdir(ckpt))
     if first.get("pp", 1) * first.get("tp", 1) > 1:  # a part per stage and shard, none whole
         parts = first.get("pp", 1) * first.get("tp", 1) * (first.get("dp", 1) if first.get(
@@ -391,27 +401,29 @@ def test_checkpoint_continues_on_another_layout(tmp_path, first, second):
     model_state, _, _ = load_checkpoint(ckpt)
     np.testing.assert_array_equal(np.concatenate([model_state[n].ravel() for n, _ in make_gpt(
         tiny).named_parameters()]), saved)
-    for params in run_world(size(second), lambda c: run(TrainConfig(
-            **tiny, epochs=2, checkpoint=ckpt, resume=True, **second), c)):
+    for params in run_world(size(second), lambda c: run(TrainConfig.from_keys(
+            {**tiny, "optim.epochs": 2, "checkpoint.dir": ckpt, "checkpoint.resume": True,
+             **grid(second)}), c)):
         np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
 
 
 def make_gpt(tiny: dict):
     """A GPT of the tiny run's shape (for its parameter names and order)."""
-    return GPT(vocab_size=13, block_size=3, n_layer=tiny["n_layer"], n_head=tiny["n_head"],
-               n_embd=tiny["n_embd"], seed=0)
+    return GPT(vocab_size=13, block_size=3, n_layer=tiny["model.n_layer"],
+               n_head=tiny["model.n_head"], n_embd=tiny["model.n_embd"], seed=0)
 
 
 def test_compare_runs_reads_per_stage_checkpoints(tmp_path):
     """tools/compare_runs.py compares a one-rank run with a dp 2 × pp 2 × ZeRO-1 one from their
     JSON rows and their checkpoints (whole against parts)."""
-    tiny = dict(model="gpt", dataset="addition", digits=1, n_layer=2, n_head=2, n_embd=8,
-                global_batch_size=12, optimizer="adam", progress=False, epochs=2)
+    tiny = {"model.name": "gpt", "data.dataset": "addition", "data.digits": 1, "model.n_layer": 2,
+            "model.n_head": 2, "model.n_embd": 8, "optim.global_batch_size": 12,
+            "optim.optimizer": "adam", "output.progress": False, "optim.epochs": 2}
 
     def run(prefix, comm, **kw):
-        trainer = Trainer(TrainConfig(**tiny, checkpoint=str(tmp_path / prefix),
-                                      json=str(tmp_path / f"{prefix}.jsonl"), **kw), comm=comm,
-                          out=io.StringIO())
+        trainer = Trainer(TrainConfig.from_keys({**tiny, "checkpoint.dir": str(tmp_path / prefix),
+                                                 "output.json": str(tmp_path / f"{prefix}.jsonl"),
+                                                 **grid(kw)}), comm=comm, out=io.StringIO())
         trainer.setup()
         trainer.run()
 
@@ -426,9 +438,11 @@ def test_compare_runs_reads_per_stage_checkpoints(tmp_path):
 
 def test_timeline_shows_each_microbatch_and_message_per_rank(tmp_path):
     path = str(tmp_path / "trace.json")
-    config = TrainConfig(model="gpt", dataset="addition", digits=1, n_layer=2, n_head=2, n_embd=8,
-                         global_batch_size=12, epochs=1, optimizer="adam", progress=False, pp=2,
-                         microbatches=2, timeline=path)
+    config = TrainConfig.from_keys({
+        "model.name": "gpt", "data.dataset": "addition", "data.digits": 1, "model.n_layer": 2,
+        "model.n_head": 2, "model.n_embd": 8, "optim.global_batch_size": 12, "optim.epochs": 1,
+        "optim.optimizer": "adam", "output.progress": False, "parallel.pp": 2,
+        "parallel.microbatches": 2, "output.timeline": path})
 
     def body(comm):
         trainer = Trainer(config, comm=comm, out=io.StringIO())

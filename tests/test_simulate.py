@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mpdl.collectives import costmodel as cm
+from mpdl.perf import agreement
 from mpdl.perf import oversubscription as O
 from mpdl.perf import simulate as S
 
@@ -157,26 +158,13 @@ def test_measure_under_mpiexec_reports_once_with_every_rank_measuring(tmp_path):
 
 def test_agreement_verdict_is_on_the_median_and_can_fail():
     """benchmarks/simulate_agreement.py passes a median within ±25% and fails one outside."""
-    agreement = _agreement_module()
     assert agreement.verdict([0.5, 0.9, 1.6]) == (0.9, True)  # one wild round does not decide
     assert agreement.verdict([0.7, 0.74, 1.3]) == (0.74, False)
     assert agreement.verdict([1.2, 1.3, 1.26]) == (1.26, False)
     assert agreement.verdict([0.76, 0.8, 0.9])[1]
 
 
-def _agreement_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[1] / "benchmarks" / "simulate_agreement.py"
-    spec = importlib.util.spec_from_file_location("simulate_agreement", path)
-    agreement = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(agreement)
-    return agreement
-
-
 def test_zero_model_adds_its_parts_and_on_shared_cores_the_span_of_every_rank():
-    agreement = _agreement_module()
     params = cm.Params(alpha=1e-5, beta=1e-9, handoff=2e-4, wait_cpu=1e-4, wait_share=0.1)
     units = [4000, 400000, 40000]
     rs = sum(cm.predict("reduce_scatter", "ring", b, 2, 1, params) for b in units)

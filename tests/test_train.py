@@ -30,7 +30,11 @@ def train(n: int, *flags: str, timeout: float = 120, env: dict | None = None
 
 
 def json_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """The rows of a --json file, after its first line: the run's configuration."""
+    first, *rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert list(first) == ["config"] and list(first["config"]) == [
+        "model", "data", "optim", "parallel", "communication", "checkpoint", "output"], first
+    return rows
 
 
 def test_default_run_reaches_95_percent_on_4_ranks(tmp_path):
@@ -210,7 +214,7 @@ def test_resume_with_another_number_of_ranks(tmp_path):
     rows = json_lines(tmp_path / "resumed.jsonl")
     assert [r["epoch"] for r in rows[:-1]] == [1, 2, 3] and rows[2]["ranks"] == 3
     out = train(1, "--checkpoint", str(ckpt), "--resume", "--model", "lenet", timeout=60)
-    assert out.returncode == 2 and "written with model='mlp'" in out.stderr
+    assert out.returncode == 2 and "written with --model='mlp'" in out.stderr
 
 
 def test_gpt_json_timeline_resume_and_generate(tmp_path):
@@ -245,7 +249,7 @@ def test_gpt_json_timeline_resume_and_generate(tmp_path):
         assert {"tokens_per_s", "mfu", "val_loss", "exact_match", "flops_per_token"} <= set(row)
     out = train(1, *common, "--n-embd", "16", "--epochs", "2", "--checkpoint", str(ckpt),
                 "--resume", timeout=60)
-    assert out.returncode == 2 and "written with n_embd=8, this run has 16" in out.stderr
+    assert out.returncode == 2 and "written with --n-embd=8, this run has 16" in out.stderr
     out = subprocess.run([MPIEXEC, "-n", "2", MPDL, "generate", "--checkpoint", str(ckpt),
                           "--prompt", "3+4=", "--max-new-tokens", "2", "--top-k", "1"],
                          capture_output=True, text=True, timeout=60)
@@ -309,7 +313,7 @@ def test_killed_rank_ends_the_job_and_the_checkpoint_stays_loadable(tmp_path):
             job.kill()
             job.wait()
     model_state, optimizer_state, state = load_checkpoint(ckpt)
-    assert 1 <= state["epoch"] < 500 and state["config"]["model"] == "mlp"
+    assert 1 <= state["epoch"] < 500 and state["config"]["model"]["name"] == "mlp"
     model = build_model("mlp", (1, 8, 8), 10)
     model.load_state_dict(model_state)
     assert optimizer_state["state"]

@@ -17,64 +17,71 @@ from mpdl.training.loop import Trainer
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"staleness": 2}, "--staleness needs --mode ps"),
-    ({"servers": 2}, "--servers needs --mode ps"),
-    ({"mode": "ps"}, "at least 2 ranks"),
-    ({"compression": "zip"}, "--compression: expected one of"),
-    ({"compression": "topk", "ratio": 2.0}, "ratio"),
-    ({"sync_every": 0}, "--sync-every"),
-    ({"post_local_warmup": 5}, "--post-local-warmup needs --sync-every"),
-    ({"sync_every": 4, "compression": "fp16"}, "cannot be combined"),
+    ({"parallel.staleness": 2}, "--staleness needs --mode ps"),
+    ({"parallel.servers": 2}, "--servers needs --mode ps"),
+    ({"parallel.mode": "ps"}, "at least 2 ranks"),
+    ({"communication.compression": "zip"}, "--compression: expected one of"),
+    ({"communication.compression": "topk", "communication.ratio": 2.0}, "ratio"),
+    ({"communication.sync_every": 0}, "--sync-every"),
+    ({"communication.post_local_warmup": 5}, "--post-local-warmup needs --sync-every"),
+    ({"communication.sync_every": 4, "communication.compression": "fp16"}, "cannot be combined"),
 ])
 def test_train_rejects_bad_communication_flags(changes, message):
     with pytest.raises(UsageError, match=message):
-        check(TrainConfig(**changes), 1)
+        check(TrainConfig.from_keys(changes), 1)
 
 
 @pytest.mark.parametrize("changes,library,flags", [
-    ({"global_batch_size": 0}, "global_batch_size: expected a positive number, got 0",
+    ({"optim.global_batch_size": 0},
+     "optim.global_batch_size: expected a positive number, got 0",
      "--global-batch-size: expected a positive number, got 0"),
-    ({"ps_async": True}, "ps_async needs mode ps", "--async needs --mode ps"),
-    ({"mode": "ps", "ps_async": True, "staleness": 1},
-     "ps_async and staleness exclude each other (staleness s bounds",
+    ({"parallel.ps_async": True}, "parallel.ps_async needs parallel.mode ps",
+     "--async needs --mode ps"),
+    ({"parallel.mode": "ps", "parallel.ps_async": True, "parallel.staleness": 1},
+     "parallel.ps_async and parallel.staleness exclude each other (parallel.staleness s bounds",
      "--async and --staleness exclude each other (--staleness s bounds"),
-    ({"model": "{vgg}"}, "model: expected one of mlp, lenet, resnet8, gpt, got '{vgg}'",
+    ({"model.name": "{vgg}"}, "model.name: expected one of mlp, lenet, resnet8, gpt, got '{vgg}'",
      "--model: expected one of mlp, lenet, resnet8, gpt, got '{vgg}'"),
 ])
 def test_checks_name_fields_and_the_cli_names_flags(changes, library, flags):
     with pytest.raises(ConfigError) as caught:
-        validate(TrainConfig(**changes), 3)
+        validate(TrainConfig.from_keys(changes), 3)
     assert str(caught.value).startswith(library)
     assert caught.value.message(flag).startswith(flags)
-    assert flag("powersgd_rank") == "--rank" and flag("lr_schedule") == "--lr-schedule"
+    assert flag("communication.powersgd_rank") == "--rank"
+    assert flag("optim.lr_schedule") == "--lr-schedule"
 
 
 def test_default_learning_rates():
     assert TrainConfig().base_lr() == 0.2
-    assert TrainConfig(model="lenet").base_lr() == 0.03
-    assert TrainConfig(model="lenet", optimizer="adam").base_lr() == 3e-3
-    assert TrainConfig(compression="signsgd").base_lr() == pytest.approx(0.05)
-    assert TrainConfig(lr=0.3, compression="signsgd").base_lr() == 0.3
+    assert TrainConfig.from_keys({"model.name": "lenet"}).base_lr() == 0.03
+    assert TrainConfig.from_keys({"model.name": "lenet", "optim.optimizer": "adam"}
+                                 ).base_lr() == 3e-3
+    signsgd = {"communication.compression": "signsgd"}
+    assert TrainConfig.from_keys(signsgd).base_lr() == pytest.approx(0.05)
+    assert TrainConfig.from_keys({**signsgd, "optim.lr": 0.3}).base_lr() == 0.3
     assert default_lr("resnet8", "lamb") == 1e-2
 
 
-def _trainer(**changes) -> Trainer:
-    config = TrainConfig(progress=False, global_batch_size=256, **changes)
+def _trainer(changes: dict) -> Trainer:
+    config = TrainConfig.from_keys({"output.progress": False, "optim.global_batch_size": 256,
+                                    **changes})
     trainer = Trainer(config, comm=ThreadWorld(1).comm(0), out=io.StringIO())
     trainer.setup()
     return trainer
 
 
 def test_resume_under_cosine_with_other_epochs_says_why_and_what_to_do(tmp_path):
-    _trainer(epochs=2, checkpoint=str(tmp_path)).run()
+    ckpt = {"checkpoint.dir": str(tmp_path)}
+    _trainer({**ckpt, "optim.epochs": 2}).run()
     with pytest.raises(ConfigError) as caught:
-        _trainer(epochs=3, checkpoint=str(tmp_path), resume=True)
+        _trainer({**ckpt, "optim.epochs": 3, "checkpoint.resume": True})
     text = usage_error(caught.value).args[0]
-    assert "written with epochs=2, this run has 3" in text
+    assert "written with --epochs=2, this run has 3" in text
     assert "cosine schedule's length is the number of epochs" in text
     assert "--epochs 2" in text and "--lr-schedule constant" in text
-    rows = _trainer(epochs=3, checkpoint=str(tmp_path), resume=True,
-                    lr_schedule="constant").run()
+    rows = _trainer({**ckpt, "optim.epochs": 3, "checkpoint.resume": True,
+                       "optim.lr_schedule": "constant"}).run()
     assert [r["epoch"] for r in rows[:-1]] == [1, 2, 3]
 
 
@@ -82,7 +89,7 @@ def test_emulation_is_this_process_setting_for_the_run_only(monkeypatch):
     monkeypatch.delenv("MPDL_EMULATE", raising=False)
     settings.use(None)
     before = settings.current()
-    trainer = _trainer(epochs=1, emulate="inter=10Gbit/s,20us")
+    trainer = _trainer({"optim.epochs": 1, "communication.emulate": "inter=10Gbit/s,20us"})
     assert settings.current().emulation.describe() == "inter=10Gbit/s,20us"
     rows = trainer.run()
     assert rows[0]["emulated"] == rows[-1]["emulated"] == "inter=10Gbit/s,20us"

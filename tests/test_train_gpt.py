@@ -19,8 +19,9 @@ from mpdl.training.models import GPT, build_model
 
 TOL = {"float32": 1e-5, "float64": 1e-10}
 #: a tiny GPT on 1-digit addition: 90 training problems, 10 held out, 8 steps an epoch of 12
-TINY = dict(model="gpt", dataset="addition", digits=1, n_layer=1, n_head=2, n_embd=8,
-            global_batch_size=12, epochs=1, optimizer="adam", progress=False)
+TINY = {"model.name": "gpt", "data.dataset": "addition", "data.digits": 1, "model.n_layer": 1,
+        "model.n_head": 2, "model.n_embd": 8, "optim.global_batch_size": 12, "optim.epochs": 1,
+        "optim.optimizer": "adam", "output.progress": False}
 TEXT = "the cat sat on the mat; the dog sat on the log.\n" * 40
 
 
@@ -38,7 +39,7 @@ def p_ranks(config: TrainConfig, p: int) -> list[np.ndarray]:
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("p", [2, 3])
 def test_p_ranks_follow_one_rank_on_addition(dtype, p):
-    config = TrainConfig(**TINY, dtype=dtype)
+    config = TrainConfig.from_keys({**TINY, "model.dtype": dtype})
     reference = p_ranks(config, 1)[0]
     results = p_ranks(config, p)
     for r in results:
@@ -56,8 +57,8 @@ def build_params(dtype: str) -> np.ndarray:
 # the MPI library's own all-reduce needs real MPI: tests/mpi/test_ddp.py covers it
 @pytest.mark.parametrize("algorithm", [a for a in algorithms("allreduce") if a != "mpi"])
 def test_every_algorithm_follows_one_rank(algorithm):
-    config = TrainConfig(**{**TINY, "global_batch_size": 30}, dtype="float64",
-                         algorithm=algorithm)
+    config = TrainConfig.from_keys({**TINY, "optim.global_batch_size": 30,
+                                    "model.dtype": "float64", "communication.algorithm": algorithm})
     reference = p_ranks(config, 1)[0]
     for r in p_ranks(config, 3):
         np.testing.assert_allclose(r, reference, rtol=0, atol=TOL["float64"])
@@ -70,23 +71,24 @@ def text_file(tmp_path: Path) -> str:
 
 
 def test_p_ranks_follow_one_rank_on_text(tmp_path):
-    config = TrainConfig(**{**TINY, "dataset": "text"}, data=text_file(tmp_path), block_size=16,
-                         dtype="float64")
+    config = TrainConfig.from_keys({**TINY, "data.dataset": "text", "data.path": text_file(tmp_path),
+                                    "model.block_size": 16, "model.dtype": "float64"})
     reference = p_ranks(config, 1)[0]
     for r in p_ranks(config, 2):
         np.testing.assert_allclose(r, reference, rtol=0, atol=TOL["float64"])
 
 
 def test_rows_carry_throughput_and_task_metrics(tmp_path):
-    _, rows = run(TrainConfig(**{**TINY, "epochs": 2}))
+    _, rows = run(TrainConfig.from_keys({**TINY, "optim.epochs": 2}))
     for row in rows[:-1]:
         assert row["tokens_per_s"] == pytest.approx(row["samples_per_s"] * 5)
         assert row["flops_per_token"] == GPT(12, 5, 1, 2, 8).flops_per_token(5)
         assert 0 < row["mfu"] < 1 and row["flops_per_s"] > 0
         assert row["val_loss"] > 0 and 0 <= row["exact_match"] <= 1 and 0 <= row["test_acc"] <= 1
     assert rows[-1]["summary"] and rows[-1]["exact_match"] == rows[-2]["exact_match"]
-    config = TrainConfig(**{**TINY, "dataset": "text", "epochs": 8, "lr": 1e-2, "n_embd": 16},
-                         data=text_file(tmp_path), block_size=16)
+    config = TrainConfig.from_keys({**TINY, "data.dataset": "text", "optim.epochs": 8,
+                                    "optim.lr": 1e-2, "model.n_embd": 16,
+                                    "data.path": text_file(tmp_path), "model.block_size": 16})
     _, rows = run(config)
     last = rows[-1]
     assert last["bits_per_char"] == pytest.approx(last["val_loss"] / np.log(2))
@@ -95,7 +97,7 @@ def test_rows_carry_throughput_and_task_metrics(tmp_path):
 
 def test_the_table_adds_the_gpt_columns_only():
     out = io.StringIO()
-    trainer = Trainer(TrainConfig(**TINY), comm=ThreadWorld(1).comm(0), out=out)
+    trainer = Trainer(TrainConfig.from_keys(TINY), comm=ThreadWorld(1).comm(0), out=out)
     trainer.setup()
     trainer.run()
     lines = out.getvalue().splitlines()
@@ -107,17 +109,20 @@ def test_the_table_adds_the_gpt_columns_only():
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"n_head": 3}, "n_embd 8 must be divisible by n_head 3"),
-    ({"n_layer": 0}, "n_layer: expected a positive number, got 0"),
-    ({"block_size": 4}, "block_size 4 is shorter than the sequences of dataset addition"),
-    ({"digits": 10}, "digits: expected 1 to 9 digits"),
-    ({"dataset": "digits"}, "model gpt trains on dataset addition or text, not digits"),
-    ({"dataset": "text"}, "dataset text needs data FILE"),
-    ({"model": "mlp"}, "dataset addition is a token sequence task: it needs model gpt"),
+    ({"model.n_head": 3}, r"model\.n_embd 8 must be divisible by model\.n_head 3"),
+    ({"model.n_layer": 0}, r"model\.n_layer: expected a positive number, got 0"),
+    ({"model.block_size": 4},
+     r"model\.block_size 4 is shorter than the sequences of data\.dataset addition"),
+    ({"data.digits": 10}, r"data\.digits: expected 1 to 9 digits"),
+    ({"data.dataset": "digits"},
+     r"model\.name gpt trains on data\.dataset addition or text, not digits"),
+    ({"data.dataset": "text"}, r"data\.dataset text needs data\.path FILE"),
+    ({"model.name": "mlp"},
+     r"data\.dataset addition is a token sequence task: it needs model\.name gpt"),
 ])
 def test_bad_shapes_and_datasets_are_refused(changes, message):
     with pytest.raises(ConfigError, match=message):
-        validate(TrainConfig(**{**TINY, **changes}), 1)
+        validate(TrainConfig.from_keys({**TINY, **changes}), 1)
 
 
 def test_the_peak_is_the_calibrated_one_or_measured(tmp_path):
@@ -135,8 +140,11 @@ def test_the_peak_is_the_calibrated_one_or_measured(tmp_path):
 
 
 def test_gpt_defaults():
-    assert model_defaults("gpt") == {"dataset": "addition", "optimizer": "adam", "epochs": 8,
-                                     "global_batch_size": 128, "warmup_epochs": 0.25}
-    assert model_defaults("mlp") == {"dataset": "digits", "optimizer": "sgd", "epochs": 15,
-                                     "global_batch_size": 64, "warmup_epochs": 0.0}
-    assert TrainConfig(model="gpt", dataset="addition", optimizer="adam").base_lr() == 3e-3
+    assert model_defaults("gpt") == {"data.dataset": "addition", "optim.optimizer": "adam",
+                                     "optim.epochs": 8, "optim.global_batch_size": 128,
+                                     "optim.warmup_epochs": 0.25}
+    assert model_defaults("mlp") == {"data.dataset": "digits", "optim.optimizer": "sgd",
+                                     "optim.epochs": 15, "optim.global_batch_size": 64,
+                                     "optim.warmup_epochs": 0.0}
+    assert TrainConfig.from_keys({"model.name": "gpt", "data.dataset": "addition",
+                                  "optim.optimizer": "adam"}).base_lr() == 3e-3

@@ -12,22 +12,24 @@ from mpdl.threadworld import ThreadWorld
 from mpdl.training.loop import TrainConfig, Trainer
 from mpdl.training.models import IMAGE_MODELS
 
-DATASETS = {"digits": dict(dataset="digits"),
-            "synthetic-mnist": dict(dataset="synthetic", synthetic_shape="mnist"),
-            "synthetic-cifar": dict(dataset="synthetic", synthetic_shape="cifar")}
-SIZES = {("mlp", "digits"): dict(epochs=6),
-         ("mlp", "synthetic"): dict(synthetic_samples=2048, epochs=3),
-         ("lenet", "digits"): dict(epochs=6),
-         ("lenet", "synthetic"): dict(synthetic_samples=4096, epochs=4),
-         ("resnet8", "digits"): dict(epochs=6),
-         ("resnet8", "synthetic"): dict(synthetic_samples=768, global_batch_size=32, epochs=3)}
+DATASETS = {"digits": {"data.dataset": "digits"},
+            "synthetic-mnist": {"data.dataset": "synthetic", "data.synthetic_shape": "mnist"},
+            "synthetic-cifar": {"data.dataset": "synthetic", "data.synthetic_shape": "cifar"}}
+SIZES = {("mlp", "digits"): {"optim.epochs": 6},
+         ("mlp", "synthetic"): {"data.synthetic_samples": 2048, "optim.epochs": 3},
+         ("lenet", "digits"): {"optim.epochs": 6},
+         ("lenet", "synthetic"): {"data.synthetic_samples": 4096, "optim.epochs": 4},
+         ("resnet8", "digits"): {"optim.epochs": 6},
+         ("resnet8", "synthetic"): {"data.synthetic_samples": 768, "optim.global_batch_size": 32,
+                                    "optim.epochs": 3}}
 
 
 @pytest.mark.parametrize("dataset", DATASETS)
 @pytest.mark.parametrize("model", IMAGE_MODELS)
 def test_each_model_learns_each_dataset_with_the_defaults(model, dataset):
-    sizes = SIZES[model, DATASETS[dataset]["dataset"]]
-    config = TrainConfig(model=model, progress=False, **DATASETS[dataset], **sizes)
+    sizes = SIZES[model, DATASETS[dataset]["data.dataset"]]
+    config = TrainConfig.from_keys({"model.name": model, "output.progress": False,
+                                    **DATASETS[dataset], **sizes})
     trainer = Trainer(config, comm=ThreadWorld(1).comm(0), out=io.StringIO())
     trainer.setup()
     summary = trainer.run()[-1]

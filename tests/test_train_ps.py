@@ -33,7 +33,8 @@ def test_each_mode_learns_and_shuts_down(tmp_path, flags, mode, accuracy):
     header = out.stdout.splitlines()[0]
     assert "3 ranks (2 workers, 1 server)" in header and f"parameter server {mode}" in header
     assert f"# parameter server {mode}: " in out.stdout and "staleness 0: " in out.stdout
-    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    first, *rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert first["config"]["parallel"]["mode"] == "ps"
     epochs, summary = rows[:-1], rows[-1]
     assert [r["epoch"] for r in epochs] == [1, 2, 3, 4]
     for row in epochs:

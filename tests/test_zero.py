@@ -225,16 +225,19 @@ def test_sent_bytes():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (dict(zero=4), "zero: expected a stage 1, 2 or 3"),
-    (dict(zero=1, mode="ps"), "zero cannot be combined with mode ps"),
-    (dict(zero=2, compression="fp16"), "compression fp16"),
-    (dict(zero=3, sync_every=2), "sync_every"),
-    (dict(zero=1, algorithm="rabenseifner"), "algorithm rabenseifner"),
-    (dict(prefetch=False), "prefetch needs zero 3"),
+    ({"parallel.zero": 4}, r"parallel\.zero: expected a stage 1, 2 or 3"),
+    ({"parallel.zero": 1, "parallel.mode": "ps"},
+     r"parallel\.zero cannot be combined with parallel\.mode ps"),
+    ({"parallel.zero": 2, "communication.compression": "fp16"},
+     r"communication\.compression fp16"),
+    ({"parallel.zero": 3, "communication.sync_every": 2}, r"communication\.sync_every"),
+    ({"parallel.zero": 1, "communication.algorithm": "rabenseifner"},
+     r"communication\.algorithm rabenseifner"),
+    ({"parallel.prefetch": False}, r"parallel\.prefetch needs parallel\.zero 3"),
 ])
 def test_config_errors(flags, message):
     with pytest.raises(ConfigError, match=message):
-        validate(TrainConfig(**flags), 3)
+        validate(TrainConfig.from_keys(flags), 3)
 
 
 def test_checkpoint_reshards_across_ranks_and_stages(tmp_path):
@@ -365,7 +368,8 @@ def test_zero_train_reports_state_and_bytes(tmp_path):
                      str(tmp_path / "r.jsonl"))
     assert out.returncode == 0, out.stderr
     assert "ZeRO stage 2" in out.stdout and "state_MiB" in out.stdout and "sent_MiB" in out.stdout
-    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    first, *rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert first["config"]["parallel"]["zero"] == 2
     psi = 64 * 128 + 128 + 128 * 10 + 10  # the digits MLP
     for row in rows:
         assert row["mode"] == "zero" and row["zero_stage"] == 2

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from mpdl.autograd import kernels
-from mpdl.autograd.tensor import Function, Rectify, Sigmoid, Tanh, Tensor, unbroadcast
+from mpdl.autograd.tensor import Function, ReLU, Sigmoid, Tanh, Tensor, unbroadcast
 from mpdl.backend import get_array_module
 
 _default_rng = np.random.default_rng()
@@ -32,7 +32,7 @@ def _pair(value: int | tuple[int, int], argument: str) -> tuple[int, int]:
 # ---------------------------------------------------------------------- activations
 def relu(x: Tensor) -> Tensor:
     """max(x, 0), elementwise."""
-    return Rectify.apply(_tensor(x, "x"))
+    return ReLU.apply(_tensor(x, "x"))
 
 
 def sigmoid(x: Tensor) -> Tensor:

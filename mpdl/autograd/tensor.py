@@ -322,7 +322,7 @@ class Tensor:
         return Sigmoid.apply(self)
 
     def relu(self) -> Tensor:
-        return Rectify.apply(self)
+        return ReLU.apply(self)
 
 
 def _lift(value: Any, like: Tensor) -> Tensor:
@@ -691,7 +691,7 @@ class Sigmoid(Function):
         return grad * self.out * (1 - self.out)
 
 
-class Rectify(Function):
+class ReLU(Function):
     """max(a, 0); the gradient passes where the output is positive."""
 
     def forward(self, a):

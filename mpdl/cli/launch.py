@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from mpdl.cli import UsageError
-from mpdl.tools.launch import LaunchError, Plan, supervise
+from mpdl.tools.launch import LaunchError, LaunchPlan, supervise
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
-    plan = Plan(ranks=args.ranks, train_args=command, hostfile=args.hostfile,
+    plan = LaunchPlan(ranks=args.ranks, train_args=command, hostfile=args.hostfile,
                 max_restarts=args.max_restarts, min_ranks=args.min_ranks)
     try:
         return supervise(plan)

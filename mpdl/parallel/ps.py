@@ -43,7 +43,7 @@ from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator, Request, as_communicator
 from mpdl.parallel.flat import pack, unpack
 
-MODES = ("sync", "async", "ssp")
+PS_MODES = ("sync", "async", "ssp")
 #: what a message is (the header's first field)
 PUSH, DONE, PARAMS, FINAL = 1, 2, 3, 4
 HEADER = 40
@@ -51,8 +51,8 @@ HEADER = 40
 
 def check_config(world_size: int, servers: int, mode: str, staleness: int | None) -> None:
     """ValueError with a one-line message for a parameter-server setup that cannot run."""
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in PS_MODES:
+        raise ValueError(f"mode: expected one of {', '.join(PS_MODES)}, got {mode!r}")
     if world_size < 2:
         raise ValueError(f"--mode ps needs at least 2 ranks (1 server and 1 worker), got "
                          f"{world_size}; launch with mpiexec -n 2 or more")

@@ -279,7 +279,7 @@ def run_once(cmd: list[str], say: Callable[[str], None]) -> Run:
 
 
 @dataclass
-class Plan:
+class LaunchPlan:
     """What `supervise` runs: ranks, hostfile, restarts, the train arguments."""
 
     ranks: int
@@ -289,17 +289,31 @@ class Plan:
     min_ranks: int | None = None
 
 
-def checkpoint_dir(train_args: Sequence[str]) -> str | None:
-    """The --checkpoint DIR among train's arguments."""
+def flag_value(train_args: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` among train's arguments (FLAG VALUE or FLAG=VALUE), None if absent."""
     for i, arg in enumerate(train_args):
-        if arg == "--checkpoint" and i + 1 < len(train_args):
+        if arg == flag and i + 1 < len(train_args):
             return train_args[i + 1]
-        if arg.startswith("--checkpoint="):
+        if arg.startswith(flag + "="):
             return arg.split("=", 1)[1]
     return None
 
 
-def check(plan: Plan) -> None:
+def checkpoint_dir(train_args: Sequence[str]) -> str | None:
+    """The --checkpoint DIR among train's arguments, else the checkpoint.dir of their --config
+    file (None when the file cannot be read: train itself reports that)."""
+    directory, config = flag_value(train_args, "--checkpoint"), flag_value(train_args, "--config")
+    if directory is not None or config is None:
+        return directory
+    from mpdl.training.config_file import read_config_file  # noqa: PLC0415
+
+    try:
+        return read_config_file(config).get("checkpoint.dir")
+    except ValueError:
+        return None
+
+
+def check(plan: LaunchPlan) -> None:
     """LaunchError naming the flag for a plan that cannot run."""
     if plan.ranks < 1:
         raise LaunchError(f"-n: expected a positive number of ranks, got {plan.ranks}")
@@ -339,7 +353,7 @@ def live_hosts(launcher: Launcher, hosts: list[tuple[str, int]],
     return alive
 
 
-def supervise(plan: Plan, launcher: Launcher | None = None,
+def supervise(plan: LaunchPlan, launcher: Launcher | None = None,
               say: Callable[[str], None] | None = None) -> int:
     """Run the plan, restarting after failures; the exit status for `mpdl launch`."""
     say = say or (lambda text: print(f"mpdl launch: {text}", file=sys.stderr, flush=True))

@@ -1,14 +1,33 @@
-"""What defines a training run (`TrainConfig`), its checks, its default learning rates and its data.
+"""What defines a training run (`TrainConfig`): its options by section, their checks, the default
+learning rates and the data.
 
-Checks raise `ConfigError` in the library's words: a message names the fields of `TrainConfig`
-("global_batch_size: expected a positive number, got 0"); `ConfigError.message(name)` names them
-as a front end does (the CLI passes its flags: "--global-batch-size: ...").
+A `TrainConfig` has seven sections (model, data, optim, parallel, communication, checkpoint,
+output), each a dataclass whose fields are the options. An option is declared once, as a field of
+its section, with its default, help, allowed values or check, and its flag where that is not
+the field's name with dashes:
+
+    epochs: int = option(15, "total epochs (a resumed run continues up to this)", check=POSITIVE)
+
+From these fields `mpdl train` makes its flags (mpdl.cli.train), reads `--config run.toml` (a
+table per section: `[optim]` then `epochs = 15`; mpdl.training.config_file), prints
+`--print-config`, and a checkpoint's state.json and the first JSON line record the configuration.
+
+To add an option: add its field to its section (with `option(...)`) and read it where it is used
+as `config.SECTION.NAME`. That is all: the flag, its help, the TOML key, the check of its value
+and its place in checkpoints follow. A rule between options goes into `validate`; a default
+that depends on the model goes into MODEL_DEFAULTS.
+
+Checks raise `ConfigError` in the library's words: a message names options by their key in braces
+("{optim.global_batch_size}: expected a positive number, got 0"); `ConfigError.message(name)`
+names them as a front end does (the CLI: "--global-batch-size: ...").
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import re
+import typing
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -27,18 +46,20 @@ OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
 DATASETS = ("digits", "mnist", "synthetic", "addition", "text")
 #: the datasets of the GPT (token sequences); the image models take the others
 SEQUENCE_DATASETS = ("addition", "text")
-SCHEDULES = ("constant", "cosine")
-MODES = ("allreduce", "ps")
+LR_SCHEDULES = ("constant", "cosine")
+PARALLEL_MODES = ("allreduce", "ps")
+PIPELINE_SCHEDULES = ("afab", "1f1b")
 #: the learning rate of each optimizer when --lr is not given ...
 DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "lars": 2.0, "lamb": 1e-2}
 #: ... unless the model has its own: LeNet (no batch norm) diverges at sgd 0.2 and learns
 #: faster with adam at 3e-3
 MODEL_LR = {("lenet", "sgd"): 0.03, ("lenet", "adam"): 3e-3, ("gpt", "adam"): 3e-3}
-#: what a model's run gets by default where the flag is not given: the GPT trains with Adam on
+#: what a model's run gets by default where the option is not given: the GPT trains with Adam on
 #: batches of 128 sequences for 8 epochs (3,128 steps on the addition task; with 5 the cosine
 #: decays before the model has learnt the carries), after a warmup of about 100 steps
-MODEL_DEFAULTS = {"gpt": {"dataset": "addition", "optimizer": "adam", "epochs": 8,
-                          "global_batch_size": 128, "warmup_epochs": 0.25}}
+MODEL_DEFAULTS = {"gpt": {"data.dataset": "addition", "optim.optimizer": "adam",
+                          "optim.epochs": 8, "optim.global_batch_size": 128,
+                          "optim.warmup_epochs": 0.25}}
 #: the length of a text run's sequences when block_size is not given
 TEXT_BLOCK_SIZE = 64
 #: and the factor a compressor applies to it: a scaled sign step moves every coordinate by the
@@ -46,16 +67,19 @@ TEXT_BLOCK_SIZE = 64
 COMPRESSION_LR_SCALE = {"signsgd": 0.25}
 #: the batch size --lr refers to under --scale-lr (Goyal et al. 2017)
 BASE_BATCH = 256
-#: config fields a resumed run must share with the checkpoint
-RESUME_FIELDS = ("model", "dataset", "synthetic_shape", "synthetic_samples", "global_batch_size",
-                 "seed", "dtype", "n_layer", "n_head", "n_embd", "block_size", "digits")
+#: options a resumed run must share with the checkpoint
+RESUME_KEYS = ("model.name", "data.dataset", "data.synthetic_shape", "data.synthetic_samples",
+               "optim.global_batch_size", "optim.seed", "model.dtype", "model.n_layer",
+               "model.n_head", "model.n_embd", "model.block_size", "data.digits")
+#: the pipeline pieces of the zoo's models (the GPT: n_layer + 2)
+PIPELINE_PIECES = {"mlp": 2, "lenet": 5}
 
 
 class ConfigError(ValueError):
     """A configuration, data or checkpoint problem (found alike on every rank, or agreed on).
 
-    The message is a template that names TrainConfig fields in braces, "{epochs}: expected ...":
-    `str()` writes the field names, `message(name)` whatever `name(field)` returns.
+    The message is a template that names options by key in braces, "{optim.epochs}: expected
+    ...": `str()` writes the keys, `message(name)` whatever `name(key)` returns.
     """
 
     def __init__(self, template: str) -> None:
@@ -63,23 +87,22 @@ class ConfigError(ValueError):
         self.template = template
 
     def message(self, name: Callable[[str], str] = str) -> str:
-        return self.template.format_map(_Names(name))
+        return _BRACES.sub(lambda m: name(m.group(1)) if m.group(1) else m.group(0)[0],
+                           self.template)
+
+    def keys(self) -> list[str]:
+        """The options the message names."""
+        return [m.group(1) for m in _BRACES.finditer(self.template) if m.group(1)]
 
     def __str__(self) -> str:
         return self.message()
 
 
-class _Names(dict):
-    def __init__(self, name: Callable[[str], str]) -> None:
-        super().__init__()
-        self.name = name
-
-    def __missing__(self, field: str) -> str:
-        return self.name(field)
+_BRACES = re.compile(r"\{\{|\}\}|\{([\w.]+)\}")
 
 
 def literal(text: str) -> str:
-    """text as a part of a ConfigError template (its braces are not fields)."""
+    """text as a part of a ConfigError template (its braces are not keys)."""
     return text.replace("{", "{{").replace("}", "}}")
 
 
@@ -99,70 +122,158 @@ def agreed(comm: Any, fn: Callable[[], Any]) -> Any:
     return result
 
 
-@dataclasses.dataclass
-class TrainConfig:
-    """Everything that defines a run (the flags of `mpdl train`)."""
+# -- declaring options ----------------------------------------------------------------------------
 
-    model: str = "mlp"
-    dataset: str = "digits"
-    data: str | None = None
-    epochs: int = 15
-    global_batch_size: int = 64
-    lr: float | None = None
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    warmup_epochs: float = 0.0
-    scale_lr: bool = False
-    lr_schedule: str = "cosine"
-    algorithm: str = "auto"
-    #: None: DDP's 25 MiB; ZeRO's units at most 1/16 of the model and 25 MiB
-    bucket_mb: float | None = None
-    first_bucket_mb: float = 1.0
-    overlap: bool = True
-    seed: int = 0
-    checkpoint: str | None = None
-    resume: bool = False
-    #: also checkpoint every this many steps (0: at the end of each epoch only)
-    checkpoint_every: int = 0
-    #: copies of old checkpoints kept in CHECKPOINT/history (0: none)
-    keep: int = 0
-    json: str | None = None
-    timeline: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    synthetic_shape: str = "mnist"
-    synthetic_samples: int = 4096
-    drop_last: bool = False
-    progress: bool = True
-    compression: str = "none"
-    ratio: float = 0.01
-    levels: int = 127
-    powersgd_rank: int = 2
-    sync_every: int = 1
-    post_local_warmup: int = 0
-    mode: str = "allreduce"
-    servers: int = 1
-    staleness: int | None = None
-    ps_async: bool = False
-    emulate: str | None = None
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64
-    block_size: int | None = None
-    digits: int = 3
-    zero: int = 0
-    prefetch: bool = True
-    zero_hybrid: bool = False
+def option(default: Any, help: str = "", *, choices: tuple | None = None,  # noqa: A002
+           check: Callable[[Any], str | None] | None = None, flag: str | None = None,
+           metavar: str | None = None) -> Any:
+    """A field of a section: its default, help, allowed values (choices) or check (what is wrong
+    with a value, or None), and its flag and metavar where they are not made from its name."""
+    return dataclasses.field(default=default, metadata={
+        "help": help, "choices": choices, "check": check, "flag": flag, "metavar": metavar})
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def expect(ok: Callable[[Any], bool], expected: str) -> Callable[[Any], str | None]:
+    """A check: None when ok(value), else "expected ..., got VALUE"."""
+    return lambda value: None if ok(value) else f"{expected}, got {value!r}"
+
+
+POSITIVE = expect(lambda v: _number(v) and v > 0, "expected a positive number")
+AT_LEAST_ZERO = expect(lambda v: _number(v) and v >= 0, "expected a number >= 0")
+POSITIVE_INT = expect(lambda v: _integer(v) and v >= 1, "expected a positive number")
+COUNT = expect(lambda v: _integer(v) and v >= 0, "expected a number >= 0")
+OPTIONAL_POSITIVE = expect(lambda v: v is None or (_number(v) and v > 0),
+                           "expected a positive number")
+OPTIONAL_POSITIVE_INT = expect(lambda v: v is None or (_integer(v) and v >= 1),
+                               "expected a positive number")
+
+
+def _one_of(value: Any, choices: tuple) -> str | None:
+    if value in choices:
+        return None
+    return f"expected one of {', '.join(map(str, choices))}, got {value!r}"
+
+
+def _emulation_problem(spec: str | None) -> str | None:
+    try:
+        emulation.resolve(spec)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+# -- the sections ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ModelConfig:
+    """The model, its shape (the GPT's) and where and in what precision it computes."""
+
+    name: str = option("mlp", "model from the zoo; gpt: a decoder-only transformer for --dataset "
+                       "addition or text", choices=MODELS, flag="--model")
+    n_layer: int = option(2, "gpt: transformer blocks", check=POSITIVE_INT, metavar="L")
+    n_head: int = option(4, "gpt: attention heads, dividing --n-embd", check=POSITIVE_INT,
+                         metavar="H")
+    n_embd: int = option(64, "gpt: width of the embeddings", check=POSITIVE_INT, metavar="D")
+    block_size: int | None = option(None, "gpt: the longest sequence (default: addition 3 x "
+                                    "digits + 2, text 64)", check=OPTIONAL_POSITIVE_INT,
+                                    metavar="T")
+    dtype: str = option("float32", choices=("float32", "float64"))
+    device: str = option("cpu", "gpu needs CuPy and a GPU", choices=("cpu", "gpu"))
+    recompute: str = option("none", "gpt: recompute in backward each attention core (selective) "
+                            "or each whole block (full) instead of keeping their activations",
+                            choices=RECOMPUTE)
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """The dataset and how it is read."""
+
+    dataset: str = option("digits", "digits: the shipped UCI 8x8 digits; mnist: IDX files or .npz "
+                          "at --data; synthetic: generated; addition: n-digit sums as characters, "
+                          "answers reversed; text: a UTF-8 file at --data, characters",
+                          choices=DATASETS)
+    path: str | None = option(None, "MNIST folder with the standard IDX files (gzipped or not) or "
+                              "an .npz with x_train, y_train, x_test, y_test; --dataset text: the "
+                              "text file", flag="--data", metavar="PATH")
+    synthetic_shape: str = option("mnist", "image shape of --dataset synthetic: 1x28x28 or 3x32x32",
+                                  choices=("mnist", "cifar"))
+    synthetic_samples: int = option(4096, "training samples of --dataset synthetic, plus N/4 test",
+                                    check=POSITIVE, metavar="N")
+    digits: int = option(3, "--dataset addition: digits of each operand, 1 to 9",
+                         check=expect(lambda v: _integer(v) and 1 <= v <= 9,
+                                      "expected 1 to 9 digits"))
+    drop_last: bool = option(False, "drop each epoch's last, short global batch")
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """The optimizer, the learning rate and its schedule, the batch, the epochs and the seed."""
+
+    epochs: int = option(15, "total epochs (a resumed run continues up to this)", check=POSITIVE)
+    global_batch_size: int = option(64, "samples (sequences) per step over all ranks, split into "
+                                    "contiguous per-rank slices", check=POSITIVE, metavar="B")
+    lr: float | None = option(None, "learning rate (default: sgd 0.2, adam 0.001, lars 2, lamb "
+                              "0.01; lenet: sgd 0.03, adam 0.003; gpt: adam 0.003; x 0.25 under "
+                              "--compression signsgd)",
+                              check=expect(lambda v: v is None or (_number(v) and v > 0),
+                                           "expected a positive learning rate"))
+    optimizer: str = option("sgd", "sgd and lars use --momentum", choices=OPTIMIZERS)
+    momentum: float = option(0.9, check=AT_LEAST_ZERO)
+    weight_decay: float = option(0.0, check=AT_LEAST_ZERO)
+    warmup_epochs: float = option(0.0, "linear learning-rate warmup (Goyal et al.)",
+                                  check=AT_LEAST_ZERO)
+    scale_lr: bool = option(False, "linear scaling rule: --lr is the rate for a batch of 256, "
+                            "scaled by B/256")
+    lr_schedule: str = option("cosine", "after warmup", choices=LR_SCHEDULES)
+    seed: int = option(0, "model initialisation and data order")
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """How the ranks share the work: data parallel (plain or ZeRO), a parameter server, or a
+    process grid dp x pp x tp."""
+
+    mode: str = option("allreduce", "ps: parameter server; the last --servers ranks hold the "
+                       "parameters and run sgd, the others train; synchronous unless --staleness "
+                       "or --async", choices=PARALLEL_MODES)
+    servers: int = option(1, "--mode ps: server ranks")
+    staleness: int | None = option(None, "--mode ps: stale synchronous parallel, no worker more "
+                                   "than S steps ahead of the slowest", metavar="S")
+    ps_async: bool = option(False, "--mode ps: fully asynchronous (each push applied on arrival); "
+                            "with --staleness or --async each push is its own step at 2 x lr x the "
+                            "worker's share of the batch, server momentum at most 0.5",
+                            flag="--async")
+    zero: int = option(0, "ZeRO sharded data parallelism: 1 shards the optimizer state, 2 also the "
+                       "gradients, 3 also the parameters (FSDP); gradients reduce-scattered and "
+                       "parameters all-gathered with --algorithm auto, ring, tree or mpi",
+                       check=expect(lambda v: v == 0 or v in ZERO_STAGES,
+                                    "expected a stage 1, 2 or 3"), metavar="{1,2,3}")
+    zero_hybrid: bool = option(False, "--zero: shard within each node, replicate across nodes "
+                               "(nodes from MPI shared memory or MPDL_RANKS_PER_NODE; equal sizes)")
+    prefetch: bool = option(True, "--zero 3: gather each unit's parameters only when it runs, not "
+                            "while the previous one computes", flag="--no-prefetch")
     #: the process grid (dp × pp × tp = world size); dp None: the world size / (pp × tp)
-    dp: int | None = None
-    pp: int = 1
-    tp: int = 1
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    verbose_comm: bool = False
-    #: recompute in backward: none, selective (each attention core) or full (each block)
-    recompute: str = "none"
+    dp: int | None = option(None, "data-parallel degree of the process grid dp x pp x tp "
+                            "(default: the number of ranks / (pp x tp)); ranks row-major, tp "
+                            "fastest", check=OPTIONAL_POSITIVE_INT, metavar="D")
+    pp: int = option(1, "pipeline stages, balanced by parameter count (mlp, lenet, gpt)",
+                     check=POSITIVE_INT, metavar="P")
+    tp: int = option(1, "tensor-parallel degree: Megatron attention heads and MLP split over T "
+                     "ranks (gpt; embeddings and LayerNorms replicated)", check=POSITIVE_INT,
+                     metavar="T")
+    microbatches: int = option(1, "--pp/--tp: microbatches per step", check=POSITIVE_INT,
+                               metavar="M")
+    schedule: str = option("1f1b", "--pp: all forward then all backward (GPipe), or one forward "
+                           "one backward (PipeDream-flush)", choices=PIPELINE_SCHEDULES)
+    verbose_comm: bool = option(False, "--pp: print every message between stages (stderr)")
 
     def ps_mode(self) -> str:
         """The parameter server's synchronisation: sync, ssp (staleness) or async (ps_async)."""
@@ -179,19 +290,129 @@ class TrainConfig:
         """Whether the run splits the model (pipeline or tensor parallelism)."""
         return self.pp > 1 or self.tp > 1
 
+
+@dataclasses.dataclass
+class CommunicationConfig:
+    """The gradients' all-reduce: its algorithm, buckets, compression or local SGD, and the
+    links' emulation."""
+
+    algorithm: str = option("auto", "gradient all-reduce: auto or any name of `mpdl bench --list`",
+                            check=lambda v: _one_of(v, ("auto", *algorithms("allreduce"))),
+                            metavar="NAME")
+    bucket_mb: float | None = option(None, "gradient bucket size in MiB (default: 25; --zero 1 "
+                                     "and 2: at most 1/16 of the model and 25)",
+                                     check=OPTIONAL_POSITIVE)
+    first_bucket_mb: float = option(1.0, "size of the first (last layers') bucket", check=POSITIVE)
+    overlap: bool = option(True, "reduce all buckets after backward instead of during it",
+                           flag="--no-overlap")
+    compression: str = option("none", "gradient compression per bucket", choices=COMPRESSORS)
+    ratio: float = option(0.01, "topk: fraction of values sent")
+    levels: int = option(127, "qsgd: quantisation levels s, at most 127")
+    powersgd_rank: int = option(2, "powersgd: rank r", flag="--rank")
+    sync_every: int = option(1, "local SGD: average parameters every H steps instead of gradients "
+                             "every step", metavar="H",
+                             check=expect(lambda v: _integer(v) and v >= 1,
+                                          "expected a positive number of steps"))
+    post_local_warmup: int = option(0, "local SGD: all-reduce gradients for the first STEPS steps",
+                                    metavar="STEPS",
+                                    check=expect(lambda v: _integer(v) and v >= 0,
+                                                 "expected a number of steps >= 0"))
+    emulate: str | None = option(None, "emulate slower links, e.g. inter=10Gbit/s,20us (nodes from "
+                                 "MPDL_RANKS_PER_NODE), or off (default: MPDL_EMULATE)",
+                                 check=_emulation_problem, metavar="SPEC")
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """Where and how often the run saves itself, and whether it continues from there."""
+
+    dir: str | None = option(None, "rank 0 writes DIR/model.npz, optimizer.npz and state.json "
+                             "every epoch", flag="--checkpoint", metavar="DIR")
+    every: int = option(0, "also checkpoint every STEPS steps (with the position in the epoch), "
+                        "so a restart repeats at most STEPS steps (0: at the end of each epoch "
+                        "only)", check=COUNT, flag="--checkpoint-every", metavar="STEPS")
+    keep: int = option(0, "keep copies of the last N checkpoints in DIR/history/step-NNNNNNNN",
+                       check=COUNT, metavar="N")
+    resume: bool = option(False, "continue from the checkpoint in --checkpoint DIR (any number of "
+                          "ranks; starts fresh when DIR holds none yet)")
+
+
+@dataclasses.dataclass
+class OutputConfig:
+    """What the run writes besides its table."""
+
+    json: str | None = option(None, "the configuration, one JSON line per epoch, then a summary "
+                              "line", metavar="PATH")
+    timeline: str | None = option(None, "Chrome-trace JSON (Perfetto, chrome://tracing), one track "
+                                  "per rank", metavar="PATH")
+    progress: bool = option(True, "no progress bar on rank 0", flag="--no-progress")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything that defines a run (the options of `mpdl train`), by section."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    communication: CommunicationConfig = dataclasses.field(default_factory=CommunicationConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+
+    @classmethod
+    def from_keys(cls, values: Mapping[str, Any]) -> TrainConfig:
+        """The configuration with `values` ({"optim.epochs": 3, ...}) and the defaults elsewhere;
+        ConfigError for a key that is no option."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in values.items():
+            if key not in OPTIONS:
+                raise ConfigError(f"{literal(key)}: no such option")
+            section, name = key.split(".")
+            sections[section][name] = value
+        return cls(**{name: SECTIONS[name](**given) for name, given in sections.items()})
+
+    def by_key(self) -> dict[str, Any]:
+        """Every option's value by key ({"optim.epochs": 15, ...})."""
+        return {key: getattr(getattr(self, key.split(".")[0]), key.split(".")[1])
+                for key in OPTIONS}
+
     def base_lr(self) -> float:
         """The learning rate after warmup: lr, or the default of the model, optimizer and
         compression; times global_batch_size / BASE_BATCH under scale_lr."""
-        lr = default_lr(self.model, self.optimizer, self.compression) if self.lr is None \
-            else self.lr
-        return scale_lr(lr, self.global_batch_size, BASE_BATCH) if self.scale_lr else lr
+        o = self.optim
+        lr = default_lr(self.model.name, o.optimizer, self.communication.compression) \
+            if o.lr is None else o.lr
+        return scale_lr(lr, o.global_batch_size, BASE_BATCH) if o.scale_lr else lr
+
+
+#: the sections by name, in order
+SECTIONS: dict[str, type] = {f.name: f.default_factory  # type: ignore[misc]
+                             for f in dataclasses.fields(TrainConfig)}
+#: every option's field by key ("optim.epochs"), in order
+OPTIONS: dict[str, dataclasses.Field] = {f"{section}.{f.name}": f
+                                         for section, cls in SECTIONS.items()
+                                         for f in dataclasses.fields(cls)}
+
+
+def option_type(key: str) -> type:
+    """The type of an option's values: bool, int, float or str (None aside)."""
+    section, name = key.split(".")
+    hint = typing.get_type_hints(SECTIONS[section])[name]
+    return next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
 
 
 def model_defaults(model: str) -> dict[str, object]:
-    """The TrainConfig fields whose default depends on the model, with their value for `model`."""
-    base = {f.name: f.default for f in dataclasses.fields(TrainConfig)
-            if f.name in ("dataset", "optimizer", "epochs", "global_batch_size", "warmup_epochs")}
+    """The options whose default depends on the model, with their value for `model`."""
+    base = {key: OPTIONS[key].default for key in MODEL_DEFAULTS["gpt"]}
     return {**base, **MODEL_DEFAULTS.get(model, {})}
+
+
+def resolve(values: Mapping[str, Any]) -> TrainConfig:
+    """The configuration with `values` by key and, where an option is not given, the default of
+    its model (MODEL_DEFAULTS) or its own."""
+    model = values.get("model.name", OPTIONS["model.name"].default)
+    return TrainConfig.from_keys({**model_defaults(model), **values})
 
 
 def default_lr(model: str, optimizer: str, compression: str = "none") -> float:
@@ -200,257 +421,239 @@ def default_lr(model: str, optimizer: str, compression: str = "none") -> float:
     return lr * COMPRESSION_LR_SCALE.get(compression, 1.0)
 
 
+def saved_keys(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of a checkpoint's recorded configuration by key: sections of options, or the
+    flat fields that checkpoints held before the sections (OLD_KEYS)."""
+    if all(isinstance(v, Mapping) for v in saved.values()):
+        return {f"{section}.{name}": value for section, values in saved.items()
+                for name, value in values.items()}
+    return {OLD_KEYS.get(name, name): value for name, value in saved.items()}
+
+
+#: the flat field names of configurations recorded before the sections, where the key is not
+#: SECTION.NAME with the same name
+OLD_KEYS = {"model": "model.name", "data": "data.path", "checkpoint": "checkpoint.dir",
+            "checkpoint_every": "checkpoint.every",
+            **{key.split(".")[1]: key for key in OPTIONS
+               if key.split(".")[1] not in ("name", "path", "dir", "every")}}
+
+
+# -- the rules ------------------------------------------------------------------------------------
+
+def check_options(config: TrainConfig) -> None:
+    """ConfigError for the first option whose value is not allowed on its own."""
+    for key, value in config.by_key().items():
+        field = OPTIONS[key]
+        choices, check = field.metadata["choices"], field.metadata["check"]
+        problem = _one_of(value, choices) if choices is not None else None
+        problem = problem or (check(value) if check is not None else None)
+        if problem:
+            raise ConfigError(f"{{{key}}}: {literal(problem)}")
+
+
 def validate(config: TrainConfig, world_size: int) -> None:
     """ConfigError with a one-line message for an inconsistent configuration (no communication:
     every rank reaches the same verdict)."""
-    choices = {"model": MODELS, "dataset": DATASETS, "optimizer": OPTIMIZERS,
-               "lr_schedule": SCHEDULES, "device": ("cpu", "gpu"),
-               "dtype": ("float32", "float64"), "synthetic_shape": ("mnist", "cifar"),
-               "algorithm": ("auto", *algorithms("allreduce"))}
-    for field, allowed in choices.items():
-        value = getattr(config, field)
-        if value not in allowed:
-            raise ConfigError(f"{{{field}}}: expected one of {', '.join(allowed)}, got "
-                              f"{literal(repr(value))}")
-    for field in ("epochs", "global_batch_size", "bucket_mb", "first_bucket_mb",
-                  "synthetic_samples"):
-        if getattr(config, field) is not None and not getattr(config, field) > 0:
-            raise ConfigError(f"{{{field}}}: expected a positive number, got "
-                              f"{getattr(config, field)}")
-    for field in ("momentum", "weight_decay", "warmup_epochs"):
-        if getattr(config, field) < 0:
-            raise ConfigError(f"{{{field}}}: expected a number >= 0, got "
-                              f"{getattr(config, field)}")
-    if config.lr is not None and not config.lr > 0:
-        raise ConfigError(f"{{lr}}: expected a positive learning rate, got {config.lr}")
+    check_options(config)
     validate_communication(config, world_size)
     validate_grid(config, world_size)
-    validate_recompute(config)
-    ranks = config.data_ranks(world_size)
-    if config.global_batch_size < ranks:
-        what = "workers" if config.mode == "ps" else "ranks"
-        raise ConfigError(f"{{global_batch_size}} {config.global_batch_size} is smaller than the "
+    p, o, d, ck = config.parallel, config.optim, config.data, config.checkpoint
+    ranks = p.data_ranks(world_size)
+    if o.global_batch_size < ranks:
+        what = "workers" if p.mode == "ps" else "ranks"
+        raise ConfigError(f"{{optim.global_batch_size}} {o.global_batch_size} is smaller than the "
                           f"number of {what} ({ranks}): every {what[:-1]} needs at least one "
                           f"sample")
     validate_sequence(config)
-    if config.dataset == "mnist" and not config.data:
-        raise ConfigError("{dataset} mnist needs {data} PATH (a folder with the IDX files, "
-                          "gzipped or not, or an .npz); nothing is downloaded")
-    if config.data and config.dataset not in ("mnist", "text"):
-        raise ConfigError(f"{{data}} is only read with {{dataset}} mnist or text, not "
-                          f"{config.dataset}")
-    if config.resume and not config.checkpoint:
-        raise ConfigError("{resume} needs {checkpoint} DIR")
-    for field in ("checkpoint_every", "keep"):
-        value = getattr(config, field)
-        if not isinstance(value, int) or value < 0:
-            raise ConfigError(f"{{{field}}}: expected a number >= 0, got {literal(repr(value))}")
-        if value and not config.checkpoint:
-            raise ConfigError(f"{{{field}}} needs {{checkpoint}} DIR")
-    if config.checkpoint_every and config.sync_every > 1:
-        raise ConfigError("{checkpoint_every} cannot be combined with {sync_every} H > 1 (between "
-                          "two averages the replicas differ, and a checkpoint holds one of them)")
-    if config.lr_schedule == "cosine" and config.warmup_epochs >= config.epochs:
-        raise ConfigError("{lr_schedule} cosine needs {warmup_epochs} below {epochs}")
-    if config.emulate is not None:
-        try:
-            emulation.resolve(config.emulate)
-        except ValueError as exc:
-            raise ConfigError(f"{{emulate}}: {literal(str(exc))}") from None
-
-
-#: the model pieces a pipeline can cut the zoo's models into (the GPT: n_layer + 2)
-PIPELINE_PIECES = {"mlp": 2, "lenet": 5}
-PIPELINE_SCHEDULES = ("afab", "1f1b")
-
-
-def validate_recompute(config: TrainConfig) -> None:
-    """Activation recomputation: a known mode, on a model made of transformer blocks."""
-    if config.recompute not in RECOMPUTE:
-        raise ConfigError(f"{{recompute}}: expected one of {', '.join(RECOMPUTE)}, got "
-                          f"{literal(repr(config.recompute))}")
-    if config.recompute != "none" and config.model != "gpt":
-        raise ConfigError(f"{{recompute}} {config.recompute} needs a model of transformer blocks "
-                          f"({{model}} gpt), got {{model}} {config.model}")
+    if config.model.recompute != "none" and config.model.name != "gpt":
+        raise ConfigError(f"{{model.recompute}} {config.model.recompute} needs a model of "
+                          f"transformer blocks ({{model.name}} gpt), got {{model.name}} "
+                          f"{config.model.name}")
+    if d.dataset == "mnist" and not d.path:
+        raise ConfigError("{data.dataset} mnist needs {data.path} PATH (a folder with the IDX "
+                          "files, gzipped or not, or an .npz); nothing is downloaded")
+    if d.path and d.dataset not in ("mnist", "text"):
+        raise ConfigError(f"{{data.path}} is only read with {{data.dataset}} mnist or text, not "
+                          f"{d.dataset}")
+    if ck.resume and not ck.dir:
+        raise ConfigError("{checkpoint.resume} needs {checkpoint.dir} DIR")
+    for key, value in (("checkpoint.every", ck.every), ("checkpoint.keep", ck.keep)):
+        if value and not ck.dir:
+            raise ConfigError(f"{{{key}}} needs {{checkpoint.dir}} DIR")
+    if ck.every and config.communication.sync_every > 1:
+        raise ConfigError("{checkpoint.every} cannot be combined with {communication.sync_every} "
+                          "H > 1 (between two averages the replicas differ, and a checkpoint "
+                          "holds one of them)")
+    if o.lr_schedule == "cosine" and o.warmup_epochs >= o.epochs:
+        raise ConfigError("{optim.lr_schedule} cosine needs {optim.warmup_epochs} below "
+                          "{optim.epochs}")
 
 
 def validate_grid(config: TrainConfig, world_size: int) -> None:
-    """The process grid (dp × pp × tp), the pipeline's fields and what they cannot combine with."""
-    for field in ("pp", "tp", "microbatches", *(("dp",) if config.dp is not None else ())):
-        value = getattr(config, field)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{{{field}}}: expected a positive number, got "
-                              f"{literal(repr(value))}")
-    if config.schedule not in PIPELINE_SCHEDULES:
-        raise ConfigError(f"{{schedule}}: expected one of {', '.join(PIPELINE_SCHEDULES)}, got "
-                          f"{literal(repr(config.schedule))}")
-    if config.dp is None and world_size % (config.pp * config.tp):
-        raise ConfigError(f"{{pp}} x {{tp}} = {config.pp} x {config.tp} = "
-                          f"{config.pp * config.tp} must divide the number of ranks "
+    """The process grid (dp × pp × tp), the pipeline's options and what they cannot combine
+    with."""
+    p, m = config.parallel, config.model
+    if p.dp is None and world_size % (p.pp * p.tp):
+        raise ConfigError(f"{{parallel.pp}} x {{parallel.tp}} = {p.pp} x {p.tp} = {p.pp * p.tp} "
+                          f"must divide the number of ranks ({world_size})")
+    dp = p.dp if p.dp is not None else world_size // (p.pp * p.tp)
+    if dp * p.pp * p.tp != world_size:
+        raise ConfigError(f"{{parallel.dp}} x {{parallel.pp}} x {{parallel.tp}} = {dp} x {p.pp} "
+                          f"x {p.tp} = {dp * p.pp * p.tp} must equal the number of ranks "
                           f"({world_size})")
-    dp = config.dp if config.dp is not None else world_size // (config.pp * config.tp)
-    if dp * config.pp * config.tp != world_size:
-        raise ConfigError(f"{{dp}} x {{pp}} x {{tp}} = {dp} x {config.pp} x {config.tp} = "
-                          f"{dp * config.pp * config.tp} must equal the number of ranks "
-                          f"({world_size})")
-    if not config.model_parallel():
-        for field, default in (("microbatches", 1), ("schedule", "1f1b"),
-                               ("verbose_comm", False)):
-            if getattr(config, field) != default:
-                raise ConfigError(f"{{{field}}} needs {{pp}} > 1 (a pipeline) or {{tp}} > 1")
+    grid = "{parallel.pp} > 1 or {parallel.tp} > 1"
+    if not p.model_parallel():
+        for key in ("parallel.microbatches", "parallel.schedule", "parallel.verbose_comm"):
+            if getattr(p, key.split(".")[1]) != OPTIONS[key].default:
+                raise ConfigError(f"{{{key}}} needs {{parallel.pp}} > 1 (a pipeline) or "
+                                  f"{{parallel.tp}} > 1")
         return
-    if config.tp > 1 and config.model != "gpt":
-        raise ConfigError(f"{{tp}} > 1 needs {{model}} gpt (attention heads and the MLP are "
-                          f"split), not {config.model}")
-    if config.tp > 1 and config.n_head % config.tp:
-        raise ConfigError(f"{{tp}} {config.tp} must divide {{n_head}} {config.n_head} (each "
+    if p.tp > 1 and m.name != "gpt":
+        raise ConfigError(f"{{parallel.tp}} > 1 needs {{model.name}} gpt (attention heads and "
+                          f"the MLP are split), not {m.name}")
+    if p.tp > 1 and m.n_head % p.tp:
+        raise ConfigError(f"{{parallel.tp}} {p.tp} must divide {{model.n_head}} {m.n_head} (each "
                           f"tensor-parallel rank computes n_head / tp heads)")
-    pieces = config.n_layer + 2 if config.model == "gpt" else PIPELINE_PIECES.get(config.model)
+    pieces = m.n_layer + 2 if m.name == "gpt" else PIPELINE_PIECES.get(m.name)
     if pieces is None:
-        raise ConfigError(f"{{pp}} needs {{model}} mlp, lenet or gpt (a sequence of layers), not "
-                          f"{config.model}")
-    if config.pp > pieces:
-        raise ConfigError(f"{{pp}} {config.pp}: {{model}} {config.model} has {pieces} pieces to "
-                          f"cut into stages" + (" (n_layer + 2)" if config.model == "gpt" else ""))
-    if config.zero not in (0, 1):
-        raise ConfigError(f"{{pp}} > 1 or {{tp}} > 1 combine with {{zero}} 1 only (the "
-                          f"optimizer state sharded over the data-parallel axis), not "
-                          f"{{zero}} {config.zero}")
-    if config.zero_hybrid:
-        raise ConfigError("{pp} > 1 or {tp} > 1 cannot be combined with {zero_hybrid}")
-    for field, default in (("mode", "allreduce"), ("compression", "none"), ("sync_every", 1)):
-        if getattr(config, field) != default:
-            raise ConfigError(f"{{pp}} > 1 or {{tp}} > 1 cannot be combined with {{{field}}} "
-                              f"(not supported with model parallelism yet)")
+        raise ConfigError(f"{{parallel.pp}} needs {{model.name}} mlp, lenet or gpt (a sequence of "
+                          f"layers), not {m.name}")
+    if p.pp > pieces:
+        raise ConfigError(f"{{parallel.pp}} {p.pp}: {{model.name}} {m.name} has {pieces} pieces "
+                          f"to cut into stages" + (" (n_layer + 2)" if m.name == "gpt" else ""))
+    if p.zero not in (0, 1):
+        raise ConfigError(f"{grid} combine with {{parallel.zero}} 1 only (the optimizer state "
+                          f"sharded over the data-parallel axis), not {{parallel.zero}} {p.zero}")
+    if p.zero_hybrid:
+        raise ConfigError(f"{grid} cannot be combined with {{parallel.zero_hybrid}}")
+    for key, value in (("parallel.mode", p.mode),
+                       ("communication.compression", config.communication.compression),
+                       ("communication.sync_every", config.communication.sync_every)):
+        if value != OPTIONS[key].default:
+            raise ConfigError(f"{grid} cannot be combined with {{{key}}} (not supported with "
+                              f"model parallelism yet)")
 
 
 def validate_sequence(config: TrainConfig) -> None:
-    """The GPT's shape fields and its datasets."""
-    if (config.model == "gpt") != (config.dataset in SEQUENCE_DATASETS):
-        if config.model == "gpt":
-            raise ConfigError(f"{{model}} gpt trains on {{dataset}} addition or text, not "
-                              f"{config.dataset}")
-        raise ConfigError(f"{{dataset}} {config.dataset} is a token sequence task: it needs "
-                          f"{{model}} gpt, not {config.model}")
-    for field in ("n_layer", "n_head", "n_embd", "block_size", "digits"):
-        value = getattr(config, field)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{{{field}}}: expected a positive number, got {value}")
-    if config.n_embd % config.n_head:
-        raise ConfigError(f"{{n_embd}} {config.n_embd} must be divisible by {{n_head}} "
-                          f"{config.n_head} (each head gets n_embd / n_head dimensions)")
-    if config.digits > 9:
-        raise ConfigError(f"{{digits}}: expected 1 to 9 digits, got {config.digits}")
-    length = 3 * config.digits + 2
-    if config.dataset == "addition" and config.block_size is not None \
-            and config.block_size < length:
-        raise ConfigError(f"{{block_size}} {config.block_size} is shorter than the sequences of "
-                          f"{{dataset}} addition with {{digits}} {config.digits} (3 x digits + 2 "
-                          f"= {length} tokens)")
-    if config.dataset == "text" and not config.data:
-        raise ConfigError("{dataset} text needs {data} FILE (a UTF-8 text file)")
+    """The GPT's shape options and its datasets."""
+    m, d = config.model, config.data
+    if (m.name == "gpt") != (d.dataset in SEQUENCE_DATASETS):
+        if m.name == "gpt":
+            raise ConfigError(f"{{model.name}} gpt trains on {{data.dataset}} addition or text, "
+                              f"not {d.dataset}")
+        raise ConfigError(f"{{data.dataset}} {d.dataset} is a token sequence task: it needs "
+                          f"{{model.name}} gpt, not {m.name}")
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"{{model.n_embd}} {m.n_embd} must be divisible by {{model.n_head}} "
+                          f"{m.n_head} (each head gets n_embd / n_head dimensions)")
+    length = 3 * d.digits + 2
+    if d.dataset == "addition" and m.block_size is not None and m.block_size < length:
+        raise ConfigError(f"{{model.block_size}} {m.block_size} is shorter than the sequences of "
+                          f"{{data.dataset}} addition with {{data.digits}} {d.digits} (3 x digits "
+                          f"+ 2 = {length} tokens)")
+    if d.dataset == "text" and not d.path:
+        raise ConfigError("{data.dataset} text needs {data.path} FILE (a UTF-8 text file)")
 
 
 def validate_communication(config: TrainConfig, world_size: int) -> None:
-    """The compression, local SGD and parameter-server fields, and their combinations."""
-    if config.mode not in MODES:
-        raise ConfigError(f"{{mode}}: expected one of {', '.join(MODES)}, got "
-                          f"{literal(repr(config.mode))}")
-    if config.compression not in COMPRESSORS:
-        raise ConfigError(f"{{compression}}: expected one of {', '.join(COMPRESSORS)}, got "
-                          f"{literal(repr(config.compression))}")
-    make_compression(config.compression, ratio=config.ratio, levels=config.levels,
-                     rank=config.powersgd_rank)
-    if config.sync_every < 1:
-        raise ConfigError(f"{{sync_every}}: expected a positive number of steps, got "
-                          f"{config.sync_every}")
-    if config.post_local_warmup < 0:
-        raise ConfigError(f"{{post_local_warmup}}: expected a number of steps >= 0, got "
-                          f"{config.post_local_warmup}")
-    if config.post_local_warmup and config.sync_every == 1:
-        raise ConfigError("{post_local_warmup} needs {sync_every} H > 1 (local SGD)")
-    if config.sync_every > 1 and config.compression != "none":
-        raise ConfigError("{sync_every} (local SGD averages parameters) and {compression} "
-                          "(compresses gradients) cannot be combined")
+    """The compression, local SGD and parameter-server options, and their combinations."""
+    c, p = config.communication, config.parallel
+    make_compression(c.compression, ratio=c.ratio, levels=c.levels, rank=c.powersgd_rank)
+    if c.post_local_warmup and c.sync_every == 1:
+        raise ConfigError("{communication.post_local_warmup} needs {communication.sync_every} "
+                          "H > 1 (local SGD)")
+    if c.sync_every > 1 and c.compression != "none":
+        raise ConfigError("{communication.sync_every} (local SGD averages parameters) and "
+                          "{communication.compression} (compresses gradients) cannot be combined")
     validate_zero(config)
-    if config.mode != "ps":
-        if config.staleness is not None:
-            raise ConfigError("{staleness} needs {mode} ps (bounded staleness is a "
-                              "parameter-server mode)")
-        if config.servers != 1:
-            raise ConfigError("{servers} needs {mode} ps")
-        if config.ps_async:
-            raise ConfigError("{ps_async} needs {mode} ps (asynchronous parameter server)")
+    if p.mode != "ps":
+        if p.staleness is not None:
+            raise ConfigError("{parallel.staleness} needs {parallel.mode} ps (bounded staleness "
+                              "is a parameter-server mode)")
+        if p.servers != 1:
+            raise ConfigError("{parallel.servers} needs {parallel.mode} ps")
+        if p.ps_async:
+            raise ConfigError("{parallel.ps_async} needs {parallel.mode} ps (asynchronous "
+                              "parameter server)")
         return
-    if config.ps_async and config.staleness is not None:
-        raise ConfigError("{ps_async} and {staleness} exclude each other ({staleness} s bounds "
-                          "the staleness, {ps_async} leaves it unbounded)")
-    check_config(world_size, config.servers, config.ps_mode(), config.staleness)
-    if config.compression != "none" or config.sync_every > 1:
-        raise ConfigError("{mode} ps cannot be combined with {compression} or {sync_every}")
-    if config.optimizer != "sgd":
-        raise ConfigError(f"{{mode}} ps: the servers run sgd (with {{momentum}}), not "
-                          f"{{optimizer}} {config.optimizer}")
-    if config.device != "cpu":
-        raise ConfigError("{mode} ps runs on {device} cpu only")
-    if config.checkpoint or config.resume:
-        raise ConfigError("{mode} ps cannot be combined with {checkpoint} or {resume} (the "
-                          "servers' shards and momentum are not saved)")
+    if p.ps_async and p.staleness is not None:
+        raise ConfigError("{parallel.ps_async} and {parallel.staleness} exclude each other "
+                          "({parallel.staleness} s bounds the staleness, {parallel.ps_async} "
+                          "leaves it unbounded)")
+    check_config(world_size, p.servers, p.ps_mode(), p.staleness)
+    if c.compression != "none" or c.sync_every > 1:
+        raise ConfigError("{parallel.mode} ps cannot be combined with {communication.compression} "
+                          "or {communication.sync_every}")
+    if config.optim.optimizer != "sgd":
+        raise ConfigError(f"{{parallel.mode}} ps: the servers run sgd (with {{optim.momentum}}), "
+                          f"not {{optim.optimizer}} {config.optim.optimizer}")
+    if config.model.device != "cpu":
+        raise ConfigError("{parallel.mode} ps runs on {model.device} cpu only")
+    if config.checkpoint.dir or config.checkpoint.resume:
+        raise ConfigError("{parallel.mode} ps cannot be combined with {checkpoint.dir} or "
+                          "{checkpoint.resume} (the servers' shards and momentum are not saved)")
 
 
 def validate_zero(config: TrainConfig) -> None:
     """The ZeRO stage and what it cannot be combined with."""
-    if config.zero == 0:
-        if not config.prefetch:
-            raise ConfigError("{prefetch} needs {zero} 3 (prefetch of the next unit's parameters)")
-        if config.zero_hybrid:
-            raise ConfigError("{zero_hybrid} needs {zero} 1, 2 or 3")
+    p, c = config.parallel, config.communication
+    if p.zero == 0:
+        if not p.prefetch:
+            raise ConfigError("{parallel.prefetch} needs {parallel.zero} 3 (prefetch of the next "
+                              "unit's parameters)")
+        if p.zero_hybrid:
+            raise ConfigError("{parallel.zero_hybrid} needs {parallel.zero} 1, 2 or 3")
         return
-    if config.zero not in ZERO_STAGES:
-        raise ConfigError(f"{{zero}}: expected a stage 1, 2 or 3, got {config.zero!r}")
-    if config.mode == "ps":
-        raise ConfigError("{zero} cannot be combined with {mode} ps (the servers hold the "
-                          "parameters)")
-    if config.sync_every > 1:
-        raise ConfigError("{zero} (sharded optimizer state) cannot be combined with {sync_every} "
-                          "(local SGD keeps whole replicas)")
-    if config.compression != "none":
-        raise ConfigError(f"{{zero}} reduce-scatters gradients into shards; {{compression}} "
-                          f"{config.compression} compresses all-reduced buckets and cannot apply")
-    if config.algorithm not in ZERO_ALGORITHMS:
-        raise ConfigError(f"{{algorithm}} {config.algorithm} has no reduce-scatter and "
-                          f"all-gather; with {{zero}} use {', '.join(ZERO_ALGORITHMS)}")
-    if not config.prefetch and config.zero != 3:
-        raise ConfigError("{prefetch} needs {zero} 3 (prefetch of the next unit's parameters)")
+    if p.mode == "ps":
+        raise ConfigError("{parallel.zero} cannot be combined with {parallel.mode} ps (the "
+                          "servers hold the parameters)")
+    if c.sync_every > 1:
+        raise ConfigError("{parallel.zero} (sharded optimizer state) cannot be combined with "
+                          "{communication.sync_every} (local SGD keeps whole replicas)")
+    if c.compression != "none":
+        raise ConfigError(f"{{parallel.zero}} reduce-scatters gradients into shards; "
+                          f"{{communication.compression}} {c.compression} compresses all-reduced "
+                          f"buckets and cannot apply")
+    if c.algorithm not in ZERO_ALGORITHMS:
+        raise ConfigError(f"{{communication.algorithm}} {c.algorithm} has no reduce-scatter and "
+                          f"all-gather; with {{parallel.zero}} use {', '.join(ZERO_ALGORITHMS)}")
+    if not p.prefetch and p.zero != 3:
+        raise ConfigError("{parallel.prefetch} needs {parallel.zero} 3 (prefetch of the next "
+                          "unit's parameters)")
 
 
-def resume_mismatch(config: TrainConfig, saved: dict) -> str | None:
-    """Why a run with `config` cannot continue a checkpoint written with `saved` (a ConfigError
-    template), or None when it can."""
-    for field in RESUME_FIELDS:
-        if field in saved and saved[field] != getattr(config, field):
-            return (f"{{resume}}: the checkpoint in {literal(str(config.checkpoint))} was written "
-                    f"with {field}={literal(repr(saved[field]))}, this run has "
-                    f"{literal(repr(getattr(config, field)))}")
-    if config.lr_schedule == "cosine" and saved.get("epochs", config.epochs) != config.epochs:
-        return (f"{{resume}}: the checkpoint in {literal(str(config.checkpoint))} was written "
-                f"with epochs={saved['epochs']!r}, this run has {config.epochs!r}; the cosine "
+def resume_mismatch(config: TrainConfig, saved: Mapping[str, Any]) -> str | None:
+    """Why a run with `config` cannot continue a checkpoint written with `saved` (its recorded
+    configuration, in sections or flat; a ConfigError template), or None when it can."""
+    saved, mine = saved_keys(saved), config.by_key()
+    where = literal(str(config.checkpoint.dir))
+    for key in RESUME_KEYS:
+        if key in saved and saved[key] != mine[key]:
+            return (f"{{checkpoint.resume}}: the checkpoint in {where} was written with "
+                    f"{{{key}}}={literal(repr(saved[key]))}, this run has "
+                    f"{literal(repr(mine[key]))}")
+    epochs = config.optim.epochs
+    if config.optim.lr_schedule == "cosine" and saved.get("optim.epochs", epochs) != epochs:
+        return (f"{{checkpoint.resume}}: the checkpoint in {where} was written with "
+                f"{{optim.epochs}}={saved['optim.epochs']!r}, this run has {epochs!r}; the cosine "
                 f"schedule's length is the number of epochs, so a different number would change "
-                f"the learning rates already used. Resume with {{epochs}} {saved['epochs']}, or "
-                f"continue with {{lr_schedule}} constant to train for more epochs")
+                f"the learning rates already used. Resume with {{optim.epochs}} "
+                f"{saved['optim.epochs']}, or continue with {{optim.lr_schedule}} constant to "
+                f"train for more epochs")
     return None
 
 
 def load_data(config: TrainConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(x_train, y_train, x_test, y_test) with images as (N, C, H, W) in config.dtype."""
-    if config.dataset == "digits":
+    """(x_train, y_train, x_test, y_test) with images as (N, C, H, W) in the model's dtype."""
+    d = config.data
+    if d.dataset == "digits":
         xtr, ytr, xte, yte = datasets.load_digits(seed=0)
         xtr, xte = xtr.reshape(-1, 1, 8, 8), xte.reshape(-1, 1, 8, 8)
-    elif config.dataset == "mnist":
-        xtr, ytr, xte, yte = datasets.load_mnist(config.data)
+    elif d.dataset == "mnist":
+        xtr, ytr, xte, yte = datasets.load_mnist(d.path)
     else:
-        n_test = max(config.synthetic_samples // 4, 1)
-        xtr, ytr, xte, yte = datasets.synthetic(config.synthetic_shape, config.synthetic_samples,
-                                                n_test, seed=config.seed)
-    dtype = np.dtype(config.dtype)
+        n_test = max(d.synthetic_samples // 4, 1)
+        xtr, ytr, xte, yte = datasets.synthetic(d.synthetic_shape, d.synthetic_samples, n_test,
+                                                seed=config.optim.seed)
+    dtype = np.dtype(config.model.dtype)
     return xtr.astype(dtype, copy=False), ytr, xte.astype(dtype, copy=False), yte

@@ -18,39 +18,41 @@ from mpdl.training.config import TrainConfig
 
 def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
     """The strategy a (valid) configuration asks for."""
-    c = config
-    if c.mode == "ps":
-        return ParameterServerStrategy(comm, servers=c.servers, mode=c.ps_mode(),
-                                       staleness=c.staleness, lr=c.base_lr(),
-                                       momentum=c.momentum, weight_decay=c.weight_decay)
-    if c.model_parallel():
-        return PipelineStrategy(comm, dp=c.data_ranks(comm.size), pp=c.pp, tp=c.tp,
-                                microbatches=c.microbatches, schedule=c.schedule,
-                                algorithm=c.algorithm, verbose=c.verbose_comm, zero=c.zero)
+    p, c, o = config.parallel, config.communication, config.optim
+    if p.mode == "ps":
+        return ParameterServerStrategy(comm, servers=p.servers, mode=p.ps_mode(),
+                                       staleness=p.staleness, lr=config.base_lr(),
+                                       momentum=o.momentum, weight_decay=o.weight_decay)
+    if p.model_parallel():
+        return PipelineStrategy(comm, dp=p.data_ranks(comm.size), pp=p.pp, tp=p.tp,
+                                microbatches=p.microbatches, schedule=p.schedule,
+                                algorithm=c.algorithm, verbose=p.verbose_comm, zero=p.zero)
     common = dict(algorithm=c.algorithm, first_bucket_mb=c.first_bucket_mb, overlap=c.overlap)
-    if c.zero:
-        return ZeroStrategy(comm, stage=c.zero, prefetch=c.prefetch, hybrid=c.zero_hybrid,
+    if p.zero:
+        return ZeroStrategy(comm, stage=p.zero, prefetch=p.prefetch, hybrid=p.zero_hybrid,
                             bucket_mb=c.bucket_mb, **common)
     common["bucket_mb"] = c.bucket_mb if c.bucket_mb is not None else DDP_BUCKET_MB
     if c.sync_every > 1:
         return LocalSGDStrategy(comm, sync_every=c.sync_every, warmup_steps=c.post_local_warmup,
                                 **common)
     compression = make_compression(c.compression, ratio=c.ratio, levels=c.levels,
-                                   rank=c.powersgd_rank, momentum=c.momentum if dgc(c) else 0.0,
+                                   rank=c.powersgd_rank,
+                                   momentum=o.momentum if dgc(config) else 0.0,
                                    algorithm=c.algorithm)
     return AllReduceStrategy(comm, compression=compression, **common)
 
 
 def dgc(config: TrainConfig) -> bool:
     """Whether top-k's momentum correction (DGC) takes the momentum over from the optimizer."""
-    return config.compression == "topk" and config.optimizer == "sgd" and config.momentum > 0
+    return (config.communication.compression == "topk" and config.optim.optimizer == "sgd"
+            and config.optim.momentum > 0)
 
 
 def make_optimizer(config: TrainConfig) -> Callable[[list[Any]], Any]:
     """The factory of the configured optimizer at the base learning rate."""
-    c, lr = config, config.base_lr()
+    c, lr = config.optim, config.base_lr()
     if c.optimizer == "sgd":
-        return lambda p: optim.SGD(p, lr=lr, momentum=0.0 if dgc(c) else c.momentum,
+        return lambda p: optim.SGD(p, lr=lr, momentum=0.0 if dgc(config) else c.momentum,
                                    weight_decay=c.weight_decay)
     if c.optimizer == "adam":
         return lambda p: optim.Adam(p, lr=lr, weight_decay=c.weight_decay)

@@ -21,7 +21,8 @@ def load_gpt(directory: str | Path) -> tuple[GPT, dict[str, Any]]:
     model_state, _, state = load_checkpoint(directory)
     info = state.get("model_info")
     if not info or info.get("name") != "gpt":
-        model = state.get("config", {}).get("model", "?")
+        model = state.get("config", {}).get("model", "?")  # a section, or before them a name
+        model = model.get("name", "?") if isinstance(model, dict) else model
         raise CheckpointError(f"{directory}: not a GPT checkpoint (written by mpdl train --model "
                               f"{model})")
     model = GPT(len(info["vocab"]), info["block_size"], info["n_layer"], info["n_head"],

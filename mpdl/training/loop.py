@@ -58,7 +58,8 @@ class Trainer:
         self.config = config
         self.comm = as_communicator(comm)
         self.rank, self.size = self.comm.rank, self.comm.size
-        self.report = Report(out if out is not None else sys.stdout, config.json, self.rank == 0)
+        self.report = Report(out if out is not None else sys.stdout, config.output.json,
+                             self.rank == 0, first={"config": dataclasses.asdict(config)})
         self.rows: list[dict[str, Any]] = []
         self.timeline: Timeline | None = None
         self.strategy: Any = None
@@ -75,8 +76,9 @@ class Trainer:
         """Check the configuration, load the data, build the model and the strategy, resume."""
         c = self.config
         validate(c, self.size)
-        if c.emulate is not None:
-            self._restore = emulation.apply(self.comm, emulation.resolve(c.emulate))
+        if c.communication.emulate is not None:
+            self._restore = emulation.apply(self.comm,
+                                            emulation.resolve(c.communication.emulate))
         try:
             with self.ledger.installed():
                 self._setup()
@@ -92,12 +94,13 @@ class Trainer:
         if self.task is not None:
             self.report.columns = self.task.columns
         shape = self.comm.allgather_object(self.task and self.task.shape)[0]  # servers: no data
-        self.model = build_model(c.model, shape[0], shape[1], seed=c.seed, dtype=np.dtype(c.dtype),
-                                 n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd)
-        if c.recompute != "none":
-            self.model.set_recompute(c.recompute)
-        self.peak = throughput.peak_flops(self.comm) if c.model == "gpt" else None
-        if c.device == "gpu":
+        m, o, ck = c.model, c.optim, c.checkpoint
+        self.model = build_model(m.name, shape[0], shape[1], seed=o.seed, dtype=np.dtype(m.dtype),
+                                 n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd)
+        if m.recompute != "none":
+            self.model.set_recompute(m.recompute)
+        self.peak = throughput.peak_flops(self.comm) if m.name == "gpt" else None
+        if m.device == "gpu":
             node = self.comm.node_groups()[self.comm.node_of_rank()[self.rank]]
             use_local_gpu(node.index(self.rank), len(node))
             self.model.to("gpu")
@@ -110,27 +113,27 @@ class Trainer:
         if not trains:
             return
         data_comm = self.strategy.data_comm
-        self.sampler = DistributedSampler(len(self.task.xtr), c.global_batch_size, rank=data_comm.rank,
-                                          num_replicas=data_comm.size, seed=c.seed,
-                                          drop_last=c.drop_last)
+        self.sampler = DistributedSampler(len(self.task.xtr), o.global_batch_size,
+                                          rank=data_comm.rank, num_replicas=data_comm.size,
+                                          seed=o.seed, drop_last=c.data.drop_last)
         self.steps_per_epoch = len(self.sampler)
-        total = c.epochs * self.steps_per_epoch
-        warmup = int(round(c.warmup_epochs * self.steps_per_epoch))
+        total = o.epochs * self.steps_per_epoch
+        warmup = int(round(o.warmup_epochs * self.steps_per_epoch))
         self.schedule = optim.WarmupSchedule(self.lr, warmup_steps=min(warmup, total),
-                                             total_steps=total, kind=c.lr_schedule)
-        if c.resume:
-            seen = self.comm.allgather_object(checkpoint.has_checkpoint(c.checkpoint))
+                                             total_steps=total, kind=o.lr_schedule)
+        if ck.resume:
+            seen = self.comm.allgather_object(checkpoint.has_checkpoint(ck.dir))
             if any(seen) and not all(seen):
-                raise ConfigError(f"{{checkpoint}} {literal(c.checkpoint)}: the checkpoint is "
+                raise ConfigError(f"{{checkpoint.dir}} {literal(ck.dir)}: the checkpoint is "
                                   f"visible on some ranks only; put it on a filesystem every "
                                   f"rank shares")
             if all(seen):
                 agreed(self.comm, self._resume)
             else:
-                self.report.print(f"# no checkpoint in {c.checkpoint} yet: starting from epoch 1")
+                self.report.print(f"# no checkpoint in {ck.dir} yet: starting from epoch 1")
 
     def _resume(self) -> None:
-        model_state, optim_state, state = checkpoint.load_checkpoint(self.config.checkpoint)
+        model_state, optim_state, state = checkpoint.load_checkpoint(self.config.checkpoint.dir)
         mismatch = resume_mismatch(self.config, state.get("config", {}))
         if mismatch:
             raise ConfigError(mismatch)
@@ -156,15 +159,15 @@ class Trainer:
     def _save(self, epoch: int, partial: dict[str, float] | None = None) -> None:
         """Checkpoint after `epoch` epochs (partial: the sums of the next one so far); collective,
         inside the strategy's gathered()."""
-        c = self.config
+        ck = self.config.checkpoint
         if self.strategy.sharded_checkpoint:
             shard, manifest = self.strategy.checkpoint_shard()
-            checkpoint.save_sharded_checkpoint(c.checkpoint, self.comm, shard, {
-                **self._run_state(epoch, partial), "manifest": manifest}, keep=c.keep)
+            checkpoint.save_sharded_checkpoint(ck.dir, self.comm, shard, {
+                **self._run_state(epoch, partial), "manifest": manifest}, keep=ck.keep)
         elif self.rank == 0:
-            checkpoint.save_checkpoint(c.checkpoint, self.model.state_dict(),
+            checkpoint.save_checkpoint(ck.dir, self.model.state_dict(),
                                        self.strategy.state_dict(), self._run_state(epoch, partial),
-                                       keep=c.keep)
+                                       keep=ck.keep)
 
     def _save_within(self, epoch: int, sums: dict[str, float]) -> None:
         """Checkpoint in the middle of epoch (every checkpoint_every steps) with the sums of the
@@ -175,7 +178,7 @@ class Trainer:
             self._save(epoch, dict(zip(SUMS, map(float, total), strict=True)))
 
     def _to_device(self, a: np.ndarray) -> Any:
-        return cupy_module().asarray(a) if self.config.device == "gpu" else a
+        return cupy_module().asarray(a) if self.config.model.device == "gpu" else a
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         """One epoch; returns this rank's sums (loss·n, correct, n, times)."""
@@ -184,9 +187,9 @@ class Trainer:
         sums = dict.fromkeys(SUMS, 0.0)
         if self.partial and self.strategy.data_comm.rank == 0:
             sums.update(self.partial)
-        self.partial, every = None, self.config.checkpoint_every
+        self.partial, every = None, self.config.checkpoint.every
         bar = None
-        if self.config.progress and self.rank == 0:
+        if self.config.output.progress and self.rank == 0:
             bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}", file=sys.stderr,
                        leave=False, disable=None, unit="step")
         epoch_start = time.perf_counter()
@@ -226,7 +229,7 @@ class Trainer:
                                   self._to_device)
 
     def run(self) -> list[dict[str, Any]]:
-        """Train from start_epoch to config.epochs; return one row per epoch plus a summary.
+        """Train from start_epoch to config.optim.epochs; return one row per epoch plus a summary.
         Puts the emulation setting in force before setup back at the end."""
         try:
             with self.ledger.installed():
@@ -241,7 +244,7 @@ class Trainer:
 
     def _run(self) -> list[dict[str, Any]]:
         c, strategy = self.config, self.strategy
-        if c.timeline:
+        if c.output.timeline:
             self.comm.barrier()
             self.timeline = Timeline(self.rank, time.perf_counter())
             self.ledger.trace()
@@ -256,10 +259,10 @@ class Trainer:
             self._print_header()
             data_comm = strategy.data_comm
             trainers = self.comm if everyone else data_comm
-            for epoch in range(self.start_epoch, c.epochs):
+            for epoch in range(self.start_epoch, c.optim.epochs):
                 s = self.train_epoch(epoch)
                 peaks = memory_fields(self._memory_peaks, trainers)
-                with strategy.gathered(optimizer_state=bool(c.checkpoint) and
+                with strategy.gathered(optimizer_state=bool(c.checkpoint.dir) and
                                        not strategy.sharded_checkpoint):
                     vec = np.array([s["loss"], s["correct"], s["n"], s["compute"], s["comm"],
                                     s["exposed"], s["wall"], *self.evaluate()], dtype=np.float64)
@@ -276,7 +279,7 @@ class Trainer:
         self.report.summary(summary, self.rows, strategy.describe(final=True))
         if self.timeline is not None:
             self.timeline.counters("memory (bytes)", memory.CATEGORIES, self.ledger.samples or [])
-            write_timeline(self.comm, self.timeline, c.timeline)
+            write_timeline(self.comm, self.timeline, c.output.timeline)
         return [*self.rows, summary]
 
     def _add_row(self, epoch: int, tot: np.ndarray, ranks: int,
@@ -296,7 +299,7 @@ class Trainer:
                                          self.size))
         self.rows.append(row)
         self.report.row(row, self.rows)
-        if self.config.checkpoint:
+        if self.config.checkpoint.dir:
             self._save(epoch + 1)
 
     def _summary(self, seconds: float) -> dict[str, Any]:
@@ -305,12 +308,12 @@ class Trainer:
 
     def _print_header(self) -> None:
         c = self.config
-        what = describe_run(c, describe_model(c.model, self.model), self.task,
+        what = describe_run(c, describe_model(c.model.name, self.model), self.task,
                             self.strategy.roles(), self.strategy.describe(),
                             emulation.describe_active(self.comm))
         notes = [*self.task.notes(),
                  self.peak and throughput.note(self.model, self.task.seq_len, self.peak, self.size),
-                 resumed_text(c.checkpoint, self.start_epoch, self.step, self.sampler.position,
+                 resumed_text(c.checkpoint.dir, self.start_epoch, self.step, self.sampler.position,
                               self.steps_per_epoch)]
         if "model_state_bytes" in self.strategy.report():
             self.report.columns = (*self.report.columns, *ZERO_COLUMNS)

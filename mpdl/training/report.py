@@ -60,9 +60,10 @@ def ranks_text(roles: list[tuple[str, int]], global_batch_size: int) -> tuple[st
 def describe_run(config: Any, model: str, task: Any, roles: list[tuple[str, int]],
                  strategy: str, emulated: str) -> str:
     """The header's description of a run: model, data, ranks, batch, optimizer, strategy."""
-    ranks, per_rank = ranks_text(roles, config.global_batch_size)
-    return (f"{model} on {config.dataset} ({len(task.xtr)} train / {len(task.xte)} test), "
-            f"{ranks}, global batch {config.global_batch_size} ({per_rank}), {config.optimizer} "
+    o = config.optim
+    ranks, per_rank = ranks_text(roles, o.global_batch_size)
+    return (f"{model} on {config.data.dataset} ({len(task.xtr)} train / {len(task.xte)} test), "
+            f"{ranks}, global batch {o.global_batch_size} ({per_rank}), {o.optimizer} "
             f"lr {config.base_lr():g}, {strategy}"
             + (f", EMULATED links {emulated}" if emulated else ""))
 
@@ -71,10 +72,12 @@ def summary_row(config: Any, rows: list[dict[str, Any]], ranks: int, strategy: d
                 emulated: str, seconds: float) -> dict[str, Any]:
     """The run's summary line: its configuration, the last epoch's metrics and the mean rate."""
     last = rows[-1] if rows else {}
-    return {"summary": True, "epochs": config.epochs, "ranks": ranks, **strategy,
-            "emulated": emulated, "model": config.model, "dataset": config.dataset,
-            "global_batch_size": config.global_batch_size, "optimizer": config.optimizer,
-            "overlap": config.overlap, "loss": last.get("loss"), "train_acc": last.get("train_acc"),
+    o = config.optim
+    return {"summary": True, "epochs": o.epochs, "ranks": ranks, **strategy,
+            "emulated": emulated, "model": config.model.name, "dataset": config.data.dataset,
+            "global_batch_size": o.global_batch_size, "optimizer": o.optimizer,
+            "overlap": config.communication.overlap, "loss": last.get("loss"),
+            "train_acc": last.get("train_acc"),
             "test_acc": last.get("test_acc"), **{k: last[k] for k in SUMMARY_FIELDS if k in last},
             "samples_per_s": (float(np.mean([r["samples_per_s"] for r in rows])) if rows else None),
             "seconds": seconds}
@@ -82,11 +85,13 @@ def summary_row(config: Any, rows: list[dict[str, Any]], ranks: int, strategy: d
 
 class Report:
     """The table on `out` and the JSON lines at `json_path` (None: none), written when `enabled`
-    (rank 0). `columns` are extra table columns after COLUMNS: (title, row field, width, format)
-    and optionally a divisor of the field's value."""
+    (rank 0), after a `first` line when one is given (the run's configuration). `columns` are
+    extra table columns after COLUMNS: (title, row field, width, format) and optionally a divisor
+    of the field's value."""
 
-    def __init__(self, out: TextIO, json_path: str | None, enabled: bool) -> None:
-        self.out, self.json_path, self.enabled = out, json_path, enabled
+    def __init__(self, out: TextIO, json_path: str | None, enabled: bool,
+                 first: dict[str, Any] | None = None) -> None:
+        self.out, self.json_path, self.enabled, self.first = out, json_path, enabled, first
         self.columns: tuple[tuple, ...] = ()
 
     def print(self, line: str) -> None:
@@ -133,7 +138,7 @@ class Report:
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         if self.enabled and self.json_path:
-            write_json_lines(self.json_path, rows)
+            write_json_lines(self.json_path, [self.first, *rows] if self.first else rows)
 
 
 def write_timeline(comm: Any, timeline: Timeline, path: str) -> None:

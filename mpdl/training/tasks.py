@@ -117,8 +117,8 @@ class SequenceTask(Task):
     def model_info(self) -> dict[str, Any]:
         c = self.config
         return {"name": "gpt", "vocab": self.vocab, "block_size": self.shape[0][0],
-                "n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "dtype": c.dtype,
-                "dataset": c.dataset}
+                "n_layer": c.model.n_layer, "n_head": c.model.n_head, "n_embd": c.model.n_embd,
+                "dtype": c.model.dtype, "dataset": c.data.dataset}
 
 
 class AdditionTask(SequenceTask):
@@ -128,13 +128,13 @@ class AdditionTask(SequenceTask):
                ("val_loss", "val_loss", 8, ".4f"), ("exact", "exact_match", 6, ".3f"))
 
     def __init__(self, config: TrainConfig) -> None:
-        space = 10 ** (2 * config.digits)
+        space = 10 ** (2 * config.data.digits)
         n_test = min(1000, space // 10)
-        self.data = datasets.addition(config.digits, n_train=min(50_000, space - n_test),
-                                      n_test=n_test, seed=config.seed)
+        self.data = datasets.addition(config.data.digits, n_train=min(50_000, space - n_test),
+                                      n_test=n_test, seed=config.optim.seed)
         d = self.data
         super().__init__(config, d.vocab, d.x_train, d.y_train, d.x_test, d.y_test,
-                         config.block_size or d.block_size)
+                         config.model.block_size or d.block_size)
 
     def evaluate(self, model: Any, lo: int, hi: int, device: Callable[[Any], Any]) -> list[float]:
         sums = self.token_sums(model, lo, hi, device)
@@ -165,11 +165,11 @@ class TextTask(SequenceTask):
                ("val_loss", "val_loss", 8, ".4f"), ("bpc", "bits_per_char", 6, ".3f"))
 
     def __init__(self, config: TrainConfig) -> None:
-        block = config.block_size or TEXT_BLOCK_SIZE
+        block = config.model.block_size or TEXT_BLOCK_SIZE
         try:
-            self.data = datasets.text(config.data, block)
+            self.data = datasets.text(config.data.path, block)
         except datasets.DatasetError as exc:
-            raise ConfigError(f"{{data}} {literal(str(exc))}") from None
+            raise ConfigError(f"{{data.path}} {literal(str(exc))}") from None
         d = self.data
         self.unigram = datasets.unigram_bits_per_char(np.concatenate([d.train, d.val]))
         super().__init__(config, d.vocab, *windows(d.train, block), *windows(d.val, block), block)
@@ -185,7 +185,7 @@ class TextTask(SequenceTask):
 
     def notes(self) -> list[str]:
         d = self.data
-        return [f"# text {self.config.data}: {len(d.train) + len(d.val)} characters, vocabulary "
+        return [f"# text {self.config.data.path}: {len(d.train) + len(d.val)} characters, vocabulary "
                 f"of {len(d.vocab)}, {len(self.xtr)} train / {len(self.xte)} validation windows "
                 f"of {self.seq_len}; unigram entropy {self.unigram:.3f} bits per character"]
 
@@ -199,8 +199,8 @@ def windows(ids: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
 
 def load_task(config: TrainConfig) -> Task:
     """The task of a (valid) configuration, its data loaded."""
-    if config.dataset == "addition":
+    if config.data.dataset == "addition":
         return AdditionTask(config)
-    if config.dataset == "text":
+    if config.data.dataset == "text":
         return TextTask(config)
     return ImageTask(config)

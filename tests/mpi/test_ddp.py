@@ -78,9 +78,10 @@ def shared_dir() -> str:
 def trainer(epochs: int, checkpoint: str | None, resume: bool = False):
     from mpdl.training.loop import TrainConfig, Trainer  # noqa: PLC0415
 
-    config = TrainConfig(epochs=epochs, global_batch_size=128, checkpoint=checkpoint,
-                         resume=resume, progress=False, lr_schedule="constant",
-                         algorithm="ring")
+    config = TrainConfig.from_keys({
+        "optim.epochs": epochs, "optim.global_batch_size": 128, "checkpoint.dir": checkpoint,
+        "checkpoint.resume": resume, "output.progress": False, "optim.lr_schedule": "constant",
+        "communication.algorithm": "ring"})
     t = Trainer(config, out=open("/dev/null", "w"))  # noqa: SIM115
     t.setup()
     t.run()
@@ -107,14 +108,16 @@ def test_checkpoint_resume_is_bit_identical():
 
 
 #: a tiny GPT on 1-digit addition (90 training problems, 8 steps an epoch of 12 sequences)
-GPT_RUN = dict(model="gpt", dataset="addition", digits=1, n_layer=1, n_head=2, n_embd=8,
-               global_batch_size=12, epochs=1, optimizer="adam", progress=False)
+GPT_RUN = {"model.name": "gpt", "data.dataset": "addition", "data.digits": 1,
+           "model.n_layer": 1, "model.n_head": 2, "model.n_embd": 8,
+           "optim.global_batch_size": 12, "optim.epochs": 1, "optim.optimizer": "adam",
+           "output.progress": False}
 
 
-def gpt_params(comm, **changes) -> np.ndarray:
+def gpt_params(comm, changes: dict) -> np.ndarray:
     from mpdl.training.loop import TrainConfig, Trainer  # noqa: PLC0415
 
-    t = Trainer(TrainConfig(**GPT_RUN, **changes), comm=comm, out=open("/dev/null", "w"))  # noqa: SIM115
+    t = Trainer(TrainConfig.from_keys({**GPT_RUN, **changes}), comm=comm, out=open("/dev/null", "w"))  # noqa: SIM115
     t.setup()
     t.run()
     return np.concatenate([p.data.ravel() for p in t.model.parameters()])
@@ -125,8 +128,8 @@ def gpt_params(comm, **changes) -> np.ndarray:
 def test_gpt_on_p_ranks_follows_one_rank(dtype, algorithm):
     from mpdl.threadworld import ThreadWorld  # noqa: PLC0415
 
-    reference = gpt_params(ThreadWorld(1).comm(0), dtype=dtype)
-    ours = gpt_params(None, dtype=dtype, algorithm=algorithm)
+    reference = gpt_params(ThreadWorld(1).comm(0), {"model.dtype": dtype})
+    ours = gpt_params(None, {"model.dtype": dtype, "communication.algorithm": algorithm})
     np.testing.assert_allclose(ours, reference, rtol=0, atol=TOL[dtype])
     everyone = COMM.allgather(ours)
     assert all(np.array_equal(e, everyone[0]) for e in everyone), "replicas drifted apart"

@@ -89,9 +89,11 @@ def test_each_stage_follows_ddp_on_one_rank(stage, name, opt, dtype):
 def run_trainer(comm, epochs: int, checkpoint: str | None, resume: bool = False, zero: int = 0):
     from mpdl.training.loop import TrainConfig, Trainer  # noqa: PLC0415
 
-    config = TrainConfig(epochs=epochs, global_batch_size=50, checkpoint=checkpoint,
-                         resume=resume, progress=False, lr_schedule="constant", dtype="float64",
-                         optimizer="adam", algorithm="ring", zero=zero)
+    config = TrainConfig.from_keys({
+        "optim.epochs": epochs, "optim.global_batch_size": 50, "checkpoint.dir": checkpoint,
+        "checkpoint.resume": resume, "output.progress": False, "optim.lr_schedule": "constant",
+        "model.dtype": "float64", "optim.optimizer": "adam", "communication.algorithm": "ring",
+        "parallel.zero": zero})
     t = Trainer(config, comm=comm, out=open("/dev/null", "w"))  # noqa: SIM115
     t.setup()
     rows = t.run()
