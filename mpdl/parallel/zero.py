@@ -14,8 +14,9 @@ rank holds 1/p of the optimizer state.
 - **Stage 2** (gradients sharded too): as stage 1, but a unit's full-size gradient buffer exists
   only from its first gradient until its reduce-scatter is done; then only the shard is kept.
 - **Stage 3** (parameters sharded, FSDP's FULL_SHARD). Units are the modules inside containers
-  (the blocks of a ModuleList, the layers of a Sequential); what is left (the root's own
-  parameters, embeddings used again by the root) is the *root unit*, gathered for the whole step.
+  (the blocks of a ModuleList, the layers of a Sequential), split into their children while
+  larger than 1/16 of the model; what is left (the root's own parameters, embeddings used again
+  by the root) is the *root unit*, gathered for the whole step.
   A unit's forward is wrapped: its parameters are all-gathered just before it and freed after (its
   `p.data` becomes a zero-byte placeholder of the right shape); an identity node on its output
   gathers them again just before its backward; once its gradients are all in, they are
@@ -27,9 +28,12 @@ parameters) run through persistent plans made once per unit (`mpdl.collectives.p
 made afresh each step go through the ordinary calls.
 
 What the autograd graph keeps: mpdl's primitives save their input arrays for backward, so the
-gathered weights a unit's forward used stay alive in the graph until its backward, as activations
-do; the accounting (`model_state_bytes`) counts the model state the strategy holds: parameters,
-gradients and optimizer state.
+gathered weights a unit's forward used would stay alive in the graph until its backward; stage 3
+takes those references out of the unit's nodes when it frees the unit after forward and puts the
+gathered arrays back before its backward. A unit run again inside a recomputed block
+(`mpdl.autograd.checkpoint`) is gathered without prefetch and kept until its gradients are in.
+The accounting (`model_state_bytes`) counts the model state the strategy holds: parameters,
+gradients and optimizer state; `mpdl.memory`'s ledger counts every buffer.
 
 Whole-tensor norms (LARS, LAMB): a piece knows its whole tensor's ndim, and the optimizer's sums
 of squares of all pieces are completed with one small all-reduce per step (`Optimizer.shard`).
@@ -272,16 +276,16 @@ class ZeroStrategy(Strategy):
     """ZeRO stage 1, 2 or 3 over `comm` (see the module docstring); `algorithm` names the
     reduce-scatter and all-gather (auto, ring, tree or mpi); `bucket_mb` and `first_bucket_mb`
     size stages 1-2's units (`bucket_mb` None: at most 1/UNITS_PER_MODEL of the model's bytes
-    and at most DEFAULT_BUCKET_MB); `units` names stage 3's (submodules, in forward order; default: the
-    members of every ModuleList and Sequential); `hybrid` shards within nodes only."""
+    and at most DEFAULT_BUCKET_MB); `units` names stage 3's (submodules, in forward order;
+    default: the members of every ModuleList and Sequential, split while larger than
+    1/UNITS_PER_MODEL of the model); `hybrid` shards within nodes only."""
 
     mode = "zero"
     sharded_checkpoint = True
 
     def __init__(self, comm: Communicator, stage: int, algorithm: str = "auto",
                  bucket_mb: float | None = None, first_bucket_mb: float = 1.0,
-                 overlap: bool = True,
-                 prefetch: bool = True, hybrid: bool = False,
+                 overlap: bool = True, prefetch: bool = True, hybrid: bool = False,
                  units: Sequence[str] | None = None) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage: expected one of 1, 2, 3, got {stage!r}")
