@@ -78,6 +78,10 @@ def test_bad_input_exits_2_with_one_line_on_every_rank():
      "--checkpoint with --moe-experts needs --ep 1"),
     (["--moe-experts", "4", "--cp", "2", "--digits", "2"], 2,
      "--moe-experts cannot be combined with --cp > 1"),
+    (["--moe-experts", "4", "--recompute", "full"], 1,
+     "--recompute cannot be combined with --cp > 1 or --moe-experts"),
+    (["--recompute", "selective", "--cp", "2", "--digits", "2"], 2,
+     "--recompute cannot be combined with --cp > 1 or --moe-experts"),
     (["--moe-experts", "4", "--tp", "2", "--sp", "--digits", "2"], 2,
      "--moe-experts cannot be combined with --cp > 1 or --sp"),
 ])

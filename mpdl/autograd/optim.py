@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl import memory
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
 
@@ -136,6 +137,7 @@ class Optimizer:
                 else:
                     restored[k] = v.item() if hasattr(v, "item") else v
             self.state[p] = restored
+            memory.hold_all(restored.values(), "optimizer_state")
 
 
 def _check(name: str, value: float, low: float = 0.0) -> None:
@@ -167,6 +169,7 @@ class SGD(Optimizer):
             buf = state.get("momentum_buffer")
             if buf is None:
                 buf = state["momentum_buffer"] = d.copy()
+                memory.hold(buf, "optimizer_state")
             else:
                 buf *= mu
                 buf += (1 - group["dampening"]) * d
@@ -262,6 +265,7 @@ class LARS(Optimizer):
         buf = state.get("momentum_buffer")
         if buf is None:
             buf = state["momentum_buffer"] = xp.array(d, copy=True)
+            memory.hold(buf, "optimizer_state")
         else:
             buf *= group["momentum"]
             buf += d
@@ -347,6 +351,7 @@ def _moments(state: dict, data: Any, grad: Any, b1: float, b2: float) -> tuple[A
     if not state:
         xp = get_array_module(data)
         state.update(step=0, exp_avg=xp.zeros_like(data), exp_avg_sq=xp.zeros_like(data))
+        memory.hold_all(state.values(), "optimizer_state")
     state["step"] += 1
     m, v = state["exp_avg"], state["exp_avg_sq"]
     m *= b1

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl import memory
 from mpdl.backend import cupy_module, get_array_module, is_floating, to_host
 
 _state = threading.local()
@@ -73,6 +74,9 @@ class Function:
         if record:
             ctx.inputs = inputs
             result._ctx = ctx
+            ledger = memory.current()
+            if ledger is not None:  # what the node keeps: its saved arrays and its inputs' data
+                ctx._saved = ledger.save([*vars(ctx).values(), *(t.data for t in inputs)])
         return result
 
     def forward(self, *arrays: Any, **params: Any) -> Any:
@@ -423,6 +427,8 @@ def _finish_leaf(leaf: Tensor, g: Any, owned: bool, handed: set[int]) -> None:
     if leaf._hooks:
         for hook in list(leaf._hooks):
             hook(leaf)
+    if leaf.grad is not None:  # where the gradient is kept, once the hooks have moved it
+        memory.hold(leaf.grad, "gradients")
 
 
 # ---------------------------------------------------------------------- primitives

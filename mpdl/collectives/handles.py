@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from mpdl import memory
 from mpdl.comm.base import blocked_on_background
 
 
@@ -53,9 +54,13 @@ class Engine:
         self.thread.start()
 
     def submit(self, work: Callable[[], Any]) -> Handle:
+        """Queue `work`; it counts its arrays into the submitting thread's memory ledger."""
         handle = Handle()
         with self._lock:
             self._pending += 1
+        ledger = memory.current()
+        if ledger is not None:
+            work = _counting(work, ledger)
         self._queue.put((work, handle))
         return handle
 
@@ -73,6 +78,14 @@ class Engine:
             with self._lock:
                 self._pending -= 1
             handle._finish(result, error)
+            work = handle = result = None  # hold nothing of finished work while idle
+
+
+def _counting(work: Callable[[], Any], ledger: memory.Ledger) -> Callable[[], Any]:
+    def run() -> Any:
+        with ledger.installed():
+            return work()
+    return run
 
 
 def engine_for(comm: Any) -> Engine:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl import backend, faults, settings
+from mpdl import backend, faults, memory, settings
 from mpdl.collectives import blocks, checks, registry, verify
 from mpdl.collectives.bruck import moving
 from mpdl.collectives.ops import block_bounds, check_array, check_op, reducer, segment_elements
@@ -311,6 +311,7 @@ def _rd_schedule(comm, buf, src, f) -> _Schedule:
     p, r = comm.size, comm.rank
     s = _Schedule(comm)
     tmp = np.empty(buf.size, buf.dtype)
+    memory.hold(tmp, "communication")
     rem = p - (1 << (p.bit_length() - 1))
     group = 1 << (p.bit_length() - 1)
     cur = src
@@ -356,6 +357,7 @@ def _ring_schedule(comm, buf, f) -> _Schedule:
     bounds = block_bounds(buf.size, p)
     right, left = (r + 1) % p, (r - 1) % p
     tmp = np.empty(max(b - a for a, b in zip(bounds, bounds[1:], strict=False)), buf.dtype)
+    memory.hold(tmp, "communication")
     for step in range(p - 1):
         sb, rb = (r - step - 1) % p, (r - step - 2) % p
         out, acc = buf[bounds[sb]:bounds[sb + 1]], buf[bounds[rb]:bounds[rb + 1]]
@@ -524,6 +526,8 @@ def reduce_scatter_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: 
     checks.agree(c, *signature)
     bounds = block_bounds(x.size, c.size)
     buf = x if in_place else backend.empty_half_page_in(max(x.size, 1), dtype, xp)[:x.size]
+    if not in_place:
+        memory.hold(buf, "communication")
     xflat = x.reshape(-1)
     mine = buf[bounds[c.rank]:bounds[c.rank + 1]]
     inner, size = getattr(algo.run, "__wrapped__", None), c.size

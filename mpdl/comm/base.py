@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl import backend, settings
+from mpdl import backend, memory, settings
 
 DEFAULT_TIMEOUT_S = settings.Settings.timeout
 
@@ -403,6 +403,7 @@ class Communicator:
         if buf is None or buf.size < count:
             buf = backend.empty_half_page_in(max(count, 1), dtype, xp)
             self._workspace[key] = buf
+            memory.hold(buf, "communication")
         return buf[:count]
 
 

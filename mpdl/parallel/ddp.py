@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl import memory
 from mpdl.backend import get_array_module
 from mpdl.collectives import Plan, allreduce_init, broadcast
 from mpdl.collectives.api import _pick
@@ -53,6 +54,7 @@ class Bucket:
             self.slots[id(p)] = (offset, p.size)
             offset += p.size
         self.buffer = xp.zeros(offset, dtype=dtype)
+        memory.hold(self.buffer, "gradients")
         self.nbytes = int(self.buffer.nbytes)
         self.ready: set[int] = set()
         self.handle: Handle | None = None

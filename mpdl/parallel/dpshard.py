@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl import memory
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
 from mpdl.collectives import allgather, allgather_init, allreduce, reduce_scatter
@@ -44,6 +45,7 @@ class ShardedOptimizer:
         entries, ndims = [], {}
         for u in self.units:
             u.full = flat.pack([p.data for p in u.params])  # the parameters live in it,
+            memory.hold(u.full, "parameters")
             u.shard = u.full[u.lo:u.hi]                      # so a load reaches the shard
             for p, view in zip(u.params, u.views(u.full), strict=True):
                 p.data = view

@@ -64,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl import memory
 from mpdl.autograd import functional as F
 from mpdl.autograd import nn, no_grad, partial
 from mpdl.autograd.moe import aux_loss_scale
@@ -362,6 +363,7 @@ class PipelineStrategy(Strategy):
             self.optimizer = make_optimizer(self.stage_params)
         self._owned = {id(p) for p in self.stage_params}
         self._release_others()
+        memory.hold_all([p.data for p in self.stage_params], "parameters")
 
     def _context_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return context_attention(q, k, v, self.grid.cp_comm, self.cp_mode, self.cp_balance)
@@ -466,8 +468,9 @@ class PipelineStrategy(Strategy):
                 for r in self._receives.values():
                     r.free()
                 self._receives.clear()
-            request = self._receives[key] = self.grid.pp_comm.recv_init(
-                xp.empty(shape, dtype=dtype), stage, step=(what, j))
+            buf = xp.empty(shape, dtype=dtype)
+            memory.hold(buf, "communication")
+            request = self._receives[key] = self.grid.pp_comm.recv_init(buf, stage, step=(what, j))
         self.grid.pp_comm.waitall([request.start()])
         return request.buf
 

@@ -43,6 +43,7 @@ from typing import Any
 import mpdl.autograd.functional as F
 from mpdl.autograd import nn
 from mpdl.autograd.moe import MoE
+from mpdl.autograd.recompute import checkpoint
 from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
 from mpdl.collectives import allgather, allreduce, reduce_scatter
@@ -159,8 +160,10 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 def _shard(data: Any, index: Any) -> nn.Parameter:
+    """This rank's slice of a whole parameter, in a buffer of its own (a view of a row slice
+    would keep the whole tensor alive after the pipeline releases it)."""
     xp = get_array_module(data)
-    return nn.Parameter(xp.ascontiguousarray(data[index]))
+    return nn.Parameter(xp.array(data[index], copy=True, order="C"))
 
 
 class TPAttention(nn.Module):
@@ -187,6 +190,7 @@ class TPAttention(nn.Module):
         self.dropout = attn.dropout
         #: attention of this rank's (B, heads, T, hd) q, k, v (context parallelism swaps it)
         self.attend = causal_attention
+        self.recompute_core = getattr(attn, "recompute_core", False)
         self.__dict__["shards"] = [(self.qkv_weight, attn.qkv.weight, rows),
                                    (self.qkv_bias, attn.qkv.bias, rows),
                                    (self.proj_weight, attn.proj.weight, cols)]
@@ -199,7 +203,10 @@ class TPAttention(nn.Module):
         local = self.qkv_weight.shape[0] // 3
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias).reshape(b, t, 3, h, local // h)
         qkv = qkv.transpose(2, 0, 3, 1, 4)
-        y = self.attend(qkv[0], qkv[1], qkv[2])
+        if self.recompute_core:
+            y = checkpoint(self.attend, qkv[0], qkv[1], qkv[2])
+        else:
+            y = self.attend(qkv[0], qkv[1], qkv[2])
         y = F.linear(y.transpose(0, 2, 1, 3).reshape(b, t, local), self.proj_weight)
         y = (ReduceScatterSequence if self.sequence_parallel else ReduceFromTP).apply(
             y, comm=self.comm, algorithm=self.algorithm)
@@ -251,8 +258,13 @@ class TPBlock(nn.Module):
         # a mixture of experts stays whole on every tp rank (replicated, like the LayerNorms)
         self.mlp = block.mlp if isinstance(block.mlp, MoE) \
             else TPMLP(block.mlp, comm, algorithm, sequence_parallel)
+        self.recompute = getattr(block, "recompute", False)
 
     def forward(self, x: Tensor) -> Tensor:
+        return checkpoint(self.residual, x) if self.recompute else self.residual(x)
+
+    def residual(self, x: Tensor) -> Tensor:
+        """The block without recomputation."""
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 

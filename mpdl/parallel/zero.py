@@ -14,8 +14,9 @@ rank holds 1/p of the optimizer state.
 - **Stage 2** (gradients sharded too): as stage 1, but a unit's full-size gradient buffer exists
   only from its first gradient until its reduce-scatter is done; then only the shard is kept.
 - **Stage 3** (parameters sharded, FSDP's FULL_SHARD). Units are the modules inside containers
-  (the blocks of a ModuleList, the layers of a Sequential); what is left (the root's own
-  parameters, embeddings used again by the root) is the *root unit*, gathered for the whole step.
+  (the blocks of a ModuleList, the layers of a Sequential), split into their children while
+  larger than 1/16 of the model; what is left (the root's own parameters, embeddings used again
+  by the root) is the *root unit*, gathered for the whole step.
   A unit's forward is wrapped: its parameters are all-gathered just before it and freed after (its
   `p.data` becomes a zero-byte placeholder of the right shape); an identity node on its output
   gathers them again just before its backward; once its gradients are all in, they are
@@ -27,9 +28,12 @@ parameters) run through persistent plans made once per unit (`mpdl.collectives.p
 made afresh each step go through the ordinary calls.
 
 What the autograd graph keeps: mpdl's primitives save their input arrays for backward, so the
-gathered weights a unit's forward used stay alive in the graph until its backward, as activations
-do; the accounting (`model_state_bytes`) counts the model state the strategy holds: parameters,
-gradients and optimizer state.
+gathered weights a unit's forward used would stay alive in the graph until its backward; stage 3
+takes those references out of the unit's nodes when it frees the unit after forward and puts the
+gathered arrays back before its backward. A unit run again inside a recomputed block
+(`mpdl.autograd.checkpoint`) is gathered without prefetch and kept until its gradients are in.
+The accounting (`model_state_bytes`) counts the model state the strategy holds: parameters,
+gradients and optimizer state; `mpdl.memory`'s ledger counts every buffer.
 
 Whole-tensor norms (LARS, LAMB): a piece knows its whole tensor's ndim, and the optimizer's sums
 of squares of all pieces are completed with one small all-reduce per step (`Optimizer.shard`).
@@ -54,7 +58,9 @@ from typing import Any
 
 import numpy as np
 
+from mpdl import memory
 from mpdl.autograd import nn
+from mpdl.autograd.recompute import recomputing
 from mpdl.autograd.tensor import Function, Tensor, is_grad_enabled
 from mpdl.backend import get_array_module, is_low_precision, to_host
 from mpdl.collectives import (
@@ -77,6 +83,12 @@ MB = 1 << 20
 STAGES = (1, 2, 3)
 #: stages 2 and 3: reduce-scatters in flight before backward waits for the oldest
 MAX_IN_FLIGHT = 2
+#: by default a unit holds at most 1/UNITS_PER_MODEL of the model (stages 1-2: and at most
+#: DEFAULT_BUCKET_MB MiB, DDP's bucket; stage 3: a module larger than that is split into its
+#: children), so that the buffers in flight (stage 3: two units' gathered parameters and up to
+#: MAX_IN_FLIGHT + 1 units' gradient buffers) stay a small part of the model at any size
+UNITS_PER_MODEL = 16
+DEFAULT_BUCKET_MB = 25.0
 #: the collective algorithms ZeRO can run: those reduce_scatter and allgather both have
 ALGORITHMS = ("auto", "ring", "tree", "mpi")
 
@@ -142,6 +154,9 @@ class Unit:
         self.replica_plan: Plan | None = None
         self.gather_plan: Plan | None = None
         self.spans: list[tuple[str, float, float]] = []
+        #: stage 3: (graph node, attribute, parameter index) of the references to the gathered
+        #: parameters taken out of the graph after forward, put back before backward
+        self.saved: list[tuple[Any, str, int]] = []
 
     @property
     def nbytes(self) -> int:
@@ -183,6 +198,28 @@ def _placeholder(p: Any) -> Any:
     return xp.broadcast_to(xp.full((), np.nan, dtype=p.data.dtype), p.shape)
 
 
+def _unhook_parameters(unit: Unit, out: Tensor, inputs: Sequence[Any]) -> list[tuple]:
+    """Take the graph's references to unit's gathered parameter arrays (what its forward's
+    nodes saved for backward: a linear layer's weight) out of the nodes between `out` and the
+    unit's `inputs`, so that freeing the parameters frees their memory until backward gathers
+    them again; returns (node, attribute, parameter index) to put them back."""
+    arrays = {id(p.data): i for i, p in enumerate(unit.params)}
+    stop = {id(t) for t in inputs if isinstance(t, Tensor)}
+    taken, seen, stack = [], set(), [out]
+    while stack:
+        ctx = stack.pop()._ctx
+        if ctx is None or id(ctx) in seen or isinstance(ctx, _BeforeBackward):
+            continue
+        seen.add(id(ctx))
+        for name, value in list(vars(ctx).items()):
+            i = arrays.get(id(value))
+            if i is not None:
+                taken.append((ctx, name, i))
+                setattr(ctx, name, None)
+        stack.extend(t for t in ctx.inputs or () if id(t) not in stop)
+    return taken
+
+
 def broadcast_model(model: Any, comm: Communicator) -> None:
     """Rank 0's parameters and buffers on every rank (one flat broadcast per dtype)."""
     if comm.size == 1:
@@ -197,8 +234,11 @@ def broadcast_model(model: Any, comm: Communicator) -> None:
 def _module_units(model: Any, names: Sequence[str] | None = None) -> list[tuple[Any, list[Any]]]:
     """(module, its parameters) of stage 3's units in forward order: the submodules `names` (of
     model.named_modules()), or by default the modules held in a ModuleList or Sequential
-    (searched from the root down, not inside a unit); then (None, the rest): the root unit. A
-    parameter registered in two units goes to the root unit."""
+    (searched from the root down, not inside a unit), each one holding more than 1/UNITS_PER_MODEL
+    of the model's parameters replaced by its children (again while too large; FSDP wraps
+    transformer blocks, DeepSpeed fetches by submodule); then (None, the rest): the root unit. A
+    parameter registered in two units, or registered on a module that was split, goes to the root
+    unit."""
     found: list[Any] = []
 
     def visit(module: Any) -> None:
@@ -208,8 +248,20 @@ def _module_units(model: Any, names: Sequence[str] | None = None) -> list[tuple[
             else:
                 visit(child)
 
+    def size(module: Any) -> int:
+        return sum(p.size for p in module.parameters() if p.requires_grad)
+
+    cap = size(model) / UNITS_PER_MODEL
+
+    def split(module: Any) -> list[Any]:
+        children = [c for c in module.children() if size(c)]
+        if size(module) > cap and children:
+            return [unit for c in children for unit in split(c)]
+        return [module]
+
     if names is None:
         visit(model)
+        found = [unit for m in found for unit in split(m)]
     else:
         modules = dict(model.named_modules())
         unknown = [n for n in names if n not in modules or not n]
@@ -230,15 +282,17 @@ def _module_units(model: Any, names: Sequence[str] | None = None) -> list[tuple[
 class ZeroStrategy(Strategy):
     """ZeRO stage 1, 2 or 3 over `comm` (see the module docstring); `algorithm` names the
     reduce-scatter and all-gather (auto, ring, tree or mpi); `bucket_mb` and `first_bucket_mb`
-    size stages 1-2's units; `units` names stage 3's (submodules, in forward order; default: the
-    members of every ModuleList and Sequential); `hybrid` shards within nodes only."""
+    size stages 1-2's units (`bucket_mb` None: at most 1/UNITS_PER_MODEL of the model's bytes
+    and at most DEFAULT_BUCKET_MB); `units` names stage 3's (submodules, in forward order;
+    default: the members of every ModuleList and Sequential, split while larger than
+    1/UNITS_PER_MODEL of the model); `hybrid` shards within nodes only."""
 
     mode = "zero"
     sharded_checkpoint = True
 
     def __init__(self, comm: Communicator, stage: int, algorithm: str = "auto",
-                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, overlap: bool = True,
-                 prefetch: bool = True, hybrid: bool = False,
+                 bucket_mb: float | None = None, first_bucket_mb: float = 1.0,
+                 overlap: bool = True, prefetch: bool = True, hybrid: bool = False,
                  units: Sequence[str] | None = None) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage: expected one of 1, 2, 3, got {stage!r}")
@@ -252,7 +306,8 @@ class ZeroStrategy(Strategy):
                 raise ValueError(f"hybrid sharding needs the same number of ranks on every node, "
                                  f"got {sizes}")
         self.stage, self.algorithm = stage, algorithm
-        self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
+        self.bucket_mb = None if bucket_mb is None else float(bucket_mb)
+        self.first_bucket_mb = float(first_bucket_mb)
         self.overlap, self.prefetch, self.hybrid = bool(overlap), bool(prefetch), bool(hybrid)
         self.unit_names = None if units is None else list(units)
         self.shard_comm: Communicator = comm
@@ -296,20 +351,24 @@ class ZeroStrategy(Strategy):
             whole = flat.pack([p.data for p in u.params])
             if self.stage == 3:
                 u.shard = whole[u.lo:u.hi].copy()
+                memory.hold(u.shard, "parameters")
                 for p in u.params:
                     p.data = _placeholder(p)
                 self._hold(u.shard_nbytes)
             else:
                 u.full, u.shard = whole, whole[u.lo:u.hi]
+                memory.hold(whole, "parameters")
                 for p, view in zip(u.params, u.views(whole), strict=True):
                     p.data = view
                 self._hold(u.nbytes)
             if self.stage == 1:
                 u.grad = u.xp.zeros(u.count, dtype=u.dtype)
                 u.grad_shard = u.grad[u.lo:u.hi]
+                memory.hold(u.grad, "gradients")
                 self._hold(u.nbytes)
             else:
                 u.grad_shard = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
+                memory.hold(u.grad_shard, "gradients")
                 self._hold(u.shard_nbytes)
             for i, a, b in u.pieces():
                 t = Tensor(u.shard[a - u.lo:b - u.lo], requires_grad=True)
@@ -329,7 +388,12 @@ class ZeroStrategy(Strategy):
             for u in self.units:
                 if u.module is not None:
                     self._wrap(u)
-        self._order = list(reversed(self.units)) if self.stage == 3 else list(self.units)
+        # stage 3 reduce-scatters the blocks as backward finishes them, the root unit (whose
+        # embedding gradient is complete only when backward ends) last, so that it holds no
+        # block's gradient buffer back
+        self._order = ([u for u in reversed(self.units) if u.module is not None]
+                       + [u for u in self.units if u.module is None]
+                       if self.stage == 3 else list(self.units))
         self._plan_units()
         self.peak_bytes = self._held
 
@@ -369,9 +433,12 @@ class ZeroStrategy(Strategy):
         buckets: list[list[Any]] = []
         current: list[Any] = []
         nbytes = 0
-        for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        params = [p for p in model.parameters() if p.requires_grad]
+        largest = (self.bucket_mb * MB if self.bucket_mb is not None else
+                   min(DEFAULT_BUCKET_MB * MB, sum(p.data.nbytes for p in params) / UNITS_PER_MODEL))
+        for p in reversed(params):
             if current:
-                cap = (self.first_bucket_mb if not buckets else self.bucket_mb) * MB
+                cap = min(self.first_bucket_mb * MB, largest) if not buckets else largest
                 if p.data.dtype != current[0].data.dtype or nbytes + p.data.nbytes > cap:
                     buckets.append(current)
                     current, nbytes = [], 0
@@ -387,13 +454,17 @@ class ZeroStrategy(Strategy):
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not self._sharded:
                 return original(*args, **kwargs)
+            if recomputing():  # in backward: gathered until its gradients are in, no prefetch
+                self._gathered(unit)
+                return original(*args, **kwargs)
             self._gathered(unit)
             if self.prefetch and unit.index + 1 < len(self.units):
                 self._gather(self.units[unit.index + 1])
             out = original(*args, **kwargs)
-            self._free(unit)
             if isinstance(out, Tensor) and out.requires_grad and is_grad_enabled():
+                unit.saved = _unhook_parameters(unit, out, args)
                 out = _BeforeBackward.apply(out, hook=lambda: self._before_backward(unit))
+            self._free(unit)
             return out
 
         unit.module.forward = forward
@@ -414,6 +485,7 @@ class ZeroStrategy(Strategy):
         if unit.full is not None or unit.gather is not None:
             return
         full = unit.xp.empty(unit.count, dtype=unit.dtype)
+        memory.hold(full, "parameters")
         self._hold(unit.nbytes)
 
         def work() -> Any:
@@ -450,6 +522,9 @@ class ZeroStrategy(Strategy):
 
     def _before_backward(self, unit: Unit) -> None:
         self._gathered(unit)
+        for ctx, name, i in unit.saved:  # the graph's references, to the gathered parameters
+            setattr(ctx, name, unit.params[i].data)
+        unit.saved = []
         if self.prefetch and unit.index > 0:
             self._gather(self.units[unit.index - 1])
 
@@ -474,6 +549,7 @@ class ZeroStrategy(Strategy):
         if unit.grad is None:
             self._limit()
             unit.grad = unit.xp.empty(unit.count, dtype=unit.dtype)
+            memory.hold(unit.grad, "gradients")
             self._hold(unit.nbytes)
         i = unit.position[id(p)]
         slot = unit.grad[unit.offsets[i]:unit.offsets[i] + p.data.size].reshape(p.shape)

@@ -40,6 +40,7 @@ from mpdl.parallel.ps import check_config
 from mpdl.parallel.zero import ALGORITHMS as ZERO_ALGORITHMS
 from mpdl.parallel.zero import STAGES as ZERO_STAGES
 from mpdl.training import precision
+from mpdl.training.gpt import RECOMPUTE
 from mpdl.training.models import MODELS
 from mpdl.training.precision import PRECISIONS
 
@@ -152,6 +153,8 @@ POSITIVE = expect(lambda v: _number(v) and v > 0, "expected a positive number")
 AT_LEAST_ZERO = expect(lambda v: _number(v) and v >= 0, "expected a number >= 0")
 POSITIVE_INT = expect(lambda v: _integer(v) and v >= 1, "expected a positive number")
 COUNT = expect(lambda v: _integer(v) and v >= 0, "expected a number >= 0")
+OPTIONAL_POSITIVE = expect(lambda v: v is None or (_number(v) and v > 0),
+                           "expected a positive number")
 OPTIONAL_POSITIVE_INT = expect(lambda v: v is None or (_integer(v) and v >= 1),
                                "expected a positive number")
 
@@ -187,6 +190,9 @@ class ModelConfig:
                                     metavar="T")
     dtype: str = option("float32", choices=("float32", "float64"))
     device: str = option("cpu", "gpu needs CuPy and a GPU", choices=("cpu", "gpu"))
+    recompute: str = option("none", "gpt: recompute in backward each attention core (selective) "
+                            "or each whole block (full) instead of keeping their activations",
+                            choices=RECOMPUTE)
     moe_experts: int = option(0, "gpt: a mixture of E expert MLPs with a router in place of the "
                               "MLP (0: dense)", check=expect(lambda v: _integer(v) and v >= 0,
                                                              "expected an integer >= 0"),
@@ -345,7 +351,9 @@ class CommunicationConfig:
     algorithm: str = option("auto", "gradient all-reduce: auto or any name of `mpdl bench --list`",
                             check=lambda v: _one_of(v, ("auto", *algorithms("allreduce"))),
                             metavar="NAME")
-    bucket_mb: float = option(25.0, "gradient bucket size in MiB", check=POSITIVE)
+    bucket_mb: float | None = option(None, "gradient bucket size in MiB (default: 25; --zero 1 "
+                                     "and 2: at most 1/16 of the model and 25)",
+                                     check=OPTIONAL_POSITIVE)
     first_bucket_mb: float = option(1.0, "size of the first (last layers') bucket", check=POSITIVE)
     overlap: bool = option(True, "reduce all buckets after backward instead of during it",
                            flag="--no-overlap")
@@ -517,6 +525,14 @@ def validate(config: TrainConfig, world_size: int) -> None:
                           f"number of {what} ({ranks}): every {what[:-1]} needs at least one "
                           f"sample")
     validate_sequence(config)
+    if config.model.recompute != "none" and config.model.name != "gpt":
+        raise ConfigError(f"{{model.recompute}} {config.model.recompute} needs a model of "
+                          f"transformer blocks ({{model.name}} gpt), got {{model.name}} "
+                          f"{config.model.name}")
+    if config.model.recompute != "none" and (config.parallel.cp > 1 or config.model.moe_experts):
+        raise ConfigError("{model.recompute} cannot be combined with {parallel.cp} > 1 or "
+                          "{model.moe_experts} yet (their attention and routing send messages "
+                          "that a recomputed forward would send again)")
     if d.dataset == "mnist" and not d.path:
         raise ConfigError("{data.dataset} mnist needs {data.path} PATH (a folder with the IDX "
                           "files, gzipped or not, or an .npz); nothing is downloaded")

@@ -12,6 +12,7 @@ from mpdl.parallel.expert import ExpertParallelStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategies import AllReduceStrategy, LocalSGDStrategy, ParameterServerStrategy
 from mpdl.parallel.strategy import Strategy
+from mpdl.parallel.zero import DEFAULT_BUCKET_MB as DDP_BUCKET_MB
 from mpdl.parallel.zero import ZeroStrategy
 from mpdl.training.config import TrainConfig
 
@@ -29,13 +30,14 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
                                 algorithm=c.algorithm, verbose=p.verbose_comm, zero=p.zero,
                                 cp=p.cp, cp_mode=p.cp_mode, cp_balance=p.cp_balance, sp=p.sp)
     if config.model.moe_experts:
-        return ExpertParallelStrategy(comm, ep=p.ep, algorithm=c.algorithm, bucket_mb=c.bucket_mb,
+        bucket_mb = c.bucket_mb if c.bucket_mb is not None else DDP_BUCKET_MB
+        return ExpertParallelStrategy(comm, ep=p.ep, algorithm=c.algorithm, bucket_mb=bucket_mb,
                                       first_bucket_mb=c.first_bucket_mb, zero=p.zero)
-    common = dict(algorithm=c.algorithm, bucket_mb=c.bucket_mb, first_bucket_mb=c.first_bucket_mb,
-                  overlap=c.overlap)
+    common = dict(algorithm=c.algorithm, first_bucket_mb=c.first_bucket_mb, overlap=c.overlap)
     if p.zero:
         return ZeroStrategy(comm, stage=p.zero, prefetch=p.prefetch, hybrid=p.zero_hybrid,
-                            **common)
+                            bucket_mb=c.bucket_mb, **common)
+    common["bucket_mb"] = c.bucket_mb if c.bucket_mb is not None else DDP_BUCKET_MB
     if c.sync_every > 1:
         return LocalSGDStrategy(comm, sync_every=c.sync_every, warmup_steps=c.post_local_warmup,
                                 **common)

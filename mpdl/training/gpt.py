@@ -22,7 +22,16 @@ import numpy as np
 import mpdl.autograd.functional as F
 from mpdl.autograd import Tensor, nn, no_grad
 from mpdl.autograd.moe import MoE, MoESettings
+from mpdl.autograd.recompute import checkpoint
 from mpdl.backend import get_array_module, to_host
+
+#: --recompute: nothing, the attention core (Korthikanti et al. 2022's selective), each block
+RECOMPUTE = ("none", "selective", "full")
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """The attention core: softmax(q kᵀ/√d, causal) v."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class CausalSelfAttention(nn.Module):
@@ -35,12 +44,16 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(n_embd, 3 * n_embd, rng=rng, dtype=dtype)
         self.proj = nn.Linear(n_embd, n_embd, rng=rng, dtype=dtype)
         self.dropout = nn.Dropout(dropout, rng=rng)
+        self.recompute_core = False  # recompute the attention core in backward
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
         h = self.n_head
         qkv = self.qkv(x).reshape(b, t, 3, h, c // h).transpose(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
-        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        if self.recompute_core:
+            y = checkpoint(causal_attention, qkv[0], qkv[1], qkv[2])
+        else:
+            y = causal_attention(qkv[0], qkv[1], qkv[2])
         y = y.transpose(0, 2, 1, 3).reshape(b, t, c)
         return self.dropout(self.proj(y))
 
@@ -71,8 +84,13 @@ class Block(nn.Module):
         self.mlp = MLP(n_embd, dropout, rng, dtype) if moe is None else MoE(
             n_embd, moe.experts, moe.top_k, moe.capacity_factor, moe.aux_loss_coef, rng=rng,
             dtype=dtype)
+        self.recompute = False  # keep only the block's input; recompute the rest in backward
 
     def forward(self, x: Tensor) -> Tensor:
+        return checkpoint(self.residual, x) if self.recompute else self.residual(x)
+
+    def residual(self, x: Tensor) -> Tensor:
+        """The block without recomputation."""
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -136,6 +154,15 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return F.linear(self.ln_f(x), self.token_embedding.weight)
+
+    def set_recompute(self, mode: str) -> None:
+        """Recompute in backward nothing ("none"), each block's attention core ("selective") or
+        each whole block ("full")."""
+        if mode not in RECOMPUTE:
+            raise ValueError(f"recompute: expected one of {', '.join(RECOMPUTE)}, got {mode!r}")
+        for block in self.blocks:
+            block.recompute = mode == "full"
+            block.attn.recompute_core = mode == "selective"
 
     def generate(self, idx: Any, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, rng: np.random.Generator | None = None) -> np.ndarray:

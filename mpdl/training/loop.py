@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
-from mpdl import emulation, faults
+from mpdl import emulation, faults, memory
 from mpdl.autograd import optim
 from mpdl.backend import cupy_module, use_local_gpu
 from mpdl.collectives import allreduce
@@ -37,6 +37,7 @@ from mpdl.training.report import (
     ZERO_COLUMNS,
     Report,
     describe_run,
+    memory_fields,
     resumed_text,
     summary_row,
     write_timeline,
@@ -63,6 +64,9 @@ class Trainer:
         self.timeline: Timeline | None = None
         self.strategy: Any = None
         self._restore: Callable[[], None] | None = None
+        #: this rank's memory ledger (mpdl.memory): what setup and training hold, by category
+        self.ledger = memory.Ledger()
+        self._memory_peaks: dict[str, int] = {}
 
     @property
     def optimizer(self) -> Any:
@@ -76,7 +80,8 @@ class Trainer:
             self._restore = emulation.apply(self.comm,
                                             emulation.resolve(c.communication.emulate))
         try:
-            self._setup()
+            with self.ledger.installed():
+                self._setup()
         except BaseException:
             self._end_emulation()
             raise
@@ -93,6 +98,8 @@ class Trainer:
         self.model = self.strategy.build(lambda: build_model(
             m.name, shape[0], shape[1], seed=o.seed, dtype=np.dtype(m.dtype), n_layer=m.n_layer,
             n_head=m.n_head, n_embd=m.n_embd, moe=m.moe()))
+        if m.recompute != "none":
+            self.model.set_recompute(m.recompute)
         self.peak = throughput.peak_flops(self.comm) if m.name == "gpt" else None
         if m.device == "gpu":
             node = self.comm.node_groups()[self.comm.node_of_rank()[self.rank]]
@@ -100,6 +107,8 @@ class Trainer:
             self.model.to("gpu")
         precision.prepare(self.model, c)
         self.strategy.setup(self.model, precision.optimizer_factory(make_optimizer(c), c))
+        memory.hold_all([p.data for p in self.model.parameters()], "parameters")
+        memory.hold_all([b.data for b in self.model.buffers()], "other")
         self.lr = c.base_lr()
         self.start_epoch, self.step = 0, 0
         self.partial, self.resumed_at = None, None
@@ -202,6 +211,7 @@ class Trainer:
             bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}", file=sys.stderr,
                        leave=False, disable=None, unit="step")
         epoch_start = time.perf_counter()
+        self.ledger.reset_peaks()
         for idx, global_batch in self.sampler:
             self.lr = self.schedule(self.step)
             batch = Batch(self._to_device(self.task.xtr[idx]),
@@ -221,6 +231,8 @@ class Trainer:
             if bar is not None:
                 bar.update()
         sums["wall"] = time.perf_counter() - epoch_start
+        self._memory_peaks = {**self.ledger.peak, "total": self.ledger.peak_total,
+                              "model_state": self.ledger.peak_state}
         if bar is not None:
             bar.close()
         return sums
@@ -238,7 +250,8 @@ class Trainer:
         """Train from start_epoch to config.optim.epochs; return one row per epoch plus a summary.
         Puts the emulation setting in force before setup back at the end."""
         try:
-            return self._run()
+            with self.ledger.installed():
+                return self._run()
         finally:
             self._end_emulation()
 
@@ -252,21 +265,27 @@ class Trainer:
         if c.output.timeline:
             self.comm.barrier()
             self.timeline = Timeline(self.rank, time.perf_counter())
+            self.ledger.trace()
         run_start = time.perf_counter()
+        # the memory peaks are the max over the ranks that train: every rank (pipeline stages
+        # too) unless some only serve
+        everyone = all(self.comm.allgather_object(strategy.trains))
         if not strategy.trains:
             strategy.serve()
             summary = self._summary(time.perf_counter() - run_start)
         else:
             self._print_header()
             data_comm = strategy.data_comm
+            trainers = self.comm if everyone else data_comm
             for epoch in range(self.start_epoch, c.optim.epochs):
                 s = self.train_epoch(epoch)
+                peaks = memory_fields(self._memory_peaks, trainers)
                 with strategy.gathered(optimizer_state=bool(c.checkpoint.dir) and
                                        not strategy.sharded_checkpoint):
                     vec = np.array([s["loss"], s["correct"], s["n"], s["compute"], s["comm"],
                                     s["exposed"], s["wall"], *self.evaluate()], dtype=np.float64)
                     self._add_row(epoch, allreduce(vec, op="sum", comm=data_comm),
-                                  data_comm.size)
+                                  data_comm.size, peaks)
             final = None
             if strategy.finish():
                 with strategy.gathered():
@@ -277,10 +296,12 @@ class Trainer:
                 summary.update(self.task.metrics(final))
         self.report.summary(summary, self.rows, strategy.describe(final=True))
         if self.timeline is not None:
+            self.timeline.counters("memory (bytes)", memory.CATEGORIES, self.ledger.samples or [])
             write_timeline(self.comm, self.timeline, c.output.timeline)
         return [*self.rows, summary]
 
-    def _add_row(self, epoch: int, tot: np.ndarray, ranks: int) -> None:
+    def _add_row(self, epoch: int, tot: np.ndarray, ranks: int,
+                 memory_peaks: dict[str, Any]) -> None:
         """Record, print and write the epoch's row from the sums over the `ranks` that train."""
         steps = self.steps_per_epoch
         fields = self.strategy.report()
@@ -290,7 +311,8 @@ class Trainer:
                "exposed_comm_s": tot[5] / ranks / steps, "ranks": self.size,
                "algorithm": fields.pop("algorithm"), "lr": self.lr, "mode": fields.pop("mode"),
                "emulated": emulation.describe_active(self.comm), **fields,
-               **precision.fields(self.optimizer)}
+               **precision.fields(self.optimizer),
+               **memory_peaks}
         if self.peak is not None:
             row.update(throughput.fields(row["samples_per_s"], self.task.seq_len,
                                          self.model.flops_per_token(self.task.seq_len), self.peak,

@@ -9,7 +9,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from mpdl.collectives import allreduce
 from mpdl.fileio import write_atomic
+from mpdl.memory import CATEGORIES
 from mpdl.training.tasks import SUMMARY_FIELDS
 from mpdl.training.timeline import Timeline, write_trace
 
@@ -20,6 +22,20 @@ MIB = 1 << 20
 #: and bytes sent per step, in MiB: (title, row field, width, format, divisor)
 ZERO_COLUMNS = (("state_MiB", "model_state_bytes", 9, ".3f", MIB),
                 ("sent_MiB", "sent_bytes_per_step", 9, ".3f", MIB))
+
+
+def memory_fields(peaks: dict[str, int], comm: Any) -> dict[str, Any]:
+    """The JSON fields of a rank's memory peaks (mpdl.memory), max over the ranks of `comm`
+    (collective): `memory_peak_bytes` per category, and the most held at one time of all of them
+    (`memory_peak_total_bytes`) and of the model state (`memory_peak_state_bytes`: parameters,
+    master weights, gradients, optimizer state)."""
+    keys = (*CATEGORIES, "total", "model_state")
+    most = allreduce(np.array([peaks.get(k, 0) for k in keys], dtype=np.float64), op="max",
+                     comm=comm)
+    values = dict(zip(keys, (int(v) for v in most), strict=True))
+    return {"memory_peak_bytes": {k: values[k] for k in CATEGORIES},
+            "memory_peak_total_bytes": values["total"],
+            "memory_peak_state_bytes": values["model_state"]}
 
 
 def write_json_lines(path: str, rows: list[dict[str, Any]]) -> None:

@@ -32,6 +32,15 @@ class Timeline:
             event["args"] = args
         self.events.append(event)
 
+    def counters(self, name: str, keys: tuple[str, ...],
+                 samples: list[tuple[float, tuple[int, ...]]]) -> None:
+        """A counter track ("ph": "C"): at each (time.perf_counter, values) sample, the value of
+        each of `keys`."""
+        for t, values in samples:
+            self.events.append({"name": name, "ph": "C", "pid": self.rank,
+                                "ts": round((t - self.origin) * 1e6, 3),
+                                "args": dict(zip(keys, values, strict=True))})
+
     def metadata(self) -> list[dict[str, Any]]:
         meta = [{"name": "process_name", "ph": "M", "pid": self.rank,
                  "args": {"name": f"rank {self.rank}"}},
