@@ -4,6 +4,7 @@ model state ZeRO and DDP hold on the GPT of issue 33 at p = 4."""
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -15,8 +16,9 @@ import numpy as np
 import pytest
 
 from mpdl import memory
-from mpdl.autograd import Tensor, checkpoint, nn, optim
+from mpdl.autograd import Tensor, amp, checkpoint, nn, optim
 from mpdl.autograd import functional as F
+from mpdl.backend import bfloat16
 from mpdl.cli import UsageError
 from mpdl.cli.train import check
 from mpdl.parallel.strategies import AllReduceStrategy
@@ -304,3 +306,17 @@ def test_bad_recompute_exits_2_on_every_rank():
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "--recompute full needs" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_mixed_precision_master_weights_are_their_own_category():
+    ledger = memory.Ledger()
+    with memory.counting_into(ledger):
+        layer = nn.Linear(8, 16, rng=np.random.default_rng(0))
+        for p in layer.parameters():
+            p.data = p.data.astype(bfloat16)
+        opt = amp.MixedPrecisionOptimizer(list(layer.parameters()), lambda ps: optim.Adam(ps))
+        # float32 masters of 8 x 16 + 16 parameters, and nothing of them under optimizer state
+        assert ledger.live["master_weights"] == 4 * (8 * 16 + 16)
+        del opt
+    gc.collect()  # the optimizer and its state refer to each other
+    assert ledger.live["master_weights"] == 0

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl import memory
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, is_low_precision, to_host
 
@@ -131,6 +132,7 @@ class MixedPrecisionOptimizer:
                  scaler: LossScaler | None = None) -> None:
         self.params = list(params)
         self.masters = [Tensor(p.data.astype(np.float32), requires_grad=True) for p in self.params]
+        memory.hold_all([m.data for m in self.masters], "master_weights")
         self._master_of = {id(p): m for p, m in zip(self.params, self.masters, strict=True)}
         self.inner = make_optimizer(self.masters)
         self.scaler = scaler
