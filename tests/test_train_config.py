@@ -61,6 +61,11 @@ def test_default_learning_rates():
     assert TrainConfig.from_keys(signsgd).base_lr() == pytest.approx(0.05)
     assert TrainConfig.from_keys({**signsgd, "optim.lr": 0.3}).base_lr() == 0.3
     assert default_lr("resnet8", "lamb") == 1e-2
+    assert default_lr("gpt", "adam", experts=True) == 2e-3
+    assert default_lr("gpt", "sgd", experts=True) == default_lr("gpt", "sgd")
+    moe = TrainConfig.from_keys({"model.name": "gpt", "model.moe_experts": 4,
+                                 "optim.optimizer": "adam"})
+    assert moe.base_lr() == 2e-3
 
 
 def _trainer(changes: dict) -> Trainer:
