@@ -22,6 +22,7 @@ import functools
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from time import monotonic
 from time import time as _time
 from typing import Any
@@ -281,6 +282,23 @@ class _Schedule:
         return run
 
 
+def _start_and_poll(comm, request: Any, collective: str) -> Callable[[], None]:
+    """A run of a persistent MPI collective: start it, test it a few times (a small call is often
+    done by then), then wait as the communicator waits (its policy, timeout and stall warning)."""
+    wrapped = [Request(request, -1, collective, "collective")]
+    spin = 4 if comm.yield_every == 1 else 64
+    test = request.Test
+
+    def run() -> None:
+        request.Start()
+        for _ in range(spin):
+            if test():
+                return
+        _wait_one(comm, test, wrapped)
+
+    return run
+
+
 def _wait_one(comm, test, wrapped: list[Request]) -> None:
     """Wait for one persistent collective request under the communicator's wait policy (MPICH's
     Testall misreports an unfinished persistent collective as an error, so this polls Test)."""
@@ -487,16 +505,7 @@ def _allreduce_runner(c: Any, algo: Any, x: Any, out: Any, op: str, xp: Any,
             request = (c.mpi.Allreduce_init(MPI.IN_PLACE, flat, op=mpi_op) if out is x else
                        c.mpi.Allreduce_init(xflat, flat, op=mpi_op))
             requests = [request]
-            wrapped = [Request(request, -1, "allreduce", "collective")]
-            spin = 4 if c.yield_every == 1 else 64
-            test = request.Test
-
-            def fast() -> None:
-                request.Start()
-                for _ in range(spin):
-                    if test():
-                        return
-                _wait_one(c, test, wrapped)
+            fast = _start_and_poll(c, request, "allreduce")
         elif algo.name == "recursive_doubling" and x.size <= seg:
             schedule = _rd_schedule(c, flat, flat if out is x else xflat, reducer(op, np))
             fast, requests = schedule.runner(), schedule.requests
@@ -622,18 +631,7 @@ def _mpi_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, persistent: bool):
         request = init(source, [flat, MPI.BYTE])
     except NotImplementedError:
         return functools.partial(c.mpi.Alltoall, source, [flat, MPI.BYTE]), None
-    wrapped = [Request(request, -1, "alltoall", "collective")]
-    spin = 4 if c.yield_every == 1 else 64
-    test = request.Test
-
-    def fast() -> None:
-        request.Start()
-        for _ in range(spin):
-            if test():
-                return
-        _wait_one(c, test, wrapped)
-
-    return fast, [request]
+    return _start_and_poll(c, request, "alltoall"), [request]
 
 
 def _direct_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, layout, name: str):
