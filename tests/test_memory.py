@@ -297,7 +297,7 @@ def test_bad_recompute_flags_are_one_line_naming_the_flag(changes, message):
     assert str(caught.value) == message
 
 
-def test_bad_recompute_exits_2_on_every_rank():
+def test_bad_recompute_exits_2_on_every_rank_with_one_line():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     mpiexec = Path(sys.executable).with_name("mpiexec")
     out = subprocess.run(["timeout", "-k", "5", "120", str(mpiexec), "-n", "2", sys.executable,
