@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from oracle import adam_losses
 
 import mpdl.autograd.functional as F
 from mpdl.autograd import optim
@@ -134,15 +135,7 @@ def gpt(length):
 
 def one_process(x, y):
     model = gpt(x.shape[1])
-    opt = optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(STEPS):
-        loss = F.cross_entropy(model(Tensor(x)), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.item()))
-    return losses
+    return adam_losses(model, x, y, STEPS, 1e-2)
 
 
 @pytest.mark.parametrize("dp, pp, tp, cp, mode, balance, sp", [

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from oracle import adam_losses
 
 from mpdl.autograd import functional as F
 from mpdl.autograd import nn, optim
@@ -71,16 +72,8 @@ def data(name: str, dtype: str):
 def oracle(name: str, dtype: str) -> list[float]:
     """The loss of each step of a plain loop on one process."""
     model = make_model(name, dtype)
-    opt = optim.Adam(model.parameters(), lr=1e-2)
     x, y = data(name, dtype)
-    losses = []
-    for _ in range(STEPS):
-        loss = F.cross_entropy(model(Tensor(x)), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.item()))
-    return losses
+    return adam_losses(model, x, y, STEPS, 1e-2)
 
 
 def pipeline_losses(comm, name: str, dtype: str, dp: int, pp: int, m: int, schedule: str,

@@ -14,10 +14,9 @@ import functools
 import numpy as np
 import pytest
 from mpi4py import MPI
+from oracle import adam_losses
 
-from mpdl.autograd import functional as F
 from mpdl.autograd import optim
-from mpdl.autograd.tensor import Tensor
 from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator
 from mpdl.parallel.pipeline import PipelineStrategy
@@ -53,15 +52,7 @@ def batch(length: int) -> tuple[np.ndarray, np.ndarray]:
 def one_process(length: int) -> list[float]:
     x, y = batch(length)
     model = gpt(length)
-    opt = optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(STEPS):
-        loss = F.cross_entropy(model(Tensor(x)), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.item()))
-    return losses
+    return adam_losses(model, x, y, STEPS, 1e-2)
 
 
 @pytest.mark.skipif(P == 1, reason="context parallelism needs cp >= 2 ranks")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpi4py import MPI
+from oracle import adam_losses
 
 from mpdl.autograd import functional as F
 from mpdl.autograd import nn, optim
@@ -55,16 +56,8 @@ def data(name: str, dtype: str):
 
 def oracle(name: str, dtype: str) -> list[float]:
     model = make_model(name, dtype)
-    opt = optim.Adam(model.parameters(), lr=1e-2)
     x, y = data(name, dtype)
-    losses = []
-    for _ in range(STEPS):
-        loss = F.cross_entropy(model(Tensor(x)), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.item()))
-    return losses
+    return adam_losses(model, x, y, STEPS, 1e-2)
 
 
 def layouts():
