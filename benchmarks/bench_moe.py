@@ -31,8 +31,8 @@ from mpdl.autograd import optim
 from mpdl.autograd.moe import MoESettings
 from mpdl.comm import as_communicator
 from mpdl.parallel import split_bounds
+from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.expert import ExpertParallelStrategy
-from mpdl.parallel.strategies import AllReduceStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.perf.bench import turns
 from mpdl.training.gpt import GPT

@@ -24,7 +24,7 @@ from mpi4py import MPI
 from mpdl.autograd import optim
 from mpdl.comm import as_communicator
 from mpdl.parallel import split_bounds
-from mpdl.parallel.strategies import AllReduceStrategy
+from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.parallel.zero import ZeroStrategy
 from mpdl.perf.bench import turns

@@ -135,7 +135,7 @@ def own_work_times(repeats: int = 50, warmup: int = 10) -> dict[int, float]:
     optimizer on pieces); the four take turns step by step, medians, at least 0."""
     from mpdl.autograd import optim
     from mpdl.comm import as_communicator
-    from mpdl.parallel.strategies import AllReduceStrategy
+    from mpdl.parallel.data_parallel import AllReduceStrategy
     from mpdl.parallel.strategy import Batch
     from mpdl.parallel.zero import ZeroStrategy
     from mpdl.training.models import build_model

@@ -21,7 +21,7 @@ from mpdl.autograd import functional as F
 from mpdl.backend import bfloat16
 from mpdl.cli import UsageError
 from mpdl.cli.train import check
-from mpdl.parallel.strategies import AllReduceStrategy
+from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.parallel.tensor import TensorParallelGPT
 from mpdl.parallel.zero import ZeroStrategy

@@ -12,7 +12,7 @@ from mpdl.autograd import functional as F
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import bfloat16
 from mpdl.parallel import DistributedSampler
-from mpdl.parallel.strategies import AllReduceStrategy
+from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.parallel.zero import ZeroStrategy
 from mpdl.threadworld import run_world

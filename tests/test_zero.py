@@ -17,7 +17,7 @@ from mpdl.autograd import functional as F
 from mpdl.autograd import nn, optim
 from mpdl.autograd.tensor import Tensor
 from mpdl.parallel import DistributedSampler
-from mpdl.parallel.strategies import AllReduceStrategy
+from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.parallel.zero import NaiveZero, ZeroStrategy
 from mpdl.threadworld import run_world

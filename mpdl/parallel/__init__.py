@@ -1,7 +1,7 @@
 """Data parallelism: DistributedDataParallel (bucketed, overlapped gradient all-reduce), the
 DistributedSampler that makes p ranks follow the trajectory of one, gradient compression, local
-SGD and the parameter server; each way of training as a strategy (`strategy` holds the interface,
-`strategies` the implementations) for the training loop."""
+SGD and the parameter server; each way of training as a strategy for the training loop (`strategy`
+holds the interface, `data_parallel` the data-parallel ones, the other modules their own)."""
 
 from mpdl.parallel.compression import COMPRESSORS, GradientCompression, make_compression
 from mpdl.parallel.ddp import DistributedDataParallel

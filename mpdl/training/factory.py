@@ -8,9 +8,9 @@ from typing import Any
 from mpdl.autograd import optim
 from mpdl.comm import Communicator
 from mpdl.parallel.compression import make_compression
+from mpdl.parallel.data_parallel import AllReduceStrategy, LocalSGDStrategy, ParameterServerStrategy
 from mpdl.parallel.expert import ExpertParallelStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
-from mpdl.parallel.strategies import AllReduceStrategy, LocalSGDStrategy, ParameterServerStrategy
 from mpdl.parallel.strategy import Strategy
 from mpdl.parallel.zero import DEFAULT_BUCKET_MB as DDP_BUCKET_MB
 from mpdl.parallel.zero import ZeroStrategy

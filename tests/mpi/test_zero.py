@@ -19,7 +19,7 @@ from mpi4py import MPI
 from mpdl.autograd import nn, optim
 from mpdl.comm import as_communicator
 from mpdl.parallel import DistributedSampler
-from mpdl.parallel.strategies import AllReduceStrategy
+from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.parallel.zero import ZeroStrategy
 from mpdl.training.gpt import GPT
