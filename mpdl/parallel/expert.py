@@ -134,6 +134,100 @@ def _source_to_expert_order(from_source: np.ndarray) -> np.ndarray:
     return np.argsort(expert_of_row, kind="stable").astype(np.int64)
 
 
+class ExpertGroups:
+    """The experts of `moes` spread over groups of `ep` ranks of `dp_comm` (ranks d = g·ep + j;
+    see the module docstring): the experts this rank holds, the dispatchers that bring it the
+    rows of its group, and the all-gather that makes every layer whole again. A list of no
+    layers (a pipeline stage without MoE blocks) holds nothing."""
+
+    def __init__(self, moes: list[MoE], dp_comm: Communicator, ep: int,
+                 alltoall: str = "auto") -> None:
+        check_ep(ep, dp_comm.size)
+        for moe in moes:
+            if moe.num_experts % ep:
+                raise ValueError(f"ep: {ep} must divide the {moe.num_experts} experts of each "
+                                 f"MoE layer")
+        self.moes, self.ep = moes, ep
+        group, self.ep_rank = divmod(dp_comm.rank, ep)
+        self.ep_comm = dp_comm.sub(range(group * ep, (group + 1) * ep))
+        self.replica_comm = dp_comm.sub(range(self.ep_rank, dp_comm.size, ep))
+        self.local_experts = [self._experts_of(moe, self.ep_rank) for moe in moes]
+        self.expert_ids = {id(p) for moe in moes for p in moe.experts.parameters()}
+        self.owned_ids = {id(p) for group in self.local_experts for ex in group
+                          for p in ex.parameters()}
+        self.dispatchers = [AllToAllExperts(group, self.ep_comm, dp_comm, alltoall)
+                            for group in self.local_experts]
+
+    def _experts_of(self, moe: MoE, j: int) -> list[Any]:
+        """The experts rank j of a group holds of `moe`."""
+        local = moe.num_experts // self.ep
+        return [moe.experts[i] for i in range(j * local, (j + 1) * local)]
+
+    def split(self, params: list[Any]) -> tuple[list[Any], list[Any]]:
+        """`params` without the experts of other ranks: (the rest, this rank's experts)."""
+        return ([p for p in params if id(p) not in self.expert_ids],
+                [p for p in params if id(p) in self.owned_ids])
+
+    def install(self) -> None:
+        """The layers send their rows to the experts' ranks."""
+        for moe, dispatcher in zip(self.moes, self.dispatchers, strict=True):
+            moe.dispatcher = dispatcher
+
+    @contextmanager
+    def local(self) -> Iterator[None]:
+        """Within the block every layer runs its experts here (all of them must be held)."""
+        for moe in self.moes:
+            moe.dispatcher = LocalExperts()
+        try:
+            yield
+        finally:
+            self.install()
+
+    def set_grad_weight(self, weight: float) -> None:
+        """This rank's share of the global batch, by which the experts weight its rows'
+        gradients (1: the loss is already scaled by it)."""
+        for d in self.dispatchers:
+            d.grad_weight = weight
+
+    def take_spans(self) -> list[tuple[str, float, float, int]]:
+        """The all-to-alls since the last call: (name, start, end, bytes sent)."""
+        spans = [s for d in self.dispatchers for s in d.spans]
+        for d in self.dispatchers:
+            d.spans = []
+        return spans
+
+    def gather(self) -> None:
+        """Every rank of the group gets the other ranks' experts (an all-gather over
+        `ep_comm`); collective."""
+        if self.ep == 1 or not self.moes:
+            return
+        mine = [p for group in self.local_experts for ex in group for p in ex.parameters()]
+        whole = allgather(flat.pack([p.data for p in mine]), comm=self.ep_comm)
+        size = sum(p.size for p in mine)
+        for s in range(self.ep):
+            theirs = [p for moe in self.moes for ex in self._experts_of(moe, s)
+                      for p in ex.parameters()]
+            for p, piece in zip(theirs, flat.unpack(whole[s * size:(s + 1) * size], theirs),
+                                strict=True):
+                if id(p) not in self.owned_ids:
+                    p.data = piece.copy()
+
+    def release(self) -> None:
+        """Drop the values of the experts other ranks hold (zero-byte placeholders)."""
+        for moe in self.moes:
+            for p in moe.experts.parameters():
+                if id(p) not in self.owned_ids:
+                    p.data = _placeholder(p)
+
+
+def check_ep(ep: Any, ranks: int) -> None:
+    """Raise ValueError unless `ep` is a positive int dividing the `ranks` data-parallel ranks."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"ep: expected a positive number of ranks, got {ep!r}")
+    if ranks % ep:
+        raise ValueError(f"ep: {ep} must divide the {ranks} data-parallel ranks")
+
+
 class _Parameters:
     """Some of a model's parameters, with the part of the Module interface DDP reads."""
 
@@ -153,12 +247,13 @@ class _Parameters:
         return []
 
 
-class _TwoOptimizers:
-    """ZeRO-1 under expert parallelism: the dense parameters' optimizer state sharded over the
-    data-parallel ranks, the experts' over their replicas."""
+class ShardedOptimizers:
+    """ZeRO-1 under expert parallelism: one `ShardedOptimizer` per group of parameters, each
+    sharded over the ranks that sum its gradients (the dense parameters' over the data-parallel
+    ranks, the experts' over their replicas)."""
 
-    def __init__(self, dense: ShardedOptimizer, experts: ShardedOptimizer) -> None:
-        self.parts = (dense, experts)
+    def __init__(self, *parts: ShardedOptimizer) -> None:
+        self.parts = parts
 
     @property
     def lr(self) -> float:
@@ -177,11 +272,36 @@ class _TwoOptimizers:
         for part in self.parts:
             part.zero_grad()
 
+    def state_nbytes(self) -> int:
+        """Bytes of the optimizer state this rank holds."""
+        return sum(part.state_nbytes() for part in self.parts)
+
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError("ep with zero 1: the optimizer state is not checkpointed")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError("ep with zero 1: the optimizer state is not checkpointed")
+
+
+def epoch_figures(layers: list[MoE], counted: list[MoE], alltoall_s: float, steps: int,
+                  comm: Communicator) -> dict[str, Any]:
+    """The JSON figures of the MoE `layers` (all of the model's, in order) since their stats were
+    reset, summed over `comm`: each rank adds the stats of the layers in `counted` and its
+    all-to-all seconds over `steps` steps (collective)."""
+    e = layers[0].num_experts
+    mine = {id(m) for m in counted}
+    rows = np.zeros((len(layers), e + 4))
+    for row, m in zip(rows, layers, strict=True):
+        if id(m) in mine:
+            s = m.stats
+            row[:] = [*s.tokens_per_expert, s.dropped, s.routings, s.aux_loss, s.calls]
+    total = allreduce(np.concatenate([rows.reshape(-1), [alltoall_s, steps]]), op="sum",
+                      comm=comm)
+    rows = total[:-2].reshape(len(layers), e + 4)
+    return {"tokens_per_expert": [[int(v) for v in row[:e]] for row in rows],
+            "dropped_fraction": float(rows[:, e].sum() / max(rows[:, e + 1].sum(), 1.0)),
+            "aux_loss": float(sum(row[e + 2] / max(row[e + 3], 1.0) for row in rows)),
+            "alltoall_s": float(total[-2] / max(total[-1], 1.0))}
 
 
 class ExpertParallelStrategy(Strategy):
@@ -195,20 +315,13 @@ class ExpertParallelStrategy(Strategy):
                  alltoall: str = "auto", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  zero: int = 0) -> None:
         super().__init__(comm)
-        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
-            raise ValueError(f"ep: expected a positive number of ranks, got {ep!r}")
-        if comm.size % ep:
-            raise ValueError(f"ep: {ep} must divide the {comm.size} data-parallel ranks")
+        check_ep(ep, comm.size)
         if zero not in (0, 1):
             raise ValueError(f"zero: expert parallelism combines with stage 1 only, got {zero!r}")
         self.ep, self.zero = ep, zero
         self.algorithm, self.alltoall = algorithm, alltoall
         self.bucket_mb, self.first_bucket_mb = bucket_mb, first_bucket_mb
-        group, self.ep_rank = divmod(comm.rank, ep)
-        self.ep_comm = comm.sub(range(group * ep, (group + 1) * ep))
-        self.replica_comm = comm.sub(range(self.ep_rank, comm.size, ep))
         self.moes: list[MoE] = []
-        self.dispatchers: list[AllToAllExperts] = []
         self.step_count = 0
         self._a2a_s = 0.0
         self._epoch: dict[str, Any] = {}
@@ -218,60 +331,37 @@ class ExpertParallelStrategy(Strategy):
         self.moes = [m for _, m in model.named_modules() if isinstance(m, MoE)]
         if not self.moes:
             raise ValueError("ep: the model has no mixture-of-experts layer (moe_experts)")
-        experts = self.moes[0].num_experts
-        if experts % self.ep:
-            raise ValueError(f"ep: {self.ep} must divide the {experts} experts of each MoE layer")
-        local = experts // self.ep
-        mine = range(self.ep_rank * local, (self.ep_rank + 1) * local)
-        self.local_experts = [[moe.experts[i] for i in mine] for moe in self.moes]
-        self.expert_params = {id(p) for moe in self.moes for p in moe.experts.parameters()}
-        local_ids = {id(p) for group in self.local_experts for ex in group
-                     for p in ex.parameters()}
+        self.groups = ExpertGroups(self.moes, self.comm, self.ep, self.alltoall)
+        self.ep_comm, self.replica_comm = self.groups.ep_comm, self.groups.replica_comm
+        self.dispatchers = self.groups.dispatchers
         named = list(model.named_parameters())
-        dense = [(n, p) for n, p in named if id(p) not in self.expert_params]
-        owned = [(n, p) for n, p in named if id(p) in local_ids]
-        self.dispatchers = [AllToAllExperts(group, self.ep_comm, self.comm, self.alltoall)
-                            for group in self.local_experts]
-        self._use_dispatchers()
-        self.owned_ids = local_ids
-        trained = [p for n, p in named if id(p) in local_ids or id(p) not in self.expert_params]
+        dense, owned = self.groups.split([p for _, p in named])
+        names = {id(p): n for n, p in named}
+        self.groups.install()
         if self.zero:
             self.dense_ddp = self.expert_ddp = None
-            self.dense_params = [p for _, p in dense]
-            self.optimizer = _TwoOptimizers(
-                ShardedOptimizer(self.dense_params, make_optimizer, self.comm, self.algorithm),
-                ShardedOptimizer([p for _, p in owned], make_optimizer, self.replica_comm,
-                                 self.algorithm))
+            self.dense_params = dense
+            self.optimizer = ShardedOptimizers(
+                ShardedOptimizer(dense, make_optimizer, self.comm, self.algorithm),
+                ShardedOptimizer(owned, make_optimizer, self.replica_comm, self.algorithm))
         else:
             common = dict(algorithm=self.algorithm, bucket_mb=self.bucket_mb,
                           first_bucket_mb=self.first_bucket_mb, overlap=False)
-            self.dense_ddp = DistributedDataParallel(_Parameters(dense), comm=self.comm, **common)
-            self.expert_ddp = DistributedDataParallel(_Parameters(owned), comm=self.replica_comm,
-                                                      **common)
+            self.dense_ddp = DistributedDataParallel(
+                _Parameters([(names[id(p)], p) for p in dense]), comm=self.comm, **common)
+            self.expert_ddp = DistributedDataParallel(
+                _Parameters([(names[id(p)], p) for p in owned]), comm=self.replica_comm, **common)
             self.expert_ddp.set_local_batch(1, 1)  # weighted inside the all-to-all (docstring)
-            self.optimizer = make_optimizer(trained)
-        self._release_others()
-
-    def _use_dispatchers(self) -> None:
-        for moe, dispatcher in zip(self.moes, self.dispatchers, strict=True):
-            moe.dispatcher = dispatcher
-
-    def _others(self) -> list[Any]:
-        return [p for moe in self.moes for p in moe.experts.parameters()
-                if id(p) not in self.owned_ids]
-
-    def _release_others(self) -> None:
-        """Drop the values of the experts other ranks hold (zero-byte placeholders)."""
-        for p in self._others():
-            p.data = _placeholder(p)
+            self.optimizer = make_optimizer([p for _, p in named if id(p) in self.groups.owned_ids
+                                             or id(p) not in self.groups.expert_ids])
+        self.groups.release()
 
     # -- one step --------------------------------------------------------------------------------
     def step(self, batch: Batch) -> StepResult:
         self.optimizer.lr = batch.lr
         share = len(batch.y) / batch.global_size
-        for d in self.dispatchers:
-            d.grad_weight = share
-            d.spans = []
+        self.groups.set_grad_weight(share)
+        self.groups.take_spans()
         result = StepResult()
         start = time.perf_counter()
         if self.zero:
@@ -289,7 +379,7 @@ class ExpertParallelStrategy(Strategy):
         self.optimizer.step()
         self.optimizer.zero_grad()
         end = time.perf_counter()
-        exchanges = [s for d in self.dispatchers for s in d.spans]
+        exchanges = self.groups.take_spans()
         a2a = sum(e - s for _, s, e, _ in exchanges)
         reduce_s = 0.0 if self.zero else (self.dense_ddp.last_exposed_s
                                           + self.expert_ddp.last_exposed_s)
@@ -320,42 +410,15 @@ class ExpertParallelStrategy(Strategy):
         """Every rank holds all the experts and runs them locally within the block; the epoch's
         routing figures are summed over the ranks for `report`."""
         self._sum_figures()
-        if self.ep > 1:
-            mine = [p for group in self.local_experts for ex in group for p in ex.parameters()]
-            whole = allgather(flat.pack([p.data for p in mine]), comm=self.ep_comm)
-            size = sum(p.size for p in mine)
-            per_rank = len(self.local_experts[0])
-            for s in range(self.ep):
-                theirs = [p for moe in self.moes
-                          for ex in moe.experts[s * per_rank:(s + 1) * per_rank]
-                          for p in ex.parameters()]
-                for p, piece in zip(theirs, flat.unpack(whole[s * size:(s + 1) * size], theirs),
-                                    strict=True):
-                    if id(p) not in self.owned_ids:
-                        p.data = piece.copy()
-        for moe in self.moes:
-            moe.dispatcher = LocalExperts()
+        self.groups.gather()
         try:
-            yield
+            with self.groups.local():
+                yield
         finally:
-            self._use_dispatchers()
-            if self.ep > 1:
-                self._release_others()
+            self.groups.release()
 
     def _sum_figures(self) -> None:
-        e = self.moes[0].num_experts
-        local = np.concatenate([np.concatenate([m.stats.tokens_per_expert,
-                                                [m.stats.dropped, m.stats.routings,
-                                                 m.stats.aux_loss, m.stats.calls]])
-                                for m in self.moes] + [[self._a2a_s, self.step_count]])
-        total = allreduce(local.astype(np.float64), op="sum", comm=self.comm)
-        layers = total[:-2].reshape(len(self.moes), e + 4)
-        steps = max(total[-1], 1.0)
-        self._epoch = {
-            "tokens_per_expert": [[int(v) for v in row[:e]] for row in layers],
-            "dropped_fraction": float(layers[:, e].sum() / max(layers[:, e + 1].sum(), 1.0)),
-            "aux_loss": float(sum(row[e + 2] / max(row[e + 3], 1.0) for row in layers)),
-            "alltoall_s": float(total[-2] / steps)}
+        self._epoch = epoch_figures(self.moes, self.moes, self._a2a_s, self.step_count, self.comm)
 
     def describe(self, final: bool = False) -> str:
         if final:

@@ -266,6 +266,9 @@ class PipelineStrategy(Strategy):
 
     mode = "pipeline"
     sharded_checkpoint = True
+    #: every data-parallel rank runs all `microbatches`, empty ones too (a layout whose forward
+    #: and backward send over the data-parallel axis: mpdl.parallel.expert_pipeline)
+    lockstep_microbatches = False
 
     def __init__(self, comm: Communicator, dp: int, pp: int, tp: int = 1, microbatches: int = 1,
                  schedule: str = "1f1b", algorithm: str = "auto", verbose: bool = False,
@@ -356,14 +359,17 @@ class PipelineStrategy(Strategy):
             tied_pieces = self.all_pieces[-1]
             if getattr(tied_pieces, "tied", None) is not None and self.pp > 1:
                 self.tied_comm = self.grid.pp_comm.sub([0, self.pp - 1])
-        if self.zero:
-            self.optimizer = ShardedOptimizer(self.stage_params, make_optimizer,
-                                              self.grid.dp_comm, self.algorithm)
-        else:
-            self.optimizer = make_optimizer(self.stage_params)
+        self.optimizer = self._stage_optimizer(make_optimizer)
         self._owned = {id(p) for p in self.stage_params}
         self._release_others()
         memory.hold_all([p.data for p in self.stage_params], "parameters")
+
+    def _stage_optimizer(self, make_optimizer: MakeOptimizer) -> Any:
+        """The optimizer of `stage_params` (with ZeRO-1 its state sharded over dp)."""
+        if self.zero:
+            return ShardedOptimizer(self.stage_params, make_optimizer, self.grid.dp_comm,
+                                    self.algorithm)
+        return make_optimizer(self.stage_params)
 
     def _context_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return context_attention(q, k, v, self.grid.cp_comm, self.cp_mode, self.cp_balance)
@@ -478,8 +484,10 @@ class PipelineStrategy(Strategy):
         result = StepResult()
         start = time.perf_counter()
         self.optimizer.lr = batch.lr
-        n = len(batch.y)
-        parts = [p for p in np.array_split(np.arange(n), self.microbatches) if len(p)]
+        cuts = np.cumsum([0] + [len(p) for p in np.array_split(np.arange(len(batch.y)),
+                                                               self.microbatches)])
+        parts = [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)
+                 if b > a or self.lockstep_microbatches]
         m = len(parts)
         xp = get_array_module(self.stage_params[0].data) if self.stage_params else np
         shapes = self._boundary_shapes(self._local(batch.x)) if m and self.pp > 1 else []
@@ -492,28 +500,30 @@ class PipelineStrategy(Strategy):
         held: dict[int, int] = {}  # bytes of each microbatch's stage output until its backward
         idle = 0.0
         for kind, j in order:
-            idx = parts[j]
+            lo, hi = parts[j]
             if kind == "F":
                 t0 = time.perf_counter()
                 if self.first:
-                    h = Tensor(self._local(batch.x[idx[0]:idx[-1] + 1]))
+                    h = Tensor(self._local(batch.x[lo:hi]))
                 else:
                     shape, dtype = shapes[prev]
                     self._say(f"recv activation mb {j} <- stage {prev}")
-                    buf = self._recv(xp, (len(idx), *shape), dtype, prev, "act", j)
+                    buf = self._recv(xp, (hi - lo, *shape), dtype, prev, "act", j)
                     h = inputs[j] = Tensor(buf, requires_grad=True)
                 t1, c1 = time.perf_counter(), time.thread_time()
-                with aux_loss_scale(len(idx) / batch.global_size):  # as the loss (MoE layers)
+                with aux_loss_scale((hi - lo) / batch.global_size):  # as the loss (MoE layers)
                     for piece in self.pieces:
                         h = piece(h)
                 t2 = time.perf_counter()
-                if self.last:
-                    y = batch.y[idx[0]:idx[-1] + 1]
+                if self.last and hi == lo:  # its backward still runs (lockstep_microbatches)
+                    outputs[j] = h.sum() * 0.0
+                elif self.last:
+                    y = batch.y[lo:hi]
                     loss, correct = self._loss(h, y)
-                    result.loss += float(loss.item()) * len(idx)
+                    result.loss += float(loss.item()) * (hi - lo)
                     result.correct += correct
-                    result.samples += len(idx)
-                    outputs[j] = loss * (len(idx) / batch.global_size)
+                    result.samples += hi - lo
+                    outputs[j] = loss * ((hi - lo) / batch.global_size)
                 else:
                     outputs[j] = h
                     sends.append(self._send(xp.ascontiguousarray(h.data), nxt, "act", j, result))
@@ -589,6 +599,10 @@ class PipelineStrategy(Strategy):
                                  if id(p) in self._owned], self.grid.tp_comm, "tp")
         if self.grid.dp * self.cp == 1 or not self.stage_params or self.zero:
             return  # ZeRO-1: the optimizer's step reduce-scatters over dp
+        self._sum_data_parallel()
+
+    def _sum_data_parallel(self) -> None:
+        """Sum the stage's gradients over the ranks that hold the same parameters (dp × cp)."""
         self._sum_gradients(self.stage_params, self.grid.dcp_comm, "dp x cp")
 
     def _sum_gradients(self, params: list[Any], comm: Communicator, axis: str) -> None:

@@ -674,10 +674,6 @@ def validate_moe(config: TrainConfig, world_size: int) -> None:
         raise ConfigError("{model.moe_experts} cannot be combined with {parallel.cp} > 1 or "
                           "{parallel.sp} yet (a replicated mixture of experts would see a slice "
                           "of the sequence)")
-    if p.model_parallel() and p.ep > 1:
-        raise ConfigError("{parallel.ep} > 1 cannot be combined with {parallel.pp} or "
-                          "{parallel.tp} yet (with {parallel.ep} 1 the experts are replicated "
-                          "over tp and cut with their block over pp)")
     if p.mode != "allreduce" or c.sync_every > 1 or c.compression != "none" \
             or p.zero not in (0, 1):
         raise ConfigError("{model.moe_experts} combines with plain data parallelism, "
