@@ -1,0 +1,65 @@
+"""Expert parallelism on grids larger than CI's mpiexec runs (tests/mpi/test_moe.py holds the
+real-MPI ones), on the in-process world of 8 ranks: dp 4 with ep 2, so that each expert has two
+replicas on a stage whose gradients are summed (and, with ZeRO-1, whose optimizer state is
+sharded over them), beside a pipeline of 2 stages or tensor parallelism over 2 ranks. One
+microbatch, dropless: every step's loss and the parameters after the steps must be those of one
+process on the whole batch (tests/oracle.py), within 1e-5 in float32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from oracle import adam_losses
+
+from mpdl.autograd import optim
+from mpdl.autograd.moe import MoESettings
+from mpdl.collectives import allreduce
+from mpdl.parallel import split_bounds
+from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
+from mpdl.parallel.strategy import Batch
+from mpdl.threadworld import run_world
+from mpdl.training.gpt import GPT
+
+N, STEPS, LR = 9, 2, 1e-2
+
+
+def make_model() -> GPT:
+    return GPT(vocab_size=11, block_size=6, n_layer=2, n_head=2, n_embd=8, seed=0,
+               moe=MoESettings(4, top_k=2, aux_loss_coef=0.05))
+
+
+def data():
+    rng = np.random.default_rng(5)
+    return rng.integers(0, 11, (N, 6)), rng.integers(0, 11, (N, 6))
+
+
+def train(comm, dp: int, pp: int, tp: int, zero: int):
+    strategy = ExpertPipelineStrategy(comm, dp, pp, tp, ep=2, zero=zero)
+    model = make_model()
+    strategy.setup(model, lambda p: optim.Adam(p, lr=LR))
+    x, y = data()
+    bounds = split_bounds(N, dp)
+    lo, hi = bounds[strategy.grid.d], bounds[strategy.grid.d + 1]
+    losses = []
+    for _ in range(STEPS):
+        r = strategy.step(Batch(x[lo:hi], y[lo:hi], N, LR))
+        total = allreduce(np.array([r.loss, r.samples]), comm=strategy.data_comm)
+        losses.append(total[0] / total[1])
+    with strategy.gathered():
+        params = model.state_dict()
+    return losses, params, strategy.groups.replica_comm.size
+
+
+@pytest.mark.parametrize("pp, tp, zero", [(2, 1, 0), (1, 2, 1)])
+def test_expert_replicas_on_a_grid_follow_one_process(pp, tp, zero):
+    model = make_model()
+    x, y = data()
+    ref_losses = adam_losses(model, x, y, STEPS, LR)
+    ref_params = model.state_dict()
+    for losses, params, replicas in run_world(8, lambda c: train(c, 4, pp, tp, zero)):
+        assert replicas == 2
+        np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+        assert params.keys() == ref_params.keys()
+        for name in params:
+            np.testing.assert_allclose(params[name], ref_params[name], rtol=0, atol=1e-5,
+                                       err_msg=name)
