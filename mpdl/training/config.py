@@ -322,8 +322,9 @@ class ParallelConfig:
     schedule: str = option("1f1b", "--pp: all forward then all backward (GPipe), or one forward "
                            "one backward (PipeDream-flush)", choices=PIPELINE_SCHEDULES)
     verbose_comm: bool = option(False, "--pp: print every message between stages (stderr)")
-    ep: int = option(1, "expert parallelism: groups of P data-parallel ranks share the "
-                     "--moe-experts E experts, E/P on each, tokens moved by all-to-all",
+    ep: int = option(1, "expert parallelism: groups of P data-parallel ranks (of each pipeline "
+                     "stage and tp rank) share the --moe-experts E experts, E/P on each, tokens "
+                     "moved by all-to-all",
                      check=POSITIVE_INT, metavar="P")
 
     def ps_mode(self) -> str:
