@@ -248,12 +248,16 @@ class _Parameters:
 
 
 class ShardedOptimizers:
-    """ZeRO-1 under expert parallelism: one `ShardedOptimizer` per group of parameters, each
-    sharded over the ranks that sum its gradients (the dense parameters' over the data-parallel
-    ranks, the experts' over their replicas)."""
+    """ZeRO-1 under expert parallelism: an optimizer over `params` made of `ShardedOptimizer`s,
+    each over some of them and sharded over the ranks that sum their gradients (the dense
+    parameters' over the data-parallel ranks, the experts' over their replicas). Its state is
+    that of one optimizer over `params`."""
 
-    def __init__(self, *parts: ShardedOptimizer) -> None:
-        self.parts = parts
+    def __init__(self, params: list[Any], *parts: ShardedOptimizer) -> None:
+        where = {id(p): k for k, p in enumerate(params)}
+        self.parts, self.count = parts, len(params)
+        #: for each part, the position in `params` of each of its parameters
+        self.positions = [[where[id(p)] for p in part.params] for part in parts]
 
     @property
     def lr(self) -> float:
@@ -263,6 +267,10 @@ class ShardedOptimizers:
     def lr(self, value: float) -> None:
         for part in self.parts:
             part.lr = value
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.parts[0].param_groups
 
     def step(self) -> None:
         for part in self.parts:
@@ -276,11 +284,33 @@ class ShardedOptimizers:
         """Bytes of the optimizer state this rank holds."""
         return sum(part.state_nbytes() for part in self.parts)
 
+    def pieces(self) -> list[tuple[int, int, int, dict[str, Any]]]:
+        """This rank's part of the state, as `ShardedOptimizer.pieces`, by position in `params`."""
+        return [(positions[k], a, b, state) for part, positions in
+                zip(self.parts, self.positions, strict=True) for k, a, b, state in part.pieces()]
+
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("ep with zero 1: the optimizer state is not checkpointed")
+        """The state of a plain optimizer over `params` (whole tensors); collective over each
+        part's ranks."""
+        state: dict[int, Any] = {}
+        for part, positions in zip(self.parts, self.positions, strict=True):
+            for k, entries in part.state_dict()["state"].items():
+                state[positions[int(k)]] = entries
+        return {"state": state, "param_groups": [{**_hyper(self.param_groups),
+                                                  "params": list(range(self.count))}]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError("ep with zero 1: the optimizer state is not checkpointed")
+        """Keep this rank's blocks of a plain optimizer's state over `params`."""
+        saved = {int(k): v for k, v in state["state"].items()}
+        for part, positions in zip(self.parts, self.positions, strict=True):
+            part.load_state_dict({"state": {k: saved[i] for k, i in enumerate(positions)
+                                            if i in saved},
+                                  "param_groups": state["param_groups"]})
+
+
+def _hyper(param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The hyper-parameters of the first parameter group."""
+    return {k: v for k, v in param_groups[0].items() if k != "params"}
 
 
 def epoch_figures(layers: list[MoE], counted: list[MoE], alltoall_s: float, steps: int,
@@ -325,6 +355,7 @@ class ExpertParallelStrategy(Strategy):
         self.step_count = 0
         self._a2a_s = 0.0
         self._epoch: dict[str, Any] = {}
+        self._whole_state: dict[str, Any] | None = None
 
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
         self.model = model
@@ -341,8 +372,9 @@ class ExpertParallelStrategy(Strategy):
         if self.zero:
             self.dense_ddp = self.expert_ddp = None
             self.dense_params = dense
+            self.trained = dense + owned
             self.optimizer = ShardedOptimizers(
-                ShardedOptimizer(dense, make_optimizer, self.comm, self.algorithm),
+                self.trained, ShardedOptimizer(dense, make_optimizer, self.comm, self.algorithm),
                 ShardedOptimizer(owned, make_optimizer, self.replica_comm, self.algorithm))
         else:
             common = dict(algorithm=self.algorithm, bucket_mb=self.bucket_mb,
@@ -352,8 +384,9 @@ class ExpertParallelStrategy(Strategy):
             self.expert_ddp = DistributedDataParallel(
                 _Parameters([(names[id(p)], p) for p in owned]), comm=self.replica_comm, **common)
             self.expert_ddp.set_local_batch(1, 1)  # weighted inside the all-to-all (docstring)
-            self.optimizer = make_optimizer([p for _, p in named if id(p) in self.groups.owned_ids
-                                             or id(p) not in self.groups.expert_ids])
+            self.trained = [p for _, p in named if id(p) in self.groups.owned_ids
+                            or id(p) not in self.groups.expert_ids]
+            self.optimizer = make_optimizer(self.trained)
         self.groups.release()
 
     # -- one step --------------------------------------------------------------------------------
@@ -411,11 +444,45 @@ class ExpertParallelStrategy(Strategy):
         routing figures are summed over the ranks for `report`."""
         self._sum_figures()
         self.groups.gather()
+        if optimizer_state:
+            self._whole_state = self._whole_optimizer_state()
         try:
             with self.groups.local():
                 yield
         finally:
+            self._whole_state = None
             self.groups.release()
+
+    def _whole_optimizer_state(self) -> dict[str, Any]:
+        """The optimizer state of the whole model in a one-rank optimizer's layout: the dense
+        parameters' from this rank, the experts' from the ranks of the group that hold them
+        (collective; small models: the experts' states travel as Python objects)."""
+        local = self.optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        state, experts = {}, {}
+        for k, entries in local["state"].items():
+            p = self.trained[int(k)]
+            (experts if id(p) in self.groups.expert_ids else state)[index[id(p)]] = entries
+        for part in self.ep_comm.allgather_object(experts):
+            state.update(part)
+        return {"state": state, "param_groups": [{**_hyper(local["param_groups"]),
+                                                  "params": list(range(len(index)))}]}
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._whole_state is None:
+            raise RuntimeError("expert parallelism: state_dict() is given inside gathered("
+                               "optimizer_state=True)")
+        return self._whole_state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take this rank's part of a whole-model optimizer state (any layout wrote it)."""
+        whole = {int(k): v for k, v in state["state"].items()}
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        self.optimizer.load_state_dict({
+            "state": {k: whole[index[id(p)]] for k, p in enumerate(self.trained)
+                      if index[id(p)] in whole},
+            "param_groups": [{**_hyper(state["param_groups"]),
+                              "params": list(range(len(self.trained)))}]})
 
     def _sum_figures(self) -> None:
         self._epoch = epoch_figures(self.moes, self.moes, self._a2a_s, self.step_count, self.comm)

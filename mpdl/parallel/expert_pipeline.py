@@ -79,6 +79,7 @@ class ExpertPipelineStrategy(PipelineStrategy):
         if not self.zero or self.ep == 1 or not experts:
             return super()._stage_optimizer(make_optimizer)
         return ShardedOptimizers(
+            self.stage_params,
             ShardedOptimizer(dense, make_optimizer, self.grid.dp_comm, self.algorithm),
             ShardedOptimizer(experts, make_optimizer, self.groups.replica_comm, self.algorithm))
 
@@ -119,6 +120,17 @@ class ExpertPipelineStrategy(PipelineStrategy):
         self.groups.gather()
         with self.groups.local(), super().gathered(optimizer_state):
             yield
+
+    def _writes(self, k: int) -> bool:
+        """An expert is written by the rank of the first group that holds it (d = j)."""
+        if id(self.stage_params[k]) in self.groups.expert_ids:
+            return self.grid.d == self.groups.ep_rank
+        return super()._writes(k)
+
+    def checkpoint_shard(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        arrays, manifest = super().checkpoint_shard()
+        manifest["layout"]["ep"] = self.ep
+        return arrays, manifest
 
     def describe(self, final: bool = False) -> str:
         text = super().describe(final)

@@ -734,6 +734,11 @@ class PipelineStrategy(Strategy):
         self.optimizer.load_state_dict({"state": local, "param_groups": [
             {**group, "params": list(range(len(self.stage_params)))}]})
 
+    def _writes(self, k: int) -> bool:
+        """Whether this rank writes stage parameter k to a checkpoint (and, without ZeRO, its
+        optimizer state): the first replica of the stage (d = 0, c = 0) does."""
+        return self.grid.d == 0 and self.grid.c == 0
+
     def checkpoint_shard(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
         """This rank's part of a checkpoint (None when it writes none) and the manifest: each
         stage's dp-rank-0 writes its parameters (each tp rank its shards, tp rank 0 the
@@ -760,14 +765,14 @@ class PipelineStrategy(Strategy):
                 continue  # written by the first stage / by tp rank 0
             index = np.arange(full.size).reshape(full.shape)
             positions[k] = (index[where(g.t)] if where is not None else index).reshape(-1)
-            if g.d == 0 and g.c == 0:
+            if self._writes(k):
                 add("model", names[id(full)], None, full, positions[k], p.data)
         if self.zero:
             parts = self.optimizer.pieces()
         else:
             parts = [(k, 0, self.stage_params[k].size, st) for k, st in
                      ((int(k), st) for k, st in self.optimizer.state_dict()["state"].items())
-                     if g.d == 0 and g.c == 0]
+                     if self._writes(k)]
         scalars: dict[str, Any] = {}
         entries = {k: (i, full) for k, i, full, _ in self._entries()}
         for k, a, b, st in parts:

@@ -681,10 +681,6 @@ def validate_moe(config: TrainConfig, world_size: int) -> None:
                           "{parallel.pp}, {parallel.tp} or {parallel.zero} 1 only (not with "
                           "{parallel.mode} ps, {communication.sync_every}, "
                           "{communication.compression} or {parallel.zero} 2/3 yet)")
-    if config.checkpoint.dir and (p.ep > 1 or p.zero):
-        raise ConfigError("{checkpoint.dir} with {model.moe_experts} needs {parallel.ep} 1 and "
-                          "no {parallel.zero} (the optimizer state of experts held on other "
-                          "ranks is not saved yet)")
 
 
 def validate_sequence(config: TrainConfig) -> None:

@@ -29,6 +29,7 @@ from mpdl.parallel.expert import ExpertParallelStrategy
 from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
+from mpdl.training.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint
 from mpdl.training.gpt import GPT
 
 pytestmark = pytest.mark.mpi
@@ -240,11 +241,15 @@ def run_grid(dp, pp, tp, ep, microbatches, zero=0):
 @pytest.mark.parametrize("microbatches, zero", [(1, 0), (6, 1)])
 def test_expert_parallel_on_a_grid_follows_one_process(microbatches, zero):
     """ep beside pp and tp: the experts of each stage over groups of its dp ranks. One
-    microbatch: one process on the whole batch (tests/oracle.py). Six microbatches of 5
-    sequences (one of them empty on every rank), ZeRO-1: one process that runs microbatch j of
-    every rank with the routings of all of them counted."""
+    microbatch: every ep on every grid against one process on the whole batch
+    (tests/oracle.py). Six microbatches of 5 sequences (one of them empty on every rank), ZeRO-1,
+    the largest ep on the first pipeline grid: one process that runs microbatch j of every rank
+    with the routings of all of them counted."""
     grids = [(dp, pp, tp, ep) for dp, pp, tp in GRIDS for ep in range(1, dp + 1)
              if dp % ep == 0 and 4 % ep == 0]
+    if microbatches > 1:
+        grids = [max((g for g in grids if g[1] > 1), key=lambda g: g[3], default=None)]
+        grids = [g for g in grids if g is not None]
     if not grids:
         pytest.skip(f"no grid with dp > 1 beside pp <= 4 or tp 2 on {P} rank(s)")
     for dp, pp, tp, ep in grids:
@@ -257,3 +262,64 @@ def test_expert_parallel_on_a_grid_follows_one_process(microbatches, zero):
         np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5, err_msg=where)
         assert_same_parameters(params, ref_params, 1e-5)
         assert any(s.name == "dispatch" for s in last.spans), where
+
+
+def train_steps(strategy, model, steps, state=None):
+    """`steps` steps of `strategy` over `model`, from the checkpoint in directory `state` when
+    given; the losses."""
+    strategy.setup(model, lambda p: optim.Adam(p, lr=LR))
+    if state is not None:
+        model_state, optimizer_state, _ = load_checkpoint(state)
+        with strategy.gathered():
+            model.load_state_dict(model_state)
+        strategy.load_state_dict(optimizer_state)
+    x, y = data()
+    lo, hi = slices(strategy.data_comm.size)[strategy.data_comm.rank]
+    losses = []
+    for _ in range(steps):
+        r = strategy.step(Batch(x[lo:hi], y[lo:hi], N, LR))
+        total = allreduce(np.array([r.loss, r.samples]), comm=strategy.data_comm)
+        losses.append(total[0] / total[1])
+    return losses
+
+
+def save(strategy, model, directory: str) -> None:
+    """A checkpoint of the run as `mpdl train` writes it: every rank its part, or rank 0 the
+    whole model and optimizer state."""
+    comm = strategy.comm
+    if strategy.sharded_checkpoint:
+        with strategy.gathered():
+            shard, manifest = strategy.checkpoint_shard()
+            save_sharded_checkpoint(directory, comm, shard, {"manifest": manifest})
+        return
+    with strategy.gathered(optimizer_state=True):
+        if comm.rank == 0:
+            save_checkpoint(directory, model.state_dict(), strategy.state_dict(), {})
+    comm.barrier()
+
+
+LAYOUTS = {"ep P zero 1": lambda c: ExpertParallelStrategy(c, ep=P, zero=1),
+           "ep 1": lambda c: ExpertParallelStrategy(c, ep=1),
+           "dp 2 pp 2 ep 2 zero 1": lambda c: ExpertPipelineStrategy(c, 2, 2, 1, ep=2, zero=1),
+           "dp 2 tp 2 ep 2": lambda c: ExpertPipelineStrategy(c, 2, 1, 2, ep=2)}
+RESUMES = [("ep P zero 1", "ep 1")] + ([("dp 2 pp 2 ep 2 zero 1", "ep P zero 1"),
+                                       ("ep P zero 1", "dp 2 tp 2 ep 2")] if P == 4
+                                      else [("ep 1", "ep P zero 1")])
+
+
+@pytest.mark.parametrize("before, after", RESUMES)
+def test_checkpoint_with_experts_resumes_on_another_layout(before, after, tmp_path):
+    """Two steps on layout `before`, a checkpoint in files, one more step on layout `after`
+    from it: one process's three steps."""
+    comm = as_communicator(MPI.COMM_WORLD)
+    experts = 4 if P == 4 else experts_for(P)
+    ref_losses, ref_params = whole_batch(experts)
+    directory = MPI.COMM_WORLD.bcast(str(tmp_path / "checkpoint"))
+    model, strategy = make_model(experts, 0.0), LAYOUTS[before](comm)
+    first = train_steps(strategy, model, 2)
+    save(strategy, model, directory)
+    model, strategy = make_model(experts, 0.0), LAYOUTS[after](comm)
+    last = train_steps(strategy, model, 1, directory)
+    np.testing.assert_allclose(first + last, ref_losses, rtol=0, atol=1e-5)
+    with strategy.gathered():
+        assert_same_parameters(model.state_dict(), ref_params, 1e-5)
