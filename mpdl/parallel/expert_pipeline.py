@@ -110,10 +110,8 @@ class ExpertPipelineStrategy(PipelineStrategy):
     @contextmanager
     def gathered(self, optimizer_state: bool = False) -> Iterator[None]:
         """`PipelineStrategy.gathered`, each stage's experts first all-gathered over their
-        groups; within the block every MoE layer runs all its experts locally."""
-        if optimizer_state and self.ep > 1:
-            raise NotImplementedError("ep > 1 on a grid: the experts' optimizer state is not "
-                                      "gathered")
+        groups (with `optimizer_state`, each expert's state comes from the rank of the first
+        group that holds it); within the block every MoE layer runs all its experts locally."""
         layers = [m for _, m in self.model.named_modules() if isinstance(m, MoE)]
         self._epoch = epoch_figures(layers, self.groups.moes if self.grid.t == 0 else [],
                                     self.alltoall_s, self.steps, self.comm)

@@ -701,11 +701,11 @@ class PipelineStrategy(Strategy):
                 state = {key: gather_array(v, full.shape, where, self.grid.tp_comm)
                          if getattr(v, "shape", ()) == self.stage_params[k].shape else v
                          for key, v in state.items()}
-            mine[i] = state
-        keep = self.grid.d == 0 and self.grid.c == 0 and self.grid.t == 0
+            if self._writes(k) and self.grid.t == 0:
+                mine[i] = state
         merged: dict[int, Any] = {}
-        for part in self.comm.allgather_object(mine if keep else None):
-            for i, state in (part or {}).items():
+        for part in self.comm.allgather_object(mine):
+            for i, state in part.items():
                 merged.setdefault(i, state)
         group = {k: v for k, v in local["param_groups"][0].items() if k != "params"}
         n = len(self.model.parameters())

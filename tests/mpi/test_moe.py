@@ -13,6 +13,9 @@ agree.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -308,18 +311,32 @@ RESUMES = [("ep P zero 1", "ep 1")] + ([("dp 2 pp 2 ep 2 zero 1", "ep P zero 1")
 
 
 @pytest.mark.parametrize("before, after", RESUMES)
-def test_checkpoint_with_experts_resumes_on_another_layout(before, after, tmp_path):
-    """Two steps on layout `before`, a checkpoint in files, one more step on layout `after`
-    from it: one process's three steps."""
-    comm = as_communicator(MPI.COMM_WORLD)
+def test_checkpoint_with_experts_resumes_on_another_layout(before, after):
+    """Two steps on layout `before`, a checkpoint in files (the optimizer state as the strategy
+    gathers it in memory too), one more step on layout `after` from it: one process's three
+    steps."""
+    world = MPI.COMM_WORLD
+    comm = as_communicator(world)
     experts = 4 if P == 4 else experts_for(P)
     ref_losses, ref_params = whole_batch(experts)
-    directory = MPI.COMM_WORLD.bcast(str(tmp_path / "checkpoint"))
-    model, strategy = make_model(experts, 0.0), LAYOUTS[before](comm)
-    first = train_steps(strategy, model, 2)
-    save(strategy, model, directory)
-    model, strategy = make_model(experts, 0.0), LAYOUTS[after](comm)
-    last = train_steps(strategy, model, 1, directory)
-    np.testing.assert_allclose(first + last, ref_losses, rtol=0, atol=1e-5)
-    with strategy.gathered():
-        assert_same_parameters(model.state_dict(), ref_params, 1e-5)
+    directory = world.bcast(tempfile.mkdtemp(prefix="mpdl-moe-") if world.rank == 0 else None)
+    try:
+        model, strategy = make_model(experts, 0.0), LAYOUTS[before](comm)
+        first = train_steps(strategy, model, 2)
+        save(strategy, model, directory)
+        with strategy.gathered(optimizer_state=True):
+            whole = strategy.state_dict()["state"]
+        written = {int(k): v for k, v in load_checkpoint(directory)[1]["state"].items()}
+        assert sorted(whole) == sorted(written) == list(range(len(model.parameters())))
+        for k, entries in whole.items():
+            for key, value in entries.items():
+                np.testing.assert_allclose(written[k][key], value, rtol=0, atol=0)
+        model, strategy = make_model(experts, 0.0), LAYOUTS[after](comm)
+        last = train_steps(strategy, model, 1, directory)
+        np.testing.assert_allclose(first + last, ref_losses, rtol=0, atol=1e-5)
+        with strategy.gathered():
+            assert_same_parameters(model.state_dict(), ref_params, 1e-5)
+    finally:
+        world.Barrier()
+        if world.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
