@@ -33,36 +33,34 @@ def clock(monkeypatch) -> Clock:
     return c
 
 
+def run_op(r: PipelineRecorder, clock: Clock, wait: float | None, compute: float,
+           cpu: float) -> None:
+    """An op's phases: `wait` seconds for its input (None: it has none to wait for), then
+    `compute` seconds, `cpu` of them on the thread."""
+    if wait is not None:
+        r.op_begins()
+        clock.run(wait)
+    r.compute_begins()
+    clock.run(compute, cpu)
+    r.compute_ends()
+
+
 def test_a_middle_stage_step_splits_into_idle_compute_and_exposed_seconds(clock):
     r = PipelineRecorder()
     # F 0: waits 1 s for stage 0's activation, computes 2 s, sends 64 bytes to stage 2
-    r.op_begins()
-    clock.run(1.0)
-    r.compute_begins()
-    clock.run(2.0, cpu=1.5)
-    r.compute_ends()
+    run_op(r, clock, wait=1.0, compute=2.0, cpu=1.5)
     clock.run(0.5, cpu=0.25)
     r.send("act", 0, 2, 64)
     r.forward_done(0, 100, received_from=0)
     # F 1: waits 0.5 s, computes 2 s, holds 50 bytes more
-    r.op_begins()
-    clock.run(0.5)
-    r.compute_begins()
-    clock.run(2.0, cpu=2.0)
-    r.compute_ends()
+    run_op(r, clock, wait=0.5, compute=2.0, cpu=2.0)
     r.forward_done(1, 50, received_from=0)
     assert (r.live, r.peak, r.live_bytes, r.peak_bytes) == (2, 2, 150, 150)
     # B 0: waits 2 s for stage 2's gradient, computes 3 s
-    r.op_begins()
-    clock.run(2.0)
-    r.compute_begins()
-    clock.run(3.0, cpu=3.0)
-    r.compute_ends()
+    run_op(r, clock, wait=2.0, compute=3.0, cpu=3.0)
     r.backward_done(0, received_from=2)
     # B 1: nothing to wait for (as the last stage's loss): its compute starts the op
-    r.compute_begins()
-    clock.run(1.0, cpu=1.0)
-    r.compute_ends()
+    run_op(r, clock, wait=None, compute=1.0, cpu=1.0)
     r.backward_done(1, received_from=None)
     assert (r.live, r.peak, r.live_bytes, r.peak_bytes) == (0, 2, 0, 150)
     # the end: 1 s for the sends and the gradients' sums, 2 s optimizer, 1 s after it
@@ -96,11 +94,7 @@ def test_a_middle_stage_step_splits_into_idle_compute_and_exposed_seconds(clock)
 
 def test_the_first_stage_waits_for_its_batch_slice_without_a_receive_span(clock):
     r = PipelineRecorder()
-    r.op_begins()
-    clock.run(0.25)
-    r.compute_begins()
-    clock.run(1.0)
-    r.compute_ends()
+    run_op(r, clock, wait=0.25, compute=1.0, cpu=1.0)
     r.forward_done(0, 8, received_from=None)
     assert r.idle_s == 0.25
     assert [s.name for s in r.result.spans] == ["forward 0"]
