@@ -113,8 +113,9 @@ class ExpertPipelineStrategy(PipelineStrategy):
         groups (with `optimizer_state`, each expert's state comes from the rank of the first
         group that holds it); within the block every MoE layer runs all its experts locally."""
         layers = [m for _, m in self.model.named_modules() if isinstance(m, MoE)]
-        self._epoch = epoch_figures(layers, self.groups.moes if self.grid.t == 0 else [],
-                                    self.alltoall_s, self.steps, self.comm)
+        if layers:
+            self._epoch = epoch_figures(layers, self.groups.moes if self.grid.t == 0 else [],
+                                        self.alltoall_s, self.steps, self.comm)
         self.groups.gather()
         with self.groups.local(), super().gathered(optimizer_state):
             yield
