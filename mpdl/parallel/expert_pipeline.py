@@ -65,6 +65,9 @@ class ExpertPipelineStrategy(PipelineStrategy):
         self._epoch: dict[str, Any] = {}
 
     def _stage_optimizer(self, make_optimizer: MakeOptimizer) -> Any:
+        """Share the stage's MoE layers over the groups of its dp ranks (`groups`), keep this
+        rank's experts only in `stage_params`, and give them their optimizer (with ZeRO-1 and
+        ep > 1 the experts' state sharded over their replicas)."""
         seen: dict[int, MoE] = {}
         for piece in self.pieces:
             for _, m in piece.named_modules():
