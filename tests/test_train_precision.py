@@ -88,10 +88,6 @@ def test_bf16_training_learns_and_records_its_precision():
     ({"optim.grad_accum": 2, "parallel.zero": 2},
      "{optim.grad_accum} > 1 cannot be combined with {parallel.zero}"),
     ({"optim.precision": "bf16", "model.dtype": "float64"}, "needs {model.dtype} float32"),
-    ({"optim.precision": "bf16", "parallel.pp": 2},
-     "not supported with {parallel.pp}, {parallel.tp} or {parallel.cp} > 1"),
-    ({"optim.precision": "bf16", "parallel.cp": 2, "model.name": "gpt", "data.dataset": "addition",
-      "data.digits": 2}, "not supported with {parallel.pp}, {parallel.tp} or {parallel.cp} > 1"),
     ({"optim.precision": "bf16", "model.moe_experts": 4, "model.name": "gpt",
       "data.dataset": "addition"}, "{model.moe_experts} runs in {optim.precision} fp32"),
     ({"optim.grad_accum": 2, "model.moe_experts": 4, "model.name": "gpt",
@@ -103,6 +99,15 @@ def test_combinations_that_cannot_work_are_config_errors(keys, message):
     with pytest.raises(ConfigError) as error:
         validate(TrainConfig.from_keys(keys), 4)
     assert message in error.value.template
+
+
+@pytest.mark.parametrize("keys", [
+    {"parallel.pp": 2}, {"parallel.tp": 2, "model.name": "gpt", "data.dataset": "addition"},
+    {"parallel.cp": 2, "model.name": "gpt", "data.dataset": "addition", "data.digits": 2},
+    {"parallel.pp": 2, "parallel.zero": 1}])
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_mixed_precision_runs_with_pipeline_tensor_and_context_parallelism(keys, name):
+    validate(TrainConfig.from_keys({**keys, "optim.precision": name}), 4)
 
 
 @pytest.mark.parametrize("flags,message", [

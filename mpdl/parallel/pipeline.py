@@ -65,8 +65,8 @@ from typing import Any
 import numpy as np
 
 from mpdl import memory
+from mpdl.autograd import amp, nn, no_grad, partial
 from mpdl.autograd import functional as F
-from mpdl.autograd import nn, no_grad, partial
 from mpdl.autograd.moe import aux_loss_scale
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
@@ -364,6 +364,30 @@ class PipelineStrategy(Strategy):
         self._owned = {id(p) for p in self.stage_params}
         self._release_others()
         memory.hold_all([p.data for p in self.stage_params], "parameters")
+        self._mixed_precision(self.optimizer.optimizer if self.zero else self.optimizer)
+
+    def _mixed_precision(self, optimizer: Any) -> None:
+        """With 16-bit parameters (`mpdl.training.precision`): activations and their gradients
+        travel between stages in that dtype, and `optimizer` (over float32 master weights) skips
+        a step on every rank of the grid when a gradient on any rank is not finite."""
+        params = self.model.parameters()
+        #: the dtype of the messages between stages (None: the activations' own)
+        self.message_dtype = amp.compute_dtype(params[0].data) if params else None
+        if hasattr(optimizer, "agree"):
+            optimizer.agree = self._all_finite
+
+    def _all_finite(self, finite: bool) -> bool:
+        """Whether this rank's gradients and every other rank's are finite (one all-reduce of a
+        flag over the whole grid)."""
+        flags = allreduce(np.array([0 if finite else 1], np.int32), op="max", comm=self.comm)
+        return not flags[0]
+
+    def _message(self, a: Any) -> Any:
+        """An activation or gradient as it travels: contiguous, in the message dtype."""
+        if self.message_dtype is None:
+            return get_array_module(a).ascontiguousarray(a)
+        with np.errstate(over="ignore"):  # float16 overflow is inf, for the loss scaler to see
+            return a.astype(self.message_dtype)
 
     def _context_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return context_attention(q, k, v, self.grid.cp_comm, self.cp_mode, self.cp_balance)
@@ -500,8 +524,9 @@ class PipelineStrategy(Strategy):
                 else:
                     shape, dtype = shapes[prev]
                     self._say(f"recv activation mb {j} <- stage {prev}")
-                    buf = self._recv(xp, (len(idx), *shape), dtype, prev, "act", j)
-                    h = inputs[j] = Tensor(buf, requires_grad=True)
+                    buf = self._recv(xp, (len(idx), *shape), self.message_dtype or dtype, prev,
+                                     "act", j)
+                    h = inputs[j] = Tensor(buf.astype(dtype, copy=False), requires_grad=True)
                 t1, c1 = time.perf_counter(), time.thread_time()
                 with aux_loss_scale(len(idx) / batch.global_size):  # as the loss (MoE layers)
                     for piece in self.pieces:
@@ -513,10 +538,11 @@ class PipelineStrategy(Strategy):
                     result.loss += float(loss.item()) * len(idx)
                     result.correct += correct
                     result.samples += len(idx)
-                    outputs[j] = loss * (len(idx) / batch.global_size)
+                    outputs[j] = loss * (len(idx) / batch.global_size
+                                         * getattr(self.optimizer, "loss_scale", 1.0))
                 else:
                     outputs[j] = h
-                    sends.append(self._send(xp.ascontiguousarray(h.data), nxt, "act", j, result))
+                    sends.append(self._send(self._message(h.data), nxt, "act", j, result))
                 cpu = time.thread_time() - c1  # the stage's pieces, the loss, the send's start
                 live += 1
                 peak = max(peak, live)
@@ -538,13 +564,14 @@ class PipelineStrategy(Strategy):
                     out.backward()
                 else:
                     self._say(f"recv gradient mb {j} <- stage {nxt}")
-                    grad = self._recv(xp, out.shape, out.data.dtype, nxt, "grad", j)
+                    grad = self._recv(xp, out.shape, self.message_dtype or out.data.dtype, nxt,
+                                      "grad", j)
                     t1, c1 = time.perf_counter(), time.thread_time()
-                    out.backward(grad)
+                    out.backward(grad.astype(out.data.dtype, copy=False))
                 t2 = time.perf_counter()
                 if not self.first:
-                    sends.append(self._send(xp.ascontiguousarray(inputs.pop(j).grad), prev,
-                                            "grad", j, result))
+                    sends.append(self._send(self._message(inputs.pop(j).grad), prev, "grad", j,
+                                            result))
                 cpu = time.thread_time() - c1
                 live -= 1
                 live_bytes -= held[j]
