@@ -126,10 +126,20 @@ def test_bad_precision_flags_exit_2_with_one_line_on_every_rank(flags, message):
     assert message in errors[0]
 
 
-def test_bf16_resume_restores_the_master_weights(tmp_path):
+@pytest.mark.parametrize("ranks,layout", [(1, {}), (2, {"parallel.pp": 2})])
+def test_bf16_resume_restores_the_master_weights(tmp_path, ranks, layout):
+    """A pipeline's checkpoint keeps the float32 master weights and moments of its 16-bit
+    parameters in float32 (each rank's parameters compared: the last stage's here)."""
     ckpt = str(tmp_path / "ckpt")
-    common = {"optim.epochs": 2, "optim.precision": "bf16", "optim.lr_schedule": "constant"}
-    straight, _ = run(config(**common))
-    run(config(**{**common, "optim.epochs": 1, "checkpoint.dir": ckpt}))
-    resumed, rows = run(config(**common, **{"checkpoint.dir": ckpt, "checkpoint.resume": True}))
+    common = {"optim.epochs": 2, "optim.precision": "bf16", "optim.lr_schedule": "constant",
+              **layout}
+
+    def last_rank(config: TrainConfig) -> tuple[np.ndarray, list[dict]]:
+        return run_world(ranks, lambda comm: run(config, comm))[-1]
+
+    straight, before = last_rank(config(**common))
+    last_rank(config(**{**common, "optim.epochs": 1, "checkpoint.dir": ckpt}))
+    resumed, rows = last_rank(config(**common, **{"checkpoint.dir": ckpt,
+                                                  "checkpoint.resume": True}))
     np.testing.assert_array_equal(resumed, straight)
+    assert rows[-1]["loss"] == before[-1]["loss"]

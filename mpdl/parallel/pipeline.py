@@ -762,9 +762,10 @@ class PipelineStrategy(Strategy):
 
         def add(target: str, name: str, key: Any, full: Any, positions: Any, values: Any) -> None:
             n = len(meta)
-            arrays[f"a{n}"] = np.ascontiguousarray(to_host(values)).reshape(-1)
+            arrays[f"a{n}"] = flat = np.ascontiguousarray(to_host(values)).reshape(-1)
             arrays[f"r{n}"] = runs(positions)
-            meta.append([target, name, key, list(full.shape), str(full.dtype)])
+            # the values' dtype: a 16-bit parameter's float32 master weight and moments stay so
+            meta.append([target, name, key, list(full.shape), str(flat.dtype)])
 
         positions: dict[int, Any] = {}
         for k, _, full, where in self._entries():
