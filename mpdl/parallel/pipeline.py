@@ -68,8 +68,8 @@ from typing import Any
 import numpy as np
 
 from mpdl import memory
+from mpdl.autograd import amp, nn, no_grad, partial
 from mpdl.autograd import functional as F
-from mpdl.autograd import nn, no_grad, partial
 from mpdl.autograd.moe import aux_loss_scale
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
@@ -400,6 +400,30 @@ class PipelineStrategy(Strategy):
         self._owned = {id(p) for p in self.stage_params}
         self._release_others()
         memory.hold_all([p.data for p in self.stage_params], "parameters")
+        self._mixed_precision(self.optimizer.optimizer if self.zero else self.optimizer)
+
+    def _mixed_precision(self, optimizer: Any) -> None:
+        """With 16-bit parameters (`mpdl.training.precision`): activations and their gradients
+        travel between stages in that dtype, and `optimizer` (over float32 master weights) skips
+        a step on every rank of the grid when a gradient on any rank is not finite."""
+        params = self.model.parameters()
+        #: the dtype of the messages between stages (None: the activations' own)
+        self.message_dtype = amp.compute_dtype(params[0].data) if params else None
+        if hasattr(optimizer, "agree"):
+            optimizer.agree = self._all_finite
+
+    def _all_finite(self, finite: bool) -> bool:
+        """Whether this rank's gradients and every other rank's are finite (one all-reduce of a
+        flag over the whole grid)."""
+        flags = allreduce(np.array([0 if finite else 1], np.int32), op="max", comm=self.comm)
+        return not flags[0]
+
+    def _message(self, a: Any) -> Any:
+        """An activation or gradient as it travels: contiguous, in the message dtype."""
+        if self.message_dtype is None:
+            return get_array_module(a).ascontiguousarray(a)
+        with np.errstate(over="ignore"):  # float16 overflow is inf, for the loss scaler to see
+            return a.astype(self.message_dtype)
 
     def _stage_optimizer(self, make_optimizer: MakeOptimizer) -> Any:
         """The optimizer of `stage_params` (with ZeRO-1 its state sharded over dp)."""
@@ -561,7 +585,7 @@ class PipelineStrategy(Strategy):
             mb.outputs[j] = self._microbatch_loss(h, mb, j, record.result)
         else:
             mb.outputs[j] = h
-            self._send(mb.xp.ascontiguousarray(h.data), self.stage + 1, "act", j, mb, record)
+            self._send(self._message(h.data), self.stage + 1, "act", j, mb, record)
         record.forward_done(j, h.data.nbytes, None if self.first else self.stage - 1)
 
     def _stage_input(self, mb: Microbatches, j: int) -> Tensor:
@@ -570,8 +594,9 @@ class PipelineStrategy(Strategy):
         if self.first:
             return Tensor(self._local(mb.rows(mb.batch.x, j)))
         shape, dtype = mb.shapes[self.stage - 1]
-        buf = self._recv(mb.xp, (len(mb.parts[j]), *shape), dtype, self.stage - 1, "act", j)
-        mb.inputs[j] = Tensor(buf, requires_grad=True)
+        buf = self._recv(mb.xp, (len(mb.parts[j]), *shape), self.message_dtype or dtype,
+                         self.stage - 1, "act", j)
+        mb.inputs[j] = Tensor(buf.astype(dtype, copy=False), requires_grad=True)
         return mb.inputs[j]
 
     def _microbatch_loss(self, logits: Tensor, mb: Microbatches, j: int,
@@ -585,7 +610,7 @@ class PipelineStrategy(Strategy):
         result.loss += float(loss.item()) * n
         result.correct += correct
         result.samples += n
-        return loss * mb.share(j)
+        return loss * (mb.share(j) * getattr(self.optimizer, "loss_scale", 1.0))
 
     def _backward(self, mb: Microbatches, j: int, record: PipelineRecorder) -> None:
         """Op B j: backward from microbatch j's output (on the last stage its loss, elsewhere with
@@ -597,13 +622,14 @@ class PipelineStrategy(Strategy):
             out.backward()
         else:
             record.op_begins()
-            grad = self._recv(mb.xp, out.shape, out.data.dtype, self.stage + 1, "grad", j)
+            grad = self._recv(mb.xp, out.shape, self.message_dtype or out.data.dtype,
+                              self.stage + 1, "grad", j)
             record.compute_begins()
-            out.backward(grad)
+            out.backward(grad.astype(out.data.dtype, copy=False))
         record.compute_ends()
         if not self.first:
-            self._send(mb.xp.ascontiguousarray(mb.inputs.pop(j).grad), self.stage - 1, "grad", j,
-                       mb, record)
+            self._send(self._message(mb.inputs.pop(j).grad), self.stage - 1, "grad", j, mb,
+                       record)
         record.backward_done(j, None if self.last else self.stage + 1)
 
     def _update(self, mb: Microbatches, record: PipelineRecorder) -> None:
@@ -786,9 +812,10 @@ class PipelineStrategy(Strategy):
 
         def add(target: str, name: str, key: Any, full: Any, positions: Any, values: Any) -> None:
             n = len(meta)
-            arrays[f"a{n}"] = np.ascontiguousarray(to_host(values)).reshape(-1)
+            arrays[f"a{n}"] = flat = np.ascontiguousarray(to_host(values)).reshape(-1)
             arrays[f"r{n}"] = runs(positions)
-            meta.append([target, name, key, list(full.shape), str(full.dtype)])
+            # the values' dtype: a 16-bit parameter's float32 master weight and moments stay so
+            meta.append([target, name, key, list(full.shape), str(flat.dtype)])
 
         positions: dict[int, Any] = {}
         for k, _, full, where in self._entries():
