@@ -400,7 +400,8 @@ class PipelineStrategy(Strategy):
         self._owned = {id(p) for p in self.stage_params}
         self._release_others()
         memory.hold_all([p.data for p in self.stage_params], "parameters")
-        self._mixed_precision(self.optimizer.optimizer if self.zero else self.optimizer)
+        self._mixed_precision(self.optimizer.optimizer
+                              if isinstance(self.optimizer, ShardedOptimizer) else self.optimizer)
 
     def _mixed_precision(self, optimizer: Any) -> None:
         """With 16-bit parameters (`mpdl.training.precision`): activations and their gradients
