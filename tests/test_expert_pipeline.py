@@ -8,6 +8,8 @@ process on the whole batch (tests/oracle.py), within 1e-5 in float32."""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 from oracle import adam_losses
@@ -19,7 +21,9 @@ from mpdl.parallel import split_bounds
 from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.threadworld import run_world
+from mpdl.training.config import TrainConfig
 from mpdl.training.gpt import GPT
+from mpdl.training.loop import Trainer
 
 STEPS, LR = 2, 1e-2
 
@@ -64,3 +68,31 @@ def test_expert_replicas_on_a_grid_follow_one_process(pp, tp, zero, n):
         for name in params:
             np.testing.assert_allclose(params[name], ref_params[name], rtol=0, atol=1e-5,
                                        err_msg=name)
+
+
+def test_train_with_experts_on_a_pipeline_follows_one_rank():
+    """`mpdl train --moe-experts 4 --ep 2 --pp 2 --zero 1` on 4 ranks (the training loop, the
+    factory, the JSON row's expert figures): one epoch as on one rank."""
+    tiny = {"model.name": "gpt", "data.dataset": "addition", "data.digits": 1, "model.n_layer": 2,
+            "model.n_head": 2, "model.n_embd": 8, "optim.global_batch_size": 12,
+            "model.moe_experts": 4, "output.progress": False, "optim.epochs": 1}
+
+    def run(config, comm):
+        trainer = Trainer(config, comm=comm, out=io.StringIO())
+        trainer.setup()
+        rows = trainer.run()
+        with trainer.strategy.gathered():
+            return np.concatenate([p.data.ravel() for p in trainer.model.parameters()]), rows
+
+    ref, ref_rows = run_world(1, lambda c: run(TrainConfig.from_keys(tiny), c))[0]
+    grid = {"parallel.ep": 2, "parallel.pp": 2, "parallel.zero": 1}
+    for params, rows in run_world(4, lambda c: run(TrainConfig.from_keys({**tiny, **grid}), c)):
+        np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
+        row = rows[0]
+        assert row["loss"] == pytest.approx(ref_rows[0]["loss"], abs=1e-5)
+        assert (row["mode"], row["ep"], row["pp"], row["dp"]) == ("pipeline", 2, 2, 2)
+        # two MoE layers, one per stage; 90 problems of 5 tokens an epoch, 2 routings each
+        assert row["tokens_per_expert"] == ref_rows[0]["tokens_per_expert"]
+        assert [sum(t) for t in row["tokens_per_expert"]] == [90 * 5 * 2] * 2
+        assert row["aux_loss"] == pytest.approx(ref_rows[0]["aux_loss"], abs=1e-6)
+        assert 0 < row["alltoall_s"] <= row["comm_s"]

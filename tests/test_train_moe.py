@@ -50,22 +50,6 @@ def test_json_carries_the_experts_figures_and_the_timeline_dispatch_and_combine(
             "dispatch counts"} <= names
 
 
-def test_expert_parallel_with_a_pipeline_trains_and_shows_its_all_to_alls(tmp_path):
-    out = train(4, *TINY, "--moe-experts", "4", "--ep", "2", "--pp", "2", "--zero", "1",
-                "--json", str(tmp_path / "r.jsonl"), "--timeline", str(tmp_path / "t.json"))
-    assert out.returncode == 0, out.stderr
-    assert "MoE layer(s) of 4 experts over groups of 2 dp rank(s) (2 experts each)" in out.stdout
-    lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
-    (row,) = [r for r in lines if "epoch" in r]
-    assert row["mode"] == "pipeline" and (row["ep"], row["pp"], row["dp"]) == (2, 2, 2)
-    assert row["loss"] > 0 and row["alltoall_s"] > 0 and row["aux_loss"] > 0
-    # two MoE layers, one per stage; 90 problems of 5 tokens an epoch, 2 routings each
-    assert [sum(t) for t in row["tokens_per_expert"]] == [90 * 5 * 2] * 2
-    trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
-    names = {e["name"] for e in trace if e["ph"] == "X" and e["pid"] == 1}
-    assert {"dispatch", "combine", "combine backward", "dispatch backward"} <= names
-
-
 def test_bad_input_exits_2_with_one_line_on_every_rank():
     """Every check below takes this way out (`check`, before any rank communicates)."""
     message = "--ep 4 must divide the 2 data-parallel ranks"
