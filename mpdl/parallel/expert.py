@@ -29,6 +29,12 @@ The gradient reductions run after backward on the main thread (no overlap): back
 
 `gathered()` (evaluation, checkpoints) all-gathers every rank's experts over `ep_comm`, so each
 rank holds all E and runs them locally (`LocalExperts`); on leaving, the others' are dropped again.
+With `optimizer_state` it also assembles the optimizer state of the whole model in one rank's
+layout (each expert's from the rank of the group that holds it), which a checkpoint stores and
+any layout loads.
+
+`ExpertGroups` is the layout itself (the groups, the dispatchers, the all-gather);
+`mpdl.parallel.expert_pipeline` uses it on each stage of a pipeline and tensor-parallel grid.
 """
 
 from __future__ import annotations
