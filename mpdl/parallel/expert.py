@@ -27,6 +27,15 @@ experts' gradients are summed unweighted.
 The gradient reductions run after backward on the main thread (no overlap): backward itself sends
 (the all-to-alls), and two threads must not send over the same communicator at once.
 
+Gradient accumulation (`grad_accum` N): each rank cuts its slice into N microbatches
+(`strategy.microbatches`) and runs them in turn, the first N − 1 without reducing (`no_sync`);
+every rank runs N forwards and backwards, empty microbatches too, since each sends all-to-alls.
+The load-balancing loss is that of each microbatch (fᵢ counts the routings of microbatch j of
+every data-parallel rank), joining backward with the microbatch's share, as a pipeline's
+microbatches and Megatron-Core's do: fᵢ of the whole step is not known before the first
+microbatch's backward. The routing itself is per token, so dropless the cross-entropy gradient
+and the tokens per expert are those of the large batch.
+
 `gathered()` (evaluation, checkpoints) all-gathers every rank's experts over `ep_comm`, so each
 rank holds all E and runs them locally (`LocalExperts`); on leaving, the others' are dropped again.
 With `optimizer_state` it also assembles the optimizer state of the whole model in one rank's
@@ -46,7 +55,14 @@ from typing import Any
 
 import numpy as np
 
-from mpdl.autograd.moe import GatherRows, LocalExperts, MoE, ScatterRows, run_experts
+from mpdl.autograd.moe import (
+    GatherRows,
+    LocalExperts,
+    MoE,
+    ScatterRows,
+    aux_loss_scale,
+    run_experts,
+)
 from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
 from mpdl.collectives import allgather, allreduce, alltoall, alltoallv
@@ -54,7 +70,14 @@ from mpdl.comm import Communicator
 from mpdl.parallel import flat
 from mpdl.parallel.ddp import DistributedDataParallel
 from mpdl.parallel.dpshard import ShardedOptimizer
-from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy
+from mpdl.parallel.strategy import (
+    Batch,
+    MakeOptimizer,
+    Span,
+    StepResult,
+    Strategy,
+    microbatches,
+)
 from mpdl.parallel.zero import _placeholder
 
 
@@ -343,18 +366,22 @@ def epoch_figures(layers: list[MoE], counted: list[MoE], alltoall_s: float, step
 class ExpertParallelStrategy(Strategy):
     """Data parallelism over all ranks with the MoE layers' experts split over groups of `ep`
     (see the module docstring); `algorithm` names the gradient all-reduce (or with `zero` 1 the
-    reduce-scatter and all-gather), `alltoall` the token all-to-all."""
+    reduce-scatter and all-gather), `alltoall` the token all-to-all; `grad_accum` microbatches
+    make a step."""
 
     mode = "expert"
 
     def __init__(self, comm: Communicator, ep: int = 1, algorithm: str = "auto",
                  alltoall: str = "auto", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 zero: int = 0) -> None:
+                 zero: int = 0, grad_accum: int = 1) -> None:
         super().__init__(comm)
         check_ep(ep, comm.size)
         if zero not in (0, 1):
             raise ValueError(f"zero: expert parallelism combines with stage 1 only, got {zero!r}")
-        self.ep, self.zero = ep, zero
+        if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+            raise ValueError(f"grad_accum: expected a positive number of microbatches, got "
+                             f"{grad_accum!r}")
+        self.ep, self.zero, self.grad_accum = ep, zero, grad_accum
         self.algorithm, self.alltoall = algorithm, alltoall
         self.bucket_mb, self.first_bucket_mb = bucket_mb, first_bucket_mb
         self.moes: list[MoE] = []
@@ -403,15 +430,20 @@ class ExpertParallelStrategy(Strategy):
         self.groups.take_spans()
         result = StepResult()
         start = time.perf_counter()
+        parts = microbatches(batch, self.grad_accum)
         if self.zero:
-            backward_end = self.forward_backward(batch, result)
+            for part, weight in parts:
+                backward_end = self.forward_backward(part, result, weight)
             for p in self.dense_params:
                 if p.grad is not None:
                     p.grad *= p.grad.dtype.type(share)
             waited = backward_end
         else:
             self.dense_ddp.set_local_batch(len(batch.y), batch.global_size)
-            backward_end = self.forward_backward(batch, result)
+            with self.dense_ddp.no_sync(), self.expert_ddp.no_sync():
+                for part, weight in parts[:-1]:
+                    self.forward_backward(part, result, weight)
+            backward_end = self.forward_backward(parts[-1][0], result, parts[-1][1])
             self.dense_ddp.finish()
             self.expert_ddp.finish()
             waited = time.perf_counter()
@@ -435,12 +467,13 @@ class ExpertParallelStrategy(Strategy):
                                  else "optimizer step", waited, end))
         return result
 
-    def forward_backward(self, batch: Batch, result: StepResult) -> float:
-        if len(batch.y):
-            return super().forward_backward(batch, result)
-        # a rank without samples still takes part in every all-to-all, forward and backward
-        logits = self.model(Tensor(batch.x))
-        (logits.sum() * 0.0).backward()
+    def forward_backward(self, batch: Batch, result: StepResult, weight: float = 1.0) -> float:
+        with aux_loss_scale(weight * getattr(self.optimizer, "loss_scale", 1.0)):
+            if len(batch.y):
+                return super().forward_backward(batch, result, weight)
+            # a rank without samples still takes part in every all-to-all, forward and backward
+            logits = self.model(Tensor(batch.x))
+            (logits.sum() * 0.0).backward()
         return time.perf_counter()
 
     # -- the whole model and the figures ---------------------------------------------------------

@@ -42,17 +42,17 @@ def check(config: Any) -> None:
             raise PrecisionError(f"{{optim.precision}} fp16 skips the optimizer step on every "
                                  f"rank when a gradient overflows; the optimizer of {cannot} "
                                  f"cannot skip a step")
-    if config.model.moe_experts and (o.precision != "fp32" or o.grad_accum > 1):
-        raise PrecisionError("{model.moe_experts} runs in {optim.precision} fp32 without "
-                             "{optim.grad_accum} yet (the expert-parallel strategy keeps no master "
-                             "weights and accumulates no microbatches)")
+    if config.model.moe_experts and o.precision != "fp32":
+        raise PrecisionError("{model.moe_experts} runs in {optim.precision} fp32 only yet (the "
+                             "expert-parallel strategy keeps no master weights)")
     if o.grad_accum > 1:
         other = ("{parallel.mode} ps" if p.mode == "ps" else
                  "{parallel.pp}, {parallel.tp} or {parallel.cp} > 1 (use {parallel.microbatches})"
                  if p.model_parallel() else
                  "{parallel.zero} (ZeRO reduce-scatters each gradient as backward produces it)"
-                 if p.zero else "{communication.sync_every} > 1" if comm.sync_every > 1
-                 else "{communication.compression}" if comm.compression != "none" else None)
+                 if p.zero and not config.model.moe_experts else
+                 "{communication.sync_every} > 1" if comm.sync_every > 1 else
+                 "{communication.compression}" if comm.compression != "none" else None)
         if other:
             raise PrecisionError(f"{{optim.grad_accum}} > 1 cannot be combined with {other}")
 

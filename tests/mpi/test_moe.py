@@ -46,9 +46,9 @@ def experts_for(ep: int) -> int:
     return 4 if 4 % ep == 0 else ep if ep > 1 else 2
 
 
-def make_model(experts: int, cf: float) -> GPT:
+def make_model(experts: int, cf: float, aux: float = 0.05) -> GPT:
     return GPT(vocab_size=11, block_size=6, n_layer=2, n_head=2, n_embd=8, seed=0,
-               moe=MoESettings(experts, top_k=2, capacity_factor=cf, aux_loss_coef=0.05))
+               moe=MoESettings(experts, top_k=2, capacity_factor=cf, aux_loss_coef=aux))
 
 
 def data():
@@ -85,6 +85,11 @@ def reference(experts: int, cf: float, groups: list[list[tuple[int, int]]]):
     runs the slices (lo, hi) of the global batch one by one, the load-balancing loss of each
     counting the routings of its group of slices."""
     model = make_model(experts, cf)
+    return reference_of(model, experts, groups)
+
+
+def reference_of(model: GPT, experts: int, groups: list[list[tuple[int, int]]]):
+    """`reference` with the given model (its statistics count the routings of the slices)."""
     opt = optim.Adam(model.parameters(), lr=LR)
     x, y = data()
     losses, dropped = [], []
@@ -94,6 +99,7 @@ def reference(experts: int, cf: float, groups: list[list[tuple[int, int]]]):
             counts = [np.zeros(experts, np.int64) for _ in moes(model)]
             for m in moes(model):
                 m.dispatcher = LocalExperts()
+            model.eval()  # counting only: the statistics are the training forwards'
             with no_grad():
                 for lo, hi in group:
                     if hi == lo:
@@ -101,6 +107,7 @@ def reference(experts: int, cf: float, groups: list[list[tuple[int, int]]]):
                     model(Tensor(x[lo:hi]))
                     for total, m in zip(counts, moes(model), strict=True):
                         total += m.last_routing.counts
+            model.train()
             for m, total in zip(moes(model), counts, strict=True):
                 m.dispatcher = FixedCounts(total)
             for lo, hi in group:
@@ -119,17 +126,17 @@ def reference(experts: int, cf: float, groups: list[list[tuple[int, int]]]):
     return losses, dropped, model.state_dict()
 
 
-def whole_batch(experts: int):
+def whole_batch(experts: int, aux: float = 0.05):
     """Losses and final parameters of one process on the whole batch (dropless)."""
-    model = make_model(experts, 0.0)
+    model = make_model(experts, 0.0, aux)
     x, y = data()
     return adam_losses(model, x, y, STEPS, LR), model.state_dict()
 
 
-def run(ep: int, experts: int, cf: float, zero: int = 0):
+def run(ep: int, experts: int, cf: float, zero: int = 0, grad_accum: int = 1, aux: float = 0.05):
     comm = as_communicator(MPI.COMM_WORLD)
-    strategy = ExpertParallelStrategy(comm, ep=ep, zero=zero)
-    model = make_model(experts, cf)
+    strategy = ExpertParallelStrategy(comm, ep=ep, zero=zero, grad_accum=grad_accum)
+    model = make_model(experts, cf, aux)
     strategy.setup(model, lambda p: optim.Adam(p, lr=LR))
     x, y = data()
     bounds = split_bounds(N, P)
@@ -184,6 +191,49 @@ def test_zero_one_with_experts_follows_one_process():
     losses, _, params, _ = run(ep, experts, 0.0, zero=1)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     assert_same_parameters(params, ref_params, 1e-5)
+
+
+def accumulation_groups(grad_accum: int) -> list[list[tuple[int, int]]]:
+    """Microbatch j of every rank's slice, for each j, as `strategy.microbatches` cuts a slice
+    (the smaller ones first)."""
+    cuts = []
+    for lo, hi in slices(P):
+        sizes = sorted(len(a) for a in np.array_split(np.arange(hi - lo), grad_accum))
+        starts = lo + np.cumsum([0] + sizes[:-1])
+        cuts.append([(int(a), int(a) + n) for a, n in zip(starts, sizes, strict=True)])
+    return [[rank[j] for rank in cuts] for j in range(grad_accum)]
+
+
+ACCUMULATION = sorted({(1, 0), (P, 0), (P, 1)})
+
+
+@pytest.mark.parametrize("ep, zero", ACCUMULATION)
+def test_gradient_accumulation_with_experts_follows_one_process(ep, zero, grad_accum=3):
+    """Three microbatches a step (10 sequences over P ranks: empty microbatches from P = 4 on).
+    Without the load-balancing loss: the losses and parameters of one process on the whole
+    batch, and its tokens per expert. With it: one process that runs microbatch j of every rank
+    in turn, each microbatch's load-balancing loss counting the routings of microbatch j."""
+    experts = experts_for(ep)
+    model = make_model(experts, 0.0, aux=0.0)
+    x, y = data()
+    ref_losses = adam_losses(model, x, y, STEPS, LR)
+    losses, dropped, params, report = run(ep, experts, 0.0, zero, grad_accum, aux=0.0)
+    where = f"ep {ep} zero {zero}"
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5, err_msg=where)
+    assert_same_parameters(params, model.state_dict(), 1e-5)
+    assert dropped == [0] * STEPS
+    assert report["tokens_per_expert"] == [m.stats.tokens_per_expert.tolist()
+                                           for m in moes(model)]
+
+    model = make_model(experts, 0.0)
+    ref_losses, _, ref_params = reference_of(model, experts, accumulation_groups(grad_accum))
+    losses, _, params, report = run(ep, experts, 0.0, zero, grad_accum)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5, err_msg=where)
+    assert_same_parameters(params, ref_params, 1e-5)
+    assert report["tokens_per_expert"] == [m.stats.tokens_per_expert.tolist()
+                                           for m in moes(model)]
+    assert report["aux_loss"] == pytest.approx(
+        sum(m.stats.aux_loss / m.stats.calls for m in moes(model)), rel=1e-5)
 
 
 #: (dp, pp, tp) grids of one pipeline: the GPT has 4 pieces, its 2 heads allow tp = 2
