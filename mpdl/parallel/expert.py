@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl.autograd.amp import compute_dtype
 from mpdl.autograd.moe import (
     GatherRows,
     LocalExperts,
@@ -85,14 +86,16 @@ class AllToAll(Function):
     """Rows over `comm`: send_counts[j] rows to rank j, recv_counts[i] from rank i. Backward sends
     each row's gradient back to where the row came from; `grad_scale` multiplies the gradient of
     this rank's own rows: the output's before it is sent back (`scale_output`), else the
-    input's once it has come back. Each exchange is timed into `spans` as (name, start, end,
-    bytes sent)."""
+    input's once it has come back. With a `wire_dtype` (the experts' 16-bit compute dtype) the
+    rows and their gradients travel in it and arrive in x's dtype. Each exchange is timed into
+    `spans` as (name, start, end, bytes sent)."""
 
     def forward(self, x, send_counts, recv_counts, comm, algorithm, grad_scale, scale_output,
-                name, spans):
+                name, spans, wire_dtype=None):
         self.send_counts, self.recv_counts = send_counts, recv_counts
         self.comm, self.algorithm, self.grad_scale = comm, algorithm, grad_scale
         self.scale_output, self.name, self.spans = scale_output, name, spans
+        self.wire_dtype = wire_dtype
         return self._exchange(x, send_counts, recv_counts, name)
 
     def backward(self, grad):
@@ -106,10 +109,19 @@ class AllToAll(Function):
 
     def _exchange(self, x, send, recv, name):
         start = time.perf_counter()
-        rows, _ = alltoallv(get_array_module(x).ascontiguousarray(x), send, comm=self.comm,
+        xp = get_array_module(x)
+        wire = x if self.wire_dtype is None or x.dtype == self.wire_dtype else _narrow(
+            x, self.wire_dtype)
+        rows, _ = alltoallv(xp.ascontiguousarray(wire), send, comm=self.comm,
                             algorithm=self.algorithm, recv_counts=recv)
-        self.spans.append((name, start, time.perf_counter(), int(x.nbytes)))
-        return rows
+        self.spans.append((name, start, time.perf_counter(), int(wire.nbytes)))
+        return rows if rows.dtype == x.dtype else rows.astype(x.dtype)
+
+
+def _narrow(x: Any, dtype: Any) -> Any:
+    """x rounded to a 16-bit dtype (float16 overflow is inf, for the loss scaler to see)."""
+    with np.errstate(over="ignore"):
+        return x.astype(dtype)
 
 
 class AllToAllExperts:
@@ -140,11 +152,11 @@ class AllToAllExperts:
         self.spans.append(("dispatch counts", start, time.perf_counter(), int(per_expert.nbytes)))
         send, recv = per_expert.sum(axis=1), from_source.sum(axis=1)
         self.last_send_counts = send.tolist()
-        w = self.grad_weight
+        w, wire = self.grad_weight, self.wire_dtype()
         received = AllToAll.apply(rows, send_counts=send.tolist(), recv_counts=recv.tolist(),
                                   comm=self.ep_comm, algorithm=self.algorithm,
                                   grad_scale=1.0 / w if w else 0.0, scale_output=False,
-                                  name="dispatch", spans=self.spans)
+                                  name="dispatch", spans=self.spans, wire_dtype=wire)
         xp = get_array_module(rows.data)
         by_expert = xp.asarray(_source_to_expert_order(from_source))
         outputs = run_experts(self.experts, GatherRows.apply(received, index=by_expert),
@@ -152,7 +164,14 @@ class AllToAllExperts:
         back = ScatterRows.apply(outputs, index=by_expert, rows=int(recv.sum()))
         return AllToAll.apply(back, send_counts=recv.tolist(), recv_counts=send.tolist(),
                               comm=self.ep_comm, algorithm=self.algorithm, grad_scale=w,
-                              scale_output=True, name="combine", spans=self.spans)
+                              scale_output=True, name="combine", spans=self.spans,
+                              wire_dtype=wire)
+
+    def wire_dtype(self) -> Any:
+        """The 16-bit dtype the experts compute in (their parameters' under mixed precision),
+        in which the rows travel; None for float32 and float64 experts."""
+        weights = [p for ex in self.experts for p in ex.parameters()]
+        return compute_dtype(weights[0].data) if weights else None
 
 
 def _source_to_expert_order(from_source: np.ndarray) -> np.ndarray:
@@ -420,7 +439,15 @@ class ExpertParallelStrategy(Strategy):
             self.trained = [p for _, p in named if id(p) in self.groups.owned_ids
                             or id(p) not in self.groups.expert_ids]
             self.optimizer = make_optimizer(self.trained)
+            if hasattr(self.optimizer, "agree"):  # mixed precision: skip on every rank alike
+                self.optimizer.agree = self._all_finite
         self.groups.release()
+
+    def _all_finite(self, finite: bool) -> bool:
+        """Whether this rank's gradients and every other rank's are finite (one all-reduce of a
+        found-inf flag: the experts' gradients differ from rank to rank)."""
+        flags = allreduce(np.array([0 if finite else 1], np.int32), op="max", comm=self.comm)
+        return not int(flags[0])
 
     # -- one step --------------------------------------------------------------------------------
     def step(self, batch: Batch) -> StepResult:
@@ -504,8 +531,11 @@ class ExpertParallelStrategy(Strategy):
             (experts if id(p) in self.groups.expert_ids else state)[index[id(p)]] = entries
         for part in self.ep_comm.allgather_object(experts):
             state.update(part)
-        return {"state": state, "param_groups": [{**_hyper(local["param_groups"]),
-                                                  "params": list(range(len(index)))}]}
+        whole = {"state": state, "param_groups": [{**_hyper(local["param_groups"]),
+                                                   "params": list(range(len(index)))}]}
+        if "loss_scale" in local:
+            whole["loss_scale"] = local["loss_scale"]
+        return whole
 
     def state_dict(self) -> dict[str, Any]:
         if self._whole_state is None:
@@ -521,7 +551,8 @@ class ExpertParallelStrategy(Strategy):
             "state": {k: whole[index[id(p)]] for k, p in enumerate(self.trained)
                       if index[id(p)] in whole},
             "param_groups": [{**_hyper(state["param_groups"]),
-                              "params": list(range(len(self.trained)))}]})
+                              "params": list(range(len(self.trained)))}],
+            **({"loss_scale": state["loss_scale"]} if "loss_scale" in state else {})})
 
     def _sum_figures(self) -> None:
         self._epoch = epoch_figures(self.moes, self.moes, self._a2a_s, self.step_count, self.comm)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mpdl.autograd import amp
+from mpdl.autograd.moe import MoE
 from mpdl.backend import get_array_module, precision_dtype
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -42,9 +43,11 @@ def check(config: Any) -> None:
             raise PrecisionError(f"{{optim.precision}} fp16 skips the optimizer step on every "
                                  f"rank when a gradient overflows; the optimizer of {cannot} "
                                  f"cannot skip a step")
-    if config.model.moe_experts and o.precision != "fp32":
-        raise PrecisionError("{model.moe_experts} runs in {optim.precision} fp32 only yet (the "
-                             "expert-parallel strategy keeps no master weights)")
+    if config.model.moe_experts and o.precision != "fp32" and (p.model_parallel() or p.zero):
+        raise PrecisionError(f"{{optim.precision}} {o.precision} with {{model.moe_experts}} runs "
+                             f"on plain data parallelism (any {{parallel.ep}}) only, not with "
+                             f"{{parallel.pp}}, {{parallel.tp}} or {{parallel.zero}} yet (their "
+                             f"sharded optimizers of the experts keep no master weights)")
     if o.grad_accum > 1:
         other = ("{parallel.mode} ps" if p.mode == "ps" else
                  "{parallel.pp}, {parallel.tp} or {parallel.cp} > 1 (use {parallel.microbatches})"
@@ -59,13 +62,16 @@ def check(config: Any) -> None:
 
 def prepare(model: Any, config: Any) -> None:
     """Replace the model's floating-point parameters by their 16-bit compute copy (nothing for
-    fp32). Buffers (batch-norm statistics) stay as they are; a parameter a pipeline stage does
-    not hold (a zero-byte placeholder, all of its elements one value) stays a placeholder."""
+    fp32), except the routers of mixture-of-experts layers, which stay float32. Buffers
+    (batch-norm statistics) stay as they are; a parameter a pipeline stage does not hold (a
+    zero-byte placeholder, all of its elements one value) stays a placeholder."""
     name = config.optim.precision
     if name == "fp32":
         return
+    routers = {id(p) for _, m in model.named_modules() if isinstance(m, MoE)
+               for p in m.router.parameters()}
     for p in model.parameters():
-        if p.data.dtype.kind == "f":
+        if p.data.dtype.kind == "f" and id(p) not in routers:
             xp = get_array_module(p.data)
             dtype = precision_dtype(name, xp)
             if p.data.size > 1 and not any(p.data.strides):

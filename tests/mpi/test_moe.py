@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import types
 
 import numpy as np
 import pytest
@@ -25,13 +26,16 @@ from mpdl.autograd import functional as F
 from mpdl.autograd import no_grad, optim
 from mpdl.autograd.moe import LocalExperts, MoE, MoESettings, aux_loss_scale, run_experts
 from mpdl.autograd.tensor import Tensor
-from mpdl.collectives import allreduce
+from mpdl.backend import bfloat16
+from mpdl.collectives import allreduce, alltoallv
 from mpdl.comm import as_communicator
+from mpdl.parallel import expert as expert_module
 from mpdl.parallel import split_bounds
 from mpdl.parallel.expert import ExpertParallelStrategy
 from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
+from mpdl.training import precision
 from mpdl.training.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint
 from mpdl.training.gpt import GPT
 
@@ -390,3 +394,89 @@ def test_checkpoint_with_experts_resumes_on_another_layout(before, after):
         world.Barrier()
         if world.rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def sixteen_bit(name: str, scale: float = 2.0**16) -> types.SimpleNamespace:
+    """The part of a TrainConfig that `mpdl.training.precision` reads."""
+    return types.SimpleNamespace(optim=types.SimpleNamespace(precision=name,
+                                                             loss_scale_init=scale))
+
+
+def run_16_bit(name: str, ep: int, steps: int, lr: float, before_step=None):
+    """`steps` steps of `ep` in `name` precision; the losses, the strategy and the model."""
+    comm = as_communicator(MPI.COMM_WORLD)
+    model = make_model(experts_for(ep), 0.0)
+    precision.prepare(model, sixteen_bit(name))
+    strategy = ExpertParallelStrategy(comm, ep=ep)
+    strategy.setup(model, precision.optimizer_factory(lambda p: optim.Adam(p, lr=lr),
+                                                      sixteen_bit(name)))
+    x, y = data()
+    lo, hi = slices(P)[comm.rank]
+    losses = []
+    for k in range(steps):
+        if before_step is not None:
+            step = strategy.optimizer.step
+            strategy.optimizer.step = lambda k=k, step=step: (before_step(k, strategy), step())
+        r = strategy.step(Batch(x[lo:hi], y[lo:hi], N, lr))
+        strategy.optimizer.__dict__.pop("step", None)
+        total = allreduce(np.array([r.loss, r.samples]), comm=comm)
+        losses.append(total[0] / total[1])
+    return losses, strategy, model
+
+
+BF16_STEPS, BF16_LR = 5, 1e-2
+
+
+def test_bf16_experts_follow_float32_within_bf16_rounding(monkeypatch):
+    """bf16 at ep = the world size: every step's loss within 2⁻⁸·loss of one float32 process
+    (tests/mpi/test_mixed_precision.py argues that tolerance: the spacing of bfloat16 numbers
+    around the loss), while the loss falls by far more; the routers stay float32, the experts'
+    compute copies are bfloat16 with float32 master weights of this rank's experts only, and
+    every all-to-all of rows (forward and backward) sends bfloat16."""
+    sent = []
+
+    def spy(x, *args, **kwargs):
+        sent.append(x.dtype)
+        return alltoallv(x, *args, **kwargs)
+
+    monkeypatch.setattr(expert_module, "alltoallv", spy)
+    model = make_model(experts_for(P), 0.0)
+    x, y = data()
+    ref = adam_losses(model, x, y, BF16_STEPS, BF16_LR)
+    tol = 2.0**-8 * ref[0]
+    assert ref[0] - ref[-1] > 5 * tol
+    losses, strategy, model = run_16_bit("bf16", P, BF16_STEPS, BF16_LR)
+    np.testing.assert_allclose(losses, ref, rtol=0, atol=tol)
+    for m in moes(model):
+        assert m.router.weight.dtype == np.float32
+        assert {p.dtype for p in m.experts.parameters()} == {np.dtype(bfloat16)}
+    opt = strategy.optimizer
+    assert len(opt.params) == len(strategy.trained)
+    assert {m.dtype for m in opt.masters} == {np.dtype(np.float32)}
+    expert_masters = sum(m.size for p, m in zip(opt.params, opt.masters, strict=True)
+                         if id(p) in strategy.groups.expert_ids)
+    assert expert_masters == sum(p.size for moe in moes(model) for p in moe.experts.parameters()
+                                 ) // P
+    assert sent and set(sent) == {np.dtype(bfloat16)}
+
+
+def test_fp16_overflow_in_one_rank_s_experts_skips_the_step_on_every_rank():
+    """fp16 at ep = the world size: an expert gradient of rank 0 made inf before the second
+    step; every rank must skip that step and halve its scale (the found-inf flag is all-reduced:
+    the experts' gradients differ from rank to rank) and train on, the dense parameters the same
+    on every rank."""
+    def poison(k, strategy):
+        if k == 1 and strategy.comm.rank == 0:
+            owned = [p for p in strategy.optimizer.params if id(p) in strategy.groups.owned_ids]
+            owned[0].grad[...] = np.inf
+
+    comm = MPI.COMM_WORLD
+    losses, strategy, model = run_16_bit("fp16", P, 3, 1e-2, poison)
+    scaler = strategy.optimizer.scaler
+    assert scaler.skipped_steps == 1 and scaler.backoffs == 1 and scaler.scale == 2.0**15
+    assert np.all(np.isfinite(losses))
+    dense = np.concatenate([p.data.astype(np.float32).ravel() for p in strategy.trained
+                            if id(p) not in strategy.groups.expert_ids])
+    everyone = comm.allgather(dense)
+    for other in everyone[1:]:
+        np.testing.assert_array_equal(other, everyone[0])
