@@ -38,9 +38,10 @@ def data(n: int):
     return rng.integers(0, 11, (n, 6)), rng.integers(0, 11, (n, 6))
 
 
-def train(comm, dp: int, pp: int, tp: int, zero: int, n: int):
+def train(comm, dp: int, pp: int, tp: int, zero: int, n: int, recompute: str = "none"):
     strategy = ExpertPipelineStrategy(comm, dp, pp, tp, ep=2, zero=zero)
     model = make_model()
+    model.set_recompute(recompute)
     strategy.setup(model, lambda p: optim.Adam(p, lr=LR))
     x, y = data(n)
     bounds = split_bounds(n, dp)
@@ -68,6 +69,19 @@ def test_expert_replicas_on_a_grid_follow_one_process(pp, tp, zero, n):
         for name in params:
             np.testing.assert_allclose(params[name], ref_params[name], rtol=0, atol=1e-5,
                                        err_msg=name)
+
+
+@pytest.mark.parametrize("pp, tp", [(2, 1), (1, 2)])
+def test_full_recomputation_with_experts_on_a_grid_is_bit_for_bit(pp, tp):
+    """dp 2 with ep 2 beside pp 2 or tp 2 (4 ranks): --recompute full (the attention sublayers
+    only, on the tensor-parallel blocks too) trains to the parameters of no recomputation, bit
+    for bit."""
+    plain = run_world(4, lambda c: train(c, 2, pp, tp, 0, 5))
+    recomputed = run_world(4, lambda c: train(c, 2, pp, tp, 0, 5, "full"))
+    for (losses, params, _), (ref_losses, ref_params, _) in zip(recomputed, plain, strict=True):
+        assert losses == ref_losses
+        for name in ref_params:
+            np.testing.assert_array_equal(params[name], ref_params[name], err_msg=name)
 
 
 def test_train_with_experts_on_a_pipeline_follows_one_rank():
