@@ -43,11 +43,11 @@ def check(config: Any) -> None:
             raise PrecisionError(f"{{optim.precision}} fp16 skips the optimizer step on every "
                                  f"rank when a gradient overflows; the optimizer of {cannot} "
                                  f"cannot skip a step")
-    if config.model.moe_experts and o.precision != "fp32" and (p.model_parallel() or p.zero):
-        raise PrecisionError(f"{{optim.precision}} {o.precision} with {{model.moe_experts}} runs "
-                             f"on plain data parallelism (any {{parallel.ep}}) only, not with "
-                             f"{{parallel.pp}}, {{parallel.tp}} or {{parallel.zero}} yet (their "
-                             f"sharded optimizers of the experts keep no master weights)")
+    if config.model.moe_experts and o.precision != "fp32" and p.zero:
+        raise PrecisionError(f"{{optim.precision}} {o.precision} with {{model.moe_experts}} "
+                             f"cannot be combined with {{parallel.zero}} 1 yet (the sharded "
+                             f"optimizers of the dense parameters and of the experts would each "
+                             f"decide to skip a step)")
     if o.grad_accum > 1:
         other = ("{parallel.mode} ps" if p.mode == "ps" else
                  "{parallel.pp}, {parallel.tp} or {parallel.cp} > 1 (use {parallel.microbatches})"
