@@ -355,7 +355,8 @@ def gpt_pieces(spec: dict, repeats: int = 12, warmup: int = 3) -> dict:
     """Median seconds of a GPT's forward (with the loss), backward and Adam step on `spec`'s
     batch of random tokens, without recomputation, the blocks' share of the forward
     (`blocks_forward_s`), and the attention cores' forward (`core_forward_s`: causal attention on
-    Q, K, V of the model's shape, once per block)."""
+    Q, K, V of the model's shape, once per block; `core_whole_s` the same at `spec["whole"]`
+    positions, the whole sequence of a context-parallel run)."""
     from mpdl.autograd import Tensor, optim
     from mpdl.autograd import functional as F
     from mpdl.autograd.moe import MoESettings
@@ -369,9 +370,11 @@ def gpt_pieces(spec: dict, repeats: int = 12, warmup: int = 3) -> dict:
     b, t, v = spec["batch"], spec["seq"], spec["vocab"]
     idx, target = rng.integers(0, v, (b, t)), rng.integers(0, v, b * t)
     hd = GPT["n_embd"] // GPT["n_head"]
-    qkv = [Tensor(rng.standard_normal((b, GPT["n_head"], t, hd)).astype(np.float32),
-                  requires_grad=True) for _ in range(3)]
-    keys = ("forward_s", "backward_s", "optimizer_s", "blocks_forward_s", "core_forward_s")
+    qkv, whole = ([Tensor(rng.standard_normal((b, GPT["n_head"], n, hd)).astype(np.float32),
+                          requires_grad=True) for _ in range(3)]
+                  for n in (t, spec.get("whole", t)))
+    keys = ("forward_s", "backward_s", "optimizer_s", "blocks_forward_s", "core_forward_s",
+            "core_whole_s")
     times: dict[str, list[float]] = {k: [] for k in keys}
     for i in range(warmup + repeats):
         t0 = time.perf_counter()
@@ -392,8 +395,11 @@ def gpt_pieces(spec: dict, repeats: int = 12, warmup: int = 3) -> dict:
         for _ in net.blocks:
             causal_attention(*qkv)
         t5 = time.perf_counter()
+        for _ in net.blocks:
+            causal_attention(*whole)
+        t6 = time.perf_counter()
         if i >= warmup:
-            for key, value in zip(keys, (t2 - t0, t3 - t2, t4 - t3, blocks, t5 - t4),
+            for key, value in zip(keys, (t2 - t0, t3 - t2, t4 - t3, blocks, t5 - t4, t6 - t5),
                                   strict=True):
                 times[key].append(value)
     return {key: statistics.median(values) for key, values in times.items()}
@@ -489,9 +495,9 @@ def expert_ratios(p: int, env: dict, tmp_path: Path, round_: int) -> dict[int, f
 
 def context_ratios(p: int, env: dict, tmp_path: Path, round_: int) -> dict[str, float]:
     """predicted/measured step of `mpdl train --model gpt --cp p --cp-mode MODE` (GPT_BATCH
-    sequences a step shared by the p ranks) for each mode, the prediction from pieces of the
-    whole sequence timed on one rank."""
-    spec = {"seq": GPT_SEQ, "vocab": 17, "batch": GPT_BATCH, "experts": 0}
+    sequences a step shared by the p ranks) for each mode, the prediction from pieces timed at
+    the tokens a rank holds (T/p of each sequence) and attention over the whole sequence."""
+    spec = {"seq": GPT_SEQ // p, "whole": GPT_SEQ, "vocab": 17, "batch": GPT_BATCH, "experts": 0}
     pieces = measure_gpt(p, spec, env, tmp_path, f"c{p}.{round_}")
     dense, _ = _gpt_grad_bytes()
     kv = 2 * GPT_BATCH * GPT_SEQ * GPT["n_embd"] * 4

@@ -46,23 +46,26 @@ def test_experts_step_by_hand():
 
 def test_context_step_by_hand():
     kv = 200_000  # K and V of the whole sequence
+    # attention over the whole sequence 0.6 s, a rank's share 0.3 s, 0.1 s of it timed with
+    # the pieces: 0.2 s more in forward and twice that in backward
+    pieces = {**PIECES, "core_forward_s": 0.1, "core_whole_s": 0.6}
     grads = cm.predict("allreduce", "ring", 1000, 2, 1, PARAMS) + 5e-5
-    base = 3.0 / 2 + 0.3 + grads
+    base = 3.0 + 3 * 0.2 + 0.3 + grads
     # ring, cp 2, 2 layers: one exchange of a 100 kB block (1.1 ms) in forward, of 200 kB
-    # (1.2 ms) in backward; a block of attention is 0.2 / 2 / 4 = 25 ms, so nothing is exposed
-    assert A.context_step(PIECES, 2, "ring", 2, kv, 1000, PARAMS) == pytest.approx(base)
-    # with attention too short to hide them, the excess shows: 1.1 - 0.025 and 1.2 - 0.05 ms
-    quick = {**PIECES, "core_forward_s": 0.0002}
-    exposed = (1.1e-3 - 0.025e-3) + (1.2e-3 - 0.05e-3)
+    # (1.2 ms) in backward; a block of attention is 0.3 / 2 / 2 = 75 ms: nothing is exposed
+    assert A.context_step(pieces, 2, "ring", 2, kv, 1000, PARAMS) == pytest.approx(base)
+    # with attention too short to hide them, the excess shows: a block 0.075 ms
+    quick = {**PIECES, "core_forward_s": 0.0, "core_whole_s": 0.0006}
+    exposed = (1.1e-3 - 0.075e-3) + (1.2e-3 - 0.15e-3)
     assert A.context_step(quick, 2, "ring", 2, kv, 1000, PARAMS) == pytest.approx(
-        base + 2 * exposed)
+        3.0 + 3 * 0.0003 + 0.3 + grads + 2 * exposed)
     # ulysses: Q, K, V packed (1.5 kv / cp) and the output (0.5 kv / cp), forward and backward
     a2a = (cm.predict("alltoall", "pairwise", 150_000, 2, 1, PARAMS)
            + cm.predict("alltoall", "pairwise", 50_000, 2, 1, PARAMS))
-    assert A.context_step(PIECES, 2, "ulysses", 2, kv, 1000, PARAMS) == pytest.approx(
+    assert A.context_step(pieces, 2, "ulysses", 2, kv, 1000, PARAMS) == pytest.approx(
         base + 2 * 2 * a2a)
     # allgather: K and V gathered in forward, their gradients reduce-scattered in backward
     gather = (cm.predict("allgather", "ring", kv, 2, 1, PARAMS)
               + cm.predict("reduce_scatter", "ring", kv, 2, 1, PARAMS))
-    assert A.context_step(PIECES, 2, "allgather", 2, kv, 1000, PARAMS) == pytest.approx(
+    assert A.context_step(pieces, 2, "allgather", 2, kv, 1000, PARAMS) == pytest.approx(
         base + 2 * gather)

@@ -120,13 +120,15 @@ def expert_step(pieces: dict, p: int, ep: int, moe_layers: int, rows_bytes: int,
 
 def context_step(pieces: dict, cp: int, mode: str, layers: int, kv_bytes: int, grad_bytes: int,
                  params: cm.Params) -> float:
-    """The context-parallel model's step (`layouts.context_parallel_time`): forward and backward
-    of the whole sequence timed on one rank (every rank at once), divided by cp; the optimizer;
-    per layer the messages of the mode, `kv_bytes` being K and V of the whole sequence:
+    """The context-parallel model's step (`layouts.context_parallel_time`): forward, backward and
+    the optimizer timed on one rank at the tokens a rank holds (T/cp a sequence, every rank at
+    once), plus the attention a rank does beyond its own tokens' causal attention (its share of
+    the whole sequence's, `core_whole_s` / cp, less `core_forward_s`, in forward and twice in
+    backward); per layer the messages of the mode, `kv_bytes` being K and V of the whole sequence:
 
     * ring: cp − 1 exchanges of a rank's K and V block in forward, and of K, V, dK and dV in
-      backward, each exposed only where it outlasts one block of attention (the attention core's
-      forward over cp², twice that in backward);
+      backward, each exposed only where it outlasts one block of attention (the rank's share
+      over cp, twice that in backward);
     * ulysses: all-to-alls of Q, K and V (packed) and of the output in forward, of the output's
       gradient and of dQ, dK, dV in backward, not overlapped;
     * allgather: an all-gather of K and V in forward, a reduce-scatter of their gradients in
@@ -134,8 +136,10 @@ def context_step(pieces: dict, cp: int, mode: str, layers: int, kv_bytes: int, g
 
     and the ring all-reduce of the gradients over the cp ranks (they hold the same parameters)."""
     block = kv_bytes / cp
+    share = pieces["core_whole_s"] / cp
+    beyond = 3 * max(0.0, share - pieces["core_forward_s"])
     if mode == "ring":
-        attend = pieces["core_forward_s"] / layers / cp ** 2
+        attend = share / layers / cp
         fwd = params.exchange_time(block, ring=True)
         bwd = params.exchange_time(2 * block, ring=True)
         per_layer = (cp - 1) * (max(0.0, fwd - attend) + max(0.0, bwd - 2 * attend))
@@ -146,5 +150,5 @@ def context_step(pieces: dict, cp: int, mode: str, layers: int, kv_bytes: int, g
     else:
         per_layer = (cm.predict("allgather", "ring", int(kv_bytes), cp, 1, params)
                      + cm.predict("reduce_scatter", "ring", int(kv_bytes), cp, 1, params))
-    return ((pieces["forward_s"] + pieces["backward_s"]) / cp + pieces["optimizer_s"]
+    return (pieces["forward_s"] + pieces["backward_s"] + beyond + pieces["optimizer_s"]
             + layers * per_layer + _allreduce(grad_bytes, cp, params))
