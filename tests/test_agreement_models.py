@@ -64,8 +64,9 @@ def test_context_step_by_hand():
            + cm.predict("alltoall", "pairwise", 50_000, 2, 1, PARAMS))
     assert A.context_step(pieces, 2, "ulysses", 2, kv, 1000, PARAMS) == pytest.approx(
         base + 2 * 2 * a2a)
-    # allgather: K and V gathered in forward, their gradients reduce-scattered in backward
-    gather = (cm.predict("allgather", "ring", kv, 2, 1, PARAMS)
+    # allgather: K and V gathered in forward, gathered again in backward (not kept) and their
+    # gradients reduce-scattered
+    gather = (2 * cm.predict("allgather", "ring", kv, 2, 1, PARAMS)
               + cm.predict("reduce_scatter", "ring", kv, 2, 1, PARAMS))
     assert A.context_step(pieces, 2, "allgather", 2, kv, 1000, PARAMS) == pytest.approx(
         base + 2 * gather)

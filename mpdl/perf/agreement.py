@@ -131,8 +131,8 @@ def context_step(pieces: dict, cp: int, mode: str, layers: int, kv_bytes: int, g
       over cp, twice that in backward);
     * ulysses: all-to-alls of Q, K and V (packed) and of the output in forward, of the output's
       gradient and of dQ, dK, dV in backward, not overlapped;
-    * allgather: an all-gather of K and V in forward, a reduce-scatter of their gradients in
-      backward, not overlapped;
+    * allgather: an all-gather of K and V in forward, and in backward another (the gathered K
+      and V are not kept) and a reduce-scatter of their gradients, not overlapped;
 
     and the ring all-reduce of the gradients over the cp ranks (they hold the same parameters)."""
     block = kv_bytes / cp
@@ -148,7 +148,7 @@ def context_step(pieces: dict, cp: int, mode: str, layers: int, kv_bytes: int, g
         per_layer = 2 * (cm.predict("alltoall", "pairwise", int(qkv), cp, 1, params)
                          + cm.predict("alltoall", "pairwise", int(out), cp, 1, params))
     else:
-        per_layer = (cm.predict("allgather", "ring", int(kv_bytes), cp, 1, params)
+        per_layer = (2 * cm.predict("allgather", "ring", int(kv_bytes), cp, 1, params)
                      + cm.predict("reduce_scatter", "ring", int(kv_bytes), cp, 1, params))
     return (pieces["forward_s"] + pieces["backward_s"] + beyond + pieces["optimizer_s"]
             + layers * per_layer + _allreduce(grad_bytes, cp, params))
