@@ -327,8 +327,10 @@ def check_layout(shape: Shape, layout: Layout, per_node: int) -> None:
     chunks = shape.layers + (2 if layout.virtual > 1 else 0)
     if layout.pp * layout.virtual > chunks:
         what = "pp" if layout.virtual == 1 else "pp x virtual stages"
+        extra = " and the two chunks that may hold only the embedding or the output" \
+            if layout.virtual > 1 else ""
         raise ValueError(f"--pp: {what} = {layout.pp * layout.virtual} exceeds the "
-                         f"{shape.layers} layers")
+                         f"{shape.layers} layers{extra}")
     if layout.virtual > 1 and layout.pp == 1:
         raise ValueError("--virtual-stages: an interleaved schedule needs --pp > 1")
     if shape.heads % layout.tp:
