@@ -106,6 +106,12 @@ def main() -> int:
                              "OUT/auto-cache")
     parser.add_argument("--no-emulated", action="store_true",
                         help="skip the emulated-network sweep")
+    parser.add_argument("--loop", type=int, default=1, metavar="CALLS",
+                        help="time CALLS calls back to back per iteration (`mpdl bench --loop`; "
+                             "default 1: a barrier before every call)")
+    parser.add_argument("--keep-cache", action="store_true",
+                        help="with --no-calibration: start from OUT/auto-cache as an earlier run "
+                             "left it (as a user's next run does) instead of emptying it")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = {"MPDL_COST_MODEL": str(args.out / "costmodel.json")}
@@ -113,14 +119,15 @@ def main() -> int:
     if args.no_calibration:
         env = {"MPDL_COST_MODEL": str(args.out / "no-costmodel.json"),
                "MPDL_AUTO_CACHE": str(cache)}
-        shutil.rmtree(cache, ignore_errors=True)
+        if not args.keep_cache:
+            shutil.rmtree(cache, ignore_errors=True)
     report: list[str] = []
     for p in args.ranks:
         if not args.skip_calibrate and not args.no_calibration:
             mpdl(p, ["calibrate"], env, 300)
         sweep = args.out / f"allreduce_p{p}.json"
         mpdl(p, ["bench", "allreduce", "-b", args.min_bytes, "-e", args.max_bytes, "-n",
-                 str(args.iters), "-w", "2", "--json", str(sweep),
+                 str(args.iters), "-w", "2", "--loop", str(args.loop), "--json", str(sweep),
                  "--plot", str(args.out / f"allreduce_p{p}.png")], env, 3000)
         data = rows(sweep)
         model = "calibrated by mpdl calibrate"

@@ -284,6 +284,34 @@ def test_allreduce_table_times_every_candidate_and_never_decreases(monkeypatch):
         assert [t for _, t in rows] == sorted(t for _, t in rows)
 
 
+def test_the_allreduce_table_keeps_the_fastest_round_so_a_slow_spell_cannot_poison_it(
+        monkeypatch):
+    """A slow spell (another process's time slice) over two of recursive doubling's four rounds
+    at every size: the table still has it at its quiet time, below tree's, so `auto` keeps it
+    (the median over all calls, 155 us, would have chosen tree at 20 us); the spread is the
+    median round over the fastest."""
+    assert measuring.TUNE_ROUNDS == 4
+    quiet, spell, tree = 10e-6, 300e-6, 20e-6
+
+    def times(comm):
+        def rounds(name):
+            if name == "recursive_doubling":
+                return [[spell] * 4, [quiet] * 4, [spell] * 4, [quiet] * 4]
+            return [[tree if name == "tree" else 1e-3] * 4 for _ in range(4)]
+        return {name: [rounds(name) for _ in measuring.TUNE_SIZES]
+                for name in cm.candidates("allreduce", True)}
+
+    monkeypatch.setattr(measuring, "_allreduce_times", times)
+    table = run_world(2, measuring.allreduce_table)[0]
+    rows = dict(table.rows)
+    assert {t for _, t in rows["recursive_doubling"]} == {quiet}
+    assert {t for _, t in rows["tree"]} == {tree}
+    # the median of rounds (10, 10, 300, 300) is 155 us: 15.5x the fastest, for rd; 1 elsewhere
+    assert table.spread == 1.0
+    params = replace(MEASURED, allreduce_times=table.rows, nodes=1)
+    assert cm.fastest("allreduce", 8, 2, 1, True, params) == "recursive_doubling"
+
+
 @pytest.mark.parametrize("runner_up_time, winner", [(0.89, "b"), (0.91, "a")])
 def test_a_trial_switches_only_when_the_runner_up_is_ten_percent_faster(runner_up_time, winner,
                                                                         monkeypatch):
