@@ -9,8 +9,9 @@ the algorithm that ran (two algorithms may round differently, so results may dif
 bits from run to run during these 2K runs; a run that must be bit-reproducible from run to run
 fixes the algorithm). Each rank times its runs; after the 2K-th, one all-gather gives every rank
 every rank's times, and every rank takes the same verdict from them: per run the slowest rank's
-time, per algorithm the median over its K runs; the runner-up wins when it is at least SWITCH
-times faster (10%). The plan then runs the winner, and the verdict is remembered for this size in
+time, per algorithm the fastest of its K runs (other work only ever adds time: a run that another
+process's time slice fell on says nothing of the algorithm); the runner-up wins when it is at
+least SWITCH times faster (10%). The plan then runs the winner, and the verdict is remembered for this size in
 `auto`'s model and its first-use cache file, so the next run starts with it (and does not verify
 that size again). The exploration costs at most K runs of the runner-up instead of the choice,
 plus one small all-gather.
@@ -27,7 +28,7 @@ import numpy as np
 from mpdl import settings
 from mpdl.collectives import auto
 
-#: the runner-up replaces the choice when its median time is at most this fraction of the choice's
+#: the runner-up replaces the choice when its fastest run is at most this fraction of the choice's
 SWITCH = 0.9
 
 
@@ -59,10 +60,10 @@ class Trial:
     def verdict(self, everyone: list[list[float]]) -> str:
         """The winner from every rank's times (the same on every rank)."""
         slowest = np.max(np.array(everyone, dtype=np.float64), axis=0)
-        median = {n: float(np.median([t for t, m in zip(slowest, self.order, strict=True)
-                                      if m == n])) for n in self.names}
+        fastest = {n: min(t for t, m in zip(slowest, self.order, strict=True) if m == n)
+                   for n in self.names}
         choice, runner_up = self.names
-        winner = runner_up if median[runner_up] <= SWITCH * median[choice] else choice
+        winner = runner_up if fastest[runner_up] <= SWITCH * fastest[choice] else choice
         auto.learn(self.comm, self.collective, self.nbytes, winner)
         return winner
 
