@@ -40,16 +40,21 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-#: algorithms that send the same messages on 2 ranks of one node (one exchange of half the array
-#: each way, then one of the reduced halves): their spread within a run is the run's noise
-TWINS_AT_2 = ("ring", "rabenseifner", "hierarchical", "torus2d")
+#: algorithms that send the same messages on one node: hierarchical is the ring there, and on 2
+#: ranks so are Rabenseifner's and the torus's (one exchange of half the array each way, then one
+#: of the reduced halves); their spread within a run is the run's noise
+TWINS = ("ring", "hierarchical")
+TWINS_AT_2 = (*TWINS, "rabenseifner", "torus2d")
 
 
 def auto_vs_best(data: list[dict]) -> list[str]:
     """Per size: the best algorithm, auto's choice, and choice/best (the chosen algorithm's own
-    column over the best: the judged ratio); beside it auto's own run over the best, and at
-    p = 2 the noise of the run: the slowest of TWINS_AT_2 over the fastest."""
-    twins = data and data[0]["ranks"] == 2
+    column over the best: the judged ratio); beside it auto's own run over the best, and on one
+    node the noise of the run: the slowest of the algorithms that send the same messages (TWINS,
+    TWINS_AT_2) over the fastest."""
+    twins = ()
+    if data and data[0]["nodes"] == 1:
+        twins = TWINS_AT_2 if data[0]["ranks"] == 2 else TWINS
     lines = [f"{'bytes':>10} {'best':>20} {'best us':>10} {'auto→':>20} {'auto us':>10} "
              f"{'auto/best':>9} {'own/best':>9} {'mpi us':>10}"
              + (f" {'noise':>6}" if twins else "")]
@@ -69,7 +74,7 @@ def auto_vs_best(data: list[dict]) -> list[str]:
                 f"{auto['chosen']:>20} {auto['time_us']:>10.1f} {ratio:>9.2f} "
                 f"{auto['time_us'] / best['time_us']:>9.2f} {mine['mpi']['time_us']:>10.1f}")
         if twins:
-            same = [mine[n]["time_us"] for n in TWINS_AT_2 if n in mine]
+            same = [mine[n]["time_us"] for n in twins if n in mine]
             line += f" {max(same) / min(same):>6.2f}"
         lines.append(line)
     lines.append(f"auto within 10% of the best at {within}/{len(lines) - 1} sizes; worst ratio "

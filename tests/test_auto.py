@@ -342,6 +342,33 @@ def test_a_slow_spell_over_two_of_the_runner_ups_runs_does_not_decide_the_trial(
     assert trial.verdict([times, times]) == "b"
 
 
+def test_the_fastest_of_several_contenders_wins_and_each_runs_in_turn(monkeypatch):
+    """Choice a, contenders b and c: the runs take turns (a, b, c, a, b, c); c's fastest run
+    (0.5) beats b's (0.85), both within 0.9 of a's (1.0): c wins."""
+    from mpdl.collectives import verify
+
+    monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
+    trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b", "c"), {}, lambda n: None, 2)
+    assert trial.order == ["a", "b", "c"] * 2
+    times = [1.0, 0.85, 2.0, 1.2, 0.9, 0.5]
+    assert trial.verdict([times, times]) == "c"
+
+
+def test_the_contenders_are_the_candidates_predicted_within_the_field():
+    """ranked: the choice, then every other candidate predicted within `within` of its time,
+    fastest predicted first (here from a measured table on 2 ranks of one node)."""
+    seconds = {"shm": 10e-6, "rabenseifner": 12e-6, "recursive_doubling": 24e-6, "tree": 26e-6}
+    table = tuple((name, tuple((float(b), seconds.get(name, 1.0)) for b in measuring.TUNE_SIZES))
+                  for name in cm.candidates("allreduce", True))
+    model = auto.Model(replace(MEASURED, allreduce_times=table, nodes=1, call=0.0), "cache")
+    comm = FakeComm(2)
+    comm._auto_model = ((settings.current().cost_model, settings.current().auto_cache,
+                         cm.generation()), model)
+    assert auto.ranked("allreduce", 4096, comm, model, 2.5) == (
+        "shm", "rabenseifner", "recursive_doubling")
+    assert auto.ranked("allreduce", 4096, comm, model, 1.1) == ()
+
+
 def test_a_verified_choice_overrides_the_prediction_for_its_size_only():
     model = auto.Model(cm.Params(), "cache", verified={"allreduce:4096": "ring"})
     assert auto.choose("allreduce", 4096, 2, 1, True, model) == "ring"

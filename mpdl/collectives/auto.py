@@ -34,6 +34,7 @@ calibration file (or the defaults) that needs no communicator.
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -278,17 +279,22 @@ def algorithm_for(collective: str, nbytes: int, comm) -> registry.Algorithm:
     return found
 
 
-def ranked(collective: str, nbytes: int, comm, model: Model) -> tuple[str, ...]:
-    """(auto's choice for nbytes on comm, the cost model's runner-up): the two candidates predicted
-    fastest, the choice first; () with fewer than two candidates."""
+def ranked(collective: str, nbytes: int, comm, model: Model,
+           within: float = math.inf) -> tuple[str, ...]:
+    """(auto's choice for nbytes on comm, then every other candidate the model predicts within
+    `within` times the choice's time, the fastest predicted first); () when there is no other."""
     nodes = len(comm.node_groups()) if comm.size > 1 else 1
     choice = algorithm_for(collective, nbytes, comm).name
     params = model.params.emulated(settings.current().emulation)
-    others = [n for n in costmodel.candidates(collective, comm.has_shared_memory) if n != choice]
-    if not others:
-        return ()
-    times = [costmodel.predict(collective, n, nbytes, comm.size, nodes, params) for n in others]
-    return choice, others[min(range(len(others)), key=lambda i: (times[i], i))]
+    names = costmodel.candidates(collective, comm.has_shared_memory)
+
+    def predicted(name: str) -> float:
+        return costmodel.predict(collective, name, nbytes, comm.size, nodes, params)
+
+    bound = within * predicted(choice)
+    others = sorted((predicted(n), i, n) for i, n in enumerate(names) if n != choice)
+    field = tuple(n for t, _, n in others if t <= bound)
+    return (choice, *field) if field else ()
 
 
 def learn(comm, collective: str, nbytes: int, algorithm: str) -> None:
