@@ -369,9 +369,14 @@ def test_the_contenders_are_the_candidates_predicted_within_the_field():
     assert auto.ranked("allreduce", 4096, comm, model, 1.1) == ()
 
 
-def test_a_verified_choice_overrides_the_prediction_for_its_size_only():
+def test_a_verified_choice_is_what_plans_of_its_size_run_one_shot_calls_keep_the_prediction():
+    comm = FakeComm(2)
     model = auto.Model(cm.Params(), "cache", verified={"allreduce:4096": "ring"})
-    assert auto.choose("allreduce", 4096, 2, 1, True, model) == "ring"
-    assert auto.choose("allreduce", 4096, 2, 1, True) != "ring"  # the defaults' choice differs
-    assert auto.choose("allreduce", 8192, 2, 1, True, model) == auto.choose(
-        "allreduce", 8192, 2, 1, True)
+    comm._auto_model = ((settings.current().cost_model, settings.current().auto_cache,
+                         cm.generation()), model)
+    predicted = auto.choose("allreduce", 4096, 2, 1, True, model)
+    assert predicted != "ring"  # the defaults' choice differs
+    assert auto.plan_choice("allreduce", 4096, comm).name == "ring"
+    assert auto.algorithm_for("allreduce", 4096, comm).name == predicted
+    assert auto.plan_choice("allreduce", 8192, comm).name == auto.choose(
+        "allreduce", 8192, 2, 1, True, model)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import backend, faults, memory, settings
-from mpdl.collectives import blocks, checks, registry, verify
+from mpdl.collectives import auto, blocks, checks, registry, verify
 from mpdl.collectives.bruck import moving
 from mpdl.collectives.ops import block_bounds, check_array, check_op, reducer, segment_elements
 from mpdl.collectives.pairwise import partners
@@ -424,6 +424,8 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
     xp, dtype = check_array(x)
     check_op(op, dtype)
     algo = checks.pick("allreduce", algorithm, c, x.nbytes)
+    if algorithm == "auto":
+        algo = auto.plan_choice("allreduce", x.nbytes, c)
     if out is None:
         out = backend.empty_like_page_offset(x)
     else:
