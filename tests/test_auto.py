@@ -323,9 +323,9 @@ def test_a_trial_switches_only_when_the_runner_up_is_ten_percent_faster(runner_u
     learned = []
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: learned.append(verdict))
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
-    assert trial.order == ["a", "b"] * 3
-    rank0 = [1.0, 0.5, 0.1, 0.5, 1.0, 0.5]
-    rank1 = [0.5, runner_up_time, 1.0, runner_up_time, 0.5, 5.0]
+    assert trial.order == ["a"] * 3 + ["b"] * 3
+    rank0 = [1.0, 0.1, 1.0, 0.5, 0.5, 0.5]
+    rank1 = [0.5, 1.0, 0.5, runner_up_time, runner_up_time, 5.0]
     assert trial.verdict([rank0, rank1]) == winner
     assert learned == [("allreduce", 4096, winner)]
 
@@ -338,19 +338,19 @@ def test_a_slow_spell_over_two_of_the_runner_ups_runs_does_not_decide_the_trial(
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
-    times = [1.0, 3.0, 1.0, 0.5, 1.0, 3.0]
+    times = [1.0, 1.0, 1.0, 3.0, 0.5, 3.0]
     assert trial.verdict([times, times]) == "b"
 
 
 def test_the_fastest_of_several_contenders_wins_and_each_runs_in_turn(monkeypatch):
-    """Choice a, contenders b and c: the runs take turns (a, b, c, a, b, c); c's fastest run
-    (0.5) beats b's (0.85), both within 0.9 of a's (1.0): c wins."""
+    """Choice a, contenders b and c: each algorithm's runs in a row (a, a, b, b, c, c); c's
+    fastest run (0.5) beats b's (0.85), both within 0.9 of a's (1.0): c wins."""
     from mpdl.collectives import verify
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b", "c"), {}, lambda n: None, 2)
-    assert trial.order == ["a", "b", "c"] * 2
-    times = [1.0, 0.85, 2.0, 1.2, 0.9, 0.5]
+    assert trial.order == ["a", "a", "b", "b", "c", "c"]
+    times = [1.0, 1.2, 0.85, 0.9, 2.0, 0.5]
     assert trial.verdict([times, times]) == "c"
 
 

@@ -3,8 +3,9 @@ plans, ZeRO's replica plans, the plan cache of `allreduce(out=)`) times its algo
 contenders the cost model ranks close to it on its first runs, and keeps the fastest.
 
 With the settings' `verify_runs` = K > 0 (3 by default), a plan made with algorithm "auto" runs
-the choice and each contender (every candidate predicted within FIELD times the choice's time) in
-turn for its first K·n runs (n algorithms in all), each run one algorithm on every rank, so every
+the choice and then each contender (every candidate predicted within FIELD times the choice's
+time) K runs in a row for its first K·n runs (n algorithms in all), each run one algorithm on
+every rank, so every
 rank's result of a run has the same bits as the one-shot call of the algorithm that ran (two
 algorithms may round differently, so results may differ in the last bits from run to run during
 these runs; a run that must be bit-reproducible from run to run fixes the algorithm). Each rank
@@ -49,7 +50,9 @@ class Trial:
                  runs: int) -> None:
         self.comm, self.collective, self.nbytes = comm, collective, nbytes
         self.names, self.runners, self.settle = names, runners, settle
-        self.order = [names[i % len(names)] for i in range(len(names) * runs)]
+        # each algorithm's runs back to back, as the plan's own runs follow each other: calls of
+        # one algorithm in a row can pipeline (a call after another algorithm's starts in step)
+        self.order = [name for name in names for _ in range(runs)]
         self.times: list[float] = []
         #: the algorithm of the run in progress (or the last one)
         self.current = names[0]
