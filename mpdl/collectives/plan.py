@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import backend, faults, memory, settings
-from mpdl.collectives import blocks, checks, registry, verify
+from mpdl.collectives import auto, blocks, checks, registry, verify
 from mpdl.collectives.bruck import moving
 from mpdl.collectives.ops import block_bounds, check_array, check_op, reducer, segment_elements
 from mpdl.collectives.pairwise import partners
@@ -418,12 +418,14 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
                     persistent: bool) -> Plan:
     """allreduce_init; without `persistent`, "mpi" stays the blocking MPI_Allreduce (a cached
     plan on one rank must match a one-shot call on another). With algorithm "auto" and the
-    settings' verify_runs, the plan times auto's choice against the runner-up on its first runs
+    settings' verify_runs, the plan times auto's choice against its contenders on its first runs
     (`mpdl.collectives.verify`)."""
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     check_op(op, dtype)
     algo = checks.pick("allreduce", algorithm, c, x.nbytes)
+    if algorithm == "auto":
+        algo = auto.plan_choice("allreduce", x.nbytes, c)
     if out is None:
         out = backend.empty_like_page_offset(x)
     else:
@@ -446,13 +448,14 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
     return plan
 
 
-def _verifying(plan: Plan, names: tuple[str, str], xp: Any, persistent: bool) -> None:
-    """Make plan run a verify.Trial of names (its algorithm and the runner-up) on its first runs,
+def _verifying(plan: Plan, names: tuple[str, ...], xp: Any, persistent: bool) -> None:
+    """Make plan run a verify.Trial of names (its algorithm and the contenders) on its first runs,
     then the winner's schedule."""
     c, x, out, op = plan.comm, plan.x, plan.result, plan._op
     built = {plan.algorithm: (plan._go, plan._fast, plan._requests)}
-    other = registry.resolve("allreduce", names[1])
-    built[other.name] = _allreduce_runner(c, other, x, out, op, xp, persistent)
+    for name in names[1:]:
+        other = registry.resolve("allreduce", name)
+        built[other.name] = _allreduce_runner(c, other, x, out, op, xp, persistent)
     requests = [r for _, _, rs in built.values() for r in rs or []]
 
     def runner(name: str):
