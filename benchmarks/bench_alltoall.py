@@ -12,8 +12,9 @@ busbw (nccl-tests: bytes sent per rank / time · (p-1)/p) and the ratio to `mpi`
 (MPDL_RANKS_PER_NODE=2, on a second communicator), timed in the same turns.
 
 `auto` has no turns of its own: it is timed in the turns of the algorithm it chooses, call for
-call alternating with it (chosen, auto, chosen, auto, ...), so the two are measured in the same
-moments of a shared machine. The summary gives, per size, the best hand-written algorithm's time
+call alternating with it (chosen, auto, auto, chosen, chosen, auto, ...: each goes first in half
+the pairs), `--pair-reps` times as many repetitions as the others, so the two are measured in the
+same moments of a shared machine. The summary gives, per size, the best hand-written algorithm's time
 over mpi's, and auto's time over the best's as the product of two factors: auto / its choice, the
 median of the ratios of the alternating pairs (what the call through `auto` adds), and its
 choice / the best, their medians (what the choice loses; 1 where auto chose the best).
@@ -48,6 +49,8 @@ def main() -> None:
                         help="timed repetitions from 1 MiB per destination on")
     parser.add_argument("--loop", type=int, default=1, help="calls per repetition")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--pair-reps", type=int, default=3,
+                        help="repetitions of auto and its choice per repetition of the others")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     p, rank = world.Get_size(), world.Get_rank()
@@ -67,23 +70,30 @@ def main() -> None:
         out = np.empty_like(x)
         reps = args.reps if size < 1 << 20 else args.large_reps
         calls = {n: _call(n, x, out, pairs if n == NODES_OF_2 else comm) for n in names}
-        times = {n: np.empty(reps) for n in names}
+        times: dict = {n: [] for n in names}
         for _ in range(args.warmup):
             for name in names:
                 calls[name]()
         chosen = auto.algorithm_for("alltoall", x.nbytes, comm).name
         for turn in turns(reps):
             for name in names[:-1]:  # auto runs in its choice's turns
-                paired = (name, "auto") if name == chosen else (name,)
-                for rep in (None, *turn):  # None: the turn's untimed first call
-                    for timed in paired:
+                if name == chosen:
+                    order = [(name, "auto") if k % 2 == 0 else ("auto", name)
+                             for k in range(len(turn) * args.pair_reps)]
+                else:
+                    order = [(name,)] * len(turn)
+                for untimed in order[0]:  # the turn's first call of each
+                    world.Barrier()
+                    calls[untimed]()
+                for group in order:
+                    for timed in group:
                         world.Barrier()
                         t0 = time.perf_counter()
                         for _ in range(args.loop):
                             calls[timed]()
-                        if rep is not None:
-                            times[timed][rep] = (time.perf_counter() - t0) / args.loop
+                        times[timed].append((time.perf_counter() - t0) / args.loop)
         for name in names:
+            times[name] = np.array(times[name])
             world.Allreduce(MPI.IN_PLACE, times[name], op=MPI.MAX)
         if rank == 0:
             medians = {n: float(np.median(times[n])) for n in names}
