@@ -89,9 +89,11 @@ def test_bf16_training_learns_and_records_its_precision():
      "{optim.grad_accum} > 1 cannot be combined with {parallel.zero}"),
     ({"optim.precision": "bf16", "model.dtype": "float64"}, "needs {model.dtype} float32"),
     ({"optim.precision": "bf16", "model.moe_experts": 4, "model.name": "gpt",
-      "data.dataset": "addition"}, "{model.moe_experts} runs in {optim.precision} fp32"),
+      "data.dataset": "addition", "parallel.zero": 1},
+     "{optim.precision} bf16 with {model.moe_experts} cannot be combined with {parallel.zero} 1"),
     ({"optim.grad_accum": 2, "model.moe_experts": 4, "model.name": "gpt",
-      "data.dataset": "addition"}, "{model.moe_experts} runs in {optim.precision} fp32"),
+      "data.dataset": "addition", "parallel.pp": 2},
+     "{optim.grad_accum} > 1 cannot be combined with {parallel.pp}"),
     ({"optim.precision": "fp16", "optim.loss_scale_init": 0.0},
      "{optim.loss_scale_init}: expected a finite loss scale > 0"),
 ])

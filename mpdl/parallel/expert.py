@@ -27,6 +27,15 @@ experts' gradients are summed unweighted.
 The gradient reductions run after backward on the main thread (no overlap): backward itself sends
 (the all-to-alls), and two threads must not send over the same communicator at once.
 
+Gradient accumulation (`grad_accum` N): each rank cuts its slice into N microbatches
+(`strategy.microbatches`) and runs them in turn, the first N − 1 without reducing (`no_sync`);
+every rank runs N forwards and backwards, empty microbatches too, since each sends all-to-alls.
+The load-balancing loss is that of each microbatch (fᵢ counts the routings of microbatch j of
+every data-parallel rank), joining backward with the microbatch's share, as a pipeline's
+microbatches and Megatron-Core's do: fᵢ of the whole step is not known before the first
+microbatch's backward. The routing itself is per token, so dropless the cross-entropy gradient
+and the tokens per expert are those of the large batch.
+
 `gathered()` (evaluation, checkpoints) all-gathers every rank's experts over `ep_comm`, so each
 rank holds all E and runs them locally (`LocalExperts`); on leaving, the others' are dropped again.
 With `optimizer_state` it also assembles the optimizer state of the whole model in one rank's
@@ -46,7 +55,15 @@ from typing import Any
 
 import numpy as np
 
-from mpdl.autograd.moe import GatherRows, LocalExperts, MoE, ScatterRows, run_experts
+from mpdl.autograd.amp import compute_dtype
+from mpdl.autograd.moe import (
+    GatherRows,
+    LocalExperts,
+    MoE,
+    ScatterRows,
+    aux_loss_scale,
+    run_experts,
+)
 from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
 from mpdl.collectives import allgather, allreduce, alltoall, alltoallv
@@ -54,7 +71,14 @@ from mpdl.comm import Communicator
 from mpdl.parallel import flat
 from mpdl.parallel.ddp import DistributedDataParallel
 from mpdl.parallel.dpshard import ShardedOptimizer
-from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy
+from mpdl.parallel.strategy import (
+    Batch,
+    MakeOptimizer,
+    Span,
+    StepResult,
+    Strategy,
+    microbatches,
+)
 from mpdl.parallel.zero import _placeholder
 
 
@@ -62,14 +86,16 @@ class AllToAll(Function):
     """Rows over `comm`: send_counts[j] rows to rank j, recv_counts[i] from rank i. Backward sends
     each row's gradient back to where the row came from; `grad_scale` multiplies the gradient of
     this rank's own rows: the output's before it is sent back (`scale_output`), else the
-    input's once it has come back. Each exchange is timed into `spans` as (name, start, end,
-    bytes sent)."""
+    input's once it has come back. With a `wire_dtype` (the experts' 16-bit compute dtype) the
+    rows and their gradients travel in it and arrive in x's dtype. Each exchange is timed into
+    `spans` as (name, start, end, bytes sent)."""
 
     def forward(self, x, send_counts, recv_counts, comm, algorithm, grad_scale, scale_output,
-                name, spans):
+                name, spans, wire_dtype=None):
         self.send_counts, self.recv_counts = send_counts, recv_counts
         self.comm, self.algorithm, self.grad_scale = comm, algorithm, grad_scale
         self.scale_output, self.name, self.spans = scale_output, name, spans
+        self.wire_dtype = wire_dtype
         return self._exchange(x, send_counts, recv_counts, name)
 
     def backward(self, grad):
@@ -83,10 +109,19 @@ class AllToAll(Function):
 
     def _exchange(self, x, send, recv, name):
         start = time.perf_counter()
-        rows, _ = alltoallv(get_array_module(x).ascontiguousarray(x), send, comm=self.comm,
+        xp = get_array_module(x)
+        wire = x if self.wire_dtype is None or x.dtype == self.wire_dtype else _narrow(
+            x, self.wire_dtype)
+        rows, _ = alltoallv(xp.ascontiguousarray(wire), send, comm=self.comm,
                             algorithm=self.algorithm, recv_counts=recv)
-        self.spans.append((name, start, time.perf_counter(), int(x.nbytes)))
-        return rows
+        self.spans.append((name, start, time.perf_counter(), int(wire.nbytes)))
+        return rows if rows.dtype == x.dtype else rows.astype(x.dtype)
+
+
+def _narrow(x: Any, dtype: Any) -> Any:
+    """x rounded to a 16-bit dtype (float16 overflow is inf, for the loss scaler to see)."""
+    with np.errstate(over="ignore"):
+        return x.astype(dtype)
 
 
 class AllToAllExperts:
@@ -117,11 +152,11 @@ class AllToAllExperts:
         self.spans.append(("dispatch counts", start, time.perf_counter(), int(per_expert.nbytes)))
         send, recv = per_expert.sum(axis=1), from_source.sum(axis=1)
         self.last_send_counts = send.tolist()
-        w = self.grad_weight
+        w, wire = self.grad_weight, self.wire_dtype()
         received = AllToAll.apply(rows, send_counts=send.tolist(), recv_counts=recv.tolist(),
                                   comm=self.ep_comm, algorithm=self.algorithm,
                                   grad_scale=1.0 / w if w else 0.0, scale_output=False,
-                                  name="dispatch", spans=self.spans)
+                                  name="dispatch", spans=self.spans, wire_dtype=wire)
         xp = get_array_module(rows.data)
         by_expert = xp.asarray(_source_to_expert_order(from_source))
         outputs = run_experts(self.experts, GatherRows.apply(received, index=by_expert),
@@ -129,7 +164,14 @@ class AllToAllExperts:
         back = ScatterRows.apply(outputs, index=by_expert, rows=int(recv.sum()))
         return AllToAll.apply(back, send_counts=recv.tolist(), recv_counts=send.tolist(),
                               comm=self.ep_comm, algorithm=self.algorithm, grad_scale=w,
-                              scale_output=True, name="combine", spans=self.spans)
+                              scale_output=True, name="combine", spans=self.spans,
+                              wire_dtype=wire)
+
+    def wire_dtype(self) -> Any:
+        """The 16-bit dtype the experts compute in (their parameters' under mixed precision),
+        in which the rows travel; None for float32 and float64 experts."""
+        weights = [p for ex in self.experts for p in ex.parameters()]
+        return compute_dtype(weights[0].data) if weights else None
 
 
 def _source_to_expert_order(from_source: np.ndarray) -> np.ndarray:
@@ -343,18 +385,22 @@ def epoch_figures(layers: list[MoE], counted: list[MoE], alltoall_s: float, step
 class ExpertParallelStrategy(Strategy):
     """Data parallelism over all ranks with the MoE layers' experts split over groups of `ep`
     (see the module docstring); `algorithm` names the gradient all-reduce (or with `zero` 1 the
-    reduce-scatter and all-gather), `alltoall` the token all-to-all."""
+    reduce-scatter and all-gather), `alltoall` the token all-to-all; `grad_accum` microbatches
+    make a step."""
 
     mode = "expert"
 
     def __init__(self, comm: Communicator, ep: int = 1, algorithm: str = "auto",
                  alltoall: str = "auto", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 zero: int = 0) -> None:
+                 zero: int = 0, grad_accum: int = 1) -> None:
         super().__init__(comm)
         check_ep(ep, comm.size)
         if zero not in (0, 1):
             raise ValueError(f"zero: expert parallelism combines with stage 1 only, got {zero!r}")
-        self.ep, self.zero = ep, zero
+        if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+            raise ValueError(f"grad_accum: expected a positive number of microbatches, got "
+                             f"{grad_accum!r}")
+        self.ep, self.zero, self.grad_accum = ep, zero, grad_accum
         self.algorithm, self.alltoall = algorithm, alltoall
         self.bucket_mb, self.first_bucket_mb = bucket_mb, first_bucket_mb
         self.moes: list[MoE] = []
@@ -393,7 +439,15 @@ class ExpertParallelStrategy(Strategy):
             self.trained = [p for _, p in named if id(p) in self.groups.owned_ids
                             or id(p) not in self.groups.expert_ids]
             self.optimizer = make_optimizer(self.trained)
+            if hasattr(self.optimizer, "agree"):  # mixed precision: skip on every rank alike
+                self.optimizer.agree = self._all_finite
         self.groups.release()
+
+    def _all_finite(self, finite: bool) -> bool:
+        """Whether this rank's gradients and every other rank's are finite (one all-reduce of a
+        found-inf flag: the experts' gradients differ from rank to rank)."""
+        flags = allreduce(np.array([0 if finite else 1], np.int32), op="max", comm=self.comm)
+        return not int(flags[0])
 
     # -- one step --------------------------------------------------------------------------------
     def step(self, batch: Batch) -> StepResult:
@@ -403,15 +457,20 @@ class ExpertParallelStrategy(Strategy):
         self.groups.take_spans()
         result = StepResult()
         start = time.perf_counter()
+        parts = microbatches(batch, self.grad_accum)
         if self.zero:
-            backward_end = self.forward_backward(batch, result)
+            for part, weight in parts:
+                backward_end = self.forward_backward(part, result, weight)
             for p in self.dense_params:
                 if p.grad is not None:
                     p.grad *= p.grad.dtype.type(share)
             waited = backward_end
         else:
             self.dense_ddp.set_local_batch(len(batch.y), batch.global_size)
-            backward_end = self.forward_backward(batch, result)
+            with self.dense_ddp.no_sync(), self.expert_ddp.no_sync():
+                for part, weight in parts[:-1]:
+                    self.forward_backward(part, result, weight)
+            backward_end = self.forward_backward(parts[-1][0], result, parts[-1][1])
             self.dense_ddp.finish()
             self.expert_ddp.finish()
             waited = time.perf_counter()
@@ -435,12 +494,13 @@ class ExpertParallelStrategy(Strategy):
                                  else "optimizer step", waited, end))
         return result
 
-    def forward_backward(self, batch: Batch, result: StepResult) -> float:
-        if len(batch.y):
-            return super().forward_backward(batch, result)
-        # a rank without samples still takes part in every all-to-all, forward and backward
-        logits = self.model(Tensor(batch.x))
-        (logits.sum() * 0.0).backward()
+    def forward_backward(self, batch: Batch, result: StepResult, weight: float = 1.0) -> float:
+        with aux_loss_scale(weight * getattr(self.optimizer, "loss_scale", 1.0)):
+            if len(batch.y):
+                return super().forward_backward(batch, result, weight)
+            # a rank without samples still takes part in every all-to-all, forward and backward
+            logits = self.model(Tensor(batch.x))
+            (logits.sum() * 0.0).backward()
         return time.perf_counter()
 
     # -- the whole model and the figures ---------------------------------------------------------
@@ -471,8 +531,11 @@ class ExpertParallelStrategy(Strategy):
             (experts if id(p) in self.groups.expert_ids else state)[index[id(p)]] = entries
         for part in self.ep_comm.allgather_object(experts):
             state.update(part)
-        return {"state": state, "param_groups": [{**_hyper(local["param_groups"]),
-                                                  "params": list(range(len(index)))}]}
+        whole = {"state": state, "param_groups": [{**_hyper(local["param_groups"]),
+                                                   "params": list(range(len(index)))}]}
+        if "loss_scale" in local:
+            whole["loss_scale"] = local["loss_scale"]
+        return whole
 
     def state_dict(self) -> dict[str, Any]:
         if self._whole_state is None:
@@ -488,7 +551,8 @@ class ExpertParallelStrategy(Strategy):
             "state": {k: whole[index[id(p)]] for k, p in enumerate(self.trained)
                       if index[id(p)] in whole},
             "param_groups": [{**_hyper(state["param_groups"]),
-                              "params": list(range(len(self.trained)))}]})
+                              "params": list(range(len(self.trained)))}],
+            **({"loss_scale": state["loss_scale"]} if "loss_scale" in state else {})})
 
     def _sum_figures(self) -> None:
         self._epoch = epoch_figures(self.moes, self.moes, self._a2a_s, self.step_count, self.comm)

@@ -578,7 +578,8 @@ class PipelineStrategy(Strategy):
         record.op_begins()
         h = self._stage_input(mb, j)
         record.compute_begins()
-        with aux_loss_scale(mb.share(j)):  # as the loss (MoE layers)
+        # as the loss (MoE layers), times fp16's loss scale
+        with aux_loss_scale(mb.share(j) * getattr(self.optimizer, "loss_scale", 1.0)):
             for piece in self.pieces:
                 h = piece(h)
         record.compute_ends()

@@ -291,11 +291,20 @@ class TPBlock(nn.Module):
         self.recompute = getattr(block, "recompute", False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return checkpoint(self.residual, x) if self.recompute else self.residual(x)
+        if not self.recompute:
+            return self.residual(x)
+        if isinstance(self.mlp, MoE):  # its routing and all-to-alls are not run again
+            x = checkpoint(self.attention_residual, x)
+            return x + self.mlp(self.ln2(x))
+        return checkpoint(self.residual, x)
+
+    def attention_residual(self, x: Tensor) -> Tensor:
+        """x + attn(ln1(x)): the block's first sublayer."""
+        return x + self.attn(self.ln1(x))
 
     def residual(self, x: Tensor) -> Tensor:
         """The block without recomputation."""
-        x = x + self.attn(self.ln1(x))
+        x = self.attention_residual(x)
         return x + self.mlp(self.ln2(x))
 
 

@@ -538,10 +538,9 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"{{model.recompute}} {config.model.recompute} needs a model of "
                           f"transformer blocks ({{model.name}} gpt), got {{model.name}} "
                           f"{config.model.name}")
-    if config.model.recompute != "none" and (config.parallel.cp > 1 or config.model.moe_experts):
-        raise ConfigError("{model.recompute} cannot be combined with {parallel.cp} > 1 or "
-                          "{model.moe_experts} yet (their attention and routing send messages "
-                          "that a recomputed forward would send again)")
+    if config.model.recompute != "none" and config.parallel.cp > 1:
+        raise ConfigError("{model.recompute} cannot be combined with {parallel.cp} > 1 yet (its "
+                          "attention sends messages that a recomputed forward would send again)")
     if d.dataset == "mnist" and not d.path:
         raise ConfigError("{data.dataset} mnist needs {data.path} PATH (a folder with the IDX "
                           "files, gzipped or not, or an .npz); nothing is downloaded")

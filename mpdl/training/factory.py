@@ -36,7 +36,8 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
     if config.model.moe_experts:
         bucket_mb = c.bucket_mb if c.bucket_mb is not None else DDP_BUCKET_MB
         return ExpertParallelStrategy(comm, ep=p.ep, algorithm=c.algorithm, bucket_mb=bucket_mb,
-                                      first_bucket_mb=c.first_bucket_mb, zero=p.zero)
+                                      first_bucket_mb=c.first_bucket_mb, zero=p.zero,
+                                      grad_accum=o.grad_accum)
     common = dict(algorithm=c.algorithm, first_bucket_mb=c.first_bucket_mb, overlap=c.overlap)
     if p.zero:
         return ZeroStrategy(comm, stage=p.zero, prefetch=p.prefetch, hybrid=p.zero_hybrid,

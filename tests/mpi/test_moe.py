@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import types
 
 import numpy as np
 import pytest
@@ -25,13 +26,16 @@ from mpdl.autograd import functional as F
 from mpdl.autograd import no_grad, optim
 from mpdl.autograd.moe import LocalExperts, MoE, MoESettings, aux_loss_scale, run_experts
 from mpdl.autograd.tensor import Tensor
-from mpdl.collectives import allreduce
+from mpdl.backend import bfloat16
+from mpdl.collectives import allreduce, alltoallv
 from mpdl.comm import as_communicator
+from mpdl.parallel import expert as expert_module
 from mpdl.parallel import split_bounds
 from mpdl.parallel.expert import ExpertParallelStrategy
 from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
+from mpdl.training import precision
 from mpdl.training.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint
 from mpdl.training.gpt import GPT
 
@@ -46,9 +50,9 @@ def experts_for(ep: int) -> int:
     return 4 if 4 % ep == 0 else ep if ep > 1 else 2
 
 
-def make_model(experts: int, cf: float) -> GPT:
+def make_model(experts: int, cf: float, aux: float = 0.05) -> GPT:
     return GPT(vocab_size=11, block_size=6, n_layer=2, n_head=2, n_embd=8, seed=0,
-               moe=MoESettings(experts, top_k=2, capacity_factor=cf, aux_loss_coef=0.05))
+               moe=MoESettings(experts, top_k=2, capacity_factor=cf, aux_loss_coef=aux))
 
 
 def data():
@@ -85,6 +89,11 @@ def reference(experts: int, cf: float, groups: list[list[tuple[int, int]]]):
     runs the slices (lo, hi) of the global batch one by one, the load-balancing loss of each
     counting the routings of its group of slices."""
     model = make_model(experts, cf)
+    return reference_of(model, experts, groups)
+
+
+def reference_of(model: GPT, experts: int, groups: list[list[tuple[int, int]]]):
+    """`reference` with the given model (its statistics count the routings of the slices)."""
     opt = optim.Adam(model.parameters(), lr=LR)
     x, y = data()
     losses, dropped = [], []
@@ -94,6 +103,7 @@ def reference(experts: int, cf: float, groups: list[list[tuple[int, int]]]):
             counts = [np.zeros(experts, np.int64) for _ in moes(model)]
             for m in moes(model):
                 m.dispatcher = LocalExperts()
+            model.eval()  # counting only: the statistics are the training forwards'
             with no_grad():
                 for lo, hi in group:
                     if hi == lo:
@@ -101,6 +111,7 @@ def reference(experts: int, cf: float, groups: list[list[tuple[int, int]]]):
                     model(Tensor(x[lo:hi]))
                     for total, m in zip(counts, moes(model), strict=True):
                         total += m.last_routing.counts
+            model.train()
             for m, total in zip(moes(model), counts, strict=True):
                 m.dispatcher = FixedCounts(total)
             for lo, hi in group:
@@ -119,17 +130,17 @@ def reference(experts: int, cf: float, groups: list[list[tuple[int, int]]]):
     return losses, dropped, model.state_dict()
 
 
-def whole_batch(experts: int):
+def whole_batch(experts: int, aux: float = 0.05):
     """Losses and final parameters of one process on the whole batch (dropless)."""
-    model = make_model(experts, 0.0)
+    model = make_model(experts, 0.0, aux)
     x, y = data()
     return adam_losses(model, x, y, STEPS, LR), model.state_dict()
 
 
-def run(ep: int, experts: int, cf: float, zero: int = 0):
+def run(ep: int, experts: int, cf: float, zero: int = 0, grad_accum: int = 1, aux: float = 0.05):
     comm = as_communicator(MPI.COMM_WORLD)
-    strategy = ExpertParallelStrategy(comm, ep=ep, zero=zero)
-    model = make_model(experts, cf)
+    strategy = ExpertParallelStrategy(comm, ep=ep, zero=zero, grad_accum=grad_accum)
+    model = make_model(experts, cf, aux)
     strategy.setup(model, lambda p: optim.Adam(p, lr=LR))
     x, y = data()
     bounds = split_bounds(N, P)
@@ -184,6 +195,50 @@ def test_zero_one_with_experts_follows_one_process():
     losses, _, params, _ = run(ep, experts, 0.0, zero=1)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     assert_same_parameters(params, ref_params, 1e-5)
+
+
+def accumulation_groups(grad_accum: int) -> list[list[tuple[int, int]]]:
+    """Microbatch j of every rank's slice, for each j, as `strategy.microbatches` cuts a slice
+    (the smaller ones first)."""
+    cuts = []
+    for lo, hi in slices(P):
+        sizes = sorted(len(a) for a in np.array_split(np.arange(hi - lo), grad_accum))
+        starts = lo + np.cumsum([0] + sizes[:-1])
+        cuts.append([(int(a), int(a) + n) for a, n in zip(starts, sizes, strict=True)])
+    return [[rank[j] for rank in cuts] for j in range(grad_accum)]
+
+
+#: (ep, zero): ep 1 with ZeRO-1 (which reduces in the step), ep = P with DDP's no_sync
+ACCUMULATION = sorted({(1, 1), (P, 0)})
+
+
+@pytest.mark.parametrize("ep, zero", ACCUMULATION)
+def test_gradient_accumulation_with_experts_follows_one_process(ep, zero, grad_accum=3):
+    """Three microbatches a step (10 sequences over P ranks: empty microbatches from P = 4 on).
+    Without the load-balancing loss: the losses and parameters of one process on the whole
+    batch, and its tokens per expert. With it: one process that runs microbatch j of every rank
+    in turn, each microbatch's load-balancing loss counting the routings of microbatch j."""
+    experts = experts_for(ep)
+    model = make_model(experts, 0.0, aux=0.0)
+    x, y = data()
+    ref_losses = adam_losses(model, x, y, STEPS, LR)
+    losses, dropped, params, report = run(ep, experts, 0.0, zero, grad_accum, aux=0.0)
+    where = f"ep {ep} zero {zero}"
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5, err_msg=where)
+    assert_same_parameters(params, model.state_dict(), 1e-5)
+    assert dropped == [0] * STEPS
+    assert report["tokens_per_expert"] == [m.stats.tokens_per_expert.tolist()
+                                           for m in moes(model)]
+
+    model = make_model(experts, 0.0)
+    ref_losses, _, ref_params = reference_of(model, experts, accumulation_groups(grad_accum))
+    losses, _, params, report = run(ep, experts, 0.0, zero, grad_accum)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5, err_msg=where)
+    assert_same_parameters(params, ref_params, 1e-5)
+    assert report["tokens_per_expert"] == [m.stats.tokens_per_expert.tolist()
+                                           for m in moes(model)]
+    assert report["aux_loss"] == pytest.approx(
+        sum(m.stats.aux_loss / m.stats.calls for m in moes(model)), rel=1e-5)
 
 
 #: (dp, pp, tp) grids of one pipeline: the GPT has 4 pieces, its 2 heads allow tp = 2
@@ -340,3 +395,115 @@ def test_checkpoint_with_experts_resumes_on_another_layout(before, after):
         world.Barrier()
         if world.rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def sixteen_bit(name: str, scale: float = 2.0**16) -> types.SimpleNamespace:
+    """The part of a TrainConfig that `mpdl.training.precision` reads."""
+    return types.SimpleNamespace(optim=types.SimpleNamespace(precision=name,
+                                                             loss_scale_init=scale))
+
+
+def run_16_bit(name: str, ep: int, steps: int, lr: float, before_step=None):
+    """`steps` steps of `ep` in `name` precision; the losses, the strategy and the model."""
+    comm = as_communicator(MPI.COMM_WORLD)
+    model = make_model(experts_for(ep), 0.0)
+    precision.prepare(model, sixteen_bit(name))
+    strategy = ExpertParallelStrategy(comm, ep=ep)
+    strategy.setup(model, precision.optimizer_factory(lambda p: optim.Adam(p, lr=lr),
+                                                      sixteen_bit(name)))
+    x, y = data()
+    lo, hi = slices(P)[comm.rank]
+    losses = []
+    for k in range(steps):
+        if before_step is not None:
+            step = strategy.optimizer.step
+            strategy.optimizer.step = lambda k=k, step=step: (before_step(k, strategy), step())
+        r = strategy.step(Batch(x[lo:hi], y[lo:hi], N, lr))
+        strategy.optimizer.__dict__.pop("step", None)
+        total = allreduce(np.array([r.loss, r.samples]), comm=comm)
+        losses.append(total[0] / total[1])
+    return losses, strategy, model
+
+
+BF16_STEPS, BF16_LR = 5, 1e-2
+
+
+def test_bf16_experts_follow_float32_within_bf16_rounding(monkeypatch):
+    """bf16 at ep = the world size: every step's loss within 2⁻⁸·loss of one float32 process
+    (tests/mpi/test_mixed_precision.py argues that tolerance: the spacing of bfloat16 numbers
+    around the loss), while the loss falls by far more; the routers stay float32, the experts'
+    compute copies are bfloat16 with float32 master weights of this rank's experts only, and
+    every all-to-all of rows (forward and backward) sends bfloat16."""
+    sent = []
+
+    def spy(x, *args, **kwargs):
+        sent.append(x.dtype)
+        return alltoallv(x, *args, **kwargs)
+
+    monkeypatch.setattr(expert_module, "alltoallv", spy)
+    model = make_model(experts_for(P), 0.0)
+    x, y = data()
+    ref = adam_losses(model, x, y, BF16_STEPS, BF16_LR)
+    tol = 2.0**-8 * ref[0]
+    assert ref[0] - ref[-1] > 5 * tol
+    losses, strategy, model = run_16_bit("bf16", P, BF16_STEPS, BF16_LR)
+    np.testing.assert_allclose(losses, ref, rtol=0, atol=tol)
+    for m in moes(model):
+        assert m.router.weight.dtype == np.float32
+        assert {p.dtype for p in m.experts.parameters()} == {np.dtype(bfloat16)}
+    opt = strategy.optimizer
+    assert len(opt.params) == len(strategy.trained)
+    assert {m.dtype for m in opt.masters} == {np.dtype(np.float32)}
+    expert_masters = sum(m.size for p, m in zip(opt.params, opt.masters, strict=True)
+                         if id(p) in strategy.groups.expert_ids)
+    assert expert_masters == sum(p.size for moe in moes(model) for p in moe.experts.parameters()
+                                 ) // P
+    assert sent and set(sent) == {np.dtype(bfloat16)}
+
+
+def test_fp16_overflow_in_one_rank_s_experts_skips_the_step_on_every_rank():
+    """fp16 at ep = the world size: an expert gradient of rank 0 made inf before the second
+    step; every rank must skip that step and halve its scale (the found-inf flag is all-reduced:
+    the experts' gradients differ from rank to rank) and train on, the dense parameters the same
+    on every rank."""
+    def poison(k, strategy):
+        if k == 1 and strategy.comm.rank == 0:
+            owned = [p for p in strategy.optimizer.params if id(p) in strategy.groups.owned_ids]
+            owned[0].grad[...] = np.inf
+
+    comm = MPI.COMM_WORLD
+    losses, strategy, model = run_16_bit("fp16", P, 3, 1e-2, poison)
+    scaler = strategy.optimizer.scaler
+    assert scaler.skipped_steps == 1 and scaler.backoffs == 1 and scaler.scale == 2.0**15
+    assert np.all(np.isfinite(losses))
+    dense = np.concatenate([p.data.astype(np.float32).ravel() for p in strategy.trained
+                            if id(p) not in strategy.groups.expert_ids])
+    everyone = comm.allgather(dense)
+    for other in everyone[1:]:
+        np.testing.assert_array_equal(other, everyone[0])
+
+
+def test_recomputation_with_experts_trains_bit_for_bit_as_without(mode="full"):
+    """ep = the world size, dropout 0.1, --recompute full: the parameters after the steps equal
+    those without recomputation bit for bit, and each step sends the same all-to-alls (the
+    routing and the experts' exchanges are not run again in backward). Selective recomputation
+    (the attention core, no message) is tested on one rank, tests/test_moe.py."""
+    def train(recompute: str):
+        comm = as_communicator(MPI.COMM_WORLD)
+        model = GPT(vocab_size=11, block_size=6, n_layer=2, n_head=2, n_embd=8, seed=0,
+                    dropout=0.1, moe=MoESettings(experts_for(P), top_k=2, aux_loss_coef=0.05))
+        model.set_recompute(recompute)
+        strategy = ExpertParallelStrategy(comm, ep=P)
+        strategy.setup(model, lambda p: optim.Adam(p, lr=LR))
+        x, y = data()
+        lo, hi = slices(P)[comm.rank]
+        sent = [sorted((s.name, s.args["bytes"]) for s in strategy.step(
+            Batch(x[lo:hi], y[lo:hi], N, LR)).spans
+            if "dispatch" in s.name or "combine" in s.name) for _ in range(2)]
+        with strategy.gathered():
+            return model.state_dict(), sent
+
+    ref_params, ref_sent = train("none")
+    params, sent = train(mode)
+    assert sent == ref_sent and len(sent[0]) == 2 * 5  # 2 layers x counts, 2 ways x 2 back
+    assert_same_parameters(params, ref_params, 0.0)
