@@ -62,9 +62,8 @@ from mpdl import memory
 from mpdl.autograd import nn
 from mpdl.autograd.recompute import recomputing
 from mpdl.autograd.tensor import Function, Tensor, is_grad_enabled
-from mpdl.backend import get_array_module, is_low_precision, to_host
+from mpdl.backend import get_array_module, to_host
 from mpdl.collectives import (
-    Plan,
     allgather,
     allgather_init,
     allreduce,
@@ -77,6 +76,7 @@ from mpdl.collectives.handles import Handle, engine_for
 from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator
 from mpdl.parallel import flat
+from mpdl.parallel.shards import Piece, Unit, keep_state_pieces, make_pieces, state_dtype
 from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy
 
 MB = 1 << 20
@@ -91,92 +91,6 @@ UNITS_PER_MODEL = 16
 DEFAULT_BUCKET_MB = 25.0
 #: the collective algorithms ZeRO can run: those reduce_scatter and allgather both have
 ALGORITHMS = ("auto", "ring", "tree", "mpi")
-
-
-def state_dtype(dtype: Any) -> np.dtype:
-    """The dtype of the optimizer state of parameters of `dtype`: float32 for 16-bit parameters
-    (their master weights and moments, see mpdl.autograd.amp), dtype otherwise."""
-    return np.dtype(np.float32) if is_low_precision(dtype) else np.dtype(dtype)
-
-
-def keep_state_pieces(optimizer: Any, state: dict[str, Any], pieces: list[tuple],
-                      position: dict[int, int]) -> None:
-    """Give `optimizer` this rank's pieces of a whole-tensor optimizer state_dict: `pieces` are
-    (piece tensor, unit, index in the unit, start, end), `position` maps id(parameter) to its
-    number in `state`; the hyperparameters of its first param group go to every group."""
-    saved = {int(k): v for k, v in state["state"].items()}
-    optimizer.state = {}
-    for t, u, i, a, b in pieces:
-        entries = saved.get(position[id(u.params[i])])
-        if not entries:
-            continue
-        o = u.offsets[i]
-        optimizer.state[t] = {
-            k: (u.xp.asarray(np.asarray(v, dtype=state_dtype(u.dtype)).reshape(-1)[a - o:b - o])
-                .copy()
-                if np.ndim(v) > 0 else (v.item() if hasattr(v, "item") else v))
-            for k, v in entries.items()}
-    hyper = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
-    for group in optimizer.param_groups:
-        group.update(hyper)
-
-class Unit:
-    """A run of parameters of one dtype, flattened and split over `size` ranks; this rank owns
-    elements [lo, hi) of the flat buffer."""
-
-    def __init__(self, index: int, params: list[Any], rank: int, size: int,
-                 module: Any = None) -> None:
-        self.index, self.params, self.module = index, params, module
-        self.xp = get_array_module(params[0].data)
-        self.dtype = params[0].data.dtype
-        self.offsets: list[int] = []
-        self.position: dict[int, int] = {}
-        count = 0
-        for i, p in enumerate(params):
-            self.offsets.append(count)
-            self.position[id(p)] = i
-            count += p.data.size
-        self.count = count
-        self.bounds = block_bounds(count, size)
-        self.lo, self.hi = self.bounds[rank], self.bounds[rank + 1]
-        self.itemsize = int(self.dtype.itemsize)
-        self.full: Any = None         # the whole flat parameters while this rank holds them
-        self.shard: Any = None        # this rank's block of the parameters
-        self.grad: Any = None         # the full-size gradient buffer while it exists
-        self.grad_shard: Any = None   # this rank's block of the summed gradient
-        self.ready: set[int] = set()
-        self.reduce: Handle | None = None
-        self.gather: Handle | None = None
-        #: persistent plans of the step's collectives on buffers kept between steps (ZeroStrategy
-        #: makes them): the in-place reduce-scatter of `grad` (stage 1), the sum of its result
-        #: over the replicas (hybrid), the in-place all-gather of `shard` into `full` (stages 1-2)
-        self.reduce_plan: Plan | None = None
-        self.replica_plan: Plan | None = None
-        self.gather_plan: Plan | None = None
-        self.spans: list[tuple[str, float, float]] = []
-        #: stage 3: (graph node, attribute, parameter index) of the references to the gathered
-        #: parameters taken out of the graph after forward, put back before backward
-        self.saved: list[tuple[Any, str, int]] = []
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.itemsize
-
-    @property
-    def shard_nbytes(self) -> int:
-        return (self.hi - self.lo) * self.itemsize
-
-    def views(self, buf: Any) -> list[Any]:
-        """Each parameter's part of a full flat buffer, shaped like the parameter."""
-        return [buf[o:o + p.data.size].reshape(p.shape) for o, p in zip(self.offsets, self.params,
-                                                                        strict=True)]
-
-    def pieces(self) -> Iterator[tuple[int, int, int]]:
-        """(parameter index, start, end) in unit offsets of each parameter's part of [lo, hi)."""
-        for i, (o, p) in enumerate(zip(self.offsets, self.params, strict=True)):
-            a, b = max(o, self.lo), min(o + p.data.size, self.hi)
-            if a < b:
-                yield i, a, b
 
 
 class _BeforeBackward(Function):
@@ -346,7 +260,6 @@ class ZeroStrategy(Strategy):
             groups = [(None, ps) for ps in self._buckets(model)]
         self.units = [Unit(i, ps, rank, size, m) for i, (m, ps) in enumerate(groups)]
         self._unit_of = {id(p): u for u in self.units for p in u.params}
-        pieces, ndims = [], {}
         for u in self.units:
             whole = flat.pack([p.data for p in u.params])
             if self.stage == 3:
@@ -370,15 +283,9 @@ class ZeroStrategy(Strategy):
                 u.grad_shard = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
                 memory.hold(u.grad_shard, "gradients")
                 self._hold(u.shard_nbytes)
-            for i, a, b in u.pieces():
-                t = Tensor(u.shard[a - u.lo:b - u.lo], requires_grad=True)
-                pieces.append((t, u, i, a, b))
-                ndims[id(t)] = len(u.params[i].shape)
-        if not pieces:  # fewer elements than ranks: an empty piece keeps the optimizer valid
-            u = self.units[0]
-            pieces.append((Tensor(u.shard[:0], requires_grad=True), u, 0, u.lo, u.lo))
-        self.pieces = pieces
-        self.optimizer = make_optimizer([t for t, *_ in pieces])
+        self.pieces: list[Piece]
+        self.pieces, ndims = make_pieces(self.units)
+        self.optimizer = make_optimizer([piece.tensor for piece in self.pieces])
         self.optimizer.shard(ndims, self._sum_squares)
         if hasattr(self.optimizer, "agree"):  # mixed precision: skip a step on every rank alike
             self.optimizer.agree = self._all_finite
@@ -619,7 +526,7 @@ class ZeroStrategy(Strategy):
     def _sum_squares(self, params: list[Any], sums: list[list[Any]]) -> list[list[Any]]:
         """Whole-tensor sums of squares from the pieces': one all-reduce of a (parameters, k)
         float64 array, every rank contributing its pieces' rows."""
-        index = {id(t): (u.index, i) for t, u, i, _, _ in self.pieces}
+        index = {id(piece.tensor): (piece.unit.index, piece.index) for piece in self.pieces}
         rows = {key: n for n, key in enumerate((u.index, i) for u in self.units
                                                for i in range(len(u.params)))}
         k = len(sums[0]) if sums else 2
@@ -659,8 +566,8 @@ class ZeroStrategy(Strategy):
             for u in self.units:
                 self._free(u, root=True)
         waited = time.perf_counter()
-        for t, u, _, a, b in self.pieces:
-            t.grad = u.grad_shard[a - u.lo:b - u.lo]
+        for piece in self.pieces:
+            piece.tensor.grad = piece.unit.grad_shard[piece.in_shard]
         self.optimizer.step()
         self._count_optimizer_state()
         stepped = time.perf_counter()
@@ -763,9 +670,9 @@ class ZeroStrategy(Strategy):
         for u in self.units:
             for key in keys:
                 local = u.xp.zeros(u.hi - u.lo, dtype=state_dtype(u.dtype))
-                for t, pu, _, a, b in self.pieces:
-                    if pu is u and key in self.optimizer.state.get(t, {}):
-                        local[a - u.lo:b - u.lo] = self.optimizer.state[t][key]
+                for piece in self.pieces:
+                    if piece.unit is u and key in self.optimizer.state.get(piece.tensor, {}):
+                        local[piece.in_shard] = self.optimizer.state[piece.tensor][key]
                 whole = allgather(local, algorithm=self.algorithm, comm=self.shard_comm,
                                   count=u.count)
                 for p, view in zip(u.params, u.views(whole), strict=True):
@@ -804,9 +711,9 @@ class ZeroStrategy(Strategy):
             arrays[f"unit{u.index}/param"] = np.array(to_host(u.shard))
             for key in keys:
                 local = np.zeros(u.hi - u.lo, dtype=state_dtype(u.dtype))
-                for t, pu, _, a, b in self.pieces:
-                    if pu is u and key in self.optimizer.state.get(t, {}):
-                        local[a - u.lo:b - u.lo] = to_host(self.optimizer.state[t][key])
+                for piece in self.pieces:
+                    if piece.unit is u and key in self.optimizer.state.get(piece.tensor, {}):
+                        local[piece.in_shard] = to_host(self.optimizer.state[piece.tensor][key])
                 arrays[f"unit{u.index}/state/{key}"] = local
         if self.shard_comm.rank == 0:  # the model's other arrays: buffers, frozen parameters
             sharded = {id(p) for u in self.units for p in u.params}
