@@ -24,11 +24,18 @@ from typing import Any
 import numpy as np
 
 from mpdl import memory
-from mpdl.backend import get_array_module, to_host
-from mpdl.collectives import allgather, allgather_init, allreduce, reduce_scatter
+from mpdl.backend import get_array_module
+from mpdl.collectives import allgather_init, allreduce, reduce_scatter
 from mpdl.comm import Communicator
 from mpdl.parallel import flat
-from mpdl.parallel.shards import Piece, Unit, keep_state_pieces, make_pieces
+from mpdl.parallel.shards import (
+    Piece,
+    Unit,
+    gather_optimizer_state,
+    keep_state_pieces,
+    make_pieces,
+    optimizer_state_nbytes,
+)
 from mpdl.parallel.strategy import MakeOptimizer
 
 
@@ -90,8 +97,7 @@ class ShardedOptimizer:
 
     def state_nbytes(self) -> int:
         """Bytes of the optimizer state this rank holds."""
-        return sum(int(v.nbytes) for s in self.optimizer.state.values() for v in s.values()
-                   if hasattr(v, "nbytes") and np.ndim(v) > 0)
+        return optimizer_state_nbytes(self.optimizer)
 
     def pieces(self) -> list[tuple[int, int, int, dict[str, Any]]]:
         """This rank's part of the state: (parameter position k, start, end in the parameter's
@@ -106,25 +112,8 @@ class ShardedOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """The state of a plain optimizer over `params` (whole tensors); collective over dp."""
-        mine = [s for piece in self.entries if (s := self.optimizer.state.get(piece.tensor))]
-        keys = sorted({k for s in mine for k, v in s.items() if np.ndim(v) > 0})
-        keys = sorted(set().union(*self.comm.allgather_object(keys)))
-        scalars = next(({k: v for k, v in s.items() if np.ndim(v) == 0} for s in mine), {})
-        scalars = next((s for s in self.comm.allgather_object(scalars) if s), {})
-        state: dict[int, dict[str, Any]] = {}
-        for u in self.units:
-            for key in keys:
-                local = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
-                for piece in self.entries:
-                    if piece.unit is u and key in self.optimizer.state.get(piece.tensor, {}):
-                        local[piece.in_shard] = self.optimizer.state[piece.tensor][key]
-                whole = allgather(local, algorithm=self.algorithm, comm=self.comm, count=u.count)
-                for p, view in zip(u.params, u.views(whole), strict=True):
-                    state.setdefault(self.index[id(p)], dict(scalars))[key] = \
-                        np.array(to_host(view))
-        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        return {"state": state if keys else {},
-                "param_groups": [{**group, "params": list(range(len(self.params)))}]}
+        return gather_optimizer_state(self.optimizer, self.units, self.entries, self.index,
+                                      self.comm, self.algorithm)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Keep this rank's blocks of a plain optimizer's state over `params`."""

@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 
 from mpdl.autograd.tensor import Tensor
-from mpdl.backend import get_array_module, is_low_precision
-from mpdl.collectives import Plan
+from mpdl.backend import get_array_module, is_low_precision, to_host
+from mpdl.collectives import Plan, allgather
 from mpdl.collectives.handles import Handle
 from mpdl.collectives.ops import block_bounds
+from mpdl.comm import Communicator
 
 
 def state_dtype(dtype: Any) -> np.dtype:
@@ -65,7 +66,6 @@ class Unit:
         self.reduce_plan: Plan | None = None
         self.replica_plan: Plan | None = None
         self.gather_plan: Plan | None = None
-        self.spans: list[tuple[str, float, float]] = []
         #: stage 3: (graph node, attribute, parameter index) of the references to the gathered
         #: parameters taken out of the graph after forward, put back before backward
         self.saved: list[tuple[Any, str, int]] = []
@@ -152,3 +152,56 @@ def keep_state_pieces(optimizer: Any, state: dict[str, Any], pieces: list[Piece]
     hyper = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
     for group in optimizer.param_groups:
         group.update(hyper)
+
+
+def optimizer_state_keys(optimizer: Any, comm: Communicator) -> tuple[list[str], dict[str, Any]]:
+    """The names of the optimizer's array state on any rank of comm (a rank whose pieces never
+    stepped has none), and its scalar state (a step count) from the first rank that has any.
+    Collective over comm."""
+    mine = [s for s in optimizer.state.values() if s]
+    keys = sorted({k for s in mine for k, v in s.items() if np.ndim(v) > 0})
+    keys = sorted(set().union(*comm.allgather_object(keys)))
+    scalars = next(({k: v for k, v in s.items() if np.ndim(v) == 0} for s in mine), {})
+    scalars = next((s for s in comm.allgather_object(scalars) if s), {})
+    return keys, scalars
+
+
+def optimizer_state_shard(optimizer: Any, unit: Unit, pieces: list[Piece], key: str) -> Any:
+    """This rank's block of `unit`'s optimizer state `key`, shaped like its shard: each piece's
+    entry in its place, zeros where a piece has none."""
+    block = unit.xp.zeros(unit.hi - unit.lo, dtype=state_dtype(unit.dtype))
+    for piece in pieces:
+        if piece.unit is unit and key in optimizer.state.get(piece.tensor, {}):
+            block[piece.in_shard] = optimizer.state[piece.tensor][key]
+    return block
+
+
+def whole_param_groups(optimizer: Any, count: int) -> list[dict[str, Any]]:
+    """The param_groups of a replica's optimizer state_dict over `count` parameters: the
+    hyperparameters of the optimizer's first group."""
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return [{**hyper, "params": list(range(count))}]
+
+
+def gather_optimizer_state(optimizer: Any, units: list[Unit], pieces: list[Piece],
+                           position: dict[int, int], comm: Communicator,
+                           algorithm: str = "auto") -> dict[str, Any]:
+    """The optimizer's state_dict as a replica's optimizer would have it (whole tensors, one entry
+    per parameter, numbered by `position`: id(parameter) -> number), all-gathered over comm from
+    every rank's pieces, unit by unit and key by key. Collective over comm."""
+    keys, scalars = optimizer_state_keys(optimizer, comm)
+    state: dict[int, dict[str, Any]] = {}
+    for u in units:
+        for key in keys:
+            whole = allgather(optimizer_state_shard(optimizer, u, pieces, key),
+                              algorithm=algorithm, comm=comm, count=u.count)
+            for p, view in zip(u.params, u.views(whole), strict=True):
+                state.setdefault(position[id(p)], dict(scalars))[key] = np.array(to_host(view))
+    return {"state": state if keys else {},
+            "param_groups": whole_param_groups(optimizer, len(position))}
+
+
+def optimizer_state_nbytes(optimizer: Any) -> int:
+    """Bytes of the optimizer's array state on this rank."""
+    return sum(int(v.nbytes) for s in optimizer.state.values() for v in s.values()
+               if hasattr(v, "nbytes") and np.ndim(v) > 0)

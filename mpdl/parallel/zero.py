@@ -50,8 +50,6 @@ the reference the tests compare the fast one with.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -76,8 +74,20 @@ from mpdl.collectives.handles import Handle, engine_for
 from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator
 from mpdl.parallel import flat
-from mpdl.parallel.shards import Piece, Unit, keep_state_pieces, make_pieces, state_dtype
-from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy
+from mpdl.parallel.shards import (
+    Piece,
+    Unit,
+    gather_optimizer_state,
+    keep_state_pieces,
+    make_pieces,
+    optimizer_state_keys,
+    optimizer_state_nbytes,
+    optimizer_state_shard,
+    state_dtype,
+    whole_param_groups,
+)
+from mpdl.parallel.steprecord import StepRecorder
+from mpdl.parallel.strategy import Batch, MakeOptimizer, StepResult, Strategy
 
 MB = 1 << 20
 STAGES = (1, 2, 3)
@@ -228,24 +238,28 @@ class ZeroStrategy(Strategy):
         self.replica_comm: Communicator | None = None
         self.units: list[Unit] = []
         self.weight = 1.0 / comm.size
-        self._lock = threading.Lock()
-        self._held = 0
-        self.peak_bytes = 0       # the peak of the bytes held, since the last step began
-        self.step_peak_bytes = 0  # the largest peak within a step so far
-        self._optimizer_bytes = 0
         self._sharded = True
         self._next = 0
-        self._steps = 0
-        self._sent = 0
-        self._own_recorder = False
-        self._waited = 0.0
+        #: the step's timings and counters: bytes held, waits, collectives, bytes sent
+        self.record = StepRecorder(comm)
         self.model_state_bytes = 0
         self.sent_bytes_per_step = 0.0
-        #: seconds of the last step's all-gathers (communication thread) and of the main
-        #: thread's waits for stage 3's gathers: 1 - wait / gather is the share prefetch hid
-        self.last_gather_s = 0.0
-        self.last_gather_wait_s = 0.0
-        self._gather_waits: list[tuple[int, float, float]] = []
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """The most model-state bytes held within a step so far."""
+        return self.record.step_peak_bytes
+
+    @property
+    def last_gather_s(self) -> float:
+        """Seconds of the last step's all-gathers (communication thread)."""
+        return self.record.gather_s
+
+    @property
+    def last_gather_wait_s(self) -> float:
+        """Seconds the last step's main thread waited for stage 3's gathers: 1 - wait / gather
+        is the share prefetch hid."""
+        return self.record.gather_wait_s
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
@@ -267,22 +281,22 @@ class ZeroStrategy(Strategy):
                 memory.hold(u.shard, "parameters")
                 for p in u.params:
                     p.data = _placeholder(p)
-                self._hold(u.shard_nbytes)
+                self.record.hold(u.shard_nbytes)
             else:
                 u.full, u.shard = whole, whole[u.lo:u.hi]
                 memory.hold(whole, "parameters")
                 for p, view in zip(u.params, u.views(whole), strict=True):
                     p.data = view
-                self._hold(u.nbytes)
+                self.record.hold(u.nbytes)
             if self.stage == 1:
                 u.grad = u.xp.zeros(u.count, dtype=u.dtype)
                 u.grad_shard = u.grad[u.lo:u.hi]
                 memory.hold(u.grad, "gradients")
-                self._hold(u.nbytes)
+                self.record.hold(u.nbytes)
             else:
                 u.grad_shard = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
                 memory.hold(u.grad_shard, "gradients")
-                self._hold(u.shard_nbytes)
+                self.record.hold(u.shard_nbytes)
         self.pieces: list[Piece]
         self.pieces, ndims = make_pieces(self.units)
         self.optimizer = make_optimizer([piece.tensor for piece in self.pieces])
@@ -302,7 +316,6 @@ class ZeroStrategy(Strategy):
                        + [u for u in self.units if u.module is None]
                        if self.stage == 3 else list(self.units))
         self._plan_units()
-        self.peak_bytes = self._held
 
     def _plan_units(self) -> None:
         """Persistent plans of the collectives whose arrays are the same every step, made in unit
@@ -376,16 +389,6 @@ class ZeroStrategy(Strategy):
 
         unit.module.forward = forward
 
-    # -- accounting --------------------------------------------------------------------------------
-    def _hold(self, nbytes: int) -> None:
-        with self._lock:
-            self._held += nbytes
-            self.peak_bytes = max(self.peak_bytes, self._held)
-
-    def _release(self, nbytes: int) -> None:
-        with self._lock:
-            self._held -= nbytes
-
     # -- stage 3: gather and free ------------------------------------------------------------------
     def _gather(self, unit: Unit) -> None:
         """Start the all-gather of unit's parameters (nothing if held or on its way)."""
@@ -393,13 +396,12 @@ class ZeroStrategy(Strategy):
             return
         full = unit.xp.empty(unit.count, dtype=unit.dtype)
         memory.hold(full, "parameters")
-        self._hold(unit.nbytes)
+        self.record.hold(unit.nbytes)
 
         def work() -> Any:
-            start = time.perf_counter()
-            allgather(unit.shard, algorithm=self.algorithm, comm=self.shard_comm, count=unit.count,
-                      out=full)
-            unit.spans.append(("all-gather", start, time.perf_counter()))
+            with self.record.communicating(unit, "all-gather"):
+                allgather(unit.shard, algorithm=self.algorithm, comm=self.shard_comm,
+                          count=unit.count, out=full)
             return full
 
         unit.gather = self._submit(work)
@@ -408,11 +410,8 @@ class ZeroStrategy(Strategy):
         """Wait until unit's parameters are here and point them at the gathered buffer."""
         if unit.full is None:
             self._gather(unit)
-            start = time.perf_counter()
-            unit.full = unit.gather.wait()
-            end = time.perf_counter()
-            self._waited += end - start
-            self._gather_waits.append((unit.index, start, end))
+            with self.record.waiting(gather=unit):
+                unit.full = unit.gather.wait()
             unit.gather = None
             for p, view in zip(unit.params, unit.views(unit.full), strict=True):
                 p.data = view
@@ -425,7 +424,7 @@ class ZeroStrategy(Strategy):
         unit.full = None
         for p in unit.params:
             p.data = _placeholder(p)
-        self._release(unit.nbytes)
+        self.record.release(unit.nbytes)
 
     def _before_backward(self, unit: Unit) -> None:
         self._gathered(unit)
@@ -457,7 +456,7 @@ class ZeroStrategy(Strategy):
             self._limit()
             unit.grad = unit.xp.empty(unit.count, dtype=unit.dtype)
             memory.hold(unit.grad, "gradients")
-            self._hold(unit.nbytes)
+            self.record.hold(unit.nbytes)
         i = unit.position[id(p)]
         slot = unit.grad[unit.offsets[i]:unit.offsets[i] + p.data.size].reshape(p.shape)
         if p.grad is None:
@@ -473,9 +472,8 @@ class ZeroStrategy(Strategy):
         running = [u for u in self._order[:self._next] if u.reduce is not None
                    and not u.reduce.test()]
         while len(running) >= MAX_IN_FLIGHT:
-            start = time.perf_counter()
-            running.pop(0).reduce.wait()
-            self._waited += time.perf_counter() - start
+            with self.record.waiting():
+                running.pop(0).reduce.wait()
 
     def _launch_ready(self) -> None:
         while self._next < len(self._order):
@@ -489,22 +487,21 @@ class ZeroStrategy(Strategy):
         buf = unit.grad
 
         def work() -> None:
-            start = time.perf_counter()
-            if unit.reduce_plan is not None:
-                mine = unit.reduce_plan()
-                if unit.replica_plan is not None:  # hybrid: sum the node's shard over the nodes
-                    unit.replica_plan()
-            else:
-                mine = reduce_scatter(buf, op="sum", algorithm=self.algorithm,
-                                      comm=self.shard_comm, in_place=True)
-                if self.replica_comm is not None:
-                    allreduce(mine, op="sum", algorithm=self.algorithm, comm=self.replica_comm,
-                              out=mine)
-            if self.stage > 1:
-                unit.xp.copyto(unit.grad_shard, mine)
-                unit.grad = None
-                self._release(unit.nbytes)
-            unit.spans.append(("reduce-scatter", start, time.perf_counter()))
+            with self.record.communicating(unit, "reduce-scatter"):
+                if unit.reduce_plan is not None:
+                    mine = unit.reduce_plan()
+                    if unit.replica_plan is not None:  # hybrid: sum the shard over the nodes
+                        unit.replica_plan()
+                else:
+                    mine = reduce_scatter(buf, op="sum", algorithm=self.algorithm,
+                                          comm=self.shard_comm, in_place=True)
+                    if self.replica_comm is not None:
+                        allreduce(mine, op="sum", algorithm=self.algorithm,
+                                  comm=self.replica_comm, out=mine)
+                if self.stage > 1:
+                    unit.xp.copyto(unit.grad_shard, mine)
+                    unit.grad = None
+                    self.record.release(unit.nbytes)
 
         unit.reduce = self._submit(work)
 
@@ -515,12 +512,11 @@ class ZeroStrategy(Strategy):
                 if id(p) not in unit.ready:
                     self._fill(unit, p)
         self._launch_ready()
-        start = time.perf_counter()
-        for unit in self._order:
-            unit.reduce.wait()
-            unit.reduce = None
-            unit.ready.clear()
-        self._waited += time.perf_counter() - start
+        with self.record.waiting():
+            for unit in self._order:
+                unit.reduce.wait()
+                unit.reduce = None
+                unit.ready.clear()
         self._next = 0
 
     def _sum_squares(self, params: list[Any], sums: list[list[Any]]) -> list[list[Any]]:
@@ -541,14 +537,8 @@ class ZeroStrategy(Strategy):
     def step(self, batch: Batch) -> StepResult:
         self.optimizer.lr = batch.lr
         self.weight = len(batch.y) / batch.global_size
-        recorder, first = self._recorder()
-        self.peak_bytes = self._held
-        self._waited = 0.0
-        self._gather_waits = []
-        for u in self.units:
-            u.spans = []
         result = StepResult()
-        start = time.perf_counter()
+        self.record.begin()
         if self.stage == 3:
             for u in self.units:
                 if u.module is None:
@@ -561,70 +551,31 @@ class ZeroStrategy(Strategy):
                           xp.zeros((1, *batch.y.shape[1:]), dtype=batch.y.dtype),
                           batch.global_size, batch.lr)
             backward_end = self.forward_backward(ghost, StepResult())
-        self._finish_gradients()
-        if self.stage == 3:
-            for u in self.units:
-                self._free(u, root=True)
-        waited = time.perf_counter()
-        for piece in self.pieces:
-            piece.tensor.grad = piece.unit.grad_shard[piece.in_shard]
-        self.optimizer.step()
-        self._count_optimizer_state()
-        stepped = time.perf_counter()
+        with self.record.phase("finish (wait for reduce-scatter)", cat="wait", start=backward_end):
+            self._finish_gradients()
+            if self.stage == 3:
+                for u in self.units:
+                    self._free(u, root=True)
+        with self.record.phase("optimizer step"):
+            for piece in self.pieces:
+                piece.tensor.grad = piece.unit.grad_shard[piece.in_shard]
+            self.optimizer.step()
+            self._count_optimizer_state()
         if self.stage < 3:
             handles = [self._submit(self._gather_in_place(u)) for u in self.units]
-            gather_start = time.perf_counter()
-            for h in handles:
-                h.wait()
-            self._waited += time.perf_counter() - gather_start
-        end = time.perf_counter()
-        self._count_sent(recorder, first)
-        self.step_peak_bytes = max(self.step_peak_bytes, self.peak_bytes)
-        spans = [(name, s, e, u) for u in self.units for name, s, e in u.spans]
-        result.comm_s = sum(e - s for _, s, e, _ in spans)
-        self.last_gather_s = sum(e - s for name, s, e, _ in spans if name == "all-gather")
-        self.last_gather_wait_s = sum(e - s for _, s, e in self._gather_waits)
-        result.exposed_s = self._waited
-        result.compute_s = (end - start) - result.exposed_s
-        result.spans += [Span("finish (wait for reduce-scatter)", backward_end, waited,
-                              cat="wait"), Span("optimizer step", waited, stepped)]
-        result.spans += [Span(f"{name} unit {u.index}", s, e, cat="communication", thread="comm",
-                              args={"bytes": u.nbytes}) for name, s, e, u in spans]
-        result.spans += [Span(f"wait for all-gather unit {i}", s, e, cat="wait")
-                         for i, s, e in self._gather_waits]
-        return result
+            with self.record.waiting():
+                for h in handles:
+                    h.wait()
+        return self.record.finish(result, self.units)
 
     def _gather_in_place(self, unit: Unit) -> Any:
         def work() -> None:
-            start = time.perf_counter()
-            unit.gather_plan()
-            unit.spans.append(("all-gather", start, time.perf_counter()))
+            with self.record.communicating(unit, "all-gather"):
+                unit.gather_plan()
         return work
 
     def _count_optimizer_state(self) -> None:
-        nbytes = sum(int(v.nbytes) for s in self.optimizer.state.values() for v in s.values()
-                     if hasattr(v, "nbytes") and np.ndim(v) > 0)
-        self._hold(nbytes - self._optimizer_bytes)
-        self._optimizer_bytes = nbytes
-
-    def _recorder(self) -> tuple[list, int]:
-        """The communicator's message recorder (installed if there is none) and its length."""
-        if self.comm.recorder is None:
-            try:
-                self.comm.recorder = []
-                self._own_recorder = True
-            except AttributeError:  # a sub-communicator: its parent's recorder
-                return [], 0
-        recorder = self.comm.recorder
-        return recorder, len(recorder)
-
-    def _count_sent(self, recorder: list, first: int) -> None:
-        me = self.comm.world_rank(self.comm.rank)
-        sent = sum(entry[4] for entry in recorder[first:] if entry[2] == me)
-        if self._own_recorder:
-            del recorder[:]
-        self._sent += sent
-        self._steps += 1
+        self.record.optimizer_state(optimizer_state_nbytes(self.optimizer))
 
     # -- the whole model, for evaluation and checkpoints -------------------------------------------
     def _all_finite(self, finite: bool) -> bool:
@@ -637,10 +588,10 @@ class ZeroStrategy(Strategy):
         """Within the block every rank holds the whole model (stage 3 gathers it; values
         written into it are kept); with `optimizer_state`, `state_dict()` gives the whole
         optimizer state. Collective over comm; also agrees on the accounting figures."""
-        figures = allreduce(np.array([self.step_peak_bytes, self._sent / max(self._steps, 1)],
+        figures = allreduce(np.array([self.step_peak_bytes, self.record.sent_bytes_per_step()],
                                      dtype=np.float64), op="max", comm=self.comm)
         self.model_state_bytes, self.sent_bytes_per_step = int(figures[0]), float(figures[1])
-        self._full_state = self._whole_optimizer_state() if optimizer_state else None
+        self._full_state = self.gather_optimizer_state() if optimizer_state else None
         if self.stage < 3:
             yield
             return
@@ -655,66 +606,40 @@ class ZeroStrategy(Strategy):
                 u.xp.copyto(u.shard, u.full[u.lo:u.hi])
                 self._free(u, root=True)
 
-    def _whole_optimizer_state(self) -> dict[str, Any]:
+    def gather_optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state_dict as a replica's optimizer would have it (one entry per
-        parameter of the model, whole tensors): gathered from the shards."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        position = {id(p): n for n, p in enumerate(params)}
-        mine = {id(t): s for t, s in self.optimizer.state.items()}
-        keys = sorted({k for s in mine.values() for k, v in s.items() if np.ndim(v) > 0})
-        keys = sorted(set().union(*self.shard_comm.allgather_object(keys)))
-        scalars = next((({k: v for k, v in s.items() if np.ndim(v) == 0}) for s in mine.values()
-                        if s), {})
-        scalars = next((s for s in self.shard_comm.allgather_object(scalars) if s), {})
-        state: dict[int, dict[str, Any]] = {}
-        for u in self.units:
-            for key in keys:
-                local = u.xp.zeros(u.hi - u.lo, dtype=state_dtype(u.dtype))
-                for piece in self.pieces:
-                    if piece.unit is u and key in self.optimizer.state.get(piece.tensor, {}):
-                        local[piece.in_shard] = self.optimizer.state[piece.tensor][key]
-                whole = allgather(local, algorithm=self.algorithm, comm=self.shard_comm,
-                                  count=u.count)
-                for p, view in zip(u.params, u.views(whole), strict=True):
-                    state.setdefault(position[id(p)], dict(scalars))[key] = np.array(to_host(view))
-        groups = self.optimizer.state_dict()["param_groups"]
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": list(range(len(params)))} for g in groups[:1]]
-        return {"state": state if keys else {}, "param_groups": groups}
+        parameter of the model, whole tensors): gathered from the shards. Collective over the
+        shard group."""
+        return gather_optimizer_state(self.optimizer, self.units, self.pieces, self._positions(),
+                                      self.shard_comm, self.algorithm)
+
+    def _positions(self) -> dict[int, int]:
+        """id(parameter) -> its number in a replica's optimizer state_dict."""
+        return {id(p): n for n, p in enumerate(p for p in self.model.parameters()
+                                               if p.requires_grad)}
 
     def checkpoint_shard(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
         """This rank's shard for a sharded checkpoint (None on a replica of another node: hybrid)
         and the manifest `mpdl.training.checkpoint` reassembles whole tensors with. Collective
         over the shard group."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        position = {id(p): n for n, p in enumerate(params)}
-        mine = {id(t): s for t, s in self.optimizer.state.items()}
-        keys = sorted({k for s in mine.values() for k, v in s.items() if np.ndim(v) > 0})
-        keys = sorted(set().union(*self.shard_comm.allgather_object(keys)))
-        scalars = next(({k: v for k, v in s.items() if np.ndim(v) == 0} for s in mine.values()
-                        if s), {})
-        scalars = next((s for s in self.shard_comm.allgather_object(scalars) if s), {})
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": list(range(len(params)))}
-                  for g in self.optimizer.state_dict()["param_groups"][:1]]
+        position = self._positions()
+        keys, scalars = optimizer_state_keys(self.optimizer, self.shard_comm)
         manifest = {"format": "zero", "stage": self.stage, "ranks": self.shard_comm.size,
                     "units": [{"dtype": str(u.dtype), "count": u.count,
                                "params": [[names[id(p)], position[id(p)], list(p.shape), o]
                                           for p, o in zip(u.params, u.offsets, strict=True)]}
                               for u in self.units],
-                    "state_keys": keys, "scalars": scalars, "param_groups": groups}
+                    "state_keys": keys, "scalars": scalars,
+                    "param_groups": whole_param_groups(self.optimizer, len(position))}
         if self.replica_comm is not None and self.replica_comm.rank != 0:
             return None, manifest
         arrays: dict[str, Any] = {}
         for u in self.units:
             arrays[f"unit{u.index}/param"] = np.array(to_host(u.shard))
             for key in keys:
-                local = np.zeros(u.hi - u.lo, dtype=state_dtype(u.dtype))
-                for piece in self.pieces:
-                    if piece.unit is u and key in self.optimizer.state.get(piece.tensor, {}):
-                        local[piece.in_shard] = to_host(self.optimizer.state[piece.tensor][key])
-                arrays[f"unit{u.index}/state/{key}"] = local
+                arrays[f"unit{u.index}/state/{key}"] = to_host(
+                    optimizer_state_shard(self.optimizer, u, self.pieces, key))
         if self.shard_comm.rank == 0:  # the model's other arrays: buffers, frozen parameters
             sharded = {id(p) for u in self.units for p in u.params}
             arrays.update({f"other/{n}": np.array(to_host(t.data)) for n, t in
@@ -732,9 +657,7 @@ class ZeroStrategy(Strategy):
         """Take a replica's optimizer state_dict (whole tensors, one entry per parameter; as
         `state_dict` writes it, from any number of ranks and any stage) and keep this rank's
         pieces of it."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        keep_state_pieces(self.optimizer, state, self.pieces,
-                          {id(p): n for n, p in enumerate(params)})
+        keep_state_pieces(self.optimizer, state, self.pieces, self._positions())
         self._count_optimizer_state()
 
     # -- reporting ---------------------------------------------------------------------------------
