@@ -48,8 +48,8 @@ from mpdl.comm import Communicator
 from mpdl.parallel import flat
 from mpdl.parallel.ddp import DistributedDataParallel
 from mpdl.parallel.dpshard import ShardedOptimizer
+from mpdl.parallel.shards import placeholder as _placeholder
 from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy
-from mpdl.parallel.zero import _placeholder
 
 
 class AllToAll(Function):

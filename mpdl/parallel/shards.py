@@ -33,6 +33,13 @@ def state_dtype(dtype: Any) -> np.dtype:
     return np.dtype(np.float32) if is_low_precision(dtype) else np.dtype(dtype)
 
 
+def placeholder(p: Any) -> Any:
+    """The data of a parameter this rank does not hold now: a read-only array of p's shape and
+    dtype that takes no memory and is all NaN, so that a use of it shows at once."""
+    xp = get_array_module(p.data)
+    return xp.broadcast_to(xp.full((), np.nan, dtype=p.data.dtype), p.shape)
+
+
 class Unit:
     """A run of parameters of one dtype, flattened and split over `size` ranks; this rank owns
     elements [lo, hi) of the flat buffer."""
@@ -59,16 +66,12 @@ class Unit:
         self.grad_shard: Any = None   # this rank's block of the summed gradient
         self.ready: set[int] = set()
         self.reduce: Handle | None = None
-        self.gather: Handle | None = None
         #: persistent plans of the step's collectives on buffers kept between steps (ZeroStrategy
         #: makes them): the in-place reduce-scatter of `grad` (stage 1), the sum of its result
         #: over the replicas (hybrid), the in-place all-gather of `shard` into `full` (stages 1-2)
         self.reduce_plan: Plan | None = None
         self.replica_plan: Plan | None = None
         self.gather_plan: Plan | None = None
-        #: stage 3: (graph node, attribute, parameter index) of the references to the gathered
-        #: parameters taken out of the graph after forward, put back before backward
-        self.saved: list[tuple[Any, str, int]] = []
 
     @property
     def nbytes(self) -> int:

@@ -14,24 +14,21 @@ rank holds 1/p of the optimizer state.
 - **Stage 2** (gradients sharded too): as stage 1, but a unit's full-size gradient buffer exists
   only from its first gradient until its reduce-scatter is done; then only the shard is kept.
 - **Stage 3** (parameters sharded, FSDP's FULL_SHARD). Units are the modules inside containers
-  (the blocks of a ModuleList, the layers of a Sequential), split into their children while
-  larger than 1/16 of the model; what is left (the root's own parameters, embeddings used again
-  by the root) is the *root unit*, gathered for the whole step.
-  A unit's forward is wrapped: its parameters are all-gathered just before it and freed after (its
-  `p.data` becomes a zero-byte placeholder of the right shape); an identity node on its output
-  gathers them again just before its backward; once its gradients are all in, they are
-  reduce-scattered and the parameters freed. With `prefetch`, the next unit's all-gather (the
-  previous one's in backward) is started at once, so it overlaps this unit's compute.
+  (the blocks of a ModuleList, the layers of a Sequential); a unit's parameters are all-gathered
+  just before its forward and again before its backward, and freed after each
+  (`mpdl.parallel.zero_params.ShardedParameters`); once its gradients are all in, they are
+  reduce-scattered, the blocks' as backward finishes them and the root unit's last.
+
+The stage is chosen once, at setup: how the parameters are held (`zero_params`: whole on every
+rank for stages 1-2, sharded for stage 3) and whether the full-size gradient buffers are kept
+(stage 1); the step below is the same for every stage. The shard layout (`Unit`, `Piece`) and the
+gather of the whole optimizer state live in `mpdl.parallel.shards`; the step's timings and
+counters in `mpdl.parallel.steprecord`.
 
 Collectives on buffers kept between steps (stage 1's gradient buffers, stages 1-2's flat
 parameters) run through persistent plans made once per unit (`mpdl.collectives.plan`); buffers
 made afresh each step go through the ordinary calls.
 
-What the autograd graph keeps: mpdl's primitives save their input arrays for backward, so the
-gathered weights a unit's forward used would stay alive in the graph until its backward; stage 3
-takes those references out of the unit's nodes when it frees the unit after forward and puts the
-gathered arrays back before its backward. A unit run again inside a recomputed block
-(`mpdl.autograd.checkpoint`) is gathered without prefetch and kept until its gradients are in.
 The accounting (`model_state_bytes`) counts the model state the strategy holds: parameters,
 gradients and optimizer state; `mpdl.memory`'s ledger counts every buffer.
 
@@ -50,20 +47,17 @@ the reference the tests compare the fast one with.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from mpdl import memory
-from mpdl.autograd import nn
-from mpdl.autograd.recompute import recomputing
-from mpdl.autograd.tensor import Function, Tensor, is_grad_enabled
+from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
 from mpdl.collectives import (
     allgather,
-    allgather_init,
     allreduce,
     allreduce_init,
     broadcast,
@@ -88,6 +82,13 @@ from mpdl.parallel.shards import (
 )
 from mpdl.parallel.steprecord import StepRecorder
 from mpdl.parallel.strategy import Batch, MakeOptimizer, StepResult, Strategy
+from mpdl.parallel.zero_params import (
+    UNITS_PER_MODEL,
+    ReplicatedParameters,
+    ShardedParameters,
+    UnitParameters,
+    module_units,
+)
 
 MB = 1 << 20
 STAGES = (1, 2, 3)
@@ -97,51 +98,9 @@ MAX_IN_FLIGHT = 2
 #: DEFAULT_BUCKET_MB MiB, DDP's bucket; stage 3: a module larger than that is split into its
 #: children), so that the buffers in flight (stage 3: two units' gathered parameters and up to
 #: MAX_IN_FLIGHT + 1 units' gradient buffers) stay a small part of the model at any size
-UNITS_PER_MODEL = 16
 DEFAULT_BUCKET_MB = 25.0
 #: the collective algorithms ZeRO can run: those reduce_scatter and allgather both have
 ALGORITHMS = ("auto", "ring", "tree", "mpi")
-
-
-class _BeforeBackward(Function):
-    """Identity whose backward first calls `hook` (stage 3: gather the unit's parameters)."""
-
-    def forward(self, x, hook):
-        self.hook = hook
-        return x.view()
-
-    def backward(self, grad):
-        self.hook()
-        return grad
-
-
-def _placeholder(p: Any) -> Any:
-    """A freed parameter: a read-only array of p's shape and dtype that takes no memory and is all
-    NaN, so that a use outside its unit's forward and backward shows at once."""
-    xp = get_array_module(p.data)
-    return xp.broadcast_to(xp.full((), np.nan, dtype=p.data.dtype), p.shape)
-
-
-def _unhook_parameters(unit: Unit, out: Tensor, inputs: Sequence[Any]) -> list[tuple]:
-    """Take the graph's references to unit's gathered parameter arrays (what its forward's
-    nodes saved for backward: a linear layer's weight) out of the nodes between `out` and the
-    unit's `inputs`, so that freeing the parameters frees their memory until backward gathers
-    them again; returns (node, attribute, parameter index) to put them back."""
-    arrays = {id(p.data): i for i, p in enumerate(unit.params)}
-    stop = {id(t) for t in inputs if isinstance(t, Tensor)}
-    taken, seen, stack = [], set(), [out]
-    while stack:
-        ctx = stack.pop()._ctx
-        if ctx is None or id(ctx) in seen or isinstance(ctx, _BeforeBackward):
-            continue
-        seen.add(id(ctx))
-        for name, value in list(vars(ctx).items()):
-            i = arrays.get(id(value))
-            if i is not None:
-                taken.append((ctx, name, i))
-                setattr(ctx, name, None)
-        stack.extend(t for t in ctx.inputs or () if id(t) not in stop)
-    return taken
 
 
 def broadcast_model(model: Any, comm: Communicator) -> None:
@@ -153,54 +112,6 @@ def broadcast_model(model: Any, comm: Communicator) -> None:
         result = broadcast(flat.pack([t.data for t in group]), root=0, comm=comm)
         for t, piece in zip(group, flat.unpack(result, group), strict=True):
             t.data[...] = piece
-
-
-def _module_units(model: Any, names: Sequence[str] | None = None) -> list[tuple[Any, list[Any]]]:
-    """(module, its parameters) of stage 3's units in forward order: the submodules `names` (of
-    model.named_modules()), or by default the modules held in a ModuleList or Sequential
-    (searched from the root down, not inside a unit), each one holding more than 1/UNITS_PER_MODEL
-    of the model's parameters replaced by its children (again while too large; FSDP wraps
-    transformer blocks, DeepSpeed fetches by submodule); then (None, the rest): the root unit. A
-    parameter registered in two units, or registered on a module that was split, goes to the root
-    unit."""
-    found: list[Any] = []
-
-    def visit(module: Any) -> None:
-        for child in module.children():
-            if isinstance(module, (nn.ModuleList, nn.Sequential)):
-                found.append(child)
-            else:
-                visit(child)
-
-    def size(module: Any) -> int:
-        return sum(p.size for p in module.parameters() if p.requires_grad)
-
-    cap = size(model) / UNITS_PER_MODEL
-
-    def split(module: Any) -> list[Any]:
-        children = [c for c in module.children() if size(c)]
-        if size(module) > cap and children:
-            return [unit for c in children for unit in split(c)]
-        return [module]
-
-    if names is None:
-        visit(model)
-        found = [unit for m in found for unit in split(m)]
-    else:
-        modules = dict(model.named_modules())
-        unknown = [n for n in names if n not in modules or not n]
-        if unknown:
-            raise ValueError(f"units: no submodule named {unknown[0]!r}; the model has "
-                             f"{', '.join(n for n in modules if n)}")
-        found = [modules[n] for n in names]
-    owners: dict[int, int] = {}
-    for i, m in enumerate(found):
-        for p in m.parameters():
-            owners[id(p)] = -1 if owners.get(id(p), i) != i else i
-    units = [(m, [p for p in m.parameters() if p.requires_grad and owners[id(p)] == i])
-             for i, m in enumerate(found)]
-    rest = [p for p in model.parameters() if p.requires_grad and owners.get(id(p), -1) == -1]
-    return [(m, ps) for m, ps in units if ps] + ([(None, rest)] if rest else [])
 
 
 class ZeroStrategy(Strategy):
@@ -237,8 +148,14 @@ class ZeroStrategy(Strategy):
         self.shard_comm: Communicator = comm
         self.replica_comm: Communicator | None = None
         self.units: list[Unit] = []
+        #: how the units' parameters are held (set up with them): whole on every rank (stages
+        #: 1-2) or sharded and gathered around each unit's use (stage 3)
+        self.parameters: UnitParameters | None = None
+        #: stage 1 keeps each unit's full-size gradient buffer between steps; stages 2-3 keep
+        #: only its shard (the full buffer lives from a unit's first gradient to its
+        #: reduce-scatter)
+        self.keeps_gradient_buffers = stage == 1
         self.weight = 1.0 / comm.size
-        self._sharded = True
         self._next = 0
         #: the step's timings and counters: bytes held, waits, collectives, bytes sent
         self.record = StepRecorder(comm)
@@ -265,38 +182,16 @@ class ZeroStrategy(Strategy):
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
         self.model = model
         self._communicators()
-        rank, size = self.shard_comm.rank, self.shard_comm.size
         broadcast_model(model, self.comm)
-        if self.stage == 3:
-            groups = [(m, g) for m, ps in _module_units(model, self.unit_names)
-                      for g in flat.by_kind(ps)]
-        else:
-            groups = [(None, ps) for ps in self._buckets(model)]
-        self.units = [Unit(i, ps, rank, size, m) for i, (m, ps) in enumerate(groups)]
+        self.units = self._make_units(model)
         self._unit_of = {id(p): u for u in self.units for p in u.params}
+        held = dict(units=self.units, comm=self.shard_comm, algorithm=self.algorithm,
+                    submit=self._submit, record=self.record)
+        self.parameters = (ShardedParameters(**held, prefetch=self.prefetch) if self.stage == 3
+                           else ReplicatedParameters(**held))
         for u in self.units:
-            whole = flat.pack([p.data for p in u.params])
-            if self.stage == 3:
-                u.shard = whole[u.lo:u.hi].copy()
-                memory.hold(u.shard, "parameters")
-                for p in u.params:
-                    p.data = _placeholder(p)
-                self.record.hold(u.shard_nbytes)
-            else:
-                u.full, u.shard = whole, whole[u.lo:u.hi]
-                memory.hold(whole, "parameters")
-                for p, view in zip(u.params, u.views(whole), strict=True):
-                    p.data = view
-                self.record.hold(u.nbytes)
-            if self.stage == 1:
-                u.grad = u.xp.zeros(u.count, dtype=u.dtype)
-                u.grad_shard = u.grad[u.lo:u.hi]
-                memory.hold(u.grad, "gradients")
-                self.record.hold(u.nbytes)
-            else:
-                u.grad_shard = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
-                memory.hold(u.grad_shard, "gradients")
-                self.record.hold(u.shard_nbytes)
+            self.parameters.place(u)
+            self._place_gradients(u)
         self.pieces: list[Piece]
         self.pieces, ndims = make_pieces(self.units)
         self.optimizer = make_optimizer([piece.tensor for piece in self.pieces])
@@ -305,17 +200,31 @@ class ZeroStrategy(Strategy):
             self.optimizer.agree = self._all_finite
         self._hooks = [p.register_grad_ready_hook(self._on_grad) for u in self.units
                        for p in u.params]
-        if self.stage == 3:
-            for u in self.units:
-                if u.module is not None:
-                    self._wrap(u)
-        # stage 3 reduce-scatters the blocks as backward finishes them, the root unit (whose
-        # embedding gradient is complete only when backward ends) last, so that it holds no
-        # block's gradient buffer back
-        self._order = ([u for u in reversed(self.units) if u.module is not None]
-                       + [u for u in self.units if u.module is None]
-                       if self.stage == 3 else list(self.units))
+        self._order = self.parameters.reduce_order()
         self._plan_units()
+
+    def _make_units(self, model: Any) -> list[Unit]:
+        """Stage 3: the modules of `module_units` (each cut by dtype); stages 1-2: DDP's buckets."""
+        if self.stage == 3:
+            groups = [(m, g) for m, ps in module_units(model, self.unit_names)
+                      for g in flat.by_kind(ps)]
+        else:
+            groups = [(None, ps) for ps in self._buckets(model)]
+        rank, size = self.shard_comm.rank, self.shard_comm.size
+        return [Unit(i, ps, rank, size, m) for i, (m, ps) in enumerate(groups)]
+
+    def _place_gradients(self, u: Unit) -> None:
+        """The unit's summed gradient: a kept full-size buffer whose block is the shard (stage 1),
+        or the shard only."""
+        if self.keeps_gradient_buffers:
+            u.grad = u.xp.zeros(u.count, dtype=u.dtype)
+            u.grad_shard = u.grad[u.lo:u.hi]
+            memory.hold(u.grad, "gradients")
+            self.record.hold(u.nbytes)
+        else:
+            u.grad_shard = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
+            memory.hold(u.grad_shard, "gradients")
+            self.record.hold(u.shard_nbytes)
 
     def _plan_units(self) -> None:
         """Persistent plans of the collectives whose arrays are the same every step, made in unit
@@ -324,16 +233,14 @@ class ZeroStrategy(Strategy):
         parameters. Stage 2-3 gradient buffers and stage 3's gathered parameters are made afresh
         each step, and go through the ordinary calls."""
         for u in self.units:
-            if self.stage == 1:
+            if self.keeps_gradient_buffers:
                 u.reduce_plan = reduce_scatter_init(u.grad, op="sum", algorithm=self.algorithm,
                                                     comm=self.shard_comm, in_place=True)
                 if self.replica_comm is not None:
                     mine = u.reduce_plan.result
                     u.replica_plan = allreduce_init(mine, op="sum", algorithm=self.algorithm,
                                                     comm=self.replica_comm, out=mine)
-            if self.stage < 3:
-                u.gather_plan = allgather_init(u.shard, algorithm=self.algorithm,
-                                               comm=self.shard_comm, count=u.count, out=u.full)
+            self.parameters.plan(u)
 
     def _communicators(self) -> None:
         """shard_comm: the ranks that share the shards (all, or hybrid: this node's);
@@ -368,73 +275,8 @@ class ZeroStrategy(Strategy):
             buckets.append(current)
         return buckets
 
-    def _wrap(self, unit: Unit) -> None:
-        original = unit.module.forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if not self._sharded:
-                return original(*args, **kwargs)
-            if recomputing():  # in backward: gathered until its gradients are in, no prefetch
-                self._gathered(unit)
-                return original(*args, **kwargs)
-            self._gathered(unit)
-            if self.prefetch and unit.index + 1 < len(self.units):
-                self._gather(self.units[unit.index + 1])
-            out = original(*args, **kwargs)
-            if isinstance(out, Tensor) and out.requires_grad and is_grad_enabled():
-                unit.saved = _unhook_parameters(unit, out, args)
-                out = _BeforeBackward.apply(out, hook=lambda: self._before_backward(unit))
-            self._free(unit)
-            return out
-
-        unit.module.forward = forward
-
-    # -- stage 3: gather and free ------------------------------------------------------------------
-    def _gather(self, unit: Unit) -> None:
-        """Start the all-gather of unit's parameters (nothing if held or on its way)."""
-        if unit.full is not None or unit.gather is not None:
-            return
-        full = unit.xp.empty(unit.count, dtype=unit.dtype)
-        memory.hold(full, "parameters")
-        self.record.hold(unit.nbytes)
-
-        def work() -> Any:
-            with self.record.communicating(unit, "all-gather"):
-                allgather(unit.shard, algorithm=self.algorithm, comm=self.shard_comm,
-                          count=unit.count, out=full)
-            return full
-
-        unit.gather = self._submit(work)
-
-    def _gathered(self, unit: Unit) -> None:
-        """Wait until unit's parameters are here and point them at the gathered buffer."""
-        if unit.full is None:
-            self._gather(unit)
-            with self.record.waiting(gather=unit):
-                unit.full = unit.gather.wait()
-            unit.gather = None
-            for p, view in zip(unit.params, unit.views(unit.full), strict=True):
-                p.data = view
-
-    def _free(self, unit: Unit, root: bool = False) -> None:
-        """Drop unit's gathered parameters (the root unit's only with `root`: it is kept for
-        the whole step)."""
-        if unit.full is None or unit.module is None and not root:
-            return
-        unit.full = None
-        for p in unit.params:
-            p.data = _placeholder(p)
-        self.record.release(unit.nbytes)
-
-    def _before_backward(self, unit: Unit) -> None:
-        self._gathered(unit)
-        for ctx, name, i in unit.saved:  # the graph's references, to the gathered parameters
-            setattr(ctx, name, unit.params[i].data)
-        unit.saved = []
-        if self.prefetch and unit.index > 0:
-            self._gather(self.units[unit.index - 1])
-
-    def _submit(self, work: Any) -> Handle:
+    def _submit(self, work: Callable[[], Any]) -> Handle:
+        """Run `work` on the communication thread (at once on one rank)."""
         if self.comm.size == 1:
             handle = Handle()
             handle._finish(work())
@@ -446,8 +288,7 @@ class ZeroStrategy(Strategy):
         unit = self._unit_of[id(p)]
         self._fill(unit, p)
         if len(unit.ready) == len(unit.params):
-            if self.stage == 3 and unit.module is not None:
-                self._free(unit)
+            self.parameters.gradients_done(unit)
             if self.overlap:
                 self._launch_ready()
 
@@ -488,7 +329,7 @@ class ZeroStrategy(Strategy):
 
         def work() -> None:
             with self.record.communicating(unit, "reduce-scatter"):
-                if unit.reduce_plan is not None:
+                if unit.reduce_plan is not None:  # stage 1: the kept buffer's persistent plans
                     mine = unit.reduce_plan()
                     if unit.replica_plan is not None:  # hybrid: sum the shard over the nodes
                         unit.replica_plan()
@@ -498,7 +339,7 @@ class ZeroStrategy(Strategy):
                     if self.replica_comm is not None:
                         allreduce(mine, op="sum", algorithm=self.algorithm,
                                   comm=self.replica_comm, out=mine)
-                if self.stage > 1:
+                if not self.keeps_gradient_buffers:  # keep the shard; the full buffer goes
                     unit.xp.copyto(unit.grad_shard, mine)
                     unit.grad = None
                     self.record.release(unit.nbytes)
@@ -539,40 +380,21 @@ class ZeroStrategy(Strategy):
         self.weight = len(batch.y) / batch.global_size
         result = StepResult()
         self.record.begin()
-        if self.stage == 3:
-            for u in self.units:
-                if u.module is None:
-                    self._gathered(u)
-        if len(batch.y) or self.stage < 3:
+        self.parameters.before_forward()  # stage 3: gather the root unit, kept for the step
+        if len(batch.y) or not self.parameters.gathers_in_forward:
             backward_end = self.forward_backward(batch, result)
-        else:  # a rank without samples still takes part in every gather: one zero sample,
-            xp = get_array_module(batch.x)  # its gradient weighted 0
-            ghost = Batch(xp.zeros((1, *batch.x.shape[1:]), dtype=batch.x.dtype),
-                          xp.zeros((1, *batch.y.shape[1:]), dtype=batch.y.dtype),
-                          batch.global_size, batch.lr)
-            backward_end = self.forward_backward(ghost, StepResult())
+        else:  # a rank without samples still takes part in every gather: one zero sample
+            backward_end = self.forward_backward(_ghost(batch), StepResult())
         with self.record.phase("finish (wait for reduce-scatter)", cat="wait", start=backward_end):
             self._finish_gradients()
-            if self.stage == 3:
-                for u in self.units:
-                    self._free(u, root=True)
+            self.parameters.after_backward()  # stage 3: free every unit
         with self.record.phase("optimizer step"):
             for piece in self.pieces:
                 piece.tensor.grad = piece.unit.grad_shard[piece.in_shard]
             self.optimizer.step()
             self._count_optimizer_state()
-        if self.stage < 3:
-            handles = [self._submit(self._gather_in_place(u)) for u in self.units]
-            with self.record.waiting():
-                for h in handles:
-                    h.wait()
+        self.parameters.after_optimizer_step()  # stages 1-2: all-gather the updated shards
         return self.record.finish(result, self.units)
-
-    def _gather_in_place(self, unit: Unit) -> Any:
-        def work() -> None:
-            with self.record.communicating(unit, "all-gather"):
-                unit.gather_plan()
-        return work
 
     def _count_optimizer_state(self) -> None:
         self.record.optimizer_state(optimizer_state_nbytes(self.optimizer))
@@ -592,19 +414,8 @@ class ZeroStrategy(Strategy):
                                      dtype=np.float64), op="max", comm=self.comm)
         self.model_state_bytes, self.sent_bytes_per_step = int(figures[0]), float(figures[1])
         self._full_state = self.gather_optimizer_state() if optimizer_state else None
-        if self.stage < 3:
+        with self.parameters.whole():
             yield
-            return
-        for u in self.units:
-            self._gathered(u)
-        self._sharded = False
-        try:
-            yield
-        finally:
-            self._sharded = True
-            for u in self.units:
-                u.xp.copyto(u.shard, u.full[u.lo:u.hi])
-                self._free(u, root=True)
 
     def gather_optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state_dict as a replica's optimizer would have it (one entry per
@@ -681,6 +492,14 @@ class ZeroStrategy(Strategy):
         if final:
             fields.update(units=len(self.units), unit_bytes=[u.nbytes for u in self.units])
         return fields
+
+
+def _ghost(batch: Batch) -> Batch:
+    """One zero sample shaped like the batch's (its gradient is weighted 0: the batch is empty)."""
+    xp = get_array_module(batch.x)
+    return Batch(xp.zeros((1, *batch.x.shape[1:]), dtype=batch.x.dtype),
+                 xp.zeros((1, *batch.y.shape[1:]), dtype=batch.y.dtype), batch.global_size,
+                 batch.lr)
 
 
 class NaiveZero:
