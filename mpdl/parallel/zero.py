@@ -23,7 +23,7 @@ The stage is chosen once, at setup: how the parameters are held (`zero_params`: 
 rank for stages 1-2, sharded for stage 3) and whether the full-size gradient buffers are kept
 (stage 1); the step below is the same for every stage. The shard layout (`Unit`, `Piece`) and the
 gather of the whole optimizer state live in `mpdl.parallel.shards`; the step's timings and
-counters in `mpdl.parallel.steprecord`.
+counters in `mpdl.parallel.zero_recorder`.
 
 Collectives on buffers kept between steps (stage 1's gradient buffers, stages 1-2's flat
 parameters) run through persistent plans made once per unit (`mpdl.collectives.plan`); buffers
@@ -80,7 +80,6 @@ from mpdl.parallel.shards import (
     state_dtype,
     whole_param_groups,
 )
-from mpdl.parallel.steprecord import StepRecorder
 from mpdl.parallel.strategy import Batch, MakeOptimizer, StepResult, Strategy
 from mpdl.parallel.zero_params import (
     UNITS_PER_MODEL,
@@ -89,6 +88,7 @@ from mpdl.parallel.zero_params import (
     UnitParameters,
     module_units,
 )
+from mpdl.parallel.zero_recorder import ZeroRecorder
 
 MB = 1 << 20
 STAGES = (1, 2, 3)
@@ -158,7 +158,7 @@ class ZeroStrategy(Strategy):
         self.weight = 1.0 / comm.size
         self._next = 0
         #: the step's timings and counters: bytes held, waits, collectives, bytes sent
-        self.record = StepRecorder(comm)
+        self.record = ZeroRecorder(comm)
         self.model_state_bytes = 0
         self.sent_bytes_per_step = 0.0
 

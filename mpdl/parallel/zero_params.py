@@ -35,7 +35,7 @@ from mpdl.collectives.handles import Handle
 from mpdl.comm import Communicator
 from mpdl.parallel import flat
 from mpdl.parallel.shards import Unit, placeholder
-from mpdl.parallel.steprecord import StepRecorder
+from mpdl.parallel.zero_recorder import ZeroRecorder
 
 #: stage 3 by default: a unit holds at most 1/UNITS_PER_MODEL of the model (a module larger than
 #: that is split into its children)
@@ -56,7 +56,7 @@ class UnitParameters:
     gathers_in_forward = False
 
     def __init__(self, units: list[Unit], comm: Communicator, algorithm: str, submit: Submit,
-                 record: StepRecorder) -> None:
+                 record: ZeroRecorder) -> None:
         self.units, self.comm, self.algorithm = units, comm, algorithm
         self.submit, self.record = submit, record
 
@@ -126,7 +126,7 @@ class ShardedParameters(UnitParameters):
     gathers_in_forward = True
 
     def __init__(self, units: list[Unit], comm: Communicator, algorithm: str, submit: Submit,
-                 record: StepRecorder, prefetch: bool = True) -> None:
+                 record: ZeroRecorder, prefetch: bool = True) -> None:
         super().__init__(units, comm, algorithm, submit, record)
         self.prefetch = prefetch
         #: False inside `whole()`: every unit is held and the forwards run as they are

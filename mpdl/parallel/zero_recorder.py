@@ -1,6 +1,6 @@
 """What a step of ZeRO (`mpdl.parallel.zero`) records for its report, kept apart from the algorithm.
 
-`StepRecorder` counts the model-state bytes the strategy holds (parameters, gradients, optimizer
+`ZeroRecorder` counts the model-state bytes the strategy holds (parameters, gradients, optimizer
 state) and their peak within a step; it times the step's phases, the main thread's waits for the
 communication thread (the exposed communication) and the communication thread's collectives per
 unit; and it counts the bytes this rank sent, from the communicator's message recorder. At the
@@ -21,7 +21,7 @@ from mpdl.parallel.shards import Unit
 from mpdl.parallel.strategy import Span, StepResult
 
 
-class StepRecorder:
+class ZeroRecorder:
     """The timings and counters of the steps of a strategy over `comm`."""
 
     def __init__(self, comm: Communicator) -> None:
