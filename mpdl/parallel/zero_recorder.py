@@ -12,13 +12,30 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from mpdl.comm import Communicator
 from mpdl.parallel.shards import Unit
 from mpdl.parallel.strategy import Span, StepResult
+
+
+class Timed:
+    """A with-block timed by time.perf_counter, from `start` (None: when it begins) to its end;
+    `done(start, end)` is called when it ends (not when it raises)."""
+
+    __slots__ = ("_done", "_start")
+
+    def __init__(self, done: Callable[[float, float], None], start: float | None = None) -> None:
+        self._done, self._start = done, start
+
+    def __enter__(self) -> None:
+        if self._start is None:
+            self._start = time.perf_counter()
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        if kind is None:
+            self._done(self._start, time.perf_counter())
 
 
 class ZeroRecorder:
@@ -76,33 +93,26 @@ class ZeroRecorder:
         self._phases = []
         self._start = time.perf_counter()
 
-    @contextmanager
-    def phase(self, name: str, cat: str = "compute", start: float | None = None
-              ) -> Iterator[None]:
+    def phase(self, name: str, cat: str = "compute", start: float | None = None) -> Timed:
         """The block is a phase of the step's timeline, from `start` (default: where the last
-        phase ended, or now)."""
-        if start is None:
-            start = self._phases[-1].end if self._phases else time.perf_counter()
-        yield
-        self._phases.append(Span(name, start, time.perf_counter(), cat=cat))
+        phase ended, or when the block begins)."""
+        if start is None and self._phases:
+            start = self._phases[-1].end
+        return Timed(lambda s, e: self._phases.append(Span(name, s, e, cat=cat)), start)
 
-    @contextmanager
-    def waiting(self, gather: Unit | None = None) -> Iterator[None]:
+    def waiting(self, gather: Unit | None = None) -> Timed:
         """The block is the main thread waiting for communication (exposed); with `gather`, for
         that unit's all-gather."""
-        start = time.perf_counter()
-        yield
-        end = time.perf_counter()
+        return Timed(lambda s, e: self._waited(s, e, gather))
+
+    def communicating(self, unit: Unit, name: str) -> Timed:
+        """The block is the communication thread's collective `name` of `unit`."""
+        return Timed(lambda s, e: self._collectives[unit.index].append((name, s, e)))
+
+    def _waited(self, start: float, end: float, gather: Unit | None) -> None:
         self.exposed_s += end - start
         if gather is not None:
             self._gather_waits.append((gather.index, start, end))
-
-    @contextmanager
-    def communicating(self, unit: Unit, name: str) -> Iterator[None]:
-        """The block is the communication thread's collective `name` of `unit`."""
-        start = time.perf_counter()
-        yield
-        self._collectives[unit.index].append((name, start, time.perf_counter()))
 
     def finish(self, result: StepResult, units: list[Unit]) -> StepResult:
         """The step ends now: `result` gets its compute, communication and exposed seconds and
