@@ -187,7 +187,7 @@ def test_zero_shards_master_weights_and_agrees_on_skipping(stage):
     out = run_world(3, lambda c: run(c, zero, "bf16"))
     for params, strategy in out:
         assert np.array_equal(params, out[0][0])
-        pieces = sum(t.data.size for t, *_ in strategy.pieces)
+        pieces = sum(piece.tensor.data.size for piece in strategy.pieces)
         masters = sum(v.size for s in strategy.optimizer.state.values() for k, v in s.items()
                       if k == "master")
         assert masters == pieces < params.size  # each rank holds the master weights of its shard

@@ -71,6 +71,7 @@ from mpdl.comm import Communicator
 from mpdl.parallel import flat
 from mpdl.parallel.ddp import DistributedDataParallel
 from mpdl.parallel.dpshard import ShardedOptimizer
+from mpdl.parallel.shards import placeholder as _placeholder
 from mpdl.parallel.strategy import (
     Batch,
     MakeOptimizer,
@@ -79,7 +80,6 @@ from mpdl.parallel.strategy import (
     Strategy,
     microbatches,
 )
-from mpdl.parallel.zero import _placeholder
 
 
 class AllToAll(Function):

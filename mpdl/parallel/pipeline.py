@@ -79,9 +79,9 @@ from mpdl.parallel.context import context_attention, positions, shard_sequence
 from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.pipeline_recorder import PipelineRecorder
+from mpdl.parallel.shards import placeholder as _placeholder
 from mpdl.parallel.strategy import Batch, MakeOptimizer, StepResult, Strategy, correct_predictions
 from mpdl.parallel.tensor import TensorParallelGPT, gather_array
-from mpdl.parallel.zero import _placeholder
 
 SCHEDULES = ("afab", "1f1b")
 
