@@ -5,8 +5,8 @@ s sequence length, b microbatch (per rank), h width, a heads, t tensor-parallel 
 bytes per element. mpdl keeps, per layer, every array a graph node saved or took as input, each
 buffer once (`mpdl.memory`):
 
-- no recomputation: (25 + 4·[dropout]) sbh elements, 2sb LayerNorm statistics and the attention
-  probabilities a·s²·b; with t > 1, (12 + 4·[dropout] + 17/t) sbh + 2sb + a·s²·b/t elements,
+- no recomputation: (18 + 4·[dropout]) sbh elements, 4sb LayerNorm statistics and the attention
+  probabilities a·s²·b; with t > 1, (10 + 4·[dropout] + 13/t) sbh + 4sb + a·s²·b/t elements,
   plus a 4 KiB page for each of the two all-reduce results (NumPy places an array of a page or
   more at its input's offset within a page, `backend.empty_like_page_offset`);
 - selective (the attention core recomputed): the same without the probabilities;
@@ -33,9 +33,9 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, itemsize: int = 4, t:
     sbh, sb = s * b * h, s * b
     masks = 4 * sbh if dropout else 0   # two masks and two outputs of the residual dropouts
     if t == 1:
-        elements = 25 * sbh + masks + 2 * sb
+        elements = 18 * sbh + masks + 4 * sb
     else:
-        elements = 12 * sbh + masks + 17 * sbh // t + 2 * sb
+        elements = 10 * sbh + masks + 13 * sbh // t + 4 * sb
     if recompute == "none":
         elements += a * s * s * b // t
     pages = 2 * PAGE if t > 1 and numpy and sbh * itemsize >= PAGE else 0
@@ -68,8 +68,9 @@ def model_activation_bytes(s: int, b: int, h: int, a: int, vocab: int, layers: i
     blocks, with the embedding and the head (or a pipeline stage's share of them).
 
     Beside the layers: the embedding's token ids and position indices (int64), its token rows and
-    position rows (and with dropout its mask and output); the head's input, final LayerNorm,
-    logits and their log-softmax, the loss's labels and row index (int64). With full
+    position rows (and with dropout its mask and output); the head's input, the final
+    LayerNorm's output and row statistics, the logits and their log-sum-exp per row, the loss's
+    labels (int64). With full
     recomputation the peak is the larger of the end of forward (every block's input, the
     embedding and the head) and the recomputation of the last block in backward (its whole set,
     while the head is already released). A pipeline stage without the embedding takes its input
@@ -77,7 +78,7 @@ def model_activation_bytes(s: int, b: int, h: int, a: int, vocab: int, layers: i
     sbh, sb = s * b * h, s * b
     embed = (8 * sb + 8 * s + itemsize * (sbh + s * h) + (2 * itemsize * sbh if dropout else 0)
              if embedding else 0)
-    top = itemsize * (3 * sbh + sb + 2 * sb * vocab) + 16 * sb if head else 0
+    top = itemsize * (2 * sbh + 3 * sb + sb * vocab) + 8 * sb if head else 0
     kept = layers * layer_activation_bytes(s, b, h, a, itemsize, t, recompute, dropout, numpy)
     if not embedding and layers:
         kept -= itemsize * sbh
