@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mpdl.autograd.functional as F
-from mpdl.autograd import Tensor, fused, gradcheck
+from mpdl.autograd import Tensor, attention, fused, gradcheck, optim
 from mpdl.autograd.attention import packed_attention
 from mpdl.backend import standin
 from mpdl.training.gpt import GPT
@@ -147,12 +147,12 @@ def test_device_arrays_take_the_array_path():
     float dtype do, unless the array path is forced; other dtypes and mixed dtypes do not."""
     device = standin.asarray(np.ones((2, 3), np.float32))
     host32, host64 = np.ones((2, 3), np.float32), np.ones((2, 3))
-    assert not fused._on_host(device)
-    assert fused._on_host(host32) and fused._on_host(host64, host64)
-    assert not fused._on_host(host32, host64)
-    assert not fused._on_host(host32.astype(np.float16))
+    assert not fused.kernels_apply(device)
+    assert fused.kernels_apply(host32) and fused.kernels_apply(host64, host64)
+    assert not fused.kernels_apply(host32, host64)
+    assert not fused.kernels_apply(host32.astype(np.float16))
     with fused.array_path():
-        assert not fused._on_host(host32)
+        assert not fused.kernels_apply(host32)
 
 
 def _gpt_ops():
@@ -172,7 +172,8 @@ def _gpt_ops():
 
 
 @pytest.mark.parametrize("array_path", [False, True], ids=["kernels", "array_path"])
-def test_gradcheck_of_the_fused_ops(array_path):
+def test_gradcheck_of_the_fused_ops(array_path, monkeypatch):
+    monkeypatch.setattr(attention, "CAUSAL_BLOCK", 2)  # the causal products in blocks
     for name, fn, *inputs in _gpt_ops():
         if array_path:
             with fused.array_path():
@@ -181,17 +182,24 @@ def test_gradcheck_of_the_fused_ops(array_path):
             assert gradcheck(fn, *inputs), name
 
 
+@pytest.mark.parametrize("array_path", [False, True], ids=["kernels", "array_path"])
+@pytest.mark.parametrize("block", [64, 2, 3])
 @pytest.mark.parametrize("causal", [False, True])
-def test_packed_attention_equals_attention_of_the_split_heads(causal):
-    qkv = np.random.default_rng(5).standard_normal((2, 6, 3, 2, 4))
+def test_packed_attention_equals_attention_of_the_split_heads(causal, block, array_path,
+                                                              monkeypatch):
+    """Also with causal blocks of 2 and 3 query rows over 7 positions (the last block short)."""
+    monkeypatch.setattr(attention, "CAUSAL_BLOCK", block)
+    qkv = np.random.default_rng(5).standard_normal((2, 7, 3, 2, 4))
     ours = Tensor(qkv.copy(), requires_grad=True)
     split = Tensor(qkv.copy(), requires_grad=True)
-    out = packed_attention(ours, is_causal=causal)
+    with fused.array_path() if array_path else _nothing():
+        out = packed_attention(ours, is_causal=causal)
     heads = split.transpose(2, 0, 3, 1, 4)
     ref = F.scaled_dot_product_attention(heads[0], heads[1], heads[2], is_causal=causal)
     np.testing.assert_allclose(out.data, ref.transpose(0, 2, 1, 3).data, rtol=1e-13, atol=1e-14)
     g = np.random.default_rng(6).standard_normal(out.shape)
-    out.backward(g)
+    with fused.array_path() if array_path else _nothing():
+        out.backward(g)
     ref.transpose(0, 2, 1, 3).backward(g)
     np.testing.assert_allclose(ours.grad, split.grad, rtol=1e-12, atol=1e-13)
 
@@ -256,3 +264,29 @@ def test_gpt_kernels_match_torch_in_float32():
     for name, p in model.named_parameters():
         np.testing.assert_allclose(p.grad, theirs_params[name].grad.numpy(), rtol=2e-3,
                                    atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["adam", "adam_l2", "adamw"])
+def test_adam_kernel_gives_the_bits_of_the_array_path(dtype, kind):
+    """Three steps of Adam, Adam with L2 weight decay and AdamW on a matrix and a vector: the
+    parameters and moments are bitwise those of the array expressions."""
+    make = {"adam": lambda ps: optim.Adam(ps, lr=3e-3, betas=(0.8, 0.95), eps=1e-6),
+            "adam_l2": lambda ps: optim.Adam(ps, lr=1e-2, weight_decay=0.1),
+            "adamw": lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=0.1)}[kind]
+    results = []
+    for forced in (False, True):
+        params = [Tensor(_random(shape, dtype, i), requires_grad=True)
+                  for i, shape in enumerate([(7, 5), (5,)])]
+        opt = make(params)
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = _random(p.shape, dtype, 10 * step + i, scale=10.0 ** (i - step))
+            with fused.array_path() if forced else _nothing():
+                opt.step()
+        results.append([p.data for p in params] + [s[k] for s in opt.state.values()
+                                                    for k in ("exp_avg", "exp_avg_sq")])
+    for host, array in zip(*results, strict=True):
+        assert host.dtype == dtype
+        np.testing.assert_array_equal(host, array)
+        assert host.tobytes() == array.tobytes()

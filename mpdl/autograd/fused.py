@@ -1,5 +1,5 @@
-"""Fused kernels of the transformer's row-wise and elementwise ops: numba on the host, array
-expressions on CuPy.
+"""Fused kernels of the transformer's row-wise and elementwise ops and of Adam's update: numba on
+the host, array expressions on CuPy.
 
 LayerNorm, GELU, the attention softmax and softmax cross-entropy each take several NumPy passes
 (and as many temporaries) per step: one per elementwise operation and reduction. On the host each
@@ -8,6 +8,10 @@ row in cache for its reductions and writes its outputs once; their saved state i
 that lets backward recompute the rest (LayerNorm's row statistics, GELU's input, the loss's
 log-sum-exp per row). On a GPU, for other dtypes and under ``array_path()``, the same functions
 run as array expressions with the same saved state.
+
+Adam's update is one pass over the parameter, its gradient and moments instead of nine, with
+the same operations in the same order as the array expressions and no contraction: the same
+bits.
 
 The host kernels compute in the input's dtype. float64 uses the C library's exp and erf;
 float32 uses polynomial approximations that vectorize (exp: Cephes' expf, relative error below
@@ -51,7 +55,7 @@ def array_path() -> Iterator[None]:
         _state.array_path = previous
 
 
-def _on_host(*arrays: Any) -> bool:
+def kernels_apply(*arrays: Any) -> bool:
     """Whether the host kernels apply: NumPy arrays of one dtype, float32 or float64."""
     if getattr(_state, "array_path", False):
         return False
@@ -132,9 +136,9 @@ def _register() -> Any:
 
 
 @functools.cache
-def _compiled(name: str):
+def _compiled(name: str, fastmath: bool = True):
     numba = _register()
-    return numba.njit(cache=True, nogil=True, fastmath=_FASTMATH,
+    return numba.njit(cache=True, nogil=True, fastmath=_FASTMATH if fastmath else False,
                       error_model="numpy")(globals()[name])
 
 
@@ -249,11 +253,26 @@ def _cross_entropy_backward_loop(logits, labels, lse, scale, g):
         g[r, labels[r]] -= scale[r]
 
 
+def _adam_loop(p, g, m, v, c):
+    b1, one_minus_b1, b2, one_minus_b2, correction2, eps, step = c[2:]
+    for i in range(p.size):
+        gi = g[i]
+        mi = m[i] * b1
+        mi = mi + one_minus_b1 * gi
+        vi = v[i] * b2
+        vi = vi + one_minus_b2 * (gi * gi)
+        m[i] = mi
+        v[i] = vi
+        denom = np.sqrt(vi) * correction2
+        denom = denom + eps
+        p[i] = p[i] - step * (mi / denom)
+
+
 # ---------------------------------------------------------------------- the ops
 def layer_norm(x: Any, weight: Any, bias: Any, eps: float) -> tuple[Any, Any, Any]:
     """LayerNorm of (R, n) ``x`` over its rows, scaled by ``weight`` and shifted by ``bias`` (n,):
     (y, mean, rstd), the last two of shape (R, 1)."""
-    if _on_host(x, weight, bias):
+    if kernels_apply(x, weight, bias):
         x = np.ascontiguousarray(x)
         y = np.empty_like(x)
         mean, rstd = np.empty((x.shape[0], 1), x.dtype), np.empty((x.shape[0], 1), x.dtype)
@@ -272,7 +291,7 @@ def layer_norm(x: Any, weight: Any, bias: Any, eps: float) -> tuple[Any, Any, An
 def layer_norm_backward(grad: Any, x: Any, weight: Any, mean: Any, rstd: Any
                         ) -> tuple[Any, Any, Any]:
     """The gradients (x, weight, bias) of ``layer_norm`` for the output gradient ``grad``."""
-    if _on_host(grad, x, weight, mean, rstd):
+    if kernels_apply(grad, x, weight, mean, rstd):
         grad, x = np.ascontiguousarray(grad), np.ascontiguousarray(x)
         gx = np.empty_like(x)
         gw, gb = np.zeros_like(weight), np.zeros_like(weight)
@@ -292,7 +311,7 @@ def layer_norm_backward(grad: Any, x: Any, weight: Any, mean: Any, rstd: Any
 
 def gelu(x: Any) -> Any:
     """x·Φ(x), elementwise (Φ the standard normal distribution function)."""
-    if _on_host(x):
+    if kernels_apply(x):
         flat = np.ascontiguousarray(x).reshape(-1)
         y = np.empty_like(flat)
         _compiled("_gelu_loop")(flat, y, _constants(x.dtype, 0.5, _INV_SQRT_2))
@@ -304,7 +323,7 @@ def gelu(x: Any) -> Any:
 
 def gelu_backward(grad: Any, x: Any) -> Any:
     """The gradient of ``gelu`` at ``x`` for the output gradient ``grad``."""
-    if _on_host(grad, x):
+    if kernels_apply(grad, x):
         g, flat = np.ascontiguousarray(grad).reshape(-1), np.ascontiguousarray(x).reshape(-1)
         gx = np.empty_like(flat)
         _compiled("_gelu_backward_loop")(g, flat, gx, _constants(x.dtype, 0.5, _INV_SQRT_2,
@@ -319,9 +338,10 @@ def gelu_backward(grad: Any, x: Any) -> Any:
 
 def softmax_(scores: Any, scale: float, causal: bool) -> Any:
     """softmax(scores · scale) over the last axis of (..., T, S) ``scores``, in place; with
-    ``causal``, row i over its first i + 1 entries only (the rest become 0)."""
+    ``causal``, row i over its first i + 1 entries only (the rest become 0; on the host they are
+    not read)."""
     t, s = scores.shape[-2:]
-    if _on_host(scores) and scores.flags.c_contiguous and scores.size:
+    if kernels_apply(scores) and scores.flags.c_contiguous and scores.size:
         _compiled("_softmax_loop")(scores.reshape(-1, t, s), scores.dtype.type(scale), causal,
                                    _constants(scores.dtype))
         return scores
@@ -337,9 +357,10 @@ def softmax_(scores: Any, scale: float, causal: bool) -> Any:
 
 def softmax_backward_(grad: Any, probs: Any, scale: float, causal: bool) -> Any:
     """The gradient of ``softmax_`` with respect to its scores, for the gradient ``grad`` of its
-    probabilities ``probs``, computed in place of ``grad``."""
+    probabilities ``probs``, computed in place of ``grad`` (on the host, the entries a causal
+    mask hides are not read)."""
     t, s = probs.shape[-2:]
-    if (_on_host(grad, probs) and grad.flags.c_contiguous and probs.flags.c_contiguous
+    if (kernels_apply(grad, probs) and grad.flags.c_contiguous and probs.flags.c_contiguous
             and grad.size):
         _compiled("_softmax_backward_loop")(grad.reshape(-1, t, s), probs.reshape(-1, t, s),
                                             probs.dtype.type(scale), causal,
@@ -356,7 +377,7 @@ def cross_entropy(logits: Any, labels: Any, keep: Any) -> tuple[Any, Any]:
     is False, or everywhere where ``keep`` is None), and the row's log-sum-exp, as (N,) arrays."""
     xp = get_array_module(logits)
     n = logits.shape[0]
-    if _on_host(logits) and type(labels) is np.ndarray and n:
+    if kernels_apply(logits) and type(labels) is np.ndarray and n:
         logits = np.ascontiguousarray(logits)
         losses, lse = np.empty(n, logits.dtype), np.empty(n, logits.dtype)
         _compiled("_cross_entropy_loop")(logits, labels, np.ones(n, bool) if keep is None else
@@ -374,7 +395,7 @@ def cross_entropy_backward(logits: Any, labels: Any, lse: Any, scale: Any) -> An
     """The gradient of ``cross_entropy``'s losses with respect to ``logits``, each row weighted
     by ``scale`` (N,): scale · (softmax(logits) - onehot(labels))."""
     xp = get_array_module(logits)
-    if _on_host(logits, lse, scale) and type(labels) is np.ndarray and logits.shape[0]:
+    if kernels_apply(logits, lse, scale) and type(labels) is np.ndarray and logits.shape[0]:
         g = np.empty_like(logits)
         _compiled("_cross_entropy_backward_loop")(np.ascontiguousarray(logits), labels, lse,
                                                   scale, g)
@@ -383,3 +404,25 @@ def cross_entropy_backward(logits: Any, labels: Any, lse: Any, scale: Any) -> An
     g[xp.arange(logits.shape[0]), labels] -= 1
     g *= scale[:, None]
     return g
+
+
+def adam_(param: Any, grad: Any, m: Any, v: Any, betas: tuple[float, float], step: int,
+          lr: float, eps: float) -> None:
+    """Adam's step ``step`` (from 1) in place: the moments ``m`` and ``v`` advance with ``grad``
+    and ``param`` moves by lr / (1 - β1^t) · m / (√v / √(1 - β2^t) + eps)."""
+    b1, b2 = betas
+    arrays = (param, grad, m, v)
+    if kernels_apply(*arrays) and all(a.flags.c_contiguous for a in arrays) and all(
+            type(b) is float for b in betas):
+        c = _constants(param.dtype, b1, 1 - b1, b2, 1 - b2, 1.0 / math.sqrt(1 - b2**step), eps,
+                       lr / (1 - b1**step))
+        _compiled("_adam_loop", fastmath=False)(*(a.reshape(-1) for a in arrays), c)
+        return
+    xp = get_array_module(param)
+    m *= b1
+    m += (1 - b1) * grad
+    v *= b2
+    v += (1 - b2) * (grad * grad)
+    denom = xp.sqrt(v) * (1.0 / math.sqrt(1 - b2**step))
+    denom += eps
+    param -= (lr / (1 - b1**step)) * (m / denom)
