@@ -140,7 +140,7 @@ class CrossEntropy(Function):
         else:
             if self.reduction == "mean":
                 grad = grad * (1.0 / max(self.count, 1))
-            scale = xp.full(logits.shape[0], grad, dtype=logits.dtype)
+            scale = xp.ones(logits.shape[0], dtype=logits.dtype) * grad
         if self.keep is not None:
             scale = scale * self.keep
         return fused.cross_entropy_backward(logits, self.labels, self.lse,
