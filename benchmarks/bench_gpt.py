@@ -6,8 +6,9 @@ that machine noise hits both alike; the table reports the median ms/step of each
 tokens/s, the model FLOP/s (``GPT.flops_per_token``: 6N + 12·L·d·T, the PaLM formula) and the
 MFU: model FLOP/s over the one-thread float32 GEMM peak NumPy reaches in the same run
 (``mpdl.training.throughput.gemm_flops``, 512×512 products; PyTorch's own peak is printed
-beside it). The glibc heap is kept between steps, as ``mpdl train`` keeps it
-(``MPDL_MALLOC=default``: not).
+beside it). A last line splits the step: the linear layers' GEMMs at the step's shapes, timed
+alone in each library (NumPy's BLAS against PyTorch's), and the rest of the step. The glibc
+heap is kept between steps, as ``mpdl train`` keeps it (``MPDL_MALLOC=default``: not).
 
     python benchmarks/bench_gpt.py [--reps 7] [--steps 5] [--batch 16] [--block-size 64]
                                    [--n-layer 4] [--n-head 4] [--n-embd 128] [--vocab 65]
@@ -126,6 +127,32 @@ def time_steps(step, steps: int) -> float:
     return (_clock() - start) * 1e3 / steps
 
 
+def linear_gemm_ms(torch, model: GPT, rows: int, reps: int = 5) -> tuple[float, float]:
+    """Milliseconds of the linear layers' GEMMs of one step, NumPy's and PyTorch's: for each
+    layer's (rows, in) input and (out, in) weight, the forward x·wᵀ and the backward g·w and
+    gᵀ·x, each the best of ``reps`` (on the clock the steps are timed on)."""
+    shapes = [(p.shape[1], p.shape[0]) for name, p in model.named_parameters()
+              if name.endswith(("qkv.weight", "proj.weight", "fc.weight"))]
+    shapes.append((model.n_embd, model.vocab_size))  # the head, tied to the token embedding
+    rng = np.random.default_rng(0)
+    totals = [0.0, 0.0]
+    for n_in, n_out in shapes:
+        x, w, g = (rng.standard_normal(shape).astype(np.float32)
+                   for shape in ((rows, n_in), (n_out, n_in), (rows, n_out)))
+        tx, tw, tg = (torch.from_numpy(a) for a in (x, w, g))
+        for side, pairs in enumerate((((x, w.T), (g, w), (g.T, x)),
+                                      ((tx, tw.T), (tg, tw), (tg.T, tx)))):
+            for a, b in pairs:
+                a @ b
+                best = float("inf")
+                for _ in range(reps):
+                    start = _clock()
+                    a @ b
+                    best = min(best, _clock() - start)
+                totals[side] += best * 1e3
+    return totals[0], totals[1]
+
+
 def torch_gemm_flops(torch, n: int = GEMM_N, seconds: float = 0.2) -> float:
     """FLOP/s of an n×n float32 product in PyTorch: the best of repeated products (as
     ``gemm_flops`` measures NumPy's)."""
@@ -175,6 +202,7 @@ def main() -> None:
         ours_ms.append(time_steps(ours_step, args.steps))
         torch_ms.append(time_steps(torch_step, args.steps))
     peak, torch_peak = gemm_flops(), torch_gemm_flops(torch)
+    gemm_ms = linear_gemm_ms(torch, model, args.batch * args.block_size)
     tokens = args.batch * args.block_size
     flops = model.flops_per_token(args.block_size) * tokens
     print(f"GPT vocab {args.vocab}, block {args.block_size}, {args.n_layer} layers, "
@@ -191,6 +219,11 @@ def main() -> None:
               f"{flops / ms * 1e3 / peak:>8.1%}")
     ratio = statistics.median(ours_ms) / statistics.median(torch_ms)
     print(f"ratio mpdl/torch {ratio:.2f} (target <= 1.0)")
+    rest = [statistics.median(ms) - gemm for ms, gemm in zip((ours_ms, torch_ms), gemm_ms,
+                                                              strict=True)]
+    print(f"the linear layers' GEMMs at this step's shapes, alone: numpy {gemm_ms[0]:.1f} ms, "
+          f"torch {gemm_ms[1]:.1f} ms ({gemm_ms[0] / gemm_ms[1]:.2f}x); the rest of the step: "
+          f"mpdl {rest[0]:.1f} ms, torch {rest[1]:.1f} ms ({rest[0] / rest[1]:.2f}x)")
 
 
 if __name__ == "__main__":
