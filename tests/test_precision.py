@@ -85,6 +85,16 @@ def test_bf16_gpt_gradients_are_close_to_float32_and_16_bit():
         assert np.abs(p.grad.astype(np.float32) - q.grad).max() <= 0.08 * scale
 
 
+def test_a_parameter_another_pipeline_stage_holds_stays_a_zero_byte_placeholder():
+    m = gpt()
+    dropped, kept = m.parameters()[:2]
+    dropped.data = np.broadcast_to(np.full((), np.nan, np.float32), dropped.shape)
+    precision.prepare(m, config("bf16"))
+    assert dropped.data.dtype == bfloat16 and not any(dropped.data.strides)
+    assert np.isnan(dropped.data.astype(np.float32)).all()
+    assert kept.data.dtype == bfloat16 and kept.data.flags.owndata
+
+
 def test_master_weights_are_float32_and_the_compute_copy_their_rounding():
     x, y = gpt_data()
     m = gpt()

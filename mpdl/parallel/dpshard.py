@@ -75,6 +75,17 @@ class ShardedOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward: the inner optimizer's (mixed precision
+        in fp16), else 1."""
+        return getattr(self.optimizer, "loss_scale", 1.0)
+
+    @property
+    def scaler(self) -> Any:
+        """The inner optimizer's loss scaler (mixed precision in fp16), else None."""
+        return getattr(self.optimizer, "scaler", None)
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None

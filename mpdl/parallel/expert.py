@@ -29,6 +29,12 @@ The gradient reductions run after backward on the main thread (no overlap): back
 
 `gathered()` (evaluation, checkpoints) all-gathers every rank's experts over `ep_comm`, so each
 rank holds all E and runs them locally (`LocalExperts`); on leaving, the others' are dropped again.
+With `optimizer_state` it also assembles the optimizer state of the whole model in one rank's
+layout (each expert's from the rank of the group that holds it), which a checkpoint stores and
+any layout loads.
+
+`ExpertGroups` is the layout itself (the groups, the dispatchers, the all-gather);
+`mpdl.parallel.expert_pipeline` uses it on each stage of a pipeline and tensor-parallel grid.
 """
 
 from __future__ import annotations
@@ -134,6 +140,100 @@ def _source_to_expert_order(from_source: np.ndarray) -> np.ndarray:
     return np.argsort(expert_of_row, kind="stable").astype(np.int64)
 
 
+class ExpertGroups:
+    """The experts of `moes` spread over groups of `ep` ranks of `dp_comm` (ranks d = g·ep + j;
+    see the module docstring): the experts this rank holds, the dispatchers that bring it the
+    rows of its group, and the all-gather that makes every layer whole again. A list of no
+    layers (a pipeline stage without MoE blocks) holds nothing."""
+
+    def __init__(self, moes: list[MoE], dp_comm: Communicator, ep: int,
+                 alltoall: str = "auto") -> None:
+        check_ep(ep, dp_comm.size)
+        for moe in moes:
+            if moe.num_experts % ep:
+                raise ValueError(f"ep: {ep} must divide the {moe.num_experts} experts of each "
+                                 f"MoE layer")
+        self.moes, self.ep = moes, ep
+        group, self.ep_rank = divmod(dp_comm.rank, ep)
+        self.ep_comm = dp_comm.sub(range(group * ep, (group + 1) * ep))
+        self.replica_comm = dp_comm.sub(range(self.ep_rank, dp_comm.size, ep))
+        self.local_experts = [self._experts_of(moe, self.ep_rank) for moe in moes]
+        self.expert_ids = {id(p) for moe in moes for p in moe.experts.parameters()}
+        self.owned_ids = {id(p) for group in self.local_experts for ex in group
+                          for p in ex.parameters()}
+        self.dispatchers = [AllToAllExperts(group, self.ep_comm, dp_comm, alltoall)
+                            for group in self.local_experts]
+
+    def _experts_of(self, moe: MoE, j: int) -> list[Any]:
+        """The experts rank j of a group holds of `moe`."""
+        local = moe.num_experts // self.ep
+        return [moe.experts[i] for i in range(j * local, (j + 1) * local)]
+
+    def split(self, params: list[Any]) -> tuple[list[Any], list[Any]]:
+        """`params` without the experts of other ranks: (the rest, this rank's experts)."""
+        return ([p for p in params if id(p) not in self.expert_ids],
+                [p for p in params if id(p) in self.owned_ids])
+
+    def install(self) -> None:
+        """The layers send their rows to the experts' ranks."""
+        for moe, dispatcher in zip(self.moes, self.dispatchers, strict=True):
+            moe.dispatcher = dispatcher
+
+    @contextmanager
+    def local(self) -> Iterator[None]:
+        """Within the block every layer runs its experts here (all of them must be held)."""
+        for moe in self.moes:
+            moe.dispatcher = LocalExperts()
+        try:
+            yield
+        finally:
+            self.install()
+
+    def set_grad_weight(self, weight: float) -> None:
+        """This rank's share of the global batch, by which the experts weight its rows'
+        gradients (1: the loss is already scaled by it)."""
+        for d in self.dispatchers:
+            d.grad_weight = weight
+
+    def take_spans(self) -> list[tuple[str, float, float, int]]:
+        """The all-to-alls since the last call: (name, start, end, bytes sent)."""
+        spans = [s for d in self.dispatchers for s in d.spans]
+        for d in self.dispatchers:
+            d.spans = []
+        return spans
+
+    def gather(self) -> None:
+        """Every rank of the group gets the other ranks' experts (an all-gather over
+        `ep_comm`); collective."""
+        if self.ep == 1 or not self.moes:
+            return
+        mine = [p for group in self.local_experts for ex in group for p in ex.parameters()]
+        whole = allgather(flat.pack([p.data for p in mine]), comm=self.ep_comm)
+        size = sum(p.size for p in mine)
+        for s in range(self.ep):
+            theirs = [p for moe in self.moes for ex in self._experts_of(moe, s)
+                      for p in ex.parameters()]
+            for p, piece in zip(theirs, flat.unpack(whole[s * size:(s + 1) * size], theirs),
+                                strict=True):
+                if id(p) not in self.owned_ids:
+                    p.data = piece.copy()
+
+    def release(self) -> None:
+        """Drop the values of the experts other ranks hold (zero-byte placeholders)."""
+        for moe in self.moes:
+            for p in moe.experts.parameters():
+                if id(p) not in self.owned_ids:
+                    p.data = _placeholder(p)
+
+
+def check_ep(ep: Any, ranks: int) -> None:
+    """Raise ValueError unless `ep` is a positive int dividing the `ranks` data-parallel ranks."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"ep: expected a positive number of ranks, got {ep!r}")
+    if ranks % ep:
+        raise ValueError(f"ep: {ep} must divide the {ranks} data-parallel ranks")
+
+
 class _Parameters:
     """Some of a model's parameters, with the part of the Module interface DDP reads."""
 
@@ -153,12 +253,17 @@ class _Parameters:
         return []
 
 
-class _TwoOptimizers:
-    """ZeRO-1 under expert parallelism: the dense parameters' optimizer state sharded over the
-    data-parallel ranks, the experts' over their replicas."""
+class ShardedOptimizers:
+    """ZeRO-1 under expert parallelism: an optimizer over `params` made of `ShardedOptimizer`s,
+    each over some of them and sharded over the ranks that sum their gradients (the dense
+    parameters' over the data-parallel ranks, the experts' over their replicas). Its state is
+    that of one optimizer over `params`."""
 
-    def __init__(self, dense: ShardedOptimizer, experts: ShardedOptimizer) -> None:
-        self.parts = (dense, experts)
+    def __init__(self, params: list[Any], *parts: ShardedOptimizer) -> None:
+        where = {id(p): k for k, p in enumerate(params)}
+        self.parts, self.count = parts, len(params)
+        #: for each part, the position in `params` of each of its parameters
+        self.positions = [[where[id(p)] for p in part.params] for part in parts]
 
     @property
     def lr(self) -> float:
@@ -169,6 +274,10 @@ class _TwoOptimizers:
         for part in self.parts:
             part.lr = value
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.parts[0].param_groups
+
     def step(self) -> None:
         for part in self.parts:
             part.step()
@@ -177,11 +286,58 @@ class _TwoOptimizers:
         for part in self.parts:
             part.zero_grad()
 
+    def state_nbytes(self) -> int:
+        """Bytes of the optimizer state this rank holds."""
+        return sum(part.state_nbytes() for part in self.parts)
+
+    def pieces(self) -> list[tuple[int, int, int, dict[str, Any]]]:
+        """This rank's part of the state, as `ShardedOptimizer.pieces`, by position in `params`."""
+        return [(positions[k], a, b, state) for part, positions in
+                zip(self.parts, self.positions, strict=True) for k, a, b, state in part.pieces()]
+
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("ep with zero 1: the optimizer state is not checkpointed")
+        """The state of a plain optimizer over `params` (whole tensors); collective over each
+        part's ranks."""
+        state: dict[int, Any] = {}
+        for part, positions in zip(self.parts, self.positions, strict=True):
+            for k, entries in part.state_dict()["state"].items():
+                state[positions[int(k)]] = entries
+        return {"state": state, "param_groups": [{**_hyper(self.param_groups),
+                                                  "params": list(range(self.count))}]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError("ep with zero 1: the optimizer state is not checkpointed")
+        """Keep this rank's blocks of a plain optimizer's state over `params`."""
+        saved = {int(k): v for k, v in state["state"].items()}
+        for part, positions in zip(self.parts, self.positions, strict=True):
+            part.load_state_dict({"state": {k: saved[i] for k, i in enumerate(positions)
+                                            if i in saved},
+                                  "param_groups": state["param_groups"]})
+
+
+def _hyper(param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The hyper-parameters of the first parameter group."""
+    return {k: v for k, v in param_groups[0].items() if k != "params"}
+
+
+def epoch_figures(layers: list[MoE], counted: list[MoE], alltoall_s: float, steps: int,
+                  comm: Communicator) -> dict[str, Any]:
+    """The JSON figures of the MoE `layers` (all of the model's, in order) since their stats were
+    reset, summed over `comm`: each rank adds the stats of the layers in `counted` and its
+    all-to-all seconds over `steps` steps (collective)."""
+    e = layers[0].num_experts
+    mine = {id(m) for m in counted}
+    rows = np.zeros((len(layers), e + 4))
+    for row, m in zip(rows, layers, strict=True):
+        if id(m) in mine:
+            s = m.stats
+            row[:] = [*s.tokens_per_expert, s.dropped, s.routings, s.aux_loss, s.calls]
+    total = allreduce(np.concatenate([rows.reshape(-1), [alltoall_s, steps]]), op="sum",
+                      comm=comm)
+    rows = total[:-2].reshape(len(layers), e + 4)
+    return {"tokens_per_expert": [[int(v) for v in row[:e]] for row in rows],
+            "dropped_fraction": float(rows[:, e].sum() / max(rows[:, e + 1].sum(), 1.0)),
+            "aux_loss": float(sum(row[e + 2] / max(row[e + 3], 1.0) for row in rows)),
+            "alltoall_s": float(total[-2] / max(total[-1], 1.0))}
 
 
 class ExpertParallelStrategy(Strategy):
@@ -195,83 +351,56 @@ class ExpertParallelStrategy(Strategy):
                  alltoall: str = "auto", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  zero: int = 0) -> None:
         super().__init__(comm)
-        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
-            raise ValueError(f"ep: expected a positive number of ranks, got {ep!r}")
-        if comm.size % ep:
-            raise ValueError(f"ep: {ep} must divide the {comm.size} data-parallel ranks")
+        check_ep(ep, comm.size)
         if zero not in (0, 1):
             raise ValueError(f"zero: expert parallelism combines with stage 1 only, got {zero!r}")
         self.ep, self.zero = ep, zero
         self.algorithm, self.alltoall = algorithm, alltoall
         self.bucket_mb, self.first_bucket_mb = bucket_mb, first_bucket_mb
-        group, self.ep_rank = divmod(comm.rank, ep)
-        self.ep_comm = comm.sub(range(group * ep, (group + 1) * ep))
-        self.replica_comm = comm.sub(range(self.ep_rank, comm.size, ep))
         self.moes: list[MoE] = []
-        self.dispatchers: list[AllToAllExperts] = []
         self.step_count = 0
         self._a2a_s = 0.0
         self._epoch: dict[str, Any] = {}
+        self._whole_state: dict[str, Any] | None = None
 
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
         self.model = model
         self.moes = [m for _, m in model.named_modules() if isinstance(m, MoE)]
         if not self.moes:
             raise ValueError("ep: the model has no mixture-of-experts layer (moe_experts)")
-        experts = self.moes[0].num_experts
-        if experts % self.ep:
-            raise ValueError(f"ep: {self.ep} must divide the {experts} experts of each MoE layer")
-        local = experts // self.ep
-        mine = range(self.ep_rank * local, (self.ep_rank + 1) * local)
-        self.local_experts = [[moe.experts[i] for i in mine] for moe in self.moes]
-        self.expert_params = {id(p) for moe in self.moes for p in moe.experts.parameters()}
-        local_ids = {id(p) for group in self.local_experts for ex in group
-                     for p in ex.parameters()}
+        self.groups = ExpertGroups(self.moes, self.comm, self.ep, self.alltoall)
+        self.ep_comm, self.replica_comm = self.groups.ep_comm, self.groups.replica_comm
+        self.dispatchers = self.groups.dispatchers
         named = list(model.named_parameters())
-        dense = [(n, p) for n, p in named if id(p) not in self.expert_params]
-        owned = [(n, p) for n, p in named if id(p) in local_ids]
-        self.dispatchers = [AllToAllExperts(group, self.ep_comm, self.comm, self.alltoall)
-                            for group in self.local_experts]
-        self._use_dispatchers()
-        self.owned_ids = local_ids
-        trained = [p for n, p in named if id(p) in local_ids or id(p) not in self.expert_params]
+        dense, owned = self.groups.split([p for _, p in named])
+        names = {id(p): n for n, p in named}
+        self.groups.install()
         if self.zero:
             self.dense_ddp = self.expert_ddp = None
-            self.dense_params = [p for _, p in dense]
-            self.optimizer = _TwoOptimizers(
-                ShardedOptimizer(self.dense_params, make_optimizer, self.comm, self.algorithm),
-                ShardedOptimizer([p for _, p in owned], make_optimizer, self.replica_comm,
-                                 self.algorithm))
+            self.dense_params = dense
+            self.trained = dense + owned
+            self.optimizer = ShardedOptimizers(
+                self.trained, ShardedOptimizer(dense, make_optimizer, self.comm, self.algorithm),
+                ShardedOptimizer(owned, make_optimizer, self.replica_comm, self.algorithm))
         else:
             common = dict(algorithm=self.algorithm, bucket_mb=self.bucket_mb,
                           first_bucket_mb=self.first_bucket_mb, overlap=False)
-            self.dense_ddp = DistributedDataParallel(_Parameters(dense), comm=self.comm, **common)
-            self.expert_ddp = DistributedDataParallel(_Parameters(owned), comm=self.replica_comm,
-                                                      **common)
+            self.dense_ddp = DistributedDataParallel(
+                _Parameters([(names[id(p)], p) for p in dense]), comm=self.comm, **common)
+            self.expert_ddp = DistributedDataParallel(
+                _Parameters([(names[id(p)], p) for p in owned]), comm=self.replica_comm, **common)
             self.expert_ddp.set_local_batch(1, 1)  # weighted inside the all-to-all (docstring)
-            self.optimizer = make_optimizer(trained)
-        self._release_others()
-
-    def _use_dispatchers(self) -> None:
-        for moe, dispatcher in zip(self.moes, self.dispatchers, strict=True):
-            moe.dispatcher = dispatcher
-
-    def _others(self) -> list[Any]:
-        return [p for moe in self.moes for p in moe.experts.parameters()
-                if id(p) not in self.owned_ids]
-
-    def _release_others(self) -> None:
-        """Drop the values of the experts other ranks hold (zero-byte placeholders)."""
-        for p in self._others():
-            p.data = _placeholder(p)
+            self.trained = [p for _, p in named if id(p) in self.groups.owned_ids
+                            or id(p) not in self.groups.expert_ids]
+            self.optimizer = make_optimizer(self.trained)
+        self.groups.release()
 
     # -- one step --------------------------------------------------------------------------------
     def step(self, batch: Batch) -> StepResult:
         self.optimizer.lr = batch.lr
         share = len(batch.y) / batch.global_size
-        for d in self.dispatchers:
-            d.grad_weight = share
-            d.spans = []
+        self.groups.set_grad_weight(share)
+        self.groups.take_spans()
         result = StepResult()
         start = time.perf_counter()
         if self.zero:
@@ -289,7 +418,7 @@ class ExpertParallelStrategy(Strategy):
         self.optimizer.step()
         self.optimizer.zero_grad()
         end = time.perf_counter()
-        exchanges = [s for d in self.dispatchers for s in d.spans]
+        exchanges = self.groups.take_spans()
         a2a = sum(e - s for _, s, e, _ in exchanges)
         reduce_s = 0.0 if self.zero else (self.dense_ddp.last_exposed_s
                                           + self.expert_ddp.last_exposed_s)
@@ -320,42 +449,49 @@ class ExpertParallelStrategy(Strategy):
         """Every rank holds all the experts and runs them locally within the block; the epoch's
         routing figures are summed over the ranks for `report`."""
         self._sum_figures()
-        if self.ep > 1:
-            mine = [p for group in self.local_experts for ex in group for p in ex.parameters()]
-            whole = allgather(flat.pack([p.data for p in mine]), comm=self.ep_comm)
-            size = sum(p.size for p in mine)
-            per_rank = len(self.local_experts[0])
-            for s in range(self.ep):
-                theirs = [p for moe in self.moes
-                          for ex in moe.experts[s * per_rank:(s + 1) * per_rank]
-                          for p in ex.parameters()]
-                for p, piece in zip(theirs, flat.unpack(whole[s * size:(s + 1) * size], theirs),
-                                    strict=True):
-                    if id(p) not in self.owned_ids:
-                        p.data = piece.copy()
-        for moe in self.moes:
-            moe.dispatcher = LocalExperts()
+        self.groups.gather()
+        if optimizer_state:
+            self._whole_state = self._whole_optimizer_state()
         try:
-            yield
+            with self.groups.local():
+                yield
         finally:
-            self._use_dispatchers()
-            if self.ep > 1:
-                self._release_others()
+            self._whole_state = None
+            self.groups.release()
+
+    def _whole_optimizer_state(self) -> dict[str, Any]:
+        """The optimizer state of the whole model in a one-rank optimizer's layout: the dense
+        parameters' from this rank, the experts' from the ranks of the group that hold them
+        (collective; small models: the experts' states travel as Python objects)."""
+        local = self.optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        state, experts = {}, {}
+        for k, entries in local["state"].items():
+            p = self.trained[int(k)]
+            (experts if id(p) in self.groups.expert_ids else state)[index[id(p)]] = entries
+        for part in self.ep_comm.allgather_object(experts):
+            state.update(part)
+        return {"state": state, "param_groups": [{**_hyper(local["param_groups"]),
+                                                  "params": list(range(len(index)))}]}
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._whole_state is None:
+            raise RuntimeError("expert parallelism: state_dict() is given inside gathered("
+                               "optimizer_state=True)")
+        return self._whole_state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take this rank's part of a whole-model optimizer state (any layout wrote it)."""
+        whole = {int(k): v for k, v in state["state"].items()}
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        self.optimizer.load_state_dict({
+            "state": {k: whole[index[id(p)]] for k, p in enumerate(self.trained)
+                      if index[id(p)] in whole},
+            "param_groups": [{**_hyper(state["param_groups"]),
+                              "params": list(range(len(self.trained)))}]})
 
     def _sum_figures(self) -> None:
-        e = self.moes[0].num_experts
-        local = np.concatenate([np.concatenate([m.stats.tokens_per_expert,
-                                                [m.stats.dropped, m.stats.routings,
-                                                 m.stats.aux_loss, m.stats.calls]])
-                                for m in self.moes] + [[self._a2a_s, self.step_count]])
-        total = allreduce(local.astype(np.float64), op="sum", comm=self.comm)
-        layers = total[:-2].reshape(len(self.moes), e + 4)
-        steps = max(total[-1], 1.0)
-        self._epoch = {
-            "tokens_per_expert": [[int(v) for v in row[:e]] for row in layers],
-            "dropped_fraction": float(layers[:, e].sum() / max(layers[:, e + 1].sum(), 1.0)),
-            "aux_loss": float(sum(row[e + 2] / max(row[e + 3], 1.0) for row in layers)),
-            "alltoall_s": float(total[-2] / steps)}
+        self._epoch = epoch_figures(self.moes, self.moes, self._a2a_s, self.step_count, self.comm)
 
     def describe(self, final: bool = False) -> str:
         if final:

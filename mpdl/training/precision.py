@@ -31,9 +31,6 @@ def check(config: Any) -> None:
             raise PrecisionError(f"{{optim.precision}} {o.precision} keeps float32 master "
                                  f"weights: it needs {{model.dtype}} float32, not "
                                  f"{config.model.dtype}")
-        if p.model_parallel():
-            raise PrecisionError(f"{{optim.precision}} {o.precision} is not supported with "
-                                 f"{{parallel.pp}}, {{parallel.tp}} or {{parallel.cp}} > 1 yet")
     if o.precision == "fp16":
         cannot = ("{parallel.mode} ps (the servers apply each push as it comes)"
                   if p.mode == "ps" else
@@ -62,13 +59,19 @@ def check(config: Any) -> None:
 
 def prepare(model: Any, config: Any) -> None:
     """Replace the model's floating-point parameters by their 16-bit compute copy (nothing for
-    fp32). Buffers (batch-norm statistics) stay as they are."""
+    fp32). Buffers (batch-norm statistics) stay as they are; a parameter a pipeline stage does
+    not hold (a zero-byte placeholder, all of its elements one value) stays a placeholder."""
     name = config.optim.precision
     if name == "fp32":
         return
     for p in model.parameters():
         if p.data.dtype.kind == "f":
-            p.data = p.data.astype(precision_dtype(name, get_array_module(p.data)))
+            xp = get_array_module(p.data)
+            dtype = precision_dtype(name, xp)
+            if p.data.size > 1 and not any(p.data.strides):
+                p.data = xp.broadcast_to(p.data.reshape(-1)[:1].astype(dtype), p.data.shape)
+            else:
+                p.data = p.data.astype(dtype)
 
 
 def optimizer_factory(make_optimizer: Callable[[list[Any]], Any], config: Any

@@ -13,6 +13,9 @@ agree.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -20,14 +23,16 @@ from oracle import adam_losses
 
 from mpdl.autograd import functional as F
 from mpdl.autograd import no_grad, optim
-from mpdl.autograd.moe import MoE, MoESettings, aux_loss_scale, run_experts
+from mpdl.autograd.moe import LocalExperts, MoE, MoESettings, aux_loss_scale, run_experts
 from mpdl.autograd.tensor import Tensor
 from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator
 from mpdl.parallel import split_bounds
 from mpdl.parallel.expert import ExpertParallelStrategy
+from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
+from mpdl.training.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint
 from mpdl.training.gpt import GPT
 
 pytestmark = pytest.mark.mpi
@@ -69,34 +74,44 @@ class FixedCounts:
         return run_experts(list(moe.experts), rows, counts)
 
 
-def reference(experts: int, cf: float, slices: int, global_counts: bool = True):
+def slices(n: int) -> list[tuple[int, int]]:
+    """The bounds of n slices of the global batch, as the ranks get them."""
+    bounds = split_bounds(N, n)
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def reference(experts: int, cf: float, groups: list[list[tuple[int, int]]]):
     """(loss per step, routings dropped per step, parameters at the end) of one process that
-    runs the `slices` ranks' slices one by one (with `global_counts`, the load-balancing loss
-    counts the routings of the whole batch, else those of each slice)."""
+    runs the slices (lo, hi) of the global batch one by one, the load-balancing loss of each
+    counting the routings of its group of slices."""
     model = make_model(experts, cf)
     opt = optim.Adam(model.parameters(), lr=LR)
     x, y = data()
-    bounds = split_bounds(N, slices)
     losses, dropped = [], []
     for _ in range(STEPS):
-        counts = [np.zeros(experts, np.int64) for _ in moes(model)]
-        with no_grad():
-            for r in range(slices):
-                model(Tensor(x[bounds[r]:bounds[r + 1]]))
-                for total, m in zip(counts, moes(model), strict=True):
-                    total += m.last_routing.counts
-        for m, total in zip(moes(model), counts, strict=True):
-            if global_counts:
-                m.dispatcher = FixedCounts(total)
         loss_sum, drops = 0.0, 0
-        for r in range(slices):
-            lo, hi = bounds[r], bounds[r + 1]
-            share = (hi - lo) / N
-            with aux_loss_scale(share):
-                loss = F.cross_entropy(model(Tensor(x[lo:hi])), y[lo:hi])
-                (loss * share).backward()
-            loss_sum += float(loss.item()) * (hi - lo)
-            drops += sum(m.last_routing.dropped for m in moes(model))
+        for group in groups:
+            counts = [np.zeros(experts, np.int64) for _ in moes(model)]
+            for m in moes(model):
+                m.dispatcher = LocalExperts()
+            with no_grad():
+                for lo, hi in group:
+                    if hi == lo:
+                        continue
+                    model(Tensor(x[lo:hi]))
+                    for total, m in zip(counts, moes(model), strict=True):
+                        total += m.last_routing.counts
+            for m, total in zip(moes(model), counts, strict=True):
+                m.dispatcher = FixedCounts(total)
+            for lo, hi in group:
+                if hi == lo:
+                    continue
+                share = (hi - lo) / N
+                with aux_loss_scale(share):
+                    loss = F.cross_entropy(model(Tensor(x[lo:hi])), y[lo:hi])
+                    (loss * share).backward()
+                loss_sum += float(loss.item()) * (hi - lo)
+                drops += sum(m.last_routing.dropped for m in moes(model))
         opt.step()
         opt.zero_grad()
         losses.append(loss_sum / N)
@@ -154,7 +169,7 @@ def test_dropless_expert_parallel_follows_one_process(ep):
 def test_dropping_follows_one_process_with_each_rank_s_capacity():
     ep = P
     experts = experts_for(ep)
-    ref_losses, ref_dropped, ref_params = reference(experts, 0.5, P)
+    ref_losses, ref_dropped, ref_params = reference(experts, 0.5, [slices(P)])
     losses, dropped, params, report = run(ep, experts, 0.5)
     assert dropped == ref_dropped and sum(dropped) > 0
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
@@ -180,7 +195,7 @@ def test_pipeline_and_tensor_parallel_with_experts_follow_one_process(microbatch
     load-balancing loss counts its own routings and joins backward scaled as its loss is."""
     if not MODEL_PARALLEL:
         pytest.skip(f"no pipeline or tensor-parallel grid of the 2-block GPT on {P} rank(s)")
-    ref_losses, _, ref_params = reference(4, 0.0, microbatches, global_counts=False)
+    ref_losses, _, ref_params = reference(4, 0.0, [[s] for s in slices(microbatches)])
     x, y = data()
     for dp, pp, tp in MODEL_PARALLEL:
         strategy = PipelineStrategy(as_communicator(MPI.COMM_WORLD), dp, pp, tp,
@@ -195,3 +210,133 @@ def test_pipeline_and_tensor_parallel_with_experts_follow_one_process(microbatch
                                    err_msg=f"pp {pp} tp {tp} m {microbatches}")
         with strategy.gathered():
             assert_same_parameters(model.state_dict(), ref_params, 1e-5)
+
+
+#: (dp, pp, tp) grids with dp > 1 beside pp or tp > 1 (the GPT has 4 pieces and 2 heads)
+GRIDS = [(dp, pp, tp) for dp in range(2, P + 1) for pp in range(1, 5) for tp in (1, 2)
+         if dp * pp * tp == P and pp * tp > 1]
+
+
+def microbatch_groups(dp: int, microbatches: int) -> list[list[tuple[int, int]]]:
+    """Microbatch j of every dp rank, for each j: the slices whose routings one count sums."""
+    ranks = [np.array_split(np.arange(lo, hi), microbatches) for lo, hi in slices(dp)]
+    return [[(int(part[0]), int(part[-1]) + 1) if len(part) else (0, 0) for part in
+             (rank[j] for rank in ranks)] for j in range(microbatches)]
+
+
+def run_grid(dp, pp, tp, ep, microbatches, zero=0):
+    strategy = ExpertPipelineStrategy(as_communicator(MPI.COMM_WORLD), dp, pp, tp, ep=ep,
+                                      microbatches=microbatches, zero=zero)
+    model = make_model(4, 0.0)
+    strategy.setup(model, lambda p: optim.Adam(p, lr=LR))
+    x, y = data()
+    lo, hi = slices(dp)[strategy.grid.d]
+    losses = []
+    for _ in range(STEPS):
+        r = strategy.step(Batch(x[lo:hi], y[lo:hi], N, LR))
+        total = allreduce(np.array([r.loss, r.samples]), comm=strategy.data_comm)
+        losses.append(total[0] / total[1])
+    with strategy.gathered():
+        params = model.state_dict()
+    return losses, params, r
+
+
+@pytest.mark.parametrize("microbatches, zero", [(1, 0), (6, 1)])
+def test_expert_parallel_on_a_grid_follows_one_process(microbatches, zero):
+    """ep beside pp and tp: the experts of each stage over groups of its dp ranks. One
+    microbatch: every ep on every grid against one process on the whole batch
+    (tests/oracle.py). Six microbatches of 5 sequences (one of them empty on every rank), ZeRO-1,
+    the largest ep on the first pipeline grid: one process that runs microbatch j of every rank
+    with the routings of all of them counted."""
+    grids = [(dp, pp, tp, ep) for dp, pp, tp in GRIDS for ep in range(1, dp + 1)
+             if dp % ep == 0 and 4 % ep == 0]
+    if microbatches > 1:
+        grids = [max((g for g in grids if g[1] > 1), key=lambda g: g[3], default=None)]
+        grids = [g for g in grids if g is not None]
+    if not grids:
+        pytest.skip(f"no grid with dp > 1 beside pp <= 4 or tp 2 on {P} rank(s)")
+    for dp, pp, tp, ep in grids:
+        if microbatches == 1:
+            ref_losses, ref_params = whole_batch(4)
+        else:
+            ref_losses, _, ref_params = reference(4, 0.0, microbatch_groups(dp, microbatches))
+        losses, params, last = run_grid(dp, pp, tp, ep, microbatches, zero)
+        where = f"dp {dp} pp {pp} tp {tp} ep {ep} m {microbatches} zero {zero}"
+        np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5, err_msg=where)
+        assert_same_parameters(params, ref_params, 1e-5)
+        assert any(s.name == "dispatch" for s in last.spans), where
+
+
+def train_steps(strategy, model, steps, state=None):
+    """`steps` steps of `strategy` over `model`, from the checkpoint in directory `state` when
+    given; the losses."""
+    strategy.setup(model, lambda p: optim.Adam(p, lr=LR))
+    if state is not None:
+        model_state, optimizer_state, _ = load_checkpoint(state)
+        with strategy.gathered():
+            model.load_state_dict(model_state)
+        strategy.load_state_dict(optimizer_state)
+    x, y = data()
+    lo, hi = slices(strategy.data_comm.size)[strategy.data_comm.rank]
+    losses = []
+    for _ in range(steps):
+        r = strategy.step(Batch(x[lo:hi], y[lo:hi], N, LR))
+        total = allreduce(np.array([r.loss, r.samples]), comm=strategy.data_comm)
+        losses.append(total[0] / total[1])
+    return losses
+
+
+def save(strategy, model, directory: str) -> None:
+    """A checkpoint of the run as `mpdl train` writes it: every rank its part, or rank 0 the
+    whole model and optimizer state."""
+    comm = strategy.comm
+    if strategy.sharded_checkpoint:
+        with strategy.gathered():
+            shard, manifest = strategy.checkpoint_shard()
+            save_sharded_checkpoint(directory, comm, shard, {"manifest": manifest})
+        return
+    with strategy.gathered(optimizer_state=True):
+        if comm.rank == 0:
+            save_checkpoint(directory, model.state_dict(), strategy.state_dict(), {})
+    comm.barrier()
+
+
+LAYOUTS = {"ep P zero 1": lambda c: ExpertParallelStrategy(c, ep=P, zero=1),
+           "ep 1": lambda c: ExpertParallelStrategy(c, ep=1),
+           "dp 2 pp 2 ep 2 zero 1": lambda c: ExpertPipelineStrategy(c, 2, 2, 1, ep=2, zero=1),
+           "dp 2 tp 2 ep 2": lambda c: ExpertPipelineStrategy(c, 2, 1, 2, ep=2)}
+RESUMES = [("ep P zero 1", "ep 1")] + ([("dp 2 pp 2 ep 2 zero 1", "ep P zero 1"),
+                                       ("ep P zero 1", "dp 2 tp 2 ep 2")] if P == 4
+                                      else [("ep 1", "ep P zero 1")])
+
+
+@pytest.mark.parametrize("before, after", RESUMES)
+def test_checkpoint_with_experts_resumes_on_another_layout(before, after):
+    """Two steps on layout `before`, a checkpoint in files (the optimizer state as the strategy
+    gathers it in memory too), one more step on layout `after` from it: one process's three
+    steps."""
+    world = MPI.COMM_WORLD
+    comm = as_communicator(world)
+    experts = 4 if P == 4 else experts_for(P)
+    ref_losses, ref_params = whole_batch(experts)
+    directory = world.bcast(tempfile.mkdtemp(prefix="mpdl-moe-") if world.rank == 0 else None)
+    try:
+        model, strategy = make_model(experts, 0.0), LAYOUTS[before](comm)
+        first = train_steps(strategy, model, 2)
+        save(strategy, model, directory)
+        with strategy.gathered(optimizer_state=True):
+            whole = strategy.state_dict()["state"]
+        written = {int(k): v for k, v in load_checkpoint(directory)[1]["state"].items()}
+        assert sorted(whole) == sorted(written) == list(range(len(model.parameters())))
+        for k, entries in whole.items():
+            for key, value in entries.items():
+                np.testing.assert_allclose(written[k][key], value, rtol=0, atol=0)
+        model, strategy = make_model(experts, 0.0), LAYOUTS[after](comm)
+        last = train_steps(strategy, model, 1, directory)
+        np.testing.assert_allclose(first + last, ref_losses, rtol=0, atol=1e-5)
+        with strategy.gathered():
+            assert_same_parameters(model.state_dict(), ref_params, 1e-5)
+    finally:
+        world.Barrier()
+        if world.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
