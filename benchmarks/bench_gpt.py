@@ -3,10 +3,16 @@
 One step is forward + cross-entropy + backward + Adam update, in float32, on the same shapes,
 batch, sequence length and initial weights. Runs alternate (ours, torch, ours, torch, ...) so
 that machine noise hits both alike; the table reports the median ms/step of each, their ratio,
-tokens/s and the model FLOP/s (``GPT.flops_per_token``: 6N + 12·L·d·T, the PaLM formula).
+tokens/s, the model FLOP/s (``GPT.flops_per_token``: 6N + 12·L·d·T, the PaLM formula) and the
+MFU: model FLOP/s over the one-thread float32 GEMM peak NumPy reaches in the same run
+(``mpdl.training.throughput.gemm_flops``, 512×512 products; PyTorch's own peak is printed
+beside it). A last line splits the step: the linear layers' GEMMs at the step's shapes, timed
+alone in each library (NumPy's BLAS against PyTorch's), and the rest of the step. The glibc
+heap is kept between steps, as ``mpdl train`` keeps it (``MPDL_MALLOC=default``: not).
 
     python benchmarks/bench_gpt.py [--reps 7] [--steps 5] [--batch 16] [--block-size 64]
                                    [--n-layer 4] [--n-head 4] [--n-embd 128] [--vocab 65]
+                                   [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mpdl.autograd.functional as F  # noqa: E402
+from mpdl.allocator import keep_heap  # noqa: E402
 from mpdl.autograd import optim  # noqa: E402
 from mpdl.training.gpt import GPT  # noqa: E402
+from mpdl.training.throughput import GEMM_N, gemm_flops  # noqa: E402
 
 
 def torch_gpt(torch, model: GPT):
@@ -107,13 +115,57 @@ def torch_step_fn(torch, model, x, y):
     return step
 
 
+_clock = time.perf_counter
+
+
 def time_steps(step, steps: int) -> float:
     """Milliseconds per step over ``steps`` steps (after one warm-up step)."""
     step()
-    start = time.perf_counter()
+    start = _clock()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - start) * 1e3 / steps
+    return (_clock() - start) * 1e3 / steps
+
+
+def linear_gemm_ms(torch, model: GPT, rows: int, reps: int = 5) -> tuple[float, float]:
+    """Milliseconds of the linear layers' GEMMs of one step, NumPy's and PyTorch's: for each
+    layer's (rows, in) input and (out, in) weight, the forward x·wᵀ and the backward g·w and
+    gᵀ·x, each the best of ``reps`` (on the clock the steps are timed on)."""
+    shapes = [(p.shape[1], p.shape[0]) for name, p in model.named_parameters()
+              if name.endswith(("qkv.weight", "proj.weight", "fc.weight"))]
+    shapes.append((model.n_embd, model.vocab_size))  # the head, tied to the token embedding
+    rng = np.random.default_rng(0)
+    totals = [0.0, 0.0]
+    for n_in, n_out in shapes:
+        x, w, g = (rng.standard_normal(shape).astype(np.float32)
+                   for shape in ((rows, n_in), (n_out, n_in), (rows, n_out)))
+        tx, tw, tg = (torch.from_numpy(a) for a in (x, w, g))
+        for side, pairs in enumerate((((x, w.T), (g, w), (g.T, x)),
+                                      ((tx, tw.T), (tg, tw), (tg.T, tx)))):
+            for a, b in pairs:
+                a @ b
+                best = float("inf")
+                for _ in range(reps):
+                    start = _clock()
+                    a @ b
+                    best = min(best, _clock() - start)
+                totals[side] += best * 1e3
+    return totals[0], totals[1]
+
+
+def torch_gemm_flops(torch, n: int = GEMM_N, seconds: float = 0.2) -> float:
+    """FLOP/s of an n×n float32 product in PyTorch: the best of repeated products (as
+    ``gemm_flops`` measures NumPy's)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)
+    best, count, end = float("inf"), 0, time.perf_counter() + seconds
+    while count < 3 or time.perf_counter() < end:
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+        count += 1
+    return 2.0 * n ** 3 / best
 
 
 def main() -> None:
@@ -126,13 +178,19 @@ def main() -> None:
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=65)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time, which other jobs on a busy machine "
+                             "disturb less than the wall-clock time")
     args = parser.parse_args()
+    global _clock
+    _clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
     import torch  # noqa: PLC0415  (optional: only the benchmark needs it)
     from threadpoolctl import threadpool_limits  # noqa: PLC0415
 
     torch.set_num_threads(1)
     threadpool_limits(1)
+    kept = keep_heap()
     model = GPT(args.vocab, args.block_size, args.n_layer, args.n_head, args.n_embd, seed=0)
     theirs = torch_gpt(torch, model)
     rng = np.random.default_rng(0)
@@ -143,18 +201,29 @@ def main() -> None:
     for _ in range(args.reps):
         ours_ms.append(time_steps(ours_step, args.steps))
         torch_ms.append(time_steps(torch_step, args.steps))
+    peak, torch_peak = gemm_flops(), torch_gemm_flops(torch)
+    gemm_ms = linear_gemm_ms(torch, model, args.batch * args.block_size)
     tokens = args.batch * args.block_size
     flops = model.flops_per_token(args.block_size) * tokens
     print(f"GPT vocab {args.vocab}, block {args.block_size}, {args.n_layer} layers, "
           f"{args.n_head} heads, width {args.n_embd} ({model.num_parameters():,} parameters); "
           f"batch {args.batch} = {tokens} tokens/step, float32, Adam")
     print(f"numpy {np.__version__}, torch {torch.__version__}, 1 thread each, {args.reps} "
-          f"interleaved repetitions x {args.steps} steps, median")
-    print(f"{'':<8}{'ms/step':>10}{'tokens/s':>12}{'GFLOP/s':>10}")
+          f"interleaved repetitions x {args.steps} steps, median ({args.clock} clock); glibc "
+          f"heap kept between steps: {'yes' if kept else 'no'}")
+    print(f"GEMM peak ({GEMM_N}x{GEMM_N} float32, 1 thread, this run): numpy "
+          f"{peak / 1e9:.1f} GFLOP/s, torch {torch_peak / 1e9:.1f} GFLOP/s; MFU against numpy's")
+    print(f"{'':<8}{'ms/step':>10}{'tokens/s':>12}{'GFLOP/s':>10}{'MFU':>8}")
     for name, ms in (("mpdl", statistics.median(ours_ms)), ("torch", statistics.median(torch_ms))):
-        print(f"{name:<8}{ms:>10.1f}{tokens / ms * 1e3:>12,.0f}{flops / ms / 1e6:>10.2f}")
+        print(f"{name:<8}{ms:>10.1f}{tokens / ms * 1e3:>12,.0f}{flops / ms / 1e6:>10.2f}"
+              f"{flops / ms * 1e3 / peak:>8.1%}")
     ratio = statistics.median(ours_ms) / statistics.median(torch_ms)
-    print(f"ratio mpdl/torch {ratio:.2f} (target <= 1.5)")
+    print(f"ratio mpdl/torch {ratio:.2f} (target <= 1.0)")
+    rest = [statistics.median(ms) - gemm for ms, gemm in zip((ours_ms, torch_ms), gemm_ms,
+                                                              strict=True)]
+    print(f"the linear layers' GEMMs at this step's shapes, alone: numpy {gemm_ms[0]:.1f} ms, "
+          f"torch {gemm_ms[1]:.1f} ms ({gemm_ms[0] / gemm_ms[1]:.2f}x); the rest of the step: "
+          f"mpdl {rest[0]:.1f} ms, torch {rest[1]:.1f} ms ({rest[0] / rest[1]:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -89,9 +89,8 @@ def test_an_mlp_with_adam_holds_the_bytes_counted_by_hand(p):
         assert peak["gradients"] == 4 * psi
         # what the graph keeps, per sample: the input (8 floats), the first linear's output
         # (16, ReLU's input), ReLU's mask (16 bytes), its output (16, the second linear's
-        # input), the logits (4), their log-softmax (4), the label and the row index (int64)
-        assert peak["activations"] == n * (4 * 8 + 4 * 16 + 16 + 4 * 16 + 4 * 4 + 4 * 4
-                                                  + 8 + 8)
+        # input), the logits (4), their log-sum-exp (1) and the label (int64)
+        assert peak["activations"] == n * (4 * 8 + 4 * 16 + 16 + 4 * 16 + 4 * 4 + 4 + 8)
         assert live["activations"] == 0
         # ring all-reduce on p ranks: one workspace block of ceil(212 / p) floats (none alone)
         expected = 0 if p == 1 else 4 * -(-psi // p)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl.autograd import amp, kernels
+from mpdl.autograd import amp, fused, kernels
 from mpdl.autograd.tensor import Function, ReLU, Sigmoid, Tanh, Tensor, unbroadcast
 from mpdl.backend import get_array_module
 
@@ -46,8 +46,6 @@ def tanh(x: Tensor) -> Tensor:
 
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 class GELU(Function):
@@ -57,18 +55,15 @@ class GELU(Function):
         if approximate == "tanh":
             self.t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
             return 0.5 * x * (1 + self.t)
-        self.cdf = 0.5 * (1 + kernels.erf(x * _INV_SQRT_2))
-        return x * self.cdf
+        return fused.gelu(x)
 
     def backward(self, grad):
-        xp = get_array_module(grad)
         x = self.x
         if self.approximate == "tanh":
             t = self.t
             inner = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
             return grad * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * inner)
-        pdf = _INV_SQRT_2PI * xp.exp(-0.5 * x * x)
-        return grad * (self.cdf + x * pdf)
+        return fused.gelu_backward(grad, x)
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
@@ -124,15 +119,11 @@ class CrossEntropy(Function):
     def forward(self, logits, labels, reduction, ignore_index):
         xp = get_array_module(logits)
         n = logits.shape[0]
-        logp = _log_softmax(logits, axis=1)
-        rows = xp.arange(n)
         self.keep = None if ignore_index is None else labels != ignore_index
         if self.keep is not None:
             labels = xp.where(self.keep, labels, 0)
-        self.logp, self.labels, self.reduction, self.rows = logp, labels, reduction, rows
-        losses = -logp[rows, labels]
-        if self.keep is not None:
-            losses *= self.keep
+        losses, self.lse = fused.cross_entropy(logits, labels, self.keep)
+        self.logits, self.labels, self.reduction = logits, labels, reduction
         if reduction == "none":
             return losses
         total = losses.sum()
@@ -143,18 +134,17 @@ class CrossEntropy(Function):
 
     def backward(self, grad):
         xp = get_array_module(grad)
-        g = xp.exp(self.logp)
-        g[self.rows, self.labels] -= 1
+        logits = self.logits
         if self.reduction == "none":
-            scale = grad[:, None]
-        elif self.reduction == "mean":
-            scale = grad * (1.0 / max(self.count, 1))
-        else:
             scale = grad
+        else:
+            if self.reduction == "mean":
+                grad = grad * (1.0 / max(self.count, 1))
+            scale = xp.ones(logits.shape[0], dtype=logits.dtype) * grad
         if self.keep is not None:
-            scale = scale * self.keep[:, None].astype(g.dtype)
-        g *= scale
-        return g
+            scale = scale * self.keep
+        return fused.cross_entropy_backward(logits, self.labels, self.lse,
+                                            scale.astype(logits.dtype, copy=False))
 
 
 def cross_entropy(logits: Tensor, labels: Any, reduction: str = "mean",
@@ -536,34 +526,26 @@ def embedding(indices: Any, weight: Tensor) -> Tensor:
 class LayerNorm(Function):
     def forward(self, x, *affine, axes, eps):
         xp = get_array_module(x)
-        mean = x.mean(axis=axes, keepdims=True)
-        xc = x - mean
-        var = (xc * xc).mean(axis=axes, keepdims=True)
-        self.rstd = 1.0 / xp.sqrt(var + eps)
-        xc *= self.rstd
-        self.xhat, self.axes = xc, axes
-        self.weight = affine[0] if affine else None
-        if not affine:
-            return xc.copy()
-        return xc * affine[0] + affine[1]
+        self.shape = x.shape[x.ndim - len(axes):]
+        width = math.prod(self.shape)
+        rows = x.reshape(-1, width)
+        if affine:
+            self.weight, bias = affine[0].reshape(-1), affine[1].reshape(-1)
+        else:
+            self.weight, bias = xp.ones(width, x.dtype), xp.zeros(width, x.dtype)
+        y, self.mean, self.rstd = fused.layer_norm(rows, self.weight, bias, eps)
+        self.rows, self.affine = rows, bool(affine)
+        return y.reshape(x.shape)
 
     def backward(self, grad):
-        xhat, axes = self.xhat, self.axes
-        lead = tuple(range(grad.ndim - len(axes)))
-        gw = gb = None
-        if self.weight is not None:
-            gw = (grad * xhat).sum(axis=lead) if self.needs_input_grad[1] else None
-            gb = grad.sum(axis=lead) if self.needs_input_grad[2] else None
-        gx = None
-        if self.needs_input_grad[0]:
-            gxhat = grad if self.weight is None else grad * self.weight
-            mean_g = gxhat.mean(axis=axes, keepdims=True)
-            mean_gx = (gxhat * xhat).mean(axis=axes, keepdims=True)
-            gx = xhat * mean_gx
-            gx += mean_g
-            gx = gxhat - gx
-            gx *= self.rstd
-        return (gx,) if self.weight is None else (gx, gw, gb)
+        rows = self.rows
+        gx, gw, gb = fused.layer_norm_backward(grad.reshape(rows.shape), rows, self.weight,
+                                               self.mean, self.rstd)
+        gx = gx.reshape(grad.shape) if self.needs_input_grad[0] else None
+        if not self.affine:
+            return (gx,)
+        return (gx, gw.reshape(self.shape) if self.needs_input_grad[1] else None,
+                gb.reshape(self.shape) if self.needs_input_grad[2] else None)
 
 
 def layer_norm(x: Tensor, normalized_shape: int | tuple[int, ...], weight: Tensor | None = None,
@@ -594,16 +576,10 @@ def layer_norm(x: Tensor, normalized_shape: int | tuple[int, ...], weight: Tenso
 class ScaledDotProductAttention(Function):
     def forward(self, q, k, v, is_causal, scale):
         xp = get_array_module(q)
-        att = q @ xp.swapaxes(k, -1, -2)
-        att *= scale
-        if is_causal:
-            t, s = att.shape[-2:]
-            att += xp.triu(xp.full((t, s), -xp.inf, dtype=att.dtype), 1)
-        att -= att.max(axis=-1, keepdims=True)
-        xp.exp(att, out=att)
-        att /= att.sum(axis=-1, keepdims=True)
-        out = att @ v
-        self.q, self.k, self.v, self.probs, self.out, self.scale = q, k, v, att, out, scale
+        probs = fused.softmax_(q @ xp.swapaxes(k, -1, -2), scale, is_causal)
+        out = probs @ v
+        self.q, self.k, self.v, self.probs, self.scale = q, k, v, probs, scale
+        self.is_causal = is_causal
         return out
 
     def backward(self, grad):
@@ -612,10 +588,8 @@ class ScaledDotProductAttention(Function):
         gv = xp.swapaxes(p, -1, -2) @ grad if need_v else None
         gq = gk = None
         if need_q or need_k:
-            gs = grad @ xp.swapaxes(self.v, -1, -2)
-            gs -= (grad * self.out).sum(axis=-1, keepdims=True)
-            gs *= p
-            gs *= self.scale
+            gs = fused.softmax_backward_(grad @ xp.swapaxes(self.v, -1, -2), p, self.scale,
+                                         self.is_causal)
             gq = gs @ self.k if need_q else None
             gk = xp.swapaxes(gs, -1, -2) @ self.q if need_k else None
         return _reduce_to(gq, self.q.shape), _reduce_to(gk, self.k.shape), \

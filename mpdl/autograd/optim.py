@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import memory
+from mpdl.autograd import fused
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
 
@@ -190,17 +191,14 @@ class Adam(Optimizer):
                                       weight_decay=weight_decay))
 
     def _update(self, p, grad, state, group):
-        xp = get_array_module(p.data)
         b1, b2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
         if wd and self.decoupled:
             p.data *= 1 - lr * wd
         elif wd:
             grad = grad + wd * p.data
-        m, v, t = _moments(state, p.data, grad, b1, b2)
-        denom = xp.sqrt(v) * (1.0 / math.sqrt(1 - b2**t))
-        denom += group["eps"]
-        p.data -= (lr / (1 - b1**t)) * (m / denom)
+        m, v, t = _advance(state, p.data)
+        fused.adam_(p.data, grad, m, v, (b1, b2), t, lr, group["eps"])
 
 
 class AdamW(Adam):
@@ -346,19 +344,24 @@ def scale_lr(lr: float, global_batch: int, base_batch: int = 256) -> float:
     return float(lr) * global_batch / base_batch
 
 
-def _moments(state: dict, data: Any, grad: Any, b1: float, b2: float) -> tuple[Any, Any, int]:
-    """Advance Adam's first and second moment estimates in state; return (m, v, step)."""
+def _advance(state: dict, data: Any) -> tuple[Any, Any, int]:
+    """Count one more step in Adam's state (made on the first); return (m, v, step)."""
     if not state:
         xp = get_array_module(data)
         state.update(step=0, exp_avg=xp.zeros_like(data), exp_avg_sq=xp.zeros_like(data))
         memory.hold_all(state.values(), "optimizer_state")
     state["step"] += 1
-    m, v = state["exp_avg"], state["exp_avg_sq"]
+    return state["exp_avg"], state["exp_avg_sq"], state["step"]
+
+
+def _moments(state: dict, data: Any, grad: Any, b1: float, b2: float) -> tuple[Any, Any, int]:
+    """Advance Adam's first and second moment estimates in state; return (m, v, step)."""
+    m, v, step = _advance(state, data)
     m *= b1
     m += (1 - b1) * grad
     v *= b2
     v += (1 - b2) * (grad * grad)
-    return m, v, state["step"]
+    return m, v, step
 
 
 def _check_adam(lr: float, eps: float, weight_decay: float, betas: tuple[float, float]) -> None:

@@ -5,15 +5,15 @@ s sequence length, b microbatch (per rank), h width, a heads, t tensor-parallel 
 parallel or not), c context-parallel ranks, `itemsize` bytes per element. mpdl keeps, per layer,
 every array a graph node saved or took as input, each buffer once (`mpdl.memory`):
 
-- no recomputation, one rank: (25 + 4·[dropout]) sbh elements, 2sb LayerNorm statistics and the
+- no recomputation, one rank: (18 + 4·[dropout]) sbh elements, 4sb LayerNorm statistics and the
   attention probabilities a·s²·b;
 - the tensor-parallel blocks (t > 1 or c > 1), per layer, with g = t under sequence parallelism
   (else 1) the share of the sequence the LayerNorms and dropouts see, over c:
-  the LayerNorms' inputs, x̂ and outputs 6sbh/g + 2sb/g; the row-parallel partial outputs 2sbh;
+  the LayerNorms' inputs and outputs 4sbh/g + 4sb/g; the row-parallel partial outputs 2sbh;
   their reduced sums 2sbh/g (t > 1); the sums plus bias 2sbh/g; the gathered inputs of the
-  column-parallel layers 2sbh (sequence parallel); this rank's heads and hidden units 17sbh/t
-  (q, k, v 3, attention output and its contiguous copy 2, fc output, GELU's Φ(x) and output
-  4 each; 16 with c > 1: the ring attention lays its output out so that the copy is a view);
+  column-parallel layers 2sbh (sequence parallel); this rank's heads and hidden units 13sbh/t
+  (q, k, v 3, attention output and its contiguous copy 2, fc output and GELU's output
+  4 each; 12 with c > 1: the ring attention lays its output out so that the copy is a view);
   the residual dropouts' masks and outputs 4sbh/g; and the attention probabilities a·s²·b/t, or
   with c > 1 the ring attention's log-sum-exp a·s·b/t; all of it divided by c (each rank holds
   s/c positions of every sequence). Without sequence parallelism, in float32 on NumPy, a 4 KiB
@@ -46,12 +46,12 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, itemsize: int = 4, t:
         return s * b * h * itemsize // (g * c)
     sbh, sb = s * b * h, s * b
     if t == 1 and c == 1:  # the GPT's own blocks
-        elements = 25 * sbh + (4 * sbh if dropout else 0) + 2 * sb
+        elements = 18 * sbh + (4 * sbh if dropout else 0) + 4 * sb
         if recompute == "none":
             elements += a * s * s * b
         return elements * itemsize
-    per_sequence = ((6 + (2 if t > 1 else 0) + 2 + (4 if dropout else 0)) * sbh + 2 * sb) // g \
-        + (2 + (2 if g > 1 else 0)) * sbh + (17 if c == 1 else 16) * sbh // t
+    per_sequence = ((4 + (2 if t > 1 else 0) + 2 + (4 if dropout else 0)) * sbh + 4 * sb) // g \
+        + (2 + (2 if g > 1 else 0)) * sbh + (13 if c == 1 else 12) * sbh // t
     if recompute == "none":
         per_sequence += (a * s * s * b if c == 1 else a * s * b) // t
     pages = 2 * PAGE if (t > 1 and g == 1 and numpy and precision == "fp32"
@@ -88,8 +88,9 @@ def model_activation_bytes(s: int, b: int, h: int, a: int, vocab: int, layers: i
     blocks, with the embedding and the head (or a pipeline stage's share of them).
 
     Beside the layers: the embedding's token ids and position indices (int64), its token rows and
-    position rows (and with dropout its mask and output); the head's input, final LayerNorm,
-    logits and their log-softmax, the loss's labels and row index (int64). With full
+    position rows (and with dropout its mask and output); the head's input, the final
+    LayerNorm's output and row statistics, the logits and their log-sum-exp per row, the loss's
+    labels (int64). With full
     recomputation the peak is the larger of the end of forward (every block's input, the
     embedding and the head) and the recomputation of the last block in backward (its whole set,
     while the head is already released). A pipeline stage without the embedding takes its input
@@ -98,7 +99,7 @@ def model_activation_bytes(s: int, b: int, h: int, a: int, vocab: int, layers: i
     sbh, sb = s * b * h, s * b
     embed = (8 * sb + 8 * s + itemsize * (sbh + s * h) + (2 * itemsize * sbh if dropout else 0)
              if embedding else 0)
-    top = itemsize * (3 * sbh + sb + 2 * sb * vocab) + 16 * sb if head else 0
+    top = itemsize * (2 * sbh + 3 * sb + sb * vocab) + 8 * sb if head else 0
     kept = layers * layer_activation_bytes(s, b, h, a, itemsize, t, recompute, dropout, numpy,
                                            precision=precision)
     if not embedding and layers and precision == "fp32":

@@ -21,6 +21,7 @@ import numpy as np
 
 import mpdl.autograd.functional as F
 from mpdl.autograd import Tensor, nn, no_grad
+from mpdl.autograd.attention import packed_attention
 from mpdl.autograd.moe import MoE, MoESettings
 from mpdl.autograd.recompute import checkpoint
 from mpdl.backend import get_array_module, to_host
@@ -29,9 +30,10 @@ from mpdl.backend import get_array_module, to_host
 RECOMPUTE = ("none", "selective", "full")
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """The attention core: softmax(q kᵀ/√d, causal) v."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def causal_attention(qkv: Tensor) -> Tensor:
+    """The attention core: softmax(q kᵀ/√d, causal) v of the heads packed in qkv (B, T, 3, H, hd),
+    as (B, T, H, hd)."""
+    return packed_attention(qkv, is_causal=True)
 
 
 class CausalSelfAttention(nn.Module):
@@ -49,13 +51,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
         h = self.n_head
-        qkv = self.qkv(x).reshape(b, t, 3, h, c // h).transpose(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
-        if self.recompute_core:
-            y = checkpoint(causal_attention, qkv[0], qkv[1], qkv[2])
-        else:
-            y = causal_attention(qkv[0], qkv[1], qkv[2])
-        y = y.transpose(0, 2, 1, 3).reshape(b, t, c)
-        return self.dropout(self.proj(y))
+        qkv = self.qkv(x).reshape(b, t, 3, h, c // h)
+        y = checkpoint(causal_attention, qkv) if self.recompute_core else causal_attention(qkv)
+        return self.dropout(self.proj(y.reshape(b, t, c)))
 
 
 class MLP(nn.Module):
