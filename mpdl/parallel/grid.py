@@ -38,6 +38,10 @@ class ProcessGrid:
         self.cp_comm = comm.sub([self.rank_of(d, p, i, t) for i in range(cp)])
         self.tp_comm = comm.sub([self.rank_of(d, p, c, i) for i in range(tp)])
         self.dcp_comm = comm.sub([self.rank_of(i, p, j, t) for i in range(dp) for j in range(cp)])
+        # which ranks share a node is looked up collectively over all of comm (MPI): now, while
+        # every rank takes part, not when an axis' first collective asks for it on one stage
+        # while the others wait for that stage's activations
+        comm.node_of_rank()
 
     def rank_of(self, d: int, p: int, c: int, t: int) -> int:
         """The rank of `comm` at grid coordinates (d, p, c, t)."""
