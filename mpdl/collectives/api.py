@@ -95,7 +95,7 @@ def _prepare_allreduce(x: Any, op: str, algorithm: str, comm: Any, out: Any):
     work() runs the all-reduce and returns the result array."""
     call = _checks.allreduce_call(x, op, algorithm, comm, out)
     c, algo, xp, out = call.comm, call.algorithm, call.xp, call.out
-    if call.reads_input:
+    if algo.reads_input and out is not x:
         flat, source = out.reshape(-1), {"src": x.reshape(-1)}
     else:
         flat, source = _flat_copy(x, xp, out), {}

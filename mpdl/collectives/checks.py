@@ -38,11 +38,6 @@ class Call:
     #: the block bounds (reduce_scatter, allgather) or the all-to-all's `blocks.Blocks`
     layout: Any = None
 
-    @property
-    def reads_input(self) -> bool:
-        """Whether the algorithm reads x itself rather than a copy of it in out."""
-        return self.algorithm.reads_input and self.out is not self.x
-
 
 def allreduce_call(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Call:
     """The checked `allreduce(x, op, algorithm, comm, out)`; out is made when None."""

@@ -18,7 +18,6 @@ the same benefit without asking for a plan: a plan is made at the second call on
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import threading
@@ -395,7 +394,7 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
     (`mpdl.collectives.verify`)."""
     call = checks.allreduce_call(x, op, algorithm, comm, out)
     c, algo, xp, out = call.comm, call.algorithm, call.xp, call.out
-    go, fast, requests = _allreduce_runner(call, persistent)
+    go, fast, requests = _allreduce_runner(call, algo, persistent)
     if op == "avg":
         flat, size = out.reshape(-1), c.size
 
@@ -418,7 +417,7 @@ def _verifying(plan: Plan, call: checks.Call, names: tuple[str, str], persistent
     c, x = plan.comm, plan.x
     built = {plan.algorithm: (plan._go, plan._fast, plan._requests)}
     other = registry.resolve("allreduce", names[1])
-    built[other.name] = _allreduce_runner(dataclasses.replace(call, algorithm=other), persistent)
+    built[other.name] = _allreduce_runner(call, other, persistent)
     requests = [r for _, _, rs in built.values() for r in rs or []]
 
     def runner(name: str):
@@ -441,13 +440,15 @@ def _verifying(plan: Plan, call: checks.Call, names: tuple[str, str], persistent
     plan._requests = requests
 
 
-def _allreduce_runner(call: checks.Call, persistent: bool) -> tuple[Any, Any, list | None]:
-    """(go, fast, requests) of the all-reduce call: `go` runs the registered algorithm (after the
-    input copy it needs), `fast` a persistent schedule where there is one."""
-    c, algo, x, out, op, xp = call.comm, call.algorithm, call.x, call.out, call.op, call.xp
+def _allreduce_runner(call: checks.Call, algo: registry.Algorithm,
+                      persistent: bool) -> tuple[Any, Any, list | None]:
+    """(go, fast, requests) of algo (the call's algorithm, or verify's runner-up) running the
+    all-reduce call: `go` runs the registered algorithm (after the input copy it needs), `fast` a
+    persistent schedule where there is one."""
+    c, x, out, op, xp = call.comm, call.x, call.out, call.op, call.xp
     flat, xflat = out.reshape(-1), x.reshape(-1)
     copy = out is not x and not algo.reads_input
-    source = {"src": xflat} if call.reads_input else {}
+    source = {"src": xflat} if algo.reads_input and out is not x else {}
     inner = getattr(algo.run, "__wrapped__", None)  # with_reducer's algorithm: reducer made once
     run, how = (inner, reducer(op, xp)) if inner is not None else (algo.run, op)
 
