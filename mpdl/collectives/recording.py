@@ -9,9 +9,9 @@ one run gives its whole schedule.
 
 The record is a list of `Step`s: messages started together, all of them completed, then the
 reductions, in the algorithm's order. A step begins at the first message posted after a wait or a
-reduction. Completing every message of a step before its reductions is the same as the
-algorithm's own order: a reduction made while a message is in flight cannot touch that
-message's buffer (it would race with the transfer).
+reduction. Completing every message of a step before its reductions gives the same result as
+the algorithm's own order: a reduction made while a message is in flight neither writes the
+buffer it sends nor touches the buffer it receives into (either would race with the transfer).
 """
 
 from __future__ import annotations
@@ -41,13 +41,6 @@ class Span:
     @property
     def itemsize(self) -> int:
         return self.dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
-
-    def __len__(self) -> int:
-        return self.size
 
     def __getitem__(self, key: slice) -> Span:
         start, stop, step = key.indices(self.size)
@@ -88,10 +81,6 @@ class Recording:
     steps: list[Step]
     scratch: dict[str, int]
 
-    def messages(self) -> list[Message]:
-        """Every message, in the order the algorithm posted them."""
-        return [m for s in self.steps for m in s.messages]
-
 
 class RecordingComm(Communicator):
     """Rank `rank` of `size` ranks, recording instead of communicating: messages and reductions
@@ -119,10 +108,6 @@ class RecordingComm(Communicator):
 
     def _wait_all(self, requests: Any) -> None:
         self._posting = False
-
-    def _test(self, request: Request) -> bool:
-        self._posting = False
-        return True
 
     def reduce(self, a: Span, b: Span, out: Span) -> None:
         """The reduction the algorithm asks for, noted as the last step's."""
