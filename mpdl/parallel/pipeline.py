@@ -32,7 +32,10 @@ a copy into a kept buffer, which costs more than it saves from 64 KiB: benchmark
 Gradients add up over the microbatches and are then all-reduced over the data-parallel axis
 (mpdl's all-reduce, any algorithm). Every message is an mpdl point-to-point message or
 collective, so the recorder, the flight recorder and the timeline see them; `verbose` prints each
-one (picotron's VERBOSE).
+one (picotron's VERBOSE). `step` reads as the algorithm (`_forward`: receive, run the stage, loss
+or send; `_backward`: receive, backward, send); the step's timeline spans, idle and compute
+seconds and peaks of activations held are kept by a `PipelineRecorder`
+(`mpdl.parallel.pipeline_recorder`).
 
 With tp > 1, the pieces are those of `TensorParallelGPT` (each block split over the tp axis,
 `mpdl.parallel.tensor`): the tp ranks of a stage run the same schedule in lockstep, each
@@ -55,9 +58,9 @@ most p−i on stage i.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
-import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
@@ -75,7 +78,8 @@ from mpdl.comm import Communicator, PersistentRequest
 from mpdl.parallel.context import context_attention, positions, shard_sequence
 from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.grid import ProcessGrid
-from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, correct_predictions
+from mpdl.parallel.pipeline_recorder import PipelineRecorder
+from mpdl.parallel.strategy import Batch, MakeOptimizer, StepResult, Strategy, correct_predictions
 from mpdl.parallel.tensor import TensorParallelGPT, gather_array
 from mpdl.parallel.zero import _placeholder
 
@@ -255,6 +259,39 @@ def runs(positions: Any) -> Any:
 def bubble_formula(pp: int, m: int) -> float:
     """The idle share of a pipeline step: (p−1)/(m+p−1)."""
     return (pp - 1) / (m + pp - 1)
+
+
+#: what a receive's verbose line calls each kind of message
+_WHAT = {"act": "activation", "grad": "gradient"}
+
+
+@dataclasses.dataclass
+class Microbatches:
+    """One step's batch cut into microbatches on one stage, and what each microbatch holds from
+    its forward to its backward."""
+
+    batch: Batch
+    #: each microbatch's rows of the batch (contiguous)
+    parts: list[Any]
+    #: the stage's array module
+    xp: Any
+    #: each stage's output (per-sample shape, dtype): what the next stage receives
+    shapes: list[tuple[tuple[int, ...], Any]]
+    #: the received activations (leaves: their gradients go back to the previous stage)
+    inputs: dict[int, Tensor] = dataclasses.field(default_factory=dict)
+    #: the stage outputs (on the last stage the scaled loss) until their backward
+    outputs: dict[int, Tensor] = dataclasses.field(default_factory=dict)
+    #: the sends' (request, buffer), kept alive until the end of the step
+    sends: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
+
+    def rows(self, a: Any, j: int) -> Any:
+        """Microbatch j's rows of `a` (the batch's inputs or labels)."""
+        idx = self.parts[j]
+        return a[idx[0]:idx[-1] + 1]
+
+    def share(self, j: int) -> float:
+        """Microbatch j's share of the global batch (the scale of its loss)."""
+        return len(self.parts[j]) / self.batch.global_size
 
 
 # -- the strategy --------------------------------------------------------------------------------
@@ -445,21 +482,20 @@ class PipelineStrategy(Strategy):
             print(f"[rank {self.comm.rank} stage {self.stage} dp {self.grid.d}] {text}",
                   file=sys.stderr, flush=True)
 
-    def _send(self, buf: Any, stage: int, what: str, j: int, result: StepResult) -> tuple:
-        """Start sending microbatch j's activation or gradient to `stage`; a zero-length span
-        marks it on the timeline. Returns (request, buffer): the buffer lives until the wait."""
+    def _send(self, buf: Any, stage: int, what: str, j: int, mb: Microbatches,
+              record: PipelineRecorder) -> None:
+        """Start sending microbatch j's activation or gradient to `stage` (non-blocking: the
+        request and its buffer are kept in `mb.sends` until the end of the step)."""
         self._say(f"send {what} mb {j} -> stage {stage} ({buf.nbytes} bytes)")
-        now = time.perf_counter()
-        result.spans.append(Span(f"send {what} {j}", now, now, cat="communication",
-                                 args={"peer_stage": stage, "bytes": int(buf.nbytes)}))
-        self.bytes_sent += buf.nbytes
-        return self.grid.pp_comm.isend(buf, stage, step=(what, j)), buf
+        record.send(what, j, stage, buf.nbytes)
+        mb.sends.append((self.grid.pp_comm.isend(buf, stage, step=(what, j)), buf))
 
     def _recv(self, xp: Any, shape: tuple[int, ...], dtype: Any, stage: int, what: str,
               j: int) -> Any:
         """Receive microbatch j's activation or gradient from `stage` into this rank's buffer for
         it: one persistent receive per (what, j, shape, dtype), kept from step to step (a
         step's inputs and output gradients are done with before the next step receives)."""
+        self._say(f"recv {_WHAT[what]} mb {j} <- stage {stage}")
         key = (what, j, shape, np.dtype(dtype).str, stage)
         request = self._receives.get(key)
         if request is None:
@@ -475,105 +511,101 @@ class PipelineStrategy(Strategy):
         return request.buf
 
     def step(self, batch: Batch) -> StepResult:
-        result = StepResult()
-        start = time.perf_counter()
+        """The schedule's ops over this step's microbatches, then the gradients' sums and the
+        optimizer step; a `PipelineRecorder` keeps the step's figures."""
+        record = PipelineRecorder()
         self.optimizer.lr = batch.lr
-        n = len(batch.y)
-        parts = [p for p in np.array_split(np.arange(n), self.microbatches) if len(p)]
-        m = len(parts)
-        xp = get_array_module(self.stage_params[0].data) if self.stage_params else np
-        shapes = self._boundary_shapes(self._local(batch.x)) if m and self.pp > 1 else []
-        pp_comm, prev, nxt = self.grid.pp_comm, self.stage - 1, self.stage + 1
-        inputs: dict[int, Tensor] = {}
-        outputs: dict[int, Tensor] = {}
-        sends: list[Any] = []  # (request, buffer) kept alive until the end of the step
-        order = schedule_ops(self.schedule, m, self.pp, self.stage)
-        live = peak = live_bytes = peak_bytes = 0
-        held: dict[int, int] = {}  # bytes of each microbatch's stage output until its backward
-        idle = 0.0
+        mb = self._microbatches(batch)
+        order = schedule_ops(self.schedule, len(mb.parts), self.pp, self.stage)
         for kind, j in order:
-            idx = parts[j]
             if kind == "F":
-                t0 = time.perf_counter()
-                if self.first:
-                    h = Tensor(self._local(batch.x[idx[0]:idx[-1] + 1]))
-                else:
-                    shape, dtype = shapes[prev]
-                    self._say(f"recv activation mb {j} <- stage {prev}")
-                    buf = self._recv(xp, (len(idx), *shape), dtype, prev, "act", j)
-                    h = inputs[j] = Tensor(buf, requires_grad=True)
-                t1, c1 = time.perf_counter(), time.thread_time()
-                with aux_loss_scale(len(idx) / batch.global_size):  # as the loss (MoE layers)
-                    for piece in self.pieces:
-                        h = piece(h)
-                t2 = time.perf_counter()
-                if self.last:
-                    y = batch.y[idx[0]:idx[-1] + 1]
-                    loss, correct = self._loss(h, y)
-                    result.loss += float(loss.item()) * len(idx)
-                    result.correct += correct
-                    result.samples += len(idx)
-                    outputs[j] = loss * (len(idx) / batch.global_size)
-                else:
-                    outputs[j] = h
-                    sends.append(self._send(xp.ascontiguousarray(h.data), nxt, "act", j, result))
-                cpu = time.thread_time() - c1  # the stage's pieces, the loss, the send's start
-                live += 1
-                peak = max(peak, live)
-                held[j] = h.data.nbytes
-                live_bytes += held[j]
-                peak_bytes = max(peak_bytes, live_bytes)
-                idle += t1 - t0
-                if not self.first:
-                    result.spans.append(Span(f"recv act {j}", t0, t1, cat="communication",
-                                             args={"peer_stage": prev}))
-                result.spans.append(Span(f"forward {j}", t1, t2, args={"microbatch": j,
-                                                                       "cpu_s": cpu}))
-                result.compute_s += t2 - t1
+                self._forward(mb, j, record)
             else:
-                t0 = time.perf_counter()
-                out = outputs.pop(j)
-                if self.last:
-                    t1, c1 = t0, time.thread_time()
-                    out.backward()
-                else:
-                    self._say(f"recv gradient mb {j} <- stage {nxt}")
-                    grad = self._recv(xp, out.shape, out.data.dtype, nxt, "grad", j)
-                    t1, c1 = time.perf_counter(), time.thread_time()
-                    out.backward(grad)
-                t2 = time.perf_counter()
-                if not self.first:
-                    sends.append(self._send(xp.ascontiguousarray(inputs.pop(j).grad), prev,
-                                            "grad", j, result))
-                cpu = time.thread_time() - c1
-                live -= 1
-                live_bytes -= held[j]
-                idle += t1 - t0
-                if not self.last:
-                    result.spans.append(Span(f"recv grad {j}", t0, t1, cat="communication",
-                                             args={"peer_stage": nxt}))
-                result.spans.append(Span(f"backward {j}", t1, t2, args={"microbatch": j,
-                                                                        "cpu_s": cpu}))
-                result.compute_s += t2 - t1
-        t0 = time.perf_counter()
-        pp_comm.waitall([r for r, _ in sends])
-        self.messages += len(sends)
-        self._synchronise()
-        t1 = time.perf_counter()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        t2 = time.perf_counter()
-        result.spans += [Span("gradient all-reduce", t0, t1, cat="communication"),
-                         Span("reduce-scatter, optimizer step, all-gather over dp" if self.zero
-                              else "optimizer step", t1, t2)]
-        self._share_metrics(result)
-        end = time.perf_counter()
-        result.comm_s = result.exposed_s = idle + (t1 - t0) + (end - t2)
-        result.compute_s += t2 - t1
-        self.last_order, self.last_peak, self.last_peak_bytes = order, peak, peak_bytes
-        self.idle_s, self.step_s = idle, end - start
+                self._backward(mb, j, record)
+        self._update(mb, record)
+        self._share_metrics(record.result)
+        result = record.close()
+        self.last_order, self.last_peak, self.last_peak_bytes = order, record.peak, record.peak_bytes
+        self.idle_s, self.step_s = record.idle_s, record.step_s
+        self.messages += record.messages
+        self.bytes_sent += record.bytes_sent
         self._account()
         return result
+
+    def _microbatches(self, batch: Batch) -> Microbatches:
+        """The batch cut into `microbatches` parts (the empty ones dropped)."""
+        parts = [p for p in np.array_split(np.arange(len(batch.y)), self.microbatches) if len(p)]
+        xp = get_array_module(self.stage_params[0].data) if self.stage_params else np
+        shapes = self._boundary_shapes(self._local(batch.x)) if parts and self.pp > 1 else []
+        return Microbatches(batch, parts, xp, shapes)
+
+    def _forward(self, mb: Microbatches, j: int, record: PipelineRecorder) -> None:
+        """Op F j: microbatch j's input through this stage's pieces; the last stage takes the
+        loss, the others send the output to the next stage."""
+        record.op_begins()
+        h = self._stage_input(mb, j)
+        record.compute_begins()
+        with aux_loss_scale(mb.share(j)):  # as the loss (MoE layers)
+            for piece in self.pieces:
+                h = piece(h)
+        record.compute_ends()
+        if self.last:
+            mb.outputs[j] = self._microbatch_loss(h, mb, j, record.result)
+        else:
+            mb.outputs[j] = h
+            self._send(mb.xp.ascontiguousarray(h.data), self.stage + 1, "act", j, mb, record)
+        record.forward_done(j, h.data.nbytes, None if self.first else self.stage - 1)
+
+    def _stage_input(self, mb: Microbatches, j: int) -> Tensor:
+        """Microbatch j's input to this stage: its rows of the batch on the first stage, else the
+        previous stage's output, received (a leaf whose gradient is sent back)."""
+        if self.first:
+            return Tensor(self._local(mb.rows(mb.batch.x, j)))
+        shape, dtype = mb.shapes[self.stage - 1]
+        buf = self._recv(mb.xp, (len(mb.parts[j]), *shape), dtype, self.stage - 1, "act", j)
+        mb.inputs[j] = Tensor(buf, requires_grad=True)
+        return mb.inputs[j]
+
+    def _microbatch_loss(self, logits: Tensor, mb: Microbatches, j: int,
+                         result: StepResult) -> Tensor:
+        """Microbatch j's loss scaled by its share of the global batch (backward starts from
+        it); its loss, correct predictions and samples add up in `result`."""
+        n = len(mb.parts[j])
+        loss, correct = self._loss(logits, mb.rows(mb.batch.y, j))
+        result.loss += float(loss.item()) * n
+        result.correct += correct
+        result.samples += n
+        return loss * mb.share(j)
+
+    def _backward(self, mb: Microbatches, j: int, record: PipelineRecorder) -> None:
+        """Op B j: backward from microbatch j's output (on the last stage its loss, elsewhere with
+        the gradient received from the next stage), then its input's gradient to the previous
+        stage."""
+        out = mb.outputs.pop(j)
+        if self.last:
+            record.compute_begins()
+            out.backward()
+        else:
+            record.op_begins()
+            grad = self._recv(mb.xp, out.shape, out.data.dtype, self.stage + 1, "grad", j)
+            record.compute_begins()
+            out.backward(grad)
+        record.compute_ends()
+        if not self.first:
+            self._send(mb.xp.ascontiguousarray(mb.inputs.pop(j).grad), self.stage - 1, "grad", j,
+                       mb, record)
+        record.backward_done(j, None if self.last else self.stage + 1)
+
+    def _update(self, mb: Microbatches, record: PipelineRecorder) -> None:
+        """Wait for the step's sends, sum the gradients and take the optimizer step."""
+        record.synchronising()
+        self.grid.pp_comm.waitall([request for request, _ in mb.sends])
+        self._synchronise()
+        record.optimizer_step()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        record.stepped("reduce-scatter, optimizer step, all-gather over dp" if self.zero
+                       else "optimizer step")
 
     def _synchronise(self) -> None:
         """Sum the tied embedding's two parts (first and last stage), then all-reduce the stage's

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mpdl.parallel.pipeline import schedule_ops, timed_bubble
 from mpdl.perf import layouts as L
 from mpdl.perf import simulate as S
 
@@ -64,44 +65,14 @@ def _row(name: str, published: float, predicted: float, unit: str, band: float,
 
 
 def pipeline_schedule_bubble(pp: int, m: int, schedule: str) -> float:
-    """The idle share of a stage in an event-by-event pipeline timetable (forward 1 unit,
-    backward 2; AFAB: all forwards then all backwards; 1F1B: pp−i−1 warm-up forwards, then one
-    forward and one backward in turn), each op starting when its stage is free and its input has
-    arrived."""
-    ops: list[list[tuple[str, int]]] = []
-    for i in range(pp):
-        if schedule == "afab":
-            order = [("f", j) for j in range(m)] + [("b", j) for j in range(m)]
-        else:
-            warm = min(pp - i - 1, m)
-            order = [("f", j) for j in range(warm)]
-            for j in range(m - warm):
-                order += [("f", warm + j), ("b", j)]
-            order += [("b", j) for j in range(m - warm, m)]
-        ops.append(order)
-    done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * pp
-    pos = [0] * pp
-    while any(pos[i] < len(ops[i]) for i in range(pp)):
-        progressed = False
-        for i in range(pp):
-            if pos[i] == len(ops[i]):
-                continue
-            kind, j = ops[i][pos[i]]
-            if kind == "f":
-                dep = ("f", i - 1, j) if i > 0 else None
-            else:
-                dep = ("b", i + 1, j) if i < pp - 1 else ("f", i, j)
-            if dep is not None and dep not in done:
-                continue
-            start = max(free[i], done[dep] if dep is not None else 0.0)
-            free[i] = start + (1.0 if kind == "f" else 2.0)
-            done[(kind, i, j)] = free[i]
-            pos[i] += 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError("pipeline timetable deadlocked")
-    makespan = max(free)
+    """The idle share of a stage in an event-by-event pipeline timetable: the op orders the
+    pipeline runs (`schedule_ops`: AFAB, all forwards then all backwards; 1F1B, pp−i−1 warm-up
+    forwards, then one forward and one backward in turn) on a clock where a forward takes 1 unit
+    and a backward 2, each op starting when its stage is free and its input has arrived
+    (`timed_bubble`)."""
+    orders = [schedule_ops(schedule, m, pp, i) for i in range(pp)]
+    durations = [{op: 1.0 if op[0] == "F" else 2.0 for op in order} for order in orders]
+    makespan, _ = timed_bubble(orders, durations)
     return 1 - 3.0 * m / makespan
 
 
