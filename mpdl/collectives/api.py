@@ -24,6 +24,8 @@ from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.ops import check_array, check_op
 from mpdl.comm import Communicator, as_communicator
 
+_cached_plans = _plan.cache
+
 
 def _check_root(root: Any, comm: Communicator) -> int:
     if not isinstance(root, int | np.integer) or not 0 <= root < comm.size:
@@ -74,10 +76,17 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None
     x is left untouched unless `out is x`. Results are bit-identical on every rank. With `out`,
     the call runs through a cached plan (`mpdl.collectives.plan`) of these arrays.
     """
-    if out is not None and type(op) is str and type(algorithm) is str:
-        plan = _plan.cached_allreduce(x, op, algorithm, comm, out)
-        if plan is not None:
+    if out is not None:
+        try:  # the plan cache's hit, in line (plan.allreduce_key): a call here would cost 0.13 us
+            plan = _cached_plans.get((id(x), id(out), id(comm), op, algorithm))
+        except TypeError:  # op or algorithm unhashable: the checks below say which
+            plan = None
+        if plan is not None and x.dtype is plan._dtype and x.shape == plan._shape:
             return plan()
+        if type(op) is str and type(algorithm) is str:
+            plan = _plan.cached_allreduce(x, op, algorithm, comm, out)
+            if plan is not None:
+                return plan()
     return _prepare_allreduce(x, op, algorithm, comm, out)[1]()
 
 

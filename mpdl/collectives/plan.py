@@ -678,17 +678,17 @@ def _evict(table: dict) -> None:
             return
 
 
-def cached_allreduce(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
-    """The cached plan of `allreduce(x, op, algorithm, comm, out)` (out given), or None.
+def allreduce_key(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> tuple:
+    """The cache key of `allreduce(x, op, algorithm, comm, out)`. A cached plan holds x, out and
+    comm, so while it is cached no other object has their ids: a hit whose x still has the plan's
+    dtype and shape is this call's plan (`api.allreduce` looks it up in line)."""
+    return (id(x), id(out), id(comm), op, algorithm)
 
-    A cached plan holds x, out and comm, so while it is cached no other object has their ids: a
-    hit whose x still has the plan's dtype and shape is this call's plan (checked first, in line:
-    the common case)."""
-    key = (id(x), id(out), id(comm), op, algorithm)
-    plan = cache.get(key)
-    if plan is not None and x.dtype is plan._dtype and x.shape == plan._shape:
-        return plan
-    return _cached(key, x, out, comm, _allreduce_plan, x, op, algorithm, comm, out, False)
+
+def cached_allreduce(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
+    """The cached plan of `allreduce(x, op, algorithm, comm, out)` (out given), or None."""
+    return _cached(allreduce_key(x, op, algorithm, comm, out), x, out, comm, _allreduce_plan, x,
+                   op, algorithm, comm, out, False)
 
 
 def cached_reduce_scatter(x: Any, op: Any, algorithm: Any, comm: Any,
