@@ -334,12 +334,14 @@ _REPLAYED = {"recursive_doubling": lambda count, seg, p: count <= seg,
              "ring": lambda count, seg, p: -(-count // p) <= seg}
 
 
-def _replayed_allreduce(call: checks.Call, inner: Callable, f: Callable) -> tuple[Callable, list]:
-    """(run, requests): the algorithm's recorded schedule on call's arrays, reading x where it
-    is read before being written (no copy of x into out), else after a copy."""
+def _replayed_allreduce(call: checks.Call, algorithm: Callable,
+                        f: Callable) -> tuple[Callable, list]:
+    """(run, requests): the recorded schedule of algorithm(comm, buf, reduce) on the call's
+    arrays, reducing with f; it reads x where the record reads out before writing it (no copy of
+    x into out), or runs after a copy where that cannot be done (`recording.reading_input`)."""
     c, x, out = call.comm, call.x, call.out
     flat, xflat = out.reshape(-1), x.reshape(-1)
-    recorded = recording.record(inner, c.rank, c.size, flat.size, flat.dtype)
+    recorded = recording.record(algorithm, c.rank, c.size, flat.size, flat.dtype)
     reading = recording.reading_input(recorded) if out is not x else None
     arrays = {recording.BUF: flat, recording.SRC: xflat}
     for name, count in recorded.scratch.items():
