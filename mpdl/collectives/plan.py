@@ -153,7 +153,20 @@ class Plan:
             cell[0] = seq + 1
             entry = [seq, self._info, _time(), None, "started", None]
             self._slots.append(entry)
-        self._run_body(entry)
+        # _run_body(entry), in line: a call here would cost 0.14 us a run
+        previous, comm.collective = comm.collective, self._name
+        try:
+            fast = self._fast
+            if fast is not None and comm.recorder is None and comm.link_delay is None:
+                fast()
+            else:
+                self._go()
+        except BaseException:
+            if entry is not None:
+                entry[3], entry[4] = _time(), "failed"
+            raise
+        finally:
+            comm.collective = previous
         if entry is not None:
             entry[3], entry[4] = _time(), "done"
         return self.result if self._finish is None else self._finish()
