@@ -9,9 +9,15 @@ timed call follows a call of the same algorithm); a repetition times `--loop` ca
 after a barrier (time per call) and takes the slowest rank's time; the table shows the median,
 busbw (nccl-tests: bytes sent per rank / time · (p-1)/p) and the ratio to `mpi`.
 `hierarchical@2` is the hierarchical algorithm over emulated nodes of 2 ranks
-(MPDL_RANKS_PER_NODE=2, on a second communicator), timed in the same turns. The summary gives,
-per size, the best hand-written algorithm's time over mpi's and auto's (and its choice) over the
-best's.
+(MPDL_RANKS_PER_NODE=2, on a second communicator), timed in the same turns.
+
+`auto` has no turns of its own: it is timed in the turns of the algorithm it chooses, call for
+call alternating with it (chosen, auto, auto, chosen, chosen, auto, ...: each goes first in half
+the pairs), `--pair-reps` times as many repetitions as the others, so the two are measured in the
+same moments of a shared machine. The summary gives, per size, the best hand-written algorithm's time
+over mpi's, and auto's time over the best's as the product of two factors: auto / its choice, the
+median of the ratios of the alternating pairs (what the call through `auto` adds), and its
+choice / the best, their medians (what the choice loses; 1 where auto chose the best).
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ def main() -> None:
                         help="timed repetitions from 1 MiB per destination on")
     parser.add_argument("--loop", type=int, default=1, help="calls per repetition")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--pair-reps", type=int, default=3,
+                        help="repetitions of auto and its choice per repetition of the others")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     p, rank = world.Get_size(), world.Get_rank()
@@ -62,22 +70,31 @@ def main() -> None:
         out = np.empty_like(x)
         reps = args.reps if size < 1 << 20 else args.large_reps
         calls = {n: _call(n, x, out, pairs if n == NODES_OF_2 else comm) for n in names}
-        times = {n: np.empty(reps) for n in names}
+        times: dict = {n: [] for n in names}
         for _ in range(args.warmup):
             for name in names:
                 calls[name]()
-        for turn in turns(reps):
-            for name in names:
-                for rep in (None, *turn):  # None: the turn's untimed first call
-                    world.Barrier()
-                    t0 = time.perf_counter()
-                    for _ in range(args.loop):
-                        calls[name]()
-                    if rep is not None:
-                        times[name][rep] = (time.perf_counter() - t0) / args.loop
-        for name in names:
-            world.Allreduce(MPI.IN_PLACE, times[name], op=MPI.MAX)
         chosen = auto.algorithm_for("alltoall", x.nbytes, comm).name
+        for turn in turns(reps):
+            for name in names[:-1]:  # auto runs in its choice's turns
+                if name == chosen:
+                    order = [(name, "auto") if k % 2 == 0 else ("auto", name)
+                             for k in range(len(turn) * args.pair_reps)]
+                else:
+                    order = [(name,)] * len(turn)
+                for untimed in order[0]:  # the turn's first call of each
+                    world.Barrier()
+                    calls[untimed]()
+                for group in order:
+                    for timed in group:
+                        world.Barrier()
+                        t0 = time.perf_counter()
+                        for _ in range(args.loop):
+                            calls[timed]()
+                        times[timed].append((time.perf_counter() - t0) / args.loop)
+        for name in names:
+            times[name] = np.array(times[name])
+            world.Allreduce(MPI.IN_PLACE, times[name], op=MPI.MAX)
         if rank == 0:
             medians = {n: float(np.median(times[n])) for n in names}
             for name in names:
@@ -87,15 +104,18 @@ def main() -> None:
                       f"{medians['mpi'] / medians[name]:>8.2f}x", flush=True)
             ours = [n for n in names if n not in ("mpi", "auto", NODES_OF_2)]
             best = min(ours, key=medians.get)
+            overhead = float(np.median(times["auto"] / times[chosen]))
+            choice = medians[chosen] / medians[best]
             summary.append((count * 4, best, medians[best] / medians["mpi"], chosen,
-                            medians["auto"] / medians[best],
+                            overhead * choice, overhead, choice,
                             medians[NODES_OF_2] / medians["mpi"]))
     if rank == 0:
-        print(f"\n# per size: best hand-written / mpi, auto / best (goals <= 1.10), "
-              f"{NODES_OF_2} / mpi")
-        for size, best, vs_mpi, chosen, vs_best, nodes in summary:
+        print(f"\n# per size: best hand-written / mpi, auto / best (goals <= 1.10) = auto / its "
+              f"choice (paired) x choice / best, {NODES_OF_2} / mpi")
+        for size, best, vs_mpi, chosen, vs_best, overhead, choice, nodes in summary:
             print(f"{size:>9}  best {best:<12} {vs_mpi:5.2f}x mpi   auto→{chosen:<12} "
-                  f"{vs_best:5.2f}x best   {NODES_OF_2} {nodes:5.2f}x mpi")
+                  f"{vs_best:5.2f}x best ({overhead:4.2f} x {choice:4.2f})   "
+                  f"{NODES_OF_2} {nodes:5.2f}x mpi")
 
 
 def _call(name: str, x: np.ndarray, out: np.ndarray, comm):

@@ -13,6 +13,7 @@ emulation, measured and predicted.
 
     python benchmarks/bench_auto.py --ranks 2 4 --max-bytes 64M --out bench-out
     python benchmarks/bench_auto.py --ranks 2 4 --no-calibration --no-emulated --iters 20
+    python benchmarks/bench_auto.py --ranks 2 --no-calibration --no-emulated --poison --loop 10
 """
 
 from __future__ import annotations
@@ -39,10 +40,26 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+#: algorithms that send the same messages on one node: hierarchical is the ring there, and on 2
+#: ranks so are Rabenseifner's and the torus's (one exchange of half the array each way, then one
+#: of the reduced halves); their spread within a run is the run's noise
+TWINS = ("ring", "hierarchical")
+TWINS_AT_2 = (*TWINS, "rabenseifner", "torus2d")
+
+
 def auto_vs_best(data: list[dict]) -> list[str]:
+    """Per size: the best algorithm, auto's choice, and choice/best (the chosen algorithm's own
+    column over the best: the judged ratio); beside it auto's own run over the best, and on one
+    node the noise of the run: the slowest of the algorithms that send the same messages (TWINS,
+    TWINS_AT_2) over the fastest."""
+    twins = ()
+    if data and data[0]["nodes"] == 1:
+        twins = TWINS_AT_2 if data[0]["ranks"] == 2 else TWINS
     lines = [f"{'bytes':>10} {'best':>20} {'best us':>10} {'auto→':>20} {'auto us':>10} "
-             f"{'auto/best':>9} {'mpi us':>10}"]
+             f"{'auto/best':>9} {'own/best':>9} {'mpi us':>10}"
+             + (f" {'noise':>6}" if twins else "")]
     worst = 0.0
+    within = 0
     for size in sorted({r["bytes"] for r in data}):
         mine = {r["algorithm"]: r for r in data if r["bytes"] == size}
         ours = [r for name, r in mine.items() if name not in ("auto", "mpi")]
@@ -52,10 +69,14 @@ def auto_vs_best(data: list[dict]) -> list[str]:
         # often as the best's (auto's own run is one more noisy sample of the same algorithm)
         ratio = mine[auto["chosen"]]["time_us"] / best["time_us"]
         worst = max(worst, ratio)
-        lines.append(f"{size:>10} {best['algorithm']:>20} {best['time_us']:>10.1f} "
-                     f"{auto['chosen']:>20} {auto['time_us']:>10.1f} {ratio:>9.2f} "
-                     f"{mine['mpi']['time_us']:>10.1f}")
-    within = sum(1 for line in lines[1:] if float(line.split()[5]) <= 1.10)
+        within += ratio <= 1.10
+        line = (f"{size:>10} {best['algorithm']:>20} {best['time_us']:>10.1f} "
+                f"{auto['chosen']:>20} {auto['time_us']:>10.1f} {ratio:>9.2f} "
+                f"{auto['time_us'] / best['time_us']:>9.2f} {mine['mpi']['time_us']:>10.1f}")
+        if twins:
+            same = [mine[n]["time_us"] for n in twins if n in mine]
+            line += f" {max(same) / min(same):>6.2f}"
+        lines.append(line)
     lines.append(f"auto within 10% of the best at {within}/{len(lines) - 1} sizes; worst ratio "
                  f"{worst:.2f}")
     return lines
@@ -91,6 +112,23 @@ def emulated_table(data: list[dict]) -> list[str]:
     return lines
 
 
+def poisoned_calibration(p: int, env: dict[str, str], cache: Path) -> str:
+    """Make auto's first-use calibration of p ranks while a spinning process (at this process's
+    priority) keeps a core busy; what the cache then says of it."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        mpdl(p, ["bench", "allreduce", "-b", "8", "-e", "8", "-n", "1", "-w", "0", "--algorithms",
+                 "auto"], env, 300)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    for f in cache.glob("auto-*.json"):
+        data = json.loads(f.read_text())
+        if data["key"]["world_size"] == p:
+            return data["params"]["provisional"] or "not flagged: kept as a quiet calibration"
+    return "no first-use calibration"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -106,6 +144,15 @@ def main() -> int:
                              "OUT/auto-cache")
     parser.add_argument("--no-emulated", action="store_true",
                         help="skip the emulated-network sweep")
+    parser.add_argument("--loop", type=int, default=1, metavar="CALLS",
+                        help="time CALLS calls back to back per iteration (`mpdl bench --loop`; "
+                             "default 1: a barrier before every call)")
+    parser.add_argument("--poison", action="store_true",
+                        help="with --no-calibration: take each first-use calibration while another "
+                             "process keeps a core busy, then time the sweep on the cache it left")
+    parser.add_argument("--keep-cache", action="store_true",
+                        help="with --no-calibration: start from OUT/auto-cache as an earlier run "
+                             "left it (as a user's next run does) instead of emptying it")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = {"MPDL_COST_MODEL": str(args.out / "costmodel.json")}
@@ -113,14 +160,18 @@ def main() -> int:
     if args.no_calibration:
         env = {"MPDL_COST_MODEL": str(args.out / "no-costmodel.json"),
                "MPDL_AUTO_CACHE": str(cache)}
-        shutil.rmtree(cache, ignore_errors=True)
+        if not args.keep_cache:
+            shutil.rmtree(cache, ignore_errors=True)
     report: list[str] = []
     for p in args.ranks:
         if not args.skip_calibrate and not args.no_calibration:
             mpdl(p, ["calibrate"], env, 300)
+        if args.poison and args.no_calibration:
+            report += [f"\n## p={p}: first-use calibration with a core kept busy: "
+                       f"{poisoned_calibration(p, env, cache)}"]
         sweep = args.out / f"allreduce_p{p}.json"
         mpdl(p, ["bench", "allreduce", "-b", args.min_bytes, "-e", args.max_bytes, "-n",
-                 str(args.iters), "-w", "2", "--json", str(sweep),
+                 str(args.iters), "-w", "2", "--loop", str(args.loop), "--json", str(sweep),
                  "--plot", str(args.out / f"allreduce_p{p}.png")], env, 3000)
         data = rows(sweep)
         model = "calibrated by mpdl calibrate"

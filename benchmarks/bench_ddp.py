@@ -119,7 +119,8 @@ def _mpdl_steps(args, widths, x, y) -> tuple[list[dict], dict]:
         steps.append({"step": end - t0, "comm": ddp.last_comm_s, "exposed": ddp.last_exposed_s,
                       "other": end - t0 - sum(phases.values()), **phases})
         t0 = end
-    extra: dict = {"buckets": [b.nbytes for b in ddp.buckets]}
+    extra: dict = {"buckets": [b.nbytes for b in ddp.buckets],
+                   "algorithms": ddp.bucket_algorithms()}
     if comm.size > 1:
         alone = _allreduce_alone(ddp, comm)
         extra["allreduce_alone_s"] = sum(alone)

@@ -1,16 +1,17 @@
 """The dense GPT against mixtures of experts (E = 4, k = 2) at ep = 1, 2, 4, side by side in one run.
 
     flock /tmp/mpdl-bench.lock mpiexec -n 4 python benchmarks/bench_moe.py [--steps 20]
-        [--batch 128] [--reps 15] [--json PATH]
+        [--batch 128] [--reps 15] [--microbatches 4] [--json PATH]
 
 Each configuration trains its own copy of the same GPT shape (the addition task's: 2 blocks of
 width 64, 4 heads, 11 tokens, Adam, float32) on the same global batch: the dense GPT under DDP,
 then the GPT with a MoE layer of 4 experts (top-2, dropless) in every block under
-`ExpertParallelStrategy` at each ep dividing the ranks. They take turns (rounds of A A A B B B
-..., one untimed step first in each turn). A step's time is the slowest rank's; the table gives
-the median, the ratio to the dense step, and the all-to-all share of the step (the dispatch,
-combine and count exchanges, forward and backward, over the step; median over steps, largest
-over ranks).
+`ExpertParallelStrategy` at each ep dividing the ranks, and on the grids dp × pp 2 and
+dp × tp 2 (`ExpertPipelineStrategy`, `--microbatches` on the pipeline, one on tp) at ep 1 and
+at each ep > 1 dividing dp. They take turns (rounds of A A A B B B ..., one untimed step first
+in each turn). A step's time is the slowest rank's; the table gives the median, the ratio to
+the dense step, and the all-to-all share of the step (the dispatch, combine and count
+exchanges, forward and backward, over the step; median over steps, largest over ranks).
 
 Then, per ep > 1, every all-to-all algorithm against `mpi` at the sizes the run sends: the
 dispatch's `alltoallv` of this rank's rows with the counts of the last step (each rank's own),
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -33,6 +35,7 @@ from mpdl.comm import as_communicator
 from mpdl.parallel import split_bounds
 from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.expert import ExpertParallelStrategy
+from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.perf.bench import turns
 from mpdl.training.gpt import GPT
@@ -51,6 +54,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     parser.add_argument("--batch", type=int, default=128, help="global batch (sequences)")
     parser.add_argument("--reps", type=int, default=15, help="timed all-to-alls per algorithm")
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="microbatches of the pipeline configurations")
     parser.add_argument("--json", metavar="PATH", help="one JSON line per row")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
@@ -58,33 +63,40 @@ def main() -> None:
     p, rank = comm.size, comm.rank
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, VOCAB, (args.batch, BLOCK)), rng.integers(0, VOCAB, (args.batch, BLOCK))
-    bounds = split_bounds(args.batch, p)
-    mine = slice(bounds[rank], bounds[rank + 1])
-    batch = Batch(x[mine], y[mine], args.batch, 1e-3)
-    configs = {"dense": AllReduceStrategy(comm)}
+    configs: dict[str, Any] = {"dense": AllReduceStrategy(comm)}
     for ep in (1, 2, 4):
         if p % ep == 0:
             configs[f"moe ep={ep}"] = ExpertParallelStrategy(comm, ep=ep)
+    for axis, (pp, tp) in (("pp", (2, 1)), ("tp", (1, 2))):
+        dp = p // 2
+        for ep in (1, 2, 4):
+            if p % 2 == 0 and dp % ep == 0 and (ep == 1 or dp > 1):
+                configs[f"moe ep={ep} {axis}=2"] = ExpertPipelineStrategy(
+                    comm, dp, pp, tp, ep=ep, microbatches=args.microbatches if pp > 1 else 1)
+    batches = {}
     for name, s in configs.items():
         s.setup(make_model(name != "dense"), lambda ps: optim.Adam(ps, lr=1e-3))
+        bounds = split_bounds(args.batch, s.data_comm.size)
+        mine = slice(bounds[s.data_comm.rank], bounds[s.data_comm.rank + 1])
+        batches[name] = Batch(x[mine], y[mine], args.batch, 1e-3)
     times = {k: np.empty(args.steps) for k in configs}
     shares = {k: np.zeros(args.steps) for k in configs}
     for turn in turns(args.steps):
         for name, s in configs.items():
             for rep in (None, *turn):
                 world.Barrier()
-                r = s.step(batch)
+                r = s.step(batches[name])
                 if rep is not None:
                     times[name][rep] = r.compute_s + r.exposed_s
                     a2a = sum(sp.end - sp.start for sp in r.spans
-                              if sp.cat == "communication" and "all-reduce" not in sp.name)
+                              if sp.name.startswith(("dispatch", "combine")))
                     shares[name][rep] = a2a / times[name][rep] if name != "dense" else 0.0
     rows = []
     if rank == 0:
         print(f"# dense GPT vs MoE (E = 4, k = 2, dropless), {p} ranks, global batch "
               f"{args.batch} x {BLOCK} tokens, Adam float32; median of {args.steps} steps in "
               f"turns, step time = slowest rank")
-        print(f"{'config':>10} {'step_ms':>8} {'vs_dense':>9} {'a2a_share':>10}")
+        print(f"{'config':>15} {'step_ms':>8} {'vs_dense':>9} {'a2a_share':>10}")
     dense = None
     for name in configs:
         world.Allreduce(MPI.IN_PLACE, times[name], op=MPI.MAX)
@@ -95,10 +107,10 @@ def main() -> None:
                "alltoall_share": float(np.median(shares[name]))}
         rows.append(row)
         if rank == 0:
-            print(f"{name:>10} {row['step_ms']:>8.2f} {row['vs_dense']:>9.2f} "
+            print(f"{name:>15} {row['step_ms']:>8.2f} {row['vs_dense']:>9.2f} "
                   f"{row['alltoall_share']:>10.1%}", flush=True)
-    for name, s in configs.items():
-        if name == "dense" or s.ep == 1:
+    for s in configs.values():
+        if not isinstance(s, ExpertParallelStrategy) or s.ep == 1:
             continue
         rows += time_algorithms(s, args.reps, world)
     if rank == 0 and args.json:

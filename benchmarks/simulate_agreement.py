@@ -56,14 +56,31 @@ from mpdl.collectives import costmodel as cm
 from mpdl.mpi_runtime import usable_cores
 from mpdl.perf import layouts as L
 from mpdl.perf import simulate as S
-from mpdl.perf.agreement import MEMORY_TOLERANCE, TOLERANCE, pipeline_step, verdict, zero_step
+from mpdl.perf.agreement import (
+    MEMORY_TOLERANCE,
+    TOLERANCE,
+    context_step,
+    expert_step,
+    pipeline_step,
+    recompute_step,
+    verdict,
+    zero_step,
+)
 
 BIN = Path(sys.executable).parent
 MPIEXEC, MPDL = str(BIN / "mpiexec"), str(BIN / "mpdl")
 
-CHECKS = ("ring", "lenet", "zero", "pp")
+CHECKS = ("ring", "lenet", "zero", "pp", "recompute", "moe", "cp")
 #: the pipeline check: stages, microbatches, samples per pipeline
 PP, MICROBATCHES, PP_BATCH = 2, 4, 32
+#: the transformer checks' GPT (mpdl train --model gpt --dataset text): blocks, heads, width,
+#: sequence, sequences per data-parallel rank, characters of the generated text; MoE: experts,
+#: top-k (dropless)
+GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64}
+GPT_SEQ, GPT_BATCH, GPT_TEXT = 64, 16, 24000
+EXPERTS, TOP_K = 4, 2
+RECOMPUTE_MODES = ("none", "selective", "full")
+CP_MODES = ("ring", "ulysses", "allgather")
 
 
 def _run(n: int, argv: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
@@ -323,6 +340,177 @@ def pipeline_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
     return predicted["step_s"] / measured
 
 
+# -- the transformer's axes ------------------------------------------------------------------------
+def gpt_text(tmp_path: Path) -> Path:
+    """A generated text of GPT_TEXT characters from 16 letters and the space (vocabulary 17)."""
+    path = tmp_path / "text.txt"
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        letters = np.array(list("abcdefghijklmnop "))
+        path.write_text("".join(rng.choice(letters, GPT_TEXT)))
+    return path
+
+
+def gpt_pieces(spec: dict, repeats: int = 12, warmup: int = 3) -> dict:
+    """Median seconds of a GPT's forward (with the loss), backward and Adam step on `spec`'s
+    batch of random tokens, without recomputation, the blocks' share of the forward
+    (`blocks_forward_s`), and the attention cores' forward (`core_forward_s`: causal attention on
+    Q, K, V of the model's shape, once per block; `core_whole_s` the same at `spec["whole"]`
+    positions, the whole sequence of a context-parallel run)."""
+    from mpdl.autograd import Tensor, optim
+    from mpdl.autograd import functional as F
+    from mpdl.autograd.moe import MoESettings
+    from mpdl.training.gpt import causal_attention
+    from mpdl.training.models import build_model
+
+    moe = MoESettings(spec["experts"], TOP_K, 0.0, 0.0, 1) if spec["experts"] else None
+    net = build_model("gpt", (spec["seq"],), spec["vocab"], moe=moe, **GPT)
+    opt = optim.Adam(net.parameters(), lr=1e-3)
+    rng = np.random.default_rng(0)
+    b, t, v = spec["batch"], spec["seq"], spec["vocab"]
+    idx, target = rng.integers(0, v, (b, t)), rng.integers(0, v, b * t)
+    hd = GPT["n_embd"] // GPT["n_head"]
+    qkv, whole = ([Tensor(rng.standard_normal((b, GPT["n_head"], n, hd)).astype(np.float32),
+                          requires_grad=True) for _ in range(3)]
+                  for n in (t, spec.get("whole", t)))
+    keys = ("forward_s", "backward_s", "optimizer_s", "blocks_forward_s", "core_forward_s",
+            "core_whole_s")
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        x = net.token_embedding(idx) + net.position_embedding(np.arange(t))
+        blocks = 0.0
+        for block in net.blocks:
+            t1 = time.perf_counter()
+            x = block(x)
+            blocks += time.perf_counter() - t1
+        logits = F.linear(net.ln_f(x), net.token_embedding.weight)
+        loss = F.cross_entropy(logits.reshape(b * t, v), target)
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t4 = time.perf_counter()
+        for _ in net.blocks:
+            causal_attention(*qkv)
+        t5 = time.perf_counter()
+        for _ in net.blocks:
+            causal_attention(*whole)
+        t6 = time.perf_counter()
+        if i >= warmup:
+            for key, value in zip(keys, (t2 - t0, t3 - t2, t4 - t3, blocks, t5 - t4, t6 - t5),
+                                  strict=True):
+                times[key].append(value)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def _gpt_worker(argv: list[str]) -> int:
+    """Under mpiexec -n p: every rank times `gpt_pieces` at once; rank 0 writes the slowest
+    rank's figure of each piece."""
+    spec, out = json.loads(argv[0]), argv[1]
+    from mpi4py import MPI
+
+    from mpdl.allocator import keep_heap
+
+    keep_heap()  # as `mpdl train` does
+    mine = gpt_pieces(spec)
+    everyone = MPI.COMM_WORLD.gather(mine, root=0)
+    if MPI.COMM_WORLD.rank == 0:
+        Path(out).write_text(json.dumps({k: max(r[k] for r in everyone) for k in mine}))
+    return 0
+
+
+def measure_gpt(p: int, spec: dict, env: dict, tmp_path: Path, tag: str) -> dict:
+    """`gpt_pieces` timed by p ranks at once (the slowest rank's)."""
+    path = tmp_path / f"gpt.{tag}.json"
+    _run(p, [sys.executable, __file__, "--gpt-worker", json.dumps(spec), str(path)], env, 180)
+    return json.loads(path.read_text())
+
+
+def _gpt_args(tmp_path: Path, *extra: str) -> list[str]:
+    args = ["--model", "gpt", "--dataset", "text", "--data", str(gpt_text(tmp_path)),
+            "--block-size", str(GPT_SEQ), "--optimizer", "adam"]
+    for key, value in GPT.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return args + list(extra)
+
+
+def _train_gpt(p: int, batch: int, args: list[str], env: dict, path: Path) -> tuple[float, dict]:
+    """(median step of epochs 2-3, the summary row) of `mpdl train --model gpt` at `batch`
+    sequences a step."""
+    _mpirun(p, ["train", "--global-batch-size", str(batch), "--epochs", "3", "--algorithm",
+                "ring", "--no-progress", "--json", str(path), *args], env, 300)
+    rows = [json.loads(x) for x in path.read_text().splitlines()][1:]
+    return statistics.median(r["compute_s"] + r["exposed_comm_s"] for r in rows[1:-1]), rows[-1]
+
+
+def _gpt_grad_bytes(experts: int = 0) -> tuple[int, int]:
+    """(dense, expert) gradient bytes of the checks' GPT (float32)."""
+    from mpdl.autograd.moe import MoESettings
+    from mpdl.training.models import build_model
+
+    moe = MoESettings(experts, TOP_K, 0.0, 0.0, 1) if experts else None
+    net = build_model("gpt", (GPT_SEQ,), 17, moe=moe, **GPT)
+    dense = expert = 0
+    for name, q in net.named_parameters():
+        if ".experts." in name:
+            expert += 4 * q.size
+        else:
+            dense += 4 * q.size
+    return dense, expert
+
+
+def recompute_ratios(p: int, env: dict, tmp_path: Path, round_: int) -> dict[str, float]:
+    """predicted/measured step of `mpdl train --model gpt --recompute MODE` (data parallel over p,
+    GPT_BATCH sequences a rank) for each mode, the prediction from pieces timed without
+    recomputation."""
+    spec = {"seq": GPT_SEQ, "vocab": 17, "batch": GPT_BATCH, "experts": 0}
+    pieces = measure_gpt(p, spec, env, tmp_path, f"r{p}.{round_}")
+    dense, _ = _gpt_grad_bytes()
+    out = {}
+    for mode in RECOMPUTE_MODES:
+        measured, _ = _train_gpt(p, GPT_BATCH * p, _gpt_args(tmp_path, "--recompute", mode), env,
+                                 tmp_path / f"rec{mode}.{p}.{round_}.jsonl")
+        out[mode] = recompute_step(pieces, mode, p, dense, _params(env, p)) / measured
+    return out
+
+
+def expert_ratios(p: int, env: dict, tmp_path: Path, round_: int) -> dict[int, float]:
+    """predicted/measured step of `mpdl train --model gpt --moe-experts 4 --ep EP` (top-2,
+    dropless, data parallel over p, GPT_BATCH sequences a rank) for each ep dividing p and 4."""
+    spec = {"seq": GPT_SEQ, "vocab": 17, "batch": GPT_BATCH, "experts": EXPERTS}
+    pieces = measure_gpt(p, spec, env, tmp_path, f"m{p}.{round_}")
+    dense, expert = _gpt_grad_bytes(EXPERTS)
+    rows = GPT_BATCH * GPT_SEQ * TOP_K * GPT["n_embd"] * 4
+    out = {}
+    for ep in (e for e in range(1, p + 1) if p % e == 0 and EXPERTS % e == 0):
+        measured, _ = _train_gpt(p, GPT_BATCH * p, _gpt_args(
+            tmp_path, "--moe-experts", str(EXPERTS), "--moe-top-k", str(TOP_K), "--ep", str(ep)),
+            env, tmp_path / f"moe{ep}.{p}.{round_}.jsonl")
+        out[ep] = expert_step(pieces, p, ep, GPT["n_layer"], rows, dense, expert, EXPERTS,
+                              _params(env, p)) / measured
+    return out
+
+
+def context_ratios(p: int, env: dict, tmp_path: Path, round_: int) -> dict[str, float]:
+    """predicted/measured step of `mpdl train --model gpt --cp p --cp-mode MODE` (GPT_BATCH
+    sequences a step shared by the p ranks) for each mode, the prediction from pieces timed at
+    the tokens a rank holds (T/p of each sequence) and attention over the whole sequence."""
+    spec = {"seq": GPT_SEQ // p, "whole": GPT_SEQ, "vocab": 17, "batch": GPT_BATCH, "experts": 0}
+    pieces = measure_gpt(p, spec, env, tmp_path, f"c{p}.{round_}")
+    dense, _ = _gpt_grad_bytes()
+    kv = 2 * GPT_BATCH * GPT_SEQ * GPT["n_embd"] * 4
+    out = {}
+    for mode in CP_MODES:
+        measured, _ = _train_gpt(p, GPT_BATCH, _gpt_args(
+            tmp_path, "--cp", str(p), "--cp-mode", mode), env,
+            tmp_path / f"cp{mode}.{p}.{round_}.jsonl")
+        out[mode] = context_step(pieces, p, mode, GPT["n_layer"], kv, dense,
+                                 _params(env, p)) / measured
+    return out
+
+
 def allreduce_ratio(p: int, env: dict, tmp_path: Path, round_: int) -> float:
     """The median over 512 KiB, 1 MiB and 2 MiB of predicted/measured time of the ring all-reduce
     at p ranks, benched just after calibrating."""
@@ -342,6 +530,8 @@ def main() -> int:
         return _compute_worker(sys.argv[2:])
     if sys.argv[1:2] == ["--own-worker"]:
         return _own_worker(sys.argv[2:])
+    if sys.argv[1:2] == ["--gpt-worker"]:
+        return _gpt_worker(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checks", nargs="+", default=list(CHECKS), choices=CHECKS,
                         help="what to compare (default: all)")
@@ -351,6 +541,12 @@ def main() -> int:
                         help="world sizes of the zero check (default 2 4)")
     parser.add_argument("--pp-ranks", type=int, nargs="+", default=[2, 4],
                         help="world sizes of the pipeline check, even (default 2 4)")
+    parser.add_argument("--recompute-ranks", type=int, nargs="+", default=[2],
+                        help="world sizes of the recompute check (default 2)")
+    parser.add_argument("--moe-ranks", type=int, nargs="+", default=[2, 4],
+                        help="world sizes of the moe check, each ep dividing it (default 2 4)")
+    parser.add_argument("--cp-ranks", type=int, nargs="+", default=[2],
+                        help="world sizes (= cp) of the cp check (default 2)")
     parser.add_argument("--zero", type=int, nargs="+", default=[1, 2, 3], metavar="STAGE",
                         help="ZeRO stages of the zero check (default 1 2 3)")
     parser.add_argument("--rounds", type=int, default=5,
@@ -362,10 +558,17 @@ def main() -> int:
         parser.error(f"--pp-ranks: expected even world sizes, got {args.pp_ranks}")
     if any(p < 2 for p in args.ranks + args.zero_ranks) or args.rounds < 1:
         parser.error("--ranks, --zero-ranks: expected at least 2; --rounds at least 1")
+    if any(p < 1 for p in args.recompute_ranks + args.moe_ranks) or any(
+            p < 2 or GPT_SEQ % (2 * p) or GPT["n_head"] % p for p in args.cp_ranks):
+        parser.error(f"--recompute-ranks, --moe-ranks: expected at least 1; --cp-ranks: at least "
+                     f"2, dividing {GPT['n_head']} heads and {GPT_SEQ // 2} (zigzag halves)")
     checks = set(args.checks)
     sizes = sorted({*(args.ranks if checks & {"ring", "lenet"} else []),
                     *(args.zero_ranks if "zero" in checks else []),
-                    *(args.pp_ranks if "pp" in checks else [])})
+                    *(args.pp_ranks if "pp" in checks else []),
+                    *(args.recompute_ranks if "recompute" in checks else []),
+                    *(args.moe_ranks if "moe" in checks else []),
+                    *(args.cp_ranks if "cp" in checks else [])})
     ok, summary = True, []
     print(f"{'p':>2}  {'what':<28} {'predicted/measured':>18}  {'each round':<36} verdict")
     with tempfile.TemporaryDirectory() as tmp:
@@ -396,6 +599,15 @@ def main() -> int:
                 if "pp" in checks and p in args.pp_ranks:
                     add(f"pp={PP} m={MICROBATCHES} step, train",
                         pipeline_ratio(p, env, Path(tmp), round_))
+                if "recompute" in checks and p in args.recompute_ranks:
+                    for mode, ratio in recompute_ratios(p, env, Path(tmp), round_).items():
+                        add(f"gpt recompute={mode} step", ratio)
+                if "moe" in checks and p in args.moe_ranks:
+                    for ep, ratio in expert_ratios(p, env, Path(tmp), round_).items():
+                        add(f"gpt moe ep={ep} step", ratio)
+                if "cp" in checks and p in args.cp_ranks:
+                    for mode, ratio in context_ratios(p, env, Path(tmp), round_).items():
+                        add(f"gpt cp {mode} step", ratio)
             for what, (ratios, tolerance) in results.items():
                 ratio, agrees = verdict(ratios, tolerance)
                 ok &= agrees

@@ -16,7 +16,7 @@ from ``current()`` (or from the communicator that was built with it).
 | MPDL_EMULATE | emulation | slowed links, e.g. ``inter=10Gbit/s,20us`` (none) |
 | MPDL_COST_MODEL | cost_model | parameter file of `auto`, or ``off`` / ``defaults`` (~/.cache/mpdl) |
 | MPDL_AUTO_CACHE | auto_cache | folder of `auto`'s first-use calibrations, or ``off`` (~/.cache/mpdl) |
-| MPDL_VERIFY_RUNS | verify_runs | runs of `auto`'s choice and its runner-up that a plan times (0: off) |
+| MPDL_VERIFY_RUNS | verify_runs | runs of `auto`'s choice and its runner-up that a plan times (3; 0: off) |
 | MPDL_CUDA_AWARE | cuda_aware | 0 or 1: whether MPI takes GPU buffers (detected) |
 | MPDL_NO_CUPY | no_cupy | 1: act as if CuPy were not installed (0) |
 | MPDL_MALLOC | malloc | ``default``: keep glibc's malloc settings (tuned) |
@@ -147,7 +147,7 @@ class Settings:
     auto_cache: str = ""
     #: runs of each of `auto`'s choice and the cost model's runner-up that a persistent all-reduce
     #: plan times, taking turns, before it keeps the faster (mpdl.collectives.verify); 0: off
-    verify_runs: int = 0
+    verify_runs: int = 3
     cuda_aware: bool | None = None
     no_cupy: bool = False
     malloc: str = "tuned"

@@ -365,6 +365,19 @@ def test_latency_terms_count_the_messages_of_the_recorded_schedule(algorithm, p)
         assert alpha_only == sent
 
 
+def test_scattered_posting_share_is_of_the_calibrated_message_latency():
+    """With a measured exchange curve (latency 100 us) and a larger scalar α (a calibration on a
+    busy machine: 250 us), a posting costs POST_SHARE of the curve's latency, as the messages of
+    Bruck and pairwise are timed by the curve: at 4 ranks scattered's one latency and two postings
+    are then 2 latencies, as Bruck's two steps, not 1 + 2.5 (which made Bruck look faster)."""
+    latency = 100e-6
+    params = cm.Params(alpha=250e-6, beta=0.0, copy=0.0, copy_cached=0.0, call=0.0,
+                       exchange=((8.0, latency), (1 << 20, latency)))
+    scattered = cm.predict("alltoall", "scattered", 4 * 8, 4, 1, params)
+    assert scattered == pytest.approx(latency * (1 + 2 * cm.POST_SHARE))
+    assert scattered == pytest.approx(cm.predict("alltoall", "bruck", 4 * 8, 4, 1, params))
+
+
 def test_mpi_prediction_follows_mpichs_switch_points():
     native = cm.Params(alpha=10e-6, beta=1e-9, copy=0.0, copy_cached=0.0, call=0.0,
                        alpha_native=10e-6)

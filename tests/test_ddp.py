@@ -233,6 +233,33 @@ def test_without_overlap_nothing_starts_before_finish():
     assert run_world(2, step) == [([False], True)] * 2
 
 
+@pytest.mark.parametrize("local, cores, nodes, overlapped", [
+    (2, 2, 1, False), (3, 2, 1, False), (2, 4, 1, True), (None, 2, 1, True), (2, 2, 2, True)])
+def test_overlap_only_where_it_can_pay(local, cores, nodes, overlapped, monkeypatch):
+    """One node with no core to spare for the communication thread: every bucket is reduced in
+    finish(), none during backward. With a spare core, a launcher that does not say, or the ranks
+    on two nodes (waiting to hide), buckets but the last start during backward. The sums agree."""
+    from mpdl import mpi_runtime
+
+    monkeypatch.setattr(mpi_runtime, "launcher_local_size", lambda: local)
+    monkeypatch.setattr(mpi_runtime, "usable_cores", lambda: cores)
+
+    def step(comm):
+        model = mlp(0)
+        ddp = DistributedDataParallel(model, comm=comm, first_bucket_mb=1e-5, bucket_mb=1e-5)
+        F.cross_entropy(model(Tensor(X[:4])), Y[:4]).backward()
+        launched = [b.handle is not None for b in ddp.buckets]
+        ddp.finish()
+        return ddp.overlap, launched, [p.grad.copy() for p in model.parameters()]
+
+    results = run_world(2, step, ranks_per_node=2 // nodes)
+    for on, launched, grads in results:
+        assert on is overlapped
+        assert launched == [overlapped] * (len(launched) - 1) + [False]
+        for g, want in zip(grads, results[0][2], strict=True):
+            np.testing.assert_array_equal(g, want)
+
+
 def test_the_last_bucket_is_reduced_in_finish_on_the_calling_thread():
     """With overlap, every bucket but the last is handed to the communication thread during
     backward; the last (full only when backward ends) is reduced by finish() itself, after the

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +23,12 @@ from mpdl.backend import bfloat16
 from mpdl.cli import UsageError
 from mpdl.cli.train import check
 from mpdl.parallel.data_parallel import AllReduceStrategy
+from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.parallel.tensor import TensorParallelGPT
 from mpdl.parallel.zero import ZeroStrategy
 from mpdl.threadworld import run_world
+from mpdl.training import precision
 from mpdl.training.activation_memory import korthikanti_layer_bytes, layer_activation_bytes
 from mpdl.training.config import TrainConfig
 from mpdl.training.gpt import GPT
@@ -195,6 +198,41 @@ def test_the_layer_formula_with_tensor_parallelism(mode):
     measured = run_world(2, lambda c: _layer_bytes(mode, 0.0, comm=c))
     formula = layer_activation_bytes(16, 6, 32, 4, t=2, recompute=mode)
     assert all(abs(m - formula) <= 0.05 * formula for m in measured), (measured, formula)
+
+
+def _layout_layer_bytes(comm, tp: int, cp: int, sp: bool, mode: str, name: str,
+                        s: int = 16, b: int = 6, h: int = 32, a: int = 4) -> float:
+    """Activations one layer adds at the peak of a step of the tensor-, sequence- or
+    context-parallel GPT (PipelineStrategy, pp 1): a 3-layer GPT's less a 1-layer one's, halved."""
+    kept = []
+    for n_layer in (1, 3):
+        gpt = GPT(11, s, n_layer, a, h, seed=0)
+        gpt.set_recompute(mode)
+        config = types.SimpleNamespace(optim=types.SimpleNamespace(precision=name,
+                                                                   loss_scale_init=1.0))
+        precision.prepare(gpt, config)
+        ledger = memory.Ledger()
+        rng = np.random.default_rng(0)
+        with ledger.installed():
+            strategy = PipelineStrategy(comm, 1, 1, tp, cp=cp, sp=sp)
+            strategy.setup(gpt, precision.optimizer_factory(lambda p: optim.SGD(p, lr=0.0),
+                                                            config))
+            ledger.reset_peaks()
+            strategy.step(Batch(rng.integers(0, 11, (b, s)), rng.integers(0, 11, (b, s)), b, 0.0))
+            kept.append(ledger.peak["activations"])
+    return (kept[1] - kept[0]) / 2
+
+
+@pytest.mark.parametrize("tp,cp,sp,mode,name", [
+    (2, 1, True, "none", "fp32"), (2, 1, True, "full", "fp32"), (2, 1, False, "none", "bf16"),
+    (1, 2, False, "none", "fp32"), (2, 2, True, "none", "fp32")])
+def test_the_layer_formula_with_sequence_and_context_parallelism(tp, cp, sp, mode, name):
+    measured = run_world(tp * cp, lambda c: _layout_layer_bytes(c, tp, cp, sp, mode, name))
+    formula = layer_activation_bytes(16, 6, 32, 4, t=tp, recompute=mode, sp=sp, c=cp,
+                                     precision=name)
+    assert all(abs(m - formula) <= 0.05 * formula for m in measured), (measured, formula)
+    # smaller than without sequence or context parallelism, as Korthikanti's count is
+    assert formula < layer_activation_bytes(16, 6, 32, 4, t=tp, recompute=mode)
 
 
 PSI = 403_136  # the 8-layer GPT of width 64 over a 17-character vocabulary, blocks of 32

@@ -85,6 +85,16 @@ def test_bf16_gpt_gradients_are_close_to_float32_and_16_bit():
         assert np.abs(p.grad.astype(np.float32) - q.grad).max() <= 0.08 * scale
 
 
+def test_a_parameter_another_pipeline_stage_holds_stays_a_zero_byte_placeholder():
+    m = gpt()
+    dropped, kept = m.parameters()[:2]
+    dropped.data = np.broadcast_to(np.full((), np.nan, np.float32), dropped.shape)
+    precision.prepare(m, config("bf16"))
+    assert dropped.data.dtype == bfloat16 and not any(dropped.data.strides)
+    assert np.isnan(dropped.data.astype(np.float32)).all()
+    assert kept.data.dtype == bfloat16 and kept.data.flags.owndata
+
+
 def test_master_weights_are_float32_and_the_compute_copy_their_rounding():
     x, y = gpt_data()
     m = gpt()
@@ -177,7 +187,7 @@ def test_zero_shards_master_weights_and_agrees_on_skipping(stage):
     out = run_world(3, lambda c: run(c, zero, "bf16"))
     for params, strategy in out:
         assert np.array_equal(params, out[0][0])
-        pieces = sum(t.data.size for t, *_ in strategy.pieces)
+        pieces = sum(piece.tensor.data.size for piece in strategy.pieces)
         masters = sum(v.size for s in strategy.optimizer.state.values() for k, v in s.items()
                       if k == "master")
         assert masters == pieces < params.size  # each rank holds the master weights of its shard

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -129,19 +130,19 @@ def test_step_charges_the_bubble():
     four = L.step(shape, L.Layout(pp=4, microbatches=8), MIXED, A100, SELENE.params, 8)
     assert four["bubble_share"] == pytest.approx(3 / 11)
     assert four["bubble_s"] / four["step_s"] == pytest.approx(3 / 11, rel=0.01)
-    assert one["mfu"] <= A100.sustained_flops / A100.peak_flops
+    assert one["mfu"] <= A100.gemm_efficiency
 
 
 def test_search_returns_only_layouts_that_fit():
     shape = L.SHAPES["megatron-8.3b"]
     for memory in (16e9, 32e9, 80e9):
-        gpu = L.GPUS["v100-32gb"].__class__("v", 125e12, 39e12, memory)
+        gpu = replace(L.GPUS["v100-32gb"], name="v", memory=memory)
         rows = L.search(shape, 64, 512, MIXED, gpu, SELENE.params, 8, top=50)
         assert rows, memory
         assert all(r["fits"] and r["total_bytes"] <= memory for r in rows)
         assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
         assert all(r["gpus"] == 64 for r in rows)
-    tiny = L.GPUS["v100-32gb"].__class__("tiny", 125e12, 39e12, 1e9)
+    tiny = replace(L.GPUS["v100-32gb"], name="tiny", memory=1e9)
     assert L.search(shape, 8, 64, MIXED, tiny, SELENE.params, 8) == []
 
 
@@ -153,20 +154,32 @@ EXPECTED = {  # name: published figure, as the papers state it
     "Yamazaki et al. 2019 throughput": 1.73e6}
 
 
+#: rows outside ±15%, each explained in docs/simulate.md, with the ratio they stand at
+OUTSIDE = {"Goyal et al. 2017": 0.79, "Mikami et al. 2018": 0.39,
+           "Yamazaki et al. 2019 throughput": 0.82}
+
+
 def test_published_figures_within_their_bands():
     rows = {r["name"]: r for r in P.rows()}
     for name, figure in EXPECTED.items():
         row = rows[name]
         assert row["published"] == figure
-        band = 0.02 if name.startswith("ZeRO") else 0.30
+        band = 0.02 if name.startswith("ZeRO") else 0.15
         assert row["band"] == band
+        if name in OUTSIDE:
+            assert not row["ok"] and row["ratio"] == pytest.approx(OUTSIDE[name], abs=0.01)
+            continue
         assert abs(row["predicted"] / figure - 1) <= band, (name, row["predicted"])
         assert row["ok"]
     bubbles = [r for n, r in rows.items() if n.startswith("pipeline bubble")]
     assert len(bubbles) == 4 and all(r["ok"] for r in bubbles)
+    # every row's band is ±15% at most
+    assert all(r["band"] <= 0.15 for r in rows.values())
     # Mikami et al. stays outside the band: what the model misses is said in docs/simulate.md;
-    # on the same cluster with the same inputs Yamazaki et al.'s throughput is inside it
+    # on the same cluster with the same inputs Yamazaki et al.'s throughput lies nearer
     assert not rows["Mikami et al. 2018"]["ok"]
+    assert rows["Mikami et al. 2018"]["ratio"] == pytest.approx(OUTSIDE["Mikami et al. 2018"],
+                                                                 abs=0.01)
     assert rows["Mikami et al. 2018"]["ratio"] < rows["Yamazaki et al. 2019 throughput"]["ratio"]
     # the PTD-P layout (t, p, d) = (8, 64, 6) is the stated one and fits in 80 GB
     assert rows["PTD-P 1T share of peak"]["layout"] == "dp6 pp64 tp8 m512 1f1b recompute=full"
@@ -319,7 +332,7 @@ def test_search_report_covers_five_axes_and_says_why():
     assert {r["recompute"] for r in rows} == set(L.RECOMPUTE)
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
     assert "slower_by" not in rows[0] and all(r["slower_by"] for r in rows[1:])
-    small = L.GPUS["a100-80gb"].__class__("small", 312e12, 137e12, 2e5)
+    small = replace(L.GPUS["a100-80gb"], name="small", memory=2e5)
     tight = L.search_report(shape, 8, 16, MIXED, small, SELENE.params, 8, top=50)
     assert tight["too_big"] > 0 and all(r["total_bytes"] <= 2e5 for r in tight["rows"])
     assert tight["smallest_too_big"]["total_bytes"] > 2e5
@@ -335,6 +348,7 @@ def test_five_axis_published_rows_are_reported():
                "Mixtral 8x7B parameters": 46.7, "Mixtral 8x7B active parameters per token": 12.9}
     for name, figure in figures.items():
         assert rows[name]["published"] == figure and rows[name]["band"] == 0.15
+        assert rows[name]["ok"], (name, rows[name]["ratio"])
     assert rows["Mixtral 8x7B parameters"]["ok"]
     assert rows["Mixtral 8x7B active parameters per token"]["ok"]
     # selective recomputation with sp beats full recomputation, as the paper found (29% faster)

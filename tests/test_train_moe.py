@@ -30,7 +30,7 @@ def train(n: int, *flags: str, timeout: float = 120) -> subprocess.CompletedProc
 
 def test_json_carries_the_experts_figures_and_the_timeline_dispatch_and_combine(tmp_path):
     out = train(2, *TINY, "--moe-experts", "4", "--ep", "2", "--moe-every", "2",
-                "--moe-capacity-factor", "1.0", "--json", str(tmp_path / "r.jsonl"),
+                "--moe-capacity-factor", "1.0", "--grad-accum", "2", "--json", str(tmp_path / "r.jsonl"),
                 "--timeline", str(tmp_path / "t.json"))
     assert out.returncode == 0, out.stderr
     assert "1 MoE layer(s) of 4 experts, top-2, capacity factor 1; expert parallel over 2" \
@@ -71,17 +71,19 @@ def test_bad_input_exits_2_with_one_line_on_every_rank():
     (["--moe-experts", "4", "--moe-capacity-factor", "-1"], 1,
      "--moe-capacity-factor: expected a number >= 0, got -1.0"),
     (["--moe-experts", "-2"], 1, "--moe-experts: expected an integer >= 0, got -2"),
-    (["--moe-experts", "4", "--ep", "2", "--pp", "2"], 4,
-     "--ep > 1 cannot be combined with --pp or --tp"),
+    (["--moe-experts", "4", "--ep", "4", "--pp", "2"], 4,
+     "--ep 4 must divide the 2 data-parallel ranks"),
+    (["--moe-experts", "4", "--ep", "2", "--tp", "2"], 2,
+     "--ep 2 must divide the 1 data-parallel ranks"),
     (["--moe-experts", "4", "--zero", "2"], 2, "--moe-experts combines with plain data"),
-    (["--moe-experts", "4", "--ep", "2", "--checkpoint", "c"], 2,
-     "--checkpoint with --moe-experts needs --ep 1"),
     (["--moe-experts", "4", "--cp", "2", "--digits", "2"], 2,
      "--moe-experts cannot be combined with --cp > 1"),
-    (["--moe-experts", "4", "--recompute", "full"], 1,
-     "--recompute cannot be combined with --cp > 1 or --moe-experts"),
+    (["--moe-experts", "4", "--grad-accum", "2", "--pp", "2"], 2,
+     "--grad-accum > 1 cannot be combined with --pp, --tp or --cp > 1 (use --microbatches)"),
+    (["--moe-experts", "4", "--precision", "fp16", "--zero", "1"], 2,
+     "--precision fp16 with --moe-experts cannot be combined with --zero 1 yet"),
     (["--recompute", "selective", "--cp", "2", "--digits", "2"], 2,
-     "--recompute cannot be combined with --cp > 1 or --moe-experts"),
+     "--recompute cannot be combined with --cp > 1 yet"),
     (["--moe-experts", "4", "--tp", "2", "--sp", "--digits", "2"], 2,
      "--moe-experts cannot be combined with --cp > 1 or --sp"),
 ])

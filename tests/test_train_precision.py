@@ -88,14 +88,12 @@ def test_bf16_training_learns_and_records_its_precision():
     ({"optim.grad_accum": 2, "parallel.zero": 2},
      "{optim.grad_accum} > 1 cannot be combined with {parallel.zero}"),
     ({"optim.precision": "bf16", "model.dtype": "float64"}, "needs {model.dtype} float32"),
-    ({"optim.precision": "bf16", "parallel.pp": 2},
-     "not supported with {parallel.pp}, {parallel.tp} or {parallel.cp} > 1"),
-    ({"optim.precision": "bf16", "parallel.cp": 2, "model.name": "gpt", "data.dataset": "addition",
-      "data.digits": 2}, "not supported with {parallel.pp}, {parallel.tp} or {parallel.cp} > 1"),
     ({"optim.precision": "bf16", "model.moe_experts": 4, "model.name": "gpt",
-      "data.dataset": "addition"}, "{model.moe_experts} runs in {optim.precision} fp32"),
+      "data.dataset": "addition", "parallel.zero": 1},
+     "{optim.precision} bf16 with {model.moe_experts} cannot be combined with {parallel.zero} 1"),
     ({"optim.grad_accum": 2, "model.moe_experts": 4, "model.name": "gpt",
-      "data.dataset": "addition"}, "{model.moe_experts} runs in {optim.precision} fp32"),
+      "data.dataset": "addition", "parallel.pp": 2},
+     "{optim.grad_accum} > 1 cannot be combined with {parallel.pp}"),
     ({"optim.precision": "fp16", "optim.loss_scale_init": 0.0},
      "{optim.loss_scale_init}: expected a finite loss scale > 0"),
 ])
@@ -103,6 +101,15 @@ def test_combinations_that_cannot_work_are_config_errors(keys, message):
     with pytest.raises(ConfigError) as error:
         validate(TrainConfig.from_keys(keys), 4)
     assert message in error.value.template
+
+
+@pytest.mark.parametrize("keys", [
+    {"parallel.pp": 2}, {"parallel.tp": 2, "model.name": "gpt", "data.dataset": "addition"},
+    {"parallel.cp": 2, "model.name": "gpt", "data.dataset": "addition", "data.digits": 2},
+    {"parallel.pp": 2, "parallel.zero": 1}])
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_mixed_precision_runs_with_pipeline_tensor_and_context_parallelism(keys, name):
+    validate(TrainConfig.from_keys({**keys, "optim.precision": name}), 4)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -121,10 +128,20 @@ def test_bad_precision_flags_exit_2_with_one_line_on_every_rank(flags, message):
     assert message in errors[0]
 
 
-def test_bf16_resume_restores_the_master_weights(tmp_path):
+@pytest.mark.parametrize("ranks,layout", [(1, {}), (2, {"parallel.pp": 2})])
+def test_bf16_resume_restores_the_master_weights(tmp_path, ranks, layout):
+    """A pipeline's checkpoint keeps the float32 master weights and moments of its 16-bit
+    parameters in float32 (each rank's parameters compared: the last stage's here)."""
     ckpt = str(tmp_path / "ckpt")
-    common = {"optim.epochs": 2, "optim.precision": "bf16", "optim.lr_schedule": "constant"}
-    straight, _ = run(config(**common))
-    run(config(**{**common, "optim.epochs": 1, "checkpoint.dir": ckpt}))
-    resumed, rows = run(config(**common, **{"checkpoint.dir": ckpt, "checkpoint.resume": True}))
+    common = {"optim.epochs": 2, "optim.precision": "bf16", "optim.lr_schedule": "constant",
+              **layout}
+
+    def last_rank(config: TrainConfig) -> tuple[np.ndarray, list[dict]]:
+        return run_world(ranks, lambda comm: run(config, comm))[-1]
+
+    straight, before = last_rank(config(**common))
+    last_rank(config(**{**common, "optim.epochs": 1, "checkpoint.dir": ckpt}))
+    resumed, rows = last_rank(config(**common, **{"checkpoint.dir": ckpt,
+                                                  "checkpoint.resume": True}))
     np.testing.assert_array_equal(resumed, straight)
+    assert rows[-1]["loss"] == before[-1]["loss"]

@@ -321,7 +321,7 @@ class MoE(Module):
         scale = self.aux_loss_coef * e
         aux = (probs.mean(axis=0) * Tensor(xp.asarray(fraction, dtype=probs.dtype))).sum() * scale
         self.last_aux_loss = aux
-        if self.training:
+        if self.training and n:  # an empty call (a rank's empty microbatch) counts nothing
             self.stats.tokens_per_expert += r.counts
             self.stats.dropped += r.dropped
             self.stats.routings += n * k

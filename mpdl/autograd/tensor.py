@@ -75,8 +75,10 @@ class Function:
             ctx.inputs = inputs
             result._ctx = ctx
             ledger = memory.current()
-            if ledger is not None:  # what the node keeps: its saved arrays and its inputs' data
-                ctx._saved = ledger.save([*vars(ctx).values(), *(t.data for t in inputs)])
+            if ledger is not None:  # what the node keeps: its saved arrays (attributes or in
+                # a tuple attribute) and its inputs' data
+                kept = [a for v in vars(ctx).values() for a in (v if isinstance(v, tuple) else (v,))]
+                ctx._saved = ledger.save([*kept, *(t.data for t in inputs)])
         return result
 
     def forward(self, *arrays: Any, **params: Any) -> Any:

@@ -234,8 +234,9 @@ def run(args: argparse.Namespace) -> int:
             f"T={shape.seq} V={shape.vocab} b={shape.microbatch}: {shape.params / 1e9:.3f}B "
             f"parameters{moe}, {shape.flops_per_token / 1e9:.2f} GFLOP per token; "
             f"{precision.name}; "
-            f"{gpu.name} ({gpu.memory / L.GB:.0f} GB, {gpu.sustained_flops / 1e12:.0f} of "
-            f"{gpu.peak_flops / 1e12:.0f} TFLOP/s); network {net.name}, {per_node} per node")
+            f"{gpu.name} ({gpu.memory / L.GB:.0f} GB, {gpu.peak_flops / 1e12:.0f} TFLOP/s peak, "
+            f"full GEMM tiles at {gpu.gemm_efficiency:.0%} of it, "
+            f"{gpu.memory_bandwidth / 1e9:.0f} GB/s); network {net.name}, {per_node} per node")
     if args.search:
         batch = args.global_batch or gpus * shape.microbatch
         if args.cp_mode not in L.CP_MODES:

@@ -25,7 +25,8 @@ after `forget()` (call it on every rank, as `mpdl calibrate` does) or a change o
 `cost_model` / `auto_cache`; link emulation changes only the choices.
 
 A model also holds the choices that plans verified online (`mpdl.collectives.verify`), read from
-and written to the first-use cache: for those sizes they override the prediction.
+and written to the first-use cache: a plan of such a size runs the verified algorithm
+(`plan_choice`); one-shot calls keep the prediction.
 
 `choose(collective, nbytes, p, nodes, shared_memory)` without a model is the pure function of the
 calibration file (or the defaults) that needs no communicator.
@@ -34,6 +35,7 @@ calibration file (or the defaults) that needs no communicator.
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -244,40 +246,78 @@ def choose(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool
     choices = _cache[1]
     name = choices.get(key)
     if name is None:
-        name = model.verified.get(f"{collective}:{nbytes}") if not current.emulation else None
-        if name is None or name not in costmodel.candidates(collective, shared_memory):
-            name = _model_or_rule(model, collective, nbytes, p, nodes, shared_memory)
-        choices[key] = name
+        name = choices[key] = _model_or_rule(model, collective, nbytes, p, nodes, shared_memory)
     return name
 
 
+#: bumped whenever a remembered choice may change (a verdict learned, forget())
+_epoch = [0]
+
+
 def algorithm_for(collective: str, nbytes: int, comm) -> registry.Algorithm:
-    """The registered algorithm `auto` runs for a call of nbytes on comm (an mpdl Communicator)."""
+    """The registered algorithm `auto` runs for a call of nbytes on comm (an mpdl Communicator).
+    A repeated call is one lookup in comm's own table of choices (a small all-reduce takes
+    12 us on 2 ranks; the full path took 3-4 us of it), valid while the settings, the loaded
+    parameter files and the learned verdicts stay as they were."""
+    current = settings.current()
+    held = getattr(comm, "_auto_algorithms", None)
+    if (held is not None and held[0] is current and held[1] == _epoch[0]
+            and held[2] == costmodel.generation()):
+        found = held[3].get((collective, nbytes))
+        if found is not None:
+            return found
+    else:
+        held = comm._auto_algorithms = (current, _epoch[0], costmodel.generation(), {})
     nodes = len(comm.node_groups()) if comm.size > 1 else 1
-    return registry.resolve(collective, choose(collective, nbytes, comm.size, nodes,
-                                               comm.has_shared_memory, model_for(comm)))
+    found = registry.resolve(collective, choose(collective, nbytes, comm.size, nodes,
+                                                comm.has_shared_memory, model_for(comm)))
+    if len(held[3]) > 4096:
+        held[3].clear()
+    held[3][(collective, nbytes)] = found
+    return found
 
 
-def ranked(collective: str, nbytes: int, comm, model: Model) -> tuple[str, ...]:
-    """(auto's choice for nbytes on comm, the cost model's runner-up): the two candidates predicted
-    fastest, the choice first; () with fewer than two candidates."""
+def plan_choice(collective: str, nbytes: int, comm) -> registry.Algorithm:
+    """The registered algorithm a persistent plan made with `auto` runs for nbytes on comm: the
+    one a plan of this size verified (`mpdl.collectives.verify`; not under link emulation, which
+    changes the links the verdict was taken on), else `algorithm_for`'s. One-shot calls keep the
+    prediction: a plan's verdict was taken on runs in the plan's own rhythm, and calls back to
+    back rank the algorithms otherwise than calls one at a time (on 2 ranks at 128 KiB, recursive
+    doubling took 13 us per call in a loop against shm's 30 us, and 74 us one call at a time
+    against 77 us for shm and 47 us for Rabenseifner)."""
+    verified = model_for(comm).verified.get(f"{collective}:{nbytes}")
+    if (verified is not None and not settings.current().emulation
+            and verified in costmodel.candidates(collective, comm.has_shared_memory)):
+        return registry.resolve(collective, verified)
+    return algorithm_for(collective, nbytes, comm)
+
+
+def ranked(collective: str, nbytes: int, comm, model: Model,
+           within: float = math.inf) -> tuple[str, ...]:
+    """(auto's choice for nbytes on comm, then every other candidate the model predicts within
+    `within` times the choice's time, the fastest predicted first); () when there is no other."""
     nodes = len(comm.node_groups()) if comm.size > 1 else 1
     choice = algorithm_for(collective, nbytes, comm).name
     params = model.params.emulated(settings.current().emulation)
-    others = [n for n in costmodel.candidates(collective, comm.has_shared_memory) if n != choice]
-    if not others:
-        return ()
-    times = [costmodel.predict(collective, n, nbytes, comm.size, nodes, params) for n in others]
-    return choice, others[min(range(len(others)), key=lambda i: (times[i], i))]
+    names = costmodel.candidates(collective, comm.has_shared_memory)
+
+    def predicted(name: str) -> float:
+        return costmodel.predict(collective, name, nbytes, comm.size, nodes, params)
+
+    bound = within * predicted(choice)
+    others = sorted((predicted(n), i, n) for i, n in enumerate(names) if n != choice)
+    field = tuple(n for t, _, n in others if t <= bound)
+    return (choice, *field) if field else ()
 
 
 def learn(comm, collective: str, nbytes: int, algorithm: str) -> None:
-    """Keep a plan's verdict: `algorithm` is the fastest for nbytes of collective on comm. Every
-    rank of comm calls it with the same verdict; it holds for the rest of the run, and rank 0
-    writes it into the first-use cache file for the next runs."""
+    """Keep a plan's verdict: `algorithm` is the fastest for plans of nbytes of collective on comm.
+    Every rank of comm calls it with the same verdict; it holds for the rest of the run, and rank
+    0 writes it into the first-use cache file for the next runs."""
     model = model_for(comm)
     model.verified[f"{collective}:{nbytes}"] = algorithm
     _cache[:] = None, {}
+    _epoch[0] += 1
     if comm.rank == 0 and model.origin in ("cache", "measured"):
         try:
             firstuse.remember(model.path, firstuse.cache_key(comm), collective, nbytes, algorithm)
@@ -291,6 +331,7 @@ def forget() -> None:
     files. Call it on every rank of a communicator or on none: the next `auto` call looks again,
     collectively."""
     _cache[:] = None, {}
+    _epoch[0] += 1
     _static.clear()
     _defaults.clear()
     costmodel.forget_loaded()

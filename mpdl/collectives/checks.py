@@ -39,12 +39,16 @@ class Call:
     layout: Any = None
 
 
-def allreduce_call(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Call:
-    """The checked `allreduce(x, op, algorithm, comm, out)`; out is made when None."""
+def allreduce_call(x: Any, op: Any, algorithm: Any, comm: Any, out: Any,
+                   plan: bool = False) -> Call:
+    """The checked `allreduce(x, op, algorithm, comm, out)`; out is made when None. For a
+    persistent plan (`plan`), "auto" is `auto.plan_choice`: what a plan of this size verified."""
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     check_op(op, dtype)
     algo = pick("allreduce", algorithm, c, x.nbytes)
+    if plan and algorithm == "auto":
+        algo = auto.plan_choice("allreduce", x.nbytes, c)
     if out is None:
         out = backend.empty_like_page_offset(x)
     else:

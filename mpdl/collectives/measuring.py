@@ -40,12 +40,14 @@ CHAIN_BYTES = 64 << 20
 #: sizes at which every all-reduce candidate is timed (float32); beyond the last, its slope
 TUNE_SIZES = (8, 1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 23)
 #: rounds over the algorithms at each size (a slow spell of the machine then hits all alike), and
-#: timed calls of an algorithm per round, after an untimed one, below and from 1 MiB
-TUNE_ROUNDS = 2
-TUNE_REPS = (8, 3)
+#: timed calls of an algorithm per round, after an untimed one, below and from 1 MiB. Short turns
+#: in many rounds: a slow spell (another process's time slice, milliseconds) then spoils a few
+#: rounds of an algorithm, not all its calls
+TUNE_ROUNDS = 4
+TUNE_REPS = (4, 1)
 #: a machine is busy when other work keeps more than this many runnable processes per core
 #: beyond the measuring ranks, or when the rounds of identical calls differ by more than this
-#: factor (the median over algorithms and sizes of the slower round over the faster)
+#: factor (the median over algorithms and sizes of the median round over the fastest)
 BUSY_LOAD_PER_CORE = 0.5
 BUSY_SPREAD = 1.5
 
@@ -326,25 +328,28 @@ def _allreduce_times(comm: Any) -> dict[str, list[list[list[float]]]]:
 
 @dataclass(frozen=True)
 class Table:
-    """`Params.allreduce_times` (every candidate's (bytes, seconds) per size, the median over
-    calls of the slowest rank's time, non-decreasing in size) and `spread`: the median over
-    candidates and sizes of the slower round's median over the faster's (1 on a quiet machine)."""
+    """`Params.allreduce_times` (every candidate's (bytes, seconds) per size: the fastest round's
+    median of the slowest rank's time, non-decreasing in size) and `spread`: the median over
+    candidates and sizes of the median round over the fastest (1 on a quiet machine)."""
 
     rows: tuple[tuple[str, tuple[tuple[float, float], ...]], ...]
     spread: float
 
 
 def allreduce_table(comm: Any) -> Table:
-    """Every all-reduce candidate timed at TUNE_SIZES, the algorithms taking turns. Collective
-    over comm; the same table on every rank."""
+    """Every all-reduce candidate timed at TUNE_SIZES, the algorithms taking turns. Per candidate
+    and size, the fastest round counts: other work only ever adds time, so a round that a slow
+    spell fell on says nothing of the algorithm (one slow spell spanning a whole round of 4
+    calls of 15 us made `tree` look faster than recursive doubling at 8 B). Collective over
+    comm; the same table on every rank."""
     everyone = comm.allgather_object(_allreduce_times(comm))
     rows, ratios = [], []
     for name in everyone[0]:
         times = []
         for i in range(len(TUNE_SIZES)):
-            times.append(slowest([sum(r[name][i], []) for r in everyone]))
             rounds = sorted(slowest([r[name][i][k] for r in everyone]) for k in range(TUNE_ROUNDS))
-            ratios.append(rounds[-1] / max(rounds[0], 1e-12))
+            times.append(rounds[0])
+            ratios.append(float(np.median(rounds)) / max(rounds[0], 1e-12))
         rows.append((name, monotone(TUNE_SIZES, times)))
     return Table(tuple(rows), float(np.median(ratios)))
 

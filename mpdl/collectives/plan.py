@@ -394,9 +394,9 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
                     persistent: bool) -> Plan:
     """allreduce_init; without `persistent`, "mpi" stays the blocking MPI_Allreduce (a cached
     plan on one rank must match a one-shot call on another). With algorithm "auto" and the
-    settings' verify_runs, the plan times auto's choice against the runner-up on its first runs
+    settings' verify_runs, the plan times auto's choice against its contenders on its first runs
     (`mpdl.collectives.verify`)."""
-    call = checks.allreduce_call(x, op, algorithm, comm, out)
+    call = checks.allreduce_call(x, op, algorithm, comm, out, plan=True)
     c, algo, xp, out = call.comm, call.algorithm, call.xp, call.out
     go, fast, requests = _allreduce_runner(call, algo, persistent)
     if op == "avg":
@@ -415,13 +415,14 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
     return plan
 
 
-def _verifying(plan: Plan, call: checks.Call, names: tuple[str, str], persistent: bool) -> None:
-    """Make plan run a verify.Trial of names (its algorithm and the runner-up) on its first runs,
+def _verifying(plan: Plan, call: checks.Call, names: tuple[str, ...], persistent: bool) -> None:
+    """Make plan run a verify.Trial of names (its algorithm and the contenders) on its first runs,
     then the winner's schedule."""
     c, x = plan.comm, plan.x
     built = {plan.algorithm: (plan._go, plan._fast, plan._requests)}
-    other = registry.resolve("allreduce", names[1])
-    built[other.name] = _allreduce_runner(call, other, persistent)
+    for name in names[1:]:
+        other = registry.resolve("allreduce", name)
+        built[other.name] = _allreduce_runner(call, other, persistent)
     requests = [r for _, _, rs in built.values() for r in rs or []]
 
     def runner(name: str):

@@ -73,8 +73,8 @@ class AllReduceStrategy(Strategy):
         if final:
             return ""
         sizes = ", ".join(f"{b.nbytes / 1024:.0f} KiB" for b in self.ddp.buckets)
-        return (f"all-reduce {self.algorithm}, buckets [{sizes}], overlap "
-                f"{'on' if self.overlap else 'off'}")
+        overlap = "on" if self.ddp.overlap else "off (no core to spare)" if self.overlap else "off"
+        return f"all-reduce {self.algorithm}, buckets [{sizes}], overlap {overlap}"
 
     def report(self, final: bool = False) -> dict[str, Any]:
         fields: dict[str, Any] = {"algorithm": self.algorithm, "mode": self.mode}

@@ -24,13 +24,19 @@ from typing import Any
 import numpy as np
 
 from mpdl import memory
-from mpdl.autograd.tensor import Tensor
-from mpdl.backend import get_array_module, to_host
-from mpdl.collectives import allgather, allgather_init, allreduce, reduce_scatter
+from mpdl.backend import get_array_module
+from mpdl.collectives import allgather_init, allreduce, reduce_scatter
 from mpdl.comm import Communicator
 from mpdl.parallel import flat
+from mpdl.parallel.shards import (
+    Piece,
+    Unit,
+    gather_optimizer_state,
+    keep_state_pieces,
+    make_pieces,
+    optimizer_state_nbytes,
+)
 from mpdl.parallel.strategy import MakeOptimizer
-from mpdl.parallel.zero import Unit, keep_state_pieces
 
 
 class ShardedOptimizer:
@@ -42,7 +48,6 @@ class ShardedOptimizer:
         self.index = {id(p): k for k, p in enumerate(self.params)}
         self.units = [Unit(i, group, comm.rank, comm.size)
                       for i, group in enumerate(flat.by_kind(self.params))]
-        entries, ndims = [], {}
         for u in self.units:
             u.full = flat.pack([p.data for p in u.params])  # the parameters live in it,
             memory.hold(u.full, "parameters")
@@ -51,15 +56,9 @@ class ShardedOptimizer:
                 p.data = view
             u.gather_plan = allgather_init(u.shard, algorithm=algorithm, comm=comm, count=u.count,
                                            out=u.full)
-            for i, a, b in u.pieces():
-                t = Tensor(u.shard[a - u.lo:b - u.lo], requires_grad=True)
-                entries.append((t, u, i, a, b))
-                ndims[id(t)] = len(u.params[i].shape)
-        if not entries:  # fewer elements than dp ranks: an empty piece keeps the optimizer valid
-            u = self.units[0]
-            entries.append((Tensor(u.shard[:0], requires_grad=True), u, 0, u.lo, u.lo))
-        self.entries = entries
-        self.optimizer = make_optimizer([t for t, *_ in entries])
+        self.entries: list[Piece]
+        self.entries, ndims = make_pieces(self.units)
+        self.optimizer = make_optimizer([piece.tensor for piece in self.entries])
         self.optimizer.shard(ndims, self._sum_squares)
 
     # -- what a plain optimizer offers -----------------------------------------------------------
@@ -74,6 +73,17 @@ class ShardedOptimizer:
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward: the inner optimizer's (mixed precision
+        in fp16), else 1."""
+        return getattr(self.optimizer, "loss_scale", 1.0)
+
+    @property
+    def scaler(self) -> Any:
+        """The inner optimizer's loss scaler (mixed precision in fp16), else None."""
+        return getattr(self.optimizer, "scaler", None)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -90,58 +100,40 @@ class ShardedOptimizer:
             shards.append(reduce_scatter(grads, op="sum", algorithm=self.algorithm,
                                          comm=self.comm, in_place=True))
         mine = {u.index: s for u, s in zip(self.units, shards, strict=True)}
-        for t, u, _, a, b in self.entries:
-            t.grad = mine[u.index][a - u.lo:b - u.lo]
+        for piece in self.entries:
+            piece.tensor.grad = mine[piece.unit.index][piece.in_shard]
         self.optimizer.step()
         for u in self.units:
             u.gather_plan()
 
     def state_nbytes(self) -> int:
         """Bytes of the optimizer state this rank holds."""
-        return sum(int(v.nbytes) for s in self.optimizer.state.values() for v in s.values()
-                   if hasattr(v, "nbytes") and np.ndim(v) > 0)
+        return optimizer_state_nbytes(self.optimizer)
 
     def pieces(self) -> list[tuple[int, int, int, dict[str, Any]]]:
         """This rank's part of the state: (parameter position k, start, end in the parameter's
         flat elements, {key: array of end - start elements, or a scalar})."""
         out = []
-        for t, u, i, a, b in self.entries:
-            state = self.optimizer.state.get(t)
-            if state and b > a:
-                o = u.offsets[i]
-                out.append((self.index[id(u.params[i])], a - o, b - o, state))
+        for piece in self.entries:
+            state = self.optimizer.state.get(piece.tensor)
+            if state and piece.end > piece.start:
+                out.append((self.index[id(piece.param)], piece.in_param.start,
+                            piece.in_param.stop, state))
         return out
 
     def state_dict(self) -> dict[str, Any]:
         """The state of a plain optimizer over `params` (whole tensors); collective over dp."""
-        mine = [s for t, *_ in self.entries if (s := self.optimizer.state.get(t))]
-        keys = sorted({k for s in mine for k, v in s.items() if np.ndim(v) > 0})
-        keys = sorted(set().union(*self.comm.allgather_object(keys)))
-        scalars = next(({k: v for k, v in s.items() if np.ndim(v) == 0} for s in mine), {})
-        scalars = next((s for s in self.comm.allgather_object(scalars) if s), {})
-        state: dict[int, dict[str, Any]] = {}
-        for u in self.units:
-            for key in keys:
-                local = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
-                for t, pu, _, a, b in self.entries:
-                    if pu is u and key in self.optimizer.state.get(t, {}):
-                        local[a - u.lo:b - u.lo] = self.optimizer.state[t][key]
-                whole = allgather(local, algorithm=self.algorithm, comm=self.comm, count=u.count)
-                for p, view in zip(u.params, u.views(whole), strict=True):
-                    state.setdefault(self.index[id(p)], dict(scalars))[key] = \
-                        np.array(to_host(view))
-        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        return {"state": state if keys else {},
-                "param_groups": [{**group, "params": list(range(len(self.params)))}]}
+        return gather_optimizer_state(self.optimizer, self.units, self.entries, self.index,
+                                      self.comm, self.algorithm)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Keep this rank's blocks of a plain optimizer's state over `params`."""
-        keep_state_pieces(self.optimizer, state, [e for e in self.entries if e[4] != e[3]],
-                          self.index)
+        keep_state_pieces(self.optimizer, state,
+                          [piece for piece in self.entries if piece.end != piece.start], self.index)
 
     def _sum_squares(self, params: list[Any], sums: list[list[Any]]) -> list[list[Any]]:
         """Whole-tensor sums of squares from the pieces' (one all-reduce over dp)."""
-        where = {id(t): self.index[id(u.params[i])] for t, u, i, _, _ in self.entries}
+        where = {id(piece.tensor): self.index[id(piece.param)] for piece in self.entries}
         k = len(sums[0]) if sums else 2
         total = np.zeros((len(self.params), k))
         for t, s in zip(params, sums, strict=True):

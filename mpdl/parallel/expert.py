@@ -27,8 +27,23 @@ experts' gradients are summed unweighted.
 The gradient reductions run after backward on the main thread (no overlap): backward itself sends
 (the all-to-alls), and two threads must not send over the same communicator at once.
 
+Gradient accumulation (`grad_accum` N): each rank cuts its slice into N microbatches
+(`strategy.microbatches`) and runs them in turn, the first N − 1 without reducing (`no_sync`);
+every rank runs N forwards and backwards, empty microbatches too, since each sends all-to-alls.
+The load-balancing loss is that of each microbatch (fᵢ counts the routings of microbatch j of
+every data-parallel rank), joining backward with the microbatch's share, as a pipeline's
+microbatches and Megatron-Core's do: fᵢ of the whole step is not known before the first
+microbatch's backward. The routing itself is per token, so dropless the cross-entropy gradient
+and the tokens per expert are those of the large batch.
+
 `gathered()` (evaluation, checkpoints) all-gathers every rank's experts over `ep_comm`, so each
 rank holds all E and runs them locally (`LocalExperts`); on leaving, the others' are dropped again.
+With `optimizer_state` it also assembles the optimizer state of the whole model in one rank's
+layout (each expert's from the rank of the group that holds it), which a checkpoint stores and
+any layout loads.
+
+`ExpertGroups` is the layout itself (the groups, the dispatchers, the all-gather);
+`mpdl.parallel.expert_pipeline` uses it on each stage of a pipeline and tensor-parallel grid.
 """
 
 from __future__ import annotations
@@ -40,7 +55,15 @@ from typing import Any
 
 import numpy as np
 
-from mpdl.autograd.moe import GatherRows, LocalExperts, MoE, ScatterRows, run_experts
+from mpdl.autograd.amp import compute_dtype
+from mpdl.autograd.moe import (
+    GatherRows,
+    LocalExperts,
+    MoE,
+    ScatterRows,
+    aux_loss_scale,
+    run_experts,
+)
 from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
 from mpdl.collectives import allgather, allreduce, alltoall, alltoallv
@@ -48,22 +71,31 @@ from mpdl.comm import Communicator
 from mpdl.parallel import flat
 from mpdl.parallel.ddp import DistributedDataParallel
 from mpdl.parallel.dpshard import ShardedOptimizer
-from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy
-from mpdl.parallel.zero import _placeholder
+from mpdl.parallel.shards import placeholder as _placeholder
+from mpdl.parallel.strategy import (
+    Batch,
+    MakeOptimizer,
+    Span,
+    StepResult,
+    Strategy,
+    microbatches,
+)
 
 
 class AllToAll(Function):
     """Rows over `comm`: send_counts[j] rows to rank j, recv_counts[i] from rank i. Backward sends
     each row's gradient back to where the row came from; `grad_scale` multiplies the gradient of
     this rank's own rows: the output's before it is sent back (`scale_output`), else the
-    input's once it has come back. Each exchange is timed into `spans` as (name, start, end,
-    bytes sent)."""
+    input's once it has come back. With a `wire_dtype` (the experts' 16-bit compute dtype) the
+    rows and their gradients travel in it and arrive in x's dtype. Each exchange is timed into
+    `spans` as (name, start, end, bytes sent)."""
 
     def forward(self, x, send_counts, recv_counts, comm, algorithm, grad_scale, scale_output,
-                name, spans):
+                name, spans, wire_dtype=None):
         self.send_counts, self.recv_counts = send_counts, recv_counts
         self.comm, self.algorithm, self.grad_scale = comm, algorithm, grad_scale
         self.scale_output, self.name, self.spans = scale_output, name, spans
+        self.wire_dtype = wire_dtype
         return self._exchange(x, send_counts, recv_counts, name)
 
     def backward(self, grad):
@@ -77,10 +109,19 @@ class AllToAll(Function):
 
     def _exchange(self, x, send, recv, name):
         start = time.perf_counter()
-        rows, _ = alltoallv(get_array_module(x).ascontiguousarray(x), send, comm=self.comm,
+        xp = get_array_module(x)
+        wire = x if self.wire_dtype is None or x.dtype == self.wire_dtype else _narrow(
+            x, self.wire_dtype)
+        rows, _ = alltoallv(xp.ascontiguousarray(wire), send, comm=self.comm,
                             algorithm=self.algorithm, recv_counts=recv)
-        self.spans.append((name, start, time.perf_counter(), int(x.nbytes)))
-        return rows
+        self.spans.append((name, start, time.perf_counter(), int(wire.nbytes)))
+        return rows if rows.dtype == x.dtype else rows.astype(x.dtype)
+
+
+def _narrow(x: Any, dtype: Any) -> Any:
+    """x rounded to a 16-bit dtype (float16 overflow is inf, for the loss scaler to see)."""
+    with np.errstate(over="ignore"):
+        return x.astype(dtype)
 
 
 class AllToAllExperts:
@@ -111,11 +152,11 @@ class AllToAllExperts:
         self.spans.append(("dispatch counts", start, time.perf_counter(), int(per_expert.nbytes)))
         send, recv = per_expert.sum(axis=1), from_source.sum(axis=1)
         self.last_send_counts = send.tolist()
-        w = self.grad_weight
+        w, wire = self.grad_weight, self.wire_dtype()
         received = AllToAll.apply(rows, send_counts=send.tolist(), recv_counts=recv.tolist(),
                                   comm=self.ep_comm, algorithm=self.algorithm,
                                   grad_scale=1.0 / w if w else 0.0, scale_output=False,
-                                  name="dispatch", spans=self.spans)
+                                  name="dispatch", spans=self.spans, wire_dtype=wire)
         xp = get_array_module(rows.data)
         by_expert = xp.asarray(_source_to_expert_order(from_source))
         outputs = run_experts(self.experts, GatherRows.apply(received, index=by_expert),
@@ -123,7 +164,14 @@ class AllToAllExperts:
         back = ScatterRows.apply(outputs, index=by_expert, rows=int(recv.sum()))
         return AllToAll.apply(back, send_counts=recv.tolist(), recv_counts=send.tolist(),
                               comm=self.ep_comm, algorithm=self.algorithm, grad_scale=w,
-                              scale_output=True, name="combine", spans=self.spans)
+                              scale_output=True, name="combine", spans=self.spans,
+                              wire_dtype=wire)
+
+    def wire_dtype(self) -> Any:
+        """The 16-bit dtype the experts compute in (their parameters' under mixed precision),
+        in which the rows travel; None for float32 and float64 experts."""
+        weights = [p for ex in self.experts for p in ex.parameters()]
+        return compute_dtype(weights[0].data) if weights else None
 
 
 def _source_to_expert_order(from_source: np.ndarray) -> np.ndarray:
@@ -132,6 +180,100 @@ def _source_to_expert_order(from_source: np.ndarray) -> np.ndarray:
     sources, local = from_source.shape
     expert_of_row = np.repeat(np.tile(np.arange(local), sources), from_source.reshape(-1))
     return np.argsort(expert_of_row, kind="stable").astype(np.int64)
+
+
+class ExpertGroups:
+    """The experts of `moes` spread over groups of `ep` ranks of `dp_comm` (ranks d = g·ep + j;
+    see the module docstring): the experts this rank holds, the dispatchers that bring it the
+    rows of its group, and the all-gather that makes every layer whole again. A list of no
+    layers (a pipeline stage without MoE blocks) holds nothing."""
+
+    def __init__(self, moes: list[MoE], dp_comm: Communicator, ep: int,
+                 alltoall: str = "auto") -> None:
+        check_ep(ep, dp_comm.size)
+        for moe in moes:
+            if moe.num_experts % ep:
+                raise ValueError(f"ep: {ep} must divide the {moe.num_experts} experts of each "
+                                 f"MoE layer")
+        self.moes, self.ep = moes, ep
+        group, self.ep_rank = divmod(dp_comm.rank, ep)
+        self.ep_comm = dp_comm.sub(range(group * ep, (group + 1) * ep))
+        self.replica_comm = dp_comm.sub(range(self.ep_rank, dp_comm.size, ep))
+        self.local_experts = [self._experts_of(moe, self.ep_rank) for moe in moes]
+        self.expert_ids = {id(p) for moe in moes for p in moe.experts.parameters()}
+        self.owned_ids = {id(p) for group in self.local_experts for ex in group
+                          for p in ex.parameters()}
+        self.dispatchers = [AllToAllExperts(group, self.ep_comm, dp_comm, alltoall)
+                            for group in self.local_experts]
+
+    def _experts_of(self, moe: MoE, j: int) -> list[Any]:
+        """The experts rank j of a group holds of `moe`."""
+        local = moe.num_experts // self.ep
+        return [moe.experts[i] for i in range(j * local, (j + 1) * local)]
+
+    def split(self, params: list[Any]) -> tuple[list[Any], list[Any]]:
+        """`params` without the experts of other ranks: (the rest, this rank's experts)."""
+        return ([p for p in params if id(p) not in self.expert_ids],
+                [p for p in params if id(p) in self.owned_ids])
+
+    def install(self) -> None:
+        """The layers send their rows to the experts' ranks."""
+        for moe, dispatcher in zip(self.moes, self.dispatchers, strict=True):
+            moe.dispatcher = dispatcher
+
+    @contextmanager
+    def local(self) -> Iterator[None]:
+        """Within the block every layer runs its experts here (all of them must be held)."""
+        for moe in self.moes:
+            moe.dispatcher = LocalExperts()
+        try:
+            yield
+        finally:
+            self.install()
+
+    def set_grad_weight(self, weight: float) -> None:
+        """This rank's share of the global batch, by which the experts weight its rows'
+        gradients (1: the loss is already scaled by it)."""
+        for d in self.dispatchers:
+            d.grad_weight = weight
+
+    def take_spans(self) -> list[tuple[str, float, float, int]]:
+        """The all-to-alls since the last call: (name, start, end, bytes sent)."""
+        spans = [s for d in self.dispatchers for s in d.spans]
+        for d in self.dispatchers:
+            d.spans = []
+        return spans
+
+    def gather(self) -> None:
+        """Every rank of the group gets the other ranks' experts (an all-gather over
+        `ep_comm`); collective."""
+        if self.ep == 1 or not self.moes:
+            return
+        mine = [p for group in self.local_experts for ex in group for p in ex.parameters()]
+        whole = allgather(flat.pack([p.data for p in mine]), comm=self.ep_comm)
+        size = sum(p.size for p in mine)
+        for s in range(self.ep):
+            theirs = [p for moe in self.moes for ex in self._experts_of(moe, s)
+                      for p in ex.parameters()]
+            for p, piece in zip(theirs, flat.unpack(whole[s * size:(s + 1) * size], theirs),
+                                strict=True):
+                if id(p) not in self.owned_ids:
+                    p.data = piece.copy()
+
+    def release(self) -> None:
+        """Drop the values of the experts other ranks hold (zero-byte placeholders)."""
+        for moe in self.moes:
+            for p in moe.experts.parameters():
+                if id(p) not in self.owned_ids:
+                    p.data = _placeholder(p)
+
+
+def check_ep(ep: Any, ranks: int) -> None:
+    """Raise ValueError unless `ep` is a positive int dividing the `ranks` data-parallel ranks."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"ep: expected a positive number of ranks, got {ep!r}")
+    if ranks % ep:
+        raise ValueError(f"ep: {ep} must divide the {ranks} data-parallel ranks")
 
 
 class _Parameters:
@@ -153,12 +295,17 @@ class _Parameters:
         return []
 
 
-class _TwoOptimizers:
-    """ZeRO-1 under expert parallelism: the dense parameters' optimizer state sharded over the
-    data-parallel ranks, the experts' over their replicas."""
+class ShardedOptimizers:
+    """ZeRO-1 under expert parallelism: an optimizer over `params` made of `ShardedOptimizer`s,
+    each over some of them and sharded over the ranks that sum their gradients (the dense
+    parameters' over the data-parallel ranks, the experts' over their replicas). Its state is
+    that of one optimizer over `params`."""
 
-    def __init__(self, dense: ShardedOptimizer, experts: ShardedOptimizer) -> None:
-        self.parts = (dense, experts)
+    def __init__(self, params: list[Any], *parts: ShardedOptimizer) -> None:
+        where = {id(p): k for k, p in enumerate(params)}
+        self.parts, self.count = parts, len(params)
+        #: for each part, the position in `params` of each of its parameters
+        self.positions = [[where[id(p)] for p in part.params] for part in parts]
 
     @property
     def lr(self) -> float:
@@ -169,6 +316,10 @@ class _TwoOptimizers:
         for part in self.parts:
             part.lr = value
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.parts[0].param_groups
+
     def step(self) -> None:
         for part in self.parts:
             part.step()
@@ -177,119 +328,156 @@ class _TwoOptimizers:
         for part in self.parts:
             part.zero_grad()
 
+    def state_nbytes(self) -> int:
+        """Bytes of the optimizer state this rank holds."""
+        return sum(part.state_nbytes() for part in self.parts)
+
+    def pieces(self) -> list[tuple[int, int, int, dict[str, Any]]]:
+        """This rank's part of the state, as `ShardedOptimizer.pieces`, by position in `params`."""
+        return [(positions[k], a, b, state) for part, positions in
+                zip(self.parts, self.positions, strict=True) for k, a, b, state in part.pieces()]
+
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("ep with zero 1: the optimizer state is not checkpointed")
+        """The state of a plain optimizer over `params` (whole tensors); collective over each
+        part's ranks."""
+        state: dict[int, Any] = {}
+        for part, positions in zip(self.parts, self.positions, strict=True):
+            for k, entries in part.state_dict()["state"].items():
+                state[positions[int(k)]] = entries
+        return {"state": state, "param_groups": [{**_hyper(self.param_groups),
+                                                  "params": list(range(self.count))}]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError("ep with zero 1: the optimizer state is not checkpointed")
+        """Keep this rank's blocks of a plain optimizer's state over `params`."""
+        saved = {int(k): v for k, v in state["state"].items()}
+        for part, positions in zip(self.parts, self.positions, strict=True):
+            part.load_state_dict({"state": {k: saved[i] for k, i in enumerate(positions)
+                                            if i in saved},
+                                  "param_groups": state["param_groups"]})
+
+
+def _hyper(param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The hyper-parameters of the first parameter group."""
+    return {k: v for k, v in param_groups[0].items() if k != "params"}
+
+
+def epoch_figures(layers: list[MoE], counted: list[MoE], alltoall_s: float, steps: int,
+                  comm: Communicator) -> dict[str, Any]:
+    """The JSON figures of the MoE `layers` (all of the model's, in order) since their stats were
+    reset, summed over `comm`: each rank adds the stats of the layers in `counted` and its
+    all-to-all seconds over `steps` steps (collective)."""
+    e = layers[0].num_experts
+    mine = {id(m) for m in counted}
+    rows = np.zeros((len(layers), e + 4))
+    for row, m in zip(rows, layers, strict=True):
+        if id(m) in mine:
+            s = m.stats
+            row[:] = [*s.tokens_per_expert, s.dropped, s.routings, s.aux_loss, s.calls]
+    total = allreduce(np.concatenate([rows.reshape(-1), [alltoall_s, steps]]), op="sum",
+                      comm=comm)
+    rows = total[:-2].reshape(len(layers), e + 4)
+    return {"tokens_per_expert": [[int(v) for v in row[:e]] for row in rows],
+            "dropped_fraction": float(rows[:, e].sum() / max(rows[:, e + 1].sum(), 1.0)),
+            "aux_loss": float(sum(row[e + 2] / max(row[e + 3], 1.0) for row in rows)),
+            "alltoall_s": float(total[-2] / max(total[-1], 1.0))}
 
 
 class ExpertParallelStrategy(Strategy):
     """Data parallelism over all ranks with the MoE layers' experts split over groups of `ep`
     (see the module docstring); `algorithm` names the gradient all-reduce (or with `zero` 1 the
-    reduce-scatter and all-gather), `alltoall` the token all-to-all."""
+    reduce-scatter and all-gather), `alltoall` the token all-to-all; `grad_accum` microbatches
+    make a step."""
 
     mode = "expert"
 
     def __init__(self, comm: Communicator, ep: int = 1, algorithm: str = "auto",
                  alltoall: str = "auto", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 zero: int = 0) -> None:
+                 zero: int = 0, grad_accum: int = 1) -> None:
         super().__init__(comm)
-        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
-            raise ValueError(f"ep: expected a positive number of ranks, got {ep!r}")
-        if comm.size % ep:
-            raise ValueError(f"ep: {ep} must divide the {comm.size} data-parallel ranks")
+        check_ep(ep, comm.size)
         if zero not in (0, 1):
             raise ValueError(f"zero: expert parallelism combines with stage 1 only, got {zero!r}")
-        self.ep, self.zero = ep, zero
+        if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+            raise ValueError(f"grad_accum: expected a positive number of microbatches, got "
+                             f"{grad_accum!r}")
+        self.ep, self.zero, self.grad_accum = ep, zero, grad_accum
         self.algorithm, self.alltoall = algorithm, alltoall
         self.bucket_mb, self.first_bucket_mb = bucket_mb, first_bucket_mb
-        group, self.ep_rank = divmod(comm.rank, ep)
-        self.ep_comm = comm.sub(range(group * ep, (group + 1) * ep))
-        self.replica_comm = comm.sub(range(self.ep_rank, comm.size, ep))
         self.moes: list[MoE] = []
-        self.dispatchers: list[AllToAllExperts] = []
         self.step_count = 0
         self._a2a_s = 0.0
         self._epoch: dict[str, Any] = {}
+        self._whole_state: dict[str, Any] | None = None
 
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
         self.model = model
         self.moes = [m for _, m in model.named_modules() if isinstance(m, MoE)]
         if not self.moes:
             raise ValueError("ep: the model has no mixture-of-experts layer (moe_experts)")
-        experts = self.moes[0].num_experts
-        if experts % self.ep:
-            raise ValueError(f"ep: {self.ep} must divide the {experts} experts of each MoE layer")
-        local = experts // self.ep
-        mine = range(self.ep_rank * local, (self.ep_rank + 1) * local)
-        self.local_experts = [[moe.experts[i] for i in mine] for moe in self.moes]
-        self.expert_params = {id(p) for moe in self.moes for p in moe.experts.parameters()}
-        local_ids = {id(p) for group in self.local_experts for ex in group
-                     for p in ex.parameters()}
+        self.groups = ExpertGroups(self.moes, self.comm, self.ep, self.alltoall)
+        self.ep_comm, self.replica_comm = self.groups.ep_comm, self.groups.replica_comm
+        self.dispatchers = self.groups.dispatchers
         named = list(model.named_parameters())
-        dense = [(n, p) for n, p in named if id(p) not in self.expert_params]
-        owned = [(n, p) for n, p in named if id(p) in local_ids]
-        self.dispatchers = [AllToAllExperts(group, self.ep_comm, self.comm, self.alltoall)
-                            for group in self.local_experts]
-        self._use_dispatchers()
-        self.owned_ids = local_ids
-        trained = [p for n, p in named if id(p) in local_ids or id(p) not in self.expert_params]
+        dense, owned = self.groups.split([p for _, p in named])
+        names = {id(p): n for n, p in named}
+        self.groups.install()
         if self.zero:
             self.dense_ddp = self.expert_ddp = None
-            self.dense_params = [p for _, p in dense]
-            self.optimizer = _TwoOptimizers(
-                ShardedOptimizer(self.dense_params, make_optimizer, self.comm, self.algorithm),
-                ShardedOptimizer([p for _, p in owned], make_optimizer, self.replica_comm,
-                                 self.algorithm))
+            self.dense_params = dense
+            self.trained = dense + owned
+            self.optimizer = ShardedOptimizers(
+                self.trained, ShardedOptimizer(dense, make_optimizer, self.comm, self.algorithm),
+                ShardedOptimizer(owned, make_optimizer, self.replica_comm, self.algorithm))
         else:
             common = dict(algorithm=self.algorithm, bucket_mb=self.bucket_mb,
                           first_bucket_mb=self.first_bucket_mb, overlap=False)
-            self.dense_ddp = DistributedDataParallel(_Parameters(dense), comm=self.comm, **common)
-            self.expert_ddp = DistributedDataParallel(_Parameters(owned), comm=self.replica_comm,
-                                                      **common)
+            self.dense_ddp = DistributedDataParallel(
+                _Parameters([(names[id(p)], p) for p in dense]), comm=self.comm, **common)
+            self.expert_ddp = DistributedDataParallel(
+                _Parameters([(names[id(p)], p) for p in owned]), comm=self.replica_comm, **common)
             self.expert_ddp.set_local_batch(1, 1)  # weighted inside the all-to-all (docstring)
-            self.optimizer = make_optimizer(trained)
-        self._release_others()
+            self.trained = [p for _, p in named if id(p) in self.groups.owned_ids
+                            or id(p) not in self.groups.expert_ids]
+            self.optimizer = make_optimizer(self.trained)
+            if hasattr(self.optimizer, "agree"):  # mixed precision: skip on every rank alike
+                self.optimizer.agree = self._all_finite
+        self.groups.release()
 
-    def _use_dispatchers(self) -> None:
-        for moe, dispatcher in zip(self.moes, self.dispatchers, strict=True):
-            moe.dispatcher = dispatcher
-
-    def _others(self) -> list[Any]:
-        return [p for moe in self.moes for p in moe.experts.parameters()
-                if id(p) not in self.owned_ids]
-
-    def _release_others(self) -> None:
-        """Drop the values of the experts other ranks hold (zero-byte placeholders)."""
-        for p in self._others():
-            p.data = _placeholder(p)
+    def _all_finite(self, finite: bool) -> bool:
+        """Whether this rank's gradients and every other rank's are finite (one all-reduce of a
+        found-inf flag: the experts' gradients differ from rank to rank)."""
+        flags = allreduce(np.array([0 if finite else 1], np.int32), op="max", comm=self.comm)
+        return not int(flags[0])
 
     # -- one step --------------------------------------------------------------------------------
     def step(self, batch: Batch) -> StepResult:
         self.optimizer.lr = batch.lr
         share = len(batch.y) / batch.global_size
-        for d in self.dispatchers:
-            d.grad_weight = share
-            d.spans = []
+        self.groups.set_grad_weight(share)
+        self.groups.take_spans()
         result = StepResult()
         start = time.perf_counter()
+        parts = microbatches(batch, self.grad_accum)
         if self.zero:
-            backward_end = self.forward_backward(batch, result)
+            for part, weight in parts:
+                backward_end = self.forward_backward(part, result, weight)
             for p in self.dense_params:
                 if p.grad is not None:
                     p.grad *= p.grad.dtype.type(share)
             waited = backward_end
         else:
             self.dense_ddp.set_local_batch(len(batch.y), batch.global_size)
-            backward_end = self.forward_backward(batch, result)
+            with self.dense_ddp.no_sync(), self.expert_ddp.no_sync():
+                for part, weight in parts[:-1]:
+                    self.forward_backward(part, result, weight)
+            backward_end = self.forward_backward(parts[-1][0], result, parts[-1][1])
             self.dense_ddp.finish()
             self.expert_ddp.finish()
             waited = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad()
         end = time.perf_counter()
-        exchanges = [s for d in self.dispatchers for s in d.spans]
+        exchanges = self.groups.take_spans()
         a2a = sum(e - s for _, s, e, _ in exchanges)
         reduce_s = 0.0 if self.zero else (self.dense_ddp.last_exposed_s
                                           + self.expert_ddp.last_exposed_s)
@@ -306,12 +494,13 @@ class ExpertParallelStrategy(Strategy):
                                  else "optimizer step", waited, end))
         return result
 
-    def forward_backward(self, batch: Batch, result: StepResult) -> float:
-        if len(batch.y):
-            return super().forward_backward(batch, result)
-        # a rank without samples still takes part in every all-to-all, forward and backward
-        logits = self.model(Tensor(batch.x))
-        (logits.sum() * 0.0).backward()
+    def forward_backward(self, batch: Batch, result: StepResult, weight: float = 1.0) -> float:
+        with aux_loss_scale(weight * getattr(self.optimizer, "loss_scale", 1.0)):
+            if len(batch.y):
+                return super().forward_backward(batch, result, weight)
+            # a rank without samples still takes part in every all-to-all, forward and backward
+            logits = self.model(Tensor(batch.x))
+            (logits.sum() * 0.0).backward()
         return time.perf_counter()
 
     # -- the whole model and the figures ---------------------------------------------------------
@@ -320,42 +509,53 @@ class ExpertParallelStrategy(Strategy):
         """Every rank holds all the experts and runs them locally within the block; the epoch's
         routing figures are summed over the ranks for `report`."""
         self._sum_figures()
-        if self.ep > 1:
-            mine = [p for group in self.local_experts for ex in group for p in ex.parameters()]
-            whole = allgather(flat.pack([p.data for p in mine]), comm=self.ep_comm)
-            size = sum(p.size for p in mine)
-            per_rank = len(self.local_experts[0])
-            for s in range(self.ep):
-                theirs = [p for moe in self.moes
-                          for ex in moe.experts[s * per_rank:(s + 1) * per_rank]
-                          for p in ex.parameters()]
-                for p, piece in zip(theirs, flat.unpack(whole[s * size:(s + 1) * size], theirs),
-                                    strict=True):
-                    if id(p) not in self.owned_ids:
-                        p.data = piece.copy()
-        for moe in self.moes:
-            moe.dispatcher = LocalExperts()
+        self.groups.gather()
+        if optimizer_state:
+            self._whole_state = self._whole_optimizer_state()
         try:
-            yield
+            with self.groups.local():
+                yield
         finally:
-            self._use_dispatchers()
-            if self.ep > 1:
-                self._release_others()
+            self._whole_state = None
+            self.groups.release()
+
+    def _whole_optimizer_state(self) -> dict[str, Any]:
+        """The optimizer state of the whole model in a one-rank optimizer's layout: the dense
+        parameters' from this rank, the experts' from the ranks of the group that hold them
+        (collective; small models: the experts' states travel as Python objects)."""
+        local = self.optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        state, experts = {}, {}
+        for k, entries in local["state"].items():
+            p = self.trained[int(k)]
+            (experts if id(p) in self.groups.expert_ids else state)[index[id(p)]] = entries
+        for part in self.ep_comm.allgather_object(experts):
+            state.update(part)
+        whole = {"state": state, "param_groups": [{**_hyper(local["param_groups"]),
+                                                   "params": list(range(len(index)))}]}
+        if "loss_scale" in local:
+            whole["loss_scale"] = local["loss_scale"]
+        return whole
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._whole_state is None:
+            raise RuntimeError("expert parallelism: state_dict() is given inside gathered("
+                               "optimizer_state=True)")
+        return self._whole_state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take this rank's part of a whole-model optimizer state (any layout wrote it)."""
+        whole = {int(k): v for k, v in state["state"].items()}
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        self.optimizer.load_state_dict({
+            "state": {k: whole[index[id(p)]] for k, p in enumerate(self.trained)
+                      if index[id(p)] in whole},
+            "param_groups": [{**_hyper(state["param_groups"]),
+                              "params": list(range(len(self.trained)))}],
+            **({"loss_scale": state["loss_scale"]} if "loss_scale" in state else {})})
 
     def _sum_figures(self) -> None:
-        e = self.moes[0].num_experts
-        local = np.concatenate([np.concatenate([m.stats.tokens_per_expert,
-                                                [m.stats.dropped, m.stats.routings,
-                                                 m.stats.aux_loss, m.stats.calls]])
-                                for m in self.moes] + [[self._a2a_s, self.step_count]])
-        total = allreduce(local.astype(np.float64), op="sum", comm=self.comm)
-        layers = total[:-2].reshape(len(self.moes), e + 4)
-        steps = max(total[-1], 1.0)
-        self._epoch = {
-            "tokens_per_expert": [[int(v) for v in row[:e]] for row in layers],
-            "dropped_fraction": float(layers[:, e].sum() / max(layers[:, e + 1].sum(), 1.0)),
-            "aux_loss": float(sum(row[e + 2] / max(row[e + 3], 1.0) for row in layers)),
-            "alltoall_s": float(total[-2] / steps)}
+        self._epoch = epoch_figures(self.moes, self.moes, self._a2a_s, self.step_count, self.comm)
 
     def describe(self, final: bool = False) -> str:
         if final:

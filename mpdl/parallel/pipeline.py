@@ -68,8 +68,8 @@ from typing import Any
 import numpy as np
 
 from mpdl import memory
+from mpdl.autograd import amp, nn, no_grad, partial
 from mpdl.autograd import functional as F
-from mpdl.autograd import nn, no_grad, partial
 from mpdl.autograd.moe import aux_loss_scale
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
@@ -79,9 +79,9 @@ from mpdl.parallel.context import context_attention, positions, shard_sequence
 from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.pipeline_recorder import PipelineRecorder
+from mpdl.parallel.shards import placeholder as _placeholder
 from mpdl.parallel.strategy import Batch, MakeOptimizer, StepResult, Strategy, correct_predictions
 from mpdl.parallel.tensor import TensorParallelGPT, gather_array
-from mpdl.parallel.zero import _placeholder
 
 SCHEDULES = ("afab", "1f1b")
 
@@ -287,7 +287,7 @@ class Microbatches:
     def rows(self, a: Any, j: int) -> Any:
         """Microbatch j's rows of `a` (the batch's inputs or labels)."""
         idx = self.parts[j]
-        return a[idx[0]:idx[-1] + 1]
+        return a[idx[0]:idx[-1] + 1] if len(idx) else a[:0]
 
     def share(self, j: int) -> float:
         """Microbatch j's share of the global batch (the scale of its loss)."""
@@ -303,6 +303,9 @@ class PipelineStrategy(Strategy):
 
     mode = "pipeline"
     sharded_checkpoint = True
+    #: every data-parallel rank runs all `microbatches`, empty ones too (a layout whose forward
+    #: and backward send over the data-parallel axis: mpdl.parallel.expert_pipeline)
+    lockstep_microbatches = False
 
     def __init__(self, comm: Communicator, dp: int, pp: int, tp: int = 1, microbatches: int = 1,
                  schedule: str = "1f1b", algorithm: str = "auto", verbose: bool = False,
@@ -393,14 +396,42 @@ class PipelineStrategy(Strategy):
             tied_pieces = self.all_pieces[-1]
             if getattr(tied_pieces, "tied", None) is not None and self.pp > 1:
                 self.tied_comm = self.grid.pp_comm.sub([0, self.pp - 1])
-        if self.zero:
-            self.optimizer = ShardedOptimizer(self.stage_params, make_optimizer,
-                                              self.grid.dp_comm, self.algorithm)
-        else:
-            self.optimizer = make_optimizer(self.stage_params)
+        self.optimizer = self._stage_optimizer(make_optimizer)
         self._owned = {id(p) for p in self.stage_params}
         self._release_others()
         memory.hold_all([p.data for p in self.stage_params], "parameters")
+        self._mixed_precision(self.optimizer.optimizer
+                              if isinstance(self.optimizer, ShardedOptimizer) else self.optimizer)
+
+    def _mixed_precision(self, optimizer: Any) -> None:
+        """With 16-bit parameters (`mpdl.training.precision`): activations and their gradients
+        travel between stages in that dtype, and `optimizer` (over float32 master weights) skips
+        a step on every rank of the grid when a gradient on any rank is not finite."""
+        params = self.model.parameters()
+        #: the dtype of the messages between stages (None: the activations' own)
+        self.message_dtype = amp.compute_dtype(params[0].data) if params else None
+        if hasattr(optimizer, "agree"):
+            optimizer.agree = self._all_finite
+
+    def _all_finite(self, finite: bool) -> bool:
+        """Whether this rank's gradients and every other rank's are finite (one all-reduce of a
+        flag over the whole grid)."""
+        flags = allreduce(np.array([0 if finite else 1], np.int32), op="max", comm=self.comm)
+        return not flags[0]
+
+    def _message(self, a: Any) -> Any:
+        """An activation or gradient as it travels: contiguous, in the message dtype."""
+        if self.message_dtype is None:
+            return get_array_module(a).ascontiguousarray(a)
+        with np.errstate(over="ignore"):  # float16 overflow is inf, for the loss scaler to see
+            return a.astype(self.message_dtype)
+
+    def _stage_optimizer(self, make_optimizer: MakeOptimizer) -> Any:
+        """The optimizer of `stage_params` (with ZeRO-1 its state sharded over dp)."""
+        if self.zero:
+            return ShardedOptimizer(self.stage_params, make_optimizer, self.grid.dp_comm,
+                                    self.algorithm)
+        return make_optimizer(self.stage_params)
 
     def _context_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return context_attention(q, k, v, self.grid.cp_comm, self.cp_mode, self.cp_balance)
@@ -533,8 +564,10 @@ class PipelineStrategy(Strategy):
         return result
 
     def _microbatches(self, batch: Batch) -> Microbatches:
-        """The batch cut into `microbatches` parts (the empty ones dropped)."""
-        parts = [p for p in np.array_split(np.arange(len(batch.y)), self.microbatches) if len(p)]
+        """The batch cut into `microbatches` parts (the empty ones dropped, unless
+        `lockstep_microbatches`)."""
+        parts = [p for p in np.array_split(np.arange(len(batch.y)), self.microbatches)
+                 if len(p) or self.lockstep_microbatches]
         xp = get_array_module(self.stage_params[0].data) if self.stage_params else np
         shapes = self._boundary_shapes(self._local(batch.x)) if parts and self.pp > 1 else []
         return Microbatches(batch, parts, xp, shapes)
@@ -545,7 +578,8 @@ class PipelineStrategy(Strategy):
         record.op_begins()
         h = self._stage_input(mb, j)
         record.compute_begins()
-        with aux_loss_scale(mb.share(j)):  # as the loss (MoE layers)
+        # as the loss (MoE layers), times fp16's loss scale
+        with aux_loss_scale(mb.share(j) * getattr(self.optimizer, "loss_scale", 1.0)):
             for piece in self.pieces:
                 h = piece(h)
         record.compute_ends()
@@ -553,7 +587,7 @@ class PipelineStrategy(Strategy):
             mb.outputs[j] = self._microbatch_loss(h, mb, j, record.result)
         else:
             mb.outputs[j] = h
-            self._send(mb.xp.ascontiguousarray(h.data), self.stage + 1, "act", j, mb, record)
+            self._send(self._message(h.data), self.stage + 1, "act", j, mb, record)
         record.forward_done(j, h.data.nbytes, None if self.first else self.stage - 1)
 
     def _stage_input(self, mb: Microbatches, j: int) -> Tensor:
@@ -562,8 +596,9 @@ class PipelineStrategy(Strategy):
         if self.first:
             return Tensor(self._local(mb.rows(mb.batch.x, j)))
         shape, dtype = mb.shapes[self.stage - 1]
-        buf = self._recv(mb.xp, (len(mb.parts[j]), *shape), dtype, self.stage - 1, "act", j)
-        mb.inputs[j] = Tensor(buf, requires_grad=True)
+        buf = self._recv(mb.xp, (len(mb.parts[j]), *shape), self.message_dtype or dtype,
+                         self.stage - 1, "act", j)
+        mb.inputs[j] = Tensor(buf.astype(dtype, copy=False), requires_grad=True)
         return mb.inputs[j]
 
     def _microbatch_loss(self, logits: Tensor, mb: Microbatches, j: int,
@@ -571,11 +606,13 @@ class PipelineStrategy(Strategy):
         """Microbatch j's loss scaled by its share of the global batch (backward starts from
         it); its loss, correct predictions and samples add up in `result`."""
         n = len(mb.parts[j])
+        if not n:  # an empty microbatch's backward still runs (lockstep_microbatches)
+            return logits.sum() * 0.0
         loss, correct = self._loss(logits, mb.rows(mb.batch.y, j))
         result.loss += float(loss.item()) * n
         result.correct += correct
         result.samples += n
-        return loss * mb.share(j)
+        return loss * (mb.share(j) * getattr(self.optimizer, "loss_scale", 1.0))
 
     def _backward(self, mb: Microbatches, j: int, record: PipelineRecorder) -> None:
         """Op B j: backward from microbatch j's output (on the last stage its loss, elsewhere with
@@ -587,13 +624,14 @@ class PipelineStrategy(Strategy):
             out.backward()
         else:
             record.op_begins()
-            grad = self._recv(mb.xp, out.shape, out.data.dtype, self.stage + 1, "grad", j)
+            grad = self._recv(mb.xp, out.shape, self.message_dtype or out.data.dtype,
+                              self.stage + 1, "grad", j)
             record.compute_begins()
-            out.backward(grad)
+            out.backward(grad.astype(out.data.dtype, copy=False))
         record.compute_ends()
         if not self.first:
-            self._send(mb.xp.ascontiguousarray(mb.inputs.pop(j).grad), self.stage - 1, "grad", j,
-                       mb, record)
+            self._send(self._message(mb.inputs.pop(j).grad), self.stage - 1, "grad", j, mb,
+                       record)
         record.backward_done(j, None if self.last else self.stage + 1)
 
     def _update(self, mb: Microbatches, record: PipelineRecorder) -> None:
@@ -621,6 +659,10 @@ class PipelineStrategy(Strategy):
                                  if id(p) in self._owned], self.grid.tp_comm, "tp")
         if self.grid.dp * self.cp == 1 or not self.stage_params or self.zero:
             return  # ZeRO-1: the optimizer's step reduce-scatters over dp
+        self._sum_data_parallel()
+
+    def _sum_data_parallel(self) -> None:
+        """Sum the stage's gradients over the ranks that hold the same parameters (dp × cp)."""
         self._sum_gradients(self.stage_params, self.grid.dcp_comm, "dp x cp")
 
     def _sum_gradients(self, params: list[Any], comm: Communicator, axis: str) -> None:
@@ -719,11 +761,11 @@ class PipelineStrategy(Strategy):
                 state = {key: gather_array(v, full.shape, where, self.grid.tp_comm)
                          if getattr(v, "shape", ()) == self.stage_params[k].shape else v
                          for key, v in state.items()}
-            mine[i] = state
-        keep = self.grid.d == 0 and self.grid.c == 0 and self.grid.t == 0
+            if self._writes(k) and self.grid.t == 0:
+                mine[i] = state
         merged: dict[int, Any] = {}
-        for part in self.comm.allgather_object(mine if keep else None):
-            for i, state in (part or {}).items():
+        for part in self.comm.allgather_object(mine):
+            for i, state in part.items():
                 merged.setdefault(i, state)
         group = {k: v for k, v in local["param_groups"][0].items() if k != "params"}
         n = len(self.model.parameters())
@@ -752,6 +794,11 @@ class PipelineStrategy(Strategy):
         self.optimizer.load_state_dict({"state": local, "param_groups": [
             {**group, "params": list(range(len(self.stage_params)))}]})
 
+    def _writes(self, k: int) -> bool:
+        """Whether this rank writes stage parameter k to a checkpoint (and, without ZeRO, its
+        optimizer state): the first replica of the stage (d = 0, c = 0) does."""
+        return self.grid.d == 0 and self.grid.c == 0
+
     def checkpoint_shard(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
         """This rank's part of a checkpoint (None when it writes none) and the manifest: each
         stage's dp-rank-0 writes its parameters (each tp rank its shards, tp rank 0 the
@@ -767,9 +814,10 @@ class PipelineStrategy(Strategy):
 
         def add(target: str, name: str, key: Any, full: Any, positions: Any, values: Any) -> None:
             n = len(meta)
-            arrays[f"a{n}"] = np.ascontiguousarray(to_host(values)).reshape(-1)
+            arrays[f"a{n}"] = flat = np.ascontiguousarray(to_host(values)).reshape(-1)
             arrays[f"r{n}"] = runs(positions)
-            meta.append([target, name, key, list(full.shape), str(full.dtype)])
+            # the values' dtype: a 16-bit parameter's float32 master weight and moments stay so
+            meta.append([target, name, key, list(full.shape), str(flat.dtype)])
 
         positions: dict[int, Any] = {}
         for k, _, full, where in self._entries():
@@ -778,14 +826,14 @@ class PipelineStrategy(Strategy):
                 continue  # written by the first stage / by tp rank 0
             index = np.arange(full.size).reshape(full.shape)
             positions[k] = (index[where(g.t)] if where is not None else index).reshape(-1)
-            if g.d == 0 and g.c == 0:
+            if self._writes(k):
                 add("model", names[id(full)], None, full, positions[k], p.data)
         if self.zero:
             parts = self.optimizer.pieces()
         else:
             parts = [(k, 0, self.stage_params[k].size, st) for k, st in
                      ((int(k), st) for k, st in self.optimizer.state_dict()["state"].items())
-                     if g.d == 0 and g.c == 0]
+                     if self._writes(k)]
         scalars: dict[str, Any] = {}
         entries = {k: (i, full) for k, i, full, _ in self._entries()}
         for k, a, b, st in parts:

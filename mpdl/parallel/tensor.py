@@ -40,8 +40,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 import mpdl.autograd.functional as F
-from mpdl.autograd import nn
+from mpdl.autograd import amp, nn
 from mpdl.autograd.moe import MoE
 from mpdl.autograd.recompute import checkpoint
 from mpdl.autograd.tensor import Function, Tensor
@@ -50,26 +52,43 @@ from mpdl.collectives import allgather, allreduce, reduce_scatter
 from mpdl.comm import Communicator
 
 
-class CopyToTP(Function):
-    """f: identity forward; backward, the sum of the gradient over the tp ranks."""
+def in_dtype(collective: Any, x: Any, dtype: Any) -> Any:
+    """collective(x) run on x rounded to `dtype` (mixed precision's 16-bit compute dtype: the
+    messages are 16-bit, mpdl's reductions add in float32 inside), the result in x's dtype again;
+    collective(x) itself for dtype None."""
+    if dtype is None:
+        return collective(x)
+    with np.errstate(over="ignore"):  # float16 overflow is inf, for the loss scaler to see
+        narrow = x.astype(dtype)
+    return collective(narrow).astype(x.dtype)
 
-    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto") -> Any:
-        self.comm, self.algorithm = comm, algorithm
+
+class CopyToTP(Function):
+    """f: identity forward; backward, the sum of the gradient over the tp ranks (in `dtype`
+    when it is given: mixed precision's compute dtype)."""
+
+    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto",
+                dtype: Any = None) -> Any:
+        self.comm, self.algorithm, self.dtype = comm, algorithm, dtype
         return x
 
     def backward(self, grad: Any) -> Any:
         if self.comm.size == 1:
             return grad
-        return allreduce(grad, op="sum", algorithm=self.algorithm, comm=self.comm)
+        return in_dtype(lambda g: allreduce(g, op="sum", algorithm=self.algorithm,
+                                            comm=self.comm), grad, self.dtype)
 
 
 class ReduceFromTP(Function):
-    """g: forward, the sum of the partial outputs over the tp ranks; identity backward."""
+    """g: forward, the sum of the partial outputs over the tp ranks (in `dtype` when it is
+    given); identity backward."""
 
-    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto") -> Any:
+    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto",
+                dtype: Any = None) -> Any:
         if comm.size == 1:
             return x
-        return allreduce(x, op="sum", algorithm=algorithm, comm=comm)
+        return in_dtype(lambda a: allreduce(a, op="sum", algorithm=algorithm, comm=comm), x,
+                        dtype)
 
     def backward(self, grad: Any) -> Any:
         return grad
@@ -89,16 +108,21 @@ def _from_blocks(blocks: Any) -> Any:
     return xp.moveaxis(blocks, 0, 1).reshape(b, p * t, *blocks.shape[3:])
 
 
-def gather_sequence(x: Any, comm: Communicator, algorithm: str = "auto") -> Any:
-    """Every tp rank's (B, T/p, ...) slice joined into the (B, T, ...) sequence."""
-    whole = allgather(x, algorithm=algorithm, comm=comm)
+def gather_sequence(x: Any, comm: Communicator, algorithm: str = "auto",
+                    dtype: Any = None) -> Any:
+    """Every tp rank's (B, T/p, ...) slice joined into the (B, T, ...) sequence (sent in
+    `dtype` when it is given)."""
+    whole = in_dtype(lambda a: allgather(a, algorithm=algorithm, comm=comm), x, dtype)
     return _from_blocks(whole.reshape(comm.size, *x.shape))
 
 
-def reduce_scatter_sequence(x: Any, comm: Communicator, algorithm: str = "auto") -> Any:
-    """This rank's (B, T/p, ...) slice of the sum of (B, T, ...) x over the tp ranks."""
+def reduce_scatter_sequence(x: Any, comm: Communicator, algorithm: str = "auto",
+                            dtype: Any = None) -> Any:
+    """This rank's (B, T/p, ...) slice of the sum of (B, T, ...) x over the tp ranks (summed
+    in `dtype` when it is given)."""
     b, t = x.shape[:2]
-    mine = reduce_scatter(_to_blocks(x, comm.size), op="sum", algorithm=algorithm, comm=comm)
+    mine = in_dtype(lambda a: reduce_scatter(a, op="sum", algorithm=algorithm, comm=comm),
+                    _to_blocks(x, comm.size), dtype)
     return mine.reshape(b, t // comm.size, *x.shape[2:])
 
 
@@ -111,44 +135,48 @@ def sequence_slice(x: Any, comm: Communicator) -> Any:
 class GatherSequence(Function):
     """Sequence parallelism's f: all-gather along the sequence; backward, reduce-scatter."""
 
-    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto") -> Any:
-        self.comm, self.algorithm = comm, algorithm
-        return gather_sequence(x, comm, algorithm)
+    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto",
+                dtype: Any = None) -> Any:
+        self.comm, self.algorithm, self.dtype = comm, algorithm, dtype
+        return gather_sequence(x, comm, algorithm, dtype)
 
     def backward(self, grad: Any) -> Any:
-        return reduce_scatter_sequence(grad, self.comm, self.algorithm)
+        return reduce_scatter_sequence(grad, self.comm, self.algorithm, self.dtype)
 
 
 class ReduceScatterSequence(Function):
     """Sequence parallelism's g: reduce-scatter along the sequence; backward, all-gather."""
 
-    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto") -> Any:
-        self.comm, self.algorithm = comm, algorithm
-        return reduce_scatter_sequence(x, comm, algorithm)
+    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto",
+                dtype: Any = None) -> Any:
+        self.comm, self.algorithm, self.dtype = comm, algorithm, dtype
+        return reduce_scatter_sequence(x, comm, algorithm, dtype)
 
     def backward(self, grad: Any) -> Any:
-        return gather_sequence(grad, self.comm, self.algorithm)
+        return gather_sequence(grad, self.comm, self.algorithm, self.dtype)
 
 
 class SplitSequence(Function):
     """Into the sequence-parallel region: this rank's slice of a replicated activation;
     backward, the all-gather of every rank's slice of the gradient."""
 
-    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto") -> Any:
-        self.comm, self.algorithm = comm, algorithm
+    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto",
+                dtype: Any = None) -> Any:
+        self.comm, self.algorithm, self.dtype = comm, algorithm, dtype
         return get_array_module(x).ascontiguousarray(sequence_slice(x, comm))
 
     def backward(self, grad: Any) -> Any:
-        return gather_sequence(grad, self.comm, self.algorithm)
+        return gather_sequence(grad, self.comm, self.algorithm, self.dtype)
 
 
 class JoinSequence(Function):
     """Out of the sequence-parallel region: the whole replicated activation; backward, this
     rank's slice (every tp rank computes the same loss from it)."""
 
-    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto") -> Any:
+    def forward(self, x: Any, comm: Communicator = None, algorithm: str = "auto",
+                dtype: Any = None) -> Any:
         self.comm = comm
-        return gather_sequence(x, comm, algorithm)
+        return gather_sequence(x, comm, algorithm, dtype)
 
     def backward(self, grad: Any) -> Any:
         return get_array_module(grad).ascontiguousarray(sequence_slice(grad, self.comm))
@@ -196,8 +224,9 @@ class TPAttention(nn.Module):
                                    (self.proj_weight, attn.proj.weight, cols)]
 
     def forward(self, x: Tensor) -> Tensor:
+        dtype = amp.compute_dtype(self.qkv_weight.data)  # of the messages: 16-bit or as x
         x = (GatherSequence if self.sequence_parallel else CopyToTP).apply(
-            x, comm=self.comm, algorithm=self.algorithm)
+            x, comm=self.comm, algorithm=self.algorithm, dtype=dtype)
         b, t, _ = x.shape
         h = self.heads
         local = self.qkv_weight.shape[0] // 3
@@ -209,7 +238,7 @@ class TPAttention(nn.Module):
             y = self.attend(qkv[0], qkv[1], qkv[2])
         y = F.linear(y.transpose(0, 2, 1, 3).reshape(b, t, local), self.proj_weight)
         y = (ReduceScatterSequence if self.sequence_parallel else ReduceFromTP).apply(
-            y, comm=self.comm, algorithm=self.algorithm)
+            y, comm=self.comm, algorithm=self.algorithm, dtype=dtype)
         return self.dropout(y + self.proj_bias)
 
 
@@ -238,11 +267,12 @@ class TPMLP(nn.Module):
                                    (self.proj_weight, mlp.proj.weight, cols)]
 
     def forward(self, x: Tensor) -> Tensor:
+        dtype = amp.compute_dtype(self.fc_weight.data)  # of the messages: 16-bit or as x
         x = (GatherSequence if self.sequence_parallel else CopyToTP).apply(
-            x, comm=self.comm, algorithm=self.algorithm)
+            x, comm=self.comm, algorithm=self.algorithm, dtype=dtype)
         y = F.linear(F.gelu(F.linear(x, self.fc_weight, self.fc_bias)), self.proj_weight)
         y = (ReduceScatterSequence if self.sequence_parallel else ReduceFromTP).apply(
-            y, comm=self.comm, algorithm=self.algorithm)
+            y, comm=self.comm, algorithm=self.algorithm, dtype=dtype)
         return self.dropout(y + self.proj_bias)
 
 
@@ -261,11 +291,20 @@ class TPBlock(nn.Module):
         self.recompute = getattr(block, "recompute", False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return checkpoint(self.residual, x) if self.recompute else self.residual(x)
+        if not self.recompute:
+            return self.residual(x)
+        if isinstance(self.mlp, MoE):  # its routing and all-to-alls are not run again
+            x = checkpoint(self.attention_residual, x)
+            return x + self.mlp(self.ln2(x))
+        return checkpoint(self.residual, x)
+
+    def attention_residual(self, x: Tensor) -> Tensor:
+        """x + attn(ln1(x)): the block's first sublayer."""
+        return x + self.attn(self.ln1(x))
 
     def residual(self, x: Tensor) -> Tensor:
         """The block without recomputation."""
-        x = x + self.attn(self.ln1(x))
+        x = self.attention_residual(x)
         return x + self.mlp(self.ln2(x))
 
 
@@ -299,13 +338,15 @@ class TensorParallelGPT(nn.Module):
         """x as the blocks take it: this rank's slice with sequence parallelism, else x."""
         if not self.sequence_parallel:
             return x
-        return SplitSequence.apply(x, comm=self.comm, algorithm=self.algorithm)
+        return SplitSequence.apply(x, comm=self.comm, algorithm=self.algorithm,
+                                   dtype=amp.compute_dtype(self.token_embedding.weight.data))
 
     def leave_sequence(self, x: Tensor) -> Tensor:
         """The blocks' output made whole again for the output projection."""
         if not self.sequence_parallel:
             return x
-        return JoinSequence.apply(x, comm=self.comm, algorithm=self.algorithm)
+        return JoinSequence.apply(x, comm=self.comm, algorithm=self.algorithm,
+                                  dtype=amp.compute_dtype(self.token_embedding.weight.data))
 
     def sequence_parallel_params(self) -> list[Any]:
         """The parameters used on slices of the sequence (LayerNorms, row-parallel biases):

@@ -14,24 +14,21 @@ rank holds 1/p of the optimizer state.
 - **Stage 2** (gradients sharded too): as stage 1, but a unit's full-size gradient buffer exists
   only from its first gradient until its reduce-scatter is done; then only the shard is kept.
 - **Stage 3** (parameters sharded, FSDP's FULL_SHARD). Units are the modules inside containers
-  (the blocks of a ModuleList, the layers of a Sequential), split into their children while
-  larger than 1/16 of the model; what is left (the root's own parameters, embeddings used again
-  by the root) is the *root unit*, gathered for the whole step.
-  A unit's forward is wrapped: its parameters are all-gathered just before it and freed after (its
-  `p.data` becomes a zero-byte placeholder of the right shape); an identity node on its output
-  gathers them again just before its backward; once its gradients are all in, they are
-  reduce-scattered and the parameters freed. With `prefetch`, the next unit's all-gather (the
-  previous one's in backward) is started at once, so it overlaps this unit's compute.
+  (the blocks of a ModuleList, the layers of a Sequential); a unit's parameters are all-gathered
+  just before its forward and again before its backward, and freed after each
+  (`mpdl.parallel.zero_params.ShardedParameters`); once its gradients are all in, they are
+  reduce-scattered, the blocks' as backward finishes them and the root unit's last.
+
+The stage is chosen once, at setup: how the parameters are held (`zero_params`: whole on every
+rank for stages 1-2, sharded for stage 3) and whether the full-size gradient buffers are kept
+(stage 1); the step below is the same for every stage. The shard layout (`Unit`, `Piece`) and the
+gather of the whole optimizer state live in `mpdl.parallel.shards`; the step's timings and
+counters in `mpdl.parallel.zero_recorder`.
 
 Collectives on buffers kept between steps (stage 1's gradient buffers, stages 1-2's flat
 parameters) run through persistent plans made once per unit (`mpdl.collectives.plan`); buffers
 made afresh each step go through the ordinary calls.
 
-What the autograd graph keeps: mpdl's primitives save their input arrays for backward, so the
-gathered weights a unit's forward used would stay alive in the graph until its backward; stage 3
-takes those references out of the unit's nodes when it frees the unit after forward and puts the
-gathered arrays back before its backward. A unit run again inside a recomputed block
-(`mpdl.autograd.checkpoint`) is gathered without prefetch and kept until its gradients are in.
 The accounting (`model_state_bytes`) counts the model state the strategy holds: parameters,
 gradients and optimizer state; `mpdl.memory`'s ledger counts every buffer.
 
@@ -50,23 +47,17 @@ the reference the tests compare the fast one with.
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from mpdl import memory
-from mpdl.autograd import nn
-from mpdl.autograd.recompute import recomputing
-from mpdl.autograd.tensor import Function, Tensor, is_grad_enabled
-from mpdl.backend import get_array_module, is_low_precision, to_host
+from mpdl.autograd.tensor import Tensor
+from mpdl.backend import get_array_module, to_host
 from mpdl.collectives import (
-    Plan,
     allgather,
-    allgather_init,
     allreduce,
     allreduce_init,
     broadcast,
@@ -77,7 +68,27 @@ from mpdl.collectives.handles import Handle, engine_for
 from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator
 from mpdl.parallel import flat
-from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy
+from mpdl.parallel.shards import (
+    Piece,
+    Unit,
+    gather_optimizer_state,
+    keep_state_pieces,
+    make_pieces,
+    optimizer_state_keys,
+    optimizer_state_nbytes,
+    optimizer_state_shard,
+    state_dtype,
+    whole_param_groups,
+)
+from mpdl.parallel.strategy import Batch, MakeOptimizer, StepResult, Strategy
+from mpdl.parallel.zero_params import (
+    UNITS_PER_MODEL,
+    ReplicatedParameters,
+    ShardedParameters,
+    UnitParameters,
+    module_units,
+)
+from mpdl.parallel.zero_recorder import ZeroRecorder
 
 MB = 1 << 20
 STAGES = (1, 2, 3)
@@ -87,137 +98,9 @@ MAX_IN_FLIGHT = 2
 #: DEFAULT_BUCKET_MB MiB, DDP's bucket; stage 3: a module larger than that is split into its
 #: children), so that the buffers in flight (stage 3: two units' gathered parameters and up to
 #: MAX_IN_FLIGHT + 1 units' gradient buffers) stay a small part of the model at any size
-UNITS_PER_MODEL = 16
 DEFAULT_BUCKET_MB = 25.0
 #: the collective algorithms ZeRO can run: those reduce_scatter and allgather both have
 ALGORITHMS = ("auto", "ring", "tree", "mpi")
-
-
-def state_dtype(dtype: Any) -> np.dtype:
-    """The dtype of the optimizer state of parameters of `dtype`: float32 for 16-bit parameters
-    (their master weights and moments, see mpdl.autograd.amp), dtype otherwise."""
-    return np.dtype(np.float32) if is_low_precision(dtype) else np.dtype(dtype)
-
-
-def keep_state_pieces(optimizer: Any, state: dict[str, Any], pieces: list[tuple],
-                      position: dict[int, int]) -> None:
-    """Give `optimizer` this rank's pieces of a whole-tensor optimizer state_dict: `pieces` are
-    (piece tensor, unit, index in the unit, start, end), `position` maps id(parameter) to its
-    number in `state`; the hyperparameters of its first param group go to every group."""
-    saved = {int(k): v for k, v in state["state"].items()}
-    optimizer.state = {}
-    for t, u, i, a, b in pieces:
-        entries = saved.get(position[id(u.params[i])])
-        if not entries:
-            continue
-        o = u.offsets[i]
-        optimizer.state[t] = {
-            k: (u.xp.asarray(np.asarray(v, dtype=state_dtype(u.dtype)).reshape(-1)[a - o:b - o])
-                .copy()
-                if np.ndim(v) > 0 else (v.item() if hasattr(v, "item") else v))
-            for k, v in entries.items()}
-    hyper = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
-    for group in optimizer.param_groups:
-        group.update(hyper)
-
-class Unit:
-    """A run of parameters of one dtype, flattened and split over `size` ranks; this rank owns
-    elements [lo, hi) of the flat buffer."""
-
-    def __init__(self, index: int, params: list[Any], rank: int, size: int,
-                 module: Any = None) -> None:
-        self.index, self.params, self.module = index, params, module
-        self.xp = get_array_module(params[0].data)
-        self.dtype = params[0].data.dtype
-        self.offsets: list[int] = []
-        self.position: dict[int, int] = {}
-        count = 0
-        for i, p in enumerate(params):
-            self.offsets.append(count)
-            self.position[id(p)] = i
-            count += p.data.size
-        self.count = count
-        self.bounds = block_bounds(count, size)
-        self.lo, self.hi = self.bounds[rank], self.bounds[rank + 1]
-        self.itemsize = int(self.dtype.itemsize)
-        self.full: Any = None         # the whole flat parameters while this rank holds them
-        self.shard: Any = None        # this rank's block of the parameters
-        self.grad: Any = None         # the full-size gradient buffer while it exists
-        self.grad_shard: Any = None   # this rank's block of the summed gradient
-        self.ready: set[int] = set()
-        self.reduce: Handle | None = None
-        self.gather: Handle | None = None
-        #: persistent plans of the step's collectives on buffers kept between steps (ZeroStrategy
-        #: makes them): the in-place reduce-scatter of `grad` (stage 1), the sum of its result
-        #: over the replicas (hybrid), the in-place all-gather of `shard` into `full` (stages 1-2)
-        self.reduce_plan: Plan | None = None
-        self.replica_plan: Plan | None = None
-        self.gather_plan: Plan | None = None
-        self.spans: list[tuple[str, float, float]] = []
-        #: stage 3: (graph node, attribute, parameter index) of the references to the gathered
-        #: parameters taken out of the graph after forward, put back before backward
-        self.saved: list[tuple[Any, str, int]] = []
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.itemsize
-
-    @property
-    def shard_nbytes(self) -> int:
-        return (self.hi - self.lo) * self.itemsize
-
-    def views(self, buf: Any) -> list[Any]:
-        """Each parameter's part of a full flat buffer, shaped like the parameter."""
-        return [buf[o:o + p.data.size].reshape(p.shape) for o, p in zip(self.offsets, self.params,
-                                                                        strict=True)]
-
-    def pieces(self) -> Iterator[tuple[int, int, int]]:
-        """(parameter index, start, end) in unit offsets of each parameter's part of [lo, hi)."""
-        for i, (o, p) in enumerate(zip(self.offsets, self.params, strict=True)):
-            a, b = max(o, self.lo), min(o + p.data.size, self.hi)
-            if a < b:
-                yield i, a, b
-
-
-class _BeforeBackward(Function):
-    """Identity whose backward first calls `hook` (stage 3: gather the unit's parameters)."""
-
-    def forward(self, x, hook):
-        self.hook = hook
-        return x.view()
-
-    def backward(self, grad):
-        self.hook()
-        return grad
-
-
-def _placeholder(p: Any) -> Any:
-    """A freed parameter: a read-only array of p's shape and dtype that takes no memory and is all
-    NaN, so that a use outside its unit's forward and backward shows at once."""
-    xp = get_array_module(p.data)
-    return xp.broadcast_to(xp.full((), np.nan, dtype=p.data.dtype), p.shape)
-
-
-def _unhook_parameters(unit: Unit, out: Tensor, inputs: Sequence[Any]) -> list[tuple]:
-    """Take the graph's references to unit's gathered parameter arrays (what its forward's
-    nodes saved for backward: a linear layer's weight) out of the nodes between `out` and the
-    unit's `inputs`, so that freeing the parameters frees their memory until backward gathers
-    them again; returns (node, attribute, parameter index) to put them back."""
-    arrays = {id(p.data): i for i, p in enumerate(unit.params)}
-    stop = {id(t) for t in inputs if isinstance(t, Tensor)}
-    taken, seen, stack = [], set(), [out]
-    while stack:
-        ctx = stack.pop()._ctx
-        if ctx is None or id(ctx) in seen or isinstance(ctx, _BeforeBackward):
-            continue
-        seen.add(id(ctx))
-        for name, value in list(vars(ctx).items()):
-            i = arrays.get(id(value))
-            if i is not None:
-                taken.append((ctx, name, i))
-                setattr(ctx, name, None)
-        stack.extend(t for t in ctx.inputs or () if id(t) not in stop)
-    return taken
 
 
 def broadcast_model(model: Any, comm: Communicator) -> None:
@@ -229,54 +112,6 @@ def broadcast_model(model: Any, comm: Communicator) -> None:
         result = broadcast(flat.pack([t.data for t in group]), root=0, comm=comm)
         for t, piece in zip(group, flat.unpack(result, group), strict=True):
             t.data[...] = piece
-
-
-def _module_units(model: Any, names: Sequence[str] | None = None) -> list[tuple[Any, list[Any]]]:
-    """(module, its parameters) of stage 3's units in forward order: the submodules `names` (of
-    model.named_modules()), or by default the modules held in a ModuleList or Sequential
-    (searched from the root down, not inside a unit), each one holding more than 1/UNITS_PER_MODEL
-    of the model's parameters replaced by its children (again while too large; FSDP wraps
-    transformer blocks, DeepSpeed fetches by submodule); then (None, the rest): the root unit. A
-    parameter registered in two units, or registered on a module that was split, goes to the root
-    unit."""
-    found: list[Any] = []
-
-    def visit(module: Any) -> None:
-        for child in module.children():
-            if isinstance(module, (nn.ModuleList, nn.Sequential)):
-                found.append(child)
-            else:
-                visit(child)
-
-    def size(module: Any) -> int:
-        return sum(p.size for p in module.parameters() if p.requires_grad)
-
-    cap = size(model) / UNITS_PER_MODEL
-
-    def split(module: Any) -> list[Any]:
-        children = [c for c in module.children() if size(c)]
-        if size(module) > cap and children:
-            return [unit for c in children for unit in split(c)]
-        return [module]
-
-    if names is None:
-        visit(model)
-        found = [unit for m in found for unit in split(m)]
-    else:
-        modules = dict(model.named_modules())
-        unknown = [n for n in names if n not in modules or not n]
-        if unknown:
-            raise ValueError(f"units: no submodule named {unknown[0]!r}; the model has "
-                             f"{', '.join(n for n in modules if n)}")
-        found = [modules[n] for n in names]
-    owners: dict[int, int] = {}
-    for i, m in enumerate(found):
-        for p in m.parameters():
-            owners[id(p)] = -1 if owners.get(id(p), i) != i else i
-    units = [(m, [p for p in m.parameters() if p.requires_grad and owners[id(p)] == i])
-             for i, m in enumerate(found)]
-    rest = [p for p in model.parameters() if p.requires_grad and owners.get(id(p), -1) == -1]
-    return [(m, ps) for m, ps in units if ps] + ([(None, rest)] if rest else [])
 
 
 class ZeroStrategy(Strategy):
@@ -313,89 +148,83 @@ class ZeroStrategy(Strategy):
         self.shard_comm: Communicator = comm
         self.replica_comm: Communicator | None = None
         self.units: list[Unit] = []
+        #: how the units' parameters are held (set up with them): whole on every rank (stages
+        #: 1-2) or sharded and gathered around each unit's use (stage 3)
+        self.parameters: UnitParameters | None = None
+        #: stage 1 keeps each unit's full-size gradient buffer between steps; stages 2-3 keep
+        #: only its shard (the full buffer lives from a unit's first gradient to its
+        #: reduce-scatter)
+        self.keeps_gradient_buffers = stage == 1
         self.weight = 1.0 / comm.size
-        self._lock = threading.Lock()
-        self._held = 0
-        self.peak_bytes = 0       # the peak of the bytes held, since the last step began
-        self.step_peak_bytes = 0  # the largest peak within a step so far
-        self._optimizer_bytes = 0
-        self._sharded = True
         self._next = 0
-        self._steps = 0
-        self._sent = 0
-        self._own_recorder = False
-        self._waited = 0.0
+        #: the step's timings and counters: bytes held, waits, collectives, bytes sent
+        self.record = ZeroRecorder(comm)
         self.model_state_bytes = 0
         self.sent_bytes_per_step = 0.0
-        #: seconds of the last step's all-gathers (communication thread) and of the main
-        #: thread's waits for stage 3's gathers: 1 - wait / gather is the share prefetch hid
-        self.last_gather_s = 0.0
-        self.last_gather_wait_s = 0.0
-        self._gather_waits: list[tuple[int, float, float]] = []
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """The most model-state bytes held within a step so far."""
+        return self.record.step_peak_bytes
+
+    @property
+    def last_gather_s(self) -> float:
+        """Seconds of the last step's all-gathers (communication thread)."""
+        return self.record.gather_s
+
+    @property
+    def last_gather_wait_s(self) -> float:
+        """Seconds the last step's main thread waited for stage 3's gathers: 1 - wait / gather
+        is the share prefetch hid."""
+        return self.record.gather_wait_s
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
         self.model = model
         self._communicators()
-        rank, size = self.shard_comm.rank, self.shard_comm.size
         broadcast_model(model, self.comm)
-        if self.stage == 3:
-            groups = [(m, g) for m, ps in _module_units(model, self.unit_names)
-                      for g in flat.by_kind(ps)]
-        else:
-            groups = [(None, ps) for ps in self._buckets(model)]
-        self.units = [Unit(i, ps, rank, size, m) for i, (m, ps) in enumerate(groups)]
+        self.units = self._make_units(model)
         self._unit_of = {id(p): u for u in self.units for p in u.params}
-        pieces, ndims = [], {}
+        held = dict(units=self.units, comm=self.shard_comm, algorithm=self.algorithm,
+                    submit=self._submit, record=self.record)
+        self.parameters = (ShardedParameters(**held, prefetch=self.prefetch) if self.stage == 3
+                           else ReplicatedParameters(**held))
         for u in self.units:
-            whole = flat.pack([p.data for p in u.params])
-            if self.stage == 3:
-                u.shard = whole[u.lo:u.hi].copy()
-                memory.hold(u.shard, "parameters")
-                for p in u.params:
-                    p.data = _placeholder(p)
-                self._hold(u.shard_nbytes)
-            else:
-                u.full, u.shard = whole, whole[u.lo:u.hi]
-                memory.hold(whole, "parameters")
-                for p, view in zip(u.params, u.views(whole), strict=True):
-                    p.data = view
-                self._hold(u.nbytes)
-            if self.stage == 1:
-                u.grad = u.xp.zeros(u.count, dtype=u.dtype)
-                u.grad_shard = u.grad[u.lo:u.hi]
-                memory.hold(u.grad, "gradients")
-                self._hold(u.nbytes)
-            else:
-                u.grad_shard = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
-                memory.hold(u.grad_shard, "gradients")
-                self._hold(u.shard_nbytes)
-            for i, a, b in u.pieces():
-                t = Tensor(u.shard[a - u.lo:b - u.lo], requires_grad=True)
-                pieces.append((t, u, i, a, b))
-                ndims[id(t)] = len(u.params[i].shape)
-        if not pieces:  # fewer elements than ranks: an empty piece keeps the optimizer valid
-            u = self.units[0]
-            pieces.append((Tensor(u.shard[:0], requires_grad=True), u, 0, u.lo, u.lo))
-        self.pieces = pieces
-        self.optimizer = make_optimizer([t for t, *_ in pieces])
+            self.parameters.place(u)
+            self._place_gradients(u)
+        self.pieces: list[Piece]
+        self.pieces, ndims = make_pieces(self.units)
+        self.optimizer = make_optimizer([piece.tensor for piece in self.pieces])
         self.optimizer.shard(ndims, self._sum_squares)
         if hasattr(self.optimizer, "agree"):  # mixed precision: skip a step on every rank alike
             self.optimizer.agree = self._all_finite
         self._hooks = [p.register_grad_ready_hook(self._on_grad) for u in self.units
                        for p in u.params]
-        if self.stage == 3:
-            for u in self.units:
-                if u.module is not None:
-                    self._wrap(u)
-        # stage 3 reduce-scatters the blocks as backward finishes them, the root unit (whose
-        # embedding gradient is complete only when backward ends) last, so that it holds no
-        # block's gradient buffer back
-        self._order = ([u for u in reversed(self.units) if u.module is not None]
-                       + [u for u in self.units if u.module is None]
-                       if self.stage == 3 else list(self.units))
+        self._order = self.parameters.reduce_order()
         self._plan_units()
-        self.peak_bytes = self._held
+
+    def _make_units(self, model: Any) -> list[Unit]:
+        """Stage 3: the modules of `module_units` (each cut by dtype); stages 1-2: DDP's buckets."""
+        if self.stage == 3:
+            groups = [(m, g) for m, ps in module_units(model, self.unit_names)
+                      for g in flat.by_kind(ps)]
+        else:
+            groups = [(None, ps) for ps in self._buckets(model)]
+        rank, size = self.shard_comm.rank, self.shard_comm.size
+        return [Unit(i, ps, rank, size, m) for i, (m, ps) in enumerate(groups)]
+
+    def _place_gradients(self, u: Unit) -> None:
+        """The unit's summed gradient: a kept full-size buffer whose block is the shard (stage 1),
+        or the shard only."""
+        if self.keeps_gradient_buffers:
+            u.grad = u.xp.zeros(u.count, dtype=u.dtype)
+            u.grad_shard = u.grad[u.lo:u.hi]
+            memory.hold(u.grad, "gradients")
+            self.record.hold(u.nbytes)
+        else:
+            u.grad_shard = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
+            memory.hold(u.grad_shard, "gradients")
+            self.record.hold(u.shard_nbytes)
 
     def _plan_units(self) -> None:
         """Persistent plans of the collectives whose arrays are the same every step, made in unit
@@ -404,16 +233,14 @@ class ZeroStrategy(Strategy):
         parameters. Stage 2-3 gradient buffers and stage 3's gathered parameters are made afresh
         each step, and go through the ordinary calls."""
         for u in self.units:
-            if self.stage == 1:
+            if self.keeps_gradient_buffers:
                 u.reduce_plan = reduce_scatter_init(u.grad, op="sum", algorithm=self.algorithm,
                                                     comm=self.shard_comm, in_place=True)
                 if self.replica_comm is not None:
                     mine = u.reduce_plan.result
                     u.replica_plan = allreduce_init(mine, op="sum", algorithm=self.algorithm,
                                                     comm=self.replica_comm, out=mine)
-            if self.stage < 3:
-                u.gather_plan = allgather_init(u.shard, algorithm=self.algorithm,
-                                               comm=self.shard_comm, count=u.count, out=u.full)
+            self.parameters.plan(u)
 
     def _communicators(self) -> None:
         """shard_comm: the ranks that share the shards (all, or hybrid: this node's);
@@ -448,87 +275,8 @@ class ZeroStrategy(Strategy):
             buckets.append(current)
         return buckets
 
-    def _wrap(self, unit: Unit) -> None:
-        original = unit.module.forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if not self._sharded:
-                return original(*args, **kwargs)
-            if recomputing():  # in backward: gathered until its gradients are in, no prefetch
-                self._gathered(unit)
-                return original(*args, **kwargs)
-            self._gathered(unit)
-            if self.prefetch and unit.index + 1 < len(self.units):
-                self._gather(self.units[unit.index + 1])
-            out = original(*args, **kwargs)
-            if isinstance(out, Tensor) and out.requires_grad and is_grad_enabled():
-                unit.saved = _unhook_parameters(unit, out, args)
-                out = _BeforeBackward.apply(out, hook=lambda: self._before_backward(unit))
-            self._free(unit)
-            return out
-
-        unit.module.forward = forward
-
-    # -- accounting --------------------------------------------------------------------------------
-    def _hold(self, nbytes: int) -> None:
-        with self._lock:
-            self._held += nbytes
-            self.peak_bytes = max(self.peak_bytes, self._held)
-
-    def _release(self, nbytes: int) -> None:
-        with self._lock:
-            self._held -= nbytes
-
-    # -- stage 3: gather and free ------------------------------------------------------------------
-    def _gather(self, unit: Unit) -> None:
-        """Start the all-gather of unit's parameters (nothing if held or on its way)."""
-        if unit.full is not None or unit.gather is not None:
-            return
-        full = unit.xp.empty(unit.count, dtype=unit.dtype)
-        memory.hold(full, "parameters")
-        self._hold(unit.nbytes)
-
-        def work() -> Any:
-            start = time.perf_counter()
-            allgather(unit.shard, algorithm=self.algorithm, comm=self.shard_comm, count=unit.count,
-                      out=full)
-            unit.spans.append(("all-gather", start, time.perf_counter()))
-            return full
-
-        unit.gather = self._submit(work)
-
-    def _gathered(self, unit: Unit) -> None:
-        """Wait until unit's parameters are here and point them at the gathered buffer."""
-        if unit.full is None:
-            self._gather(unit)
-            start = time.perf_counter()
-            unit.full = unit.gather.wait()
-            end = time.perf_counter()
-            self._waited += end - start
-            self._gather_waits.append((unit.index, start, end))
-            unit.gather = None
-            for p, view in zip(unit.params, unit.views(unit.full), strict=True):
-                p.data = view
-
-    def _free(self, unit: Unit, root: bool = False) -> None:
-        """Drop unit's gathered parameters (the root unit's only with `root`: it is kept for
-        the whole step)."""
-        if unit.full is None or unit.module is None and not root:
-            return
-        unit.full = None
-        for p in unit.params:
-            p.data = _placeholder(p)
-        self._release(unit.nbytes)
-
-    def _before_backward(self, unit: Unit) -> None:
-        self._gathered(unit)
-        for ctx, name, i in unit.saved:  # the graph's references, to the gathered parameters
-            setattr(ctx, name, unit.params[i].data)
-        unit.saved = []
-        if self.prefetch and unit.index > 0:
-            self._gather(self.units[unit.index - 1])
-
-    def _submit(self, work: Any) -> Handle:
+    def _submit(self, work: Callable[[], Any]) -> Handle:
+        """Run `work` on the communication thread (at once on one rank)."""
         if self.comm.size == 1:
             handle = Handle()
             handle._finish(work())
@@ -540,8 +288,7 @@ class ZeroStrategy(Strategy):
         unit = self._unit_of[id(p)]
         self._fill(unit, p)
         if len(unit.ready) == len(unit.params):
-            if self.stage == 3 and unit.module is not None:
-                self._free(unit)
+            self.parameters.gradients_done(unit)
             if self.overlap:
                 self._launch_ready()
 
@@ -550,7 +297,7 @@ class ZeroStrategy(Strategy):
             self._limit()
             unit.grad = unit.xp.empty(unit.count, dtype=unit.dtype)
             memory.hold(unit.grad, "gradients")
-            self._hold(unit.nbytes)
+            self.record.hold(unit.nbytes)
         i = unit.position[id(p)]
         slot = unit.grad[unit.offsets[i]:unit.offsets[i] + p.data.size].reshape(p.shape)
         if p.grad is None:
@@ -566,9 +313,8 @@ class ZeroStrategy(Strategy):
         running = [u for u in self._order[:self._next] if u.reduce is not None
                    and not u.reduce.test()]
         while len(running) >= MAX_IN_FLIGHT:
-            start = time.perf_counter()
-            running.pop(0).reduce.wait()
-            self._waited += time.perf_counter() - start
+            with self.record.waiting():
+                running.pop(0).reduce.wait()
 
     def _launch_ready(self) -> None:
         while self._next < len(self._order):
@@ -582,22 +328,21 @@ class ZeroStrategy(Strategy):
         buf = unit.grad
 
         def work() -> None:
-            start = time.perf_counter()
-            if unit.reduce_plan is not None:
-                mine = unit.reduce_plan()
-                if unit.replica_plan is not None:  # hybrid: sum the node's shard over the nodes
-                    unit.replica_plan()
-            else:
-                mine = reduce_scatter(buf, op="sum", algorithm=self.algorithm,
-                                      comm=self.shard_comm, in_place=True)
-                if self.replica_comm is not None:
-                    allreduce(mine, op="sum", algorithm=self.algorithm, comm=self.replica_comm,
-                              out=mine)
-            if self.stage > 1:
-                unit.xp.copyto(unit.grad_shard, mine)
-                unit.grad = None
-                self._release(unit.nbytes)
-            unit.spans.append(("reduce-scatter", start, time.perf_counter()))
+            with self.record.communicating(unit, "reduce-scatter"):
+                if unit.reduce_plan is not None:  # stage 1: the kept buffer's persistent plans
+                    mine = unit.reduce_plan()
+                    if unit.replica_plan is not None:  # hybrid: sum the shard over the nodes
+                        unit.replica_plan()
+                else:
+                    mine = reduce_scatter(buf, op="sum", algorithm=self.algorithm,
+                                          comm=self.shard_comm, in_place=True)
+                    if self.replica_comm is not None:
+                        allreduce(mine, op="sum", algorithm=self.algorithm,
+                                  comm=self.replica_comm, out=mine)
+                if not self.keeps_gradient_buffers:  # keep the shard; the full buffer goes
+                    unit.xp.copyto(unit.grad_shard, mine)
+                    unit.grad = None
+                    self.record.release(unit.nbytes)
 
         unit.reduce = self._submit(work)
 
@@ -608,18 +353,17 @@ class ZeroStrategy(Strategy):
                 if id(p) not in unit.ready:
                     self._fill(unit, p)
         self._launch_ready()
-        start = time.perf_counter()
-        for unit in self._order:
-            unit.reduce.wait()
-            unit.reduce = None
-            unit.ready.clear()
-        self._waited += time.perf_counter() - start
+        with self.record.waiting():
+            for unit in self._order:
+                unit.reduce.wait()
+                unit.reduce = None
+                unit.ready.clear()
         self._next = 0
 
     def _sum_squares(self, params: list[Any], sums: list[list[Any]]) -> list[list[Any]]:
         """Whole-tensor sums of squares from the pieces': one all-reduce of a (parameters, k)
         float64 array, every rank contributing its pieces' rows."""
-        index = {id(t): (u.index, i) for t, u, i, _, _ in self.pieces}
+        index = {id(piece.tensor): (piece.unit.index, piece.index) for piece in self.pieces}
         rows = {key: n for n, key in enumerate((u.index, i) for u in self.units
                                                for i in range(len(u.params)))}
         k = len(sums[0]) if sums else 2
@@ -634,90 +378,26 @@ class ZeroStrategy(Strategy):
     def step(self, batch: Batch) -> StepResult:
         self.optimizer.lr = batch.lr
         self.weight = len(batch.y) / batch.global_size
-        recorder, first = self._recorder()
-        self.peak_bytes = self._held
-        self._waited = 0.0
-        self._gather_waits = []
-        for u in self.units:
-            u.spans = []
         result = StepResult()
-        start = time.perf_counter()
-        if self.stage == 3:
-            for u in self.units:
-                if u.module is None:
-                    self._gathered(u)
-        if len(batch.y) or self.stage < 3:
+        self.record.begin()
+        self.parameters.before_forward()  # stage 3: gather the root unit, kept for the step
+        if len(batch.y) or not self.parameters.gathers_in_forward:
             backward_end = self.forward_backward(batch, result)
-        else:  # a rank without samples still takes part in every gather: one zero sample,
-            xp = get_array_module(batch.x)  # its gradient weighted 0
-            ghost = Batch(xp.zeros((1, *batch.x.shape[1:]), dtype=batch.x.dtype),
-                          xp.zeros((1, *batch.y.shape[1:]), dtype=batch.y.dtype),
-                          batch.global_size, batch.lr)
-            backward_end = self.forward_backward(ghost, StepResult())
-        self._finish_gradients()
-        if self.stage == 3:
-            for u in self.units:
-                self._free(u, root=True)
-        waited = time.perf_counter()
-        for t, u, _, a, b in self.pieces:
-            t.grad = u.grad_shard[a - u.lo:b - u.lo]
-        self.optimizer.step()
-        self._count_optimizer_state()
-        stepped = time.perf_counter()
-        if self.stage < 3:
-            handles = [self._submit(self._gather_in_place(u)) for u in self.units]
-            gather_start = time.perf_counter()
-            for h in handles:
-                h.wait()
-            self._waited += time.perf_counter() - gather_start
-        end = time.perf_counter()
-        self._count_sent(recorder, first)
-        self.step_peak_bytes = max(self.step_peak_bytes, self.peak_bytes)
-        spans = [(name, s, e, u) for u in self.units for name, s, e in u.spans]
-        result.comm_s = sum(e - s for _, s, e, _ in spans)
-        self.last_gather_s = sum(e - s for name, s, e, _ in spans if name == "all-gather")
-        self.last_gather_wait_s = sum(e - s for _, s, e in self._gather_waits)
-        result.exposed_s = self._waited
-        result.compute_s = (end - start) - result.exposed_s
-        result.spans += [Span("finish (wait for reduce-scatter)", backward_end, waited,
-                              cat="wait"), Span("optimizer step", waited, stepped)]
-        result.spans += [Span(f"{name} unit {u.index}", s, e, cat="communication", thread="comm",
-                              args={"bytes": u.nbytes}) for name, s, e, u in spans]
-        result.spans += [Span(f"wait for all-gather unit {i}", s, e, cat="wait")
-                         for i, s, e in self._gather_waits]
-        return result
-
-    def _gather_in_place(self, unit: Unit) -> Any:
-        def work() -> None:
-            start = time.perf_counter()
-            unit.gather_plan()
-            unit.spans.append(("all-gather", start, time.perf_counter()))
-        return work
+        else:  # a rank without samples still takes part in every gather: one zero sample
+            backward_end = self.forward_backward(_ghost(batch), StepResult())
+        with self.record.phase("finish (wait for reduce-scatter)", cat="wait", start=backward_end):
+            self._finish_gradients()
+            self.parameters.after_backward()  # stage 3: free every unit
+        with self.record.phase("optimizer step"):
+            for piece in self.pieces:
+                piece.tensor.grad = piece.unit.grad_shard[piece.in_shard]
+            self.optimizer.step()
+            self._count_optimizer_state()
+        self.parameters.after_optimizer_step()  # stages 1-2: all-gather the updated shards
+        return self.record.finish(result, self.units)
 
     def _count_optimizer_state(self) -> None:
-        nbytes = sum(int(v.nbytes) for s in self.optimizer.state.values() for v in s.values()
-                     if hasattr(v, "nbytes") and np.ndim(v) > 0)
-        self._hold(nbytes - self._optimizer_bytes)
-        self._optimizer_bytes = nbytes
-
-    def _recorder(self) -> tuple[list, int]:
-        """The communicator's message recorder (installed if there is none) and its length."""
-        if self.comm.recorder is None:
-            try:
-                self.comm.recorder = []
-                self._own_recorder = True
-            except AttributeError:  # a sub-communicator: its parent's recorder
-                return [], 0
-        recorder = self.comm.recorder
-        return recorder, len(recorder)
-
-    def _count_sent(self, recorder: list, first: int) -> None:
-        me = self.comm.world_rank(self.comm.rank)
-        sent = sum(entry[4] for entry in recorder[first:] if entry[2] == me)
-        if self._own_recorder:
-            del recorder[:]
-        self._sent += sent
-        self._steps += 1
+        self.record.optimizer_state(optimizer_state_nbytes(self.optimizer))
 
     # -- the whole model, for evaluation and checkpoints -------------------------------------------
     def _all_finite(self, finite: bool) -> bool:
@@ -730,84 +410,47 @@ class ZeroStrategy(Strategy):
         """Within the block every rank holds the whole model (stage 3 gathers it; values
         written into it are kept); with `optimizer_state`, `state_dict()` gives the whole
         optimizer state. Collective over comm; also agrees on the accounting figures."""
-        figures = allreduce(np.array([self.step_peak_bytes, self._sent / max(self._steps, 1)],
+        figures = allreduce(np.array([self.step_peak_bytes, self.record.sent_bytes_per_step()],
                                      dtype=np.float64), op="max", comm=self.comm)
         self.model_state_bytes, self.sent_bytes_per_step = int(figures[0]), float(figures[1])
-        self._full_state = self._whole_optimizer_state() if optimizer_state else None
-        if self.stage < 3:
+        self._full_state = self.gather_optimizer_state() if optimizer_state else None
+        with self.parameters.whole():
             yield
-            return
-        for u in self.units:
-            self._gathered(u)
-        self._sharded = False
-        try:
-            yield
-        finally:
-            self._sharded = True
-            for u in self.units:
-                u.xp.copyto(u.shard, u.full[u.lo:u.hi])
-                self._free(u, root=True)
 
-    def _whole_optimizer_state(self) -> dict[str, Any]:
+    def gather_optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state_dict as a replica's optimizer would have it (one entry per
-        parameter of the model, whole tensors): gathered from the shards."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        position = {id(p): n for n, p in enumerate(params)}
-        mine = {id(t): s for t, s in self.optimizer.state.items()}
-        keys = sorted({k for s in mine.values() for k, v in s.items() if np.ndim(v) > 0})
-        keys = sorted(set().union(*self.shard_comm.allgather_object(keys)))
-        scalars = next((({k: v for k, v in s.items() if np.ndim(v) == 0}) for s in mine.values()
-                        if s), {})
-        scalars = next((s for s in self.shard_comm.allgather_object(scalars) if s), {})
-        state: dict[int, dict[str, Any]] = {}
-        for u in self.units:
-            for key in keys:
-                local = u.xp.zeros(u.hi - u.lo, dtype=state_dtype(u.dtype))
-                for t, pu, _, a, b in self.pieces:
-                    if pu is u and key in self.optimizer.state.get(t, {}):
-                        local[a - u.lo:b - u.lo] = self.optimizer.state[t][key]
-                whole = allgather(local, algorithm=self.algorithm, comm=self.shard_comm,
-                                  count=u.count)
-                for p, view in zip(u.params, u.views(whole), strict=True):
-                    state.setdefault(position[id(p)], dict(scalars))[key] = np.array(to_host(view))
-        groups = self.optimizer.state_dict()["param_groups"]
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": list(range(len(params)))} for g in groups[:1]]
-        return {"state": state if keys else {}, "param_groups": groups}
+        parameter of the model, whole tensors): gathered from the shards. Collective over the
+        shard group."""
+        return gather_optimizer_state(self.optimizer, self.units, self.pieces, self._positions(),
+                                      self.shard_comm, self.algorithm)
+
+    def _positions(self) -> dict[int, int]:
+        """id(parameter) -> its number in a replica's optimizer state_dict."""
+        return {id(p): n for n, p in enumerate(p for p in self.model.parameters()
+                                               if p.requires_grad)}
 
     def checkpoint_shard(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
         """This rank's shard for a sharded checkpoint (None on a replica of another node: hybrid)
         and the manifest `mpdl.training.checkpoint` reassembles whole tensors with. Collective
         over the shard group."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        position = {id(p): n for n, p in enumerate(params)}
-        mine = {id(t): s for t, s in self.optimizer.state.items()}
-        keys = sorted({k for s in mine.values() for k, v in s.items() if np.ndim(v) > 0})
-        keys = sorted(set().union(*self.shard_comm.allgather_object(keys)))
-        scalars = next(({k: v for k, v in s.items() if np.ndim(v) == 0} for s in mine.values()
-                        if s), {})
-        scalars = next((s for s in self.shard_comm.allgather_object(scalars) if s), {})
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": list(range(len(params)))}
-                  for g in self.optimizer.state_dict()["param_groups"][:1]]
+        position = self._positions()
+        keys, scalars = optimizer_state_keys(self.optimizer, self.shard_comm)
         manifest = {"format": "zero", "stage": self.stage, "ranks": self.shard_comm.size,
                     "units": [{"dtype": str(u.dtype), "count": u.count,
                                "params": [[names[id(p)], position[id(p)], list(p.shape), o]
                                           for p, o in zip(u.params, u.offsets, strict=True)]}
                               for u in self.units],
-                    "state_keys": keys, "scalars": scalars, "param_groups": groups}
+                    "state_keys": keys, "scalars": scalars,
+                    "param_groups": whole_param_groups(self.optimizer, len(position))}
         if self.replica_comm is not None and self.replica_comm.rank != 0:
             return None, manifest
         arrays: dict[str, Any] = {}
         for u in self.units:
             arrays[f"unit{u.index}/param"] = np.array(to_host(u.shard))
             for key in keys:
-                local = np.zeros(u.hi - u.lo, dtype=state_dtype(u.dtype))
-                for t, pu, _, a, b in self.pieces:
-                    if pu is u and key in self.optimizer.state.get(t, {}):
-                        local[a - u.lo:b - u.lo] = to_host(self.optimizer.state[t][key])
-                arrays[f"unit{u.index}/state/{key}"] = local
+                arrays[f"unit{u.index}/state/{key}"] = to_host(
+                    optimizer_state_shard(self.optimizer, u, self.pieces, key))
         if self.shard_comm.rank == 0:  # the model's other arrays: buffers, frozen parameters
             sharded = {id(p) for u in self.units for p in u.params}
             arrays.update({f"other/{n}": np.array(to_host(t.data)) for n, t in
@@ -825,9 +468,7 @@ class ZeroStrategy(Strategy):
         """Take a replica's optimizer state_dict (whole tensors, one entry per parameter; as
         `state_dict` writes it, from any number of ranks and any stage) and keep this rank's
         pieces of it."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        keep_state_pieces(self.optimizer, state, self.pieces,
-                          {id(p): n for n, p in enumerate(params)})
+        keep_state_pieces(self.optimizer, state, self.pieces, self._positions())
         self._count_optimizer_state()
 
     # -- reporting ---------------------------------------------------------------------------------
@@ -851,6 +492,14 @@ class ZeroStrategy(Strategy):
         if final:
             fields.update(units=len(self.units), unit_bytes=[u.nbytes for u in self.units])
         return fields
+
+
+def _ghost(batch: Batch) -> Batch:
+    """One zero sample shaped like the batch's (its gradient is weighted 0: the batch is empty)."""
+    xp = get_array_module(batch.x)
+    return Batch(xp.zeros((1, *batch.x.shape[1:]), dtype=batch.x.dtype),
+                 xp.zeros((1, *batch.y.shape[1:]), dtype=batch.y.dtype), batch.global_size,
+                 batch.lr)
 
 
 class NaiveZero:

@@ -76,3 +76,79 @@ def pipeline_step(stages: dict, m: int, dp: int, params: cm.Params, cores: int) 
     total = compute + p2p + optimizer + dp_comm + share
     return {"step_s": total, "compute_s": compute, "bubble_s": compute - m * max(slot),
             "p2p_s": p2p, "optimizer_s": optimizer, "dp_comm_s": dp_comm}
+
+
+# -- the transformer's axes: recomputation, experts, context ----------------------------------------
+def _allreduce(nbytes: float, p: int, params: cm.Params) -> float:
+    """A ring all-reduce handed to the communication thread, 0 on one rank."""
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    return cm.predict("allreduce", "ring", int(nbytes), p, 1, params) + params.handoff
+
+
+def recompute_step(pieces: dict, mode: str, p: int, grad_bytes: int, params: cm.Params) -> float:
+    """The recomputation model's step (`mpdl.perf.layouts`' term): forward, backward and the
+    optimizer as timed without recomputation (every rank at once), plus in backward the blocks'
+    forward again (full) or each attention core's forward again (selective), and the gradient's
+    ring all-reduce over p ranks once backward has ended (one bucket: nothing left to overlap)."""
+    extra = {"none": 0.0, "selective": pieces["core_forward_s"],
+             "full": pieces["blocks_forward_s"]}[mode]
+    return (pieces["forward_s"] + pieces["backward_s"] + extra + pieces["optimizer_s"]
+            + _allreduce(grad_bytes, p, params))
+
+
+def expert_step(pieces: dict, p: int, ep: int, moe_layers: int, rows_bytes: int,
+                dense_bytes: int, expert_bytes: int, experts: int, params: cm.Params) -> float:
+    """The expert-parallel model's step (`layouts.expert_time`): the compute timed with all the
+    experts on one rank (every rank at once: the same routed rows meet the same FLOPs wherever
+    the experts live), its optimizer step scaled to the parameters a rank holds, and per MoE
+    layer two pairwise all-to-alls of the rank's routed rows (`rows_bytes`: dispatch and combine)
+    in forward and two in backward, with the routing counts (an all-reduce over the p
+    data-parallel ranks and an all-to-all over ep) before them; then, not overlapped, the ring
+    all-reduce of the dense gradients over p ranks and of the experts' over the p/ep replicas."""
+    held = (dense_bytes + expert_bytes / ep) / (dense_bytes + expert_bytes)
+    per_layer = 0.0
+    if ep > 1:
+        per_layer += 4 * cm.predict("alltoall", "pairwise", rows_bytes, ep, 1, params)
+        per_layer += cm.predict("alltoall", "pairwise", 8 * experts, ep, 1, params)
+    if p > 1:
+        per_layer += cm.predict("allreduce", "ring", 8 * experts, p, 1, params)
+    return (pieces["forward_s"] + pieces["backward_s"] + held * pieces["optimizer_s"]
+            + moe_layers * per_layer + _allreduce(dense_bytes, p, params)
+            + _allreduce(expert_bytes, p // ep, params))
+
+
+def context_step(pieces: dict, cp: int, mode: str, layers: int, kv_bytes: int, grad_bytes: int,
+                 params: cm.Params) -> float:
+    """The context-parallel model's step (`layouts.context_parallel_time`): forward, backward and
+    the optimizer timed on one rank at the tokens a rank holds (T/cp a sequence, every rank at
+    once), plus the attention a rank does beyond its own tokens' causal attention (its share of
+    the whole sequence's, `core_whole_s` / cp, less `core_forward_s`, in forward and twice in
+    backward); per layer the messages of the mode, `kv_bytes` being K and V of the whole sequence:
+
+    * ring: cp − 1 exchanges of a rank's K and V block in forward, and of K, V, dK and dV in
+      backward, each exposed only where it outlasts one block of attention (the rank's share
+      over cp, twice that in backward);
+    * ulysses: all-to-alls of Q, K and V (packed) and of the output in forward, of the output's
+      gradient and of dQ, dK, dV in backward, not overlapped;
+    * allgather: an all-gather of K and V in forward, and in backward another (the gathered K
+      and V are not kept) and a reduce-scatter of their gradients, not overlapped;
+
+    and the ring all-reduce of the gradients over the cp ranks (they hold the same parameters)."""
+    block = kv_bytes / cp
+    share = pieces["core_whole_s"] / cp
+    beyond = 3 * max(0.0, share - pieces["core_forward_s"])
+    if mode == "ring":
+        attend = share / layers / cp
+        fwd = params.exchange_time(block, ring=True)
+        bwd = params.exchange_time(2 * block, ring=True)
+        per_layer = (cp - 1) * (max(0.0, fwd - attend) + max(0.0, bwd - 2 * attend))
+    elif mode == "ulysses":
+        qkv, out = 1.5 * kv_bytes / cp, 0.5 * kv_bytes / cp
+        per_layer = 2 * (cm.predict("alltoall", "pairwise", int(qkv), cp, 1, params)
+                         + cm.predict("alltoall", "pairwise", int(out), cp, 1, params))
+    else:
+        per_layer = (2 * cm.predict("allgather", "ring", int(kv_bytes), cp, 1, params)
+                     + cm.predict("reduce_scatter", "ring", int(kv_bytes), cp, 1, params))
+    return (pieces["forward_s"] + pieces["backward_s"] + beyond + pieces["optimizer_s"]
+            + layers * per_layer + _allreduce(grad_bytes, cp, params))

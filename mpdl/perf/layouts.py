@@ -40,8 +40,10 @@ float32 logits and probabilities. Held for ceil(L/pp) layers and, at the first s
 
 Step time (one step = m micro-batches on each of dp replicas):
 
-    per micro-batch   compute = b·T·FLOPs per token (+ recomputation) · ceil(L/pp)/L / (t·cp)
-                        / sustained FLOP/s (the heaviest stage sets the pace)
+    per micro-batch   compute of ceil(L/pp) layers on a GPU from the shapes of their GEMMs and
+                        the bytes between them (`mpdl.perf.compute`), and the embeddings' and
+                        logits' FLOPs · ceil(L/pp)/L / (t·cp) at η·peak (the heaviest stage sets
+                        the pace)
                       + tensor parallel: 4 ring all-reduces of b·s·d activations per layer (6 with
                         full recomputation; sp's reduce-scatter + all-gather move the same bytes)
                       + pipeline: 2·v point-to-point sends of b·s·d/t activations
@@ -70,6 +72,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from mpdl.collectives import costmodel as cm
+from mpdl.perf import compute as C
+from mpdl.perf.compute import Gpu
 
 GB = 1e9
 FAMILIES = ("gpt", "llama")
@@ -234,28 +238,21 @@ PRECISIONS = {
 }
 
 
-@dataclass(frozen=True)
-class Gpu:
-    """A GPU: peak and sustained FLOP/s of a transformer layer's compute, and its memory."""
-
-    name: str
-    peak_flops: float
-    sustained_flops: float
-    memory: float
-    source: str = ""
-
-
 GPUS = {
-    "v100-32gb": Gpu("v100-32gb", 125e12, 39e12, 32 * GB,
-                     "V100 fp16 tensor-core peak 125 TFLOP/s; sustained 39 TFLOP/s is Megatron-LM's "
-                     "one-GPU baseline (Shoeybi et al. 2019, 1.2B model, 30% of peak)"),
-    "a100-80gb": Gpu("a100-80gb", 312e12, 137e12, 80 * GB,
-                     "A100 fp16 tensor-core peak 312 TFLOP/s; sustained 137 TFLOP/s is the smallest "
-                     "run of Narayanan et al. 2021 (1.7B model, t=p=1, 32 GPUs, 44% of peak)"),
-    "a100-40gb": Gpu("a100-40gb", 312e12, 137e12, 40 * GB, "as a100-80gb, 40 GB"),
-    "h100-80gb": Gpu("h100-80gb", 989e12, 0.44 * 989e12, 80 * GB,
-                     "H100 SXM dense fp16 peak 989 TFLOP/s; sustained assumed 44% of peak, as the "
-                     "A100's"),
+    "v100-32gb": Gpu("v100-32gb", 125e12, 32 * GB, 900e9, 80, 0.3890,
+                     "V100 SXM2 data sheet: 125 TFLOP/s fp16 tensor cores, 900 GB/s HBM2, 80 SMs; "
+                     "eta from Megatron-LM's one-GPU baseline (Shoeybi et al. 2019: the 1.2B model, "
+                     "39 TFLOP/s)"),
+    "a100-80gb": Gpu("a100-80gb", 312e12, 80 * GB, 2039e9, 108, 0.7471,
+                     "A100 SXM4 80GB data sheet: 312 TFLOP/s fp16/bf16 tensor cores, 2,039 GB/s "
+                     "HBM2e, 108 SMs; eta from Narayanan et al. 2021, Table 1: the 1.7B model, "
+                     "(t, p) = (1, 1), 32 GPUs, 137 TFLOP/s"),
+    "a100-40gb": Gpu("a100-40gb", 312e12, 40 * GB, 1555e9, 108, 0.7471,
+                     "A100 SXM4 40GB data sheet: 1,555 GB/s HBM2; otherwise as a100-80gb"),
+    "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GB, 3350e9, 132, 0.7471,
+                     "H100 SXM5 data sheet: 989 TFLOP/s dense bf16 tensor cores, 3.35 TB/s HBM3, "
+                     "132 SMs; eta assumed the A100's (no published H100 run outside the rows "
+                     "checked)"),
 }
 
 
@@ -325,10 +322,15 @@ def check_layout(shape: Shape, layout: Layout, per_node: int) -> None:
     if layout.cp_mode not in CP_MODES:
         raise ValueError(f"--cp-mode: expected one of {', '.join(CP_MODES)}, got "
                          f"{layout.cp_mode!r}")
-    if layout.pp * layout.virtual > shape.layers:
+    # interleaved, the first chunk may hold only the embedding and the last only the output
+    # layer (Llama 3: 126 layers in 16 x 8 chunks)
+    chunks = shape.layers + (2 if layout.virtual > 1 else 0)
+    if layout.pp * layout.virtual > chunks:
         what = "pp" if layout.virtual == 1 else "pp x virtual stages"
+        extra = " and the two chunks that may hold only the embedding or the output" \
+            if layout.virtual > 1 else ""
         raise ValueError(f"--pp: {what} = {layout.pp * layout.virtual} exceeds the "
-                         f"{shape.layers} layers")
+                         f"{shape.layers} layers{extra}")
     if layout.virtual > 1 and layout.pp == 1:
         raise ValueError("--virtual-stages: an interleaved schedule needs --pp > 1")
     if shape.heads % layout.tp:
@@ -520,7 +522,7 @@ def context_parallel_time(shape: Shape, layout: Layout, precision: Precision, gp
         block = 2 * b * s * shape.d_kv / t * precision.activation  # one K and one V block
         send = _p2p(block, inter, params)
         # one block of causal attention (zigzag: half of every off-diagonal pair), forward
-        attend = 2 * b * s * s * shape.hidden / t / gpu.sustained_flops
+        attend = 2 * b * s * s * shape.hidden / t / C.rate(gpu)
         comm = (cp - 1) * send * (forwards + 2)  # backward also sends dK and dV
         exposed = (cp - 1) * (forwards * max(0.0, send - attend) + 2 * max(0.0, send - attend))
     elif layout.cp_mode == "ulysses":
@@ -548,6 +550,35 @@ def expert_time(shape: Shape, layout: Layout, precision: Precision, params: cm.P
     return moe * calls * alltoall_time(sent, layout.ep, inter, params)
 
 
+def layer_work(shape: Shape, layout: Layout, precision: Precision, moe: bool = False
+               ) -> C.Layer:
+    """What one layer of the shape asks of one GPU of the layout for one micro-batch (a MoE
+    block's with `moe`)."""
+    return C.Layer(shape.microbatch, shape.seq / layout.cp, shape.seq, shape.hidden, shape.heads,
+                   shape.d_kv, shape.d_ff, shape.gated, shape.family, layout.tp, layout.sp,
+                   layout.recompute, precision.activation,
+                   shape.experts if moe else 0, shape.top_k, layout.capacity_factor, layout.ep)
+
+
+def compute_parts(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu
+                  ) -> dict[str, float]:
+    """One micro-batch's compute on a GPU of the heaviest stage (`mpdl.perf.compute`), by part:
+    the layers' weight GEMMs (`gemm_s`), attention cores (`attention_s`) and work between GEMMs
+    (`elementwise_s`), and the embeddings' and logits' FLOPs outside the layers (`outside_s`,
+    at η·peak, shared among the stages as the layers are)."""
+    layers = stage_layers(shape, layout)
+    moe = shape.moe_layers * layers / shape.layers
+    dense = C.layer_seconds(layer_work(shape, layout, precision), gpu)
+    routed = C.layer_seconds(layer_work(shape, layout, precision, moe=True), gpu) if moe \
+        else dense
+    parts = {key[:-2] + "_s": (layers - moe) * dense[key] + moe * routed[key]
+             for key in ("gemm_s", "attention_s", "elementwise_s")}
+    positions = shape.seq * shape.hidden if shape.family == "gpt" else 0
+    outside = 6 * (shape.embedding_params - positions) * shape.microbatch * shape.seq
+    parts["outside_s"] = outside * layers / shape.layers / (layout.tp * layout.cp) / C.rate(gpu)
+    return parts
+
+
 def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: cm.Params,
          per_node: int, overlap: bool = True) -> dict[str, Any]:
     """One step of the layout: its times (seconds), throughput and FLOP rates."""
@@ -556,8 +587,8 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     model_tok = shape.flops_per_token
     hw_tok = model_tok + shape.recompute_flops_per_token(layout.recompute)
     layers = stage_layers(shape, layout)
-    compute_mb = tokens_mb * hw_tok * layers / shape.layers / (layout.tp * layout.cp) \
-        / gpu.sustained_flops
+    parts = compute_parts(shape, layout, precision, gpu)
+    compute_mb = sum(parts.values())
     act = tokens_mb / layout.cp * d * precision.activation
     tp_calls = (6 if layout.recompute == "full" else 4) * layers
     tp_mb = tp_calls * _allreduce(act, layout.tp, 1, params)
@@ -596,7 +627,8 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     global_batch = layout.dp * m * b
     tokens_s = global_batch * s / total
     gpus = layout.gpus
-    return {"compute_s": m * compute_mb, "tp_comm_s": m * tp_mb, "pp_comm_s": m * pp_mb,
+    return {"compute_s": m * compute_mb, **{f"compute_{k}": m * v for k, v in parts.items()},
+            "tp_comm_s": m * tp_mb, "pp_comm_s": m * pp_mb,
             "cp_comm_s": m * cp["cp_comm_s"], "cp_exposed_s": m * cp["cp_exposed_s"],
             "ep_comm_s": m * ep_mb, "bubble_s": bubble_slots * slot,
             "bubble_share": bubble(layout.pp, m, layout.virtual),

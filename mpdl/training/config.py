@@ -322,8 +322,9 @@ class ParallelConfig:
     schedule: str = option("1f1b", "--pp: all forward then all backward (GPipe), or one forward "
                            "one backward (PipeDream-flush)", choices=PIPELINE_SCHEDULES)
     verbose_comm: bool = option(False, "--pp: print every message between stages (stderr)")
-    ep: int = option(1, "expert parallelism: groups of P data-parallel ranks share the "
-                     "--moe-experts E experts, E/P on each, tokens moved by all-to-all",
+    ep: int = option(1, "expert parallelism: groups of P data-parallel ranks (of each pipeline "
+                     "stage and tp rank) share the --moe-experts E experts, E/P on each, tokens "
+                     "moved by all-to-all",
                      check=POSITIVE_INT, metavar="P")
 
     def ps_mode(self) -> str:
@@ -537,10 +538,9 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"{{model.recompute}} {config.model.recompute} needs a model of "
                           f"transformer blocks ({{model.name}} gpt), got {{model.name}} "
                           f"{config.model.name}")
-    if config.model.recompute != "none" and (config.parallel.cp > 1 or config.model.moe_experts):
-        raise ConfigError("{model.recompute} cannot be combined with {parallel.cp} > 1 or "
-                          "{model.moe_experts} yet (their attention and routing send messages "
-                          "that a recomputed forward would send again)")
+    if config.model.recompute != "none" and config.parallel.cp > 1:
+        raise ConfigError("{model.recompute} cannot be combined with {parallel.cp} > 1 yet (its "
+                          "attention sends messages that a recomputed forward would send again)")
     if d.dataset == "mnist" and not d.path:
         raise ConfigError("{data.dataset} mnist needs {data.path} PATH (a folder with the IDX "
                           "files, gzipped or not, or an .npz); nothing is downloaded")
@@ -674,20 +674,12 @@ def validate_moe(config: TrainConfig, world_size: int) -> None:
         raise ConfigError("{model.moe_experts} cannot be combined with {parallel.cp} > 1 or "
                           "{parallel.sp} yet (a replicated mixture of experts would see a slice "
                           "of the sequence)")
-    if p.model_parallel() and p.ep > 1:
-        raise ConfigError("{parallel.ep} > 1 cannot be combined with {parallel.pp} or "
-                          "{parallel.tp} yet (with {parallel.ep} 1 the experts are replicated "
-                          "over tp and cut with their block over pp)")
     if p.mode != "allreduce" or c.sync_every > 1 or c.compression != "none" \
             or p.zero not in (0, 1):
         raise ConfigError("{model.moe_experts} combines with plain data parallelism, "
                           "{parallel.pp}, {parallel.tp} or {parallel.zero} 1 only (not with "
                           "{parallel.mode} ps, {communication.sync_every}, "
                           "{communication.compression} or {parallel.zero} 2/3 yet)")
-    if config.checkpoint.dir and (p.ep > 1 or p.zero):
-        raise ConfigError("{checkpoint.dir} with {model.moe_experts} needs {parallel.ep} 1 and "
-                          "no {parallel.zero} (the optimizer state of experts held on other "
-                          "ranks is not saved yet)")
 
 
 def validate_sequence(config: TrainConfig) -> None:

@@ -10,6 +10,7 @@ from mpdl.comm import Communicator
 from mpdl.parallel.compression import make_compression
 from mpdl.parallel.data_parallel import AllReduceStrategy, LocalSGDStrategy, ParameterServerStrategy
 from mpdl.parallel.expert import ExpertParallelStrategy
+from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Strategy
 from mpdl.parallel.zero import DEFAULT_BUCKET_MB as DDP_BUCKET_MB
@@ -25,14 +26,18 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
                                        staleness=p.staleness, lr=config.base_lr(),
                                        momentum=o.momentum, weight_decay=o.weight_decay)
     if p.model_parallel():
-        return PipelineStrategy(comm, dp=p.data_ranks(comm.size), pp=p.pp, tp=p.tp,
-                                microbatches=p.microbatches, schedule=p.schedule,
-                                algorithm=c.algorithm, verbose=p.verbose_comm, zero=p.zero,
-                                cp=p.cp, cp_mode=p.cp_mode, cp_balance=p.cp_balance, sp=p.sp)
+        grid = dict(dp=p.data_ranks(comm.size), pp=p.pp, tp=p.tp, microbatches=p.microbatches,
+                    schedule=p.schedule, algorithm=c.algorithm, verbose=p.verbose_comm,
+                    zero=p.zero)
+        if config.model.moe_experts:  # the experts of each stage over its dp ranks
+            return ExpertPipelineStrategy(comm, ep=p.ep, **grid)
+        return PipelineStrategy(comm, cp=p.cp, cp_mode=p.cp_mode, cp_balance=p.cp_balance,
+                                sp=p.sp, **grid)
     if config.model.moe_experts:
         bucket_mb = c.bucket_mb if c.bucket_mb is not None else DDP_BUCKET_MB
         return ExpertParallelStrategy(comm, ep=p.ep, algorithm=c.algorithm, bucket_mb=bucket_mb,
-                                      first_bucket_mb=c.first_bucket_mb, zero=p.zero)
+                                      first_bucket_mb=c.first_bucket_mb, zero=p.zero,
+                                      grad_accum=o.grad_accum)
     common = dict(algorithm=c.algorithm, first_bucket_mb=c.first_bucket_mb, overlap=c.overlap)
     if p.zero:
         return ZeroStrategy(comm, stage=p.zero, prefetch=p.prefetch, hybrid=p.zero_hybrid,

@@ -84,14 +84,25 @@ class Block(nn.Module):
         self.mlp = MLP(n_embd, dropout, rng, dtype) if moe is None else MoE(
             n_embd, moe.experts, moe.top_k, moe.capacity_factor, moe.aux_loss_coef, rng=rng,
             dtype=dtype)
-        self.recompute = False  # keep only the block's input; recompute the rest in backward
+        #: keep only the block's input and recompute the rest in backward; a mixture of experts
+        #: keeps what it saves (the attention sublayer alone is recomputed: docs/moe.md)
+        self.recompute = False
 
     def forward(self, x: Tensor) -> Tensor:
-        return checkpoint(self.residual, x) if self.recompute else self.residual(x)
+        if not self.recompute:
+            return self.residual(x)
+        if isinstance(self.mlp, MoE):  # its routing and all-to-alls are not run again
+            x = checkpoint(self.attention_residual, x)
+            return x + self.mlp(self.ln2(x))
+        return checkpoint(self.residual, x)
+
+    def attention_residual(self, x: Tensor) -> Tensor:
+        """x + attn(ln1(x)): the block's first sublayer."""
+        return x + self.attn(self.ln1(x))
 
     def residual(self, x: Tensor) -> Tensor:
         """The block without recomputation."""
-        x = x + self.attn(self.ln1(x))
+        x = self.attention_residual(x)
         return x + self.mlp(self.ln2(x))
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mpdl.autograd import amp
+from mpdl.autograd.moe import MoE
 from mpdl.backend import get_array_module, precision_dtype
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -31,9 +32,6 @@ def check(config: Any) -> None:
             raise PrecisionError(f"{{optim.precision}} {o.precision} keeps float32 master "
                                  f"weights: it needs {{model.dtype}} float32, not "
                                  f"{config.model.dtype}")
-        if p.model_parallel():
-            raise PrecisionError(f"{{optim.precision}} {o.precision} is not supported with "
-                                 f"{{parallel.pp}}, {{parallel.tp}} or {{parallel.cp}} > 1 yet")
     if o.precision == "fp16":
         cannot = ("{parallel.mode} ps (the servers apply each push as it comes)"
                   if p.mode == "ps" else
@@ -45,30 +43,41 @@ def check(config: Any) -> None:
             raise PrecisionError(f"{{optim.precision}} fp16 skips the optimizer step on every "
                                  f"rank when a gradient overflows; the optimizer of {cannot} "
                                  f"cannot skip a step")
-    if config.model.moe_experts and (o.precision != "fp32" or o.grad_accum > 1):
-        raise PrecisionError("{model.moe_experts} runs in {optim.precision} fp32 without "
-                             "{optim.grad_accum} yet (the expert-parallel strategy keeps no master "
-                             "weights and accumulates no microbatches)")
+    if config.model.moe_experts and o.precision != "fp32" and p.zero:
+        raise PrecisionError(f"{{optim.precision}} {o.precision} with {{model.moe_experts}} "
+                             f"cannot be combined with {{parallel.zero}} 1 yet (the sharded "
+                             f"optimizers of the dense parameters and of the experts would each "
+                             f"decide to skip a step)")
     if o.grad_accum > 1:
         other = ("{parallel.mode} ps" if p.mode == "ps" else
                  "{parallel.pp}, {parallel.tp} or {parallel.cp} > 1 (use {parallel.microbatches})"
                  if p.model_parallel() else
                  "{parallel.zero} (ZeRO reduce-scatters each gradient as backward produces it)"
-                 if p.zero else "{communication.sync_every} > 1" if comm.sync_every > 1
-                 else "{communication.compression}" if comm.compression != "none" else None)
+                 if p.zero and not config.model.moe_experts else
+                 "{communication.sync_every} > 1" if comm.sync_every > 1 else
+                 "{communication.compression}" if comm.compression != "none" else None)
         if other:
             raise PrecisionError(f"{{optim.grad_accum}} > 1 cannot be combined with {other}")
 
 
 def prepare(model: Any, config: Any) -> None:
     """Replace the model's floating-point parameters by their 16-bit compute copy (nothing for
-    fp32). Buffers (batch-norm statistics) stay as they are."""
+    fp32), except the routers of mixture-of-experts layers, which stay float32. Buffers
+    (batch-norm statistics) stay as they are; a parameter a pipeline stage does not hold (a
+    zero-byte placeholder, all of its elements one value) stays a placeholder."""
     name = config.optim.precision
     if name == "fp32":
         return
+    routers = {id(p) for _, m in model.named_modules() if isinstance(m, MoE)
+               for p in m.router.parameters()}
     for p in model.parameters():
-        if p.data.dtype.kind == "f":
-            p.data = p.data.astype(precision_dtype(name, get_array_module(p.data)))
+        if p.data.dtype.kind == "f" and id(p) not in routers:
+            xp = get_array_module(p.data)
+            dtype = precision_dtype(name, xp)
+            if p.data.size > 1 and not any(p.data.strides):
+                p.data = xp.broadcast_to(p.data.reshape(-1)[:1].astype(dtype), p.data.shape)
+            else:
+                p.data = p.data.astype(dtype)
 
 
 def optimizer_factory(make_optimizer: Callable[[list[Any]], Any], config: Any

@@ -139,7 +139,9 @@ def test_gpt_on_p_ranks_follows_one_rank(dtype, algorithm):
 def test_each_bucket_plan_gives_the_one_shot_all_reduce_bit_for_bit(algorithm):
     """Every bucket is summed by its persistent plan, made once (in place on the bucket): after
     each of 3 steps its bytes are those of the one-shot `allreduce` of the same weighted local
-    gradients, which a twin model (same weights, no DDP) computes beside it."""
+    gradients, which a twin model (same weights, no DDP) computes beside it, by the algorithm the
+    plan ran (with auto on a calibrated model, a plan verifying its choice runs its contenders
+    in turn on its first runs)."""
     m = model("float64", 100 * RANK)
     ddp = DistributedDataParallel(m, algorithm=algorithm, first_bucket_mb=2e-4, bucket_mb=1e-3)
     assert len(ddp.buckets) > 2
@@ -157,11 +159,14 @@ def test_each_bucket_plan_gives_the_one_shot_all_reduce_bit_for_bit(algorithm):
             a.grad = None
         idx = np.arange(RANK + step, len(X), P + 1)
         F.cross_entropy(twin(Tensor(X[idx])), Y[idx]).backward()
-        expected = [allreduce(np.concatenate([(twin_of[id(p)].grad * weight).ravel()
-                                              for p in b.params]), algorithm=algorithm)
-                    for b in ddp.buckets]
+        local = [np.concatenate([(twin_of[id(p)].grad * weight).ravel() for p in b.params])
+                 for b in ddp.buckets]
+        trial_runs = [len(b.plan.trial.times) if b.plan.trial else 0 for b in ddp.buckets]
         F.cross_entropy(m(Tensor(X[idx])), Y[idx]).backward()
         ddp.finish()
+        ran = [b.plan.trial.current if b.plan.trial and len(b.plan.trial.times) > before
+               else b.plan.algorithm for b, before in zip(ddp.buckets, trial_runs, strict=True)]
+        expected = [allreduce(x, algorithm=name) for x, name in zip(local, ran, strict=True)]
         for b, e in zip(ddp.buckets, expected, strict=True):
             assert b.buffer.tobytes() == e.tobytes(), f"step {step} bucket {b.index}"
         assert [b.plan for b in ddp.buckets] == plans  # the same plans every step

@@ -1,7 +1,8 @@
 """Online verification of `auto`'s choice in a persistent all-reduce plan, under real mpiexec: with
-the choice made slower on purpose, every rank switches to the runner-up at the same run, every run
+the choice made slower on purpose, every rank switches to a contender at the same run, every run
 gives the bits of the one-shot all-reduce of the algorithm that ran, and the next run starts with
-the verdict (read from the first-use cache)."""
+the verdict (read from the first-use cache); DDP's buckets leave a poisoned calibration's choice
+with the default settings."""
 
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ from mpi4py import MPI
 
 from mpdl import collectives as C
 from mpdl import settings
-from mpdl.collectives import auto, firstuse, measuring
+from mpdl.autograd import functional as F
+from mpdl.autograd import nn
+from mpdl.autograd.tensor import Tensor
+from mpdl.collectives import auto, firstuse, measuring, verify
+from mpdl.collectives import costmodel as cm
 from mpdl.collectives import plan as plans
 from mpdl.comm import MPIComm
+from mpdl.parallel import DistributedDataParallel
 
 pytestmark = pytest.mark.mpi
 
@@ -49,14 +55,15 @@ def world(tmp_path_factory, monkeypatch):
     COMM.Barrier()
 
 
-def test_a_slowed_choice_is_replaced_by_the_runner_up_the_same_way_on_every_rank(world,
-                                                                                   monkeypatch):
+def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(world,
+                                                                               monkeypatch):
     if P == 1:
         pytest.skip("one rank: there is no algorithm to verify (auto runs nothing)")
     model = auto.model_for(world)
     assert model.calibrated
     x = np.random.default_rng(RANK).standard_normal(COUNT).astype(np.float32)
-    choice, runner_up = auto.ranked("allreduce", x.nbytes, world, model)
+    names = verify.candidates("allreduce", x.nbytes, world)
+    choice = names[0]
     real = plans._allreduce_runner
 
     def slowed(c, algo, *args):  # the test hook: the choice takes 20 ms longer on every rank
@@ -68,20 +75,80 @@ def test_a_slowed_choice_is_replaced_by_the_runner_up_the_same_way_on_every_rank
     monkeypatch.setattr(plans, "_allreduce_runner", slowed)
     plan = C.allreduce_init(x, algorithm="auto", comm=world)
     assert plan.algorithm == choice and plan.trial is not None
+    trial_runs = len(names) * RUNS
     ran = []
-    for _ in range(2 * RUNS + 2):
+    for _ in range(trial_runs + 2):
         got = plan().copy()
-        name = plan.trial.current if len(ran) < 2 * RUNS else plan.algorithm
+        name = plan.trial.current if len(ran) < trial_runs else plan.algorithm
         ran.append(name)
         want = C.allreduce(x, algorithm=name, comm=world)
         assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), name
-    assert ran == [choice, runner_up] * RUNS + [runner_up, runner_up]
-    assert world.allgather_object(plan.algorithm) == [runner_up] * P
+    winner = plan.algorithm
+    assert winner in names[1:]
+    assert ran == [name for name in names for _ in range(RUNS)] + [winner, winner]
+    assert world.allgather_object(plan.algorithm) == [winner] * P
     # the next run starts right: the verdict is in the cache file, and a new plan takes it
     world.barrier()
     key = firstuse.cache_key(world)
     assert firstuse.read_verified(firstuse.cache_path(settings.current().auto_cache, key),
-                                  key) == {f"allreduce:{x.nbytes}": runner_up}
+                                  key) == {f"allreduce:{x.nbytes}": winner}
     auto.forget()
     again = C.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
-    assert again.algorithm == runner_up and again.trial is None
+    assert again.algorithm == winner and again.trial is None
+
+
+@pytest.fixture
+def poisoned(tmp_path_factory, monkeypatch):
+    """A first-use calibration whose all-reduce table is poisoned (as a busy machine can leave it):
+    it has double_tree fastest at every size, ring next and every other candidate far behind; the
+    busy check does not flag it. The settings' verify_runs is left at its default."""
+    path = COMM.bcast(str(tmp_path_factory.mktemp("poisoned")) if RANK == 0 else None, root=0)
+    previous = settings.update(auto_cache=os.path.join(path, "cache"),
+                               cost_model=os.path.join(path, "costmodel.json"))
+    monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", float("inf"))
+    monkeypatch.setattr(measuring, "BUSY_SPREAD", float("inf"))
+    sizes = measuring.QUICK.sizes
+    monkeypatch.setattr(measuring, "link_curves", lambda comm, effort: {
+        "intra": [1e-6 * (1 + n / 1e6) for n in sizes], "ring": None, "ring_reduce": None,
+        "inter": None})
+    seconds = {"double_tree": 1e-6, "ring": 2e-6}
+    rows = tuple((name, tuple((float(b), seconds.get(name, 1.0)) for b in measuring.TUNE_SIZES))
+                 for name in cm.candidates("allreduce", True))
+    monkeypatch.setattr(measuring, "allreduce_table", lambda comm: measuring.Table(rows, 1.0))
+    auto.forget()
+    yield MPIComm(COMM.Dup())
+    settings.use(previous)
+    auto.forget()
+    COMM.Barrier()
+
+
+def test_ddp_buckets_leave_a_poisoned_choice_by_default_on_every_rank(poisoned, monkeypatch):
+    """DDP with auto on the poisoned calibration: its bucket plans start with double_tree (made
+    20 ms slower on purpose), time it against ring over the first 2K steps (K the default
+    verify_runs), and every rank runs ring from then on; the cache holds both verdicts."""
+    if P == 1:
+        pytest.skip("one rank: DDP reduces nothing (auto runs nothing)")
+    runs = settings.current().verify_runs
+    assert runs == 3
+    real = plans._allreduce_runner
+
+    def slowed(c, algo, *args):
+        go, fast, requests = real(c, algo, *args)
+        if algo.name != "double_tree":
+            return go, fast, requests
+        return (lambda: (time.sleep(0.02), go())), None, requests
+
+    monkeypatch.setattr(plans, "_allreduce_runner", slowed)
+    model = nn.Sequential(nn.Linear(5, 7, seed=0), nn.ReLU(), nn.Linear(7, 3, seed=1))
+    ddp = DistributedDataParallel(model, comm=poisoned, bucket_mb=1e-5, first_bucket_mb=1e-5)
+    assert len(ddp.buckets) >= 2
+    assert ddp.bucket_algorithms() == ["double_tree"] * len(ddp.buckets)
+    x = np.random.default_rng(RANK).standard_normal((4, 5)).astype(np.float32)
+    for _ in range(2 * runs + 1):
+        F.cross_entropy(ddp(Tensor(x)), np.arange(4) % 3).backward()
+        ddp.finish()
+    assert poisoned.allgather_object(ddp.bucket_algorithms()) == [["ring"] * len(ddp.buckets)] * P
+    poisoned.barrier()
+    key = firstuse.cache_key(poisoned)
+    verified = firstuse.read_verified(firstuse.cache_path(settings.current().auto_cache, key), key)
+    assert verified == {f"allreduce:{b.nbytes}": "ring" for b in ddp.buckets}
