@@ -153,10 +153,10 @@ class Plan:
             cell[0] = seq + 1
             entry = [seq, self._info, _time(), None, "started", None]
             self._slots.append(entry)
-        # _run_body(entry), in line: a call here would cost 0.14 us a run
         previous, comm.collective = comm.collective, self._name
         try:
             fast = self._fast
+            # (a fast schedule exists only on an MPIComm, which always has link_delay)
             if fast is not None and comm.recorder is None and comm.link_delay is None:
                 fast()
             else:
@@ -195,13 +195,15 @@ class Plan:
             if self._fault and faults.skips(comm.world_rank(comm.rank), self._cell[0]):
                 return
             entry = rec.begin_counted(self._cell, self._info)
-        self._run_body(entry)
+        try:
+            self._run_body()
+        except BaseException:
+            if entry is not None:
+                entry[3], entry[4] = _time(), "failed"
+            raise
         self._entry = entry
 
-    def _run_body(self, entry: list | None) -> None:
-        """Run the fast schedule, or the algorithm where there is none or messages are recorded
-        or links emulated (a fast schedule exists only on an MPIComm, which has link_delay); a
-        failure marks the flight recorder's entry, if any, failed."""
+    def _run_body(self) -> None:
         comm = self.comm
         previous, comm.collective = comm.collective, self._name
         try:
@@ -210,10 +212,6 @@ class Plan:
                 fast()
             else:
                 self._go()
-        except BaseException:
-            if entry is not None:
-                entry[3], entry[4] = _time(), "failed"
-            raise
         finally:
             comm.collective = previous
 
