@@ -12,22 +12,20 @@ from typing import Any
 
 import numpy as np
 
-from mpdl import backend, faults
+from mpdl import faults
 from mpdl.collectives import blocks as _blocks
+from mpdl.collectives import checks as _checks
 from mpdl.collectives import counts as _counts
 from mpdl.collectives import plan as _plan
 from mpdl.collectives import registry
 from mpdl.collectives.checks import agree as _agree
-from mpdl.collectives.checks import allgather_bounds as _allgather_bounds
-from mpdl.collectives.checks import check_allgather_out as _check_allgather_out
-from mpdl.collectives.checks import check_blocks as _check_blocks
-from mpdl.collectives.checks import check_out as _check_out
 from mpdl.collectives.checks import pick as _pick
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
-from mpdl.collectives.ops import block_bounds, check_array, check_op
+from mpdl.collectives.ops import check_array, check_op
 from mpdl.comm import Communicator, as_communicator
 
 _cached_plans = _plan.cache
+
 
 def _check_root(root: Any, comm: Communicator) -> int:
     if not isinstance(root, int | np.integer) or not 0 <= root < comm.size:
@@ -79,7 +77,7 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None
     the call runs through a cached plan (`mpdl.collectives.plan`) of these arrays.
     """
     if out is not None:
-        try:  # the common case first, in line: the plan of these very arrays (plan.allreduce_key)
+        try:  # the plan cache's hit, in line (plan.allreduce_key): a call here would cost 0.13 us
             plan = _cached_plans.get((id(x), id(out), id(comm), op, algorithm))
         except TypeError:  # op or algorithm unhashable: the checks below say which
             plan = None
@@ -104,15 +102,8 @@ def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any 
 def _prepare_allreduce(x: Any, op: str, algorithm: str, comm: Any, out: Any):
     """Check the arguments (every rank, before any message) and return (communicator, work), where
     work() runs the all-reduce and returns the result array."""
-    c = as_communicator(comm)
-    xp, dtype = check_array(x)
-    check_op(op, dtype)
-    algo = _pick("allreduce", algorithm, c, x.nbytes)
-    if out is None:
-        out = backend.empty_like_page_offset(x)
-    else:
-        _check_out(out, x, xp)
-    _agree(c, "allreduce", algo.name, x.shape, dtype, op, None)
+    call = _checks.allreduce_call(x, op, algorithm, comm, out)
+    c, algo, xp, out = call.comm, call.algorithm, call.xp, call.out
     if algo.reads_input and out is not x:
         flat, source = out.reshape(-1), {"src": x.reshape(-1)}
     else:
@@ -152,14 +143,8 @@ def reduce_scatter_async(x: Any, op: str = "sum", algorithm: str = "auto", comm:
 
 
 def _prepare_reduce_scatter(x: Any, op: str, algorithm: str, comm: Any, in_place: bool):
-    c = as_communicator(comm)
-    xp, dtype = check_array(x)
-    check_op(op, dtype)
-    if in_place and (x.ndim != 1 or not x.flags["C_CONTIGUOUS"]):
-        raise ValueError("x: in_place needs a 1-D C-contiguous array")
-    algo = _pick("reduce_scatter", algorithm, c, x.nbytes)
-    _agree(c, "reduce_scatter", algo.name, x.shape, dtype, op, None)
-    bounds = block_bounds(x.size, c.size)
+    call = _checks.reduce_scatter_call(x, op, algorithm, comm, in_place)
+    c, algo, xp, bounds, dtype = call.comm, call.algorithm, call.xp, call.layout, x.dtype
 
     def work() -> Any:
         if in_place:
@@ -203,13 +188,8 @@ def allgather_async(x: Any, algorithm: str = "auto", comm: Any = None, count: in
 
 
 def _prepare_allgather(x: Any, algorithm: str, comm: Any, count: int | None, out: Any):
-    c = as_communicator(comm)
-    xp, dtype = check_array(x)
-    bounds, total = _allgather_bounds(x, c, count)
-    _check_allgather_out(out, xp, dtype, total)
-    algo = _pick("allgather", algorithm, c, total * x.itemsize)
-    _agree(c, "allgather", algo.name, x.shape if count is None else (count,), dtype, None, None)
-    result = xp.empty(total, dtype=dtype) if out is None else out
+    call = _checks.allgather_call(x, algorithm, comm, count, out)
+    c, algo, xp, bounds, result = call.comm, call.algorithm, call.xp, call.layout, call.out
 
     def work() -> Any:
         xp.copyto(result[bounds[c.rank]:bounds[c.rank + 1]], x.reshape(-1))
@@ -276,16 +256,8 @@ def alltoall_async(x: Any, comm: Any = None, algorithm: str = "auto", out: Any =
 
 
 def _prepare_alltoall(x: Any, comm: Any, algorithm: str, out: Any):
-    c = as_communicator(comm)
-    xp, dtype = check_array(x)
-    block = _check_blocks(x, c.size)
-    algo = _pick("alltoall", algorithm, c, x.nbytes)
-    if out is None:
-        out = xp.empty(x.shape, dtype=dtype)
-    else:
-        _check_out(out, x, xp)
-    _agree(c, "alltoall", algo.name, x.shape, dtype, None, None)
-    layout = _blocks.uniform(c.size, block)
+    call = _checks.alltoall_call(x, algorithm, comm, out)
+    c, algo, out, layout = call.comm, call.algorithm, call.out, call.layout
     flat = out.reshape(-1)
     send = flat if out is x else x.reshape(-1)
 

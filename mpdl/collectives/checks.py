@@ -1,15 +1,103 @@
-"""The argument checks and the algorithm choice every public collective and plan shares."""
+"""The argument checks and the algorithm choice every public collective and plan shares.
+
+`allreduce_call`, `reduce_scatter_call`, `allgather_call` and `alltoall_call` are the one place
+where a call of those collectives is checked and its algorithm chosen: the one-shot calls, their
+asynchronous forms, the plan cache of the ordinary calls and the persistent plans (`*_init`) all
+start from the `Call` they return.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mpdl import backend
-from mpdl.collectives import auto, registry
-from mpdl.collectives.ops import block_bounds
-from mpdl.comm import CollectiveMismatch, Communicator
+from mpdl.collectives import auto, blocks, registry
+from mpdl.collectives.ops import block_bounds, check_array, check_op
+from mpdl.comm import CollectiveMismatch, Communicator, as_communicator
+
+
+@dataclass(frozen=True)
+class Call:
+    """A collective call checked identically on every rank before any message, its algorithm
+    chosen ("auto" resolved): what to run, and on which arrays."""
+
+    comm: Communicator
+    algorithm: registry.Algorithm
+    #: what MPDL_CHECK compares across ranks: (collective, algorithm, shape, dtype, op, root)
+    signature: tuple
+    #: the array module of x (NumPy or CuPy)
+    xp: Any
+    x: Any
+    #: where the result goes: out, or an array made for it (allreduce, alltoall: x's shape;
+    #: allgather: the whole 1-D result); reduce_scatter: None (its result is a block of the work)
+    out: Any
+    op: str | None = None
+    #: the block bounds (reduce_scatter, allgather) or the all-to-all's `blocks.Blocks`
+    layout: Any = None
+
+
+def allreduce_call(x: Any, op: Any, algorithm: Any, comm: Any, out: Any,
+                   plan: bool = False) -> Call:
+    """The checked `allreduce(x, op, algorithm, comm, out)`; out is made when None. For a
+    persistent plan (`plan`), "auto" is `auto.plan_choice`: what a plan of this size verified."""
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    check_op(op, dtype)
+    algo = pick("allreduce", algorithm, c, x.nbytes)
+    if plan and algorithm == "auto":
+        algo = auto.plan_choice("allreduce", x.nbytes, c)
+    if out is None:
+        out = backend.empty_like_page_offset(x)
+    else:
+        check_out(out, x, xp)
+    signature = ("allreduce", algo.name, x.shape, dtype, op, None)
+    agree(c, *signature)
+    return Call(c, algo, signature, xp, x, out, op)
+
+
+def reduce_scatter_call(x: Any, op: Any, algorithm: Any, comm: Any, in_place: bool) -> Call:
+    """The checked `reduce_scatter(x, op, algorithm, comm, in_place)`."""
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    check_op(op, dtype)
+    if in_place and (x.ndim != 1 or not x.flags["C_CONTIGUOUS"]):
+        raise ValueError("x: in_place needs a 1-D C-contiguous array")
+    algo = pick("reduce_scatter", algorithm, c, x.nbytes)
+    signature = ("reduce_scatter", algo.name, x.shape, dtype, op, None)
+    agree(c, *signature)
+    return Call(c, algo, signature, xp, x, None, op, block_bounds(x.size, c.size))
+
+
+def allgather_call(x: Any, algorithm: Any, comm: Any, count: Any, out: Any) -> Call:
+    """The checked `allgather(x, algorithm, comm, count, out)`; out is made when None."""
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    bounds, total = allgather_bounds(x, c, count)
+    check_allgather_out(out, xp, dtype, total)
+    algo = pick("allgather", algorithm, c, total * x.itemsize)
+    signature = ("allgather", algo.name, x.shape if count is None else (count,), dtype, None,
+                 None)
+    agree(c, *signature)
+    result = xp.empty(total, dtype=dtype) if out is None else out
+    return Call(c, algo, signature, xp, x, result, None, bounds)
+
+
+def alltoall_call(x: Any, algorithm: Any, comm: Any, out: Any) -> Call:
+    """The checked `alltoall(x, comm, algorithm, out)`; out is made when None."""
+    c = as_communicator(comm)
+    xp, dtype = check_array(x)
+    block = check_blocks(x, c.size)
+    algo = pick("alltoall", algorithm, c, x.nbytes)
+    if out is None:
+        out = xp.empty(x.shape, dtype=dtype)
+    else:
+        check_out(out, x, xp)
+    signature = ("alltoall", algo.name, x.shape, dtype, None, None)
+    agree(c, *signature)
+    return Call(c, algo, signature, xp, x, out, None, blocks.uniform(c.size, block))
 
 
 def pick(collective: str, algorithm: str, comm: Communicator, nbytes: int) -> registry.Algorithm:

@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 
 from mpdl import backend, faults, memory, settings
-from mpdl.collectives import auto, blocks, checks, registry, verify
+from mpdl.collectives import checks, recording, registry, verify
 from mpdl.collectives.bruck import moving
-from mpdl.collectives.ops import block_bounds, check_array, check_op, reducer, segment_elements
+from mpdl.collectives.ops import reducer, segment_elements
 from mpdl.collectives.pairwise import partners
 from mpdl.collectives.scattered import THROTTLE
-from mpdl.comm import Communicator, Request, as_communicator
+from mpdl.comm import Communicator, Request
 from mpdl.comm.mpi import MPIComm, free_before_finalize
 from mpdl.mpi_runtime import library_version
 
@@ -324,76 +324,50 @@ def _fast_path_possible(comm, *arrays) -> bool:
             and all(backend.get_array_module(a) is np for a in arrays if a is not None))
 
 
-def _rd_schedule(comm, buf, src, f) -> _Schedule:
-    """recursive_doubling_allreduce's messages and reductions, reading the input from src."""
-    p, r = comm.size, comm.rank
+def _replay(comm, recorded: recording.Recording, arrays: dict[str, np.ndarray],
+            f: Callable) -> _Schedule:
+    """A recorded schedule (`mpdl.collectives.recording`) as persistent requests on the arrays its
+    spans name, each reduction f(a, b, out=o)."""
     s = _Schedule(comm)
-    tmp = np.empty(buf.size, buf.dtype)
-    memory.hold(tmp, "communication")
-    rem = p - (1 << (p.bit_length() - 1))
-    group = 1 << (p.bit_length() - 1)
-    cur = src
-    if r >= 2 * rem:
-        me = r - rem
-    elif r % 2 == 0:
-        s.send(src, r + 1, "fold")
-        s.then()
-        me = -1
-    else:
-        s.recv(tmp, r - 1, "fold")
-        s.then(f, tmp, cur, buf)
-        cur, me = buf, r // 2
-
-    def real(new: int) -> int:
-        return 2 * new + 1 if new < rem else new + rem
-
-    if me >= 0:
-        distance = 1
-        while distance < group:
-            partner = me ^ distance
-            s.recv(tmp, real(partner), distance)
-            s.send(cur, real(partner), distance)
-            if partner < me:
-                s.then(f, tmp, cur, buf)
-            else:
-                s.then(f, cur, tmp, buf)
-            cur = buf
-            distance *= 2
-    if r < 2 * rem:
-        if r % 2 == 0:
-            s.recv(buf, r + 1, "unfold")
-        else:
-            s.send(buf, r - 1, "unfold")
-        s.then()
-    return s
-
-
-def _ring_schedule(comm, buf, f) -> _Schedule:
-    """ring_allreduce's messages and reductions (every block within one segment)."""
-    p, r = comm.size, comm.rank
-    s = _Schedule(comm)
-    bounds = block_bounds(buf.size, p)
-    right, left = (r + 1) % p, (r - 1) % p
-    tmp = np.empty(max(b - a for a, b in zip(bounds, bounds[1:], strict=False)), buf.dtype)
-    memory.hold(tmp, "communication")
-    for step in range(p - 1):
-        sb, rb = (r - step - 1) % p, (r - step - 2) % p
-        out, acc = buf[bounds[sb]:bounds[sb + 1]], buf[bounds[rb]:bounds[rb + 1]]
-        t = tmp[:acc.size]
-        if acc.size:
-            s.recv(t, left, step)
-        if out.size:
-            s.send(out, right, step)
-        if acc.size:
-            s.then(f, t, acc, acc)
-        else:
+    for step in recorded.steps:
+        for m in step.messages:
+            (s.send if m.kind == "send" else s.recv)(m.span.view(arrays), m.peer, m.step)
+        if not step.reductions:
             s.then()
-    for step in range(p - 1):
-        sb, rb = (r - step) % p, (r - step - 1) % p
-        s.recv(buf[bounds[rb]:bounds[rb + 1]], left, step)
-        s.send(buf[bounds[sb]:bounds[sb + 1]], right, step)
-        s.then()
+        for a, b, o in step.reductions:
+            s.then(f, a.view(arrays), b.view(arrays), o.view(arrays))
     return s
+
+
+#: the all-reduce algorithms a plan replays as persistent requests over MPI, and the largest
+#: count (given the segment's elements and p) for which they send one message per step
+_REPLAYED = {"recursive_doubling": lambda count, seg, p: count <= seg,
+             "ring": lambda count, seg, p: -(-count // p) <= seg}
+
+
+def _replayed_allreduce(call: checks.Call, algorithm: Callable,
+                        f: Callable) -> tuple[Callable, list]:
+    """(run, requests): the recorded schedule of algorithm(comm, buf, reduce) on the call's
+    arrays, reducing with f; it reads x where the record reads out before writing it (no copy of
+    x into out), or runs after a copy where that cannot be done (`recording.reading_input`)."""
+    c, x, out = call.comm, call.x, call.out
+    flat, xflat = out.reshape(-1), x.reshape(-1)
+    recorded = recording.record(algorithm, c.rank, c.size, flat.size, flat.dtype)
+    reading = recording.reading_input(recorded) if out is not x else None
+    arrays = {recording.BUF: flat, recording.SRC: xflat}
+    for name, count in recorded.scratch.items():
+        arrays[name] = np.empty(count, flat.dtype)
+        memory.hold(arrays[name], "communication")
+    schedule = _replay(c, reading or recorded, arrays, f)
+    run = schedule.runner()
+    if out is x or reading is not None:
+        return run, schedule.requests
+
+    def copy_then_run() -> None:
+        np.copyto(flat, xflat)
+        run()
+
+    return copy_then_run, schedule.requests
 
 
 # -- making plans -------------------------------------------------------------------------------
@@ -420,19 +394,9 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
     plan on one rank must match a one-shot call on another). With algorithm "auto" and the
     settings' verify_runs, the plan times auto's choice against its contenders on its first runs
     (`mpdl.collectives.verify`)."""
-    c = as_communicator(comm)
-    xp, dtype = check_array(x)
-    check_op(op, dtype)
-    algo = checks.pick("allreduce", algorithm, c, x.nbytes)
-    if algorithm == "auto":
-        algo = auto.plan_choice("allreduce", x.nbytes, c)
-    if out is None:
-        out = backend.empty_like_page_offset(x)
-    else:
-        checks.check_out(out, x, xp)
-    signature = ("allreduce", algo.name, x.shape, dtype, op, None)
-    checks.agree(c, *signature)
-    go, fast, requests = _allreduce_runner(c, algo, x, out, op, xp, persistent)
+    call = checks.allreduce_call(x, op, algorithm, comm, out, plan=True)
+    c, algo, xp, out = call.comm, call.algorithm, call.xp, call.out
+    go, fast, requests = _allreduce_runner(call, algo, persistent)
     if op == "avg":
         flat, size = out.reshape(-1), c.size
 
@@ -441,21 +405,22 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
             return out
     else:
         finish = None
-    plan = Plan(c, "allreduce", algo.name, x, out, op, signature, go, finish, fast, requests)
+    plan = Plan(c, "allreduce", algo.name, x, out, op, call.signature, go, finish, fast,
+                requests)
     names = verify.candidates("allreduce", x.nbytes, c) if algorithm == "auto" else None
     if names is not None:
-        _verifying(plan, names, xp, persistent)
+        _verifying(plan, call, names, persistent)
     return plan
 
 
-def _verifying(plan: Plan, names: tuple[str, ...], xp: Any, persistent: bool) -> None:
+def _verifying(plan: Plan, call: checks.Call, names: tuple[str, ...], persistent: bool) -> None:
     """Make plan run a verify.Trial of names (its algorithm and the contenders) on its first runs,
     then the winner's schedule."""
-    c, x, out, op = plan.comm, plan.x, plan.result, plan._op
+    c, x = plan.comm, plan.x
     built = {plan.algorithm: (plan._go, plan._fast, plan._requests)}
     for name in names[1:]:
         other = registry.resolve("allreduce", name)
-        built[other.name] = _allreduce_runner(c, other, x, out, op, xp, persistent)
+        built[other.name] = _allreduce_runner(call, other, persistent)
     requests = [r for _, _, rs in built.values() for r in rs or []]
 
     def runner(name: str):
@@ -478,12 +443,13 @@ def _verifying(plan: Plan, names: tuple[str, ...], xp: Any, persistent: bool) ->
     plan._requests = requests
 
 
-def _allreduce_runner(c: Any, algo: Any, x: Any, out: Any, op: str, xp: Any,
+def _allreduce_runner(call: checks.Call, algo: registry.Algorithm,
                       persistent: bool) -> tuple[Any, Any, list | None]:
-    """(go, fast, requests) of algo reducing x into out on c: `go` runs the registered algorithm
-    (after the input copy it needs), `fast` a prepared schedule where there is one."""
+    """(go, fast, requests) of algo (the call's algorithm, or verify's runner-up) running the
+    all-reduce call: `go` runs the registered algorithm (after the input copy it needs), `fast` a
+    persistent schedule where there is one."""
+    c, x, out, op, xp = call.comm, call.x, call.out, call.op, call.xp
     flat, xflat = out.reshape(-1), x.reshape(-1)
-    size = c.size
     copy = out is not x and not algo.reads_input
     source = {"src": xflat} if algo.reads_input and out is not x else {}
     inner = getattr(algo.run, "__wrapped__", None)  # with_reducer's algorithm: reducer made once
@@ -495,10 +461,10 @@ def _allreduce_runner(c: Any, algo: Any, x: Any, out: Any, op: str, xp: Any,
         run(c, flat, how, **source)
 
     fast, requests = None, None
-    if size > 1 and _fast_path_possible(c, x, out):
-        seg = segment_elements(x.itemsize)
+    if c.size > 1 and _fast_path_possible(c, x, out):
         MPI = c.MPI
         mpi_op = getattr(MPI, {"avg": "SUM"}.get(op, op.upper()))
+        replayed = _REPLAYED.get(algo.name)
         if algo.name == "mpi" and not (persistent and _persistent_matches_blocking(MPI)):
             # MPI reads x itself (the library's copy into out, then the same reduction as in
             # place), called with no Python frame of ours between
@@ -509,18 +475,8 @@ def _allreduce_runner(c: Any, algo: Any, x: Any, out: Any, op: str, xp: Any,
                        c.mpi.Allreduce_init(xflat, flat, op=mpi_op))
             requests = [request]
             fast = _start_and_poll(c, request, "allreduce")
-        elif algo.name == "recursive_doubling" and x.size <= seg:
-            schedule = _rd_schedule(c, flat, flat if out is x else xflat, reducer(op, np))
-            fast, requests = schedule.runner(), schedule.requests
-        elif algo.name == "ring" and -(-x.size // size) <= seg:
-            schedule = _ring_schedule(c, flat, reducer(op, np))
-            requests = schedule.requests
-            ring = schedule.runner()
-
-            def fast() -> None:
-                if copy:
-                    np.copyto(flat, xflat)
-                ring()
+        elif replayed is not None and replayed(x.size, segment_elements(x.itemsize), c.size):
+            fast, requests = _replayed_allreduce(call, inner, reducer(op, np))
     return go, fast, requests
 
 
@@ -528,15 +484,8 @@ def reduce_scatter_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: 
                         in_place: bool = False) -> Plan:
     """A plan of `reduce_scatter(x, op, algorithm, comm, in_place)`: each run returns this rank's
     block (a view of x with `in_place`, else a new array)."""
-    c = as_communicator(comm)
-    xp, dtype = check_array(x)
-    check_op(op, dtype)
-    if in_place and (x.ndim != 1 or not x.flags["C_CONTIGUOUS"]):
-        raise ValueError("x: in_place needs a 1-D C-contiguous array")
-    algo = checks.pick("reduce_scatter", algorithm, c, x.nbytes)
-    signature = ("reduce_scatter", algo.name, x.shape, dtype, op, None)
-    checks.agree(c, *signature)
-    bounds = block_bounds(x.size, c.size)
+    call = checks.reduce_scatter_call(x, op, algorithm, comm, in_place)
+    c, algo, xp, bounds, dtype = call.comm, call.algorithm, call.xp, call.layout, x.dtype
     buf = x if in_place else backend.empty_half_page_in(max(x.size, 1), dtype, xp)[:x.size]
     if not in_place:
         memory.hold(buf, "communication")
@@ -556,21 +505,15 @@ def reduce_scatter_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: 
             xp.true_divide(result, size, out=result)
         return result
 
-    return Plan(c, "reduce_scatter", algo.name, x, mine, op, signature, go, finish)
+    return Plan(c, "reduce_scatter", algo.name, x, mine, op, call.signature, go, finish)
 
 
 def allgather_init(x: Any, algorithm: str = "auto", comm: Any = None, count: int | None = None,
                    out: Any = None) -> Plan:
     """A plan of `allgather(x, algorithm, comm, count, out)`: each run gathers x's current values
     into `plan.result` (out, or an array the plan allocates) and returns it."""
-    c = as_communicator(comm)
-    xp, dtype = check_array(x)
-    bounds, total = checks.allgather_bounds(x, c, count)
-    checks.check_allgather_out(out, xp, dtype, total)
-    algo = checks.pick("allgather", algorithm, c, total * x.itemsize)
-    signature = ("allgather", algo.name, x.shape if count is None else (count,), dtype, None, None)
-    checks.agree(c, *signature)
-    result = xp.empty(total, dtype=dtype) if out is None else out
+    call = checks.allgather_call(x, algorithm, comm, count, out)
+    c, algo, xp, bounds, result = call.comm, call.algorithm, call.xp, call.layout, call.out
     mine, xflat = result[bounds[c.rank]:bounds[c.rank + 1]], x.reshape(-1)
     run = algo.run
 
@@ -578,7 +521,7 @@ def allgather_init(x: Any, algorithm: str = "auto", comm: Any = None, count: int
         xp.copyto(mine, xflat)
         run(c, result, bounds)
 
-    return Plan(c, "allgather", algo.name, x, result, None, signature, go, None,
+    return Plan(c, "allgather", algo.name, x, result, None, call.signature, go, None,
                 nbytes=result.nbytes)
 
 
@@ -593,17 +536,9 @@ def alltoall_init(x: Any, comm: Any = None, algorithm: str = "auto", out: Any = 
 def _alltoall_plan(x: Any, comm: Any, algorithm: str, out: Any, persistent: bool) -> Plan:
     """alltoall_init; without `persistent`, "mpi" stays the blocking MPI_Alltoall (a cached plan
     on one rank must match a one-shot call on another)."""
-    c = as_communicator(comm)
-    xp, dtype = check_array(x)
-    block = checks.check_blocks(x, c.size)
-    algo = checks.pick("alltoall", algorithm, c, x.nbytes)
-    if out is None:
-        out = xp.empty(x.shape, dtype=dtype)
-    else:
-        checks.check_out(out, x, xp)
-    signature = ("alltoall", algo.name, x.shape, dtype, None, None)
-    checks.agree(c, *signature)
-    layout = blocks.uniform(c.size, block)
+    call = checks.alltoall_call(x, algorithm, comm, out)
+    c, algo, out, layout = call.comm, call.algorithm, call.out, call.layout
+    block = layout.block
     flat = out.reshape(-1)
     send = flat if out is x else x.reshape(-1)
     run = algo.run
@@ -619,7 +554,8 @@ def _alltoall_plan(x: Any, comm: Any, algorithm: str, out: Any, persistent: bool
             fast, requests = _direct_alltoall_fast(c, flat, send, layout, algo.name)
         elif algo.name == "bruck" and block:
             fast, requests = _bruck_alltoall_fast(c, flat, send, block)
-    return Plan(c, "alltoall", algo.name, x, out, None, signature, go, None, fast, requests)
+    return Plan(c, "alltoall", algo.name, x, out, None, call.signature, go, None, fast,
+                requests)
 
 
 def _mpi_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, persistent: bool):
@@ -718,9 +654,9 @@ def _bruck_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, b: int):
 _seen: dict[tuple, tuple] = {}
 
 
-def _cached(key: tuple, x: Any, out: Any, comm: Any, make) -> Any:
-    """The cached plan for key (made by make() at the second call on these arrays), or None: then
-    the caller runs the one-shot call."""
+def _cached(key: tuple, x: Any, out: Any, comm: Any, make: Callable, *arguments: Any) -> Any:
+    """The cached plan for key (made by make(*arguments) at the second call on these arrays), or
+    None: then the caller runs the one-shot call."""
     plan = cache.get(key)
     if plan is not None:
         if plan.x is x and plan._out is out and plan._comm_arg is comm and \
@@ -739,7 +675,7 @@ def _cached(key: tuple, x: Any, out: Any, comm: Any, make) -> Any:
         _seen[key] = refs
         return None
     _seen.pop(key, None)
-    plan = make()
+    plan = make(*arguments)
     plan._comm_arg, plan._out = comm, out
     _evict(cache)
     cache[key] = plan
@@ -759,33 +695,33 @@ def _evict(table: dict) -> None:
 def allreduce_key(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> tuple:
     """The cache key of `allreduce(x, op, algorithm, comm, out)`. A cached plan holds x, out and
     comm, so while it is cached no other object has their ids: a hit whose x still has the plan's
-    dtype and shape is this call's plan."""
+    dtype and shape is this call's plan (`api.allreduce` looks it up in line)."""
     return (id(x), id(out), id(comm), op, algorithm)
 
 
 def cached_allreduce(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
     """The cached plan of `allreduce(x, op, algorithm, comm, out)` (out given), or None."""
-    return _cached(allreduce_key(x, op, algorithm, comm, out), x, out, comm,
-                   lambda: _allreduce_plan(x, op, algorithm, comm, out, persistent=False))
+    return _cached(allreduce_key(x, op, algorithm, comm, out), x, out, comm, _allreduce_plan, x,
+                   op, algorithm, comm, out, False)
 
 
 def cached_reduce_scatter(x: Any, op: Any, algorithm: Any, comm: Any,
                           in_place: bool) -> Plan | None:
     """The cached plan of `reduce_scatter(x, op, algorithm, comm, in_place)`, or None."""
     return _cached(("reduce_scatter", id(x), id(comm), op, algorithm, bool(in_place)), x, None,
-                   comm, lambda: reduce_scatter_init(x, op, algorithm, comm, in_place))
+                   comm, reduce_scatter_init, x, op, algorithm, comm, in_place)
 
 
 def cached_allgather(x: Any, algorithm: Any, comm: Any, count: Any, out: Any) -> Plan | None:
     """The cached plan of `allgather(x, algorithm, comm, count, out)` (out given), or None."""
     return _cached(("allgather", id(x), id(out), id(comm), algorithm, count), x, out, comm,
-                   lambda: allgather_init(x, algorithm, comm, count, out))
+                   allgather_init, x, algorithm, comm, count, out)
 
 
 def cached_alltoall(x: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
     """The cached plan of `alltoall(x, comm, algorithm, out)` (out given), or None."""
     return _cached(("alltoall", id(x), id(out), id(comm), algorithm), x, out, comm,
-                   lambda: _alltoall_plan(x, comm, algorithm, out, persistent=False))
+                   _alltoall_plan, x, comm, algorithm, out, False)
 
 
 def clear_cache() -> None:
