@@ -44,6 +44,7 @@ import numpy as np
 
 import mpdl.autograd.functional as F
 from mpdl.autograd import amp, nn
+from mpdl.autograd.block import ResidualBlock
 from mpdl.autograd.moe import MoE
 from mpdl.autograd.recompute import checkpoint
 from mpdl.autograd.tensor import Function, Tensor
@@ -276,7 +277,7 @@ class TPMLP(nn.Module):
         return self.dropout(y + self.proj_bias)
 
 
-class TPBlock(nn.Module):
+class TPBlock(ResidualBlock):
     """A transformer block with tensor-parallel attention and MLP, replicated LayerNorms (with
     sequence parallelism: on this rank's slice of the sequence)."""
 
@@ -289,23 +290,6 @@ class TPBlock(nn.Module):
         self.mlp = block.mlp if isinstance(block.mlp, MoE) \
             else TPMLP(block.mlp, comm, algorithm, sequence_parallel)
         self.recompute = getattr(block, "recompute", False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not self.recompute:
-            return self.residual(x)
-        if isinstance(self.mlp, MoE):  # its routing and all-to-alls are not run again
-            x = checkpoint(self.attention_residual, x)
-            return x + self.mlp(self.ln2(x))
-        return checkpoint(self.residual, x)
-
-    def attention_residual(self, x: Tensor) -> Tensor:
-        """x + attn(ln1(x)): the block's first sublayer."""
-        return x + self.attn(self.ln1(x))
-
-    def residual(self, x: Tensor) -> Tensor:
-        """The block without recomputation."""
-        x = self.attention_residual(x)
-        return x + self.mlp(self.ln2(x))
 
 
 class TensorParallelGPT(nn.Module):

@@ -22,6 +22,7 @@ import numpy as np
 import mpdl.autograd.functional as F
 from mpdl.autograd import Tensor, nn, no_grad
 from mpdl.autograd.attention import packed_attention
+from mpdl.autograd.block import ResidualBlock
 from mpdl.autograd.moe import MoE, MoESettings
 from mpdl.autograd.recompute import checkpoint
 from mpdl.backend import get_array_module, to_host
@@ -69,7 +70,7 @@ class MLP(nn.Module):
         return self.dropout(self.proj(F.gelu(self.fc(x))))
 
 
-class Block(nn.Module):
+class Block(ResidualBlock):
     """A pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)); with `moe`, the
     MLP is a mixture of experts (`mpdl.autograd.moe.MoE`)."""
 
@@ -85,23 +86,6 @@ class Block(nn.Module):
         #: keep only the block's input and recompute the rest in backward; a mixture of experts
         #: keeps what it saves (the attention sublayer alone is recomputed: docs/moe.md)
         self.recompute = False
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not self.recompute:
-            return self.residual(x)
-        if isinstance(self.mlp, MoE):  # its routing and all-to-alls are not run again
-            x = checkpoint(self.attention_residual, x)
-            return x + self.mlp(self.ln2(x))
-        return checkpoint(self.residual, x)
-
-    def attention_residual(self, x: Tensor) -> Tensor:
-        """x + attn(ln1(x)): the block's first sublayer."""
-        return x + self.attn(self.ln1(x))
-
-    def residual(self, x: Tensor) -> Tensor:
-        """The block without recomputation."""
-        x = self.attention_residual(x)
-        return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
