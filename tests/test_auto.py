@@ -125,7 +125,7 @@ def test_a_provisional_cache_is_used_but_measured_again_by_the_next_run(tmp_path
     model, again = auto.look(comm)
     assert again == path and model.provisional == "busy machine: spread 2.00x"
     assert model.describe().startswith("provisional (busy machine: spread 2.00x)")
-    monkeypatch.setattr(firstuse, "measure", lambda comm: MEASURED)
+    monkeypatch.setattr(firstuse, "measure_quick", lambda comm: MEASURED)
     assert auto.model_for(comm).origin == "measured"
     assert firstuse.read(path, key) == MEASURED and auto.look(comm)[1] == ""
 
@@ -160,7 +160,7 @@ def test_cache_is_written_atomically(tmp_path, monkeypatch):
 
 def test_first_use_measures_once_writes_one_file_and_is_reused(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(firstuse, "measure", lambda comm: calls.append(comm) or MEASURED)
+    monkeypatch.setattr(firstuse, "measure_quick", lambda comm: calls.append(comm) or MEASURED)
     monkeypatch.setattr(firstuse.socket, "gethostname", lambda: "testhost")
     comm = FakeComm()
     model = auto.model_for(comm)
@@ -179,7 +179,7 @@ def test_first_use_measures_once_writes_one_file_and_is_reused(tmp_path, monkeyp
 
 
 def test_a_corrupt_cache_file_is_ignored_with_a_warning_and_measured_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(firstuse, "measure", lambda comm: MEASURED)
+    monkeypatch.setattr(firstuse, "measure_quick", lambda comm: MEASURED)
     comm = FakeComm()
     model, path = auto.look(comm)
     assert model is None  # nothing yet: measure into path
@@ -193,7 +193,7 @@ def test_a_corrupt_cache_file_is_ignored_with_a_warning_and_measured_again(tmp_p
 
 
 def test_a_calibration_file_comes_before_the_first_use_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(firstuse, "measure", lambda comm: pytest.fail("must not measure"))
+    monkeypatch.setattr(firstuse, "measure_quick", lambda comm: pytest.fail("must not measure"))
     cm.save(str(tmp_path / "costmodel.json"), replace(cm.Params(), alpha=2e-6, ranks=2))
     model = auto.model_for(FakeComm())
     assert model.origin == "file" and model.params.alpha == 2e-6
@@ -201,7 +201,7 @@ def test_a_calibration_file_comes_before_the_first_use_cache(tmp_path, monkeypat
 
 
 def test_first_use_calibration_can_be_switched_off(tmp_path, monkeypatch):
-    monkeypatch.setattr(firstuse, "measure", lambda comm: pytest.fail("must not measure"))
+    monkeypatch.setattr(firstuse, "measure_quick", lambda comm: pytest.fail("must not measure"))
     monkeypatch.setenv("MPDL_AUTO_CACHE", "off")
     settings.use(None)
     assert settings.current().auto_cache == "off"
@@ -214,7 +214,7 @@ def test_first_use_calibration_can_be_switched_off(tmp_path, monkeypatch):
 
 
 def test_a_settings_change_makes_a_communicator_look_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(firstuse, "measure", lambda comm: MEASURED)
+    monkeypatch.setattr(firstuse, "measure_quick", lambda comm: MEASURED)
     comm = FakeComm()
     assert auto.model_for(comm).origin == "measured"
     settings.update(auto_cache="off")
@@ -239,7 +239,7 @@ def test_auto_cache_setting_defaults_to_xdg_cache_home(tmp_path, monkeypatch):
 
 
 def test_no_warning_when_all_is_well(tmp_path, monkeypatch):
-    monkeypatch.setattr(firstuse, "measure", lambda comm: MEASURED)
+    monkeypatch.setattr(firstuse, "measure_quick", lambda comm: MEASURED)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         auto.model_for(FakeComm())

@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,14 +29,14 @@ JOB = S.Job(dataset_size=100_000, epochs=2, batch_per_worker=16)
 COUNTS = S.worker_counts(4096)
 
 
-def rows_for(strategy: S.Strategy, net: S.Network = NET, work: S.Workload = WORK,
+def rows_for(strategy: S.GradientSync, net: S.Network = NET, work: S.Workload = WORK,
              job: S.Job = JOB, counts=COUNTS) -> list[S.Row]:
     return S.simulate(work, net, [strategy], job, counts)
 
 
 def test_one_worker_is_compute_only():
     for algorithm in S.ALGORITHMS:
-        row = rows_for(S.Strategy(algorithm), counts=[1])[0]
+        row = rows_for(S.GradientSync(algorithm), counts=[1])[0]
         for regime in (row.per_worker, row.global_):
             assert regime["comm_s"] == regime["exposed_comm_s"] == 0
             assert regime["step_s"] == pytest.approx(WORK.compute(regime["batch_per_worker"]))
@@ -44,7 +45,7 @@ def test_one_worker_is_compute_only():
 
 def test_infinite_bandwidth_gives_the_latency_only_bound():
     fast = S.network("latency only", math.inf, 5e-6, math.inf, 20e-6, per_node=4, gamma=0.0)
-    strategy = S.Strategy("ring", overlap=False, bucket_bytes=S.MB)
+    strategy = S.GradientSync("ring", overlap=False, bucket_bytes=S.MB)
     k = S.buckets(WORK, strategy)[0]
     for n in (2, 4, 8, 64, 1024):
         comm = S.step_time(WORK, strategy, n, S.nodes_for(n, 4), fast.params, 16).comm
@@ -53,13 +54,13 @@ def test_infinite_bandwidth_gives_the_latency_only_bound():
         assert comm == pytest.approx(k * 2 * (n - 1) * alpha)
         finite = S.step_time(WORK, strategy, n, S.nodes_for(n, 4), NET.params, 16)
         assert finite.comm > comm
-    rd = S.Strategy("recursive_doubling", overlap=False, bucket_bytes=S.MB)
+    rd = S.GradientSync("recursive_doubling", overlap=False, bucket_bytes=S.MB)
     comm = S.step_time(WORK, rd, 1024, 1, fast.params, 16).comm
     assert comm == pytest.approx(k * 10 * 5e-6)
 
 
 def test_efficiency_never_exceeds_one_and_exposed_never_exceeds_comm():
-    strategies = [S.Strategy(a, overlap=o, compression=c, bucket_bytes=b)
+    strategies = [S.GradientSync(a, overlap=o, compression=c, bucket_bytes=b)
                   for a in S.ALGORITHMS for o in (True, False) for c in (1, 8)
                   for b in (S.MB, 100 * S.MB)]
     for row in S.simulate(WORK, NET, strategies, JOB, S.worker_counts(65536, extra=[3, 12, 1000])):
@@ -70,7 +71,7 @@ def test_efficiency_never_exceeds_one_and_exposed_never_exceeds_comm():
 
 
 def test_monotonicity():
-    ring = S.Strategy("ring")
+    ring = S.GradientSync("ring")
     rows = rows_for(ring)
     comm = [r.per_worker["comm_s"] for r in rows]
     assert comm == sorted(comm), "a ring all-reduce gets no cheaper with more workers"
@@ -109,7 +110,7 @@ def test_useful_limit():
     assert S.useful_limit([1, 2, 4, 8], [1, 1.9, 2.0, 1.5]) == 4
     assert S.useful_limit([1, 2, 4, 8], [1, 1.9, 2.0, 1.5], min_gain=0.1) == 2
     assert S.useful_limit([1, 2, 4, 8], [1, 2, 4, 8]) is None
-    ring = S.Strategy("ring")
+    ring = S.GradientSync("ring")
     lim = S.limits(rows_for(ring))[ring.label()]
     assert lim["fixed_global_batch"] is not None and lim["fixed_global_batch"] <= 4096
 
@@ -240,7 +241,8 @@ def test_measure_workload_sums_up_time_sliced_steps_by_their_mean(monkeypatch):
             state["now"] += (1e-3 if size == 0 else 4e-3) * (2 if rnd % 3 == 2 else 1)
         return state["now"]
 
-    monkeypatch.setattr(S.time, "perf_counter", perf_counter)
+    # simulate's own clock only: compiled kernels read time.perf_counter when they load
+    monkeypatch.setattr(S, "time", types.SimpleNamespace(perf_counter=perf_counter))
     median = S.measure_workload("mlp", batch=32, repeats=15)
     state.update(now=0.0, calls=0)
     mean = S.measure_workload("mlp", batch=32, repeats=15, statistic="mean")
@@ -293,7 +295,7 @@ def test_a_shared_node_link_slows_the_node_wide_inter_node_phase_only():
 def test_a_bucket_pays_the_calibrated_handoff_to_the_communication_thread():
     net = S.network("n", 10e9, 5e-6, None, None, per_node=4)
     handed = replace(net.params, handoff=30e-6)
-    strategy = S.Strategy("ring", bucket_bytes=1 << 20)
+    strategy = S.GradientSync("ring", bucket_bytes=1 << 20)
     k, size, plain = S.comm_per_bucket(WORK, strategy, 4, 1, net.params)
     k2, size2, with_handoff = S.comm_per_bucket(WORK, strategy, 4, 1, handed)
     assert (k, size) == (k2, size2) and plain == S.allreduce_seconds("ring", size, 4, 1, net.params)

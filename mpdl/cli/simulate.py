@@ -123,7 +123,7 @@ def parse_strategies(text: str, overlap: bool, compression: float, bucket_bytes:
                              f"{values['compression']:g}")
         if not values["bucket_bytes"] > 0:
             raise UsageError(f"--algorithms: bucket of {name} must be positive")
-        out.append(S.Strategy(name, **values))
+        out.append(S.GradientSync(name, **values))
     if not out:
         raise UsageError("--algorithms: empty list")
     return out

@@ -193,7 +193,7 @@ def _agree(comm) -> Model:
     found, path = comm.allgather_object(mine)[0]
     if found is not None and not path:  # a model of this process (its serial keys its cache)
         return Model(found.params, found.origin, found.path, found.note, dict(found.verified))
-    params = firstuse.measure(comm)  # none yet, or a provisional one: measure again
+    params = firstuse.measure_quick(comm)  # none yet, or a provisional one: measure again
     verified = dict(found.verified) if found is not None else {}  # the file keeps them too
     note = ""
     if comm.rank == 0:

@@ -1,7 +1,7 @@
 """`auto`'s first-use calibration: a short measurement of the cost model's parameters, cached per
 machine and world shape, for when nobody has run `mpdl calibrate`.
 
-`measure(comm)` measures with `mpdl.collectives.measuring`'s QUICK effort, written against the
+`measure_quick(comm)` measures with `mpdl.collectives.measuring`'s QUICK effort, written against the
 Communicator interface, so that it runs on any MPI-backed communicator (the world, a split, a
 sub-communicator of a process grid): one sweep over five message sizes, few repetitions, and no
 GEMM peak or MPI-library latency (`mpdl calibrate` measures thoroughly with the same probes). Then
@@ -66,7 +66,7 @@ def _call_overhead() -> float:
     return measuring.median_time(call, 5, 20)
 
 
-def measure(comm: Any) -> Params:
+def measure_quick(comm: Any) -> Params:
     """The cost model's parameters of comm's ranks and links, measured now (collective over comm,
     an MPI-backed communicator of at least two ranks; the same Params on every rank). Emulated
     link delays are lifted while it measures: the model adds them itself."""

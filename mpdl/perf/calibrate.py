@@ -115,7 +115,7 @@ def _wait_cost(comm: Any, iters: int) -> tuple[float, float]:
     return float(max(0.0, c1 - share * w1)), float(share)
 
 
-def measure(comm: Any, iters: int) -> dict[str, Any]:
+def measure_thorough(comm: Any, iters: int) -> dict[str, Any]:
     """Every parameter of the cost model, as the maximum over ranks (collective over comm)."""
     mpi = comm.mpi
     effort = thorough(iters)
@@ -192,7 +192,7 @@ def measure(comm: Any, iters: int) -> dict[str, Any]:
 
 
 def to_params(measured: dict[str, Any], ranks: int, nodes: int, host: str) -> Params:
-    """The cost model's parameters fitted to what `measure` returned."""
+    """The cost model's parameters fitted to what `measure_thorough` returned."""
     intra_pairs = max(measured["intra"]) > 0
     sizes = measured["sizes"]
     alpha, beta = fit(sizes, measured["intra"] if intra_pairs else measured["inter"])
@@ -233,7 +233,7 @@ def calibrate(comm: Any, iters: int = 20, path: str | None = None) -> Params:
     groups = comm.node_groups()
     here = len(next(g for g in groups if comm.rank in g))
     load_before = measuring.load_per_core(here)
-    params = to_params(measure(comm, iters), comm.size, len(groups), socket.gethostname())
+    params = to_params(measure_thorough(comm, iters), comm.size, len(groups), socket.gethostname())
     table = measuring.allreduce_table(comm)
     busy = measuring.busy_check(comm, load_before, measuring.load_per_core(here), table.spread)
     params = dataclasses.replace(params, gemm_flops=max(comm.allgather_object(gemm_flops())),

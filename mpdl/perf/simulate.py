@@ -93,7 +93,7 @@ NODE_WIDE_INTER = ("hierarchical", "torus2d")
 
 
 @dataclass(frozen=True)
-class Strategy:
+class GradientSync:
     """How gradients are reduced: the all-reduce algorithm, overlap with backward, a compression
     ratio (gradient bytes are divided by it) and the bucket size."""
 
@@ -231,11 +231,11 @@ class Step:
         return self.compute + self.exposed
 
 
-def gradient_bytes(workload: Workload, strategy: Strategy) -> float:
+def gradient_bytes(workload: Workload, strategy: GradientSync) -> float:
     return workload.params * workload.bytes_per_param / strategy.compression
 
 
-def buckets(workload: Workload, strategy: Strategy) -> tuple[int, float]:
+def buckets(workload: Workload, strategy: GradientSync) -> tuple[int, float]:
     """(number of buckets, bytes per bucket): the gradient in equal buckets of at most
     strategy.bucket_bytes."""
     total = gradient_bytes(workload, strategy)
@@ -252,7 +252,7 @@ def exposed_seconds(bucket_s: float, k: int, backward_s: float, overlap: bool) -
     return min(end - backward_s, k * bucket_s)
 
 
-def comm_per_bucket(workload: Workload, strategy: Strategy, workers: int, nodes: int,
+def comm_per_bucket(workload: Workload, strategy: GradientSync, workers: int, nodes: int,
                     params: cm.Params, shared_inter: bool = False) -> tuple[int, float, float]:
     """(buckets, bytes per bucket, seconds per bucket's all-reduce, handed to the communication
     thread as DDP hands it: params.handoff, calibrated on this machine, 0 for a modelled one)."""
@@ -262,7 +262,7 @@ def comm_per_bucket(workload: Workload, strategy: Strategy, workers: int, nodes:
                                       shared_inter) + params.handoff
 
 
-def step_time(workload: Workload, strategy: Strategy, workers: int, nodes: int,
+def step_time(workload: Workload, strategy: GradientSync, workers: int, nodes: int,
               params: cm.Params, batch: float, bucket_s: float | None = None,
               shared_inter: bool = False) -> Step:
     """One step with `batch` samples per worker (bucket_s: a precomputed all-reduce time)."""
@@ -316,7 +316,7 @@ class Job:
 class Row:
     """One (strategy, N): both scaling regimes and the costs of the job's own regime."""
 
-    strategy: Strategy
+    strategy: GradientSync
     workers: int
     nodes: int
     per_worker: dict[str, float] = field(default_factory=dict)
@@ -357,7 +357,7 @@ def _regime(workload: Workload, step: Step, workers: int, batch: float, job: Job
     return out
 
 
-def simulate(workload: Workload, net: Network, strategies: Sequence[Strategy], job: Job,
+def simulate(workload: Workload, net: Network, strategies: Sequence[GradientSync], job: Job,
              workers: Sequence[int], per_node: int | None = None,
              headline: int | None = None) -> list[Row]:
     """Every strategy at every worker count. The fixed per-worker batch is job.batch_per_worker
@@ -528,7 +528,7 @@ def predict_published(run: Published, bucket_bytes: float = 64 * MB) -> dict[str
     """The model's step time, time to train and scaling efficiency for a published run (the
     efficiency against one node of the same hardware at the same per-worker batch)."""
     net = NETWORKS[run.network]
-    strategy = Strategy(run.algorithm, overlap=True, bucket_bytes=bucket_bytes)
+    strategy = GradientSync(run.algorithm, overlap=True, bucket_bytes=bucket_bytes)
     job = Job(IMAGENET_TRAIN, run.epochs, global_batch=run.global_batch)
     rows = simulate(run.workload, net, [strategy], job, [1, run.per_node, run.workers],
                     run.per_node, run.workers)

@@ -173,5 +173,5 @@ def test_a_calibration_under_load_is_provisional_on_every_rank_until_a_quiet_one
     assert firstuse.read(os.path.join(cache, name), key).provisional == ""
     auto.forget()
     measured = []
-    monkeypatch.setattr(firstuse, "measure", lambda c: measured.append(c))
+    monkeypatch.setattr(firstuse, "measure_quick", lambda c: measured.append(c))
     assert auto.model_for(fresh()).origin == "cache" and measured == []
