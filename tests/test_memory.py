@@ -25,7 +25,7 @@ from mpdl.cli.train import check
 from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
-from mpdl.parallel.tensor import TensorParallelGPT
+from mpdl.parallel.tensor_parallel import TensorParallelGPT
 from mpdl.parallel.zero import ZeroStrategy
 from mpdl.threadworld import run_world
 from mpdl.training import precision

@@ -38,7 +38,7 @@ seconds and peaks of activations held are kept by a `PipelineRecorder`
 (`mpdl.parallel.pipeline_recorder`).
 
 With tp > 1, the pieces are those of `TensorParallelGPT` (each block split over the tp axis,
-`mpdl.parallel.tensor`): the tp ranks of a stage run the same schedule in lockstep, each
+`mpdl.parallel.tensor_parallel`): the tp ranks of a stage run the same schedule in lockstep, each
 exchanging activations with the rank of the same t on the neighbouring stages, and `gathered()`
 also all-gathers the shards into the whole GPT.
 
@@ -46,7 +46,7 @@ With cp > 1 (`mpdl.parallel.context`), the cp ranks of a replica read the same b
 feeds its positions of every sequence (zigzag or contiguous): the embedding adds their global
 positions, every block's attention runs over cp_comm, each rank's loss is its positions' part
 of the sequences' mean, and the gradients are summed over dp × cp. With sp (Megatron sequence
-parallelism, `mpdl.parallel.tensor`), the embedding's output enters the tp ranks' sequence
+parallelism, `mpdl.parallel.tensor_parallel`), the embedding's output enters the tp ranks' sequence
 slices and the final LayerNorm's output leaves them.
 
 Bubble: with unit-time forwards and backwards, a stage of a p-stage pipeline with m microbatches
@@ -81,7 +81,7 @@ from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.pipeline_recorder import PipelineRecorder
 from mpdl.parallel.shards import placeholder as _placeholder
 from mpdl.parallel.strategy import Batch, MakeOptimizer, StepResult, Strategy, correct_predictions
-from mpdl.parallel.tensor import TensorParallelGPT, gather_array
+from mpdl.parallel.tensor_parallel import TensorParallelGPT, gather_array
 
 SCHEDULES = ("afab", "1f1b")
 
@@ -297,7 +297,7 @@ class Microbatches:
 # -- the strategy --------------------------------------------------------------------------------
 class PipelineStrategy(Strategy):
     """Pipeline parallelism over the pp axis of a (dp, pp, cp, tp) grid, tensor parallelism of
-    the GPT's blocks over tp (`mpdl.parallel.tensor`), context parallelism of its attention over
+    the GPT's blocks over tp (`mpdl.parallel.tensor_parallel`), context parallelism of its attention over
     cp (`mpdl.parallel.context`: each cp rank holds a slice of every sequence and its part of
     the loss, gradients are summed over dp × cp), data parallelism over dp."""
 

@@ -314,7 +314,7 @@ class ParallelConfig:
                           "all-to-all of heads and positions", choices=CP_MODES)
     cp_balance: str = option("zigzag", "--cp: rank r holds chunks r and 2C-1-r of 2C (equal "
                              "causal work), or chunk r of C", choices=CP_BALANCES)
-    #: Megatron sequence parallelism with tp (mpdl.parallel.tensor)
+    #: Megatron sequence parallelism with tp (mpdl.parallel.tensor_parallel)
     sp: bool = option(False, "--tp: Megatron sequence parallelism, LayerNorms and dropouts on a "
                       "slice of the sequence, reduce-scatter + all-gather instead of all-reduce")
     microbatches: int = option(1, "--pp/--tp: microbatches per step", check=POSITIVE_INT,

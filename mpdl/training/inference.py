@@ -20,7 +20,7 @@ beyond it, so the keys and values the padding left there are never read before t
 tokens overwrite them. Every row keeps its own position, so its tokens are those it would get
 alone.
 
-**Tensor parallelism** (Megatron-LM, as `mpdl.parallel.tensor` trains it): given `tp_comm`, a
+**Tensor parallelism** (Megatron-LM, as `mpdl.parallel.tensor_parallel` trains it): given `tp_comm`, a
 decoder keeps its rank's heads of the qkv projection and of attention's output projection (input
 columns), and its slice of the MLP's hidden units; each block sums the partial outputs of
 attention and of the MLP with two all-reduces over `tp_comm`. A decode step sends B·C values per
