@@ -135,9 +135,14 @@ run_tests() {
           pytest_mpi "$layout" tests/mpi/test_alltoall.py -k "$ALLTOALL_ACROSS_NODES"
         done ;;
       suite)
+        # (the collectives part runs test_collectives.py and test_nodes.py on these layouts too:
+        # where it is among the parts, the suite leaves them out)
+        local again=()
+        [[ " ${parts[*]} " == *" collectives "* ]] &&
+          again=(--ignore=tests/mpi/test_collectives.py --ignore=tests/mpi/test_nodes.py)
         for layout in 2,2 2,1; do
-          say "== the whole MPI test suite across nodes $layout"
-          pytest_mpi "$layout" tests/mpi
+          say "== the rest of the MPI test suite across nodes $layout"
+          pytest_mpi "$layout" tests/mpi "${again[@]}"
         done ;;
       train) say "== training across 2 nodes against one rank"; train_invariance ;;
       kill) say "== a killed rank on one node ends the job on both"; killed_rank ;;

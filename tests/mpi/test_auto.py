@@ -43,6 +43,17 @@ def cache(tmp_path_factory, monkeypatch):
     COMM.Barrier()
 
 
+@pytest.fixture
+def stand_in_probes(monkeypatch):
+    """The slow probes of a calibration stand aside (the rest of it runs as it is): for the tests
+    of what is done with a calibration, not of what it measures."""
+    sizes = measuring.QUICK.sizes
+    monkeypatch.setattr(measuring, "link_curves", lambda comm, effort: {
+        "intra": [1e-6 * (1 + n / 1e6) for n in sizes], "ring": None, "ring_reduce": None,
+        "inter": None})
+    monkeypatch.setattr(measuring, "allreduce_table", lambda comm: measuring.Table((), 1.0))
+
+
 def fresh() -> MPIComm:
     """A communicator auto has not seen (its model is looked up again)."""
     return MPIComm(COMM.Dup())
@@ -90,7 +101,8 @@ def test_first_use_calibration_writes_one_cache_and_every_rank_agrees(cache):
     agree(again, auto.model_for(again))
 
 
-def test_a_corrupt_cache_is_ignored_with_a_warning_on_rank_0_and_measured_again(cache):
+def test_a_corrupt_cache_is_ignored_with_a_warning_on_rank_0_and_measured_again(cache,
+                                                                                 stand_in_probes):
     if P == 1:
         pytest.skip("one rank measures nothing")
     C.allreduce(np.ones(4), comm=fresh())
@@ -140,17 +152,11 @@ def test_first_use_behind_asynchronous_work_runs_in_order(cache):
 
 
 def test_a_calibration_under_load_is_provisional_on_every_rank_until_a_quiet_one_replaces_it(
-        cache, monkeypatch):
+        cache, stand_in_probes, monkeypatch):
     """The last rank alone sees a loaded machine: every rank takes the calibration as provisional
     (the largest load over ranks decides); the next look measures again, and a calibration on a
     quiet machine replaces it in the cache and is then the final word."""
     loaded = RANK == P - 1
-    # the slow probes stand aside (the rest of the calibration runs as it is)
-    sizes = measuring.QUICK.sizes
-    monkeypatch.setattr(measuring, "link_curves", lambda comm, effort: {
-        "intra": [1e-6 * (1 + n / 1e6) for n in sizes], "ring": None, "ring_reduce": None,
-        "inter": None})
-    monkeypatch.setattr(measuring, "allreduce_table", lambda comm: measuring.Table((), 1.0))
     monkeypatch.setattr(measuring, "load_per_core", lambda ranks_here: 3.0 if loaded else 0.0)
     monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", 0.5)
     comm = fresh()
