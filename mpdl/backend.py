@@ -10,19 +10,45 @@ import types
 import warnings
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from mpdl import settings
 
-#: bfloat16 on the host (NumPy has no 16-bit brain float of its own: ml_dtypes provides it)
-bfloat16 = np.dtype(ml_dtypes.bfloat16)
+#: NumPy's own dtypes among those the collectives support (SUPPORTED_DTYPES adds bfloat16)
+_NUMPY_SUPPORTED = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
 
-#: the 16-bit floating-point types of mixed precision
-LOW_PRECISION: tuple[np.dtype, ...] = (np.dtype("float16"), bfloat16)
 
-SUPPORTED_DTYPES: tuple[np.dtype, ...] = (
-    *(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")), bfloat16)
+@functools.cache
+def bfloat16_dtype() -> np.dtype:
+    """bfloat16 on the host (NumPy has no 16-bit brain float of its own: ml_dtypes provides it).
+    ml_dtypes is imported at the first use: its import takes longer than NumPy's, and a process
+    that never meets a bfloat16 array (most ranks of most jobs) need not pay it."""
+    import ml_dtypes  # noqa: PLC0415
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def __getattr__(name: str) -> Any:
+    """The module's constants that hold bfloat16: `bfloat16`, `LOW_PRECISION` (the 16-bit
+    floating-point types of mixed precision) and `SUPPORTED_DTYPES` (those of the collectives)."""
+    if name == "bfloat16":
+        return bfloat16_dtype()
+    if name == "LOW_PRECISION":
+        return (np.dtype("float16"), bfloat16_dtype())
+    if name == "SUPPORTED_DTYPES":
+        return (*_NUMPY_SUPPORTED, bfloat16_dtype())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _dtype(dtype: Any) -> np.dtype:
+    """np.dtype(dtype), the name "bfloat16" included before ml_dtypes is imported."""
+    return bfloat16_dtype() if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
+
+
+def is_bfloat16(dt: np.dtype) -> bool:
+    """Whether dt is bfloat16 (its kind is "V": a dtype of another kind is not, and is told
+    without importing ml_dtypes)."""
+    return dt.kind == "V" and dt == bfloat16_dtype()
 
 
 @functools.lru_cache(maxsize=1)
@@ -103,13 +129,14 @@ def empty_half_page_in(count: int, dtype: Any, xp: Any) -> Any:
 
 def is_floating(dtype: Any) -> bool:
     """Whether dtype is a floating-point type (NumPy's own or bfloat16, whose kind is "V")."""
-    dt = np.dtype(dtype)
-    return dt.kind == "f" or dt == bfloat16
+    dt = _dtype(dtype)
+    return dt.kind == "f" or is_bfloat16(dt)
 
 
 def is_low_precision(dtype: Any) -> bool:
     """Whether dtype is float16 or bfloat16."""
-    return np.dtype(dtype) in LOW_PRECISION
+    dt = _dtype(dtype)
+    return dt == np.float16 or is_bfloat16(dt)
 
 
 def precision_dtype(name: str, xp: types.ModuleType = np) -> np.dtype:
@@ -122,7 +149,7 @@ def precision_dtype(name: str, xp: types.ModuleType = np) -> np.dtype:
     if name != "bf16":
         raise ValueError(f"precision: expected one of fp32, bf16, fp16, got {name!r}")
     if xp is np or xp is standin:
-        return bfloat16
+        return bfloat16_dtype()
     own = getattr(xp, "bfloat16", None)
     if own is None:
         raise TypeError(f"precision: bf16 needs an array module with a bfloat16 type; "
@@ -133,14 +160,14 @@ def precision_dtype(name: str, xp: types.ModuleType = np) -> np.dtype:
 def as_bytes(host: np.ndarray) -> np.ndarray:
     """A host array's memory as a NumPy buffer MPI can read (bfloat16 exposes no buffer format:
     it is viewed as unsigned 16-bit words; other dtypes are returned as they are)."""
-    return host.view(np.uint16) if host.dtype == bfloat16 else host
+    return host.view(np.uint16) if is_bfloat16(host.dtype) else host
 
 
 def check_dtype(dtype: Any, argument: str = "x") -> np.dtype:
     """The dtype if mpdl's collectives support it; TypeError naming it otherwise."""
-    dt = np.dtype(dtype)
-    if dt not in SUPPORTED_DTYPES:
-        allowed = ", ".join(d.name for d in SUPPORTED_DTYPES)
+    dt = _dtype(dtype)
+    if dt not in _NUMPY_SUPPORTED and not is_bfloat16(dt):
+        allowed = ", ".join(d.name for d in __getattr__("SUPPORTED_DTYPES"))
         raise TypeError(f"{argument}: unsupported dtype {dt.name!r}; expected one of {allowed}")
     return dt
 

@@ -45,7 +45,7 @@ def _host(buf, comm):
 def _reducible(host: np.ndarray):
     """(an array the MPI library can reduce, a function that writes it back into host):
     bfloat16 is upcast to float32 (MPI has no bfloat16)."""
-    if host.dtype != backend.bfloat16:
+    if not backend.is_bfloat16(host.dtype):
         return host, lambda: None
     wide = host.astype(np.float32)
     return wide, lambda: np.copyto(host, wide, casting="unsafe")

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl.backend import bfloat16
+from mpdl.backend import bfloat16_dtype
 from mpdl.fileio import write_atomic
 
 FILES = ("model.npz", "optimizer.npz", "state.json")
@@ -280,7 +280,7 @@ def load_checkpoint(directory: str | Path
 def _typed(a: np.ndarray) -> np.ndarray:
     """An array as read from an .npz: bfloat16 (which .npy stores as 2-byte void) gets its type
     back."""
-    return a.view(bfloat16) if a.dtype == np.dtype("V2") else a
+    return a.view(bfloat16_dtype()) if a.dtype == np.dtype("V2") else a
 
 
 def assemble_parts(manifest: dict[str, Any], blobs: dict[str, bytes]
