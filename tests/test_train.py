@@ -37,6 +37,7 @@ def json_lines(path: Path) -> list[dict]:
     return rows
 
 
+@pytest.mark.same_under_every_mpi
 def test_default_run_reaches_95_percent_on_4_ranks(tmp_path):
     out = train(4, "--json", str(tmp_path / "run.jsonl"), timeout=240)
     assert out.returncode == 0, out.stderr
@@ -184,6 +185,7 @@ def test_malformed_data_gets_a_clear_error(tmp_path):
     assert out.returncode == 2 and "not a readable .npz" in out.stderr
 
 
+@pytest.mark.same_under_every_mpi
 def test_train_on_mnist_files_and_synthetic(tmp_path):
     fake_mnist(tmp_path / "mnist", compress=True)
     out = train(2, "--dataset", "mnist", "--data", str(tmp_path / "mnist"), "--epochs", "1",
@@ -197,6 +199,7 @@ def test_train_on_mnist_files_and_synthetic(tmp_path):
     assert x.shape == (10, 3, 32, 32) and xt.shape == (3, 3, 32, 32) and y.dtype == np.int64
 
 
+@pytest.mark.same_under_every_mpi
 def test_resume_with_another_number_of_ranks(tmp_path):
     common = ["--dtype", "float64", "--lr-schedule", "constant", "--global-batch-size", "128"]
     ckpt = tmp_path / "ckpt"
@@ -217,6 +220,7 @@ def test_resume_with_another_number_of_ranks(tmp_path):
     assert out.returncode == 2 and "written with --model='mlp'" in out.stderr
 
 
+@pytest.mark.same_under_every_mpi
 def test_gpt_json_timeline_resume_and_generate(tmp_path):
     """A tiny GPT under mpiexec: its table and JSON fields, the timeline, a resume on another
     number of ranks that follows the straight run, a shape that differs from the checkpoint's,
@@ -319,6 +323,7 @@ def test_killed_rank_ends_the_job_and_the_checkpoint_stays_loadable(tmp_path):
     assert optimizer_state["state"]
 
 
+@pytest.mark.same_under_every_mpi
 @pytest.mark.parametrize("compression, flags", [
     ("fp16", ()), ("topk", ()), ("qsgd", ()), ("powersgd", ()), ("signsgd", ()),
 ])
@@ -331,6 +336,7 @@ def test_compressed_training_under_mpiexec(tmp_path, compression, flags):
     assert rows[-2]["test_acc"] >= 0.93, f"{compression}: test accuracy {rows[-2]['test_acc']}"
 
 
+@pytest.mark.same_under_every_mpi
 def test_local_sgd_under_mpiexec(tmp_path):
     out = train(2, "--sync-every", "4", "--json", str(tmp_path / "run.jsonl"), timeout=180)
     assert out.returncode == 0, out.stderr
