@@ -351,44 +351,47 @@ def gpt_text(tmp_path: Path) -> Path:
     return path
 
 
-def _synchronised(segment, comm, repeats: int, warmup: int) -> dict:
+def _synchronised(segment, comm, repeats: int = 200, warmup: int = 10) -> float:
     """Every rank at once: `segment()` then an all-reduce of one float64 over `comm`, again and
-    again. `segment_s`: the median seconds of the segment; `synchronised_s`: the mean seconds from
-    the end of one all-reduce to the end of the next (segment, the wait for the slowest rank and
-    the message), the mean as a step's average takes it."""
+    again: the mean seconds of the all-reduce after the segment (its message and the wait for
+    the slowest rank), the mean as a step's average takes it."""
     from mpdl.collectives import allreduce
 
     token = np.zeros(1)
-    segments, rounds = [], []
+    waits = []
     allreduce(token, op="sum", algorithm="ring", comm=comm)
     for i in range(warmup + repeats):
-        t0 = time.perf_counter()
         segment()
-        t1 = time.perf_counter()
+        t0 = time.perf_counter()
         allreduce(token, op="sum", algorithm="ring", comm=comm)
         if i >= warmup:
-            segments.append(t1 - t0)
-            rounds.append(time.perf_counter() - t0)
-    return {"segment_s": statistics.median(segments), "synchronised_s": statistics.fmean(rounds)}
+            waits.append(time.perf_counter() - t0)
+    return statistics.fmean(waits)
 
 
-def gpt_pieces(spec: dict, repeats: int = 12, warmup: int = 3) -> dict:
-    """Median seconds of a GPT's forward (with the loss), backward and Adam step on `spec`'s
-    batch of random tokens, without recomputation, the blocks' share of the forward
-    (`blocks_forward_s`), the attention cores' forward (`core_forward_s`: the GPT's causal
-    attention on its packed Q, K, V, once per block), and the wait a synchronisation adds after
-    one block's forward (`_synchronised`, over every rank)."""
+def gpt_pieces(spec: dict, repeats: int = 30, warmup: int = 3) -> dict:
+    """Mean seconds (as a step's average takes them) of a GPT's forward (with the loss),
+    backward and Adam step on `spec`'s batch of random tokens (with experts, every expert on
+    this rank, its rows dispatched as `--ep` dispatches them, over a one-rank group), without
+    recomputation, the blocks' share of the forward (`blocks_forward_s`), the attention cores'
+    forward (`core_forward_s`: the GPT's causal attention on its packed Q, K, V, once per
+    block), and the all-reduce of one number after one block's forward (`synchronised_s`, over
+    every rank, `_synchronised`)."""
     from mpi4py import MPI
 
     from mpdl.autograd import Tensor, optim
     from mpdl.autograd import functional as F
-    from mpdl.autograd.moe import MoESettings
+    from mpdl.autograd.moe import MoE, MoESettings
     from mpdl.comm import as_communicator
+    from mpdl.parallel.expert import ExpertGroups
     from mpdl.training.gpt import causal_attention
     from mpdl.training.models import build_model
 
     moe = MoESettings(spec["experts"], TOP_K, 0.0, 0.0, 1) if spec["experts"] else None
     net = build_model("gpt", (spec["seq"],), spec["vocab"], moe=moe, **GPT)
+    if moe:  # the rows travel as under --ep, here to the experts of a one-rank group
+        ExpertGroups([m for _, m in net.named_modules() if isinstance(m, MoE)],
+                     as_communicator(MPI.COMM_SELF), 1).install()
     opt = optim.Adam(net.parameters(), lr=1e-3)
     rng = np.random.default_rng(0)
     b, t, v = spec["batch"], spec["seq"], spec["vocab"]
@@ -421,24 +424,24 @@ def gpt_pieces(spec: dict, repeats: int = 12, warmup: int = 3) -> dict:
             for key, value in zip(keys, (t2 - t0, t3 - t2, t4 - t3, blocks, t5 - t4),
                                   strict=True):
                 times[key].append(value)
-    pieces = {key: statistics.median(values) for key, values in times.items()}
+    pieces = {key: statistics.fmean(values) for key, values in times.items()}
     hidden = net.token_embedding(idx) + net.position_embedding(np.arange(t))
-    return {**pieces, **_synchronised(lambda: net.blocks[0](hidden),
-                                      as_communicator(MPI.COMM_WORLD), 4 * repeats, warmup)}
+    return {**pieces, "synchronised_s": _synchronised(lambda: net.blocks[0](hidden),
+                                                      as_communicator(MPI.COMM_WORLD))}
 
 
-def context_pieces(spec: dict, repeats: int = 12, warmup: int = 3) -> dict:
+def context_pieces(spec: dict, repeats: int = 30, warmup: int = 3) -> dict:
     """The pieces of the context-parallel step's prediction on this rank of cp (every rank at
-    once), none with a message: the median seconds of forward (with the loss as a cp rank takes
-    it, summed over its positions), backward and Adam step of the GPT as the cp run builds it
-    (`TensorParallelGPT`, here over a one-rank communicator) at the T/cp positions a rank holds,
-    its attention local (causal over those positions); that local attention's forward and
-    backward over all blocks (`local_attention_s`); the attention compute of each mode on a rank,
-    forward and backward over all blocks (`blocked_attention_s`: this rank's chunks against every
-    rank's K/V chunks, merged by their log-sum-exp, as ring and allgather attend;
-    `ulysses_attention_s`: the whole sequence for H/cp heads, as ulysses attends), by
-    `mpdl.parallel.context`'s own block functions; and the wait a synchronisation adds after one
-    block's forward (`_synchronised`)."""
+    once), none with a message: the mean seconds (as a step's average takes them) of forward
+    (with the loss as a cp rank takes it, summed over its positions), backward and Adam step of
+    the GPT as the cp run builds it (`TensorParallelGPT`, here over a one-rank communicator) at
+    the T/cp positions a rank holds, its attention local (causal over those positions); that
+    local attention's forward and backward over all blocks (`local_attention_s`); the attention
+    compute of each mode on a rank, forward and backward over all blocks
+    (`blocked_attention_s`: this rank's chunks against every rank's K/V chunks, merged by their
+    log-sum-exp, as ring and allgather attend; `ulysses_attention_s`: the whole sequence for
+    H/cp heads, as ulysses attends), by `mpdl.parallel.context`'s own block functions; and the
+    all-reduce of one number after one block's forward (`synchronised_s`, `_synchronised`)."""
     from mpi4py import MPI
 
     from mpdl.autograd import Tensor, optim
@@ -512,9 +515,9 @@ def context_pieces(spec: dict, repeats: int = 12, warmup: int = 3) -> dict:
                      *(marks[j + 1] - marks[j] for j in range(3)))
             for key, value in zip(keys, spans, strict=True):
                 times[key].append(value)
-    pieces = {key: statistics.median(values) for key, values in times.items()}
+    pieces = {key: statistics.fmean(values) for key, values in times.items()}
     hidden = net.token_embedding(idx) + net.position_embedding(np.arange(t))
-    return {**pieces, **_synchronised(lambda: net.blocks[0](hidden), world, 4 * repeats, warmup)}
+    return {**pieces, "synchronised_s": _synchronised(lambda: net.blocks[0](hidden), world)}
 
 
 def _gpt_worker(argv: list[str]) -> int:
@@ -535,13 +538,13 @@ def _gpt_worker(argv: list[str]) -> int:
 
 def measure_gpt(p: int, spec: dict, env: dict, tmp_path: Path, tag: str) -> dict:
     """`gpt_pieces` (or `context_pieces`) timed by p ranks at once (the slowest rank's), with
-    `sync_s`: what a synchronisation after one block's forward costs beyond the median compute
-    and the calibrated message (at least 0)."""
+    `sync_s`: what a synchronisation after one block's forward costs beyond the calibrated
+    message (at least 0)."""
     path = tmp_path / f"gpt.{tag}.json"
     _run(p, [sys.executable, __file__, "--gpt-worker", json.dumps(spec), str(path)], env, 180)
     pieces = json.loads(path.read_text())
     message = cm.predict("allreduce", "ring", 8, p, 1, _params(env, p)) if p > 1 else 0.0
-    pieces["sync_s"] = max(0.0, pieces["synchronised_s"] - pieces["segment_s"] - message)
+    pieces["sync_s"] = max(0.0, pieces["synchronised_s"] - message)
     return pieces
 
 
@@ -599,7 +602,7 @@ def recompute_ratios(p: int, env: dict, tmp_path: Path, round_: int) -> dict[str
     for mode in RECOMPUTE_MODES:
         measured, _ = _train_gpt(p, GPT_BATCH * p, _gpt_args(tmp_path, "--recompute", mode), env,
                                  tmp_path / f"rec{mode}.{p}.{round_}.jsonl")
-        predicted = recompute_step(pieces, mode, p, dense, _params(env, p))
+        predicted = recompute_step(pieces, mode, p, dense, _params(env, p), usable_cores())
         _detail(p, round_, f"recompute={mode}", predicted, measured, {"sync": pieces["sync_s"]})
         out[mode] = predicted / measured
     return out
@@ -618,7 +621,7 @@ def expert_ratios(p: int, env: dict, tmp_path: Path, round_: int) -> dict[int, f
             tmp_path, "--moe-experts", str(EXPERTS), "--moe-top-k", str(TOP_K), "--ep", str(ep)),
             env, tmp_path / f"moe{ep}.{p}.{round_}.jsonl")
         predicted = expert_step(pieces, p, ep, GPT["n_layer"], rows, dense, expert, EXPERTS,
-                                _params(env, p))
+                                _params(env, p), usable_cores())
         _detail(p, round_, f"moe ep={ep}", predicted, measured, {"sync": pieces["sync_s"]})
         out[ep] = predicted / measured
     return out

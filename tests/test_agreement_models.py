@@ -18,21 +18,24 @@ PARAMS = cm.Params(handoff=5e-5, exchange=LINE, ring_exchange=LINE)
 
 def test_recomputation_adds_the_forward_it_runs_again():
     # one rank: no all-reduce
-    assert A.recompute_step(PIECES, "none", 1, 1000, PARAMS) == pytest.approx(3.3)
-    assert A.recompute_step(PIECES, "selective", 1, 1000, PARAMS) == pytest.approx(3.5)
-    assert A.recompute_step(PIECES, "full", 1, 1000, PARAMS) == pytest.approx(4.1)
+    assert A.recompute_step(PIECES, "none", 1, 1000, PARAMS, 2) == pytest.approx(3.3)
+    assert A.recompute_step(PIECES, "selective", 1, 1000, PARAMS, 2) == pytest.approx(3.5)
+    assert A.recompute_step(PIECES, "full", 1, 1000, PARAMS, 2) == pytest.approx(4.1)
     # two ranks: the gradient's ring all-reduce after backward, handed to the thread, and the
     # wait for the slower rank before it (10 ms)
     reduce = cm.predict("allreduce", "ring", 4000, 2, 1, PARAMS) + 5e-5
-    assert A.recompute_step(PIECES, "full", 2, 4000, PARAMS) == pytest.approx(4.11 + reduce)
+    assert A.recompute_step(PIECES, "full", 2, 4000, PARAMS, 2) == pytest.approx(4.11 + reduce)
+    # four ranks on two cores: a waiting rank leaves its core to one that computes (no wait)
+    reduce4 = cm.predict("allreduce", "ring", 4000, 4, 1, PARAMS) + 5e-5
+    assert A.recompute_step(PIECES, "full", 4, 4000, PARAMS, 2) == pytest.approx(4.1 + reduce4)
 
 
 def test_experts_step_by_hand():
     # 100 dense bytes, 300 of experts: at ep 2 a rank holds 100 + 150 of 400, so its optimizer
     # step is 0.625 of the one timed with every expert
-    one = A.expert_step(PIECES, 1, 1, 2, 4096, 100, 300, 4, PARAMS)
+    one = A.expert_step(PIECES, 1, 1, 2, 4096, 100, 300, 4, PARAMS, 2)
     assert one == pytest.approx(3.3)
-    got = A.expert_step(PIECES, 2, 2, 2, 4096, 100, 300, 4, PARAMS)
+    got = A.expert_step(PIECES, 2, 2, 2, 4096, 100, 300, 4, PARAMS, 2)
     per_layer = (4 * cm.predict("alltoall", "pairwise", 4096, 2, 1, PARAMS)
                  + cm.predict("alltoall", "pairwise", 32, 2, 1, PARAMS)
                  + cm.predict("allreduce", "ring", 32, 2, 1, PARAMS))
@@ -41,7 +44,7 @@ def test_experts_step_by_hand():
     # backward all-to-alls; once before the gradients' all-reduces
     assert got == pytest.approx(3.0 + 0.625 * 0.3 + 2 * per_layer + dense + 2 * 4 * 0.01 + 0.01)
     # ep 1 on two ranks: no all-to-all of rows; every expert all-reduced with its replica
-    replicated = A.expert_step(PIECES, 2, 1, 2, 4096, 100, 300, 4, PARAMS)
+    replicated = A.expert_step(PIECES, 2, 1, 2, 4096, 100, 300, 4, PARAMS, 2)
     experts = cm.predict("allreduce", "ring", 300, 2, 1, PARAMS) + 5e-5
     counts = cm.predict("allreduce", "ring", 32, 2, 1, PARAMS)
     assert replicated == pytest.approx(3.3 + 2 * counts + dense + experts + 2 * 0.01 + 0.01)
@@ -60,6 +63,8 @@ def test_context_step_by_hand():
     # backward and two of the dK/dV sums, each 1.1 ms + 0.05 ms of handoff; 3 waits a layer
     # and the all-reduces' 2, 10 ms each; the blocked attention replaces the local one
     ring = A.context_step(CP_PIECES, 2, "ring", 2, kv, 1000, PARAMS, cores=2)
+    # on one core the ranks time-slice it: no wait is charged beyond the pieces
+    assert A.context_step(CP_PIECES, 2, "ring", 2, kv, 1000, PARAMS, cores=1)["waits_s"] == 0
     assert ring["step_s"] == pytest.approx(3.3 + 0.6 + 2 * 4 * 1.15e-3 + reductions + 8 * 0.01)
     assert ring["attention_s"] == pytest.approx(0.6)
     assert ring["messages_s"] == pytest.approx(2 * 4 * 1.15e-3)

@@ -86,20 +86,31 @@ def _allreduce(nbytes: float, p: int, params: cm.Params) -> float:
     return cm.predict("allreduce", "ring", int(nbytes), p, 1, params) + params.handoff
 
 
-def recompute_step(pieces: dict, mode: str, p: int, grad_bytes: int, params: cm.Params) -> float:
+def _sync(pieces: dict, p: int, cores: int) -> float:
+    """What one point where p ranks wait for each other after computing costs beyond its message:
+    `sync_s` (the wait for the slowest rank, measured after one block's forward) with no more
+    ranks than cores, where a waiting rank's core has no other rank of the job to run; none on one
+    rank, and none with more ranks than cores, where a rank that waits leaves its core to one that
+    computes, whose share of the cores the pieces (timed with every rank at once) already hold."""
+    return pieces["sync_s"] if 1 < p <= cores else 0.0
+
+
+def recompute_step(pieces: dict, mode: str, p: int, grad_bytes: int, params: cm.Params,
+                   cores: int) -> float:
     """The recomputation model's step (`mpdl.perf.layouts`' term): forward, backward and the
     optimizer as timed without recomputation (every rank at once), plus in backward the blocks'
     forward again (full) or each attention core's forward again (selective), and the gradient's
     ring all-reduce over p ranks once backward has ended (one bucket: nothing left to overlap),
-    with the wait for the slowest rank before it (`sync_s`, see `context_step`)."""
+    with the wait for the slowest rank before it (`_sync`)."""
     extra = {"none": 0.0, "selective": pieces["core_forward_s"],
              "full": pieces["blocks_forward_s"]}[mode]
     return (pieces["forward_s"] + pieces["backward_s"] + extra + pieces["optimizer_s"]
-            + _allreduce(grad_bytes, p, params) + (pieces["sync_s"] if p > 1 else 0.0))
+            + _allreduce(grad_bytes, p, params) + _sync(pieces, p, cores))
 
 
 def expert_step(pieces: dict, p: int, ep: int, moe_layers: int, rows_bytes: int,
-                dense_bytes: int, expert_bytes: int, experts: int, params: cm.Params) -> float:
+                dense_bytes: int, expert_bytes: int, experts: int, params: cm.Params,
+                cores: int) -> float:
     """The expert-parallel model's step (`layouts.expert_time`): the compute timed with all the
     experts on one rank (every rank at once: the same routed rows meet the same FLOPs wherever
     the experts live), its optimizer step scaled to the parameters a rank holds, and per MoE
@@ -108,7 +119,7 @@ def expert_step(pieces: dict, p: int, ep: int, moe_layers: int, rows_bytes: int,
     data-parallel ranks and an all-to-all over ep) before them; then, not overlapped, the ring
     all-reduce of the dense gradients over p ranks and of the experts' over the p/ep replicas.
     Each point where a rank waits for the others after computing costs `sync_s` besides its
-    message (see `context_step`): per MoE layer the counts' all-reduce, and with ep > 1 the
+    message (`_sync`): per MoE layer the counts' all-reduce, and with ep > 1 the
     combine in forward and both all-to-alls in backward (the counts' all-to-all and the dispatch
     follow the counts' all-reduce with little compute between); and once before the gradients'
     all-reduces."""
@@ -117,12 +128,13 @@ def expert_step(pieces: dict, p: int, ep: int, moe_layers: int, rows_bytes: int,
     if ep > 1:
         per_layer += 4 * cm.predict("alltoall", "pairwise", rows_bytes, ep, 1, params)
         per_layer += cm.predict("alltoall", "pairwise", 8 * experts, ep, 1, params)
-        per_layer += 3 * pieces["sync_s"]
+        per_layer += 3 * _sync(pieces, p, cores)
     if p > 1:
-        per_layer += cm.predict("allreduce", "ring", 8 * experts, p, 1, params) + pieces["sync_s"]
+        per_layer += (cm.predict("allreduce", "ring", 8 * experts, p, 1, params)
+                      + _sync(pieces, p, cores))
     return (pieces["forward_s"] + pieces["backward_s"] + held * pieces["optimizer_s"]
             + moe_layers * per_layer + _allreduce(dense_bytes, p, params)
-            + _allreduce(expert_bytes, p // ep, params) + (pieces["sync_s"] if p > 1 else 0.0))
+            + _allreduce(expert_bytes, p // ep, params) + _sync(pieces, p, cores))
 
 
 def context_step(pieces: dict, cp: int, mode: str, layers: int, kv_bytes: int, grad_bytes: int,
@@ -149,7 +161,7 @@ def context_step(pieces: dict, cp: int, mode: str, layers: int, kv_bytes: int, g
 
     then the gradients' ring all-reduce over the cp ranks (they hold the same parameters) and the
     loss's over them. Every point where a rank waits for the others after computing (per layer
-    ring 2cp − 1, ulysses 4, allgather 3; the two all-reduces) costs `sync_s` besides its message:
+    ring 2cp − 1, ulysses 4, allgather 3; the two all-reduces) costs `_sync` besides its message:
     the wait for the slowest rank on shared cores, as measured after one block's forward.
 
     Terms: `compute_s` (the pieces with the local attention), `attention_s` (the mode's
@@ -177,5 +189,5 @@ def context_step(pieces: dict, cp: int, mode: str, layers: int, kv_bytes: int, g
                   + cm.predict("allreduce", "ring", 16, cp, 1, params))
     terms = {"compute_s": local, "attention_s": attention - pieces["local_attention_s"],
              "messages_s": layers * per_layer, "reductions_s": reductions,
-             "waits_s": (layers * waits + 2) * pieces["sync_s"]}
+             "waits_s": (layers * waits + 2) * _sync(pieces, cp, cores)}
     return {"step_s": sum(terms.values()), **terms}
