@@ -25,11 +25,19 @@ compares the model's predictions with measurements taken right after:
            and what their waits take from the cores (the calibrated `wait_cpu` and
            `wait_share`) spread over the cores if that is longer, an activation and a gradient
            message per stage boundary on that path, the slowest stage's optimizer step and,
-           with dp > 1, the calibrated ring all-reduce of the largest stage's gradient.
+           with dp > 1, the calibrated ring all-reduce of the largest stage's gradient;
+* recompute, moe, cp - `mpdl train --model gpt` (2 blocks, width 64, sequence 64) with each
+           `--recompute`, with experts at each `--ep`, and with `--cp p` in each `--cp-mode`,
+           against `mpdl.perf.agreement`'s models built from pieces timed on every rank at once
+           without a message (the model as the run builds it, each cp mode's own attention
+           compute), the calibrated collectives, and the wait for the slowest rank after a
+           block's compute (`sync_s`, measured each round); each round prints its figures and
+           the cp model's terms.
 
     flock /tmp/mpdl-bench.lock python benchmarks/simulate_agreement.py            # everything
     python benchmarks/simulate_agreement.py --checks ring lenet --ranks 2 3 4 --rounds 5
     python benchmarks/simulate_agreement.py --checks zero pp --ranks 2 4 --zero 1 2 3
+    python benchmarks/simulate_agreement.py --checks recompute moe cp --moe-ranks 2 4 --rounds 3
 
 Each round calibrates again, because this machine's speed drifts within minutes; the verdict is
 on the median over rounds (±25% for times, ±10% for memory), and every round is printed. Ends
