@@ -4,6 +4,9 @@ pieces (the timings belong to the benchmark, not here)."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from mpdl.collectives import costmodel as cm
@@ -90,3 +93,30 @@ def test_context_step_by_hand():
     assert allgather["step_s"] == pytest.approx(3.3 + 0.6 + 2 * gather + reductions + 8 * 0.01)
     assert allgather["step_s"] == pytest.approx(sum(v for k, v in allgather.items()
                                                     if k != "step_s"))
+
+
+def _benchmark():
+    """benchmarks/simulate_agreement.py as a module (it is a script, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "simulate_agreement.py"
+    spec = importlib.util.spec_from_file_location("simulate_agreement", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_times_the_pieces_these_models_take():
+    # on one rank, once each: the pieces still run against the GPT, the MoE dispatch and the
+    # context-parallel attention as they are now, and give every figure the models read
+    bench = _benchmark()
+    dense = bench.gpt_pieces({"seq": 16, "vocab": 17, "batch": 2, "experts": 0}, 1, 0)
+    experts = bench.gpt_pieces({"seq": 16, "vocab": 17, "batch": 2, "experts": 4}, 1, 0)
+    context = bench.context_pieces({"seq": 16, "cp": 1, "vocab": 17, "batch": 2}, 1, 0)
+    for pieces in (dense, experts, context):
+        assert pieces["synchronised_s"] > 0 and pieces["forward_s"] > 0
+        pieces["sync_s"] = 0.0
+    assert dense["blocks_forward_s"] < dense["forward_s"]
+    assert A.recompute_step(dense, "full", 1, 1000, PARAMS, 2) > A.recompute_step(
+        dense, "none", 1, 1000, PARAMS, 2)
+    assert A.expert_step(experts, 1, 1, 2, 4096, 100, 300, 4, PARAMS, 2) > 0
+    for mode in ("ring", "ulysses", "allgather"):
+        assert A.context_step(context, 1, mode, 2, 4096, 1000, PARAMS, 2)["step_s"] > 0
