@@ -377,7 +377,7 @@ def _synchronised(segment, comm, repeats: int = 200, warmup: int = 10) -> float:
     return statistics.fmean(waits)
 
 
-def gpt_pieces(spec: dict, repeats: int = 30, warmup: int = 3) -> dict:
+def gpt_pieces(spec: dict, repeats: int = 30, warmup: int = 3, sync_repeats: int = 200) -> dict:
     """Mean seconds (as a step's average takes them) of a GPT's forward (with the loss),
     backward and Adam step on `spec`'s batch of random tokens (with experts, every expert on
     this rank, its rows dispatched as `--ep` dispatches them, over a one-rank group), without
@@ -435,10 +435,12 @@ def gpt_pieces(spec: dict, repeats: int = 30, warmup: int = 3) -> dict:
     pieces = {key: statistics.fmean(values) for key, values in times.items()}
     hidden = net.token_embedding(idx) + net.position_embedding(np.arange(t))
     return {**pieces, "synchronised_s": _synchronised(lambda: net.blocks[0](hidden),
-                                                      as_communicator(MPI.COMM_WORLD))}
+                                                      as_communicator(MPI.COMM_WORLD),
+                                                      sync_repeats)}
 
 
-def context_pieces(spec: dict, repeats: int = 30, warmup: int = 3) -> dict:
+def context_pieces(spec: dict, repeats: int = 30, warmup: int = 3,
+                   sync_repeats: int = 200) -> dict:
     """The pieces of the context-parallel step's prediction on this rank of cp (every rank at
     once), none with a message: the mean seconds (as a step's average takes them) of forward
     (with the loss as a cp rank takes it, summed over its positions), backward and Adam step of
@@ -525,7 +527,8 @@ def context_pieces(spec: dict, repeats: int = 30, warmup: int = 3) -> dict:
                 times[key].append(value)
     pieces = {key: statistics.fmean(values) for key, values in times.items()}
     hidden = net.token_embedding(idx) + net.position_embedding(np.arange(t))
-    return {**pieces, "synchronised_s": _synchronised(lambda: net.blocks[0](hidden), world)}
+    return {**pieces, "synchronised_s": _synchronised(lambda: net.blocks[0](hidden), world,
+                                                      sync_repeats)}
 
 
 def _gpt_worker(argv: list[str]) -> int:

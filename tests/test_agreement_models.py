@@ -108,9 +108,9 @@ def test_the_benchmark_times_the_pieces_these_models_take():
     # on one rank, once each: the pieces still run against the GPT, the MoE dispatch and the
     # context-parallel attention as they are now, and give every figure the models read
     bench = _benchmark()
-    dense = bench.gpt_pieces({"seq": 16, "vocab": 17, "batch": 2, "experts": 0}, 1, 0)
-    experts = bench.gpt_pieces({"seq": 16, "vocab": 17, "batch": 2, "experts": 4}, 1, 0)
-    context = bench.context_pieces({"seq": 16, "cp": 1, "vocab": 17, "batch": 2}, 1, 0)
+    dense = bench.gpt_pieces({"seq": 16, "vocab": 17, "batch": 2, "experts": 0}, 1, 0, 2)
+    experts = bench.gpt_pieces({"seq": 16, "vocab": 17, "batch": 2, "experts": 4}, 1, 0, 2)
+    context = bench.context_pieces({"seq": 16, "cp": 1, "vocab": 17, "batch": 2}, 1, 0, 2)
     for pieces in (dense, experts, context):
         assert pieces["synchronised_s"] > 0 and pieces["forward_s"] > 0
         pieces["sync_s"] = 0.0
