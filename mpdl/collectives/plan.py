@@ -13,7 +13,8 @@ and scattered algorithms, MPI_Alltoall_init for mpi).
 `allreduce`, `reduce_scatter`, `allgather` and `alltoall` keep a bounded cache of plans keyed by their arrays'
 identity and the other arguments, so repeated calls on the same arrays (`out=` preallocated) get
 the same benefit without asking for a plan: a plan is made at the second call on the same arrays
-(until then they are held weakly), for arrays up to CACHE_MAX_BYTES.
+(until then they are held weakly), for arrays up to CACHE_MAX_BYTES. `alltoall` without `out`
+keeps plans by shape instead (`shaped_alltoall`), copying each call's x in and its result out.
 """
 
 from __future__ import annotations
