@@ -22,19 +22,20 @@ import resource, numpy as np
 from mpdl.allocator import keep_heap
 took = keep_heap()
 def step():
-    arrays = [np.ones(1 << 20, dtype=np.float32) for _ in range(5)]  # five 4 MiB arrays
+    arrays = [np.ones(1 << 20, dtype=np.float32) for _ in range(COUNT)]  # COUNT 4 MiB arrays
     del arrays
 step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
+for _ in range(STEPS):
     step()
-print(took, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
+print(took, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / STEPS)
 """
 
 
-def _faults_per_step(malloc: str) -> tuple[bool, float]:
+def _faults_per_step(malloc: str, count: int = 5, steps: int = 20) -> tuple[bool, float]:
     env = {**os.environ, "MPDL_MALLOC": malloc}
-    out = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
+    program = PROGRAM.replace("COUNT", str(count)).replace("STEPS", str(steps))
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                          env=env, timeout=60, check=True).stdout.split()
     return out[0] == "True", float(out[1])
 
@@ -42,6 +43,15 @@ def _faults_per_step(malloc: str) -> tuple[bool, float]:
 @glibc_only
 def test_keep_heap_reuses_memory_between_steps():
     took, faults = _faults_per_step("keep")
+    assert took
+    assert faults < 100, f"{faults} page faults per step: the heap was trimmed and refilled"
+
+
+@glibc_only
+def test_keep_heap_reuses_memory_when_a_step_frees_more_than_64_mib():
+    """A step that frees 100 MiB at once (as a GPT's backward frees its activations) does not
+    give it back to the system only to fault it in again in the next step."""
+    took, faults = _faults_per_step("keep", count=25, steps=5)
     assert took
     assert faults < 100, f"{faults} page faults per step: the heap was trimmed and refilled"
 

@@ -174,6 +174,7 @@ def _gpt_ops():
 @pytest.mark.parametrize("array_path", [False, True], ids=["kernels", "array_path"])
 def test_gradcheck_of_the_fused_ops(array_path, monkeypatch):
     monkeypatch.setattr(attention, "CAUSAL_BLOCK", 2)  # the causal products in blocks
+    monkeypatch.setattr(attention, "CHUNK_BYTES", 1)  # one batch element at a time
     for name, fn, *inputs in _gpt_ops():
         if array_path:
             with fused.array_path():
@@ -183,13 +184,17 @@ def test_gradcheck_of_the_fused_ops(array_path, monkeypatch):
 
 
 @pytest.mark.parametrize("array_path", [False, True], ids=["kernels", "array_path"])
+@pytest.mark.parametrize("chunk", [None, 1, 2], ids=["whole_batch", "chunk1", "chunk2"])
 @pytest.mark.parametrize("block", [64, 2, 3])
 @pytest.mark.parametrize("causal", [False, True])
-def test_packed_attention_equals_attention_of_the_split_heads(causal, block, array_path,
+def test_packed_attention_equals_attention_of_the_split_heads(causal, block, chunk, array_path,
                                                               monkeypatch):
-    """Also with causal blocks of 2 and 3 query rows over 7 positions (the last block short)."""
+    """Also with causal blocks of 2 and 3 query rows over 7 positions (the last block short), and
+    with the batch of 3 in chunks of 1 and 2 elements (the last chunk short)."""
     monkeypatch.setattr(attention, "CAUSAL_BLOCK", block)
-    qkv = np.random.default_rng(5).standard_normal((2, 7, 3, 2, 4))
+    if chunk is not None:  # the scores of one element: 2 heads x 7 x 7 float64
+        monkeypatch.setattr(attention, "CHUNK_BYTES", chunk * 2 * 7 * 7 * 8)
+    qkv = np.random.default_rng(5).standard_normal((3, 7, 3, 2, 4))
     ours = Tensor(qkv.copy(), requires_grad=True)
     split = Tensor(qkv.copy(), requires_grad=True)
     with fused.array_path() if array_path else _nothing():

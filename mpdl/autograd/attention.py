@@ -7,7 +7,10 @@ layers use, and backward writes the three gradients into one (B, T, 3, H, hd) ar
 qkv into three head-major tensors instead costs, per layer, a copy of the attention output and,
 in backward, three zero-filled gradients of qkv's size and two sums of them. With the causal
 mask the products run on blocks of `CAUSAL_BLOCK` query rows and skip the keys the block cannot
-see: at T = 4 blocks, 5/8 of the full products' work.
+see: at T = 4 blocks, 5/8 of the full products' work. The batch runs in chunks of at most
+`CHUNK_BYTES` of scores (one element at least), so that each chunk's scores are normalised and
+multiplied again while they are still in cache (a GPT train step at B 4, T 256, 6 heads of 64,
+6 layers: 112 instead of 119 ms in the attention cores, one thread).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from mpdl.backend import get_array_module
 
 #: query rows per block of a causal product: the blocks above the diagonal are skipped
 CAUSAL_BLOCK = 64
+#: scores per batch chunk: each chunk's products, softmax and products again run while its
+#: scores are still in the core's cache
+CHUNK_BYTES = 1 << 20
 
 
 def _matmul_into(a: Any, b: Any, out: Any) -> None:
@@ -44,6 +50,14 @@ def _blocks(t: int, causal: bool) -> list[tuple[int, int]]:
     return [(start, min(start + step, t)) for start in range(0, t, step)]
 
 
+def _batch_chunks(probs: Any) -> list[tuple[int, int]]:
+    """The [start, stop) ranges of batch elements whose (H, T, S) scores are computed, normalised
+    and multiplied together: at most `CHUNK_BYTES` of scores, at least one element."""
+    b = probs.shape[0]
+    step = max(1, CHUNK_BYTES // max(1, probs[:1].nbytes))
+    return [(start, min(start + step, b)) for start in range(0, b, step)]
+
+
 def _swap(a: Any) -> Any:
     return a.swapaxes(-1, -2)
 
@@ -55,40 +69,45 @@ def _scratch(xp: Any, shape: tuple[int, ...], dtype: Any, zeroed: bool) -> Any:
 class PackedAttention(Function):
     def forward(self, qkv, is_causal, scale):
         xp = get_array_module(qkv)
-        q, k, v = (_heads(qkv, i) for i in range(3))
         b, t, _, h, d = qkv.shape
         # causal: rows [r0, r1) see keys [0, r1) only, so each block multiplies that much; the
         # scores right of it are never read (zero on the array path, which reads them)
         blocks = _blocks(t, is_causal)
-        scores = _scratch(xp, (b, h, t, t), qkv.dtype, len(blocks) > 1 and not fused.kernels_apply(
+        probs = _scratch(xp, (b, h, t, t), qkv.dtype, len(blocks) > 1 and not fused.kernels_apply(
             qkv))
-        for r0, r1 in blocks:
-            _matmul_into(q[:, :, r0:r1], _swap(k[:, :, :r1]), scores[:, :, r0:r1, :r1])
-        probs = fused.softmax_(scores, scale, is_causal)
         out = xp.empty((b, t, h, d), dtype=qkv.dtype)
-        heads_out = out.transpose(0, 2, 1, 3)
-        for r0, r1 in blocks:
-            _matmul_into(probs[:, :, r0:r1, :r1], v[:, :, :r1], heads_out[:, :, r0:r1])
+        for i0, i1 in _batch_chunks(probs):
+            q, k, v = (_heads(qkv[i0:i1], i) for i in range(3))
+            scores = probs[i0:i1]
+            for r0, r1 in blocks:
+                _matmul_into(q[:, :, r0:r1], _swap(k[:, :, :r1]), scores[:, :, r0:r1, :r1])
+            fused.softmax_(scores, scale, is_causal)
+            heads_out = out[i0:i1].transpose(0, 2, 1, 3)
+            for r0, r1 in blocks:
+                _matmul_into(scores[:, :, r0:r1, :r1], v[:, :, :r1], heads_out[:, :, r0:r1])
         self.qkv, self.probs, self.is_causal, self.scale = qkv, probs, is_causal, scale
         return out
 
     def backward(self, grad):
         xp = get_array_module(grad)
-        qkv, p = self.qkv, self.probs
-        q, k, v = (_heads(qkv, i) for i in range(3))
-        g = grad.transpose(0, 2, 1, 3)
-        t = p.shape[-1]
+        qkv, probs = self.qkv, self.probs
+        t = probs.shape[-1]
         blocks = _blocks(t, self.is_causal)
         gqkv = xp.empty(qkv.shape, dtype=qkv.dtype)
-        gq, gk, gv = (_heads(gqkv, i) for i in range(3))
-        gs = _scratch(xp, p.shape, p.dtype, len(blocks) > 1 and not fused.kernels_apply(p))
-        for r0, r1 in blocks:  # keys [r0, r1) are seen by the rows from r0 on
-            _matmul_into(_swap(p[:, :, r0:, r0:r1]), g[:, :, r0:], gv[:, :, r0:r1])
-            _matmul_into(g[:, :, r0:r1], _swap(v[:, :, :r1]), gs[:, :, r0:r1, :r1])
-        gs = fused.softmax_backward_(gs, p, self.scale, self.is_causal)
-        for r0, r1 in blocks:
-            _matmul_into(gs[:, :, r0:r1, :r1], k[:, :, :r1], gq[:, :, r0:r1])
-            _matmul_into(_swap(gs[:, :, r0:, r0:r1]), q[:, :, r0:], gk[:, :, r0:r1])
+        chunks = _batch_chunks(probs)
+        scratch = _scratch(xp, (chunks[0][1] if chunks else 0,) + probs.shape[1:], probs.dtype,
+                           len(blocks) > 1 and not fused.kernels_apply(probs))
+        for i0, i1 in chunks:
+            q, k, v = (_heads(qkv[i0:i1], i) for i in range(3))
+            gq, gk, gv = (_heads(gqkv[i0:i1], i) for i in range(3))
+            g, p, gs = grad[i0:i1].transpose(0, 2, 1, 3), probs[i0:i1], scratch[:i1 - i0]
+            for r0, r1 in blocks:  # keys [r0, r1) are seen by the rows from r0 on
+                _matmul_into(_swap(p[:, :, r0:, r0:r1]), g[:, :, r0:], gv[:, :, r0:r1])
+                _matmul_into(g[:, :, r0:r1], _swap(v[:, :, :r1]), gs[:, :, r0:r1, :r1])
+            gs = fused.softmax_backward_(gs, p, self.scale, self.is_causal)
+            for r0, r1 in blocks:
+                _matmul_into(gs[:, :, r0:r1, :r1], k[:, :, :r1], gq[:, :, r0:r1])
+                _matmul_into(_swap(gs[:, :, r0:, r0:r1]), q[:, :, r0:], gk[:, :, r0:r1])
         return gqkv
 
 
