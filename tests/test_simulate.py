@@ -301,3 +301,17 @@ def test_a_bucket_pays_the_calibrated_handoff_to_the_communication_thread():
     assert (k, size) == (k2, size2) and plain == S.allreduce_seconds("ring", size, 4, 1, net.params)
     assert with_handoff == pytest.approx(plain + 30e-6)
     assert S.step_time(WORK, strategy, 4, 1, handed, 32).comm == pytest.approx(k * (plain + 30e-6))
+
+
+def test_resnet_profiles_hold_the_papers_single_node_figures():
+    # Goyal et al. 2017, §5.5: 30 s an epoch at 11k on 352 GPUs (114 iterations), 12% above one
+    # server's iteration at 256: 0.2350 s for 32 images a GPU, of which backward 120 ms (§4)
+    p100 = S.PROFILES["resnet50-p100"]
+    assert p100.compute(32) == pytest.approx(0.2350, abs=1e-4)
+    assert p100.backward(32) == pytest.approx(0.120)
+    # NVIDIA's MXNet ResNet-50 v1.5 on one V100 16GB: 1376 img/s at batch 192, mixed precision
+    mxnet = S.PROFILES["resnet50-v100-mxnet"]
+    assert 192 / mxnet.compute(192) == pytest.approx(1376)
+    assert mxnet.bytes_per_param == 2
+    # Jia et al.'s P40 keeps its own assumption: 1.5 x 120 ms per 32 images, fp16 gradients
+    assert S.PUBLISHED[1].workload.compute(32) == pytest.approx(0.180)

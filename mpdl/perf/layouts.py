@@ -249,10 +249,10 @@ GPUS = {
                      "(t, p) = (1, 1), 32 GPUs, 137 TFLOP/s"),
     "a100-40gb": Gpu("a100-40gb", 312e12, 40 * GB, 1555e9, 108, 0.7471,
                      "A100 SXM4 40GB data sheet: 1,555 GB/s HBM2; otherwise as a100-80gb"),
-    "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GB, 3350e9, 132, 0.7471,
+    "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GB, 3350e9, 132, 0.7699,
                      "H100 SXM5 data sheet: 989 TFLOP/s dense bf16 tensor cores, 3.35 TB/s HBM3, "
-                     "132 SMs; eta assumed the A100's (no published H100 run outside the rows "
-                     "checked)"),
+                     "132 SMs; eta from Megatron-LM's README, H100 model table: the 1.7B GPT, "
+                     "(t, p, d) = (1, 1, 48), 408.8 TFLOP/s"),
 }
 
 
