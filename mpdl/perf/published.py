@@ -179,6 +179,11 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
         r = S.predict_published(run)
         out.append(_row(run.name, run.seconds, r["predicted_s"], "s to train", BAND,
                         source=run.result))
+        if run.name == "Goyal et al. 2017":
+            out.append(_row("Goyal et al. 2017 scaling efficiency 8 -> 256 GPUs", 0.90,
+                            r["efficiency_vs_one_node"], "of one server's rate a GPU", BAND,
+                            source="Goyal et al. 2017, abstract: ~90% scaling efficiency when "
+                                   "moving from 8 to 256 GPUs"))
     out += five_axis_rows()
     # Mikami et al.'s cluster and all-reduce, MXNet's V100 rate, 40 images per GPU
     r = S.predict_published(YAMAZAKI)
@@ -195,6 +200,17 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
 YAMAZAKI = S.Published(
     "Yamazaki et al. 2019", "2048 V100 on ABCI, batch 81,920, MXNet, 74.7 s, over 1.73 M "
     "images/s", 74.7, S.PROFILES["resnet50-v100-mxnet"], "abci", 2048, 4, 81920, "torus2d")
+
+
+def llama3_layouts(virtual: int = LLAMA3_VIRTUAL) -> list[tuple[L.Shape, L.Layout]]:
+    """Llama 3 405B's three layouts of Table 4 as the model takes them: ZeRO 1, sp, selective
+    recomputation, and from §3.3.2 context parallelism by an all-gather of K and V ("our CP
+    implementation adopts an all-gather based method") and an interleaved schedule of `virtual`
+    chunks a stage."""
+    return [(L.replace(L.SHAPES["llama3-405b"], seq=seq),
+             L.Layout(dp=dp, pp=pp, tp=tp, zero=1, microbatches=per_dp, recompute="selective",
+                      cp=cp, sp=True, cp_mode="allgather", virtual=virtual))
+            for _, tp, cp, pp, dp, seq, per_dp, _ in LLAMA3]
 
 
 def five_axis_rows() -> list[dict[str, Any]]:
@@ -220,14 +236,10 @@ def five_axis_rows() -> list[dict[str, Any]]:
         out.append(_row(f"Korthikanti 530B MFU, recompute={mode}", figure, r["mfu"], "MFU", BAND,
                         layout=layout.label(), fits=r["fits"], source=src))
     net, gpu = NETWORKS["grand-teton"], L.GPUS["h100-80gb"]
-    for gpus, tp, cp, pp, dp, seq, per_dp, figure in LLAMA3:
-        shape = L.replace(L.SHAPES["llama3-405b"], seq=seq)
-        # §3.3.2: an all-gather of K and V ("our CP implementation adopts an all-gather based
-        # method"), an interleaved schedule
-        layout = L.Layout(dp=dp, pp=pp, tp=tp, zero=1, microbatches=per_dp, recompute="selective",
-                          cp=cp, sp=True, cp_mode="allgather", virtual=LLAMA3_VIRTUAL)
+    for (gpus, *_, figure), (shape, layout) in zip(LLAMA3, llama3_layouts(), strict=True):
         r = L.evaluate(shape, layout, bf16, gpu, net.params, net.per_node)
-        out.append(_row(f"Llama 3 405B on {gpus} H100, cp {cp}, sequence {seq}", figure,
+        out.append(_row(f"Llama 3 405B on {gpus} H100, cp {layout.cp}, sequence {shape.seq}",
+                        figure,
                         r["model_flops_per_s"] / gpus / 1e12, "TFLOP/s per GPU", BAND,
                         layout=layout.label(), fits=r["fits"],
                         source="Dubey et al. 2024, Table 4: BF16 model TFLOP/s per GPU"))
