@@ -305,7 +305,7 @@ def test_a_bucket_pays_the_calibrated_handoff_to_the_communication_thread():
 
 def test_resnet_profiles_hold_the_papers_single_node_figures():
     # Goyal et al. 2017, §5.5: 30 s an epoch at 11k on 352 GPUs (114 iterations), 12% above one
-    # server's iteration at 256: 0.2350 s for 32 images a GPU, of which backward 120 ms (§4)
+    # server's iteration at 256: 0.2350 s for 32 images a GPU, of which backward 120 ms (§4.3)
     p100 = S.PROFILES["resnet50-p100"]
     assert p100.compute(32) == pytest.approx(0.2350, abs=1e-4)
     assert p100.backward(32) == pytest.approx(0.120)

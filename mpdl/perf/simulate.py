@@ -142,12 +142,13 @@ def saturating(name: str, rate: float, batch: int, half_batch: float, bytes_per_
 #: per image (10.6 images), A100 80GB 2.37 ms + 0.170 ms per image (13.9 images)
 HALF_BATCH = {"v100": 10.6, "a100": 13.9}
 
-#: Goyal et al. 2017, §5.5 (Fig. 7): an epoch at a batch of 11k on 352 GPUs takes about 30 s,
+#: Goyal et al. 2017, §5.5 (Fig. 7): an epoch at a batch of 11k on 352 GPUs takes 30 s,
 #: ceil(1,281,167 / 11,264) = 114 iterations, and the time per iteration is 12% above that of a
 #: batch of 256 on 8 GPUs (one server; an epoch there "over 16 minutes"): one server's iteration
 #: of 32 images a GPU, everything in it, is 30 / 114 / 1.12 = 0.235 s
 GOYAL_SERVER_ITERATION_S = 30.0 / math.ceil(IMAGENET_TRAIN / 11264) / 1.12
-#: Goyal et al. 2017, §4: the backward of 32 images on a P100 takes 120 ms
+#: Goyal et al. 2017, §4.3: "Backwards pass time for ResNet-50 on a single NVIDIA Tesla
+#: P100 GPU is 120 ms" (32 images, the per-GPU batch of the paper)
 GOYAL_BACKWARD_S = 0.120
 
 PROFILES: dict[str, Workload] = {
@@ -156,7 +157,7 @@ PROFILES: dict[str, Workload] = {
         bytes_per_param=4, backward_fraction=GOYAL_BACKWARD_S / GOYAL_SERVER_ITERATION_S,
         source="Goyal et al. 2017 (Caffe2, fp32): one server's iteration of 32 images a GPU, "
                "0.235 s (§5.5: 30 s an epoch at 11k on 352 GPUs, 12% above 8 GPUs at 256), "
-               "of which backward 120 ms (§4)"),
+               "of which backward 120 ms (§4.3)"),
     "resnet50-v100": saturating(
         "resnet50-v100", 1200, 256, HALF_BATCH["v100"], 2,
         source="NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5, DGX-1 16GB: 1200 img/s on "
@@ -522,12 +523,12 @@ class Published:
 
 
 #: Jia et al. ran on Tesla P40s, which have no published ResNet-50 training rate beside the paper:
-#: taken as a P100's compute of 32 images, Goyal et al.'s backward (120 ms, §4) and a forward of
+#: taken as a P100's compute of 32 images, Goyal et al.'s backward (120 ms, §4.3) and a forward of
 #: half of it (P40: 12 TFLOP/s fp32, P100 SXM2: 10.6), with fp16 gradients
 RESNET50_P40 = Workload("resnet50-p40", RESNET50_PARAMS, sample_s=1.5 * GOYAL_BACKWARD_S / 32,
                         bytes_per_param=2,
                         source="assumed: a P100's backward of 32 images (120 ms, Goyal et al. "
-                               "2017, §4) and a forward of half of it; fp16 gradients (Jia et "
+                               "2017, §4.3) and a forward of half of it; fp16 gradients (Jia et "
                                "al. 2018 train in mixed precision)")
 
 PUBLISHED = (
