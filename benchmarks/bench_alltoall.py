@@ -59,8 +59,10 @@ def main() -> None:
     pairs = MPIComm(world.Dup())
     settings.use(None)
     names = [*C.algorithms("alltoall"), NODES_OF_2, "auto"]
+    nodes = len(comm.node_groups())  # (collective the first time: every rank asks)
     if rank == 0:
-        print(f"# all-to-all, {p} ranks, one node ({NODES_OF_2}: emulated nodes of 2); median of "
+        where = "one node" if nodes == 1 else f"{nodes} nodes"
+        print(f"# all-to-all, {p} ranks, {where} ({NODES_OF_2}: emulated nodes of 2); median of "
               f"the repetitions taken in turns, {args.loop} call(s) each, time = slowest rank")
         print(f"{'B/dest':>9} {'algorithm':>16} {'time(us)':>11} {'busbw(GB/s)':>12} {'mpi/this':>9}")
     summary = []

@@ -240,8 +240,16 @@ def alltoall(x: Any, comm: Any = None, algorithm: str = "auto", out: Any = None)
     """Block j of x (x[j], its first axis of length p) goes to rank j; block i of the result came
     from rank i. The result has x's shape and dtype; `out` (of that shape and dtype) receives it,
     and `out is x` exchanges in place. x is left untouched otherwise. With `out`, the call runs
-    through a cached plan (`mpdl.collectives.plan`) of these arrays."""
-    if out is not None and type(algorithm) is str:
+    through a cached plan (`mpdl.collectives.plan`) of these arrays; without, small NumPy inputs
+    run through a plan kept for their shape (`plan.shaped_alltoall`)."""
+    if out is None:
+        result = _plan.shaped_alltoall(x, comm, algorithm)
+        if result is not None:
+            return result
+    elif type(algorithm) is str:
+        plan = _cached_plans.get(("alltoall", id(x), id(out), id(comm), algorithm))
+        if plan is not None and x.dtype is plan._dtype and x.shape == plan._shape:
+            return plan()  # the plan cache's hit in line, as allreduce's (plan.cached_alltoall)
         plan = _plan.cached_alltoall(x, algorithm, comm, out)
         if plan is not None:
             return plan()
@@ -260,6 +268,8 @@ def _prepare_alltoall(x: Any, comm: Any, algorithm: str, out: Any):
     c, algo, out, layout = call.comm, call.algorithm, call.out, call.layout
     flat = out.reshape(-1)
     send = flat if out is x else x.reshape(-1)
+    if not send.flags.c_contiguous:  # a strided view of x: the messages need whole blocks
+        send = send.copy()
 
     def work() -> Any:
         _run(c, algo, "alltoall", flat, send, layout)

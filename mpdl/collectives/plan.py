@@ -13,7 +13,8 @@ and scattered algorithms, MPI_Alltoall_init for mpi).
 `allreduce`, `reduce_scatter`, `allgather` and `alltoall` keep a bounded cache of plans keyed by their arrays'
 identity and the other arguments, so repeated calls on the same arrays (`out=` preallocated) get
 the same benefit without asking for a plan: a plan is made at the second call on the same arrays
-(until then they are held weakly), for arrays up to CACHE_MAX_BYTES.
+(until then they are held weakly), for arrays up to CACHE_MAX_BYTES. `alltoall` without `out`
+keeps plans by shape instead (`shaped_alltoall`), copying each call's x in and its result out.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from mpdl.collectives.bruck import moving
 from mpdl.collectives.ops import reducer, segment_elements
 from mpdl.collectives.pairwise import partners
 from mpdl.collectives.scattered import THROTTLE
-from mpdl.comm import Communicator, Request
+from mpdl.comm import Communicator, Request, as_communicator
 from mpdl.comm.mpi import MPIComm, free_before_finalize
 from mpdl.mpi_runtime import library_version
 
@@ -541,9 +542,16 @@ def _alltoall_plan(x: Any, comm: Any, algorithm: str, out: Any, persistent: bool
     block = layout.block
     flat = out.reshape(-1)
     send = flat if out is x else x.reshape(-1)
+    refresh = None
+    if out is not x and not x.flags.c_contiguous:
+        # x's flat form is a copy (or a strided view): each run sends a fresh contiguous copy
+        staging = call.xp.empty(x.shape, dtype=x.dtype)
+        send, refresh = staging.reshape(-1), functools.partial(call.xp.copyto, staging, x)
     run = algo.run
 
     def go() -> None:
+        if refresh is not None:
+            refresh()
         run(c, flat, send, layout)
 
     fast, requests = None, None
@@ -554,8 +562,19 @@ def _alltoall_plan(x: Any, comm: Any, algorithm: str, out: Any, persistent: bool
             fast, requests = _direct_alltoall_fast(c, flat, send, layout, algo.name)
         elif algo.name == "bruck" and block:
             fast, requests = _bruck_alltoall_fast(c, flat, send, block)
+        if fast is not None and refresh is not None:
+            fast = _after(refresh, fast)
     return Plan(c, "alltoall", algo.name, x, out, None, call.signature, go, None, fast,
                 requests)
+
+
+def _after(first: Callable[[], Any], then: Callable[[], None]) -> Callable[[], None]:
+    """first(), then then()."""
+    def run() -> None:
+        first()
+        then()
+
+    return run
 
 
 def _mpi_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, persistent: bool):
@@ -724,11 +743,50 @@ def cached_alltoall(x: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
                    _alltoall_plan, x, comm, algorithm, out, False)
 
 
+#: the one-shot all-to-all's plans by communicator, algorithm, shape and dtype (`shaped_alltoall`),
+#: each with its input array; shapes met once (a plan is made at the second call of a shape); and
+#: the largest input they are kept for: above it the copies in and out cost more than they save
+shaped: dict[tuple, tuple[Plan, np.ndarray]] = {}
+_shapes_seen: dict[tuple, None] = {}
+SHAPED_MAX_BYTES = 64 << 10
+
+
+def shaped_alltoall(x: Any, comm: Any, algorithm: Any) -> Any:
+    """`alltoall(x, comm, algorithm)` run by a plan kept for x's shape and dtype on this
+    communicator: x is copied into the plan's input and the result out of its output into a new
+    array, so the checks, the layout and the messages' requests are made once per shape rather
+    than once per call. None where no plan is kept (the caller then makes the one-shot call):
+    not a NumPy array up to SHAPED_MAX_BYTES on an MPI communicator of more than one rank, or the
+    first call of its shape."""
+    if type(x) is not np.ndarray or x.nbytes > SHAPED_MAX_BYTES or type(algorithm) is not str:
+        return None
+    c = as_communicator(comm)
+    key = (id(c), algorithm, x.shape, x.dtype)
+    entry = shaped.get(key)
+    if entry is None:
+        if not isinstance(c, MPIComm) or c.size == 1:
+            return None
+        if key not in _shapes_seen:
+            _evict(_shapes_seen)
+            _shapes_seen[key] = None
+            return None
+        del _shapes_seen[key]
+        source = np.empty(x.shape, x.dtype)
+        entry = _alltoall_plan(source, c, algorithm, np.empty_like(source), False), source
+        _evict(shaped)
+        shaped[key] = entry
+    plan, source = entry
+    np.copyto(source, x)
+    return plan().copy()
+
+
 def clear_cache() -> None:
     """Drop the ordinary calls' cached plans."""
     cache.clear()
     _seen.clear()
+    shaped.clear()
+    _shapes_seen.clear()
 
 
 __all__ = ["Plan", "allreduce_init", "reduce_scatter_init", "allgather_init", "alltoall_init",
-           "clear_cache"]
+           "clear_cache", "shaped_alltoall"]

@@ -134,6 +134,33 @@ def test_persistent_plans_and_cached_calls_match_mpi(algorithm):
         assert_bits(C.alltoall(x, algorithm=algorithm, out=out), want)
     plan.free()
     in_place.free()
+    wide = local_bits((P, 6), "int32", 4)
+    strided = C.alltoall_init(wide[:, :3], algorithm=algorithm)  # x's flat form is a copy
+    for seed in range(2):
+        wide[...] = local_bits((P, 6), "int32", 30 + seed)
+        assert_bits(strided(), mpi_alltoall(np.ascontiguousarray(wide[:, :3])))
+    strided.free()
+
+
+@pytest.mark.parametrize("algorithm", [*ALGORITHMS, "auto"])
+def test_one_shot_calls_of_one_shape_match_mpi(algorithm):
+    """alltoall(x) without out, again and again on new arrays of one shape (from the second call a
+    plan kept for the shape runs it: x copied in, the result copied out), x strided: every result
+    is bit-exact and an array of its own, and x is left as it was."""
+    from mpdl.collectives import plan as plans
+    from mpdl.comm import as_communicator
+
+    results, wants = [], []
+    for seed in range(3):
+        wide = local_bits((P, 6), "float64", 20 + seed)
+        x = wide[:, ::2]
+        wants.append(mpi_alltoall(np.ascontiguousarray(x)))
+        results.append(C.alltoall(x, algorithm=algorithm))
+        assert_bits(wide, local_bits((P, 6), "float64", 20 + seed))
+    for result, want in zip(results, wants, strict=True):
+        assert_bits(result, want)
+    kept = (id(as_communicator(None)), algorithm, (P, 3), np.dtype("float64")) in plans.shaped
+    assert kept == (P > 1)
 
 
 def test_async_handles_complete_in_issue_order():
