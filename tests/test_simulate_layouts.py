@@ -151,12 +151,12 @@ EXPECTED = {  # name: published figure, as the papers state it
     "ZeRO stage 3 memory": 1.9, "Megatron-LM 8.3B on 512 V100": 15.1,
     "Megatron-LM 8.3B weak-scaling efficiency": 0.76, "PTD-P 1T on 3072 A100": 502.0,
     "PTD-P 1T share of peak": 0.52, "Goyal et al. 2017": 3600.0, "Jia et al. 2018": 396.0,
-    "Yamazaki et al. 2019 throughput": 1.73e6}
+    "Goyal et al. 2017 scaling efficiency 8 -> 256 GPUs": 0.90,
+    "Yamazaki et al. 2019 throughput": 1.73e6, "Mikami et al. 2018": 224.0}
 
 
 #: rows outside ±15%, each explained in docs/simulate.md, with the ratio they stand at
-OUTSIDE = {"Goyal et al. 2017": 0.79, "Mikami et al. 2018": 0.39,
-           "Yamazaki et al. 2019 throughput": 0.82}
+OUTSIDE = {"Mikami et al. 2018": 0.39}
 
 
 def test_published_figures_within_their_bands():
@@ -176,11 +176,13 @@ def test_published_figures_within_their_bands():
     # every row's band is ±15% at most
     assert all(r["band"] <= 0.15 for r in rows.values())
     # Mikami et al. stays outside the band: what the model misses is said in docs/simulate.md;
-    # on the same cluster with the same inputs Yamazaki et al.'s throughput lies nearer
+    # on the same cluster Yamazaki et al.'s throughput lies inside
     assert not rows["Mikami et al. 2018"]["ok"]
     assert rows["Mikami et al. 2018"]["ratio"] == pytest.approx(OUTSIDE["Mikami et al. 2018"],
                                                                  abs=0.01)
-    assert rows["Mikami et al. 2018"]["ratio"] < rows["Yamazaki et al. 2019 throughput"]["ratio"]
+    assert rows["Yamazaki et al. 2019 throughput"]["ok"]
+    # every other row is inside its band
+    assert [n for n, r in rows.items() if not r["ok"]] == list(OUTSIDE)
     # the PTD-P layout (t, p, d) = (8, 64, 6) is the stated one and fits in 80 GB
     assert rows["PTD-P 1T share of peak"]["layout"] == "dp6 pp64 tp8 m512 1f1b recompute=full"
     assert rows["PTD-P 1T share of peak"]["fits"]
@@ -325,9 +327,11 @@ def test_interleaving_shrinks_the_bubble():
 
 def test_search_report_covers_five_axes_and_says_why():
     shape = L.Shape(4, 64, 4, 256, 100, experts=4, top_k=2)
-    report = L.search_report(shape, 8, 16, MIXED, A100, SELENE.params, 8, top=50)
+    # every layout that fits (interleaved pipelines among them)
+    report = L.search_report(shape, 8, 16, MIXED, A100, SELENE.params, 8, top=10_000)
     rows = report["rows"]
-    assert report["tried"] == report["fit"] + report["too_big"] and report["fit"] >= len(rows)
+    assert report["tried"] == report["fit"] + report["too_big"] and report["fit"] == len(rows)
+    assert {r["virtual"] for r in rows} > {1}
     assert {r["cp"] for r in rows} > {1} and {r["ep"] for r in rows} > {1}
     assert {r["recompute"] for r in rows} == set(L.RECOMPUTE)
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
@@ -355,3 +359,50 @@ def test_five_axis_published_rows_are_reported():
     sel = rows["Korthikanti 530B MFU, recompute=selective"]["predicted"]
     full = rows["Korthikanti 530B MFU, recompute=full"]["predicted"]
     assert 1.15 < sel / full < 1.45
+
+
+def test_interleaving_depths_the_search_may_take():
+    # Llama 3: 126 layers on 16 stages, two chunks holding only the embedding and the output:
+    # 128 chunks, so 2, 4 or 8 a stage (v = 8 is the paper's one layer a chunk)
+    assert L.virtual_stages(126, 16, 16) == [1, 2, 4, 8]
+    # PTD-P's 1T: 128 layers on 64 stages, 2 layers a stage: one chunk or two
+    assert L.virtual_stages(128, 64, 512) == [1, 2]
+    # 12 layers on 4 stages: 12 chunks (v = 3); 8 or 16 chunks do not hold 12 (or 14) evenly
+    assert L.virtual_stages(12, 4, 8) == [1, 3]
+    # the micro-batches must fill whole rounds of pp, and AFAB has no interleaved schedule
+    assert L.virtual_stages(12, 4, 6) == [1]
+    assert L.virtual_stages(12, 4, 8, "afab") == [1]
+    assert L.virtual_stages(12, 1, 8) == [1]
+
+
+def test_search_takes_the_interleaving_depth_with_its_bubble_sends_and_memory():
+    shape = L.SHAPES["gpt2-small"]
+    report = L.search_report(shape, 8, 64, MIXED, A100, SELENE.params, 8, top=10_000,
+                             context=False, sequence_parallel=False, recomputes=("none",),
+                             zero_stages=(0,))
+    rows = report["rows"]
+    interleaved = [r for r in rows if r["virtual"] > 1]
+    assert interleaved, "the search tries v > 1"
+    for r in interleaved:
+        pp, m, v = r["pp"], r["microbatches"], r["virtual"]
+        assert v in L.virtual_stages(12, pp, m)
+        assert r["bubble_share"] == pytest.approx((pp - 1) / (v * m + pp - 1))
+        plain = L.evaluate(shape, replace(_layout(r), virtual=1), MIXED, A100, SELENE.params, 8)
+        assert r["bubble_s"] < plain["bubble_s"]
+        assert r["pp_comm_s"] == pytest.approx(v * plain["pp_comm_s"])
+        # the first stage holds (1 + (pp - 1)/(pp v)) times the micro-batches in flight
+        assert r["activation_bytes"] == pytest.approx(
+            plain["activation_bytes"] * (1 + (pp - 1) / (pp * v)))
+    without = L.search_report(shape, 8, 64, MIXED, A100, SELENE.params, 8, top=10_000,
+                              context=False, sequence_parallel=False, recomputes=("none",),
+                              zero_stages=(0,), interleave=False)
+    assert report["tried"] == without["tried"] + len(
+        [x for x in L.candidates(shape, 8, 64, 8, zero_stages=(0,), recomputes=("none",),
+                                 context=False, sequence_parallel=False) if x.virtual > 1])
+    assert all(r["virtual"] == 1 for r in without["rows"])
+
+
+def _layout(row):
+    return L.Layout(row["dp"], row["pp"], row["tp"], row["zero"], row["microbatches"],
+                    row["schedule"], row["recompute"], row["zero_group"], row["cp"], row["ep"],
+                    row["sp"], row["cp_mode"], row["capacity_factor"], row["virtual"])

@@ -81,7 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus", type=int, help="GPUs for --search (default: --nodes × --per-node)")
     g.add_argument("--tokens", metavar="COUNT", help="tokens to train on, e.g. 300B: time and cost")
     g.add_argument("--search", action="store_true",
-                   help="the fastest layouts of --gpus GPUs that fit, for --global-batch sequences")
+                   help="the fastest layouts of --gpus GPUs that fit, for --global-batch sequences "
+                        "(every dp, pp, cp, tp, ep, ZeRO stage, recomputation, sp and "
+                        "interleaving depth)")
     g.add_argument("--top", type=int, default=5, help="layouts --search prints (default 5)")
     g.add_argument("--published", action="store_true",
                    help="every published figure beside its prediction (with --json PATH: lines)")

@@ -67,6 +67,7 @@ functions; the cost model is `mpdl.collectives.costmodel`.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -249,10 +250,10 @@ GPUS = {
                      "(t, p) = (1, 1), 32 GPUs, 137 TFLOP/s"),
     "a100-40gb": Gpu("a100-40gb", 312e12, 40 * GB, 1555e9, 108, 0.7471,
                      "A100 SXM4 40GB data sheet: 1,555 GB/s HBM2; otherwise as a100-80gb"),
-    "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GB, 3350e9, 132, 0.7471,
+    "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GB, 3350e9, 132, 0.7699,
                      "H100 SXM5 data sheet: 989 TFLOP/s dense bf16 tensor cores, 3.35 TB/s HBM3, "
-                     "132 SMs; eta assumed the A100's (no published H100 run outside the rows "
-                     "checked)"),
+                     "132 SMs; eta from Megatron-LM's README, H100 model table: the 1.7B GPT, "
+                     "(t, p, d) = (1, 1, 48), 408.8 TFLOP/s"),
 }
 
 
@@ -677,15 +678,27 @@ def why_slower(row: dict[str, Any], best: dict[str, Any]) -> str:
     return f"{part[:-2].replace('_', ' ')} +{row[part] - best[part]:.3g} s"
 
 
+def virtual_stages(layers: int, pp: int, microbatches: int, schedule: str = "1f1b") -> list[int]:
+    """The interleaving depths v a pipeline of pp stages can run: 1, and with 1F1B each v ≥ 2
+    whose pp·v chunks hold the layers evenly, or evenly after two chunks that hold only the
+    embedding and the output layer (Llama 3: 126 layers in 128 chunks), with the micro-batches a
+    multiple of pp (the interleaved schedule's rounds, Narayanan et al. 2021, §2.2.2)."""
+    if pp == 1 or schedule != "1f1b" or microbatches % pp:
+        return [1]
+    return [1] + [v for v in range(2, (layers + 2) // pp + 1)
+                  if layers % (pp * v) == 0 or (layers + 2) % (pp * v) == 0]
+
+
 def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
                schedule: str = "1f1b", zero_stages: tuple[int, ...] = (0, 1, 2, 3),
                cp_mode: str = "ring", capacity_factor: float = 1.0,
                recomputes: tuple[str, ...] = RECOMPUTE, context: bool = True,
-               sequence_parallel: bool = True):
+               sequence_parallel: bool = True, interleave: bool = True):
     """Every dp × pp × cp × tp × ep layout of `gpus` GPUs that can run the shape: tp dividing the
     heads and at most a node, pp the layers, cp the sequence, ep the experts and dp, dp the global
     batch in micro-batches; each ZeRO stage allowed, each of `recomputes`, with and without sp
-    (unless `sequence_parallel` is false), cp > 1 only with `context`."""
+    (unless `sequence_parallel` is false), cp > 1 only with `context`, and with `interleave`
+    each interleaving depth of `virtual_stages`."""
     for tp in _divisors(gpus):
         if tp > per_node or shape.heads % tp:
             continue
@@ -699,16 +712,18 @@ def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
                     for zero in zero_stages:
                         if (pp > 1 and zero > 1) or (dp * cp == 1 and zero > 0):
                             continue
-                        for recompute in recomputes:
-                            for sp in ((False, True) if tp > 1 and sequence_parallel
-                                       else (False,)):
-                                layout = Layout(dp, pp, tp, zero, m, schedule, recompute, None,
-                                                cp, ep, sp, cp_mode, capacity_factor)
-                                try:
-                                    check_layout(shape, layout, per_node)
-                                except ValueError:
-                                    continue
-                                yield layout
+                        depths = virtual_stages(shape.layers, pp, m, schedule) if interleave \
+                            else [1]
+                        for recompute, sp, virtual in itertools.product(
+                                recomputes, (False, True) if tp > 1 and sequence_parallel
+                                else (False,), depths):
+                            layout = Layout(dp, pp, tp, zero, m, schedule, recompute, None, cp,
+                                            ep, sp, cp_mode, capacity_factor, virtual)
+                            try:
+                                check_layout(shape, layout, per_node)
+                            except ValueError:
+                                continue
+                            yield layout
 
 
 def search(shape: Shape, gpus: int, global_batch: int, precision: Precision, gpu: Gpu,

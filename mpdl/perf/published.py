@@ -64,6 +64,20 @@ KORTHIKANTI_TABLE2 = {
 }
 
 
+def megatron_flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> float:
+    """Model FLOPs per token as Megatron-LM counts them (Narayanan et al. 2021, eq. 3, without
+    recomputation): 72·l·h²·(1 + s/(6h)) + 6·V·h."""
+    return 72 * layers * hidden ** 2 * (1 + seq / (6 * hidden)) + 6 * vocab * hidden
+
+
+#: Megatron-LM's README (NVIDIA/Megatron-LM, "Training Speed and Scalability", the model table of
+#: commit 937571c, "new scaling figures on H100 GPUs"): the 1.7B GPT (24 layers, d 2048, 16
+#: heads, sequence 4096, vocabulary 131,072) on 48 H100, (t, p, d) = (1, 1, 48), batch 192,
+#: distributed optimizer, 408.8 TFLOP/s a GPU (41% MFU). Megatron-Core runs attention through
+#: FlashAttention, so the shape takes the llama family's kernels (scores kept on chip); one
+#: sequence a micro-batch is assumed (the table does not state it)
+MCORE_1_7B = L.Shape(24, 2048, 16, 4096, 131072, 1, "mcore-1.7b", family="llama")
+
 #: the published runs each GPU's η (`mpdl.perf.compute`) is derived from, none of them a row the
 #: model is checked against: (shape, layout, network, stated FLOP/s per GPU counted with
 #: recomputation, source)
@@ -73,6 +87,12 @@ CALIBRATION: dict[str, tuple[L.Shape, L.Layout, str, float, str]] = {
                      "137 TFLOP/s a GPU"),
     "v100": (L.Shape(40, 1536, 16, 1024, 51200, 8, "megatron-1.2b"), L.Layout(recompute="full"),
              "dgx2h", 39e12, "Shoeybi et al. 2019, §5.1: the 1.2B model on one GPU, 39 TFLOP/s"),
+    # the README's 408.8 TFLOP/s in Megatron's count, as tokens/s, times the model's own count
+    "h100": (MCORE_1_7B, L.Layout(dp=48, zero=1, microbatches=4), "grand-teton",
+             408.8e12 / megatron_flops_per_token(24, 2048, 4096, 131072)
+             * MCORE_1_7B.flops_per_token,
+             "Megatron-LM README, H100 model table: 1.7B, (t, p, d) = (1, 1, 48), batch 192, "
+             "408.8 TFLOP/s a GPU"),
 }
 
 
@@ -159,8 +179,13 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
         r = S.predict_published(run)
         out.append(_row(run.name, run.seconds, r["predicted_s"], "s to train", BAND,
                         source=run.result))
+        if run.name == "Goyal et al. 2017":
+            out.append(_row("Goyal et al. 2017 scaling efficiency 8 -> 256 GPUs", 0.90,
+                            r["efficiency_vs_one_node"], "of one server's rate a GPU", BAND,
+                            source="Goyal et al. 2017, abstract: ~90% scaling efficiency when "
+                                   "moving from 8 to 256 GPUs"))
     out += five_axis_rows()
-    # the same cluster, model inputs and all-reduce as Mikami et al.'s row, 40 images per GPU
+    # Mikami et al.'s cluster and all-reduce, MXNet's V100 rate, 40 images per GPU
     r = S.predict_published(YAMAZAKI)
     out.append(_row("Yamazaki et al. 2019 throughput", 1.73e6,
                     YAMAZAKI.global_batch / r["step_s"], "images/s", BAND,
@@ -169,11 +194,23 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
 
 
 #: a run on Mikami et al.'s cluster (ABCI, V100) whose throughput the paper states: over 1.73 M
-#: images/s on 2,048 GPUs at a batch of 81,920 (40 a GPU). The model takes it with the same inputs
-#: as Mikami et al.'s row (profile, network, 2D torus)
+#: images/s on 2,048 GPUs at a batch of 81,920 (40 a GPU), in MXNet. The model takes it with the
+#: V100's MXNet rate (NVIDIA's MXNet ResNet-50 v1.5 example) and Mikami et al.'s network and 2D
+#: torus
 YAMAZAKI = S.Published(
-    "Yamazaki et al. 2019", "2048 V100 on ABCI, batch 81,920, 74.7 s, over 1.73 M images/s",
-    74.7, S.PROFILES["resnet50-v100"], "abci", 2048, 4, 81920, "torus2d")
+    "Yamazaki et al. 2019", "2048 V100 on ABCI, batch 81,920, MXNet, 74.7 s, over 1.73 M "
+    "images/s", 74.7, S.PROFILES["resnet50-v100-mxnet"], "abci", 2048, 4, 81920, "torus2d")
+
+
+def llama3_layouts(virtual: int = LLAMA3_VIRTUAL) -> list[tuple[L.Shape, L.Layout]]:
+    """Llama 3 405B's three layouts of Table 4 as the model takes them: ZeRO 1, sp, selective
+    recomputation, and from §3.3.2 context parallelism by an all-gather of K and V ("our CP
+    implementation adopts an all-gather based method") and an interleaved schedule of `virtual`
+    chunks a stage."""
+    return [(L.replace(L.SHAPES["llama3-405b"], seq=seq),
+             L.Layout(dp=dp, pp=pp, tp=tp, zero=1, microbatches=per_dp, recompute="selective",
+                      cp=cp, sp=True, cp_mode="allgather", virtual=virtual))
+            for _, tp, cp, pp, dp, seq, per_dp, _ in LLAMA3]
 
 
 def five_axis_rows() -> list[dict[str, Any]]:
@@ -199,14 +236,10 @@ def five_axis_rows() -> list[dict[str, Any]]:
         out.append(_row(f"Korthikanti 530B MFU, recompute={mode}", figure, r["mfu"], "MFU", BAND,
                         layout=layout.label(), fits=r["fits"], source=src))
     net, gpu = NETWORKS["grand-teton"], L.GPUS["h100-80gb"]
-    for gpus, tp, cp, pp, dp, seq, per_dp, figure in LLAMA3:
-        shape = L.replace(L.SHAPES["llama3-405b"], seq=seq)
-        # §3.3.2: an all-gather of K and V ("our CP implementation adopts an all-gather based
-        # method"), an interleaved schedule
-        layout = L.Layout(dp=dp, pp=pp, tp=tp, zero=1, microbatches=per_dp, recompute="selective",
-                          cp=cp, sp=True, cp_mode="allgather", virtual=LLAMA3_VIRTUAL)
+    for (gpus, *_, figure), (shape, layout) in zip(LLAMA3, llama3_layouts(), strict=True):
         r = L.evaluate(shape, layout, bf16, gpu, net.params, net.per_node)
-        out.append(_row(f"Llama 3 405B on {gpus} H100, cp {cp}, sequence {seq}", figure,
+        out.append(_row(f"Llama 3 405B on {gpus} H100, cp {layout.cp}, sequence {shape.seq}",
+                        figure,
                         r["model_flops_per_s"] / gpus / 1e12, "TFLOP/s per GPU", BAND,
                         layout=layout.label(), fits=r["fits"],
                         source="Dubey et al. 2024, Table 4: BF16 model TFLOP/s per GPU"))

@@ -142,16 +142,32 @@ def saturating(name: str, rate: float, batch: int, half_batch: float, bytes_per_
 #: per image (10.6 images), A100 80GB 2.37 ms + 0.170 ms per image (13.9 images)
 HALF_BATCH = {"v100": 10.6, "a100": 13.9}
 
+#: Goyal et al. 2017, §5.5 (Fig. 7): an epoch at a batch of 11k on 352 GPUs takes 30 s,
+#: ceil(1,281,167 / 11,264) = 114 iterations, and the time per iteration is 12% above that of a
+#: batch of 256 on 8 GPUs (one server; an epoch there "over 16 minutes"): one server's iteration
+#: of 32 images a GPU, everything in it, is 30 / 114 / 1.12 = 0.235 s
+GOYAL_SERVER_ITERATION_S = 30.0 / math.ceil(IMAGENET_TRAIN / 11264) / 1.12
+#: Goyal et al. 2017, §4.3: "Backwards pass time for ResNet-50 on a single NVIDIA Tesla
+#: P100 GPU is 120 ms" (32 images, the per-GPU batch of the paper)
+GOYAL_BACKWARD_S = 0.120
+
 PROFILES: dict[str, Workload] = {
     "resnet50-p100": Workload(
-        "resnet50-p100", RESNET50_PARAMS, sample_s=0.180 / 32, bytes_per_param=4,
-        source="Goyal et al. 2017, §5.1: backward of 32 images takes 120 ms on one Tesla P100 "
-               "(fp32); forward taken as half of that (180 ms per 32 images)"),
+        "resnet50-p100", RESNET50_PARAMS, sample_s=GOYAL_SERVER_ITERATION_S / 32,
+        bytes_per_param=4, backward_fraction=GOYAL_BACKWARD_S / GOYAL_SERVER_ITERATION_S,
+        source="Goyal et al. 2017 (Caffe2, fp32): one server's iteration of 32 images a GPU, "
+               "0.235 s (§5.5: 30 s an epoch at 11k on 352 GPUs, 12% above 8 GPUs at 256), "
+               "of which backward 120 ms (§4.3)"),
     "resnet50-v100": saturating(
         "resnet50-v100", 1200, 256, HALF_BATCH["v100"], 2,
         source="NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5, DGX-1 16GB: 1200 img/s on "
                "one V100 at batch 256, mixed precision (fp16 gradients); a fixed 10.6 images' "
                "worth per step from the same examples' V100 latency at batch 1-128 (MXNet)"),
+    "resnet50-v100-mxnet": saturating(
+        "resnet50-v100-mxnet", 1376, 192, HALF_BATCH["v100"], 2,
+        source="NVIDIA DeepLearningExamples, MXNet ResNet-50 v1.5, DGX-1 16GB: 1376 img/s on "
+               "one V100 at batch 192, mixed precision (fp16 gradients); the same examples' "
+               "small-batch share (10.6 images)"),
     "resnet50-v100-fp32": Workload(
         "resnet50-v100-fp32", RESNET50_PARAMS, sample_s=1 / 367, bytes_per_param=4,
         source="NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5, DGX-1 16GB: 367 img/s on "
@@ -193,6 +209,7 @@ NETWORKS: dict[str, Network] = {
 
 #: the network each profile runs on unless told otherwise
 PROFILE_NETWORK = {"resnet50-p100": "bigbasin", "resnet50-v100": "abci",
+                   "resnet50-v100-mxnet": "abci",
                    "resnet50-v100-fp32": "abci", "resnet50-a100": "dgx-a100",
                    "resnet50-a100-tf32": "dgx-a100"}
 
@@ -506,10 +523,13 @@ class Published:
 
 
 #: Jia et al. ran on Tesla P40s, which have no published ResNet-50 training rate beside the paper:
-#: taken as the P100's per-sample time (P40: 12 TFLOP/s fp32, P100 SXM2: 10.6), with fp16 gradients
-RESNET50_P40 = replace(PROFILES["resnet50-p100"], name="resnet50-p40", bytes_per_param=2,
-                       source="assumed equal to the P100's per-sample time; fp16 gradients "
-                              "(Jia et al. 2018 train in mixed precision)")
+#: taken as a P100's compute of 32 images, Goyal et al.'s backward (120 ms, §4.3) and a forward of
+#: half of it (P40: 12 TFLOP/s fp32, P100 SXM2: 10.6), with fp16 gradients
+RESNET50_P40 = Workload("resnet50-p40", RESNET50_PARAMS, sample_s=1.5 * GOYAL_BACKWARD_S / 32,
+                        bytes_per_param=2,
+                        source="assumed: a P100's backward of 32 images (120 ms, Goyal et al. "
+                               "2017, §4.3) and a forward of half of it; fp16 gradients (Jia et "
+                               "al. 2018 train in mixed precision)")
 
 PUBLISHED = (
     Published("Goyal et al. 2017", "256 P100, batch 8K, 1 h; ~90% scaling efficiency 8 -> 256",
