@@ -327,7 +327,7 @@ def test_a_trial_switches_only_when_the_runner_up_is_ten_percent_faster(runner_u
     rank0 = [1.0, 0.1, 1.0, 0.5, 0.5, 0.5]
     rank1 = [0.5, 1.0, 0.5, runner_up_time, runner_up_time, 5.0]
     assert trial.verdict([rank0, rank1]) == winner
-    assert learned == [("allreduce", 4096, winner)]
+    assert learned == [("allreduce", 4096, winner, False)]  # (not an array in shared memory)
 
 
 def test_a_slow_spell_over_two_of_the_runner_ups_runs_does_not_decide_the_trial(monkeypatch):

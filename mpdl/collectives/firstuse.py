@@ -212,12 +212,13 @@ def write(path: str, key: dict, params: Params) -> bool:
     return True
 
 
-def remember(path: str, key: dict, collective: str, nbytes: int, algorithm: str) -> None:
-    """Note in path that a plan verified `algorithm` as the fastest for nbytes of collective (the
-    next run's `auto` takes it); nothing when path holds no calibration of key."""
+def remember(path: str, key: dict, entry: str, algorithm: str) -> None:
+    """Note in path that a plan verified `algorithm` as the fastest for `entry` (`auto.verified_key`:
+    the collective, the size and where the array lies; the next run's `auto` takes it); nothing
+    when path holds no calibration of key."""
     try:
         held = _load(path, key)
     except ModelUnavailable:
         return
     if held is not None:
-        _store(path, key, held["params"], {**held["verified"], f"{collective}:{nbytes}": algorithm})
+        _store(path, key, held["params"], {**held["verified"], entry: algorithm})
