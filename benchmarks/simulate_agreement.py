@@ -25,11 +25,19 @@ compares the model's predictions with measurements taken right after:
            and what their waits take from the cores (the calibrated `wait_cpu` and
            `wait_share`) spread over the cores if that is longer, an activation and a gradient
            message per stage boundary on that path, the slowest stage's optimizer step and,
-           with dp > 1, the calibrated ring all-reduce of the largest stage's gradient.
+           with dp > 1, the calibrated ring all-reduce of the largest stage's gradient;
+* recompute, moe, cp - `mpdl train --model gpt` (2 blocks, width 64, sequence 64) with each
+           `--recompute`, with experts at each `--ep`, and with `--cp p` in each `--cp-mode`,
+           against `mpdl.perf.agreement`'s models built from pieces timed on every rank at once
+           without a message (the model as the run builds it, each cp mode's own attention
+           compute), the calibrated collectives, and the wait for the slowest rank after a
+           block's compute (`sync_s`, measured each round); each round prints its figures and
+           the cp model's terms.
 
     flock /tmp/mpdl-bench.lock python benchmarks/simulate_agreement.py            # everything
     python benchmarks/simulate_agreement.py --checks ring lenet --ranks 2 3 4 --rounds 5
     python benchmarks/simulate_agreement.py --checks zero pp --ranks 2 4 --zero 1 2 3
+    python benchmarks/simulate_agreement.py --checks recompute moe cp --moe-ranks 2 4 --rounds 3
 
 Each round calibrates again, because this machine's speed drifts within minutes; the verdict is
 on the median over rounds (±25% for times, ±10% for memory), and every round is printed. Ends
@@ -351,30 +359,55 @@ def gpt_text(tmp_path: Path) -> Path:
     return path
 
 
-def gpt_pieces(spec: dict, repeats: int = 12, warmup: int = 3) -> dict:
-    """Median seconds of a GPT's forward (with the loss), backward and Adam step on `spec`'s
-    batch of random tokens, without recomputation, the blocks' share of the forward
-    (`blocks_forward_s`), and the attention cores' forward (`core_forward_s`: causal attention on
-    Q, K, V of the model's shape, once per block; `core_whole_s` the same at `spec["whole"]`
-    positions, the whole sequence of a context-parallel run)."""
+def _synchronised(segment, comm, repeats: int = 200, warmup: int = 10) -> float:
+    """Every rank at once: `segment()` then an all-reduce of one float64 over `comm`, again and
+    again: the mean seconds of the all-reduce after the segment (its message and the wait for
+    the slowest rank), the mean as a step's average takes it."""
+    from mpdl.collectives import allreduce
+
+    token = np.zeros(1)
+    waits = []
+    allreduce(token, op="sum", algorithm="ring", comm=comm)
+    for i in range(warmup + repeats):
+        segment()
+        t0 = time.perf_counter()
+        allreduce(token, op="sum", algorithm="ring", comm=comm)
+        if i >= warmup:
+            waits.append(time.perf_counter() - t0)
+    return statistics.fmean(waits)
+
+
+def gpt_pieces(spec: dict, repeats: int = 30, warmup: int = 3) -> dict:
+    """Mean seconds (as a step's average takes them) of a GPT's forward (with the loss),
+    backward and Adam step on `spec`'s batch of random tokens (with experts, every expert on
+    this rank, its rows dispatched as `--ep` dispatches them, over a one-rank group), without
+    recomputation, the blocks' share of the forward (`blocks_forward_s`), the attention cores'
+    forward (`core_forward_s`: the GPT's causal attention on its packed Q, K, V, once per
+    block), and the all-reduce of one number after one block's forward (`synchronised_s`, over
+    every rank, `_synchronised`)."""
+    from mpi4py import MPI
+
     from mpdl.autograd import Tensor, optim
     from mpdl.autograd import functional as F
-    from mpdl.autograd.moe import MoESettings
+    from mpdl.autograd.moe import MoE, MoESettings
+    from mpdl.comm import as_communicator
+    from mpdl.parallel.expert import ExpertGroups
     from mpdl.training.gpt import causal_attention
     from mpdl.training.models import build_model
 
     moe = MoESettings(spec["experts"], TOP_K, 0.0, 0.0, 1) if spec["experts"] else None
     net = build_model("gpt", (spec["seq"],), spec["vocab"], moe=moe, **GPT)
+    if moe:  # the rows travel as under --ep, here to the experts of a one-rank group
+        ExpertGroups([m for _, m in net.named_modules() if isinstance(m, MoE)],
+                     as_communicator(MPI.COMM_SELF), 1).install()
     opt = optim.Adam(net.parameters(), lr=1e-3)
     rng = np.random.default_rng(0)
     b, t, v = spec["batch"], spec["seq"], spec["vocab"]
     idx, target = rng.integers(0, v, (b, t)), rng.integers(0, v, b * t)
     hd = GPT["n_embd"] // GPT["n_head"]
-    qkv, whole = ([Tensor(rng.standard_normal((b, GPT["n_head"], n, hd)).astype(np.float32),
-                          requires_grad=True) for _ in range(3)]
-                  for n in (t, spec.get("whole", t)))
-    keys = ("forward_s", "backward_s", "optimizer_s", "blocks_forward_s", "core_forward_s",
-            "core_whole_s")
+    qkv = Tensor(rng.standard_normal((b, t, 3, GPT["n_head"], hd)).astype(np.float32),
+                 requires_grad=True)
+    keys = ("forward_s", "backward_s", "optimizer_s", "blocks_forward_s", "core_forward_s")
     times: dict[str, list[float]] = {k: [] for k in keys}
     for i in range(warmup + repeats):
         t0 = time.perf_counter()
@@ -393,28 +426,118 @@ def gpt_pieces(spec: dict, repeats: int = 12, warmup: int = 3) -> dict:
         opt.zero_grad()
         t4 = time.perf_counter()
         for _ in net.blocks:
-            causal_attention(*qkv)
+            causal_attention(qkv)
         t5 = time.perf_counter()
-        for _ in net.blocks:
-            causal_attention(*whole)
-        t6 = time.perf_counter()
         if i >= warmup:
-            for key, value in zip(keys, (t2 - t0, t3 - t2, t4 - t3, blocks, t5 - t4, t6 - t5),
+            for key, value in zip(keys, (t2 - t0, t3 - t2, t4 - t3, blocks, t5 - t4),
                                   strict=True):
                 times[key].append(value)
-    return {key: statistics.median(values) for key, values in times.items()}
+    pieces = {key: statistics.fmean(values) for key, values in times.items()}
+    hidden = net.token_embedding(idx) + net.position_embedding(np.arange(t))
+    return {**pieces, "synchronised_s": _synchronised(lambda: net.blocks[0](hidden),
+                                                      as_communicator(MPI.COMM_WORLD))}
+
+
+def context_pieces(spec: dict, repeats: int = 30, warmup: int = 3) -> dict:
+    """The pieces of the context-parallel step's prediction on this rank of cp (every rank at
+    once), none with a message: the mean seconds (as a step's average takes them) of forward
+    (with the loss as a cp rank takes it, summed over its positions), backward and Adam step of
+    the GPT as the cp run builds it (`TensorParallelGPT`, here over a one-rank communicator) at
+    the T/cp positions a rank holds, its attention local (causal over those positions); that
+    local attention's forward and backward over all blocks (`local_attention_s`); the attention
+    compute of each mode on a rank, forward and backward over all blocks
+    (`blocked_attention_s`: this rank's chunks against every rank's K/V chunks, merged by their
+    log-sum-exp, as ring and allgather attend; `ulysses_attention_s`: the whole sequence for
+    H/cp heads, as ulysses attends), by `mpdl.parallel.context`'s own block functions; and the
+    all-reduce of one number after one block's forward (`synchronised_s`, `_synchronised`)."""
+    from mpi4py import MPI
+
+    from mpdl.autograd import Tensor, optim
+    from mpdl.autograd import functional as F
+    from mpdl.comm import as_communicator
+    from mpdl.parallel import context as C
+    from mpdl.parallel.tensor_parallel import TensorParallelGPT, causal_attention
+    from mpdl.training.models import build_model
+
+    world = as_communicator(MPI.COMM_WORLD)
+    cp, rank = world.size, world.rank
+    b, t, v, whole = spec["batch"], spec["seq"] // cp, spec["vocab"], spec["seq"]
+    net = TensorParallelGPT(build_model("gpt", (whole,), v, **GPT),
+                            as_communicator(MPI.COMM_SELF), "ring")
+    opt = optim.Adam(net.parameters(), lr=1e-3)
+    rng = np.random.default_rng(rank)
+    idx, target = rng.integers(0, v, (b, t)), rng.integers(0, v, b * t)
+    heads, hd = GPT["n_head"], GPT["n_embd"] // GPT["n_head"]
+    scale = 1.0 / np.sqrt(hd)
+
+    def qkv(h: int, n: int) -> list[np.ndarray]:
+        return [rng.standard_normal((b, h, n, hd)).astype(np.float32) for _ in range(3)]
+
+    local, split, spread = qkv(heads, t), qkv(heads, t), qkv(heads // cp, whole)
+    mine = C.chunks_of(rank, cp, "zigzag")
+    order = np.concatenate([C.positions(r, cp, whole, "zigzag") for r in range(cp)])
+    mask = order[None, :] > order[:, None]
+
+    def local_attention() -> None:
+        q, k, w = (Tensor(a, requires_grad=True) for a in local)
+        out = causal_attention(q, k, w)
+        out.backward(np.ones_like(local[0]))
+
+    def blocked_attention() -> None:
+        q, k, w = split
+        kv = C._pack(k, w)
+        out, lse = np.zeros_like(q), np.full(q.shape[:-1], -np.inf, dtype=q.dtype)
+        for step in range(cp):
+            C._attend(q, kv[0], kv[1], mine, C.chunks_of((rank - step) % cp, cp, "zigzag"),
+                      True, scale, out, lse)
+        delta, dq = (out * out).sum(axis=-1), np.zeros_like(q)
+        for step in range(cp):
+            dkv = np.zeros_like(kv)
+            C._attend_backward(q, kv[0], kv[1], out, delta, lse, mine,
+                               C.chunks_of((rank - step) % cp, cp, "zigzag"), True, scale, dq,
+                               dkv[0], dkv[1])
+
+    def ulysses_attention() -> None:
+        q, k, w = spread
+        out, lse = C._block_forward(q, k, w, mask, scale)
+        C._block_backward(q, k, w, out, (out * out).sum(axis=-1), lse, mask, scale)
+
+    keys = ("forward_s", "backward_s", "optimizer_s", "local_attention_s", "blocked_attention_s",
+            "ulysses_attention_s")
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(net(idx).reshape(b * t, v), target, reduction="sum") * (1 / b / t)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        marks = [time.perf_counter()]
+        for attention in (local_attention, blocked_attention, ulysses_attention):
+            for _ in net.blocks:
+                attention()
+            marks.append(time.perf_counter())
+        if i >= warmup:
+            spans = (t1 - t0, t2 - t1, marks[0] - t2,
+                     *(marks[j + 1] - marks[j] for j in range(3)))
+            for key, value in zip(keys, spans, strict=True):
+                times[key].append(value)
+    pieces = {key: statistics.fmean(values) for key, values in times.items()}
+    hidden = net.token_embedding(idx) + net.position_embedding(np.arange(t))
+    return {**pieces, "synchronised_s": _synchronised(lambda: net.blocks[0](hidden), world)}
 
 
 def _gpt_worker(argv: list[str]) -> int:
-    """Under mpiexec -n p: every rank times `gpt_pieces` at once; rank 0 writes the slowest
-    rank's figure of each piece."""
+    """Under mpiexec -n p: every rank times `gpt_pieces` (or with spec["cp"], `context_pieces`)
+    at once; rank 0 writes the slowest rank's figure of each piece."""
     spec, out = json.loads(argv[0]), argv[1]
     from mpi4py import MPI
 
     from mpdl.allocator import keep_heap
 
     keep_heap()  # as `mpdl train` does
-    mine = gpt_pieces(spec)
+    mine = context_pieces(spec) if spec.get("cp") else gpt_pieces(spec)
     everyone = MPI.COMM_WORLD.gather(mine, root=0)
     if MPI.COMM_WORLD.rank == 0:
         Path(out).write_text(json.dumps({k: max(r[k] for r in everyone) for k in mine}))
@@ -422,10 +545,15 @@ def _gpt_worker(argv: list[str]) -> int:
 
 
 def measure_gpt(p: int, spec: dict, env: dict, tmp_path: Path, tag: str) -> dict:
-    """`gpt_pieces` timed by p ranks at once (the slowest rank's)."""
+    """`gpt_pieces` (or `context_pieces`) timed by p ranks at once (the slowest rank's), with
+    `sync_s`: what a synchronisation after one block's forward costs beyond the calibrated
+    message (at least 0)."""
     path = tmp_path / f"gpt.{tag}.json"
     _run(p, [sys.executable, __file__, "--gpt-worker", json.dumps(spec), str(path)], env, 180)
-    return json.loads(path.read_text())
+    pieces = json.loads(path.read_text())
+    message = cm.predict("allreduce", "ring", 8, p, 1, _params(env, p)) if p > 1 else 0.0
+    pieces["sync_s"] = max(0.0, pieces["synchronised_s"] - message)
+    return pieces
 
 
 def _gpt_args(tmp_path: Path, *extra: str) -> list[str]:
@@ -461,6 +589,16 @@ def _gpt_grad_bytes(experts: int = 0) -> tuple[int, int]:
     return dense, expert
 
 
+def _detail(p: int, round_: int, what: str, predicted: float, measured: float,
+            terms: dict | None = None) -> None:
+    """One line of a round's figures: predicted and measured step in ms, their ratio, the load
+    average of the last minute, and the prediction's terms when given."""
+    parts = "".join(f" {k.removesuffix('_s')} {v * 1e3:.2f}" for k, v in (terms or {}).items())
+    print(f"    p={p} round {round_ + 1} {what}: predicted {predicted * 1e3:.2f} ms, measured "
+          f"{measured * 1e3:.2f} ms, ratio {predicted / measured:.2f}, load "
+          f"{os.getloadavg()[0]:.1f}" + (f";{parts}" if parts else ""), flush=True)
+
+
 def recompute_ratios(p: int, env: dict, tmp_path: Path, round_: int) -> dict[str, float]:
     """predicted/measured step of `mpdl train --model gpt --recompute MODE` (data parallel over p,
     GPT_BATCH sequences a rank) for each mode, the prediction from pieces timed without
@@ -472,7 +610,9 @@ def recompute_ratios(p: int, env: dict, tmp_path: Path, round_: int) -> dict[str
     for mode in RECOMPUTE_MODES:
         measured, _ = _train_gpt(p, GPT_BATCH * p, _gpt_args(tmp_path, "--recompute", mode), env,
                                  tmp_path / f"rec{mode}.{p}.{round_}.jsonl")
-        out[mode] = recompute_step(pieces, mode, p, dense, _params(env, p)) / measured
+        predicted = recompute_step(pieces, mode, p, dense, _params(env, p), usable_cores())
+        _detail(p, round_, f"recompute={mode}", predicted, measured, {"sync": pieces["sync_s"]})
+        out[mode] = predicted / measured
     return out
 
 
@@ -488,16 +628,19 @@ def expert_ratios(p: int, env: dict, tmp_path: Path, round_: int) -> dict[int, f
         measured, _ = _train_gpt(p, GPT_BATCH * p, _gpt_args(
             tmp_path, "--moe-experts", str(EXPERTS), "--moe-top-k", str(TOP_K), "--ep", str(ep)),
             env, tmp_path / f"moe{ep}.{p}.{round_}.jsonl")
-        out[ep] = expert_step(pieces, p, ep, GPT["n_layer"], rows, dense, expert, EXPERTS,
-                              _params(env, p)) / measured
+        predicted = expert_step(pieces, p, ep, GPT["n_layer"], rows, dense, expert, EXPERTS,
+                                _params(env, p), usable_cores())
+        _detail(p, round_, f"moe ep={ep}", predicted, measured, {"sync": pieces["sync_s"]})
+        out[ep] = predicted / measured
     return out
 
 
 def context_ratios(p: int, env: dict, tmp_path: Path, round_: int) -> dict[str, float]:
     """predicted/measured step of `mpdl train --model gpt --cp p --cp-mode MODE` (GPT_BATCH
-    sequences a step shared by the p ranks) for each mode, the prediction from pieces timed at
-    the tokens a rank holds (T/p of each sequence) and attention over the whole sequence."""
-    spec = {"seq": GPT_SEQ // p, "whole": GPT_SEQ, "vocab": 17, "batch": GPT_BATCH, "experts": 0}
+    sequences a step shared by the p ranks) for each mode, the prediction from `context_pieces`
+    (the model as the cp run builds it at the T/p positions a rank holds, each mode's attention
+    compute without its messages)."""
+    spec = {"seq": GPT_SEQ, "cp": p, "vocab": 17, "batch": GPT_BATCH, "experts": 0}
     pieces = measure_gpt(p, spec, env, tmp_path, f"c{p}.{round_}")
     dense, _ = _gpt_grad_bytes()
     kv = 2 * GPT_BATCH * GPT_SEQ * GPT["n_embd"] * 4
@@ -506,8 +649,11 @@ def context_ratios(p: int, env: dict, tmp_path: Path, round_: int) -> dict[str, 
         measured, _ = _train_gpt(p, GPT_BATCH, _gpt_args(
             tmp_path, "--cp", str(p), "--cp-mode", mode), env,
             tmp_path / f"cp{mode}.{p}.{round_}.jsonl")
-        out[mode] = context_step(pieces, p, mode, GPT["n_layer"], kv, dense,
-                                 _params(env, p)) / measured
+        predicted = context_step(pieces, p, mode, GPT["n_layer"], kv, dense, _params(env, p),
+                                 usable_cores())
+        _detail(p, round_, f"cp {mode}", predicted["step_s"], measured,
+                {k: v for k, v in predicted.items() if k != "step_s"})
+        out[mode] = predicted["step_s"] / measured
     return out
 
 

@@ -86,69 +86,108 @@ def _allreduce(nbytes: float, p: int, params: cm.Params) -> float:
     return cm.predict("allreduce", "ring", int(nbytes), p, 1, params) + params.handoff
 
 
-def recompute_step(pieces: dict, mode: str, p: int, grad_bytes: int, params: cm.Params) -> float:
+def _sync(pieces: dict, p: int, cores: int) -> float:
+    """What one point where p ranks wait for each other after computing costs beyond its message:
+    `sync_s` (the wait for the slowest rank, measured after one block's forward) with no more
+    ranks than cores, where a waiting rank's core has no other rank of the job to run; none on one
+    rank, and none with more ranks than cores, where a rank that waits leaves its core to one that
+    computes, whose share of the cores the pieces (timed with every rank at once) already hold."""
+    return pieces["sync_s"] if 1 < p <= cores else 0.0
+
+
+def recompute_step(pieces: dict, mode: str, p: int, grad_bytes: int, params: cm.Params,
+                   cores: int) -> float:
     """The recomputation model's step (`mpdl.perf.layouts`' term): forward, backward and the
     optimizer as timed without recomputation (every rank at once), plus in backward the blocks'
     forward again (full) or each attention core's forward again (selective), and the gradient's
-    ring all-reduce over p ranks once backward has ended (one bucket: nothing left to overlap)."""
+    ring all-reduce over p ranks once backward has ended (one bucket: nothing left to overlap),
+    with the wait for the slowest rank before it (`_sync`)."""
     extra = {"none": 0.0, "selective": pieces["core_forward_s"],
              "full": pieces["blocks_forward_s"]}[mode]
     return (pieces["forward_s"] + pieces["backward_s"] + extra + pieces["optimizer_s"]
-            + _allreduce(grad_bytes, p, params))
+            + _allreduce(grad_bytes, p, params) + _sync(pieces, p, cores))
 
 
 def expert_step(pieces: dict, p: int, ep: int, moe_layers: int, rows_bytes: int,
-                dense_bytes: int, expert_bytes: int, experts: int, params: cm.Params) -> float:
+                dense_bytes: int, expert_bytes: int, experts: int, params: cm.Params,
+                cores: int) -> float:
     """The expert-parallel model's step (`layouts.expert_time`): the compute timed with all the
     experts on one rank (every rank at once: the same routed rows meet the same FLOPs wherever
     the experts live), its optimizer step scaled to the parameters a rank holds, and per MoE
     layer two pairwise all-to-alls of the rank's routed rows (`rows_bytes`: dispatch and combine)
     in forward and two in backward, with the routing counts (an all-reduce over the p
     data-parallel ranks and an all-to-all over ep) before them; then, not overlapped, the ring
-    all-reduce of the dense gradients over p ranks and of the experts' over the p/ep replicas."""
+    all-reduce of the dense gradients over p ranks and of the experts' over the p/ep replicas.
+    Each point where a rank waits for the others after computing costs `sync_s` besides its
+    message (`_sync`): per MoE layer the counts' all-reduce, and with ep > 1 the
+    combine in forward and both all-to-alls in backward (the counts' all-to-all and the dispatch
+    follow the counts' all-reduce with little compute between); and once before the gradients'
+    all-reduces."""
     held = (dense_bytes + expert_bytes / ep) / (dense_bytes + expert_bytes)
     per_layer = 0.0
     if ep > 1:
         per_layer += 4 * cm.predict("alltoall", "pairwise", rows_bytes, ep, 1, params)
         per_layer += cm.predict("alltoall", "pairwise", 8 * experts, ep, 1, params)
+        per_layer += 3 * _sync(pieces, p, cores)
     if p > 1:
-        per_layer += cm.predict("allreduce", "ring", 8 * experts, p, 1, params)
+        per_layer += (cm.predict("allreduce", "ring", 8 * experts, p, 1, params)
+                      + _sync(pieces, p, cores))
     return (pieces["forward_s"] + pieces["backward_s"] + held * pieces["optimizer_s"]
             + moe_layers * per_layer + _allreduce(dense_bytes, p, params)
-            + _allreduce(expert_bytes, p // ep, params))
+            + _allreduce(expert_bytes, p // ep, params) + _sync(pieces, p, cores))
 
 
 def context_step(pieces: dict, cp: int, mode: str, layers: int, kv_bytes: int, grad_bytes: int,
-                 params: cm.Params) -> float:
-    """The context-parallel model's step (`layouts.context_parallel_time`): forward, backward and
-    the optimizer timed on one rank at the tokens a rank holds (T/cp a sequence, every rank at
-    once), plus the attention a rank does beyond its own tokens' causal attention (its share of
-    the whole sequence's, `core_whole_s` / cp, less `core_forward_s`, in forward and twice in
-    backward); per layer the messages of the mode, `kv_bytes` being K and V of the whole sequence:
+                 params: cm.Params, cores: int) -> dict:
+    """The context-parallel model's step (`step_s`) and its terms (`layouts.context_parallel_time`
+    on this machine), from pieces timed on one rank without a message (every rank at once): forward,
+    backward and the optimizer of the model as the cp run builds it at the T/cp positions a rank
+    holds with its attention local, that local attention (`local_attention_s`) replaced by the
+    attention compute of the mode (`blocked_attention_s`: a rank's chunks against every rank's
+    K/V chunks, as ring and allgather attend; `ulysses_attention_s`: the whole sequence for
+    H/cp heads), all blocks; per layer the messages of the mode, `kv_bytes` being K and V of the
+    whole sequence:
 
-    * ring: cp − 1 exchanges of a rank's K and V block in forward, and of K, V, dK and dV in
-      backward, each exposed only where it outlasts one block of attention (the rank's share
-      over cp, twice that in backward);
+    * ring: cp − 1 shifts of a rank's K/V block in forward, cp − 1 in backward and cp shifts of
+      the dK/dV sums, each handed to the communication thread (`params.handoff`) and each hidden
+      where it lasts less than one chunk step of attention (the last sums' wait follows the last
+      step: exposed); with cp ≥ `cores` none is hidden: every core already runs a rank's
+      attention, and the communication thread, which needs a core and the GIL, progresses only
+      once the rank waits;
     * ulysses: all-to-alls of Q, K and V (packed) and of the output in forward, of the output's
-      gradient and of dQ, dK, dV in backward, not overlapped;
+      gradient and of dQ, dK, dV in backward;
     * allgather: an all-gather of K and V in forward, and in backward another (the gathered K
-      and V are not kept) and a reduce-scatter of their gradients, not overlapped;
+      and V are not kept) and a reduce-scatter of their gradients;
 
-    and the ring all-reduce of the gradients over the cp ranks (they hold the same parameters)."""
+    then the gradients' ring all-reduce over the cp ranks (they hold the same parameters) and the
+    loss's over them. Every point where a rank waits for the others after computing (per layer
+    ring 2cp − 1, ulysses 4, allgather 3; the two all-reduces) costs `_sync` besides its message:
+    the wait for the slowest rank on shared cores, as measured after one block's forward.
+
+    Terms: `compute_s` (the pieces with the local attention), `attention_s` (the mode's
+    attention compute less the local one), `messages_s`, `reductions_s` (the two all-reduces'
+    messages) and `waits_s` (the synchronisations)."""
     block = kv_bytes / cp
-    share = pieces["core_whole_s"] / cp
-    beyond = 3 * max(0.0, share - pieces["core_forward_s"])
+    local = pieces["forward_s"] + pieces["backward_s"] + pieces["optimizer_s"]
+    attention = pieces["ulysses_attention_s" if mode == "ulysses" else "blocked_attention_s"]
     if mode == "ring":
-        attend = share / layers / cp
-        fwd = params.exchange_time(block, ring=True)
-        bwd = params.exchange_time(2 * block, ring=True)
-        per_layer = (cp - 1) * (max(0.0, fwd - attend) + max(0.0, bwd - 2 * attend))
+        shift = params.exchange_time(block, ring=True) + params.handoff
+        chunk_step = 0.0 if cp >= cores else pieces["blocked_attention_s"] / (layers * 2 * cp)
+        per_layer = ((cp - 1) * (max(0.0, shift - chunk_step) + max(0.0, 2 * shift - chunk_step))
+                     + shift)
+        waits = 2 * cp - 1
     elif mode == "ulysses":
         qkv, out = 1.5 * kv_bytes / cp, 0.5 * kv_bytes / cp
         per_layer = 2 * (cm.predict("alltoall", "pairwise", int(qkv), cp, 1, params)
                          + cm.predict("alltoall", "pairwise", int(out), cp, 1, params))
+        waits = 4
     else:
         per_layer = (2 * cm.predict("allgather", "ring", int(kv_bytes), cp, 1, params)
                      + cm.predict("reduce_scatter", "ring", int(kv_bytes), cp, 1, params))
-    return (pieces["forward_s"] + pieces["backward_s"] + beyond + pieces["optimizer_s"]
-            + layers * per_layer + _allreduce(grad_bytes, cp, params))
+        waits = 3
+    reductions = (cm.predict("allreduce", "ring", int(grad_bytes), cp, 1, params)
+                  + cm.predict("allreduce", "ring", 16, cp, 1, params))
+    terms = {"compute_s": local, "attention_s": attention - pieces["local_attention_s"],
+             "messages_s": layers * per_layer, "reductions_s": reductions,
+             "waits_s": (layers * waits + 2) * _sync(pieces, cp, cores)}
+    return {"step_s": sum(terms.values()), **terms}
