@@ -110,12 +110,18 @@ def test_buckets_lie_in_shared_memory_and_shm_sums_them_where_they_lie(p, monkey
     assert all(np.array_equal(r, results[0]) for r in results)
 
     def placement(comm, algorithm):
-        ddp = DistributedDataParallel(mlp(0), comm=comm, algorithm=algorithm,
+        model = mlp(0)
+        ddp = DistributedDataParallel(model, comm=comm, algorithm=algorithm,
                                       first_bucket_mb=1e-4, bucket_mb=4e-4)
-        return {shm.in_shared_memory(comm, b.buffer) for b in ddp.buckets}, len(ddp.buckets)
+        F.cross_entropy(model(Tensor(X[:4])), Y[:4]).backward()
+        ddp.finish()
+        return ({shm.in_shared_memory(comm, b.buffer) for b in ddp.buckets}, len(ddp.buckets),
+                ddp.model_state_bytes())
 
+    # the gradients are views of the buckets wherever these lie: held once
+    held = 2 * sum(p.data.nbytes for p in mlp(0).parameters())
     for algorithm, shared in (("shm", True), ("auto", True), ("ring", False)):
-        assert run_world(p, lambda c, a=algorithm: placement(c, a)) == [({shared}, 5)] * p
+        assert run_world(p, lambda c, a=algorithm: placement(c, a)) == [({shared}, 5, held)] * p
 
 
 def test_model_mismatch_is_a_clear_error_on_every_rank():

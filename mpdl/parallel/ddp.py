@@ -365,13 +365,18 @@ class DistributedDataParallel:
     def model_state_bytes(self, optimizer: Any = None) -> int:
         """Bytes of model state this rank holds: parameters, buckets, gradients that are not
         views of a bucket, and `optimizer`'s per-parameter arrays (ZeRO's accounting for DDP)."""
-        buffers = {id(b.buffer) for b in self.buckets}
         grads = [p.grad for p in self.params if p.grad is not None]
         state = [] if optimizer is None else [v for s in optimizer.state.values()
                                               for v in s.values() if getattr(v, "ndim", 0) > 0]
         return int(sum(p.data.nbytes for p in self.params) + sum(b.nbytes for b in self.buckets)
-                   + sum(g.nbytes for g in grads if id(g.base) not in buffers)
+                   + sum(g.nbytes for g in grads if not self._in_a_bucket(g))
                    + sum(v.nbytes for v in state))
+
+    def _in_a_bucket(self, array: Any) -> bool:
+        """Whether array is (a view of) a bucket's buffer."""
+        return any(get_array_module(b.buffer) is get_array_module(array)
+                   and get_array_module(array).may_share_memory(array, b.buffer)
+                   for b in self.buckets)
 
     def bucket_spans(self) -> list[tuple[int, float, float]]:
         """(bucket index, start, end) of each bucket's last all-reduce (time.perf_counter)."""
