@@ -131,13 +131,17 @@ def _mpdl_steps(args, widths, x, y) -> tuple[list[dict], dict]:
 
 
 def _allreduce_alone(ddp, comm, reps: int = 15) -> list[float]:
-    """Median seconds of each bucket's all-reduce with nothing else running."""
+    """Median seconds of each bucket's all-reduce with nothing else running: its plan, as the
+    steps run it (the one-shot call with compression)."""
     times = [[] for _ in ddp.buckets]
     for _ in range(reps):
         for i, b in enumerate(ddp.buckets):
             comm.barrier()
             start = time.perf_counter()
-            allreduce(b.buffer, op="sum", algorithm=ddp.algorithm, comm=comm, out=b.buffer)
+            if b.plan is not None:
+                b.plan()
+            else:
+                allreduce(b.buffer, op="sum", algorithm=ddp.algorithm, comm=comm, out=b.buffer)
             times[i].append(time.perf_counter() - start)
     return [statistics.median(t) for t in times]
 

@@ -73,6 +73,7 @@ class ThreadComm(Communicator):
         self.world = world
         self.rank = rank
         self.size = world.size
+        self._own_calls = 0
         self.recorder = world.schedule
 
     def _isend(self, buf: Any, dest: int, step: Any) -> Request:
@@ -117,14 +118,17 @@ class ThreadComm(Communicator):
     def node_of_rank(self) -> list[int]:
         return [r // self.world.ranks_per_node for r in range(self.size)]
 
-    def shared_segments(self, nbytes: int):
-        size_class = 1 << max(nbytes - 1, 0).bit_length()
+    def shared_segments(self, nbytes: int, own: bool = False):
+        size_class = nbytes if own else 1 << max(nbytes - 1, 0).bit_length()
         node = self.node_of_rank()[self.rank]
         members = tuple(r for r, n in enumerate(self.node_of_rank()) if n == node)
         with self.world._lock:
             key = (members, size_class)
+            if own:  # the k-th such call of every member of the node gets the k-th segments
+                self._own_calls += 1
+                key = (members, "own", self._own_calls)
             if key not in self.world._segments:
-                self.world._segments[key] = [np.empty(size_class, np.uint8) for _ in members]
+                self.world._segments[key] = [np.zeros(size_class, np.uint8) for _ in members]
                 self.world._barriers[key] = threading.Barrier(len(members))
             segments, barrier = self.world._segments[key], self.world._barriers[key]
         return segments, lambda: barrier.wait(self.timeout)

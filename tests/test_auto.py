@@ -246,16 +246,30 @@ def test_no_warning_when_all_is_well(tmp_path, monkeypatch):
         auto.model_for(FakeComm())
 
 
+def test_beyond_the_last_measured_size_the_ranking_there_holds():
+    """A first-use calibration at 8 and 16 MiB (2 ranks): hierarchical 2.35 and 4.26 ms, tree
+    3.66 and 5.29 ms. At 64 MiB hierarchical stays ahead (each keeps its rate at 16 MiB); the
+    slope of the last two sizes would have had tree ahead (15.1 against 15.8 ms), where it took
+    1.56x the best in the sweep."""
+    mib = float(1 << 20)
+    table = (("hierarchical", ((8 * mib, 2.35e-3), (16 * mib, 4.26e-3))),
+             ("tree", ((8 * mib, 3.66e-3), (16 * mib, 5.29e-3))))
+    table += tuple((name, ((8 * mib, 1.0), (16 * mib, 2.0)))
+                   for name in cm.candidates("allreduce", True) if name not in dict(table))
+    params = replace(cm.Params(call=1e-6), allreduce_times=table, ranks=2, nodes=1)
+    assert cm.fastest("allreduce", 64 << 20, 2, 1, True, params) == "hierarchical"
+    assert cm.predict("allreduce", "tree", 64 << 20, 2, 1, params) == pytest.approx(
+        1e-6 + 4 * 5.29e-3)
+
+
 def test_measured_allreduce_times_replace_the_formula_for_their_world_shape_only():
     table = (("ring", ((8.0, 100e-6), (1024.0, 120e-6), (1 << 20, 1e-3))),
              ("shm", ((8.0, 50e-6), (1024.0, 60e-6), (1 << 20, 3e-3))))
     params = replace(cm.Params(call=1e-6), allreduce_times=table, ranks=4, nodes=1)
     assert cm.predict("allreduce", "ring", 8, 4, 1, params) == pytest.approx(101e-6)
     assert cm.predict("allreduce", "ring", 516, 4, 1, params) == pytest.approx(111e-6)
-    # beyond the last size: the last slope
-    slope = (1e-3 - 120e-6) / ((1 << 20) - 1024)
-    assert cm.predict("allreduce", "ring", 2 << 20, 4, 1, params) == pytest.approx(
-        1e-6 + 1e-3 + slope * (1 << 20))
+    # beyond the last size: the last size's time per byte
+    assert cm.predict("allreduce", "ring", 2 << 20, 4, 1, params) == pytest.approx(1e-6 + 2e-3)
     slow = ((8.0, 1.0), (1 << 20, 2.0))  # every other candidate far slower
     params = replace(params, allreduce_times=table + tuple(
         (name, slow) for name in cm.candidates("allreduce", True) if name not in ("ring", "shm")))
@@ -327,7 +341,7 @@ def test_a_trial_switches_only_when_the_runner_up_is_ten_percent_faster(runner_u
     rank0 = [1.0, 0.1, 1.0, 0.5, 0.5, 0.5]
     rank1 = [0.5, 1.0, 0.5, runner_up_time, runner_up_time, 5.0]
     assert trial.verdict([rank0, rank1]) == winner
-    assert learned == [("allreduce", 4096, winner)]
+    assert learned == [("allreduce", 4096, winner, False)]  # (not an array in shared memory)
 
 
 def test_a_slow_spell_over_two_of_the_runner_ups_runs_does_not_decide_the_trial(monkeypatch):

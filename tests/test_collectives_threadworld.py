@@ -303,3 +303,47 @@ def test_stand_in_device_arrays_reduce_bfloat16():
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
     for r in run_world(3, f):
         np.testing.assert_allclose(r.astype(np.float64), exact, rtol=3 * 2.0**-7, atol=0.05)
+
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_an_array_in_shared_memory_is_summed_where_it_lies(p, monkeypatch):
+    """shm on a `shared_array` (whole, or a slice of one at the same place on every rank) gives
+    every rank, in its own array, the bits the copying path gives for the same data, without that
+    path; any count (0, 1, < p, prime, several in-place blocks), dtype and op. Across nodes the
+    copying path runs, with its bits."""
+    from mpdl.collectives import shm
+
+    counts = (0, 1, p - 1, 7919, 3 * shm.SHARED_BLOCK_BYTES // 4 + 5)
+    data = [[np.random.default_rng(r + n).standard_normal(n).astype(d) * (1 + r)
+             for r in range(p)] for n in counts for d in ("float16", "float32", "float64", "int32")]
+
+    def copying(comm):
+        return [C.allreduce(xs[comm.rank], op=op, algorithm="shm", comm=comm).tobytes()
+                for xs in data for op in ("sum", "max")]
+
+    def in_place(comm, shared: bool):
+        out = []
+        for xs in data:
+            n, dtype = xs[0].size, xs[0].dtype
+            whole = shm.shared_array(comm, n + 6, dtype)
+            assert not whole.any()
+            for op in ("sum", "max"):
+                got = []
+                for a in (whole[:n], whole[3:n + 3]):
+                    a[...] = xs[comm.rank]
+                    assert shm.in_shared_memory(comm, a) == shared
+                    assert C.allreduce(a, op=op, algorithm="shm", comm=comm, out=a) is a
+                    got.append(a.tobytes())
+                assert got[0] == got[1]
+                out.append(got[0])
+        return out
+
+    across = run_world(p, lambda c: in_place(c, False), ranks_per_node=1)
+    assert across == run_world(p, copying, ranks_per_node=1)
+    expected = run_world(p, copying, ranks_per_node=p)
+    calls = []
+    real = shm._allreduce_chunk
+    monkeypatch.setattr(shm, "_allreduce_chunk", lambda *a: (calls.append(a), real(*a)))
+    assert run_world(p, lambda c: in_place(c, True), ranks_per_node=p) == expected
+    assert calls == []

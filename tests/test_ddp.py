@@ -92,6 +92,38 @@ def test_buckets_in_reverse_order_with_small_first_bucket():
     assert layout == [["4.bias", "4.weight"], ["2.bias", "2.weight"], ["0.bias", "0.weight"]]
 
 
+@pytest.mark.parametrize("p", [2, 3])
+def test_buckets_lie_in_shared_memory_and_shm_sums_them_where_they_lie(p, monkeypatch):
+    """On one node with shm (or auto), each bucket is a shared array of the node and the shm
+    all-reduce sums it where it lies (its copying path through the node's window never runs);
+    training still follows one rank. With another algorithm the buckets are ordinary arrays."""
+    from mpdl.collectives import shm  # noqa: PLC0415
+
+    def copying(*args):
+        raise AssertionError("the shm all-reduce copied a shared bucket through the window")
+
+    monkeypatch.setattr(shm, "_allreduce_chunk", copying)
+    reference = train(None, 1)
+    results = run_world(p, lambda c: train(c, p, algorithm="shm"))
+    for r in results:
+        np.testing.assert_allclose(r, reference, rtol=0, atol=1e-10)
+    assert all(np.array_equal(r, results[0]) for r in results)
+
+    def placement(comm, algorithm):
+        model = mlp(0)
+        ddp = DistributedDataParallel(model, comm=comm, algorithm=algorithm,
+                                      first_bucket_mb=1e-4, bucket_mb=4e-4)
+        F.cross_entropy(model(Tensor(X[:4])), Y[:4]).backward()
+        ddp.finish()
+        return ({shm.in_shared_memory(comm, b.buffer) for b in ddp.buckets}, len(ddp.buckets),
+                ddp.model_state_bytes())
+
+    # the gradients are views of the buckets wherever these lie: held once
+    held = 2 * sum(p.data.nbytes for p in mlp(0).parameters())
+    for algorithm, shared in (("shm", True), ("auto", True), ("ring", False)):
+        assert run_world(p, lambda c, a=algorithm: placement(c, a)) == [({shared}, 5, held)] * p
+
+
 def test_model_mismatch_is_a_clear_error_on_every_rank():
     def build(comm):
         model = mlp(0) if comm.rank == 0 else nn.Sequential(nn.Linear(6, 9, seed=0))

@@ -277,15 +277,23 @@ def algorithm_for(collective: str, nbytes: int, comm) -> registry.Algorithm:
     return found
 
 
-def plan_choice(collective: str, nbytes: int, comm) -> registry.Algorithm:
-    """The registered algorithm a persistent plan made with `auto` runs for nbytes on comm: the
-    one a plan of this size verified (`mpdl.collectives.verify`; not under link emulation, which
-    changes the links the verdict was taken on), else `algorithm_for`'s. One-shot calls keep the
+def verified_key(collective: str, nbytes: int, shared: bool = False) -> str:
+    """The entry of a plan's verdict in `Model.verified` and the cache file: "collective:bytes",
+    with ":shared" for a plan of an array in shared memory (`mpdl.collectives.shm.shared_array`,
+    which shm sums where it lies: its own ranking)."""
+    return f"{collective}:{nbytes}:shared" if shared else f"{collective}:{nbytes}"
+
+
+def plan_choice(collective: str, nbytes: int, comm, shared: bool = False) -> registry.Algorithm:
+    """The registered algorithm a persistent plan made with `auto` runs for nbytes on comm (of an
+    array in shared memory with `shared`): the one such a plan verified (`mpdl.collectives.verify`;
+    not under link emulation, which changes the links the verdict was taken on), else
+    `algorithm_for`'s. One-shot calls keep the
     prediction: a plan's verdict was taken on runs in the plan's own rhythm, and calls back to
     back rank the algorithms otherwise than calls one at a time (on 2 ranks at 128 KiB, recursive
     doubling took 13 us per call in a loop against shm's 30 us, and 74 us one call at a time
     against 77 us for shm and 47 us for Rabenseifner)."""
-    verified = model_for(comm).verified.get(f"{collective}:{nbytes}")
+    verified = model_for(comm).verified.get(verified_key(collective, nbytes, shared))
     if (verified is not None and not settings.current().emulation
             and verified in costmodel.candidates(collective, comm.has_shared_memory)):
         return registry.resolve(collective, verified)
@@ -310,17 +318,19 @@ def ranked(collective: str, nbytes: int, comm, model: Model,
     return (choice, *field) if field else ()
 
 
-def learn(comm, collective: str, nbytes: int, algorithm: str) -> None:
-    """Keep a plan's verdict: `algorithm` is the fastest for plans of nbytes of collective on comm.
-    Every rank of comm calls it with the same verdict; it holds for the rest of the run, and rank
-    0 writes it into the first-use cache file for the next runs."""
+def learn(comm, collective: str, nbytes: int, algorithm: str, shared: bool = False) -> None:
+    """Keep a plan's verdict: `algorithm` is the fastest for plans of nbytes of collective on comm
+    (of arrays in shared memory with `shared`). Every rank of comm calls it with the same verdict;
+    it holds for the rest of the run, and rank 0 writes it into the first-use cache file for the
+    next runs."""
     model = model_for(comm)
-    model.verified[f"{collective}:{nbytes}"] = algorithm
+    entry = verified_key(collective, nbytes, shared)
+    model.verified[entry] = algorithm
     _cache[:] = None, {}
     _epoch[0] += 1
     if comm.rank == 0 and model.origin in ("cache", "measured"):
         try:
-            firstuse.remember(model.path, firstuse.cache_key(comm), collective, nbytes, algorithm)
+            firstuse.remember(model.path, firstuse.cache_key(comm), entry, algorithm)
         except OSError as exc:
             warnings.warn(f"mpdl auto: could not note a verified choice in {model.path} ({exc})",
                           RuntimeWarning, stacklevel=2)

@@ -40,15 +40,16 @@ class Call:
 
 
 def allreduce_call(x: Any, op: Any, algorithm: Any, comm: Any, out: Any,
-                   plan: bool = False) -> Call:
+                   plan: bool = False, shared: bool = False) -> Call:
     """The checked `allreduce(x, op, algorithm, comm, out)`; out is made when None. For a
-    persistent plan (`plan`), "auto" is `auto.plan_choice`: what a plan of this size verified."""
+    persistent plan (`plan`), "auto" is `auto.plan_choice`: what a plan of this size (of an array
+    in shared memory with `shared`) verified."""
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     check_op(op, dtype)
     algo = pick("allreduce", algorithm, c, x.nbytes)
     if plan and algorithm == "auto":
-        algo = auto.plan_choice("allreduce", x.nbytes, c)
+        algo = auto.plan_choice("allreduce", x.nbytes, c, shared)
     if out is None:
         out = backend.empty_like_page_offset(x)
     else:

@@ -5,11 +5,12 @@ machine and world shape, for when nobody has run `mpdl calibrate`.
 Communicator interface, so that it runs on any MPI-backed communicator (the world, a split, a
 sub-communicator of a process grid): one sweep over five message sizes, few repetitions, and no
 GEMM peak or MPI-library latency (`mpdl calibrate` measures thoroughly with the same probes). Then
-it times every all-reduce algorithm `auto` may pick at eight sizes from 8 B to 8 MiB
+it times every all-reduce algorithm `auto` may pick at nine sizes from 8 B to 16 MiB
 (`measuring.allreduce_table`): the cost model interpolates these for this world shape instead of
 its formulas, which miss effects such as caches and cores shared by more ranks than they can run.
-Every rank fits the same parameters from the same numbers. It takes about half a second for 2
-ranks on 2 cores, one and a half for 4 (docs/results.md). A calibration taken on a busy machine
+Every rank fits the same parameters from the same numbers. It took about half a second for 2
+ranks on 2 cores, one and a half for 4, up to 8 MiB (docs/results.md); 16 MiB adds about as much
+again (1.8 s for 2 ranks at load 14). A calibration taken on a busy machine
 (`measuring.Busy`) is provisional: `Params.provisional` says why.
 
 The result is kept in one JSON file per key (`cache_key`: host, MPI library, world size, ranks per
@@ -212,12 +213,13 @@ def write(path: str, key: dict, params: Params) -> bool:
     return True
 
 
-def remember(path: str, key: dict, collective: str, nbytes: int, algorithm: str) -> None:
-    """Note in path that a plan verified `algorithm` as the fastest for nbytes of collective (the
-    next run's `auto` takes it); nothing when path holds no calibration of key."""
+def remember(path: str, key: dict, entry: str, algorithm: str) -> None:
+    """Note in path that a plan verified `algorithm` as the fastest for `entry` (`auto.verified_key`:
+    the collective, the size and where the array lies; the next run's `auto` takes it); nothing
+    when path holds no calibration of key."""
     try:
         held = _load(path, key)
     except ModelUnavailable:
         return
     if held is not None:
-        _store(path, key, held["params"], {**held["verified"], f"{collective}:{nbytes}": algorithm})
+        _store(path, key, held["params"], {**held["verified"], entry: algorithm})

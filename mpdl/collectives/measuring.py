@@ -37,8 +37,11 @@ STREAM_BYTES = 1 << 22
 STREAM_PAIRS = 4
 #: the most memory the blocks of one size's chain of ring steps take (see ring_chain)
 CHAIN_BYTES = 64 << 20
-#: sizes at which every all-reduce candidate is timed (float32); beyond the last, its slope
-TUNE_SIZES = (8, 1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 23)
+#: sizes at which every all-reduce candidate is timed (float32); beyond the last, the time per
+#: byte measured there. The last two lie beyond a core's caches (with 8 MiB last, 16 MiB was
+#: ranked from the slope from 2 MiB, partly in cache: Rabenseifner over shm, 1.38x slower in
+#: `benchmarks/bench_auto.py`)
+TUNE_SIZES = (8, 1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 23, 1 << 24)
 #: rounds over the algorithms at each size (a slow spell of the machine then hits all alike), and
 #: timed calls of an algorithm per round, after an untimed one, below and from 1 MiB. Short turns
 #: in many rounds: a slow spell (another process's time slice, milliseconds) then spoils a few

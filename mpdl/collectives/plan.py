@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import backend, faults, memory, settings
-from mpdl.collectives import checks, recording, registry, verify
+from mpdl.collectives import checks, recording, registry, shm, verify
 from mpdl.collectives.bruck import moving
 from mpdl.collectives.ops import reducer, segment_elements
 from mpdl.collectives.pairwise import partners
@@ -395,7 +395,9 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
     plan on one rank must match a one-shot call on another). With algorithm "auto" and the
     settings' verify_runs, the plan times auto's choice against its contenders on its first runs
     (`mpdl.collectives.verify`)."""
-    call = checks.allreduce_call(x, op, algorithm, comm, out, plan=True)
+    shared = (persistent and algorithm == "auto" and out is x
+              and shm.in_shared_memory(as_communicator(comm), x))
+    call = checks.allreduce_call(x, op, algorithm, comm, out, plan=True, shared=shared)
     c, algo, xp, out = call.comm, call.algorithm, call.xp, call.out
     go, fast, requests = _allreduce_runner(call, algo, persistent)
     if op == "avg":
@@ -408,13 +410,14 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
         finish = None
     plan = Plan(c, "allreduce", algo.name, x, out, op, call.signature, go, finish, fast,
                 requests)
-    names = verify.candidates("allreduce", x.nbytes, c) if algorithm == "auto" else None
+    names = verify.candidates("allreduce", x.nbytes, c, shared) if algorithm == "auto" else None
     if names is not None:
-        _verifying(plan, call, names, persistent)
+        _verifying(plan, call, names, persistent, shared)
     return plan
 
 
-def _verifying(plan: Plan, call: checks.Call, names: tuple[str, ...], persistent: bool) -> None:
+def _verifying(plan: Plan, call: checks.Call, names: tuple[str, ...], persistent: bool,
+               shared: bool) -> None:
     """Make plan run a verify.Trial of names (its algorithm and the contenders) on its first runs,
     then the winner's schedule."""
     c, x = plan.comm, plan.x
@@ -437,7 +440,7 @@ def _verifying(plan: Plan, call: checks.Call, names: tuple[str, ...], persistent
         plan._rec = None  # the flight recorder's entries name the algorithm afresh
 
     trial = verify.Trial(c, "allreduce", x.nbytes, names, {n: runner(n) for n in names}, settle,
-                         settings.current().verify_runs)
+                         settings.current().verify_runs, shared)
     plan._go, plan._fast, plan.trial = trial.run, None, trial
     if requests and not plan._requests:
         free_before_finalize(plan)

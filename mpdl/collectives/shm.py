@@ -9,6 +9,11 @@ other nodes (equal node sizes) or the node leaders do it for the whole array (un
 Two halves of the window alternate between calls, so a rank may start the next call while a slower
 peer still copies out of the last one: two node barriers per call instead of three.
 Device arrays are staged through the host window; the reductions then run on the host.
+
+An array that already lies in shared memory (`shared_array`, as DDP's gradient buckets on one node)
+is all-reduced where it lies: each rank sums its slice out of every rank's array and writes the
+sum into every rank's array, so the data is read once and written once per rank, with no copy in
+or out and the same bits as the copying path.
 """
 
 from __future__ import annotations
@@ -24,8 +29,58 @@ from mpdl.collectives.ops import accumulator, block_bounds, settle
 #: bytes per rank that go through the window at once: small enough to stay in cache
 WINDOW_BYTES = 1 << 20
 
+#: elements of a slice summed and written out at once in place (so they are still in cache when
+#: written to every rank's array)
+SHARED_BLOCK_BYTES = 1 << 17
+
 #: chunks each communicator has all-reduced so far; their parity picks the half of the window
 _calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+#: the shared arrays made on each communicator: (address of this rank's segment, every rank's
+#: segment, the node barrier)
+_shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shared_array(comm, count: int, dtype) -> np.ndarray:
+    """This rank's array of `count` zeros of dtype, in a shared-memory window of the ranks of
+    comm's node made for it alone. Collective over comm: every rank makes its array at the same
+    point, and an in-place shm all-reduce of the array on comm (all ranks of comm on one node)
+    runs where the arrays lie. The window lives as long as comm."""
+    dtype = np.dtype(dtype)
+    segments, node_barrier = comm.shared_segments(max(count, 1) * dtype.itemsize, own=True)
+    node = comm.node_of_rank()[comm.rank]
+    mine = segments[comm.node_groups()[node].index(comm.rank)]
+    array = mine[:count * dtype.itemsize].view(dtype)
+    array[...] = 0
+    _shared.setdefault(comm, []).append((_address(mine), mine.nbytes, segments, node_barrier))
+    return array
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def in_shared_memory(comm, buf) -> bool:
+    """Whether buf lies in a `shared_array` of comm whose ranks are all on one node (an shm
+    all-reduce of it in place then sums it where it lies)."""
+    return _in_place_views(comm, buf) is not None
+
+
+def _in_place_views(comm, buf) -> tuple[list[np.ndarray], object] | None:
+    """(every rank's array at buf's place, the node barrier) when buf lies in a shared array of
+    comm whose ranks are all on one node; None otherwise."""
+    regions = _shared.get(comm)
+    if not regions or not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+        return None
+    where = _address(buf)
+    for start, nbytes, segments, node_barrier in regions:
+        if start <= where and where + buf.nbytes <= start + nbytes:
+            if len(comm.node_groups()) > 1:
+                return None
+            offset = where - start
+            return ([s[offset:offset + buf.nbytes].view(buf.dtype) for s in segments],
+                    node_barrier)
+    return None
 
 
 def shm_allreduce(comm, buf, reduce_device, src=None) -> None:
@@ -37,6 +92,11 @@ def shm_allreduce(comm, buf, reduce_device, src=None) -> None:
         if src is not None and src is not buf:
             backend.get_array_module(buf).copyto(buf, src)
         return
+    if src is None or src is buf:
+        shared = _in_place_views(comm, buf)
+        if shared is not None:
+            _allreduce_in_place(comm.rank, *shared, reduce_device)
+            return
     xp = backend.get_array_module(buf)
     reduce = reduce_device if xp is np else getattr(np, reduce_device.__name__.removeprefix("cupy_"))
     src = buf if src is None else src
@@ -46,6 +106,24 @@ def shm_allreduce(comm, buf, reduce_device, src=None) -> None:
         calls = _calls[comm] = _calls.get(comm, 0) + 1
         _allreduce_chunk(comm, src[start:start + chunk], buf[start:start + chunk], reduce, xp,
                          segments, calls % 2, node_barrier)
+
+
+def _allreduce_in_place(rank: int, views: list[np.ndarray], node_barrier, reduce) -> None:
+    """Sum slice `rank` of every rank's array (views, in rank order) in rank order, and write it
+    into every rank's array, a cache-sized block at a time; between two node barriers."""
+    node_barrier()  # every rank's input is in place
+    bounds = block_bounds(views[0].size, len(views))
+    block = max(1, SHARED_BLOCK_BYTES // views[0].itemsize)
+    for lo in range(bounds[rank], bounds[rank + 1], block):
+        hi = min(lo + block, bounds[rank + 1])
+        result = views[0][lo:hi]
+        acc = accumulator(result, len(views) - 1)
+        for v in views[1:]:
+            reduce(acc, v[lo:hi], out=acc)
+        settle(result, acc)
+        for v in views[1:]:
+            np.copyto(v[lo:hi], result)
+    node_barrier()  # every slice is summed into every rank's array
 
 
 def _allreduce_chunk(comm, src, part, reduce, xp, segments, half, node_barrier) -> None:

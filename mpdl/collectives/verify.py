@@ -47,8 +47,10 @@ class Trial:
 
     def __init__(self, comm: Any, collective: str, nbytes: int, names: tuple[str, ...],
                  runners: dict[str, Callable[[], None]], settle: Callable[[str], None],
-                 runs: int) -> None:
+                 runs: int, shared: bool = False) -> None:
         self.comm, self.collective, self.nbytes = comm, collective, nbytes
+        #: the plan's array lies in shared memory (its verdict is kept apart)
+        self.shared = shared
         self.names, self.runners, self.settle = names, runners, settle
         # each algorithm's runs back to back, as the plan's own runs follow each other: calls of
         # one algorithm in a row can pipeline (a call after another algorithm's starts in step)
@@ -75,18 +77,21 @@ class Trial:
         choice = self.names[0]
         best = min(self.names[1:], key=lambda n: (fastest[n], self.names.index(n)))
         winner = best if fastest[best] <= SWITCH * fastest[choice] else choice
-        auto.learn(self.comm, self.collective, self.nbytes, winner)
+        auto.learn(self.comm, self.collective, self.nbytes, winner, self.shared)
         return winner
 
 
-def candidates(collective: str, nbytes: int, comm: Any) -> tuple[str, ...] | None:
+def candidates(collective: str, nbytes: int, comm: Any,
+               shared: bool = False) -> tuple[str, ...] | None:
     """(auto's choice, the contenders) for a plan of nbytes on comm when it should verify them;
     None when verification is off, the model is not calibrated, the size was verified, or there
-    is no contender."""
+    is no contender. With `shared` (the plan's array lies in shared memory, which shm sums where
+    it lies), the verdict is kept apart from that of other arrays of the size."""
     runs = settings.current().verify_runs
     if runs < 1 or comm.size < 2 or nbytes == 0:
         return None
     model = auto.model_for(comm)
-    if not model.calibrated or model.params is None or f"{collective}:{nbytes}" in model.verified:
+    if (not model.calibrated or model.params is None
+            or auto.verified_key(collective, nbytes, shared) in model.verified):
         return None
     return auto.ranked(collective, nbytes, comm, model, FIELD) or None

@@ -381,10 +381,13 @@ class Communicator:
         """Whether this communicator offers `shared_segments` (and so the shm algorithm)."""
         return type(self).shared_segments is not Communicator.shared_segments
 
-    def shared_segments(self, nbytes: int) -> tuple[list[np.ndarray], Callable[[], None]]:
+    def shared_segments(self, nbytes: int, own: bool = False) -> tuple[list[np.ndarray],
+                                                                        Callable[[], None]]:
         """Byte arrays of this node's ranks that all of them can read and write, and a node barrier.
 
-        Collective over the ranks of this rank's node. Segments are cached per size class.
+        Collective over the ranks of this rank's node. Segments are cached per size class and
+        shared by their callers; with `own`, they are new segments of nbytes that no other call
+        returns (collective every time; they live as long as the communicator).
         """
         raise NotImplementedError(f"{type(self).__name__} has no shared memory")
 

@@ -241,7 +241,8 @@ class MPIComm(Communicator, DeviceStaging):
             self._nodes = nodes.node_of_rank(self.mpi, self.MPI, self.settings.ranks_per_node)
         return self._nodes
 
-    def shared_segments(self, nbytes: int) -> tuple[list[np.ndarray], Callable[[], None]]:
+    def shared_segments(self, nbytes: int, own: bool = False) -> tuple[list[np.ndarray],
+                                                                        Callable[[], None]]:
         if self._shared is None:
             # a real MPI communicator over this rank's node (real shared memory, emulated split)
             shared = self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
@@ -252,7 +253,7 @@ class MPIComm(Communicator, DeviceStaging):
             # A window still open at MPI_Finalize fails it with some network modules
             # (MPICH over libfabric: "fabricclose failed"), so free them first.
             atexit.register(self.free)
-        return self._shared.segments(nbytes)
+        return self._shared.segments(nbytes, own)
 
     def free(self) -> None:
         """Release the shared-memory windows and node communicator (before MPI finalizes; called

@@ -45,34 +45,45 @@ class SharedWindows:
         self.node = node_comm
         self._wait = wait
         self._windows: dict[int, tuple[Any, list[np.ndarray], Callable[[], None]]] = {}
+        self._own: list[tuple[Any, list[np.ndarray], Callable[[], None]]] = []
 
-    def segments(self, nbytes: int) -> tuple[list[np.ndarray], Callable[[], None]]:
+    def segments(self, nbytes: int, own: bool = False) -> tuple[list[np.ndarray],
+                                                                 Callable[[], None]]:
         """Byte arrays of every rank of the node (at least nbytes each) and a node barrier.
-        Collective over the node the first time a size class is asked for."""
+        Collective over the node the first time a size class is asked for; with `own`, a window
+        of nbytes for the caller alone, collective every time."""
+        if own:
+            self._own.append(self._allocate(nbytes))
+            _, segments, node_barrier = self._own[-1]
+            return segments, node_barrier
         size_class = 1 << max(nbytes - 1, 0).bit_length()
         entry = self._windows.get(size_class)
         if entry is None:
-            MPI, node = self.MPI, self.node
-            win = MPI.Win.Allocate_shared(size_class, 1, comm=node)
-            win.Lock_all(MPI.MODE_NOCHECK)
-            segments = []
-            for r in range(node.Get_size()):
-                mem, _ = win.Shared_query(r)
-                segments.append(np.frombuffer(mem, dtype=np.uint8, count=size_class))
-
-            def node_barrier() -> None:
-                win.Sync()
-                self._wait(node.Ibarrier())
-                win.Sync()
-
-            entry = self._windows[size_class] = (win, segments, node_barrier)
+            entry = self._windows[size_class] = self._allocate(size_class)
         _, segments, node_barrier = entry
         return segments, node_barrier
 
+    def _allocate(self, nbytes: int) -> tuple[Any, list[np.ndarray], Callable[[], None]]:
+        MPI, node = self.MPI, self.node
+        win = MPI.Win.Allocate_shared(nbytes, 1, comm=node)
+        win.Lock_all(MPI.MODE_NOCHECK)
+        segments = []
+        for r in range(node.Get_size()):
+            mem, _ = win.Shared_query(r)
+            segments.append(np.frombuffer(mem, dtype=np.uint8, count=nbytes))
+
+        def node_barrier() -> None:
+            win.Sync()
+            self._wait(node.Ibarrier())
+            win.Sync()
+
+        return win, segments, node_barrier
+
     def free(self) -> None:
         """Release the windows and the node communicator (before MPI finalizes)."""
-        for win, _, _ in self._windows.values():
+        for win, _, _ in [*self._windows.values(), *self._own]:
             win.Unlock_all()
             win.Free()
         self._windows.clear()
+        self._own.clear()
         self.node.Free()
