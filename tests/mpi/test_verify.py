@@ -151,6 +151,8 @@ def test_ddp_buckets_leave_a_poisoned_choice_by_default_on_every_rank(poisoned, 
     poisoned.barrier()
     key = firstuse.cache_key(poisoned)
     verified = firstuse.read_verified(firstuse.cache_path(settings.current().auto_cache, key), key)
-    # (the buckets lie in shared memory: their verdicts are kept apart from other arrays')
-    assert verified == {auto.verified_key("allreduce", b.nbytes, shared=True): "ring"
+    # (on one node the buckets lie in shared memory: their verdicts are kept apart from other
+    # arrays'; across nodes they are ordinary arrays)
+    one_node = poisoned.has_shared_memory and len(poisoned.node_groups()) == 1
+    assert verified == {auto.verified_key("allreduce", b.nbytes, shared=one_node): "ring"
                         for b in ddp.buckets}
