@@ -26,7 +26,8 @@ after `forget()` (call it on every rank, as `mpdl calibrate` does) or a change o
 
 A model also holds the choices that plans verified online (`mpdl.collectives.verify`), read from
 and written to the first-use cache: a plan of such a size runs the verified algorithm
-(`plan_choice`); one-shot calls keep the prediction.
+(`plan_choice`); one-shot calls keep the prediction. A choice verified on a busy machine is
+provisional: used, and verified again by the next run's first plan of its size.
 
 `choose(collective, nbytes, p, nodes, shared_memory)` without a model is the pure function of the
 calibration file (or the defaults) that needs no communicator.
@@ -56,13 +57,17 @@ class Model:
     origin: "off" (no model: the size rule), "defaults", "file" (`mpdl calibrate`'s), "cache" (a
     first-use calibration read back) or "measured" (a first-use calibration made in this run);
     `path` is the file read or written, `note` says why when it matters; `verified` holds the
-    choices plans verified online ("collective:bytes" -> algorithm)."""
+    choices plans verified online ("collective:bytes" -> algorithm), `unsettled` why those
+    verified on a busy machine are provisional, and `recheck` those of them (read from the cache)
+    that a plan of this run verifies again."""
 
     params: costmodel.Params | None
     origin: str
     path: str = ""
     note: str = ""
     verified: dict = field(default_factory=dict, compare=False, hash=False)
+    unsettled: dict = field(default_factory=dict, compare=False, hash=False)
+    recheck: set = field(default_factory=set, compare=False, hash=False)
     #: tells models apart in the choice cache
     serial: int = field(init=False, default_factory=lambda: next(_serial), compare=False)
 
@@ -86,6 +91,9 @@ class Model:
             text += f" ({self.params.source})"
         if self.provisional:
             text = f"provisional ({self.provisional}): {text}"
+        if self.unsettled:
+            text += (f"; {len(self.unsettled)} of {len(self.verified)} verified choices "
+                     f"provisional ({next(iter(self.unsettled.values()))})")
         return f"{text}; {self.note}" if self.note else text
 
 
@@ -178,7 +186,9 @@ def look(comm) -> tuple[Model | None, str]:
         return None, path
     if params is None:
         return None, path
-    model = Model(params, "cache", path, verified=firstuse.read_verified(path, key))
+    unsettled = firstuse.read_unsettled(path, key)
+    model = Model(params, "cache", path, verified=firstuse.read_verified(path, key),
+                  unsettled=unsettled, recheck=set(unsettled))
     return model, path if params.provisional else ""
 
 
@@ -192,9 +202,11 @@ def _agree(comm) -> Model:
     mine = look(comm) if comm.rank == 0 else None
     found, path = comm.allgather_object(mine)[0]
     if found is not None and not path:  # a model of this process (its serial keys its cache)
-        return Model(found.params, found.origin, found.path, found.note, dict(found.verified))
+        return Model(found.params, found.origin, found.path, found.note, dict(found.verified),
+                     dict(found.unsettled), set(found.recheck))
     params = firstuse.measure_quick(comm)  # none yet, or a provisional one: measure again
     verified = dict(found.verified) if found is not None else {}  # the file keeps them too
+    unsettled = dict(found.unsettled) if found is not None else {}
     note = ""
     if comm.rank == 0:
         try:
@@ -202,7 +214,7 @@ def _agree(comm) -> Model:
         except OSError as exc:
             note = f"could not save it ({exc}); set MPDL_AUTO_CACHE to a writable folder"
             warnings.warn(f"mpdl auto: first-use calibration {note}", RuntimeWarning, stacklevel=2)
-    return Model(params, "measured", path, note, verified)
+    return Model(params, "measured", path, note, verified, unsettled, set(unsettled))
 
 
 def model_for(comm) -> Model:
@@ -318,19 +330,26 @@ def ranked(collective: str, nbytes: int, comm, model: Model,
     return (choice, *field) if field else ()
 
 
-def learn(comm, collective: str, nbytes: int, algorithm: str, shared: bool = False) -> None:
+def learn(comm, collective: str, nbytes: int, algorithm: str, shared: bool = False,
+          provisional: str = "") -> None:
     """Keep a plan's verdict: `algorithm` is the fastest for plans of nbytes of collective on comm
-    (of arrays in shared memory with `shared`). Every rank of comm calls it with the same verdict;
-    it holds for the rest of the run, and rank 0 writes it into the first-use cache file for the
-    next runs."""
+    (of arrays in shared memory with `shared`), taken on a busy machine when `provisional` says
+    why. Every rank of comm calls it with the same verdict; it holds for the rest of the run, and
+    rank 0 writes it into the first-use cache file for the next runs (which verify a provisional
+    one again; it never replaces a verdict taken on a quiet machine there)."""
     model = model_for(comm)
     entry = verified_key(collective, nbytes, shared)
     model.verified[entry] = algorithm
+    model.recheck.discard(entry)
+    model.unsettled.pop(entry, None)
+    if provisional:
+        model.unsettled[entry] = provisional
     _cache[:] = None, {}
     _epoch[0] += 1
     if comm.rank == 0 and model.origin in ("cache", "measured"):
         try:
-            firstuse.remember(model.path, firstuse.cache_key(comm), entry, algorithm)
+            firstuse.remember(model.path, firstuse.cache_key(comm), entry, algorithm,
+                              provisional)
         except OSError as exc:
             warnings.warn(f"mpdl auto: could not note a verified choice in {model.path} ({exc})",
                           RuntimeWarning, stacklevel=2)

@@ -16,7 +16,8 @@ again (1.8 s for 2 ranks at load 14). A calibration taken on a busy machine
 The result is kept in one JSON file per key (`cache_key`: host, MPI library, world size, ranks per
 node, and the communicator's own shape when it is a part of the world) in the settings' `auto_cache`
 folder (MPDL_AUTO_CACHE; $XDG_CACHE_HOME/mpdl by default), written atomically, with the choices
-that plans verified online (`verified`: collective and size -> algorithm). `mpdl.collectives.auto`
+that plans verified online (`verified`: collective and size -> algorithm) and, for those verified
+on a busy machine, why (`verified_provisional`: the next run verifies them again). `mpdl.collectives.auto`
 decides when to read, measure and write (rank 0 decides, every rank follows).
 """
 
@@ -116,7 +117,8 @@ def measure_quick(comm: Any) -> Params:
                   ring_exchange=monotone(QUICK.sizes, curves["ring"]) if curves["ring"] else (),
                   allreduce_times=table.rows, nodes=len(groups),
                   source=f"first-use calibration on {host}, {comm.size} ranks, {len(groups)} "
-                         f"node(s), {when}, {seconds:.2f} s",
+                         f"node(s), {when}, {seconds:.2f} s"
+                         + (", median rounds (more ranks than cores)" if table.crowded else ""),
                   provisional=busy.why)
 
 
@@ -167,6 +169,9 @@ def _load(path: str, key: dict) -> dict | None:
             raise ValueError(f"made for {data.get('key')}, not {key}")
         data["params"] = Params.from_json(data["params"])
         data["verified"] = {str(k): str(v) for k, v in dict(data.get("verified", {})).items()}
+        data["unsettled"] = {str(k): str(v) for k, v
+                             in dict(data.get("verified_provisional", {})).items()
+                             if k in data["verified"]}
         return data
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ModelUnavailable) as exc:
         raise ModelUnavailable(f"{path}: not a usable first-use calibration ({exc})") from None
@@ -190,11 +195,23 @@ def read_verified(path: str, key: dict) -> dict[str, str]:
     return {} if data is None else data["verified"]
 
 
-def _store(path: str, key: dict, params: Params, verified: dict[str, str]) -> None:
+def read_unsettled(path: str, key: dict) -> dict[str, str]:
+    """The verified choices of path taken on a busy machine, and why ("collective:bytes" -> the
+    busy check's reason): provisional, to be verified again; {} when there are none."""
+    try:
+        data = _load(path, key)
+    except ModelUnavailable:
+        return {}
+    return {} if data is None else data["unsettled"]
+
+
+def _store(path: str, key: dict, params: Params, verified: dict[str, str],
+           unsettled: dict[str, str]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with atomic_open(path) as f:
         json.dump({"version": FORMAT_VERSION, "key": key, "params": params.to_json(),
-                   "verified": dict(sorted(verified.items()))}, f, indent=1)
+                   "verified": dict(sorted(verified.items())),
+                   "verified_provisional": dict(sorted(unsettled.items()))}, f, indent=1)
         f.write("\n")
 
 
@@ -209,17 +226,30 @@ def write(path: str, key: dict, params: Params) -> bool:
         held = None
     if held is not None and params.provisional and not held["params"].provisional:
         return False
-    _store(path, key, params, held["verified"] if held is not None else {})
+    if held is None:
+        _store(path, key, params, {}, {})
+    else:
+        _store(path, key, params, held["verified"], held["unsettled"])
     return True
 
 
-def remember(path: str, key: dict, entry: str, algorithm: str) -> None:
+def remember(path: str, key: dict, entry: str, algorithm: str, provisional: str = "") -> bool:
     """Note in path that a plan verified `algorithm` as the fastest for `entry` (`auto.verified_key`:
-    the collective, the size and where the array lies; the next run's `auto` takes it); nothing
-    when path holds no calibration of key."""
+    the collective, the size and where the array lies; the next run's `auto` takes it), with
+    `provisional` saying why when the machine was busy (the next run verifies it again). A
+    provisional verdict never replaces one taken on a quiet machine: then False, as when path
+    holds no calibration of key (nothing written)."""
     try:
         held = _load(path, key)
     except ModelUnavailable:
-        return
-    if held is not None:
-        _store(path, key, held["params"], {**held["verified"], entry: algorithm})
+        return False
+    if held is None:
+        return False
+    verified, unsettled = held["verified"], dict(held["unsettled"])
+    if provisional and entry in verified and entry not in unsettled:
+        return False
+    unsettled.pop(entry, None)
+    if provisional:
+        unsettled[entry] = provisional
+    _store(path, key, held["params"], {**verified, entry: algorithm}, unsettled)
+    return True

@@ -12,10 +12,13 @@ these runs; a run that must be bit-reproducible from run to run fixes the algori
 times its runs; after the last, one all-gather gives every rank every rank's times, and every rank
 takes the same verdict from them: per run the slowest rank's time, per algorithm the fastest of
 its K runs (other work only ever adds time: a run that another process's time slice fell on says
-nothing of the algorithm); the fastest contender wins when it is at least SWITCH times faster
+nothing of the algorithm), or the median where a node runs more ranks than cores
+(`measuring.typical`); the fastest contender wins when it is at least SWITCH times faster
 than the choice (10%). The plan then runs the winner, and the verdict is remembered for this size
 in `auto`'s model and its first-use cache file, so the next run starts with it (and does not
-verify that size again). The exploration costs at most K runs of each contender instead of the
+verify that size again). A verdict taken on a busy machine (other work's load per core, as
+`measuring.Busy` judges a calibration, the largest over ranks) is provisional: used, and
+verified again by the next run. The exploration costs at most K runs of each contender instead of the
 choice, plus one small all-gather, once per size and machine.
 """
 
@@ -28,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import settings
-from mpdl.collectives import auto
+from mpdl.collectives import auto, measuring
 
 #: a contender replaces the choice when its fastest run is at most this fraction of the choice's
 SWITCH = 0.9
@@ -58,6 +61,9 @@ class Trial:
         self.times: list[float] = []
         #: the algorithm of the run in progress (or the last one)
         self.current = names[0]
+        self.crowded = measuring.crowded(comm)
+        self.ranks_here = next((len(g) for g in comm.node_groups() if comm.rank in g), 1)
+        self.load_before = measuring.load_per_core(self.ranks_here)
 
     def run(self) -> None:
         """One run of the trial: the next algorithm in turn, timed; the verdict after the last."""
@@ -66,32 +72,43 @@ class Trial:
         self.runners[name]()
         self.times.append(time.perf_counter() - t0)
         if len(self.times) == len(self.order):
-            self.settle(self.verdict(self.comm.allgather_object(self.times)))
+            everyone = self.comm.allgather_object(
+                (self.times, self.crowded, self.load_before,
+                 measuring.load_per_core(self.ranks_here)))
+            busy = measuring.Busy(max(r[2] for r in everyone), max(r[3] for r in everyone), 1.0)
+            self.settle(self.verdict([r[0] for r in everyone], any(r[1] for r in everyone),
+                                     busy.why))
 
-    def verdict(self, everyone: list[list[float]]) -> str:
+    def verdict(self, everyone: list[list[float]], crowded: bool = False,
+                provisional: str = "") -> str:
         """The winner from every rank's times (the same on every rank): the contender with the
-        fastest run when that is at most SWITCH of the choice's fastest, else the choice."""
+        fastest typical run (`measuring.typical`: the fastest, or with `crowded` the median) when
+        that is at most SWITCH of the choice's, else the choice; learned as provisional, with
+        the reason, when `provisional` says the machine was busy."""
         slowest = np.max(np.array(everyone, dtype=np.float64), axis=0)
-        fastest = {n: min(t for t, m in zip(slowest, self.order, strict=True) if m == n)
+        typical = {n: measuring.typical([t for t, m in zip(slowest, self.order, strict=True)
+                                         if m == n], crowded)
                    for n in self.names}
         choice = self.names[0]
-        best = min(self.names[1:], key=lambda n: (fastest[n], self.names.index(n)))
-        winner = best if fastest[best] <= SWITCH * fastest[choice] else choice
-        auto.learn(self.comm, self.collective, self.nbytes, winner, self.shared)
+        best = min(self.names[1:], key=lambda n: (typical[n], self.names.index(n)))
+        winner = best if typical[best] <= SWITCH * typical[choice] else choice
+        auto.learn(self.comm, self.collective, self.nbytes, winner, self.shared, provisional)
         return winner
 
 
 def candidates(collective: str, nbytes: int, comm: Any,
                shared: bool = False) -> tuple[str, ...] | None:
     """(auto's choice, the contenders) for a plan of nbytes on comm when it should verify them;
-    None when verification is off, the model is not calibrated, the size was verified, or there
-    is no contender. With `shared` (the plan's array lies in shared memory, which shm sums where
-    it lies), the verdict is kept apart from that of other arrays of the size."""
+    None when verification is off, the model is not calibrated, the size was verified (on a quiet
+    machine, or in this run), or there is no contender. With `shared` (the plan's array lies in
+    shared memory, which shm sums where it lies), the verdict is kept apart from that of other
+    arrays of the size."""
     runs = settings.current().verify_runs
     if runs < 1 or comm.size < 2 or nbytes == 0:
         return None
     model = auto.model_for(comm)
+    entry = auto.verified_key(collective, nbytes, shared)
     if (not model.calibrated or model.params is None
-            or auto.verified_key(collective, nbytes, shared) in model.verified):
+            or (entry in model.verified and entry not in model.recheck)):
         return None
     return auto.ranked(collective, nbytes, comm, model, FIELD) or None
