@@ -98,7 +98,9 @@ class Trial:
 
 def candidates(collective: str, nbytes: int, comm: Any,
                shared: bool = False) -> tuple[str, ...] | None:
-    """(auto's choice, the contenders) for a plan of nbytes on comm when it should verify them;
+    """(the plan's algorithm, the contenders) for a plan of nbytes on comm when it should verify
+    them: auto's choice and the candidates the model predicts within FIELD of it, and when a
+    provisional verdict is verified again, that verdict first and the prediction among them;
     None when verification is off, the model is not calibrated, the size was verified (on a quiet
     machine, or in this run), or there is no contender. With `shared` (the plan's array lies in
     shared memory, which shm sums where it lies), the verdict is kept apart from that of other
@@ -111,4 +113,9 @@ def candidates(collective: str, nbytes: int, comm: Any,
     if (not model.calibrated or model.params is None
             or (entry in model.verified and entry not in model.recheck)):
         return None
-    return auto.ranked(collective, nbytes, comm, model, FIELD) or None
+    # the prediction and its field; the plan runs a provisional verdict, if any, in its place
+    field = auto.ranked(collective, nbytes, comm, model, FIELD) \
+        or (auto.algorithm_for(collective, nbytes, comm).name,)
+    runs_now = auto.plan_choice(collective, nbytes, comm, shared).name
+    names = (runs_now, *(name for name in field if name != runs_now))
+    return names if len(names) > 1 else None

@@ -97,6 +97,50 @@ def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(w
     assert again.algorithm == winner and again.trial is None
 
 
+def test_a_verdict_taken_on_a_busy_machine_is_verified_again_by_the_next_run(world, monkeypatch):
+    """Every load counts as busy: the trial's verdict (a contender: the choice is slowed 20 ms per
+    run) is provisional in the cache; the next run's plan runs it and verifies it again, with
+    the verdict first, every run's bits those of the one-shot all-reduce of the algorithm that
+    ran, the same on every rank."""
+    if P == 1:
+        pytest.skip("one rank: there is no algorithm to verify (auto runs nothing)")
+    assert not auto.model_for(world).provisional  # a quiet calibration; the trial is on a busy
+    monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", -1.0)  # machine: every load counts
+    x = np.random.default_rng(RANK).standard_normal(COUNT).astype(np.float32)
+    choice = verify.candidates("allreduce", x.nbytes, world)[0]
+    real = plans._allreduce_runner
+
+    def slowed(c, algo, *args):
+        go, fast, requests = real(c, algo, *args)
+        if algo.name != choice:
+            return go, fast, requests
+        return (lambda: (time.sleep(0.02), go())), None, requests
+
+    monkeypatch.setattr(plans, "_allreduce_runner", slowed)
+    plan = C.allreduce_init(x, algorithm="auto", comm=world)
+    for _ in range(len(plan.trial.names) * RUNS):
+        plan()
+    winner = plan.algorithm
+    assert winner != choice
+    world.barrier()
+    key = firstuse.cache_key(world)
+    path = firstuse.cache_path(settings.current().auto_cache, key)
+    entry = f"allreduce:{x.nbytes}"
+    assert firstuse.read_verified(path, key) == {entry: winner}
+    assert firstuse.read_unsettled(path, key)[entry].startswith("busy machine: load")
+    world.barrier()
+    auto.forget()
+    again = C.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
+    assert again.algorithm == winner and again.trial is not None
+    assert again.trial.names[0] == winner and choice in again.trial.names
+    for _ in range(len(again.trial.names) * RUNS):
+        got = again().copy()
+        want = C.allreduce(x, algorithm=again.trial.current, comm=world)
+        assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    assert world.allgather_object(again.algorithm) == [again.algorithm] * P
+    assert again.algorithm != choice
+
+
 @pytest.fixture
 def poisoned(tmp_path_factory, monkeypatch):
     """A first-use calibration whose all-reduce table is poisoned (as a busy machine can leave it):
