@@ -242,3 +242,58 @@ def test_a_persistent_receive_times_out_naming_the_peer_and_completes_later():
         COMM.Barrier()
         if RANK == 1:
             comm.send(np.ones(4), 0)
+
+
+def test_the_compiled_wait_is_bounded_and_completes_later():
+    """A persistent receive polled in compiled code: with nothing sent the wait gives up after its
+    polls (no hang); after the send it completes and the data has landed."""
+    needs_two()
+    from mpdl.comm import polling  # noqa: PLC0415
+
+    buf = np.zeros(5)
+    if RANK == 0:
+        recv = COMM.Recv_init([buf, MPI.BYTE], 1, 91)
+        recv.Start()
+        wait = polling.compiled_wait([recv])
+        assert wait is not None, "no compiled wait over this MPI library"
+        assert wait(2000, 1) is False
+        COMM.Barrier()
+        for _ in range(1000):
+            if wait(1 << 16, 64):
+                break
+        else:
+            pytest.fail("the compiled wait never saw the receive complete")
+        assert buf.tolist() == [7.0] * 5
+        recv.Free()
+    else:
+        COMM.Barrier()
+        if RANK == 1:
+            COMM.Send([np.full(5, 7.0), MPI.BYTE], 0, 91)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])  # replayed schedules
+def test_plans_run_many_times_wait_in_compiled_code_bit_for_bit(algorithm, monkeypatch):
+    """From its COMPILED_AFTER-th run a plan's steps wait in compiled code; every run still
+    matches the one-shot call bit for bit (new values each run, awkward counts)."""
+    needs_two()
+    from mpdl.comm import polling  # noqa: PLC0415
+
+    made = []
+
+    def counting(requests):
+        wait = real(requests)
+        made.append(wait is not None)
+        return wait
+
+    real = polling.compiled_wait
+    monkeypatch.setattr(polling, "compiled_wait", counting)
+    for count in (1, P + 1, 31):
+        x = local_data(count, "float32", "sum", count)
+        h = C.allreduce_init(x, algorithm=algorithm, out=np.empty_like(x))
+        for run in range(plans.COMPILED_AFTER + 3):
+            x[...] = local_data(count, "float32", "sum", 7 * run + count)
+            same_bytes(h(), C.allreduce(x, algorithm=algorithm),
+                       f"{algorithm} n={count} run {run}")
+        h.free()
+    assert made and all(made), "the plans never waited in compiled code"
+
