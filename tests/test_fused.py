@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import mpdl.autograd.functional as F
-from mpdl.autograd import Tensor, attention, fused, gradcheck, optim
+from mpdl.autograd import Tensor, attention, fused, gradcheck, nn, optim
 from mpdl.autograd.attention import packed_attention
+from mpdl.autograd.linear_gelu import linear_gelu
 from mpdl.backend import standin
 from mpdl.training.gpt import GPT
 
@@ -65,7 +66,53 @@ def test_gelu_kernels_match_the_array_path(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 5, 5), (3, 4, 9), (2, 2, 7, 3)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bias_gelu_kernels_match_the_array_path(shape, dtype):
+    h = _random(shape, dtype, scale=3.0).reshape(-1, shape[-1])
+    b, g = _random(shape[-1], dtype, 1), _random(h.shape, dtype, 2)
+    _assert_close(*_both_paths(fused.bias_gelu, h, b), dtype)
+    _assert_close(*_both_paths(fused.bias_gelu_backward, g, h, b), dtype, scale=len(h))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("array_path", [False, True], ids=["kernels", "array_path"])
+def test_linear_gelu_gives_the_bits_of_linear_then_gelu(array_path, dtype):
+    """One node, the same values and gradients as ``gelu(linear(x, w, b))``, bit for bit."""
+    x, w, b = _random((3, 5, 16), dtype), _random((24, 16), dtype, 1), _random(24, dtype, 2)
+    g = _random((3, 5, 24), dtype, 3)
+    results = []
+    for fn in (linear_gelu, lambda *args: F.gelu(F.linear(*args))):
+        args = [Tensor(a.copy(), requires_grad=True) for a in (x, w, b)]
+        if array_path:
+            with fused.array_path():
+                out = fn(*args)
+                out.backward(g)
+        else:
+            out = fn(*args)
+            out.backward(g)
+        results.append([out.data] + [a.grad for a in args])
+    fused_node, composition = results
+    for got, want in zip(fused_node, composition, strict=True):
+        assert got.dtype == want.dtype == dtype
+        np.testing.assert_array_equal(got, want)
+
+
+def test_linear_gelu_rejects_bad_input():
+    layer = nn.Linear(4, 6, seed=0)
+    with pytest.raises(ValueError, match="activation must be None or 'gelu'"):
+        layer(Tensor(np.ones((2, 4), np.float32)), activation="relu")
+    with pytest.raises(ValueError, match="bias"):
+        linear_gelu(Tensor(np.ones((2, 4))), Tensor(np.ones((6, 4))), Tensor(np.ones(5)))
+    with pytest.raises(ValueError, match="does not fit weight"):
+        linear_gelu(Tensor(np.ones((2, 3))), Tensor(np.ones((6, 4))), Tensor(np.ones(6)))
+    unbiased = nn.Linear(4, 6, bias=False, seed=0)
+    x = Tensor(_random((2, 4), np.float32))
+    np.testing.assert_array_equal(unbiased(x, activation="gelu").data,
+                                  F.gelu(unbiased(x)).data)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 5, 5), (3, 4, 9), (2, 2, 7, 3), (1, 19, 37)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("scale", [0.25, -1.5])
 def test_softmax_kernels_match_the_array_path(shape, dtype, causal, scale):
@@ -90,6 +137,20 @@ def test_cross_entropy_kernels_match_the_array_path(rows, classes, dtype):
         scale = _random(rows, dtype, 2)
         _assert_close(*_both_paths(fused.cross_entropy_backward, logits, labels, host[1], scale),
                       dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_finds_the_row_maximum_at_every_position(dtype):
+    """The kernel's row maximum runs in eight lanes and a remainder: a large score at each
+    position of a 21-long row gives the array path's softmax, and a NaN there a NaN row."""
+    n = 21
+    scores = np.tile(np.linspace(-1, 1, n, dtype=dtype), (n, 1))
+    scores[np.arange(n), np.arange(n)] = 2000.0  # a wrong maximum overflows exp
+    for scale in (0.5, -0.5):
+        _assert_close(*_both_paths(lambda: fused.softmax_(scores[None].copy(), scale, False)),
+                      dtype)
+    scores[np.arange(n), np.arange(n)] = np.nan
+    assert np.isnan(fused.softmax_(scores[None].copy(), 1.0, False)).all()
 
 
 def test_float32_exp_and_erf_against_the_c_library():
@@ -164,6 +225,8 @@ def _gpt_ops():
          r.standard_normal(6), r.standard_normal(6)),
         ("layer_norm_2d", lambda x: F.layer_norm(x, (5, 6)), r.standard_normal((2, 5, 6))),
         ("gelu", F.gelu, r.standard_normal((3, 7)) * 2),
+        ("linear_gelu", linear_gelu, r.standard_normal((2, 3, 4)), r.standard_normal((5, 4)),
+         r.standard_normal(5)),
         ("cross_entropy", lambda x: F.cross_entropy(x, labels), r.standard_normal((2, 4, 7))),
         ("packed_attention", lambda qkv: packed_attention(qkv), r.standard_normal((2, 5, 3, 2, 4))),
         ("packed_attention_full", lambda qkv: packed_attention(qkv, is_causal=False, scale=0.7),

@@ -41,6 +41,7 @@ def test_info_reports_world_size_and_mpi_library():
     assert info["cuda_aware_mpi"] in ("yes", "no", "unknown")
     oversubscribed = 3 > info["cores"] >= 1
     assert info["waiting_ranks_yield"].startswith("at every poll" if oversubscribed else "every 64")
+    assert info["plans_wait"].startswith("in compiled code")  # numba and libmpi are installed
 
 
 def test_info_emulated_nodes_and_cuda_override():

@@ -120,7 +120,8 @@ def _erf32(v):
 
 @functools.cache
 def _register() -> Any:
-    """Import numba and teach it `_exp` and `_erf` per dtype (once, on first use)."""
+    """Import numba and teach it `_exp` and `_erf` per dtype and `_row_max` (once, on first
+    use)."""
     import numba  # noqa: PLC0415  (slow import, only when a kernel is first needed)
     from numba.extending import overload  # noqa: PLC0415
 
@@ -131,6 +132,10 @@ def _register() -> Any:
     @overload(_erf)
     def _erf_typed(v):
         return _erf32 if v == numba.types.float32 else (lambda v: math.erf(v))
+
+    @overload(_row_max)
+    def _row_max_typed(row, end, scale):
+        return _row_max
 
     return numba
 
@@ -203,9 +208,7 @@ def _softmax_loop(att, scale, causal, c):
     for m in range(batch):
         for i in range(t):
             end = min(i + 1, s) if causal else s
-            top = att[m, i, 0] * scale
-            for j in range(end):
-                top = max(top, att[m, i, j] * scale)
+            top = _row_max(att[m, i], end, scale)
             total = c[0]
             for j in range(end):
                 e = _exp(att[m, i, j] * scale - top)
@@ -216,6 +219,48 @@ def _softmax_loop(att, scale, causal, c):
                 att[m, i, j] *= inv
             for j in range(end, s):
                 att[m, i, j] = c[0]
+
+
+def _bias_gelu_loop(h, b, y, c):
+    half, inv_sqrt2 = c[2], c[3]
+    rows, n = h.shape
+    for r in range(rows):
+        for j in range(n):
+            v = h[r, j] + b[j]
+            y[r, j] = v * (half + half * _erf(v * inv_sqrt2))
+
+
+def _bias_gelu_backward_loop(g, h, b, gh, gb, c):
+    half, inv_sqrt2, inv_sqrt_2pi = c[2], c[3], c[4]
+    rows, n = h.shape
+    for r in range(rows):
+        for j in range(n):
+            v = h[r, j] + b[j]
+            cdf = half + half * _erf(v * inv_sqrt2)
+            gv = g[r, j] * (cdf + v * inv_sqrt_2pi * _exp(-half * v * v))
+            gh[r, j] = gv
+            gb[j] += gv
+
+
+def _row_max(row, end, scale):
+    """The largest of row[:end] · scale (end ≥ 1), in eight running maxima: one chain of
+    dependent comparisons would not vectorize (the maximum is the same in any order; with a NaN
+    in the row, softmax gives NaN whatever the maximum)."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = row[0] * scale
+    j = 0
+    while j + 8 <= end:
+        m0 = max(m0, row[j] * scale)
+        m1 = max(m1, row[j + 1] * scale)
+        m2 = max(m2, row[j + 2] * scale)
+        m3 = max(m3, row[j + 3] * scale)
+        m4 = max(m4, row[j + 4] * scale)
+        m5 = max(m5, row[j + 5] * scale)
+        m6 = max(m6, row[j + 6] * scale)
+        m7 = max(m7, row[j + 7] * scale)
+        j += 8
+    for k in range(j, end):
+        m0 = max(m0, row[k] * scale)
+    return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
 
 
 def _softmax_backward_loop(gp, p, scale, causal, c):
@@ -334,6 +379,32 @@ def gelu_backward(grad: Any, x: Any) -> Any:
     xp = get_array_module(x)
     cdf = 0.5 * (1 + kernels.erf(x * _INV_SQRT_2))
     return grad * (cdf + x * (_INV_SQRT_2PI * xp.exp(-0.5 * x * x)))
+
+
+def bias_gelu(h: Any, bias: Any) -> Any:
+    """gelu(h + bias) of (R, n) ``h`` and (n,) ``bias``: a linear layer's GELU with its bias
+    added on the way, in one pass."""
+    if kernels_apply(h, bias):
+        h = np.ascontiguousarray(h)
+        y = np.empty_like(h)
+        _compiled("_bias_gelu_loop")(h, np.ascontiguousarray(bias), y,
+                                     _constants(h.dtype, 0.5, _INV_SQRT_2))
+        return y
+    return gelu(h + bias)
+
+
+def bias_gelu_backward(grad: Any, h: Any, bias: Any) -> tuple[Any, Any]:
+    """The gradients (h, bias) of ``bias_gelu`` for the output gradient ``grad``; the bias's is
+    the column sum of h's, added row after row as ``sum(axis=0)`` adds them."""
+    if kernels_apply(grad, h, bias):
+        grad, h = np.ascontiguousarray(grad), np.ascontiguousarray(h)
+        gh, gb = np.empty_like(h), np.zeros_like(bias)
+        _compiled("_bias_gelu_backward_loop")(grad, h, np.ascontiguousarray(bias), gh, gb,
+                                              _constants(h.dtype, 0.5, _INV_SQRT_2,
+                                                         _INV_SQRT_2PI))
+        return gh, gb
+    gh = gelu_backward(grad, h + bias)
+    return gh, gh.sum(axis=0)
 
 
 def softmax_(scores: Any, scale: float, causal: bool) -> Any:

@@ -10,6 +10,7 @@ import numpy as np
 
 from mpdl.autograd import functional as F
 from mpdl.autograd import partial
+from mpdl.autograd.linear_gelu import linear_gelu
 from mpdl.autograd.tensor import Tensor, _move
 from mpdl.backend import get_array_module, to_host
 
@@ -211,8 +212,15 @@ class Linear(Module):
         self.bias = Parameter(kaiming_uniform((out_features,), in_features, g, dtype)) \
             if bias else None
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: Tensor, activation: str | None = None) -> Tensor:
+        """x @ W.T + b; with ``activation="gelu"``, gelu of it (one node with a bias)."""
+        if activation not in (None, "gelu"):
+            raise ValueError(f"Linear: activation must be None or 'gelu', not {activation!r}")
+        if activation is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return F.gelu(F.linear(x, self.weight))
+        return linear_gelu(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"

@@ -18,7 +18,7 @@ import numpy
 import mpdl
 from mpdl import backend
 from mpdl.collectives import auto
-from mpdl.comm import as_communicator, cuda_aware_mpi, ranks_per_node_override
+from mpdl.comm import as_communicator, cuda_aware_mpi, polling, ranks_per_node_override
 from mpdl.mpi_runtime import library_version, load_mpi, usable_cores
 
 
@@ -65,6 +65,8 @@ def collect() -> dict[str, Any]:
         "cores": usable_cores(),
         "waiting_ranks_yield": ("at every poll (more ranks on a node than cores)"
                                 if comm.yield_every == 1 else f"every {comm.yield_every} polls"),
+        "plans_wait": ("in compiled code (MPI_Testall in a numba loop, from a plan's 8th run)"
+                       if polling.load() else "from Python (no numba or no libmpi found)"),
         **_cost_model(comm),
         "rank": comm.rank,
         "host": socket.gethostname(),

@@ -847,9 +847,11 @@ def cached_alltoall(x: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
 #: the one-shot all-to-all's plans by communicator, algorithm, shape and dtype (`shaped_alltoall`),
 #: each with its input array; shapes met once (a plan is made at the second call of a shape); and
 #: the largest input they are kept for: above it the copies in and out cost more than they save
+#: (4 ranks, scattered: 128 KiB 174 µs against 316 one-shot, 256 KiB 394 against 443, 1 MiB 1.2
+#: against 0.85 ms)
 shaped: dict[tuple, tuple[Plan, np.ndarray]] = {}
 _shapes_seen: dict[tuple, None] = {}
-SHAPED_MAX_BYTES = 64 << 10
+SHAPED_MAX_BYTES = 256 << 10
 
 
 def shaped_alltoall(x: Any, comm: Any, algorithm: Any) -> Any:

@@ -46,7 +46,7 @@ def _load_int(typingctx, address):
     return signature, codegen
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit("boolean(int64[::1], int64, int64)", cache=True, nogil=True)
 def poll(block, polls, yield_every):
     """MPI_Testall at block[0] on (block[2] requests, handles at block[3], flag at block[4],
     statuses at block[5]) up to `polls` times, sched_yield (at block[1]) every `yield_every`

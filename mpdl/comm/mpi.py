@@ -25,6 +25,10 @@ from mpdl.comm.base import Communicator, PersistentRequest, Request, background_
 from mpdl.comm.cuda import cuda_aware_mpi
 from mpdl.comm.staging import DeviceStaging, StagingPool
 
+#: polls of the lean first loop of `MPIComm._wait_all` where ranks outnumber cores
+LEAN_POLLS = 256
+_MAIN_THREAD = threading.main_thread().ident
+
 
 class MPIComm(Communicator, DeviceStaging):
     """The mpi4py transport. Device arrays are staged through host buffers unless MPI is CUDA-aware."""
@@ -143,6 +147,13 @@ class MPIComm(Communicator, DeviceStaging):
         progressing = [r.progress for r in requests if r.progress is not None]
         testall = self.MPI.Request.Testall
         yield_every = self.yield_every
+        if yield_every == 1 and not progressing and threading.get_ident() == _MAIN_THREAD:
+            # ranks outnumber cores: first a loop with nothing but polls and yields (every
+            # instruction between two polls is taken from the rank waited for)
+            for _ in range(LEAN_POLLS):
+                if testall(handles):
+                    return
+                os.sched_yield()
         spins = 0
         deadline = warn = None
         # On the communication thread, pause between polls so the GIL goes to the compute thread.

@@ -67,7 +67,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(dropout, rng=rng)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
+        return self.dropout(self.proj(self.fc(x, activation="gelu")))
 
 
 class Block(ResidualBlock):
