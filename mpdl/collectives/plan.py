@@ -263,18 +263,20 @@ class _Schedule:
             self.steps.append(([], [], f, a, b, o))
         self._pending = []
 
-    def runner(self, during: Callable[[], None] | None = None) -> Callable[[], None]:
-        """run(): the steps in order under the communicator's wait policy, `during()` (if given)
-        between the first messages' start and their wait. From its COMPILED_AFTER-th run on, a
-        step waits in compiled code (`mpdl.comm.polling`) where that is possible."""
+    def runner(self, copy: tuple[np.ndarray, np.ndarray] | None = None) -> Callable[[], None]:
+        """run(): the steps in order under the communicator's wait policy; with `copy` = (dst,
+        src), src is copied into dst between the first messages' start and their wait. From its
+        COMPILED_AFTER-th run on, a step waits in compiled code (`mpdl.comm.polling`) where that
+        is possible."""
         steps, comm = self.steps, self.comm
         python = _finisher(comm, self.MPI.Request.Testall,
                            lambda handles, wrapped: comm._wait_all(wrapped))
+        if len(steps) == 1 and steps[0][0] and steps[0][2] is None:
+            return self._one_step_runner(python, copy)
+        during = None if copy is None else functools.partial(np.copyto, *copy)
         finishes = [python] * len(steps)
         startall = self.MPI.Prequest.Startall
         runs = 0
-        if len(steps) == 1 and steps[0][0] and steps[0][2] is None:
-            return self._one_step_runner(python, during)
 
         def run() -> None:
             nonlocal runs
@@ -298,23 +300,31 @@ class _Schedule:
         return run
 
     def _one_step_runner(self, python: Callable[[Any, list[Request]], None],
-                         during: Callable[[], None] | None) -> Callable[[], None]:
+                         copy: tuple[np.ndarray, np.ndarray] | None) -> Callable[[], None]:
         """`runner()` of a schedule of one step of messages and nothing after (a scattered
-        all-to-all): the same, with less Python a run."""
+        all-to-all): the same, with less Python a run; from the COMPILED_AFTER-th run on the
+        main thread, the start, the copy and the wait are one compiled call."""
         comm, startall = self.comm, self.MPI.Prequest.Startall
         reqs, wrapped = self.steps[0][0], self.steps[0][1]
-        finish, runs = python, 0
+        during = None if copy is None else functools.partial(np.copyto, *copy)
+        exchange, runs = None, 0
+        polls, yield_every = _compiled_polls(comm)
+        main, get_ident = threading.main_thread().ident, threading.get_ident
 
         def run() -> None:
-            nonlocal finish, runs
+            nonlocal exchange, runs
+            if exchange is not None and get_ident() == main:
+                if not exchange(polls, yield_every):
+                    python(reqs, wrapped)
+                return
             startall(reqs)
             if during is not None:
                 during()
-            finish(reqs, wrapped)
+            python(reqs, wrapped)
             if runs < COMPILED_AFTER:
                 runs += 1
                 if runs == COMPILED_AFTER - 1:
-                    finish = _compiled_finisher(comm, reqs, python)
+                    exchange = polling.compiled_exchange(reqs, *(copy or ()))
 
         return run
 
@@ -373,8 +383,7 @@ def _compiled_finisher(comm, requests: list[Any], python: Callable[[Any, list[Re
         return python
     main = threading.main_thread().ident
     get_ident = threading.get_ident
-    polls, yield_every = ((COMPILED_YIELD_POLLS, 1) if comm.yield_every == 1
-                          else (COMPILED_POLLS, comm.yield_every))
+    polls, yield_every = _compiled_polls(comm)
 
     def finish(handles: Any, wrapped: list[Request]) -> None:
         if get_ident() == main and compiled(polls, yield_every):
@@ -382,6 +391,12 @@ def _compiled_finisher(comm, requests: list[Any], python: Callable[[Any, list[Re
         python(handles, wrapped)
 
     return finish
+
+
+def _compiled_polls(comm) -> tuple[int, int]:
+    """(polls, yield every so many) of a compiled wait on comm."""
+    return ((COMPILED_YIELD_POLLS, 1) if comm.yield_every == 1
+            else (COMPILED_POLLS, comm.yield_every))
 
 
 def _start_and_poll(comm, request: Any, collective: str) -> Callable[[], None]:
@@ -714,7 +729,7 @@ def _direct_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, layout, name: s
                 s.send(layout.send_block(source, dst), dst, step)
         s.then()
     own_in, own_out = layout.send_block(source, r), layout.recv_block(flat, r)
-    runner = s.runner(during=functools.partial(np.copyto, own_out, own_in))
+    runner = s.runner(copy=(own_out, own_in))
     if not in_place:
         return runner, s.requests
 

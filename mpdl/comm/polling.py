@@ -5,7 +5,8 @@ microsecond of interpreter work, and where ranks outnumber cores that work is ta
 being waited for; the MPI library's own collectives poll from C. `compiled_wait(requests)` gives a
 wait that runs `MPI_Testall` in a loop compiled by numba (yielding the core every `yield_every`
 polls), with no Python between polls, for at most a given number of polls: the caller's wait
-policy (timeout, stall warning, sleeps) takes over after that.
+policy (timeout, stall warning, sleeps) takes over after that. `compiled_exchange` also starts the
+requests and copies a block while they travel, in the same call (a one-step all-to-all).
 
 Only persistent requests: a completed one keeps its handle, so the handles read once stay valid
 (an ordinary request's handle becomes MPI_REQUEST_NULL, which mpi4py would not see). The library
@@ -32,37 +33,75 @@ def compiled_wait(requests: Sequence[Any]) -> Callable[[int, int], bool] | None:
     """`wait(polls, yield_every) -> bool`: poll these started persistent mpi4py requests with
     MPI_Testall up to `polls` times, yielding the core every `yield_every` polls; True once all
     are complete. None where no compiled wait is possible here."""
+    made = _block(requests)
+    if made is None:
+        return None
+    block, arrays, loops = made
+    poll = loops.poll
+
+    def wait(polls: int, yield_every: int) -> bool:
+        return poll(block, polls, yield_every)
+
+    wait.arrays = arrays  # type: ignore[attr-defined]
+    return wait
+
+
+def compiled_exchange(requests: Sequence[Any], dst: np.ndarray | None = None,
+                      src: np.ndarray | None = None) -> Callable[[int, int], bool] | None:
+    """`run(polls, yield_every) -> bool`: start these persistent mpi4py requests (MPI_Startall),
+    copy src into dst (contiguous arrays of the same bytes, if given) while they travel, then wait
+    as `compiled_wait`'s wait does; True once all are complete (else they are left started). One
+    call, no Python between its steps. None where not possible here."""
+    if dst is not None and not (dst.flags.c_contiguous and src.flags.c_contiguous
+                                and dst.nbytes == src.nbytes):
+        return None
+    made = _block(requests, dst, src)
+    if made is None:
+        return None
+    block, arrays, loops = made
+    start_copy_poll = loops.start_copy_poll
+
+    def run(polls: int, yield_every: int) -> bool:
+        return start_copy_poll(block, polls, yield_every)
+
+    run.arrays = (*arrays, dst, src)  # type: ignore[attr-defined]
+    return run
+
+
+def load() -> bool:
+    """Load the compiled loops now (numba's import and its on-disk cache, about 0.4 s, otherwise
+    paid by the first compiled wait; a benchmark does it before timing). True if available."""
+    return _functions() is not None
+
+
+def _block(requests: Sequence[Any], dst: np.ndarray | None = None,
+           src: np.ndarray | None = None) -> tuple[np.ndarray, tuple, Any] | None:
+    """(the loops' argument block for these requests, the arrays it points into, the loops'
+    module), or None."""
     functions = _functions()
     if functions is None or not requests:
         return None
-    testall, sched_yield, request_bytes, poll = functions
+    addresses, request_bytes, loops = functions
     kind = {4: np.uint32, 8: np.uint64}[request_bytes]
     mask = (1 << (8 * request_bytes)) - 1
     handles = np.array([int(r.handle) & mask for r in requests], dtype=kind)
     flag = np.zeros(1, np.int32)
     statuses = np.zeros(STATUS_BYTES * len(requests), np.uint8)
-    #: the loop's arguments as addresses: MPI_Testall, sched_yield, the count, the handles, the
-    #: flag, the statuses (the arrays above live as long as the wait)
-    block = np.array([testall, sched_yield, len(requests), handles.ctypes.data,
-                      flag.ctypes.data, statuses.ctypes.data], dtype=np.int64)
-
-    def wait(polls: int, yield_every: int) -> bool:
-        return poll(block, polls, yield_every)
-
-    wait.arrays = (handles, flag, statuses)  # type: ignore[attr-defined]
-    return wait
-
-
-def load() -> bool:
-    """Load the compiled loop now (numba's import and its on-disk cache, about 0.2 s, otherwise
-    paid by the first compiled wait; a benchmark does it before timing). True if available."""
-    return _functions() is not None
+    block = np.zeros(loops.NBYTES + 1, np.int64)
+    block[loops.TESTALL], block[loops.SCHED_YIELD] = addresses["testall"], addresses["yield"]
+    block[loops.STARTALL], block[loops.MEMCPY] = addresses["startall"], addresses["memcpy"]
+    block[loops.COUNT], block[loops.HANDLES] = len(requests), handles.ctypes.data
+    block[loops.FLAG], block[loops.STATUSES] = flag.ctypes.data, statuses.ctypes.data
+    if dst is not None and dst.nbytes:
+        block[loops.DST], block[loops.SRC] = dst.ctypes.data, src.ctypes.data
+        block[loops.NBYTES] = dst.nbytes
+    return block, (handles, flag, statuses), loops
 
 
 @functools.cache
-def _functions() -> tuple[int, int, int, Callable] | None:
-    """(address of MPI_Testall, of sched_yield, bytes of an MPI_Request, the compiled loop), or
-    None."""
+def _functions() -> tuple[dict[str, int], int, Any] | None:
+    """(the C functions' addresses: MPI_Testall, MPI_Startall, sched_yield, memcpy; the bytes of
+    an MPI_Request; the compiled loops' module), or None."""
     path = _libmpi_path()
     if path is None:
         return None
@@ -76,11 +115,13 @@ def _functions() -> tuple[int, int, int, Callable] | None:
     if request_bytes not in (4, 8):
         return None
     try:
-        testall = ctypes.cast(ctypes.CDLL(path).MPI_Testall, ctypes.c_void_p).value
-        sched_yield = ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value
+        mpi, libc = ctypes.CDLL(path), ctypes.CDLL(None)
+        addresses = {name: ctypes.cast(function, ctypes.c_void_p).value for name, function in (
+            ("testall", mpi.MPI_Testall), ("startall", mpi.MPI_Startall),
+            ("yield", libc.sched_yield), ("memcpy", libc.memcpy))}
     except (OSError, AttributeError):
         return None
-    return testall, sched_yield, request_bytes, _polling_loop.poll
+    return addresses, request_bytes, _polling_loop
 
 
 def _libmpi_path() -> str | None:
@@ -96,4 +137,4 @@ def _libmpi_path() -> str | None:
     return None
 
 
-__all__ = ["compiled_wait", "load"]
+__all__ = ["compiled_exchange", "compiled_wait", "load"]

@@ -271,6 +271,35 @@ def test_the_compiled_wait_is_bounded_and_completes_later():
             COMM.Send([np.full(5, 7.0), MPI.BYTE], 0, 91)
 
 
+def test_the_compiled_exchange_starts_copies_and_waits():
+    """One compiled call starts persistent requests (a ring: right and left), copies a block
+    while they travel and waits: each of several runs delivers new values and the copy."""
+    needs_two()
+    from mpdl.comm import polling  # noqa: PLC0415
+
+    out, into = np.zeros(7), np.zeros(7)
+    src, dst = np.zeros(5), np.zeros(5)
+    reqs = [COMM.Recv_init([into, MPI.BYTE], (RANK - 1) % P, 92),
+            COMM.Send_init([out, MPI.BYTE], (RANK + 1) % P, 92)]
+    run = polling.compiled_exchange(reqs, dst, src)
+    wait = polling.compiled_wait(reqs)
+    assert run is not None and wait is not None, "no compiled exchange over this MPI library"
+    assert polling.compiled_exchange(reqs, np.zeros(4), src) is None  # sizes differ
+    for k in range(3):
+        out[:] = 100 * RANK + k
+        src[:] = np.arange(5) + 10 * k
+        done = run(1 << 16, 1)
+        for _ in range(1000):
+            if done:
+                break
+            done = wait(1 << 16, 64)
+        assert done, f"run {k} never completed"
+        assert into.tolist() == [100.0 * ((RANK - 1) % P) + k] * 7
+        assert dst.tolist() == (np.arange(5) + 10 * k).tolist()
+    for r in reqs:
+        r.Free()
+
+
 @pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])  # replayed schedules
 def test_plans_run_many_times_wait_in_compiled_code_bit_for_bit(algorithm, monkeypatch):
     """From its COMPILED_AFTER-th run a plan's steps wait in compiled code; every run still
