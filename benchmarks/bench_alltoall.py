@@ -12,12 +12,15 @@ busbw (nccl-tests: bytes sent per rank / time · (p-1)/p) and the ratio to `mpi`
 (MPDL_RANKS_PER_NODE=2, on a second communicator), timed in the same turns.
 
 `auto` has no turns of its own: it is timed in the turns of the algorithm it chooses, call for
-call alternating with it (chosen, auto, auto, chosen, chosen, auto, ...: each goes first in half
-the pairs), `--pair-reps` times as many repetitions as the others, so the two are measured in the
-same moments of a shared machine. The summary gives, per size, the best hand-written algorithm's time
-over mpi's, and auto's time over the best's as the product of two factors: auto / its choice, the
-median of the ratios of the alternating pairs (what the call through `auto` adds), and its
-choice / the best, their medians (what the choice loses; 1 where auto chose the best).
+call in turn with it and with mpi (chosen, auto, mpi, auto, mpi, chosen, mpi, chosen, auto, ...:
+each goes first in a third of the trios), `--pair-reps` times as many repetitions as the others,
+so the three are measured in the same moments of a shared machine. The summary gives, per size,
+the best hand-written algorithm's time over mpi's (medians of their turns), auto's time over the
+best's as the product of two factors: auto / its choice, the median of the trios' ratios (what
+the call through `auto` adds), and its choice / the best, their medians (what the choice loses; 1
+where auto chose the best); and auto's choice / mpi as the median of the trios' ratios, the
+closer comparison where the choice is the best (a ratio of medians taken in different turns
+moves with the scheduler's drift between turns at 4-5 ranks on 2 cores).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from mpdl.perf.bench import turns
 from mpdl.perf.units import parse_size
 
 NODES_OF_2 = "hierarchical@2"
+#: mpi's calls in the turns of auto's choice (timed apart from mpi's own turns)
+PAIRED_MPI = "mpi (paired)"
 
 
 def main() -> None:
@@ -73,16 +78,17 @@ def main() -> None:
         out = np.empty_like(x)
         reps = args.reps if size < 1 << 20 else args.large_reps
         calls = {n: _call(n, x, out, pairs if n == NODES_OF_2 else comm) for n in names}
-        times: dict = {n: [] for n in names}
+        calls[PAIRED_MPI] = calls["mpi"]
+        times: dict = {n: [] for n in [*names, PAIRED_MPI]}
         for _ in range(args.warmup):
             for name in names:
                 calls[name]()
         chosen = auto.algorithm_for("alltoall", x.nbytes, comm).name
         for turn in turns(reps):
             for name in names[:-1]:  # auto runs in its choice's turns
-                if name == chosen:
-                    order = [(name, "auto") if k % 2 == 0 else ("auto", name)
-                             for k in range(len(turn) * args.pair_reps)]
+                if name == chosen:  # its calls, auto's and mpi's in turn, each first in a third
+                    trio = (name, "auto", PAIRED_MPI)
+                    order = [trio[k % 3:] + trio[:k % 3] for k in range(len(turn) * args.pair_reps)]
                 else:
                     order = [(name,)] * len(turn)
                 for untimed in order[0]:  # the turn's first call of each
@@ -95,7 +101,7 @@ def main() -> None:
                         for _ in range(args.loop):
                             calls[timed]()
                         times[timed].append((time.perf_counter() - t0) / args.loop)
-        for name in names:
+        for name in times:
             times[name] = np.array(times[name])
             world.Allreduce(MPI.IN_PLACE, times[name], op=MPI.MAX)
         if rank == 0:
@@ -109,16 +115,17 @@ def main() -> None:
             best = min(ours, key=medians.get)
             overhead = float(np.median(times["auto"] / times[chosen]))
             choice = medians[chosen] / medians[best]
+            paired = float(np.median(times[chosen] / times[PAIRED_MPI]))
             summary.append((count * 4, best, medians[best] / medians["mpi"], chosen,
-                            overhead * choice, overhead, choice,
+                            overhead * choice, overhead, choice, paired,
                             medians[NODES_OF_2] / medians["mpi"]))
     if rank == 0:
         print(f"\n# per size: best hand-written / mpi, auto / best (goals <= 1.10) = auto / its "
-              f"choice (paired) x choice / best, {NODES_OF_2} / mpi")
-        for size, best, vs_mpi, chosen, vs_best, overhead, choice, nodes in summary:
+              f"choice (paired) x choice / best, auto's choice / mpi (paired), {NODES_OF_2} / mpi")
+        for size, best, vs_mpi, chosen, vs_best, overhead, choice, paired, nodes in summary:
             print(f"{size:>9}  best {best:<12} {vs_mpi:5.2f}x mpi   auto→{chosen:<12} "
                   f"{vs_best:5.2f}x best ({overhead:4.2f} x {choice:4.2f})   "
-                  f"{NODES_OF_2} {nodes:5.2f}x mpi")
+                  f"{chosen} {paired:4.2f}x mpi (paired)   {NODES_OF_2} {nodes:5.2f}x mpi")
 
 
 def _call(name: str, x: np.ndarray, out: np.ndarray, comm):
