@@ -38,21 +38,7 @@ def world(tmp_path_factory, monkeypatch):
     """A first-use calibration (quick probes stood aside: a fixed, quiet one) in a fresh cache
     folder, verification on with RUNS runs of each algorithm, and a communicator auto has not
     seen."""
-    path = COMM.bcast(str(tmp_path_factory.mktemp("verify")) if RANK == 0 else None, root=0)
-    previous = settings.update(auto_cache=os.path.join(path, "cache"),
-                               cost_model=os.path.join(path, "costmodel.json"), verify_runs=RUNS)
-    monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", float("inf"))
-    monkeypatch.setattr(measuring, "BUSY_SPREAD", float("inf"))
-    sizes = measuring.QUICK.sizes
-    monkeypatch.setattr(measuring, "link_curves", lambda comm, effort: {
-        "intra": [1e-6 * (1 + n / 1e6) for n in sizes], "ring": None, "ring_reduce": None,
-        "inter": None})
-    monkeypatch.setattr(measuring, "allreduce_table", lambda comm: measuring.Table((), 1.0))
-    auto.forget()
-    yield MPIComm(COMM.Dup())
-    settings.use(previous)
-    auto.forget()
-    COMM.Barrier()
+    yield from _first_use_world(tmp_path_factory, monkeypatch, "verify", (), verify_runs=RUNS)
 
 
 def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(world,
@@ -146,18 +132,25 @@ def poisoned(tmp_path_factory, monkeypatch):
     """A first-use calibration whose all-reduce table is poisoned (as a busy machine can leave it):
     it has double_tree fastest at every size, ring next and every other candidate far behind; the
     busy check does not flag it. The settings' verify_runs is left at its default."""
-    path = COMM.bcast(str(tmp_path_factory.mktemp("poisoned")) if RANK == 0 else None, root=0)
+    seconds = {"double_tree": 1e-6, "ring": 2e-6}
+    rows = tuple((name, tuple((float(b), seconds.get(name, 1.0)) for b in measuring.TUNE_SIZES))
+                 for name in cm.candidates("allreduce", True))
+    yield from _first_use_world(tmp_path_factory, monkeypatch, "poisoned", rows)
+
+
+def _first_use_world(tmp_path_factory, monkeypatch, name: str, rows: tuple, **options):
+    """The fixtures' world: settings pointing at a fresh cache folder (and `options`), the busy
+    check switched off, quick probes stood aside (a fixed link curve, an all-reduce table of
+    `rows`), auto forgotten; yields a communicator auto has not seen, then restores them."""
+    path = COMM.bcast(str(tmp_path_factory.mktemp(name)) if RANK == 0 else None, root=0)
     previous = settings.update(auto_cache=os.path.join(path, "cache"),
-                               cost_model=os.path.join(path, "costmodel.json"))
+                               cost_model=os.path.join(path, "costmodel.json"), **options)
     monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", float("inf"))
     monkeypatch.setattr(measuring, "BUSY_SPREAD", float("inf"))
     sizes = measuring.QUICK.sizes
     monkeypatch.setattr(measuring, "link_curves", lambda comm, effort: {
         "intra": [1e-6 * (1 + n / 1e6) for n in sizes], "ring": None, "ring_reduce": None,
         "inter": None})
-    seconds = {"double_tree": 1e-6, "ring": 2e-6}
-    rows = tuple((name, tuple((float(b), seconds.get(name, 1.0)) for b in measuring.TUNE_SIZES))
-                 for name in cm.candidates("allreduce", True))
     monkeypatch.setattr(measuring, "allreduce_table", lambda comm: measuring.Table(rows, 1.0))
     auto.forget()
     yield MPIComm(COMM.Dup())
