@@ -34,16 +34,7 @@ def compiled_wait(requests: Sequence[Any]) -> Callable[[int, int], bool] | None:
     MPI_Testall up to `polls` times, yielding the core every `yield_every` polls; True once all
     are complete. None where no compiled wait is possible here."""
     made = _block(requests)
-    if made is None:
-        return None
-    block, arrays, loops = made
-    poll = loops.poll
-
-    def wait(polls: int, yield_every: int) -> bool:
-        return poll(block, polls, yield_every)
-
-    wait.arrays = arrays  # type: ignore[attr-defined]
-    return wait
+    return None if made is None else _bound(made[2].poll, *made[:2])
 
 
 def compiled_exchange(requests: Sequence[Any], dst: np.ndarray | None = None,
@@ -56,16 +47,17 @@ def compiled_exchange(requests: Sequence[Any], dst: np.ndarray | None = None,
                                 and dst.nbytes == src.nbytes):
         return None
     made = _block(requests, dst, src)
-    if made is None:
-        return None
-    block, arrays, loops = made
-    start_copy_poll = loops.start_copy_poll
+    return None if made is None else _bound(made[2].start_copy_poll, *made[:2])
 
-    def run(polls: int, yield_every: int) -> bool:
-        return start_copy_poll(block, polls, yield_every)
 
-    run.arrays = (*arrays, dst, src)  # type: ignore[attr-defined]
-    return run
+def _bound(loop: Callable, block: np.ndarray, arrays: tuple) -> Callable[[int, int], bool]:
+    """`call(polls, yield_every)`: the compiled loop on block (which points into arrays: they
+    are kept with it)."""
+    def call(polls: int, yield_every: int) -> bool:
+        return loop(block, polls, yield_every)
+
+    call.arrays = arrays  # type: ignore[attr-defined]
+    return call
 
 
 def load() -> bool:
@@ -95,7 +87,7 @@ def _block(requests: Sequence[Any], dst: np.ndarray | None = None,
     if dst is not None and dst.nbytes:
         block[loops.DST], block[loops.SRC] = dst.ctypes.data, src.ctypes.data
         block[loops.NBYTES] = dst.nbytes
-    return block, (handles, flag, statuses), loops
+    return block, (handles, flag, statuses, dst, src), loops
 
 
 @functools.cache

@@ -41,6 +41,19 @@ def world(tmp_path_factory, monkeypatch):
     yield from _first_use_world(tmp_path_factory, monkeypatch, "verify", (), verify_runs=RUNS)
 
 
+def slow_down(choice: str, monkeypatch) -> None:
+    """The test hook: plans running `choice` take 20 ms longer a run, on every rank."""
+    real = plans._allreduce_runner
+
+    def slowed(c, algo, *args):
+        go, fast, requests = real(c, algo, *args)
+        if algo.name != choice:
+            return go, fast, requests
+        return (lambda: (time.sleep(0.02), go())), None, requests
+
+    monkeypatch.setattr(plans, "_allreduce_runner", slowed)
+
+
 def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(world,
                                                                                monkeypatch):
     if P == 1:
@@ -50,15 +63,7 @@ def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(w
     x = np.random.default_rng(RANK).standard_normal(COUNT).astype(np.float32)
     names = verify.candidates("allreduce", x.nbytes, world)
     choice = names[0]
-    real = plans._allreduce_runner
-
-    def slowed(c, algo, *args):  # the test hook: the choice takes 20 ms longer on every rank
-        go, fast, requests = real(c, algo, *args)
-        if algo.name != choice:
-            return go, fast, requests
-        return (lambda: (time.sleep(0.02), go())), None, requests
-
-    monkeypatch.setattr(plans, "_allreduce_runner", slowed)
+    slow_down(choice, monkeypatch)
     plan = C.allreduce_init(x, algorithm="auto", comm=world)
     assert plan.algorithm == choice and plan.trial is not None
     trial_runs = len(names) * RUNS
@@ -94,15 +99,7 @@ def test_a_verdict_taken_on_a_busy_machine_is_verified_again_by_the_next_run(wor
     monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", -1.0)  # machine: every load counts
     x = np.random.default_rng(RANK).standard_normal(COUNT).astype(np.float32)
     choice = verify.candidates("allreduce", x.nbytes, world)[0]
-    real = plans._allreduce_runner
-
-    def slowed(c, algo, *args):
-        go, fast, requests = real(c, algo, *args)
-        if algo.name != choice:
-            return go, fast, requests
-        return (lambda: (time.sleep(0.02), go())), None, requests
-
-    monkeypatch.setattr(plans, "_allreduce_runner", slowed)
+    slow_down(choice, monkeypatch)
     plan = C.allreduce_init(x, algorithm="auto", comm=world)
     for _ in range(len(plan.trial.names) * RUNS):
         plan()
