@@ -147,7 +147,8 @@ class ZeroRecorder:
     def _count_sent(self) -> None:
         me = self.comm.world_rank(self.comm.rank)
         sent = sum(entry[4] for entry in self._messages[self._first_message:] if entry[2] == me)
-        if self._own_messages:
-            del self._messages[:]
+        if self._own_messages:  # the recorder this step installed goes with it (the next step's
+            del self._messages[:]  # begin() installs it again): nothing else records after us
+            self.comm.recorder, self._own_messages = None, False
         self._sent += sent
         self._steps += 1

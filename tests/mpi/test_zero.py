@@ -17,7 +17,7 @@ import pytest
 from mpi4py import MPI
 
 from mpdl.autograd import nn, optim
-from mpdl.comm import as_communicator
+from mpdl.comm import MPIComm, as_communicator
 from mpdl.parallel import DistributedSampler
 from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.strategy import Batch
@@ -84,6 +84,16 @@ def test_each_stage_follows_ddp_on_one_rank(stage, name, opt, dtype):
     np.testing.assert_allclose(mine, ref, rtol=0, atol=TOL[dtype])
     everyone = COMM.allgather(mine)
     assert all(np.array_equal(other, everyone[0]) for other in everyone), "ranks disagree"
+
+
+def test_a_step_leaves_no_message_recorder_on_the_communicator():
+    """ZeRO counts its bytes with a message recorder on the communicator during each step and
+    removes it after (plans there would otherwise never run their schedules, and every later
+    message would be kept)."""
+    comm = MPIComm(COMM.Dup())
+    assert comm.recorder is None
+    train(comm, zero(3), "mlp", "adam", "float64")
+    assert comm.recorder is None
 
 
 def run_trainer(comm, epochs: int, checkpoint: str | None, resume: bool = False, zero: int = 0):
