@@ -337,7 +337,7 @@ YIELD_POLLS = 256
 COMPILED_YIELD_POLLS = 2048
 COMPILED_POLLS = 8192
 #: runs of a schedule after which it waits in compiled code: making the first compiled wait costs
-#: a process about 0.2 s (numba), repaid only by schedules run many times
+#: a process about 0.4 s (numba's import and cache), repaid only by schedules run many times
 COMPILED_AFTER = 8
 
 
