@@ -29,6 +29,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mpdl.autograd.functional as F  # noqa: E402
+from mpdl import blas  # noqa: E402
 from mpdl.allocator import keep_heap  # noqa: E402
 from mpdl.autograd import optim  # noqa: E402
 from mpdl.training.gpt import GPT  # noqa: E402
@@ -128,7 +129,7 @@ def time_steps(step, steps: int) -> float:
 
 
 def linear_gemm_ms(torch, model: GPT, rows: int, reps: int = 5) -> tuple[float, float]:
-    """Milliseconds of the linear layers' GEMMs of one step, NumPy's and PyTorch's: for each
+    """Milliseconds of the linear layers' GEMMs of one step, mpdl's (``mpdl.blas``) and PyTorch's: for each
     layer's (rows, in) input and (out, in) weight, the forward x·wᵀ and the backward g·w and
     gᵀ·x, each the best of ``reps`` (on the clock the steps are timed on)."""
     shapes = [(p.shape[1], p.shape[0]) for name, p in model.named_parameters()
@@ -140,14 +141,14 @@ def linear_gemm_ms(torch, model: GPT, rows: int, reps: int = 5) -> tuple[float, 
         x, w, g = (rng.standard_normal(shape).astype(np.float32)
                    for shape in ((rows, n_in), (n_out, n_in), (rows, n_out)))
         tx, tw, tg = (torch.from_numpy(a) for a in (x, w, g))
-        for side, pairs in enumerate((((x, w.T), (g, w), (g.T, x)),
-                                      ((tx, tw.T), (tg, tw), (tg.T, tx)))):
+        for side, (product, pairs) in enumerate(((blas.matmul, ((x, w.T), (g, w), (g.T, x))),
+                                                 (torch.matmul, ((tx, tw.T), (tg, tw), (tg.T, tx))))):
             for a, b in pairs:
-                a @ b
+                product(a, b)
                 best = float("inf")
                 for _ in range(reps):
                     start = _clock()
-                    a @ b
+                    product(a, b)
                     best = min(best, _clock() - start)
                 totals[side] += best * 1e3
     return totals[0], totals[1]
@@ -208,11 +209,12 @@ def main() -> None:
     print(f"GPT vocab {args.vocab}, block {args.block_size}, {args.n_layer} layers, "
           f"{args.n_head} heads, width {args.n_embd} ({model.num_parameters():,} parameters); "
           f"batch {args.batch} = {tokens} tokens/step, float32, Adam")
-    print(f"numpy {np.__version__}, torch {torch.__version__}, 1 thread each, {args.reps} "
+    print(f"numpy {np.__version__} (products: {blas.describe()}), torch {torch.__version__}, "
+          f"1 thread each, {args.reps} "
           f"interleaved repetitions x {args.steps} steps, median ({args.clock} clock); glibc "
           f"heap kept between steps: {'yes' if kept else 'no'}")
-    print(f"GEMM peak ({GEMM_N}x{GEMM_N} float32, 1 thread, this run): numpy "
-          f"{peak / 1e9:.1f} GFLOP/s, torch {torch_peak / 1e9:.1f} GFLOP/s; MFU against numpy's")
+    print(f"GEMM peak ({GEMM_N}x{GEMM_N} float32, 1 thread, this run): mpdl "
+          f"{peak / 1e9:.1f} GFLOP/s, torch {torch_peak / 1e9:.1f} GFLOP/s; MFU against mpdl's")
     print(f"{'':<8}{'ms/step':>10}{'tokens/s':>12}{'GFLOP/s':>10}{'MFU':>8}")
     for name, ms in (("mpdl", statistics.median(ours_ms)), ("torch", statistics.median(torch_ms))):
         print(f"{name:<8}{ms:>10.1f}{tokens / ms * 1e3:>12,.0f}{flops / ms / 1e6:>10.2f}"
@@ -221,7 +223,7 @@ def main() -> None:
     print(f"ratio mpdl/torch {ratio:.2f} (target <= 1.0)")
     rest = [statistics.median(ms) - gemm for ms, gemm in zip((ours_ms, torch_ms), gemm_ms,
                                                               strict=True)]
-    print(f"the linear layers' GEMMs at this step's shapes, alone: numpy {gemm_ms[0]:.1f} ms, "
+    print(f"the linear layers' GEMMs at this step's shapes, alone: mpdl {gemm_ms[0]:.1f} ms, "
           f"torch {gemm_ms[1]:.1f} ms ({gemm_ms[0] / gemm_ms[1]:.2f}x); the rest of the step: "
           f"mpdl {rest[0]:.1f} ms, torch {rest[1]:.1f} ms ({rest[0] / rest[1]:.2f}x)")
 

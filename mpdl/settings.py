@@ -20,6 +20,8 @@ from ``current()`` (or from the communicator that was built with it).
 | MPDL_CUDA_AWARE | cuda_aware | 0 or 1: whether MPI takes GPU buffers (detected) |
 | MPDL_NO_CUPY | no_cupy | 1: act as if CuPy were not installed (0) |
 | MPDL_MALLOC | malloc | ``default``: keep glibc's malloc settings (tuned) |
+| MPDL_BLAS | blas | the layers' float32 products: ``auto`` (MKL where installed), ``mkl`` or
+  ``numpy`` (auto) |
 | MPDL_FLIGHT_DIR | flight_dir | where flight records go (CHECKPOINT/flight under `mpdl train
   --checkpoint`, else ./mpdl-flight) |
 | MPDL_FLIGHT_RECORDS | flight_records | operations the flight recorder keeps; 0: off (1000) |
@@ -151,6 +153,8 @@ class Settings:
     cuda_aware: bool | None = None
     no_cupy: bool = False
     malloc: str = "tuned"
+    #: the BLAS of the layers' float32 products (mpdl.blas): "auto", "mkl" or "numpy"
+    blas: str = "auto"
     #: where flight records are written ("": CHECKPOINT/flight under mpdl train, else
     #: ./mpdl-flight)
     flight_dir: str = ""
@@ -174,6 +178,8 @@ class Settings:
                              f"{self.ranks_per_node!r}")
         if self.malloc not in ("tuned", "default"):
             raise ValueError(f"malloc: expected 'tuned' or 'default', got {self.malloc!r}")
+        if self.blas not in ("auto", "mkl", "numpy"):
+            raise ValueError(f"blas: expected 'auto', 'mkl' or 'numpy', got {self.blas!r}")
         if not isinstance(self.flight_records, int) or self.flight_records < 0:
             raise ValueError(f"flight_records: expected an integer >= 0, got "
                              f"{self.flight_records!r}")
@@ -236,6 +242,11 @@ class Settings:
         fields["no_cupy"] = env.get("MPDL_NO_CUPY", "").strip() == "1"
         if env.get("MPDL_MALLOC", "").strip().lower() == "default":
             fields["malloc"] = "default"
+        raw = env.get("MPDL_BLAS", "").strip().lower()
+        if raw:
+            if raw not in ("auto", "mkl", "numpy"):
+                raise ValueError(f"MPDL_BLAS: expected auto, mkl or numpy, got {raw!r}")
+            fields["blas"] = raw
         fields["flight_dir"] = env.get("MPDL_FLIGHT_DIR", "").strip()
         raw = env.get("MPDL_FLIGHT_RECORDS", "").strip()
         if raw:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -42,6 +43,11 @@ def test_info_reports_world_size_and_mpi_library():
     oversubscribed = 3 > info["cores"] >= 1
     assert info["waiting_ranks_yield"].startswith("at every poll" if oversubscribed else "every 64")
     assert info["plans_wait"].startswith("in compiled code")  # numba and libmpi are installed
+    want_blas = "mkl" if glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")) else "numpy"
+    assert info["blas"].split()[0] == want_blas
+    numpy_only = run([MPIEXEC, "-n", "1", str(BIN / "mpdl"), "info", "--json"],
+                     env={"MPDL_BLAS": "numpy"})
+    assert json.loads(numpy_only.stdout)["blas"] == "numpy"
 
 
 def test_info_emulated_nodes_and_cuda_override():

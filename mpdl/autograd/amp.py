@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl import memory
+from mpdl import blas, memory
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, is_low_precision, to_host
 
@@ -68,9 +68,9 @@ def matmul(a: Any, b: Any, dtype: np.dtype | None) -> Any:
     """a @ b computed as a 16-bit `dtype` product: operands rounded to dtype, float32
     accumulation, result rounded to dtype (held in float32). Plain a @ b without a dtype."""
     if dtype is None:
-        return a @ b
+        return blas.matmul(a, b)
     with np.errstate(invalid="ignore"):  # inf - inf inside an overflowed product: NaN
-        return rounded(operand(a, dtype) @ operand(b, dtype), dtype)
+        return rounded(blas.matmul(operand(a, dtype), operand(b, dtype)), dtype)
 
 
 # -- loss scaling --------------------------------------------------------------------------------------

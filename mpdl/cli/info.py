@@ -16,7 +16,7 @@ from typing import Any
 import numpy
 
 import mpdl
-from mpdl import backend
+from mpdl import backend, blas
 from mpdl.collectives import auto
 from mpdl.comm import as_communicator, cuda_aware_mpi, polling, ranks_per_node_override
 from mpdl.mpi_runtime import library_version, load_mpi, usable_cores
@@ -49,6 +49,7 @@ def collect() -> dict[str, Any]:
         "python": platform.python_version(),
         "numpy": numpy.__version__,
         "numba": _version("numba"),
+        "blas": blas.describe(),
         "mpi4py": _version("mpi4py"),
         "mpi_library": library_version(MPI),
         "mpi_standard": "{}.{}".format(*MPI.Get_version()),
