@@ -5,7 +5,11 @@ The measurement itself runs under mpiexec (tests/mpi/test_auto.py)."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import subprocess
+import sys
+import time
 import warnings
 from dataclasses import replace
 
@@ -138,7 +142,25 @@ def test_busy_check_names_the_load_and_the_spread(monkeypatch):
     assert "differed 2.00x" in measuring.Busy(0.0, 0.0, 2.0).why
     monkeypatch.setattr(measuring.os, "getloadavg", lambda: (5.0, 0.0, 0.0))
     monkeypatch.setattr(measuring.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(measuring, "runnable_now", lambda: 9.0)
     assert measuring.load_per_core(3) == 1.0  # (5 - 3 measuring ranks) over 2 cores
+    # the ranks of a run that just ended still weigh in the 1-minute average, not in the present
+    monkeypatch.setattr(measuring, "runnable_now", lambda: 4.0)
+    assert measuring.load_per_core(3) == 0.5
+
+
+def test_runnable_now_counts_the_caller_and_a_busy_process():
+    if not os.path.exists("/proc/loadavg"):
+        pytest.skip("the count of runnable processes is read from Linux's /proc/loadavg")
+    assert measuring.runnable_now() >= 1  # this process, reading it
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        counts = [measuring.runnable_now() for _ in range(20)]
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert all(math.isfinite(c) for c in counts) and max(counts) >= 2  # the caller and the spinner
 
 
 def test_cache_is_written_atomically(tmp_path, monkeypatch):

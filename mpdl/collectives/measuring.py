@@ -23,6 +23,7 @@ repetition counts (`typical`), where elsewhere the fastest does.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -384,13 +385,25 @@ def allreduce_table(comm: Any) -> Table:
 
 # -- was the machine quiet? --------------------------------------------------------------------
 def load_per_core(ranks_here: int) -> float:
-    """Runnable processes per core beyond this node's `ranks_here` measuring ranks: the 1-minute
-    load average (os.getloadavg) less the measuring ranks, over the cores; 0 where unknown."""
+    """Runnable processes per core beyond this node's `ranks_here` measuring ranks: the smaller
+    of the 1-minute load average (os.getloadavg) and the processes runnable at this moment
+    (`runnable_now`), less the measuring ranks, over the cores; 0 where unknown. The average
+    alone lags by a minute: a run that just ended would still count as other work."""
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         return 0.0
-    return max(0.0, load - ranks_here) / (os.cpu_count() or 1)
+    return max(0.0, min(load, runnable_now()) - ranks_here) / (os.cpu_count() or 1)
+
+
+def runnable_now() -> float:
+    """Processes runnable on this machine at this moment, the caller included (the kernel's count
+    in /proc/loadavg); infinity where the system does not say."""
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return math.inf
 
 
 @dataclass(frozen=True)
