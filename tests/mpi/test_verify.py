@@ -54,32 +54,6 @@ def slow_down(choice: str, monkeypatch) -> None:
     monkeypatch.setattr(plans, "_allreduce_runner", slowed)
 
 
-def test_a_trial_times_each_algorithm_waiting_as_its_later_runs_will(world, monkeypatch):
-    """A plan that verifies is run many times, so its trial's runs wait in compiled code from the
-    first, as the runs after the trial do: with compiled waits otherwise put off for good, the
-    trial makes them for the algorithms with a recorded schedule, and every run gives the
-    one-shot call's bits."""
-    if P == 1:
-        pytest.skip("one rank: there is no algorithm to verify (auto runs nothing)")
-    from mpdl.comm import polling  # noqa: PLC0415
-
-    real, made = polling.compiled_wait, []
-    monkeypatch.setattr(polling, "compiled_wait",
-                        lambda requests: made.append(real(requests)) or made[-1])
-    x = np.random.default_rng(RANK).standard_normal(COUNT).astype(np.float32)
-    names = verify.candidates("allreduce", x.nbytes, world)
-    scheduled = [n for n in names if plans._REPLAYED.get(n) is not None
-                 and plans._REPLAYED[n](COUNT, plans.segment_elements(4), P)]
-    assert scheduled, f"no contender with a recorded schedule among {names}"
-    monkeypatch.setattr(plans, "COMPILED_AFTER", 10**6)  # plans outside a trial: never compiled
-    plan = C.allreduce_init(x, algorithm="auto", comm=world)
-    for _ in range(len(names) * RUNS):
-        got = plan().copy()
-        want = C.allreduce(x, algorithm=plan.trial.current, comm=world)  # the one that ran
-        assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), plan.trial.current
-    assert made and all(wait is not None for wait in made), made
-
-
 def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(world,
                                                                                monkeypatch):
     if P == 1:
