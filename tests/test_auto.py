@@ -350,6 +350,23 @@ def test_the_allreduce_table_keeps_the_fastest_round_so_a_slow_spell_cannot_pois
     assert cm.fastest("allreduce", 8, 2, 1, True, params) == "recursive_doubling"
 
 
+def in_order(trial, runs: dict[str, list[float]]) -> list[float]:
+    """One rank's times in the trial's order, from each algorithm's runs (its first run first)."""
+    left = {name: iter(times) for name, times in runs.items()}
+    return [next(left[name]) for name in trial.order]
+
+
+def test_a_trial_runs_in_rounds_forth_and_back():
+    """Every algorithm once a round, the rounds reversed in turn: each algorithm's runs fall on
+    every place of a short rhythm of its caller (calls after a barrier, calls back to back)."""
+    from mpdl.collectives import verify
+
+    assert verify.serpentine(("a", "b"), 3) == ["a", "b", "b", "a", "a", "b"]
+    assert verify.serpentine(("a", "b", "c"), 2) == ["a", "b", "c", "c", "b", "a"]
+    trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
+    assert trial.order == verify.serpentine(("a", "b"), 3)
+
+
 @pytest.mark.parametrize("runner_up_time, winner", [(0.89, "b"), (0.91, "a")])
 def test_a_trial_switches_only_when_the_runner_up_is_ten_percent_faster(runner_up_time, winner,
                                                                         monkeypatch):
@@ -361,9 +378,8 @@ def test_a_trial_switches_only_when_the_runner_up_is_ten_percent_faster(runner_u
     learned = []
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: learned.append(verdict))
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
-    assert trial.order == ["a"] * 3 + ["b"] * 3
-    rank0 = [1.0, 0.1, 1.0, 0.5, 0.5, 0.5]
-    rank1 = [0.5, 1.0, 0.5, runner_up_time, runner_up_time, 5.0]
+    rank0 = in_order(trial, {"a": [1.0, 0.1, 1.0], "b": [0.5, 0.5, 0.5]})
+    rank1 = in_order(trial, {"a": [0.5, 1.0, 0.5], "b": [runner_up_time, runner_up_time, 5.0]})
     assert trial.verdict([rank0, rank1]) == winner
     # (not an array in shared memory; not provisional)
     assert learned == [("allreduce", 4096, winner, False, "")]
@@ -377,19 +393,19 @@ def test_a_slow_spell_over_two_of_the_runner_ups_runs_does_not_decide_the_trial(
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
-    times = [1.0, 1.0, 1.0, 3.0, 0.5, 3.0]
+    times = in_order(trial, {"a": [1.0, 1.0, 1.0], "b": [3.0, 0.5, 3.0]})
     assert trial.verdict([times, times]) == "b"
 
 
 def test_the_fastest_of_several_contenders_wins_and_each_runs_in_turn(monkeypatch):
-    """Choice a, contenders b and c: each algorithm's runs in a row (a, a, b, b, c, c); c's
-    fastest run (0.5) beats b's (0.85), both within 0.9 of a's (1.0): c wins."""
+    """Choice a, contenders b and c, each in every round (a, b, c, c, b, a); c's fastest run
+    (0.5) beats b's (0.85), both within 0.9 of a's (1.0): c wins."""
     from mpdl.collectives import verify
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b", "c"), {}, lambda n: None, 2)
-    assert trial.order == ["a", "a", "b", "b", "c", "c"]
-    times = [1.0, 1.2, 0.85, 0.9, 2.0, 0.5]
+    assert trial.order == ["a", "b", "c", "c", "b", "a"]
+    times = in_order(trial, {"a": [1.0, 1.2], "b": [0.85, 0.9], "c": [2.0, 0.5]})
     assert trial.verdict([times, times]) == "c"
 
 
@@ -463,7 +479,7 @@ def test_with_more_ranks_than_cores_a_trial_judges_each_algorithm_by_its_median_
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
-    times = [1.0, 1.0, 1.0, 2.0, 0.3, 2.0]
+    times = in_order(trial, {"a": [1.0, 1.0, 1.0], "b": [2.0, 0.3, 2.0]})
     assert trial.verdict([times, times], crowded=True) == "a"
     assert trial.verdict([times, times], crowded=False) == "b"
 

@@ -3,9 +3,9 @@ plans, ZeRO's replica plans, the plan cache of `allreduce(out=)`) times its algo
 contenders the cost model ranks close to it on its first runs, and keeps the fastest.
 
 With the settings' `verify_runs` = K > 0 (3 by default), a plan made with algorithm "auto" runs
-the choice and then each contender (every candidate predicted within FIELD times the choice's
-time) K runs in a row for its first K·n runs (n algorithms in all), each run one algorithm on
-every rank, so every
+the choice and each contender (every candidate predicted within FIELD times the choice's time)
+K times in its first K·n runs (n algorithms in all), in rounds that go forth and back
+(`serpentine`), each run one algorithm on every rank, so every
 rank's result of a run has the same bits as the one-shot call of the algorithm that ran (two
 algorithms may round differently, so results may differ in the last bits from run to run during
 these runs; a run that must be bit-reproducible from run to run fixes the algorithm). Each rank
@@ -42,6 +42,19 @@ SWITCH = 0.9
 FIELD = 2.5
 
 
+def serpentine(names: tuple[str, ...], rounds: int) -> list[str]:
+    """The order of a trial's runs: every algorithm once a round, the rounds forth and back (a b,
+    b a, a b ...). A plan runs in its caller's rhythm (a first call after a barrier or a step's
+    compute, then calls back to back), and a trial's runs fall on its places. With each
+    algorithm's runs in a row, the choice took the first calls after the caller's barriers and
+    the next algorithm the calls back to back (`mpdl bench --loop 4`: two single warm-up calls,
+    then groups of four): at 4 ranks on 2 cores the trials switched recursive doubling to ring at
+    5 of 9 sizes from 8 B to 2 KiB, which the sweep then timed at 1.4-2.8x. Back and forth, each
+    algorithm's runs spread over the places of any short rhythm, and each also runs after
+    itself, as the plan's runs will."""
+    return [name for r in range(rounds) for name in (names if r % 2 == 0 else names[::-1])]
+
+
 class Trial:
     """The first K·n runs of a plan: which algorithm runs next, the times, and the verdict.
 
@@ -55,9 +68,7 @@ class Trial:
         #: the plan's array lies in shared memory (its verdict is kept apart)
         self.shared = shared
         self.names, self.runners, self.settle = names, runners, settle
-        # each algorithm's runs back to back, as the plan's own runs follow each other: calls of
-        # one algorithm in a row can pipeline (a call after another algorithm's starts in step)
-        self.order = [name for name in names for _ in range(runs)]
+        self.order = serpentine(names, runs)
         self.times: list[float] = []
         #: the algorithm of the run in progress (or the last one)
         self.current = names[0]

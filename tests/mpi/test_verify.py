@@ -76,7 +76,7 @@ def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(w
         assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), name
     winner = plan.algorithm
     assert winner in names[1:]
-    assert ran == [name for name in names for _ in range(RUNS)] + [winner, winner]
+    assert ran == verify.serpentine(names, RUNS) + [winner, winner]
     assert world.allgather_object(plan.algorithm) == [winner] * P
     # the next run starts right: the verdict is in the cache file, and a new plan takes it
     world.barrier()
