@@ -21,6 +21,15 @@ needs_openblas = pytest.mark.skipif(OPENBLAS is None, reason="NumPy was built ag
 needs_mkl = pytest.mark.skipif(MKL is None, reason="MKL is an optional extra: pip install mkl")
 
 
+@pytest.fixture(params=["openblas", "mkl"])
+def library(request):
+    """Each CBLAS binding: NumPy's OpenBLAS, and MKL where it is installed."""
+    found = {"openblas": OPENBLAS, "mkl": MKL}[request.param]
+    if found is None:
+        pytest.skip(f"{request.param} is not installed here")
+    return found
+
+
 @pytest.fixture
 def library_in_use():
     """Restores the library the products went to before the test."""
@@ -50,12 +59,8 @@ def check_same(got, want, exact):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("name", ["openblas", "mkl"])
 @pytest.mark.parametrize("seed", range(40))
-def test_matmul_matches_numpy_on_random_layouts(name, seed):
-    library = {"openblas": OPENBLAS, "mkl": MKL}[name]
-    if library is None:
-        pytest.skip(f"{name} is not installed here")
+def test_matmul_matches_numpy_on_random_layouts(library, seed):
     rng = np.random.default_rng(seed)
     m, k, n = (int(rng.choice([1, 2, 3, 7, 16, 33, 64])) for _ in range(3))
     a, b = random_view(rng, m, k), random_view(rng, k, n)
@@ -63,7 +68,7 @@ def test_matmul_matches_numpy_on_random_layouts(name, seed):
     assert got is not None, (a.strides, b.strides)
     assert got.shape == (m, n) and got.dtype == np.float32 and got.flags.c_contiguous
     # a product with one row or column is a matrix-vector product to NumPy (gemv, other bits)
-    check_same(got, a @ b, exact=name == "openblas" and m > 1 and n > 1)
+    check_same(got, a @ b, exact=library is OPENBLAS and m > 1 and n > 1)
 
 
 @needs_openblas
@@ -101,12 +106,8 @@ def interleaved(fill, batch, rows, cols):
     return fill(batch[:-1] + (rows, batch[-1], cols)).astype(np.float32).swapaxes(-2, -3)
 
 
-@pytest.mark.parametrize("name", ["openblas", "mkl"])
 @pytest.mark.parametrize("seed", range(30))
-def test_matmul_into_matches_numpy_on_random_stacks(name, seed):
-    library = {"openblas": OPENBLAS, "mkl": MKL}[name]
-    if library is None:
-        pytest.skip(f"{name} is not installed here")
+def test_matmul_into_matches_numpy_on_random_stacks(library, seed):
     rng = np.random.default_rng(100 + seed)
     batch = tuple(int(x) for x in rng.integers(1, 5, size=rng.integers(1, 3)))
     m, k, n = (int(rng.choice([17, 40, 64, 96])) for _ in range(3))
@@ -114,7 +115,7 @@ def test_matmul_into_matches_numpy_on_random_stacks(name, seed):
     nan = lambda shape: np.full(shape, np.nan)  # noqa: E731
     out = interleaved(nan, batch, m, n) if rng.integers(2) else nan(batch + (m, n)).astype(np.float32)
     assert library.matmul_into(a, b, out)
-    check_same(out, np.matmul(a, b), exact=name == "openblas")
+    check_same(out, np.matmul(a, b), exact=library is OPENBLAS)
 
 
 @needs_mkl
