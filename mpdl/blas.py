@@ -67,7 +67,8 @@ class CBLAS:
         (m, k), n = a.shape, b.shape[1]
         if m == 0 or n == 0 or k == 0 or b.shape[0] != k:
             return None
-        layout_a, layout_b = operand_layout(a), operand_layout(b)
+        layout_a = operand_layout(a.shape, a.strides, a.itemsize)
+        layout_b = operand_layout(b.shape, b.strides, b.itemsize)
         if layout_a is None or layout_b is None:
             return None
         out = np.empty((m, n), np.float32)
@@ -88,7 +89,7 @@ class CBLAS:
         (m, k), n = a.shape[-2:], b.shape[-1]
         if b.shape[-2] != k or out.shape[-2:] != (m, n) or 0 in a.shape or 0 in b.shape:
             return False
-        layout_a, layout_b, layout_out = (_layout(x.shape[-2:], x.strides[-2:], x.itemsize)
+        layout_a, layout_b, layout_out = (operand_layout(x.shape[-2:], x.strides[-2:], x.itemsize)
                                           for x in (a, b, out))
         if layout_a is None or layout_b is None or layout_out is None or layout_out[0] != NO_TRANS:
             return False
@@ -126,14 +127,12 @@ class CBLAS:
         return f"{self.name} ({os.path.basename(self.path)}, {self.symbol})"
 
 
-def operand_layout(x: np.ndarray) -> tuple[int, int] | None:
-    """(NO_TRANS or TRANS, leading dimension) of a 2-D float32 array as a row-major BLAS operand:
-    rows one leading dimension apart and columns adjacent (or the transpose of that); None where
-    neither holds (a copy or NumPy's own loop is needed)."""
-    return _layout(x.shape, x.strides, x.itemsize)
-
-
-def _layout(shape: tuple[int, ...], strides: tuple[int, ...], item: int) -> tuple[int, int] | None:
+def operand_layout(shape: tuple[int, ...], strides: tuple[int, ...], item: int
+                   ) -> tuple[int, int] | None:
+    """(NO_TRANS or TRANS, leading dimension) of a matrix of this shape and strides (bytes) and
+    items of `item` bytes as a row-major BLAS operand: rows one leading dimension apart and
+    columns adjacent (or the transpose of that); None where neither holds (a copy or NumPy's own
+    loop is needed)."""
     (rows, cols), (row_stride, col_stride) = shape, strides
     if (col_stride == item or cols == 1) and row_stride % item == 0:
         ld = row_stride // item if rows > 1 else cols
@@ -213,6 +212,11 @@ def matmul_into(a: Any, b: Any, out: Any) -> None:
     if library is not None and a.shape[-2] * a.shape[-1] * b.shape[-1] >= MIN_MULTIPLY_ADDS \
             and library.matmul_into(a, b, out):
         return
+    numpy_matmul_into(a, b, out)
+
+
+def numpy_matmul_into(a: Any, b: Any, out: Any) -> None:
+    """out[...] = a @ b by the array library itself (NumPy in place, any strides)."""
     if type(out) is np.ndarray:
         np.matmul(a, b, out=out)
     else:

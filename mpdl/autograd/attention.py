@@ -18,8 +18,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from mpdl import blas
 from mpdl.autograd import fused
 from mpdl.autograd.tensor import Function, Tensor
@@ -30,17 +28,6 @@ CAUSAL_BLOCK = 64
 #: scores per batch chunk: each chunk's products, softmax and products again run while its
 #: scores are still in the core's cache
 CHUNK_BYTES = 1 << 20
-
-
-def _matmul_into(a: Any, b: Any, out: Any) -> None:
-    """a @ b written into ``out`` (any strides) by NumPy. The products into the heads' outputs
-    (contracting over keys or queries, hd columns) go this way: MKL's batched GEMM took 1.66-2.12
-    ms against NumPy's 1.47-1.79 on them at B 4, T 256, 6 heads of 64; on the score products
-    (contracting over hd) 1.59-1.67 against 1.93-2.13, so those go through ``blas.matmul_into``."""
-    if type(out) is np.ndarray:
-        np.matmul(a, b, out=out)
-    else:
-        out[...] = a @ b
 
 
 def _heads(packed: Any, part: int) -> Any:
@@ -88,7 +75,12 @@ class PackedAttention(Function):
             fused.softmax_(scores, scale, is_causal)
             heads_out = out[i0:i1].transpose(0, 2, 1, 3)
             for r0, r1 in blocks:
-                _matmul_into(scores[:, :, r0:r1, :r1], v[:, :, :r1], heads_out[:, :, r0:r1])
+                # the products into the heads' outputs (contracting over keys or queries, hd
+                # columns) stay with NumPy: MKL's batched GEMM took 1.66-2.12 ms against NumPy's
+                # 1.47-1.79 on them at B 4, T 256, 6 heads of 64; on the score products
+                # (contracting over hd) 1.59-1.67 against 1.93-2.13
+                blas.numpy_matmul_into(scores[:, :, r0:r1, :r1], v[:, :, :r1],
+                                       heads_out[:, :, r0:r1])
         self.qkv, self.probs, self.is_causal, self.scale = qkv, probs, is_causal, scale
         return out
 
@@ -106,12 +98,12 @@ class PackedAttention(Function):
             gq, gk, gv = (_heads(gqkv[i0:i1], i) for i in range(3))
             g, p, gs = grad[i0:i1].transpose(0, 2, 1, 3), probs[i0:i1], scratch[:i1 - i0]
             for r0, r1 in blocks:  # keys [r0, r1) are seen by the rows from r0 on
-                _matmul_into(_swap(p[:, :, r0:, r0:r1]), g[:, :, r0:], gv[:, :, r0:r1])
+                blas.numpy_matmul_into(_swap(p[:, :, r0:, r0:r1]), g[:, :, r0:], gv[:, :, r0:r1])
                 blas.matmul_into(g[:, :, r0:r1], _swap(v[:, :, :r1]), gs[:, :, r0:r1, :r1])
             gs = fused.softmax_backward_(gs, p, self.scale, self.is_causal)
             for r0, r1 in blocks:
-                _matmul_into(gs[:, :, r0:r1, :r1], k[:, :, :r1], gq[:, :, r0:r1])
-                _matmul_into(_swap(gs[:, :, r0:, r0:r1]), q[:, :, r0:], gk[:, :, r0:r1])
+                blas.numpy_matmul_into(gs[:, :, r0:r1, :r1], k[:, :, :r1], gq[:, :, r0:r1])
+                blas.numpy_matmul_into(_swap(gs[:, :, r0:, r0:r1]), q[:, :, r0:], gk[:, :, r0:r1])
         return gqkv
 
 
