@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec")
 
@@ -48,6 +50,15 @@ def test_info_reports_world_size_and_mpi_library():
     numpy_only = run([MPIEXEC, "-n", "1", str(BIN / "mpdl"), "info", "--json"],
                      env={"MPDL_BLAS": "numpy"})
     assert json.loads(numpy_only.stdout)["blas"] == "numpy"
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("MPDL_BLAS", "openblas", "MPDL_BLAS: expected auto, mkl or numpy, got 'openblas'"),
+    ("MPDL_TIMEOUT", "-1", "MPDL_TIMEOUT: expected a positive number of seconds, got '-1'")])
+def test_a_bad_setting_stops_every_rank_with_one_line(variable, value, message):
+    out = run([MPIEXEC, "-n", "2", str(BIN / "mpdl"), "info"], env={variable: value})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [f"mpdl info: error: {message}"]
 
 
 def test_info_emulated_nodes_and_cuda_override():

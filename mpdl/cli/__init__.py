@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from mpdl import __version__
+from mpdl import __version__, blas, settings
 from mpdl.allocator import keep_heap
 from mpdl.cli.output import is_rank0
 from mpdl.mpi_runtime import MPIUnavailable, abort_on_uncaught_exception, wait_for_peers
@@ -32,6 +32,16 @@ VERBS = {
 
 class UsageError(Exception):
     """Bad flags or an inconsistent configuration: exit code 2 with a one-line message."""
+
+
+def _check_settings() -> None:
+    """Read the MPDL_* variables and the BLAS they choose now, so that a bad one (the same on
+    every rank) is a one-line error before any work, not a traceback at its first use."""
+    try:
+        settings.current()
+        blas.selected()
+    except ValueError as exc:
+        raise UsageError(exc) from None
 
 
 def _verb_in(argv: list[str]) -> str | None:
@@ -57,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             module.add_arguments(sub)
     args = parser.parse_args(argv)
 
-    keep_heap()
     try:
         abort_on_uncaught_exception()
+        _check_settings()
+        keep_heap()
         return module.run(args) or 0
     except MPIUnavailable as exc:
         print(f"mpdl {args.verb}: {exc}", file=sys.stderr)
