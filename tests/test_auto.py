@@ -350,29 +350,41 @@ def test_the_allreduce_table_keeps_the_fastest_round_so_a_slow_spell_cannot_pois
     assert cm.fastest("allreduce", 8, 2, 1, True, params) == "recursive_doubling"
 
 
+#: a turn's first run in the stand-in times: faster than any timed run, so a verdict that counted
+#: it would tie every algorithm (and keep the choice)
+SETTLING = 0.01
+
+
 def in_order(trial, runs: dict[str, list[float]]) -> list[float]:
-    """One rank's times in the trial's order, from each algorithm's runs (its first run first)."""
-    left = {name: iter(times) for name, times in runs.items()}
-    return [next(left[name]) for name in trial.order]
-
-
-def test_a_trial_runs_in_rounds_forth_and_back():
-    """Every algorithm once a round, the rounds reversed in turn: each algorithm's runs fall on
-    every place of a short rhythm of its caller (calls after a barrier, calls back to back)."""
+    """One rank's times of every run in the trial's order, from each algorithm's timed runs (its
+    first turn's first): each turn's runs before its last at SETTLING."""
     from mpdl.collectives import verify
 
+    left = {name: iter(times) for name, times in runs.items()}
+    return [t for name in trial.order[::verify.TURN]
+            for t in [SETTLING] * (verify.TURN - 1) + [next(left[name])]]
+
+
+def test_a_trial_runs_in_turns_in_rounds_forth_and_back():
+    """Every algorithm's turn once a round, the rounds reversed in turn: each algorithm's runs
+    fall on every place of a short rhythm of its caller (calls after a barrier, calls back to
+    back); a turn is TURN runs in a row."""
+    from mpdl.collectives import verify
+
+    assert verify.TURN == 2
     assert verify.serpentine(("a", "b"), 3) == ["a", "b", "b", "a", "a", "b"]
     assert verify.serpentine(("a", "b", "c"), 2) == ["a", "b", "c", "c", "b", "a"]
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
-    assert trial.order == verify.serpentine(("a", "b"), 3)
+    assert trial.order == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]
 
 
 @pytest.mark.parametrize("runner_up_time, winner", [(0.89, "b"), (0.91, "a")])
 def test_a_trial_switches_only_when_the_runner_up_is_ten_percent_faster(runner_up_time, winner,
                                                                         monkeypatch):
-    """Per run the slowest rank's time, per algorithm the fastest of its runs: the runner-up (b)
-    wins at <= 0.9 of the choice's (a) time; rank 0's fast run of a (0.1) does not count, rank
-    1's 1.0 in the same run does."""
+    """Per turn the slowest rank's time of its last run, per algorithm the fastest of its turns:
+    the runner-up (b) wins at <= 0.9 of the choice's (a) time; rank 0's fast run of a (0.1) does
+    not count, rank 1's 1.0 in the same run does, and neither do the turns' first runs
+    (SETTLING)."""
     from mpdl.collectives import verify
 
     learned = []
@@ -385,26 +397,42 @@ def test_a_trial_switches_only_when_the_runner_up_is_ten_percent_faster(runner_u
     assert learned == [("allreduce", 4096, winner, False, "")]
 
 
-def test_a_slow_spell_over_two_of_the_runner_ups_runs_does_not_decide_the_trial(monkeypatch):
-    """The runner-up (b) runs at 0.5 when the machine lets it and at 3.0 twice, when another
-    process's time slice falls on it; the choice (a) runs at 1.0: b wins (its median, 3.0, would
-    have kept a)."""
+def test_a_turns_first_run_after_another_algorithm_does_not_decide_the_trial(monkeypatch):
+    """The runner-up b takes 5.0 on the first run of each turn (charged with what the algorithm
+    before it left) and 0.5 on the second; the choice a 1.0 on both: b wins, as its runs after
+    itself say (the runs after another algorithm would have kept a)."""
     from mpdl.collectives import verify
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
-    times = in_order(trial, {"a": [1.0, 1.0, 1.0], "b": [3.0, 0.5, 3.0]})
+    times = [5.0 if (i % 2 == 0 and name == "b") else 0.5 if name == "b" else 1.0
+             for i, name in enumerate(trial.order)]
     assert trial.verdict([times, times]) == "b"
+    after_others = [1.0 if name == "a" else 5.0 for name in trial.order]
+    assert trial.verdict([after_others, after_others]) == "a"
+
+
+def test_a_slow_spell_over_two_of_the_runner_ups_turns_does_not_decide_the_trial(monkeypatch):
+    """The runner-up (b) runs at 0.5 when the machine lets it and at 3.0 twice, when another
+    process's time slice falls on it; the choice (a) runs at 1.0: b wins (its median, 3.0, would
+    have kept a). The fastest turn counts on every node, one with more ranks than cores too."""
+    from mpdl.collectives import verify
+
+    monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
+    monkeypatch.setattr(measuring, "crowded", lambda comm: True)
+    trial = verify.Trial(FakeComm(4), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
+    times = in_order(trial, {"a": [1.0, 1.0, 1.0], "b": [3.0, 0.5, 3.0]})
+    assert trial.verdict([times] * 4) == "b"
 
 
 def test_the_fastest_of_several_contenders_wins_and_each_runs_in_turn(monkeypatch):
-    """Choice a, contenders b and c, each in every round (a, b, c, c, b, a); c's fastest run
+    """Choice a, contenders b and c, each in every round (a, b, c, c, b, a); c's fastest turn
     (0.5) beats b's (0.85), both within 0.9 of a's (1.0): c wins."""
     from mpdl.collectives import verify
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b", "c"), {}, lambda n: None, 2)
-    assert trial.order == ["a", "b", "c", "c", "b", "a"]
+    assert trial.order[::verify.TURN] == ["a", "b", "c", "c", "b", "a"]
     times = in_order(trial, {"a": [1.0, 1.2], "b": [0.85, 0.9], "c": [2.0, 0.5]})
     assert trial.verdict([times, times]) == "c"
 
@@ -472,18 +500,6 @@ def test_a_node_with_more_ranks_than_cores_is_crowded(monkeypatch):
     assert measuring.crowded(FakeComm(2))
 
 
-def test_with_more_ranks_than_cores_a_trial_judges_each_algorithm_by_its_median_run(monkeypatch):
-    """The contender b has one lucky run (0.3) and two at 2.0, the choice a runs at 1.0: on a
-    crowded node a is kept (b's median, 2.0); with a core per rank b wins (its fastest)."""
-    from mpdl.collectives import verify
-
-    monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
-    trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
-    times = in_order(trial, {"a": [1.0, 1.0, 1.0], "b": [2.0, 0.3, 2.0]})
-    assert trial.verdict([times, times], crowded=True) == "a"
-    assert trial.verdict([times, times], crowded=False) == "b"
-
-
 @pytest.mark.parametrize("loads, provisional", [((0.0, 0.2), ""), ((0.0, 3.0), "load 3.00")])
 def test_a_trial_on_a_busy_machine_learns_a_provisional_verdict(loads, provisional, monkeypatch):
     """The whole trial on stand-in runners: other work's load per core (3.0 on the last rank at
@@ -498,9 +514,10 @@ def test_a_trial_on_a_busy_machine_learns_a_provisional_verdict(loads, provision
     runs = {"a": 0, "b": 0}
     runners = {n: (lambda n=n: runs.__setitem__(n, runs[n] + 1)) for n in runs}
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), runners, settled.append, 2)
-    for _ in range(4):
+    for _ in range(len(trial.order)):
         trial.run()
-    assert runs == {"a": 2, "b": 2} and len(settled) == 1 and len(learned) == 1
+    assert runs == {"a": 2 * verify.TURN, "b": 2 * verify.TURN}
+    assert len(settled) == 1 and len(learned) == 1
     *_, why = learned[0]
     assert (why == "") if not provisional else (why.startswith("busy machine: " + provisional))
 

@@ -263,16 +263,18 @@ class _Schedule:
             self.steps.append(([], [], f, a, b, o))
         self._pending = []
 
-    def runner(self, copy: tuple[np.ndarray, np.ndarray] | None = None) -> Callable[[], None]:
+    def runner(self, copy: tuple[np.ndarray, np.ndarray] | None = None,
+               compiled_after: int = 0) -> Callable[[], None]:
         """run(): the steps in order under the communicator's wait policy; with `copy` = (dst,
         src), src is copied into dst between the first messages' start and their wait. From its
-        COMPILED_AFTER-th run on, a step waits in compiled code (`mpdl.comm.polling`) where that
-        is possible."""
+        `compiled_after`-th run on (default COMPILED_AFTER), a step waits in compiled code
+        (`mpdl.comm.polling`) where that is possible."""
+        compiled_after = compiled_after or COMPILED_AFTER
         steps, comm = self.steps, self.comm
         python = _finisher(comm, self.MPI.Request.Testall,
                            lambda handles, wrapped: comm._wait_all(wrapped))
         if len(steps) == 1 and steps[0][0] and steps[0][2] is None:
-            return self._one_step_runner(python, copy)
+            return self._one_step_runner(python, copy, compiled_after)
         during = None if copy is None else functools.partial(np.copyto, *copy)
         finishes = [python] * len(steps)
         startall = self.MPI.Prequest.Startall
@@ -281,7 +283,7 @@ class _Schedule:
         def run() -> None:
             nonlocal runs
             runs += 1
-            if runs == COMPILED_AFTER:
+            if runs == compiled_after:
                 finishes[:] = [_compiled_finisher(comm, reqs, python) if reqs else python
                                for reqs, *_ in steps]
             first = during
@@ -300,10 +302,13 @@ class _Schedule:
         return run
 
     def _one_step_runner(self, python: Callable[[Any, list[Request]], None],
-                         copy: tuple[np.ndarray, np.ndarray] | None) -> Callable[[], None]:
+                         copy: tuple[np.ndarray, np.ndarray] | None,
+                         compiled_after: int) -> Callable[[], None]:
         """`runner()` of a schedule of one step of messages and nothing after (a scattered
-        all-to-all): the same, with less Python a run; from the COMPILED_AFTER-th run on the
-        main thread, the start, the copy and the wait are one compiled call."""
+        all-to-all): the same, with less Python a run; from the `compiled_after`-th run on the
+        main thread (the second at the earliest), the start, the copy and the wait are one
+        compiled call."""
+        made_after = max(compiled_after - 1, 1)
         comm, startall = self.comm, self.MPI.Prequest.Startall
         reqs, wrapped = self.steps[0][0], self.steps[0][1]
         during = None if copy is None else functools.partial(np.copyto, *copy)
@@ -321,9 +326,9 @@ class _Schedule:
             if during is not None:
                 during()
             python(reqs, wrapped)
-            if runs < COMPILED_AFTER:
+            if runs < made_after:
                 runs += 1
-                if runs == COMPILED_AFTER - 1:
+                if runs == made_after:
                     exchange = polling.compiled_exchange(reqs, *(copy or ()))
 
         return run
@@ -339,6 +344,14 @@ COMPILED_POLLS = 8192
 #: runs of a schedule after which it waits in compiled code: making the first compiled wait costs
 #: a process about 0.4 s (numba's import and cache), repaid only by schedules run many times
 COMPILED_AFTER = 8
+#: the same for the runs of a plan that verifies auto's choice (a plan run many times): its trial
+#: times each algorithm as it will run from then on, waiting in compiled code from the first run.
+#: Timed in Python's wait instead, the trial compared what the plan never runs again: at p = 4
+#: on 2 cores, 8 B, recursive doubling took 88 us a call in its first four runs and 24-44 from
+#: the ninth, ring 77 and 50-72, so ring won trials the sweep then timed at 2-3x the choice's time
+#: (`mpdl bench --loop 4`, p = 4, trials in turns of two runs: auto within 10% of the best at
+#: 11 of 24 sizes with the trial's waits in Python, 19 of 24 with them compiled)
+TRIAL_COMPILED_AFTER = 1
 
 
 def _finisher(comm, done: Callable[[Any], bool],
@@ -459,11 +472,12 @@ _REPLAYED = {"recursive_doubling": lambda count, seg, p: count <= seg,
              "ring": lambda count, seg, p: -(-count // p) <= seg}
 
 
-def _replayed_allreduce(call: checks.Call, algorithm: Callable,
-                        f: Callable) -> tuple[Callable, list]:
+def _replayed_allreduce(call: checks.Call, algorithm: Callable, f: Callable,
+                        compiled_after: int = 0) -> tuple[Callable, list]:
     """(run, requests): the recorded schedule of algorithm(comm, buf, reduce) on the call's
     arrays, reducing with f; it reads x where the record reads out before writing it (no copy of
-    x into out), or runs after a copy where that cannot be done (`recording.reading_input`)."""
+    x into out), or runs after a copy where that cannot be done (`recording.reading_input`);
+    waiting in compiled code from its `compiled_after`-th run (`_Schedule.runner`)."""
     c, x, out = call.comm, call.x, call.out
     flat, xflat = out.reshape(-1), x.reshape(-1)
     recorded = recording.record(algorithm, c.rank, c.size, flat.size, flat.dtype)
@@ -473,7 +487,7 @@ def _replayed_allreduce(call: checks.Call, algorithm: Callable,
         arrays[name] = np.empty(count, flat.dtype)
         memory.hold(arrays[name], "communication")
     schedule = _replay(c, reading or recorded, arrays, f)
-    run = schedule.runner()
+    run = schedule.runner(compiled_after=compiled_after)
     if out is x or reading is not None:
         return run, schedule.requests
 
@@ -512,7 +526,9 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
               and shm.in_shared_memory(as_communicator(comm), x))
     call = checks.allreduce_call(x, op, algorithm, comm, out, plan=True, shared=shared)
     c, algo, xp, out = call.comm, call.algorithm, call.xp, call.out
-    go, fast, requests = _allreduce_runner(call, algo, persistent)
+    names = verify.candidates("allreduce", x.nbytes, c, shared) if algorithm == "auto" else None
+    go, fast, requests = _allreduce_runner(call, algo, persistent,
+                                           TRIAL_COMPILED_AFTER if names is not None else 0)
     if op == "avg":
         flat, size = out.reshape(-1), c.size
 
@@ -523,7 +539,6 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
         finish = None
     plan = Plan(c, "allreduce", algo.name, x, out, op, call.signature, go, finish, fast,
                 requests)
-    names = verify.candidates("allreduce", x.nbytes, c, shared) if algorithm == "auto" else None
     if names is not None:
         _verifying(plan, call, names, persistent, shared)
     return plan
@@ -537,7 +552,7 @@ def _verifying(plan: Plan, call: checks.Call, names: tuple[str, ...], persistent
     built = {plan.algorithm: (plan._go, plan._fast, plan._requests)}
     for name in names[1:]:
         other = registry.resolve("allreduce", name)
-        built[other.name] = _allreduce_runner(call, other, persistent)
+        built[other.name] = _allreduce_runner(call, other, persistent, TRIAL_COMPILED_AFTER)
     requests = [r for _, _, rs in built.values() for r in rs or []]
 
     def runner(name: str):
@@ -560,11 +575,12 @@ def _verifying(plan: Plan, call: checks.Call, names: tuple[str, ...], persistent
     plan._requests = requests
 
 
-def _allreduce_runner(call: checks.Call, algo: registry.Algorithm,
-                      persistent: bool) -> tuple[Any, Any, list | None]:
+def _allreduce_runner(call: checks.Call, algo: registry.Algorithm, persistent: bool,
+                      compiled_after: int = 0) -> tuple[Any, Any, list | None]:
     """(go, fast, requests) of algo (the call's algorithm, or verify's runner-up) running the
     all-reduce call: `go` runs the registered algorithm (after the input copy it needs), `fast` a
-    persistent schedule where there is one."""
+    persistent schedule where there is one (waiting in compiled code from its
+    `compiled_after`-th run)."""
     c, x, out, op, xp = call.comm, call.x, call.out, call.op, call.xp
     flat, xflat = out.reshape(-1), x.reshape(-1)
     copy = out is not x and not algo.reads_input
@@ -593,7 +609,7 @@ def _allreduce_runner(call: checks.Call, algo: registry.Algorithm,
             requests = [request]
             fast = _start_and_poll(c, request, "allreduce")
         elif replayed is not None and replayed(x.size, segment_elements(x.itemsize), c.size):
-            fast, requests = _replayed_allreduce(call, inner, reducer(op, np))
+            fast, requests = _replayed_allreduce(call, inner, reducer(op, np), compiled_after)
     return go, fast, requests
 
 

@@ -4,22 +4,22 @@ contenders the cost model ranks close to it on its first runs, and keeps the fas
 
 With the settings' `verify_runs` = K > 0 (3 by default), a plan made with algorithm "auto" runs
 the choice and each contender (every candidate predicted within FIELD times the choice's time)
-K times in its first K·n runs (n algorithms in all), in rounds that go forth and back
-(`serpentine`), each run one algorithm on every rank, so every
-rank's result of a run has the same bits as the one-shot call of the algorithm that ran (two
-algorithms may round differently, so results may differ in the last bits from run to run during
-these runs; a run that must be bit-reproducible from run to run fixes the algorithm). Each rank
-times its runs; after the last, one all-gather gives every rank every rank's times, and every rank
-takes the same verdict from them: per run the slowest rank's time, per algorithm the fastest of
-its K runs (other work only ever adds time: a run that another process's time slice fell on says
-nothing of the algorithm), or the median where a node runs more ranks than cores
-(`measuring.typical`); the fastest contender wins when it is at least SWITCH times faster
-than the choice (10%). The plan then runs the winner, and the verdict is remembered for this size
-in `auto`'s model and its first-use cache file, so the next run starts with it (and does not
-verify that size again). A verdict taken on a busy machine (other work's load per core, as
+in K rounds that go forth and back (`serpentine`), each algorithm's turn in a round TURN runs in
+a row, in its first TURN·K·n runs (n algorithms in all); each run is one algorithm on every rank,
+so every rank's result of a run has the same bits as the one-shot call of the algorithm that ran
+(two algorithms may round differently, so results may differ in the last bits from run to run
+during these runs; a run that must be bit-reproducible from run to run fixes the algorithm).
+Each rank times its runs; after the last, one all-gather gives every rank every rank's times, and
+every rank takes the same verdict from them: per turn the slowest rank's time of its last run
+(the first settles what the algorithm before it left), per algorithm the fastest of its K turns
+(other work only ever adds time: a run that another process's time slice fell on says nothing of
+the algorithm); the fastest contender wins when it is at least SWITCH times faster than the
+choice (10%). The plan then runs the winner, and the verdict is remembered for this size in
+`auto`'s model and its first-use cache file, so the next run starts with it (and does not verify
+that size again). A verdict taken on a busy machine (other work's load per core, as
 `measuring.Busy` judges a calibration, the largest over ranks) is provisional: used, and
-verified again by the next run. The exploration costs at most K runs of each contender instead of the
-choice, plus one small all-gather, once per size and machine.
+verified again by the next run. The exploration costs at most TURN·K runs of each contender
+instead of the choice, plus one small all-gather, once per size and machine.
 """
 
 from __future__ import annotations
@@ -40,6 +40,13 @@ SWITCH = 0.9
 #: on 2 ranks, recursive doubling took 9 us per call of 32 KiB in a loop against shm's 20 us,
 #: where one call at a time took 33 us against 18 us)
 FIELD = 2.5
+#: runs of one algorithm in a row in a trial (a turn), of which only the last is timed: a run is
+#: charged with what the run before it left (the skew between ranks with which the previous
+#: algorithm ended, its late messages, its buffers in the caches). On 2 ranks at 32 KiB, with
+#: every run after another algorithm's, recursive doubling took 18-26 us a run and ring 15-57, so
+#: ring won the trial, and the sweep (`mpdl bench --loop 4`) then timed it at 2.2x recursive
+#: doubling; as the second run of a turn, recursive doubling took 7-8 us and ring 12
+TURN = 2
 
 
 def serpentine(names: tuple[str, ...], rounds: int) -> list[str]:
@@ -56,7 +63,7 @@ def serpentine(names: tuple[str, ...], rounds: int) -> list[str]:
 
 
 class Trial:
-    """The first K·n runs of a plan: which algorithm runs next, the times, and the verdict.
+    """The first TURN·K·n runs of a plan: which algorithm runs next, the times, and the verdict.
 
     `names` are the choice and the contenders (n in all), `runners` maps each to its run
     function; `settle(name)` is called on every rank with the same winner after the last run."""
@@ -68,11 +75,11 @@ class Trial:
         #: the plan's array lies in shared memory (its verdict is kept apart)
         self.shared = shared
         self.names, self.runners, self.settle = names, runners, settle
-        self.order = serpentine(names, runs)
+        #: the algorithm of each run: turns of TURN runs, in rounds forth and back
+        self.order = [name for name in serpentine(names, runs) for _ in range(TURN)]
         self.times: list[float] = []
         #: the algorithm of the run in progress (or the last one)
         self.current = names[0]
-        self.crowded = measuring.crowded(comm)
         self.ranks_here = next((len(g) for g in comm.node_groups() if comm.rank in g), 1)
         self.load_before = measuring.load_per_core(self.ranks_here)
 
@@ -84,25 +91,23 @@ class Trial:
         self.times.append(time.perf_counter() - t0)
         if len(self.times) == len(self.order):
             everyone = self.comm.allgather_object(
-                (self.times, self.crowded, self.load_before,
-                 measuring.load_per_core(self.ranks_here)))
-            busy = measuring.Busy(max(r[2] for r in everyone), max(r[3] for r in everyone), 1.0)
-            self.settle(self.verdict([r[0] for r in everyone], any(r[1] for r in everyone),
-                                     busy.why))
+                (self.times, self.load_before, measuring.load_per_core(self.ranks_here)))
+            busy = measuring.Busy(max(r[1] for r in everyone), max(r[2] for r in everyone), 1.0)
+            self.settle(self.verdict([r[0] for r in everyone], busy.why))
 
-    def verdict(self, everyone: list[list[float]], crowded: bool = False,
-                provisional: str = "") -> str:
-        """The winner from every rank's times (the same on every rank): the contender with the
-        fastest typical run (`measuring.typical`: the fastest, or with `crowded` the median) when
-        that is at most SWITCH of the choice's, else the choice; learned as provisional, with
-        the reason, when `provisional` says the machine was busy."""
-        slowest = np.max(np.array(everyone, dtype=np.float64), axis=0)
-        typical = {n: measuring.typical([t for t, m in zip(slowest, self.order, strict=True)
-                                         if m == n], crowded)
-                   for n in self.names}
+    def verdict(self, everyone: list[list[float]], provisional: str = "") -> str:
+        """The winner from every rank's times of every run (the same on every rank): the
+        contender with the fastest turn (the slowest rank's time of the turn's last run) when
+        that is at most SWITCH of the choice's, else the choice; learned as provisional, with the
+        reason, when `provisional` says the machine was busy."""
+        last_runs = np.array(everyone, dtype=np.float64)[:, TURN - 1::TURN]
+        turns = zip(np.max(last_runs, axis=0), self.order[::TURN], strict=True)
+        fastest: dict[str, float] = {}
+        for seconds, name in turns:
+            fastest[name] = min(fastest.get(name, np.inf), float(seconds))
         choice = self.names[0]
-        best = min(self.names[1:], key=lambda n: (typical[n], self.names.index(n)))
-        winner = best if typical[best] <= SWITCH * typical[choice] else choice
+        best = min(self.names[1:], key=lambda n: (fastest[n], self.names.index(n)))
+        winner = best if fastest[best] <= SWITCH * fastest[choice] else choice
         auto.learn(self.comm, self.collective, self.nbytes, winner, self.shared, provisional)
         return winner
 

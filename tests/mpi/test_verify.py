@@ -54,6 +54,32 @@ def slow_down(choice: str, monkeypatch) -> None:
     monkeypatch.setattr(plans, "_allreduce_runner", slowed)
 
 
+def test_a_trial_times_each_algorithm_waiting_as_its_later_runs_will(world, monkeypatch):
+    """A plan that verifies is run many times, so its trial's runs wait in compiled code from the
+    first, as the runs after the trial do: with compiled waits otherwise put off for good, the
+    trial makes them for the algorithms with a recorded schedule, and every run gives the
+    one-shot call's bits."""
+    if P == 1:
+        pytest.skip("one rank: there is no algorithm to verify (auto runs nothing)")
+    from mpdl.comm import polling  # noqa: PLC0415
+
+    real, made = polling.compiled_wait, []
+    monkeypatch.setattr(polling, "compiled_wait",
+                        lambda requests: made.append(real(requests)) or made[-1])
+    x = np.random.default_rng(RANK).standard_normal(COUNT).astype(np.float32)
+    names = verify.candidates("allreduce", x.nbytes, world)
+    scheduled = [n for n in names if plans._REPLAYED.get(n) is not None
+                 and plans._REPLAYED[n](COUNT, plans.segment_elements(4), P)]
+    assert scheduled, f"no contender with a recorded schedule among {names}"
+    monkeypatch.setattr(plans, "COMPILED_AFTER", 10**6)  # plans outside a trial: never compiled
+    plan = C.allreduce_init(x, algorithm="auto", comm=world)
+    for _ in range(len(plan.trial.order)):
+        got = plan().copy()
+        want = C.allreduce(x, algorithm=plan.trial.current, comm=world)  # the one that ran
+        assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), plan.trial.current
+    assert made and all(wait is not None for wait in made), made
+
+
 def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(world,
                                                                                monkeypatch):
     if P == 1:
@@ -66,7 +92,8 @@ def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(w
     slow_down(choice, monkeypatch)
     plan = C.allreduce_init(x, algorithm="auto", comm=world)
     assert plan.algorithm == choice and plan.trial is not None
-    trial_runs = len(names) * RUNS
+    trial_runs = len(plan.trial.order)
+    assert trial_runs == verify.TURN * RUNS * len(names)
     ran = []
     for _ in range(trial_runs + 2):
         got = plan().copy()
@@ -76,7 +103,8 @@ def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(w
         assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), name
     winner = plan.algorithm
     assert winner in names[1:]
-    assert ran == verify.serpentine(names, RUNS) + [winner, winner]
+    turns = [name for name in verify.serpentine(names, RUNS) for _ in range(verify.TURN)]
+    assert ran == turns + [winner, winner]
     assert world.allgather_object(plan.algorithm) == [winner] * P
     # the next run starts right: the verdict is in the cache file, and a new plan takes it
     world.barrier()
@@ -101,7 +129,7 @@ def test_a_verdict_taken_on_a_busy_machine_is_verified_again_by_the_next_run(wor
     choice = verify.candidates("allreduce", x.nbytes, world)[0]
     slow_down(choice, monkeypatch)
     plan = C.allreduce_init(x, algorithm="auto", comm=world)
-    for _ in range(len(plan.trial.names) * RUNS):
+    for _ in range(len(plan.trial.order)):
         plan()
     winner = plan.algorithm
     assert winner != choice
@@ -116,7 +144,7 @@ def test_a_verdict_taken_on_a_busy_machine_is_verified_again_by_the_next_run(wor
     again = C.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
     assert again.algorithm == winner and again.trial is not None
     assert again.trial.names[0] == winner and choice in again.trial.names
-    for _ in range(len(again.trial.names) * RUNS):
+    for _ in range(len(again.trial.order)):
         got = again().copy()
         want = C.allreduce(x, algorithm=again.trial.current, comm=world)
         assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
@@ -158,8 +186,9 @@ def _first_use_world(tmp_path_factory, monkeypatch, name: str, rows: tuple, **op
 
 def test_ddp_buckets_leave_a_poisoned_choice_by_default_on_every_rank(poisoned, monkeypatch):
     """DDP with auto on the poisoned calibration: its bucket plans start with double_tree (made
-    20 ms slower on purpose), time it against ring over the first 2K steps (K the default
-    verify_runs), and every rank runs ring from then on; the cache holds both verdicts."""
+    20 ms slower on purpose), time it against ring over the first 2·TURN·K steps (K the default
+    verify_runs, TURN the runs of a turn), and every rank runs ring from then on; the cache holds
+    both verdicts."""
     if P == 1:
         pytest.skip("one rank: DDP reduces nothing (auto runs nothing)")
     runs = settings.current().verify_runs
@@ -178,7 +207,7 @@ def test_ddp_buckets_leave_a_poisoned_choice_by_default_on_every_rank(poisoned, 
     assert len(ddp.buckets) >= 2
     assert ddp.bucket_algorithms() == ["double_tree"] * len(ddp.buckets)
     x = np.random.default_rng(RANK).standard_normal((4, 5)).astype(np.float32)
-    for _ in range(2 * runs + 1):
+    for _ in range(2 * verify.TURN * runs + 1):
         F.cross_entropy(ddp(Tensor(x)), np.arange(4) % 3).backward()
         ddp.finish()
     assert poisoned.allgather_object(ddp.bucket_algorithms()) == [["ring"] * len(ddp.buckets)] * P
