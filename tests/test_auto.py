@@ -320,6 +320,18 @@ def test_allreduce_table_times_every_candidate_and_never_decreases(monkeypatch):
         assert [t for _, t in rows] == sorted(t for _, t in rows)
 
 
+def test_sizes_beyond_the_caches_are_timed_in_half_the_rounds(monkeypatch):
+    """From TUNE_HUGE (a call takes milliseconds) a candidate gets TUNE_ROUNDS // 2 rounds of one
+    timed call; below it TUNE_ROUNDS rounds of TUNE_REPS[0]; 64 MiB is the last tuned size."""
+    assert measuring.TUNE_SIZES[-1] == 1 << 26 >= measuring.TUNE_HUGE > measuring.TUNE_SIZES[-2]
+    monkeypatch.setattr(measuring, "TUNE_SIZES", (8, measuring.TUNE_HUGE))
+    monkeypatch.setattr(measuring, "candidates", lambda collective, shared: ["ring"])
+    times = run_world(2, measuring._allreduce_times)[0]["ring"]
+    assert [len(rounds) for rounds in times] == [measuring.TUNE_ROUNDS, measuring.TUNE_ROUNDS // 2]
+    assert [len(calls) for calls in times[0]] == [measuring.TUNE_REPS[0]] * measuring.TUNE_ROUNDS
+    assert [len(calls) for calls in times[1]] == [1] * (measuring.TUNE_ROUNDS // 2)
+
+
 def test_the_allreduce_table_keeps_the_fastest_round_so_a_slow_spell_cannot_poison_it(
         monkeypatch):
     """A slow spell (another process's time slice) over two of recursive doubling's four rounds

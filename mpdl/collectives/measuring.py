@@ -43,10 +43,15 @@ STREAM_PAIRS = 4
 #: the most memory the blocks of one size's chain of ring steps take (see ring_chain)
 CHAIN_BYTES = 64 << 20
 #: sizes at which every all-reduce candidate is timed (float32); beyond the last, the time per
-#: byte measured there. The last two lie beyond a core's caches (with 8 MiB last, 16 MiB was
+#: byte measured there. The last three lie beyond a core's caches (with 8 MiB last, 16 MiB was
 #: ranked from the slope from 2 MiB, partly in cache: Rabenseifner over shm, 1.38x slower in
-#: `benchmarks/bench_auto.py`)
-TUNE_SIZES = (8, 1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 23, 1 << 24)
+#: `benchmarks/bench_auto.py`), and 64 MiB beyond the machine's: from 32 to 64 MiB on 2 ranks
+#: the algorithms that pass messages took 2.4-2.5x the time and shm 2.0x, so with 16 MiB last
+#: the torus went for 64 MiB at 1.17-1.24x shm's time
+TUNE_SIZES = (8, 1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 23, 1 << 24, 1 << 26)
+#: from this size a candidate is timed in TUNE_ROUNDS // 2 rounds of one call, with an untimed
+#: call before it in the first round only (its workspace's first use): a call takes milliseconds
+TUNE_HUGE = 1 << 25
 #: rounds over the algorithms at each size (a slow spell of the machine then hits all alike), and
 #: timed calls of an algorithm per round, after an untimed one, below and from 1 MiB. Short turns
 #: in many rounds: a slow spell (another process's time slice, milliseconds) then spoils a few
@@ -326,10 +331,12 @@ def _allreduce_times(comm: Any) -> dict[str, list[list[list[float]]]]:
 
             calls[name] = call
             out[name].append([])
-        for _ in range(TUNE_ROUNDS):
+        huge = nbytes >= TUNE_HUGE
+        for k in range(TUNE_ROUNDS // 2 if huge else TUNE_ROUNDS):
             for name, call in calls.items():
                 comm.barrier()
-                call()  # untimed: each turn starts as bench's turns do
+                if k == 0 or not huge:
+                    call()  # untimed: each turn starts as bench's turns do
                 out[name][-1].append(timed(comm, call, TUNE_REPS[nbytes >= (1 << 20)]))
     return out
 
@@ -376,7 +383,7 @@ def allreduce_table(comm: Any) -> Table:
         times = []
         for i in range(len(TUNE_SIZES)):
             rounds = sorted(slowest([r[name][i][k] for _, r in everyone])
-                            for k in range(TUNE_ROUNDS))
+                            for k in range(len(everyone[0][1][name][i])))
             times.append(typical(rounds, crowded_node))
             ratios.append(float(np.median(rounds)) / max(rounds[0], 1e-12))
         rows.append((name, monotone(TUNE_SIZES, times)))

@@ -33,8 +33,8 @@ def cache(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", float("inf"))
     monkeypatch.setattr(measuring, "BUSY_SPREAD", float("inf"))
     # these tests check how calibrations are shared, kept and replaced, not the sizes they time:
-    # the 16 MiB turns would add a second or more to each of them on 4 ranks
-    monkeypatch.setattr(measuring, "TUNE_SIZES", measuring.TUNE_SIZES[:-1])
+    # the 16 and 64 MiB turns would add several seconds to each of them on 4 ranks
+    monkeypatch.setattr(measuring, "TUNE_SIZES", measuring.TUNE_SIZES[:-2])
     path = str(tmp_path_factory.mktemp("auto")) if RANK == 0 else None
     path = COMM.bcast(path, root=0)
     previous = settings.update(auto_cache=os.path.join(path, "cache"),
