@@ -177,6 +177,30 @@ def test_the_setting_chooses_the_library(monkeypatch, library_in_use):
         settings.use(previous)
 
 
+@pytest.mark.parametrize("threads, chosen", [(1, "mkl"), (2, "numpy")])
+def test_auto_takes_mkl_only_where_numpys_blas_runs_one_thread(threads, chosen, monkeypatch,
+                                                              library_in_use):
+    """MKL runs one thread: auto leaves the products to NumPy's BLAS where that may use several
+    cores (one process on the machine), and takes MKL (a stand-in here) where it runs one thread
+    (ranks filling the cores); numpy_blas_threads follows threadpoolctl's limits."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1, user_api="blas"):
+        assert blas.numpy_blas_threads() == 1
+    stand_in = object()
+    monkeypatch.setattr(blas, "mkl", lambda: stand_in)
+    monkeypatch.setattr(blas, "numpy_blas_threads", lambda: threads)
+    monkeypatch.setattr(blas, "_library", blas._UNCHOSEN)
+    previous = settings.use(settings.Settings(blas="auto"))
+    try:
+        assert (blas.selected() is stand_in) == (chosen == "mkl")
+        monkeypatch.setattr(blas, "_library", blas._UNCHOSEN)
+        settings.use(settings.Settings(blas="mkl"))
+        assert blas.selected() is stand_in  # asked for by name: MKL whatever the threads
+    finally:
+        settings.use(previous)
+
+
 def test_a_bad_setting_names_the_variable():
     with pytest.raises(ValueError, match="MPDL_BLAS: expected auto, mkl or numpy"):
         settings.Settings.from_environment({"MPDL_BLAS": "openblas"})
