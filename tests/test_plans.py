@@ -107,6 +107,42 @@ def test_the_cache_keeps_plans_of_reused_arrays_only():
     assert run_world(2, body) == [(1, 0, [2.0] * 9)] * 2
 
 
+def test_allreduce_plans_large_arrays_and_the_cache_keeps_its_bytes_bounded(monkeypatch):
+    """allreduce(out=) plans arrays above CACHE_MAX_BYTES up to ALLREDUCE_CACHE_MAX_BYTES (its
+    plans verify auto's choice), reduce_scatter does not; the arrays the cached plans keep alive
+    stay within CACHE_BYTES, the oldest plan dropped first, and results stay right."""
+    monkeypatch.setattr(plans, "CACHE_MAX_BYTES", 64)
+    monkeypatch.setattr(plans, "ALLREDUCE_CACHE_MAX_BYTES", 800)
+    p = 2  # in-process ranks share the cache: three plans of 50 float64s (x and out) per rank
+    monkeypatch.setattr(plans, "CACHE_BYTES", p * 3 * 2 * 400)
+
+    def body(c):
+        pairs = [(np.full(50, float(i + c.rank)), np.empty(50)) for i in range(5)]
+        results = []
+        for x, out in pairs:
+            for _ in range(3):
+                results.append(C.allreduce(x, algorithm="ring", comm=c, out=out).copy())
+        kept = [i for i, (x, _) in enumerate(pairs)
+                if any(p.x is x for p in list(plans.cache.values()))]
+        big, bigout = np.ones(101), np.empty(101)  # 808 bytes: above the bound
+        for _ in range(3):
+            C.allreduce(big, algorithm="ring", comm=c, out=bigout)
+        unplanned = not any(p.x is big for p in list(plans.cache.values()))
+        rs = np.ones(16 * c.size)  # 128 bytes a rank: above CACHE_MAX_BYTES
+        for _ in range(3):
+            C.reduce_scatter(rs, algorithm="ring", comm=c)
+        scattered = any(p.x is rs for p in list(plans.cache.values()))
+        return kept, unplanned, scattered, results
+
+    plans.clear_cache()
+    for kept, unplanned, scattered, results in run_world(p, body):
+        assert kept == [2, 3, 4]  # the two oldest were dropped for the bytes
+        assert unplanned and not scattered
+        for k, r in enumerate(results):
+            np.testing.assert_array_equal(r, np.full(50, float(2 * (k // 3) + 1)))
+    plans.clear_cache()
+
+
 def test_the_cache_notices_an_array_changed_in_place():
     """The ordinary call's cached plan is keyed by the arrays' ids: an array reshaped in place
     or viewed as another dtype in place must not run the old plan."""

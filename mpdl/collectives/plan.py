@@ -13,8 +13,10 @@ and scattered algorithms, MPI_Alltoall_init for mpi).
 `allreduce`, `reduce_scatter`, `allgather` and `alltoall` keep a bounded cache of plans keyed by their arrays'
 identity and the other arguments, so repeated calls on the same arrays (`out=` preallocated) get
 the same benefit without asking for a plan: a plan is made at the second call on the same arrays
-(until then they are held weakly), for arrays up to CACHE_MAX_BYTES. `alltoall` without `out`
-keeps plans by shape instead (`shaped_alltoall`), copying each call's x in and its result out.
+(until then they are held weakly), for arrays up to CACHE_MAX_BYTES (ALLREDUCE_CACHE_MAX_BYTES for
+`allreduce`, whose plans verify auto's choice), the arrays of all cached plans within CACHE_BYTES.
+`alltoall` without `out` keeps plans by shape instead (`shaped_alltoall`), copying each call's x
+in and its result out.
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ from mpdl.mpi_runtime import library_version
 #: it a call's Python overhead is lost in the transfer, and a plan would keep the array alive
 CACHE_PLANS = 64
 CACHE_MAX_BYTES = 1 << 20
+#: the same for `allreduce(x, out=out)`, whose plans verify auto's choice in the caller's rhythm
+#: (`mpdl.collectives.verify`): there the rhythm still ranks the algorithms at 16 MiB (on 2 ranks
+#: the torus took 3.4-3.6 ms a call back to back against shm's 4.2-4.4, and 5.2 against 4.4 one
+#: call at a time with a new result array), so plans go to 16 MiB, within CACHE_BYTES
+ALLREDUCE_CACHE_MAX_BYTES = 16 << 20
+#: the most bytes of arrays the cached plans may keep alive (their x and out; oldest dropped first):
+#: a dropped plan's trial starts again with the next plan of its arrays, so the bound holds the
+#: plans of a sweep over a dozen algorithms at 16 MiB (`mpdl bench --loop`)
+CACHE_BYTES = 512 << 20
 
 #: the plans of the ordinary calls, by signature (the allreduce key: `allreduce_key`)
 cache: dict[tuple, Plan] = {}
@@ -805,16 +816,19 @@ def _bruck_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, b: int):
 _seen: dict[tuple, tuple] = {}
 
 
-def _cached(key: tuple, x: Any, out: Any, comm: Any, make: Callable, *arguments: Any) -> Any:
-    """The cached plan for key (made by make(*arguments) at the second call on these arrays), or
-    None: then the caller runs the one-shot call."""
+def _cached(key: tuple, x: Any, out: Any, comm: Any, make: Callable, *arguments: Any,
+            max_bytes: int | None = None) -> Any:
+    """The cached plan for key (made by make(*arguments) at the second call on these arrays, when
+    they are at most max_bytes, CACHE_MAX_BYTES by default), or None: then the caller runs the
+    one-shot call."""
     plan = cache.get(key)
     if plan is not None:
         if plan.x is x and plan._out is out and plan._comm_arg is comm and \
                 x.shape == plan._shape and x.dtype is plan._dtype:
             return plan
         cache.pop(key, None)
-    if x.nbytes > CACHE_MAX_BYTES or (out is not None and out.nbytes > CACHE_MAX_BYTES):
+    limit = CACHE_MAX_BYTES if max_bytes is None else max_bytes
+    if x.nbytes > limit or (out is not None and out.nbytes > limit):
         return None
     refs = _seen.get(key)
     if refs is None or refs[0]() is not x or (out is not None and refs[1]() is not out):
@@ -829,8 +843,25 @@ def _cached(key: tuple, x: Any, out: Any, comm: Any, make: Callable, *arguments:
     plan = make(*arguments)
     plan._comm_arg, plan._out = comm, out
     _evict(cache)
+    _evict_bytes(cache, _kept_bytes(plan))
     cache[key] = plan
     return plan
+
+
+def _kept_bytes(plan: Any) -> int:
+    """The bytes of the arrays a cached plan keeps alive (its x and, when another array, out)."""
+    out = plan._out
+    return plan.x.nbytes + (out.nbytes if out is not None and out is not plan.x else 0)
+
+
+def _evict_bytes(table: dict, adding: int) -> None:
+    """Drop the oldest plans until the arrays of those left and `adding` bytes more fit in
+    CACHE_BYTES (or none is left)."""
+    while table and sum(_kept_bytes(p) for p in list(table.values())) + adding > CACHE_BYTES:
+        try:
+            table.pop(next(iter(table)), None)
+        except (StopIteration, RuntimeError):
+            return
 
 
 def _evict(table: dict) -> None:
@@ -853,7 +884,7 @@ def allreduce_key(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> tuple
 def cached_allreduce(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
     """The cached plan of `allreduce(x, op, algorithm, comm, out)` (out given), or None."""
     return _cached(allreduce_key(x, op, algorithm, comm, out), x, out, comm, _allreduce_plan, x,
-                   op, algorithm, comm, out, False)
+                   op, algorithm, comm, out, False, max_bytes=ALLREDUCE_CACHE_MAX_BYTES)
 
 
 def cached_reduce_scatter(x: Any, op: Any, algorithm: Any, comm: Any,

@@ -203,6 +203,7 @@ def test_unit_plans_give_the_one_shot_calls_bit_for_bit(stage, algorithm, monkey
         if stage == 1:
             assert u.reduce_plan.x is u.grad
     monkeypatch.setattr(plans, "CACHE_MAX_BYTES", -1)  # nothing through the plan cache
+    monkeypatch.setattr(plans, "ALLREDUCE_CACHE_MAX_BYTES", -1)
     plans.clear_cache()
     ref = train(comm, one_shot, "mlp", "adam", "float64", 2)
     assert mine.tobytes() == ref.tobytes()
