@@ -33,7 +33,7 @@ import numpy as np
 from mpdl import settings
 from mpdl.collectives import auto, measuring
 
-#: a contender replaces the choice when its fastest run is at most this fraction of the choice's
+#: a contender replaces the choice when its fastest turn is at most this fraction of the choice's
 SWITCH = 0.9
 #: the contenders: every candidate the cost model predicts within this factor of the choice's time
 #: (the model times calls one at a time, after a barrier; calls back to back can rank otherwise:
