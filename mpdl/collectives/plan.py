@@ -857,21 +857,28 @@ def _kept_bytes(plan: Any) -> int:
 def _evict_bytes(table: dict, adding: int) -> None:
     """Drop the oldest plans until the arrays of those left and `adding` bytes more fit in
     CACHE_BYTES (or none is left)."""
-    while table and sum(_kept_bytes(p) for p in list(table.values())) + adding > CACHE_BYTES:
-        try:
-            table.pop(next(iter(table)), None)
-        except (StopIteration, RuntimeError):
+    total = sum(_kept_bytes(p) for p in list(table.values())) + adding
+    while total > CACHE_BYTES:
+        oldest = _pop_oldest(table)
+        if oldest is None:
             return
+        total -= _kept_bytes(oldest)
 
 
 def _evict(table: dict) -> None:
-    """Drop the oldest entries above the bound (tolerating other threads using the table: a
-    DDP communication thread and the main thread may both call collectives)."""
-    while len(table) >= CACHE_PLANS:
-        try:
-            table.pop(next(iter(table)), None)
-        except (StopIteration, RuntimeError):
-            return
+    """Drop the oldest entries above the bound."""
+    while len(table) >= CACHE_PLANS and _pop_oldest(table) is not None:
+        pass
+
+
+def _pop_oldest(table: dict) -> Any:
+    """Remove the oldest entry and return its value; None when the table is empty or another
+    thread changed it meanwhile (a DDP communication thread and the main thread may both call
+    collectives)."""
+    try:
+        return table.pop(next(iter(table)), None)
+    except (StopIteration, RuntimeError):
+        return None
 
 
 def allreduce_key(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> tuple:
