@@ -555,6 +555,30 @@ def test_a_provisional_verdict_round_trips_and_never_replaces_a_quiet_one(tmp_pa
                                                  "allreduce:64": "tree"}
 
 
+def test_every_candidate_contends_in_a_reduce_scatter_or_allgather_plan(tmp_path, monkeypatch):
+    """For an all-reduce the contenders are the candidates predicted within FIELD; for the other
+    verified collectives every candidate, however far behind the model puts it (here with a FIELD
+    of 1.1, at 16 MiB on 4 ranks: tree beyond it)."""
+    from mpdl.collectives import verify
+
+    monkeypatch.setattr(verify, "FIELD", 1.1)
+    settings.update(auto_cache=str(tmp_path), cost_model=str(tmp_path / "none.json"))
+    comm = FakeComm(4)
+    key = firstuse.cache_key(comm)
+    firstuse.write(firstuse.cache_path(str(tmp_path), key), key, replace(MEASURED, ranks=4,
+                                                                          nodes=1))
+    model = auto.model_for(comm)
+    for collective in ("reduce_scatter", "allgather"):
+        assert collective in verify.COLLECTIVES
+        predicted = {name: cm.predict(collective, name, 1 << 24, 4, 1, model.params)
+                     for name in cm.candidates(collective, True)}
+        assert max(predicted.values()) > verify.FIELD * min(predicted.values()), predicted
+        assert auto.ranked(collective, 1 << 24, comm, model, verify.FIELD) == ()
+        names = verify.candidates(collective, 1 << 24, comm)
+        assert names is not None and names[0] == auto.algorithm_for(collective, 1 << 24, comm).name
+        assert sorted(names) == sorted(predicted)
+
+
 def test_a_provisional_verdict_is_used_verified_again_by_the_next_run_and_shown(tmp_path):
     """The cache holds a quiet verdict for 4096 B and a provisional one for 8192 B: plans of both
     sizes run their verdicts, a plan of 8192 B verifies again (once in the run: a verdict learned

@@ -59,26 +59,30 @@ def allreduce_call(x: Any, op: Any, algorithm: Any, comm: Any, out: Any,
     return Call(c, algo, signature, xp, x, out, op)
 
 
-def reduce_scatter_call(x: Any, op: Any, algorithm: Any, comm: Any, in_place: bool) -> Call:
-    """The checked `reduce_scatter(x, op, algorithm, comm, in_place)`."""
+def reduce_scatter_call(x: Any, op: Any, algorithm: Any, comm: Any, in_place: bool,
+                        plan: bool = False) -> Call:
+    """The checked `reduce_scatter(x, op, algorithm, comm, in_place)`; for a persistent plan
+    (`plan`), "auto" is `auto.plan_choice`."""
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     check_op(op, dtype)
     if in_place and (x.ndim != 1 or not x.flags["C_CONTIGUOUS"]):
         raise ValueError("x: in_place needs a 1-D C-contiguous array")
-    algo = pick("reduce_scatter", algorithm, c, x.nbytes)
+    algo = pick("reduce_scatter", algorithm, c, x.nbytes, plan)
     signature = ("reduce_scatter", algo.name, x.shape, dtype, op, None)
     agree(c, *signature)
     return Call(c, algo, signature, xp, x, None, op, block_bounds(x.size, c.size))
 
 
-def allgather_call(x: Any, algorithm: Any, comm: Any, count: Any, out: Any) -> Call:
-    """The checked `allgather(x, algorithm, comm, count, out)`; out is made when None."""
+def allgather_call(x: Any, algorithm: Any, comm: Any, count: Any, out: Any,
+                   plan: bool = False) -> Call:
+    """The checked `allgather(x, algorithm, comm, count, out)`; out is made when None; for a
+    persistent plan (`plan`), "auto" is `auto.plan_choice`."""
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     bounds, total = allgather_bounds(x, c, count)
     check_allgather_out(out, xp, dtype, total)
-    algo = pick("allgather", algorithm, c, total * x.itemsize)
+    algo = pick("allgather", algorithm, c, total * x.itemsize, plan)
     signature = ("allgather", algo.name, x.shape if count is None else (count,), dtype, None,
                  None)
     agree(c, *signature)
@@ -101,11 +105,15 @@ def alltoall_call(x: Any, algorithm: Any, comm: Any, out: Any) -> Call:
     return Call(c, algo, signature, xp, x, out, None, blocks.uniform(c.size, block))
 
 
-def pick(collective: str, algorithm: str, comm: Communicator, nbytes: int) -> registry.Algorithm:
+def pick(collective: str, algorithm: str, comm: Communicator, nbytes: int,
+         plan: bool = False) -> registry.Algorithm:
+    """The registered algorithm of the call: by name, or auto's (for a persistent plan with
+    `plan`: `auto.plan_choice`, what a plan of the size verified)."""
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm: expected a name, got {type(algorithm).__name__}")
     if algorithm == "auto":
-        return auto.algorithm_for(collective, nbytes, comm)
+        return (auto.plan_choice(collective, nbytes, comm) if plan
+                else auto.algorithm_for(collective, nbytes, comm))
     return registry.resolve(collective, algorithm)
 
 

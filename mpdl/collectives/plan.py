@@ -551,19 +551,21 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
     plan = Plan(c, "allreduce", algo.name, x, out, op, call.signature, go, finish, fast,
                 requests)
     if names is not None:
-        _verifying(plan, call, names, persistent, shared)
+        _verifying(plan, names, lambda other: _allreduce_runner(call, other, persistent,
+                                                                 TRIAL_COMPILED_AFTER), shared)
     return plan
 
 
-def _verifying(plan: Plan, call: checks.Call, names: tuple[str, ...], persistent: bool,
-               shared: bool) -> None:
+def _verifying(plan: Plan, names: tuple[str, ...],
+               runner_of: Callable[[registry.Algorithm], tuple], shared: bool = False) -> None:
     """Make plan run a verify.Trial of names (its algorithm and the contenders) on its first runs,
-    then the winner's schedule."""
-    c, x = plan.comm, plan.x
+    then the winner's; `runner_of(algorithm)` gives a contender's (go, fast, requests) on the
+    plan's arrays."""
+    c, collective = plan.comm, plan.collective
     built = {plan.algorithm: (plan._go, plan._fast, plan._requests)}
     for name in names[1:]:
-        other = registry.resolve("allreduce", name)
-        built[other.name] = _allreduce_runner(call, other, persistent, TRIAL_COMPILED_AFTER)
+        other = registry.resolve(collective, name)
+        built[other.name] = runner_of(other)
     requests = [r for _, _, rs in built.values() for r in rs or []]
 
     def runner(name: str):
@@ -574,12 +576,13 @@ def _verifying(plan: Plan, call: checks.Call, names: tuple[str, ...], persistent
     def settle(name: str) -> None:
         go, fast, _ = built[name]
         plan._go, plan._fast = go, fast
-        plan.algorithm, plan._name = name, f"allreduce/{name}"
-        plan._signature = ("allreduce", name, *plan._signature[2:])
+        plan.algorithm, plan._name = name, f"{collective}/{name}"
+        plan._signature = (collective, name, *plan._signature[2:])
         plan._rec = None  # the flight recorder's entries name the algorithm afresh
 
-    trial = verify.Trial(c, "allreduce", x.nbytes, names, {n: runner(n) for n in names}, settle,
-                         settings.current().verify_runs, shared)
+    # (the size auto chooses by: the whole array, or for all-gather the whole result)
+    trial = verify.Trial(c, collective, plan._nbytes, names, {n: runner(n) for n in names},
+                         settle, settings.current().verify_runs, shared)
     plan._go, plan._fast, plan.trial = trial.run, None, trial
     if requests and not plan._requests:
         free_before_finalize(plan)
@@ -627,21 +630,15 @@ def _allreduce_runner(call: checks.Call, algo: registry.Algorithm, persistent: b
 def reduce_scatter_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
                         in_place: bool = False) -> Plan:
     """A plan of `reduce_scatter(x, op, algorithm, comm, in_place)`: each run returns this rank's
-    block (a view of x with `in_place`, else a new array)."""
-    call = checks.reduce_scatter_call(x, op, algorithm, comm, in_place)
+    block (a view of x with `in_place`, else a new array). With algorithm "auto" and the settings'
+    verify_runs, the plan times auto's choice against every other candidate on its first runs
+    (`mpdl.collectives.verify`)."""
+    call = checks.reduce_scatter_call(x, op, algorithm, comm, in_place, plan=True)
     c, algo, xp, bounds, dtype = call.comm, call.algorithm, call.xp, call.layout, x.dtype
     buf = x if in_place else backend.empty_half_page_in(max(x.size, 1), dtype, xp)[:x.size]
     if not in_place:
         memory.hold(buf, "communication")
-    xflat = x.reshape(-1)
-    mine = buf[bounds[c.rank]:bounds[c.rank + 1]]
-    inner, size = getattr(algo.run, "__wrapped__", None), c.size
-    run, how = (inner, reducer(op, xp)) if inner is not None else (algo.run, op)
-
-    def go() -> None:
-        if not in_place:
-            xp.copyto(buf, xflat)
-        run(c, buf, how, bounds)
+    mine, size = buf[bounds[c.rank]:bounds[c.rank + 1]], c.size
 
     def finish() -> Any:
         result = mine if in_place else mine.copy()
@@ -649,24 +646,57 @@ def reduce_scatter_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: 
             xp.true_divide(result, size, out=result)
         return result
 
-    return Plan(c, "reduce_scatter", algo.name, x, mine, op, call.signature, go, finish)
+    go = _reduce_scatter_runner(call, algo, buf, in_place)[0]
+    plan = Plan(c, "reduce_scatter", algo.name, x, mine, op, call.signature, go, finish)
+    names = verify.candidates("reduce_scatter", x.nbytes, c) if algorithm == "auto" else None
+    if names is not None:
+        _verifying(plan, names, lambda other: _reduce_scatter_runner(call, other, buf, in_place))
+    return plan
+
+
+def _reduce_scatter_runner(call: checks.Call, algo: registry.Algorithm, buf: Any,
+                           in_place: bool) -> tuple[Any, None, None]:
+    """(go, None, None): algo reducing the call's x into buf and scattering it (this rank's block
+    of buf reduced over the ranks)."""
+    c, xp, bounds, xflat = call.comm, call.xp, call.layout, call.x.reshape(-1)
+    inner = getattr(algo.run, "__wrapped__", None)
+    run, how = (inner, reducer(call.op, xp)) if inner is not None else (algo.run, call.op)
+
+    def go() -> None:
+        if not in_place:
+            xp.copyto(buf, xflat)
+        run(c, buf, how, bounds)
+
+    return go, None, None
 
 
 def allgather_init(x: Any, algorithm: str = "auto", comm: Any = None, count: int | None = None,
                    out: Any = None) -> Plan:
     """A plan of `allgather(x, algorithm, comm, count, out)`: each run gathers x's current values
-    into `plan.result` (out, or an array the plan allocates) and returns it."""
-    call = checks.allgather_call(x, algorithm, comm, count, out)
-    c, algo, xp, bounds, result = call.comm, call.algorithm, call.xp, call.layout, call.out
-    mine, xflat = result[bounds[c.rank]:bounds[c.rank + 1]], x.reshape(-1)
+    into `plan.result` (out, or an array the plan allocates) and returns it. With algorithm "auto"
+    and the settings' verify_runs, the plan times auto's choice against every other candidate on
+    its first runs (`mpdl.collectives.verify`)."""
+    call = checks.allgather_call(x, algorithm, comm, count, out, plan=True)
+    c, algo, result = call.comm, call.algorithm, call.out
+    plan = Plan(c, "allgather", algo.name, x, result, None, call.signature,
+                _allgather_runner(call, algo)[0], None, nbytes=result.nbytes)
+    names = verify.candidates("allgather", result.nbytes, c) if algorithm == "auto" else None
+    if names is not None:
+        _verifying(plan, names, lambda other: _allgather_runner(call, other))
+    return plan
+
+
+def _allgather_runner(call: checks.Call, algo: registry.Algorithm) -> tuple[Any, None, None]:
+    """(go, None, None): algo gathering the call's x into its result."""
+    c, bounds, result, xp = call.comm, call.layout, call.out, call.xp
+    mine, xflat = result[bounds[c.rank]:bounds[c.rank + 1]], call.x.reshape(-1)
     run = algo.run
 
     def go() -> None:
         xp.copyto(mine, xflat)
         run(c, result, bounds)
 
-    return Plan(c, "allgather", algo.name, x, result, None, call.signature, go, None,
-                nbytes=result.nbytes)
+    return go, None, None
 
 
 def alltoall_init(x: Any, comm: Any = None, algorithm: str = "auto", out: Any = None) -> Plan:

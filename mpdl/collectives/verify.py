@@ -1,29 +1,31 @@
-"""Online verification of `auto`'s long-lived choices: a persistent all-reduce plan (DDP's bucket
-plans, ZeRO's replica plans, the plan cache of `allreduce(out=)`) times its algorithm against the
-contenders the cost model ranks close to it on its first runs, and keeps the fastest.
+"""Online verification of `auto`'s long-lived choices: a persistent plan of an all-reduce (DDP's
+bucket plans, ZeRO's replica plans, the plan cache of `allreduce(out=)`), a reduce-scatter or an
+all-gather (ZeRO's units, their plan caches) times its algorithm against the contenders on its
+first runs, and keeps the fastest.
 
-With the settings' `verify_runs` = K > 0 (3 by default), a plan made with algorithm "auto" runs
-the choice and each contender (every candidate predicted within FIELD times the choice's time)
-in K rounds that go forth and back (`serpentine`), each algorithm's turn in a round TURN runs in
-a row, in its first TURN·K·n runs (n algorithms in all); each run is one algorithm on every rank,
-so every rank's result of a run has the same bits as the one-shot call of the algorithm that ran
-(two algorithms may round differently, so results may differ in the last bits from run to run
-during these runs; a run that must be bit-reproducible from run to run fixes the algorithm).
-Each rank times its runs; after the last, one all-gather gives every rank every rank's times, and
-every rank takes the same verdict from them: per turn the slowest rank's time of its last run
-(the first settles what the algorithm before it left), per algorithm the fastest of its K turns
-(other work only ever adds time: a run that another process's time slice fell on says nothing of
-the algorithm); the fastest contender wins when it is at least SWITCH times faster than the
-choice (10%). The plan then runs the winner, and the verdict is remembered for this size in
-`auto`'s model and its first-use cache file, so the next run starts with it (and does not verify
-that size again). A verdict taken on a busy machine (other work's load per core, as
-`measuring.Busy` judges a calibration, the largest over ranks) is provisional: used, and
-verified again by the next run. The exploration costs at most TURN·K runs of each contender
-instead of the choice, plus one small all-gather, once per size and machine.
+With the settings' `verify_runs` = K > 0 (3 by default), a plan made with algorithm "auto" runs the
+choice and each contender (for an all-reduce every candidate predicted within FIELD times the
+choice's time, for the others every candidate) in K rounds that go forth and back (`serpentine`),
+each algorithm's turn in a round TURN runs in a row, in its first TURN·K·n runs (n algorithms in
+all); each run is one algorithm on every rank, so every rank's result of a run has the same bits as
+the one-shot call of the algorithm that ran (two algorithms may round differently, so results may
+differ in the last bits from run to run during these runs; a run that must be bit-reproducible from
+run to run fixes the algorithm). Each rank times its runs; after the last, one all-gather gives
+every rank every rank's times, and every rank takes the same verdict from them: per turn the slowest
+rank's time of its last run (the first settles what the algorithm before it left), per algorithm the
+fastest of its K turns (other work only ever adds time: a run that another process's time slice fell
+on says nothing of the algorithm); the fastest contender wins when it is at least SWITCH times
+faster than the choice (10%). The plan then runs the winner, and the verdict is remembered for this
+size in `auto`'s model and its first-use cache file, so the next run starts with it (and does not
+verify that size again). A verdict taken on a busy machine (other work's load per core, as
+`measuring.Busy` judges a calibration, the largest over ranks) is provisional: used, and verified
+again by the next run. The exploration costs at most TURN·K runs of each contender instead of the
+choice, plus one small all-gather, once per size and machine.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +35,8 @@ import numpy as np
 from mpdl import settings
 from mpdl.collectives import auto, measuring
 
+#: the collectives whose plans verify auto's choice
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 #: a contender replaces the choice when its fastest turn is at most this fraction of the choice's
 SWITCH = 0.9
 #: the contenders: every candidate the cost model predicts within this factor of the choice's time
@@ -40,6 +44,11 @@ SWITCH = 0.9
 #: on 2 ranks, recursive doubling took 9 us per call of 32 KiB in a loop against shm's 20 us,
 #: where one call at a time took 33 us against 18 us)
 FIELD = 2.5
+#: the same for the other collectives: every candidate (two, ring and tree). Their predictions come
+#: from the links' parameters alone, with no measured table of the algorithms: on 4 ranks of
+#: 2 cores the model put tree's reduce-scatter of 8 B - 128 KiB at 2.7x ring's time, where
+#: `mpdl bench --loop 4` timed it at 0.74-0.86x
+FIELD_OTHERS = math.inf
 #: runs of one algorithm in a row in a trial (a turn), of which only the last is timed: a run is
 #: charged with what the run before it left (the skew between ranks with which the previous
 #: algorithm ended, its late messages, its buffers in the caches). On 2 ranks at 32 KiB, with
@@ -115,7 +124,8 @@ class Trial:
 def candidates(collective: str, nbytes: int, comm: Any,
                shared: bool = False) -> tuple[str, ...] | None:
     """(the plan's algorithm, the contenders) for a plan of nbytes on comm when it should verify
-    them: auto's choice and the candidates the model predicts within FIELD of it, and when a
+    them: auto's choice and the candidates the model predicts within FIELD of it (FIELD_OTHERS for
+    a collective other than all-reduce), and when a
     provisional verdict is verified again, that verdict first and the prediction among them;
     None when verification is off, the model is not calibrated, the size was verified (on a quiet
     machine, or in this run), or there is no contender. With `shared` (the plan's array lies in
@@ -130,7 +140,8 @@ def candidates(collective: str, nbytes: int, comm: Any,
             or (entry in model.verified and entry not in model.recheck)):
         return None
     # the prediction and its field; the plan runs a provisional verdict, if any, in its place
-    field = auto.ranked(collective, nbytes, comm, model, FIELD) \
+    within = FIELD if collective == "allreduce" else FIELD_OTHERS
+    field = auto.ranked(collective, nbytes, comm, model, within) \
         or (auto.algorithm_for(collective, nbytes, comm).name,)
     runs_now = auto.plan_choice(collective, nbytes, comm, shared).name
     names = (runs_now, *(name for name in field if name != runs_now))

@@ -28,7 +28,7 @@ import numpy as np
 from mpdl import backend
 from mpdl import collectives as C
 from mpdl import emulation as _emulation
-from mpdl.collectives import auto, costmodel, registry
+from mpdl.collectives import auto, costmodel, registry, verify
 from mpdl.comm import polling
 from mpdl.emulation import Emulation
 
@@ -289,7 +289,7 @@ def measure_size(config: Config, comm: Any, size: int, xp: Any, params: costmode
                     times[i, it] = (time.perf_counter() - t0) / config.loop
             if config.check:  # keep results only when they are compared
                 case.result = result
-    if "auto" in names and config.loop > 1 and collective == "allreduce":
+    if "auto" in names and config.loop > 1 and collective in verify.COLLECTIVES:
         # what auto ran: repeated calls with out= run through a plan, which may have verified
         chosen["auto"] = auto.plan_choice(collective, nbytes, comm).name
     slowest = np.empty_like(times)

@@ -1,8 +1,8 @@
-"""Online verification of `auto`'s choice in a persistent all-reduce plan, under real mpiexec: with
-the choice made slower on purpose, every rank switches to a contender at the same run, every run
-gives the bits of the one-shot all-reduce of the algorithm that ran, and the next run starts with
-the verdict (read from the first-use cache); DDP's buckets leave a poisoned calibration's choice
-with the default settings."""
+"""Online verification of `auto`'s choice in a persistent all-reduce, reduce-scatter or all-gather
+plan, under real mpiexec: with the choice made slower on purpose, every rank switches to a
+contender at the same run, every run gives the bits of the one-shot call of the algorithm that
+ran, and the next run starts with the verdict (read from the first-use cache); DDP's buckets leave
+a poisoned calibration's choice with the default settings."""
 
 from __future__ import annotations
 
@@ -113,6 +113,64 @@ def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(w
                                   key) == {f"allreduce:{x.nbytes}": winner}
     auto.forget()
     again = C.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
+    assert again.algorithm == winner and again.trial is None
+
+
+def _gathering(collective: str, x: np.ndarray, comm):
+    """(the bytes auto chooses by, a plan with auto, the one-shot call of a named algorithm) of a
+    reduce-scatter or all-gather of x."""
+    if collective == "reduce_scatter":
+        return (x.nbytes, lambda: C.reduce_scatter_init(x, algorithm="auto", comm=comm),
+                lambda name: C.reduce_scatter(x, algorithm=name, comm=comm))
+    return (x.nbytes * P, lambda: C.allgather_init(x, algorithm="auto", comm=comm),
+            lambda name: C.allgather(x, algorithm=name, comm=comm))
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather"])
+def test_a_slowed_reduce_scatter_or_allgather_choice_is_replaced_on_every_rank(world, monkeypatch,
+                                                                               collective):
+    """ZeRO's units: a reduce-scatter or all-gather plan with auto times its choice (made 20 ms
+    slower on purpose) against every other candidate, each run the bits of the one-shot call of
+    the algorithm that ran; every rank switches at the same run, and the next run's plan starts
+    with the verdict from the cache."""
+    if P == 1:
+        pytest.skip("one rank: there is no algorithm to verify (auto runs nothing)")
+    x = np.random.default_rng(RANK).standard_normal(COUNT).astype(np.float32)
+    nbytes, make, one_shot = _gathering(collective, x, world)
+    names = verify.candidates(collective, nbytes, world)
+    assert sorted(names) == sorted(cm.candidates(collective, True))
+    choice = names[0]
+    real = getattr(plans, f"_{collective}_runner")
+
+    def slowed(call, algo, *args):
+        go, fast, requests = real(call, algo, *args)
+        if algo.name != choice:
+            return go, fast, requests
+        return (lambda: (time.sleep(0.02), go())), None, requests
+
+    monkeypatch.setattr(plans, f"_{collective}_runner", slowed)
+    plan = make()
+    assert plan.algorithm == choice and plan.trial is not None
+    trial_runs = len(plan.trial.order)
+    assert trial_runs == verify.TURN * RUNS * len(names)
+    ran = []
+    for _ in range(trial_runs + 2):
+        got = plan().copy()
+        name = plan.trial.current if len(ran) < trial_runs else plan.algorithm
+        ran.append(name)
+        want = one_shot(name)
+        assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), name
+    winner = plan.algorithm
+    assert winner != choice
+    assert ran == [n for n in verify.serpentine(names, RUNS) for _ in range(verify.TURN)] + [
+        winner, winner]
+    assert world.allgather_object(winner) == [winner] * P
+    world.barrier()
+    key = firstuse.cache_key(world)
+    assert firstuse.read_verified(firstuse.cache_path(settings.current().auto_cache, key),
+                                  key) == {f"{collective}:{nbytes}": winner}
+    auto.forget()
+    again = _gathering(collective, x, MPIComm(COMM.Dup()))[1]()
     assert again.algorithm == winner and again.trial is None
 
 
