@@ -26,7 +26,8 @@ gather of the whole optimizer state live in `mpdl.parallel.shards`; the step's t
 counters in `mpdl.parallel.zero_recorder`.
 
 Collectives on buffers kept between steps (stage 1's gradient buffers, stages 1-2's flat
-parameters) run through persistent plans made once per unit (`mpdl.collectives.plan`); buffers
+parameters) run through persistent plans made once per unit (`mpdl.collectives.plan`; with
+algorithm "auto" they verify its choice on their first runs, `mpdl.collectives.verify`); buffers
 made afresh each step go through the ordinary calls.
 
 The accounting (`model_state_bytes`) counts the model state the strategy holds: parameters,
