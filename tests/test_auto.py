@@ -341,7 +341,7 @@ def test_the_allreduce_table_keeps_the_fastest_round_so_a_slow_spell_cannot_pois
     assert measuring.TUNE_ROUNDS == 4
     quiet, spell, tree = 10e-6, 300e-6, 20e-6
 
-    def times(comm):
+    def times(comm, crowded_node):
         def rounds(name):
             if name == "recursive_doubling":
                 return [[spell] * 4, [quiet] * 4, [spell] * 4, [quiet] * 4]
@@ -480,19 +480,25 @@ def test_a_verified_choice_is_what_plans_of_its_size_run_one_shot_calls_keep_the
 def test_with_more_ranks_than_cores_the_allreduce_table_keeps_the_median_round(monkeypatch):
     """Where a node runs more ranks than cores, double_tree's one lucky round (100 us, its others
     600-700 us) does not rank it under tree (steady 300 us): the median round counts, on every
-    rank, when any one rank's node is crowded; with a core per rank the fastest round counts."""
+    rank, when any one rank's node is crowded; with a core per rank the fastest round counts.
+    Every rank then times its calls after the same kind of barrier (MPI_Barrier where crowded)."""
     assert measuring.TUNE_ROUNDS == 4
     lucky = {"double_tree": [100e-6, 600e-6, 700e-6, 650e-6], "tree": [300e-6] * 4}
 
-    def times(comm):
+    barriers = []
+
+    def times(comm, crowded_node):
+        barriers.append(crowded_node)  # every rank times after the same barriers
         return {name: [[[t] * 4 for t in lucky.get(name, [1e-3] * 4)] for _ in measuring.TUNE_SIZES]
                 for name in cm.candidates("allreduce", True)}
 
     monkeypatch.setattr(measuring, "_allreduce_times", times)
     for crowded_rank, statistic, chosen in ((1, 625e-6, "tree"), (None, 100e-6, "double_tree")):
         monkeypatch.setattr(measuring, "crowded", lambda comm, r=crowded_rank: comm.rank == r)
+        barriers.clear()
         tables = run_world(2, measuring.allreduce_table)
         assert tables[0] == tables[1] and tables[0].crowded == (crowded_rank is not None)
+        assert barriers == [crowded_rank is not None] * 2
         rows = dict(tables[0].rows)
         assert [t for _, t in rows["double_tree"]] == pytest.approx([statistic] * len(rows["tree"]))
         params = replace(MEASURED, allreduce_times=tables[0].rows, nodes=1)

@@ -308,21 +308,35 @@ def rates(effort: Effort) -> dict[str, float]:
 
 
 # -- the all-reduce candidates -----------------------------------------------------------------
-def _allreduce_times(comm: Any) -> dict[str, list[list[list[float]]]]:
+def _allreduce_times(comm: Any, crowded_node: bool = False) -> dict[str, list[list[list[float]]]]:
     """Per all-reduce candidate `auto` may pick, per size of TUNE_SIZES, per round: this rank's
     times of its calls (TUNE_ROUNDS turns of TUNE_REPS calls, each after a barrier, the
-    algorithms taking turns as in `mpdl bench`), with the input copy the public call makes (the
-    algorithms that read their input directly get it as `src`)."""
+    algorithms taking turns as in `mpdl bench`), each call into a new result array with the input
+    copy, as the one-shot public call makes them (the algorithms that read their input directly
+    get it as `src`). The table predicts one-shot calls (plans verify their own rhythm), and a new
+    array ranks the algorithms otherwise than a reused one: on 2 ranks at 16 MiB the torus took
+    3.4 ms a call into a reused array against shm's 4.2, and 5.2 against 4.4 into a new one. Timed
+    into a reused array, auto ran the torus at 16 MiB one call at a time at 1.14-1.22x shm's time
+    in 4 of 5 sets of three runs (`bench_auto.py --iters 10`); into a new one, never.
+
+    Where a node runs more ranks than cores (`crowded_node`, every rank's view combined), the
+    barrier is MPI_Barrier, as `mpdl bench` times calls: after mpdl's barrier (waiting under the
+    wait policy, which yields the core there) 4 ranks on 2 cores timed ring's 8 MiB at 5.6 ms
+    against the sweep's 7.3 (shm 6.2 against 6.4), and auto missed 4-16 MiB in every run; with
+    MPI_Barrier, 24, 22 and 24 of 24 sizes right in one set of three runs. On 2 ranks MPI_Barrier
+    did worse (63, 69, 68 of 72 in three sets, against 71, 70, 71, 67 after mpdl's barrier)."""
     names = candidates("allreduce", comm.has_shared_memory)
     out: dict[str, list[list[list[float]]]] = {name: [] for name in names}
+    # (a part of the world, which has no MPI communicator of its own, keeps mpdl's barrier)
+    mpi_barrier = crowded_node and getattr(comm, "mpi", None) is not None
     for nbytes in TUNE_SIZES:
         x = np.ones(max(1, nbytes // 4), np.float32)
-        work = backend.empty_like_page_offset(x)
         calls = {}
         for name in names:
             algo = registry.REGISTRY["allreduce"][name]
 
-            def call(algo=algo, x=x, work=work) -> None:
+            def call(algo=algo, x=x) -> None:
+                work = backend.empty_like_page_offset(x)  # the call's new result array
                 if algo.reads_input:
                     algo.run(comm, work, "sum", src=x)
                 else:
@@ -337,7 +351,8 @@ def _allreduce_times(comm: Any) -> dict[str, list[list[list[float]]]]:
                 comm.barrier()
                 if k == 0 or not huge:
                     call()  # untimed: each turn starts as bench's turns do
-                out[name][-1].append(timed(comm, call, TUNE_REPS[nbytes >= (1 << 20)]))
+                out[name][-1].append(timed(comm, call, TUNE_REPS[nbytes >= (1 << 20)],
+                                           mpi_barrier=mpi_barrier))
     return out
 
 
@@ -376,14 +391,14 @@ def allreduce_table(comm: Any) -> Table:
     node runs more ranks than cores (`typical`: at 4 ranks on 2 cores the fastest of four rounds
     had `double_tree` at 1-3 ms from 32 KiB to 2 MiB, where calls took 7-13 ms). Collective over
     comm; the same table on every rank."""
-    everyone = comm.allgather_object((crowded(comm), _allreduce_times(comm)))
-    crowded_node = any(c for c, _ in everyone)
+    crowded_node = any(comm.allgather_object(crowded(comm)))
+    everyone = comm.allgather_object(_allreduce_times(comm, crowded_node))
     rows, ratios = [], []
-    for name in everyone[0][1]:
+    for name in everyone[0]:
         times = []
         for i in range(len(TUNE_SIZES)):
-            rounds = sorted(slowest([r[name][i][k] for _, r in everyone])
-                            for k in range(len(everyone[0][1][name][i])))
+            rounds = sorted(slowest([r[name][i][k] for r in everyone])
+                            for k in range(len(everyone[0][name][i])))
             times.append(typical(rounds, crowded_node))
             ratios.append(float(np.median(rounds)) / max(rounds[0], 1e-12))
         rows.append((name, monotone(TUNE_SIZES, times)))
