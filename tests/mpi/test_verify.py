@@ -41,9 +41,10 @@ def world(tmp_path_factory, monkeypatch):
     yield from _first_use_world(tmp_path_factory, monkeypatch, "verify", (), verify_runs=RUNS)
 
 
-def slow_down(choice: str, monkeypatch) -> None:
-    """The test hook: plans running `choice` take 20 ms longer a run, on every rank."""
-    real = plans._allreduce_runner
+def slow_down(choice: str, monkeypatch, collective: str = "allreduce") -> None:
+    """The test hook: plans of collective running `choice` take 20 ms longer a run, on every
+    rank."""
+    real = getattr(plans, f"_{collective}_runner")
 
     def slowed(c, algo, *args):
         go, fast, requests = real(c, algo, *args)
@@ -51,7 +52,23 @@ def slow_down(choice: str, monkeypatch) -> None:
             return go, fast, requests
         return (lambda: (time.sleep(0.02), go())), None, requests
 
-    monkeypatch.setattr(plans, "_allreduce_runner", slowed)
+    monkeypatch.setattr(plans, f"_{collective}_runner", slowed)
+
+
+def run_trial(plan, names: tuple[str, ...], one_shot) -> list[str]:
+    """Run plan through its trial of names and twice after it, each run's bits checked against
+    `one_shot(name)` of the algorithm that ran; the algorithm of each run."""
+    assert plan.algorithm == names[0] and plan.trial is not None
+    trial_runs = len(plan.trial.order)
+    assert trial_runs == verify.TURN * RUNS * len(names)
+    ran = []
+    for _ in range(trial_runs + 2):
+        got = plan().copy()
+        name = plan.trial.current if len(ran) < trial_runs else plan.algorithm
+        ran.append(name)
+        want = one_shot(name)
+        assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), name
+    return ran
 
 
 def test_a_trial_times_each_algorithm_waiting_as_its_later_runs_will(world, monkeypatch):
@@ -91,16 +108,7 @@ def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(w
     choice = names[0]
     slow_down(choice, monkeypatch)
     plan = C.allreduce_init(x, algorithm="auto", comm=world)
-    assert plan.algorithm == choice and plan.trial is not None
-    trial_runs = len(plan.trial.order)
-    assert trial_runs == verify.TURN * RUNS * len(names)
-    ran = []
-    for _ in range(trial_runs + 2):
-        got = plan().copy()
-        name = plan.trial.current if len(ran) < trial_runs else plan.algorithm
-        ran.append(name)
-        want = C.allreduce(x, algorithm=name, comm=world)
-        assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), name
+    ran = run_trial(plan, names, lambda name: C.allreduce(x, algorithm=name, comm=world))
     winner = plan.algorithm
     assert winner in names[1:]
     turns = [name for name in verify.serpentine(names, RUNS) for _ in range(verify.TURN)]
@@ -140,26 +148,9 @@ def test_a_slowed_reduce_scatter_or_allgather_choice_is_replaced_on_every_rank(w
     names = verify.candidates(collective, nbytes, world)
     assert sorted(names) == sorted(cm.candidates(collective, True))
     choice = names[0]
-    real = getattr(plans, f"_{collective}_runner")
-
-    def slowed(call, algo, *args):
-        go, fast, requests = real(call, algo, *args)
-        if algo.name != choice:
-            return go, fast, requests
-        return (lambda: (time.sleep(0.02), go())), None, requests
-
-    monkeypatch.setattr(plans, f"_{collective}_runner", slowed)
+    slow_down(choice, monkeypatch, collective)
     plan = make()
-    assert plan.algorithm == choice and plan.trial is not None
-    trial_runs = len(plan.trial.order)
-    assert trial_runs == verify.TURN * RUNS * len(names)
-    ran = []
-    for _ in range(trial_runs + 2):
-        got = plan().copy()
-        name = plan.trial.current if len(ran) < trial_runs else plan.algorithm
-        ran.append(name)
-        want = one_shot(name)
-        assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), name
+    ran = run_trial(plan, names, one_shot)
     winner = plan.algorithm
     assert winner != choice
     assert ran == [n for n in verify.serpentine(names, RUNS) for _ in range(verify.TURN)] + [
