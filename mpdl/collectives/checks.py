@@ -47,9 +47,7 @@ def allreduce_call(x: Any, op: Any, algorithm: Any, comm: Any, out: Any,
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     check_op(op, dtype)
-    algo = pick("allreduce", algorithm, c, x.nbytes)
-    if plan and algorithm == "auto":
-        algo = auto.plan_choice("allreduce", x.nbytes, c, shared)
+    algo = pick("allreduce", algorithm, c, x.nbytes, plan, shared)
     if out is None:
         out = backend.empty_like_page_offset(x)
     else:
@@ -106,13 +104,14 @@ def alltoall_call(x: Any, algorithm: Any, comm: Any, out: Any) -> Call:
 
 
 def pick(collective: str, algorithm: str, comm: Communicator, nbytes: int,
-         plan: bool = False) -> registry.Algorithm:
+         plan: bool = False, shared: bool = False) -> registry.Algorithm:
     """The registered algorithm of the call: by name, or auto's (for a persistent plan with
-    `plan`: `auto.plan_choice`, what a plan of the size verified)."""
+    `plan`: `auto.plan_choice`, what a plan of the size, of an array in shared memory with
+    `shared`, verified)."""
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm: expected a name, got {type(algorithm).__name__}")
     if algorithm == "auto":
-        return (auto.plan_choice(collective, nbytes, comm) if plan
+        return (auto.plan_choice(collective, nbytes, comm, shared) if plan
                 else auto.algorithm_for(collective, nbytes, comm))
     return registry.resolve(collective, algorithm)
 
