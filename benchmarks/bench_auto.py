@@ -7,7 +7,9 @@ Runs, for each world size P:
   2. `mpdl bench allreduce` from MIN to MAX bytes with every algorithm, auto and the mpi baseline,
 and then, with MPDL_RANKS_PER_NODE=P/2 and an emulated inter-node link,
   3. `mpdl bench allreduce` of ring, hierarchical and auto at large sizes.
-It prints: auto's time over the best algorithm's per size; the model's prediction over the
+It prints: auto's time over the best algorithm's per size (and, where OUT holds an earlier run's
+sweep of the same kind, that run's fastest algorithms judged in this one: the ceiling of any
+choice made before the run); the model's prediction over the
 measurement for ring, tree and recursive doubling at >= 64 KiB; hierarchical against ring under
 emulation, measured and predicted.
 
@@ -82,6 +84,29 @@ def auto_vs_best(data: list[dict]) -> list[str]:
     lines.append(f"auto within 10% of the best at {within}/{len(lines) - 1} sizes; worst ratio "
                  f"{worst:.2f}")
     return lines
+
+
+def previous_best(previous: list[dict], data: list[dict]) -> list[str]:
+    """The ceiling of any choice made before this run: per size, the algorithm an earlier run of
+    the same sweep timed fastest, judged by this run's own columns as auto's choice is. Where the
+    machine ranks the algorithms otherwise from one run to the next, no choice carried into the
+    run (a calibration, a cached verdict) can do better than this."""
+    def fastest(rows: list[dict]) -> dict[int, tuple[str, float]]:
+        best: dict[int, tuple[str, float]] = {}
+        for r in rows:
+            if r["algorithm"] not in ("auto", "mpi") and \
+                    r["time_us"] < best.get(r["bytes"], ("", float("inf")))[1]:
+                best[r["bytes"]] = r["algorithm"], r["time_us"]
+        return best
+    before, now = fastest(previous), fastest(data)
+    times = {(r["bytes"], r["algorithm"]): r["time_us"] for r in data}
+    sizes = sorted(s for s in now if s in before and (s, before[s][0]) in times)
+    ratios = [times[s, before[s][0]] / now[s][1] for s in sizes]
+    moved = [f"{s} B {before[s][0]} {r:.2f}" for s, r in zip(sizes, ratios, strict=True)
+             if r > 1.10]
+    return [f"the previous run's fastest algorithm within 10% of this run's best at "
+            f"{sum(r <= 1.10 for r in ratios)}/{len(sizes)} sizes; worst ratio "
+            f"{max(ratios, default=1.0):.2f}" + (f" ({', '.join(moved)})" if moved else "")]
 
 
 def prediction_vs_measured(data: list[dict], names=("ring", "tree", "recursive_doubling"),
@@ -172,6 +197,9 @@ def main() -> int:
             report += [f"\n## p={p}: first-use calibration with a core kept busy: "
                        f"{poisoned_calibration(p, env, cache)}"]
         sweep = args.out / f"allreduce_p{p}.json"
+        previous = rows(sweep) if sweep.exists() else []
+        if previous and (previous[0].get("loop", 1), previous[0]["ranks"]) != (args.loop, p):
+            previous = []  # another kind of sweep: nothing to compare
         mpdl(p, ["bench", "allreduce", "-b", args.min_bytes, "-e", args.max_bytes, "-n",
                  str(args.iters), "-w", "2", "--loop", str(args.loop), "--json", str(sweep),
                  "--plot", str(args.out / f"allreduce_p{p}.png")], env, 3000)
@@ -182,6 +210,7 @@ def main() -> int:
                     if json.loads(f.read_text())["key"]["world_size"] == p]
             model = f"no calibration file; {'; '.join(made) or 'no first-use calibration'}"
         report += [f"\n## p={p}: auto against the best algorithm ({model})", *auto_vs_best(data),
+                   *(previous_best(previous, data) if previous else []),
                    f"\n## p={p}: cost model against measurement (>= 64 KiB)",
                    *prediction_vs_measured(data)]
         if p >= 4 and p % 2 == 0 and not args.no_emulated:
