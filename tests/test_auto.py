@@ -362,19 +362,16 @@ def test_the_allreduce_table_keeps_the_fastest_round_so_a_slow_spell_cannot_pois
     assert cm.fastest("allreduce", 8, 2, 1, True, params) == "recursive_doubling"
 
 
-#: a turn's first run in the stand-in times: faster than any timed run, so a verdict that counted
-#: it would tie every algorithm (and keep the choice)
-SETTLING = 0.01
+#: an algorithm's first run in the stand-in times (its setup): faster than any other run, so a
+#: verdict that counted it would tie every algorithm (and keep the choice)
+SETUP = 0.01
 
 
 def in_order(trial, runs: dict[str, list[float]]) -> list[float]:
-    """One rank's times of every run in the trial's order, from each algorithm's timed runs (its
-    first turn's first): each turn's runs before its last at SETTLING."""
-    from mpdl.collectives import verify
-
-    left = {name: iter(times) for name, times in runs.items()}
-    return [t for name in trial.order[::verify.TURN]
-            for t in [SETTLING] * (verify.TURN - 1) + [next(left[name])]]
+    """One rank's times of every run in the trial's order, from each algorithm's times of its runs
+    after its first (which takes SETUP)."""
+    left = {name: iter([SETUP, *times]) for name, times in runs.items()}
+    return [next(left[name]) for name in trial.order]
 
 
 def test_a_trial_runs_in_turns_in_rounds_forth_and_back():
@@ -393,17 +390,17 @@ def test_a_trial_runs_in_turns_in_rounds_forth_and_back():
 @pytest.mark.parametrize("runner_up_time, winner", [(0.89, "b"), (0.91, "a")])
 def test_a_trial_switches_only_when_the_runner_up_is_ten_percent_faster(runner_up_time, winner,
                                                                         monkeypatch):
-    """Per turn the slowest rank's time of its last run, per algorithm the fastest of its turns:
-    the runner-up (b) wins at <= 0.9 of the choice's (a) time; rank 0's fast run of a (0.1) does
-    not count, rank 1's 1.0 in the same run does, and neither do the turns' first runs
-    (SETTLING)."""
+    """Per run the slowest rank's time, per algorithm the fastest of its runs: the runner-up (b)
+    wins at <= 0.9 of the choice's (a) time; rank 0's fast run of a (0.1) does not count, rank 1's
+    1.0 in the same run does, and neither do the algorithms' first runs (SETUP)."""
     from mpdl.collectives import verify
 
     learned = []
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: learned.append(verdict))
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
-    rank0 = in_order(trial, {"a": [1.0, 0.1, 1.0], "b": [0.5, 0.5, 0.5]})
-    rank1 = in_order(trial, {"a": [0.5, 1.0, 0.5], "b": [runner_up_time, runner_up_time, 5.0]})
+    rank0 = in_order(trial, {"a": [1.0, 1.0, 0.1, 1.0, 1.0], "b": [0.5] * 5})
+    rank1 = in_order(trial, {"a": [1.0, 1.0, 1.0, 0.5, 1.0],
+                             "b": [runner_up_time] * 4 + [5.0]})
     assert trial.verdict([rank0, rank1]) == winner
     # (not an array in shared memory; not provisional)
     assert learned == [("allreduce", 4096, winner, False, "")]
@@ -412,7 +409,7 @@ def test_a_trial_switches_only_when_the_runner_up_is_ten_percent_faster(runner_u
 def test_a_turns_first_run_after_another_algorithm_does_not_decide_the_trial(monkeypatch):
     """The runner-up b takes 5.0 on the first run of each turn (charged with what the algorithm
     before it left) and 0.5 on the second; the choice a 1.0 on both: b wins, as its runs after
-    itself say (the runs after another algorithm would have kept a)."""
+    itself say (the runs after another algorithm alone would have kept a)."""
     from mpdl.collectives import verify
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
@@ -424,28 +421,46 @@ def test_a_turns_first_run_after_another_algorithm_does_not_decide_the_trial(mon
     assert trial.verdict([after_others, after_others]) == "a"
 
 
+def test_every_run_but_the_first_counts_wherever_it_falls_in_the_callers_rhythm(monkeypatch):
+    """A trial of recursive doubling (a) and ring (b) at 8 B on 2 ranks, in `mpdl bench --loop 4`
+    (the slowest rank's time of each run, us): the turns' second runs fell on the slow places of
+    the rhythm for a (41, 19, 41) and not for b (39, 17, 22), so counting only them switched to
+    b, which the sweep then timed at 1.4x a. a's first runs of its later turns (29, 11) count:
+    a stays."""
+    from mpdl.collectives import verify
+
+    monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
+    trial = verify.Trial(FakeComm(2), "allreduce", 8, ("a", "b"), {}, lambda name: None, 3)
+    runs = {"a": [350, 41, 29, 19, 11, 41], "b": [212, 39, 51, 17, 34, 22]}
+    left = {name: iter(t) for name, t in runs.items()}
+    times = [next(left[name]) * 1e-6 for name in trial.order]
+    assert trial.verdict([times, times]) == "a"
+
+
 def test_a_slow_spell_over_two_of_the_runner_ups_turns_does_not_decide_the_trial(monkeypatch):
-    """The runner-up (b) runs at 0.5 when the machine lets it and at 3.0 twice, when another
-    process's time slice falls on it; the choice (a) runs at 1.0: b wins (its median, 3.0, would
-    have kept a). The fastest turn counts on every node, one with more ranks than cores too."""
+    """The runner-up (b) runs at 0.5 when the machine lets it and at 3.0 in its first two turns,
+    when another process's time slice falls on it; the choice (a) runs at 1.0: b wins (its
+    median, 3.0, would have kept a). The fastest run counts on every node, one with more ranks
+    than cores too."""
     from mpdl.collectives import verify
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
     monkeypatch.setattr(measuring, "crowded", lambda comm: True)
     trial = verify.Trial(FakeComm(4), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
-    times = in_order(trial, {"a": [1.0, 1.0, 1.0], "b": [3.0, 0.5, 3.0]})
+    times = in_order(trial, {"a": [1.0] * 5, "b": [3.0, 3.0, 3.0, 0.5, 0.5]})
     assert trial.verdict([times] * 4) == "b"
 
 
 def test_the_fastest_of_several_contenders_wins_and_each_runs_in_turn(monkeypatch):
-    """Choice a, contenders b and c, each in every round (a, b, c, c, b, a); c's fastest turn
+    """Choice a, contenders b and c, each in every round (a, b, c, c, b, a): c's fastest run
     (0.5) beats b's (0.85), both within 0.9 of a's (1.0): c wins."""
     from mpdl.collectives import verify
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b", "c"), {}, lambda n: None, 2)
     assert trial.order[::verify.TURN] == ["a", "b", "c", "c", "b", "a"]
-    times = in_order(trial, {"a": [1.0, 1.2], "b": [0.85, 0.9], "c": [2.0, 0.5]})
+    times = in_order(trial, {"a": [1.0, 1.2, 1.1], "b": [0.85, 0.9, 0.95],
+                             "c": [2.0, 2.0, 0.5]})
     assert trial.verdict([times, times]) == "c"
 
 

@@ -11,16 +11,17 @@ all); each run is one algorithm on every rank, so every rank's result of a run h
 the one-shot call of the algorithm that ran (two algorithms may round differently, so results may
 differ in the last bits from run to run during these runs; a run that must be bit-reproducible from
 run to run fixes the algorithm). Each rank times its runs; after the last, one all-gather gives
-every rank every rank's times, and every rank takes the same verdict from them: per turn the slowest
-rank's time of its last run (the first settles what the algorithm before it left), per algorithm the
-fastest of its K turns (other work only ever adds time: a run that another process's time slice fell
-on says nothing of the algorithm); the fastest contender wins when it is at least SWITCH times
-faster than the choice (10%). The plan then runs the winner, and the verdict is remembered for this
-size in `auto`'s model and its first-use cache file, so the next run starts with it (and does not
-verify that size again). A verdict taken on a busy machine (other work's load per core, as
-`measuring.Busy` judges a calibration, the largest over ranks) is provisional: used, and verified
-again by the next run. The exploration costs at most TURN·K runs of each contender instead of the
-choice, plus one small all-gather, once per size and machine.
+every rank every rank's times, and every rank takes the same verdict from them: per run the slowest
+rank's time, per algorithm the fastest of its runs but its first (which sets up its workspaces and
+schedules). Other work only ever adds time, and so does what the algorithm before left (the skew
+between ranks, late messages) and a place in the caller's rhythm that costs more (the first call
+after a barrier): the fastest run is the one nothing fell on. The fastest contender wins when it is
+at least SWITCH times faster than the choice (10%). The plan then runs the winner, and the verdict
+is remembered for this size in `auto`'s model and its first-use cache file, so the next run starts
+with it (and does not verify that size again). A verdict taken on a busy machine (other work's load
+per core, as `measuring.Busy` judges a calibration, the largest over ranks) is provisional: used,
+and verified again by the next run. The exploration costs at most TURN·K runs of each contender
+instead of the choice, plus one small all-gather, once per size and machine.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from mpdl.collectives import auto, measuring
 
 #: the collectives whose plans verify auto's choice
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
-#: a contender replaces the choice when its fastest turn is at most this fraction of the choice's
+#: a contender replaces the choice when its fastest run is at most this fraction of the choice's
 SWITCH = 0.9
 #: the contenders: every candidate the cost model predicts within this factor of the choice's time
 #: (the model times calls one at a time, after a barrier; calls back to back can rank otherwise:
@@ -49,12 +50,16 @@ FIELD = 2.5
 #: 2 cores the model put tree's reduce-scatter of 8 B - 128 KiB at 2.7x ring's time, where
 #: `mpdl bench --loop 4` timed it at 0.74-0.86x
 FIELD_OTHERS = math.inf
-#: runs of one algorithm in a row in a trial (a turn), of which only the last is timed: a run is
-#: charged with what the run before it left (the skew between ranks with which the previous
-#: algorithm ended, its late messages, its buffers in the caches). On 2 ranks at 32 KiB, with
-#: every run after another algorithm's, recursive doubling took 18-26 us a run and ring 15-57, so
-#: ring won the trial, and the sweep (`mpdl bench --loop 4`) then timed it at 2.2x recursive
-#: doubling; as the second run of a turn, recursive doubling took 7-8 us and ring 12
+#: runs of one algorithm in a row in a trial (a turn): a run is charged with what the run before it
+#: left (the skew between ranks with which the previous algorithm ended, its late messages, its
+#: buffers in the caches), so each algorithm also runs after itself, as the plan's runs will. On
+#: 2 ranks at 32 KiB, with every run after another algorithm's, recursive doubling took 18-26 us
+#: a run and ring 15-57, so ring won the trial, and the sweep (`mpdl bench --loop 4`) then timed
+#: it at 2.2x recursive doubling; as the second run of a turn, recursive doubling took 7-8 us and
+#: ring 12. Every run but an algorithm's first counts: with only the second run of a turn counted,
+#: the timed runs fell on fixed places of the caller's rhythm, and on 2 ranks at 8 B recursive
+#: doubling's fell on the slow ones (41, 19 and 41 us, its others 11 and 29) and ring (17) won the
+#: trial, which the sweep timed at 1.4x recursive doubling
 TURN = 2
 
 
@@ -106,14 +111,14 @@ class Trial:
 
     def verdict(self, everyone: list[list[float]], provisional: str = "") -> str:
         """The winner from every rank's times of every run (the same on every rank): the
-        contender with the fastest turn (the slowest rank's time of the turn's last run) when
-        that is at most SWITCH of the choice's, else the choice; learned as provisional, with the
-        reason, when `provisional` says the machine was busy."""
-        last_runs = np.array(everyone, dtype=np.float64)[:, TURN - 1::TURN]
-        turns = zip(np.max(last_runs, axis=0), self.order[::TURN], strict=True)
+        contender with the fastest run (the slowest rank's time; an algorithm's first run not
+        counted) when that is at most SWITCH of the choice's, else the choice; learned as
+        provisional, with the reason, when `provisional` says the machine was busy."""
+        runs = zip(np.max(np.array(everyone, dtype=np.float64), axis=0), self.order, strict=True)
         fastest: dict[str, float] = {}
-        for seconds, name in turns:
-            fastest[name] = min(fastest.get(name, np.inf), float(seconds))
+        for seconds, name in runs:
+            # an algorithm's first run sets it up (workspaces, schedules): not counted
+            fastest[name] = min(fastest[name], float(seconds)) if name in fastest else np.inf
         choice = self.names[0]
         best = min(self.names[1:], key=lambda n: (fastest[n], self.names.index(n)))
         winner = best if fastest[best] <= SWITCH * fastest[choice] else choice
