@@ -9,9 +9,9 @@ and then, with MPDL_RANKS_PER_NODE=P/2 and an emulated inter-node link,
   3. `mpdl bench allreduce` of ring, hierarchical and auto at large sizes.
 It prints: auto's time over the best algorithm's per size (and, where OUT holds an earlier run's
 sweep of the same kind, that run's fastest algorithms judged in this one: the ceiling of any
-choice made before the run); the model's prediction over the
-measurement for ring, tree and recursive doubling at >= 64 KiB; hierarchical against ring under
-emulation, measured and predicted.
+choice made before the run); the model's prediction over the measurement for ring, tree and
+recursive doubling at >= 64 KiB; hierarchical against ring under emulation, measured and
+predicted.
 
     python benchmarks/bench_auto.py --ranks 2 4 --max-bytes 64M --out bench-out
     python benchmarks/bench_auto.py --ranks 2 4 --no-calibration --no-emulated --iters 20
