@@ -49,6 +49,16 @@ TWINS = ("ring", "hierarchical")
 TWINS_AT_2 = (*TWINS, "rabenseifner", "torus2d")
 
 
+def fastest(data: list[dict]) -> dict[int, dict]:
+    """Per size, the row of the fastest algorithm (auto and the mpi baseline aside)."""
+    best: dict[int, dict] = {}
+    for r in data:
+        if r["algorithm"] not in ("auto", "mpi") and \
+                r["time_us"] < best.get(r["bytes"], {"time_us": float("inf")})["time_us"]:
+            best[r["bytes"]] = r
+    return best
+
+
 def auto_vs_best(data: list[dict]) -> list[str]:
     """Per size: the best algorithm, auto's choice, and choice/best (the chosen algorithm's own
     column over the best: the judged ratio); beside it auto's own run over the best, and on one
@@ -64,10 +74,8 @@ def auto_vs_best(data: list[dict]) -> list[str]:
              + (f" {'noise':>6}" if twins else "")]
     worst = 0.0
     within = 0
-    for size in sorted({r["bytes"] for r in data}):
+    for size, best in sorted(fastest(data).items()):
         mine = {r["algorithm"]: r for r in data if r["bytes"] == size}
-        ours = [r for name, r in mine.items() if name not in ("auto", "mpi")]
-        best = min(ours, key=lambda r: r["time_us"])
         auto = mine["auto"]
         # auto ran its chosen algorithm: judge the choice by that algorithm's own column, timed as
         # often as the best's (auto's own run is one more noisy sample of the same algorithm)
@@ -91,18 +99,12 @@ def previous_best(previous: list[dict], data: list[dict]) -> list[str]:
     the same sweep timed fastest, judged by this run's own columns as auto's choice is. Where the
     machine ranks the algorithms otherwise from one run to the next, no choice carried into the
     run (a calibration, a cached verdict) can do better than this."""
-    def fastest(rows: list[dict]) -> dict[int, tuple[str, float]]:
-        best: dict[int, tuple[str, float]] = {}
-        for r in rows:
-            if r["algorithm"] not in ("auto", "mpi") and \
-                    r["time_us"] < best.get(r["bytes"], ("", float("inf")))[1]:
-                best[r["bytes"]] = r["algorithm"], r["time_us"]
-        return best
-    before, now = fastest(previous), fastest(data)
+    before = {size: r["algorithm"] for size, r in fastest(previous).items()}
+    now = fastest(data)
     times = {(r["bytes"], r["algorithm"]): r["time_us"] for r in data}
-    sizes = sorted(s for s in now if s in before and (s, before[s][0]) in times)
-    ratios = [times[s, before[s][0]] / now[s][1] for s in sizes]
-    moved = [f"{s} B {before[s][0]} {r:.2f}" for s, r in zip(sizes, ratios, strict=True)
+    sizes = sorted(s for s in now if s in before and (s, before[s]) in times)
+    ratios = [times[s, before[s]] / now[s]["time_us"] for s in sizes]
+    moved = [f"{s} B {before[s]} {r:.2f}" for s, r in zip(sizes, ratios, strict=True)
              if r > 1.10]
     return [f"the previous run's fastest algorithm within 10% of this run's best at "
             f"{sum(r <= 1.10 for r in ratios)}/{len(sizes)} sizes; worst ratio "
