@@ -143,6 +143,40 @@ def test_allreduce_plans_large_arrays_and_the_cache_keeps_its_bytes_bounded(monk
     plans.clear_cache()
 
 
+def test_plans_of_one_array_count_it_once_against_the_cache_bytes(monkeypatch):
+    """A sweep's plans of one x over several algorithms (each with its own out) keep x alive once:
+    they fit in CACHE_BYTES when x and the outs do, and a plan of new arrays that does not fit
+    drops the oldest."""
+    monkeypatch.setattr(plans, "CACHE_MAX_BYTES", 64)
+    p = 2  # in-process ranks share the cache: per rank x and four outs of 50 float64s
+    monkeypatch.setattr(plans, "CACHE_BYTES", p * 5 * 400)
+    names = ("ring", "tree", "recursive_doubling", "rabenseifner")
+
+    def body(c):
+        x = np.full(50, float(c.rank + 1))
+        outs = {name: np.empty(50) for name in names}
+        for _ in range(3):
+            for name in names:
+                C.allreduce(x, algorithm=name, comm=c, out=outs[name])
+        held = sorted(p.algorithm for p in list(plans.cache.values()) if p.x is x)
+        right = all(np.array_equal(out, np.full(50, 3.0)) for out in outs.values())
+        c.barrier()
+        y, yout = np.ones(50), np.empty(50)  # one more x and out: 800 bytes a rank too many
+        for _ in range(2):
+            C.allreduce(y, algorithm="ring", comm=c, out=yout)
+        c.barrier()
+        after = [p.algorithm for p in list(plans.cache.values()) if p.x is x]
+        return held, right, after, plans._kept_bytes(list(plans.cache.values()))
+
+    plans.clear_cache()
+    for held, right, after, kept in run_world(p, body):
+        assert held == sorted(names) and right
+        # the oldest plans went (ring's first) until the new arrays fit
+        assert "ring" not in after and after == list(names[len(names) - len(after):])
+        assert kept <= plans.CACHE_BYTES
+    plans.clear_cache()
+
+
 def test_the_cache_notices_an_array_changed_in_place():
     """The ordinary call's cached plan is keyed by the arrays' ids: an array reshaped in place
     or viewed as another dtype in place must not run the old plan."""

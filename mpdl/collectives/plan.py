@@ -14,7 +14,8 @@ and scattered algorithms, MPI_Alltoall_init for mpi).
 identity and the other arguments, so repeated calls on the same arrays (`out=` preallocated) get
 the same benefit without asking for a plan: a plan is made at the second call on the same arrays
 (until then they are held weakly), for arrays up to CACHE_MAX_BYTES (ALLREDUCE_CACHE_MAX_BYTES for
-`allreduce`, whose plans verify auto's choice), the arrays of all cached plans within CACHE_BYTES.
+`allreduce`, whose plans verify auto's choice), the distinct arrays of all cached plans within
+CACHE_BYTES.
 `alltoall` without `out` keeps plans by shape instead (`shaped_alltoall`), copying each call's x
 in and its result out.
 """
@@ -49,12 +50,15 @@ CACHE_MAX_BYTES = 1 << 20
 #: the same for `allreduce(x, out=out)`, whose plans verify auto's choice in the caller's rhythm
 #: (`mpdl.collectives.verify`): there the rhythm still ranks the algorithms at 16 MiB (on 2 ranks
 #: the torus took 3.4-3.6 ms a call back to back against shm's 4.2-4.4, and 5.2 against 4.4 one
-#: call at a time with a new result array), so plans go to 16 MiB, within CACHE_BYTES
-ALLREDUCE_CACHE_MAX_BYTES = 16 << 20
-#: the most bytes of arrays the cached plans may keep alive (their x and out; oldest dropped first):
-#: a dropped plan's trial starts again with the next plan of its arrays, so the bound holds the
-#: plans of a sweep over a dozen algorithms at 16 MiB (`mpdl bench --loop`)
-CACHE_BYTES = 512 << 20
+#: call at a time with a new result array) and at 32 MiB (Rabenseifner, ring or hierarchical
+#: 1.11-1.33x faster than shm in loops of 4 on 2 ranks, in each of three runs where auto ran the
+#: one-shot prediction, shm), so plans go to 64 MiB, within CACHE_BYTES
+ALLREDUCE_CACHE_MAX_BYTES = 64 << 20
+#: the most bytes of distinct arrays the cached plans may keep alive (their x and out; oldest plan
+#: dropped first): a dropped plan's trial starts again with the next plan of its arrays, so the
+#: bound holds the plans of a sweep over a dozen algorithms of one x at 64 MiB (`mpdl bench --loop`:
+#: x and twelve results, 832 MiB)
+CACHE_BYTES = 1 << 30
 
 #: the plans of the ordinary calls, by signature (the allreduce key: `allreduce_key`)
 cache: dict[tuple, Plan] = {}
@@ -873,26 +877,24 @@ def _cached(key: tuple, x: Any, out: Any, comm: Any, make: Callable, *arguments:
     plan = make(*arguments)
     plan._comm_arg, plan._out = comm, out
     _evict(cache)
-    _evict_bytes(cache, _kept_bytes(plan))
+    _evict_bytes(cache, plan)
     cache[key] = plan
     return plan
 
 
-def _kept_bytes(plan: Any) -> int:
-    """The bytes of the arrays a cached plan keeps alive (its x and, when another array, out)."""
-    out = plan._out
-    return plan.x.nbytes + (out.nbytes if out is not None and out is not plan.x else 0)
+def _kept_bytes(plans: list[Any]) -> int:
+    """The bytes of the distinct arrays the plans keep alive (each one's x and out; plans of one
+    x, as a sweep's over several algorithms, keep it once)."""
+    arrays = {id(a): a.nbytes for p in plans for a in (p.x, p._out) if a is not None}
+    return sum(arrays.values())
 
 
-def _evict_bytes(table: dict, adding: int) -> None:
-    """Drop the oldest plans until the arrays of those left and `adding` bytes more fit in
+def _evict_bytes(table: dict, adding: Any) -> None:
+    """Drop the oldest plans until the arrays of those left and of the plan `adding` fit in
     CACHE_BYTES (or none is left)."""
-    total = sum(_kept_bytes(p) for p in list(table.values())) + adding
-    while total > CACHE_BYTES:
-        oldest = _pop_oldest(table)
-        if oldest is None:
+    while _kept_bytes([*table.values(), adding]) > CACHE_BYTES:
+        if _pop_oldest(table) is None:
             return
-        total -= _kept_bytes(oldest)
 
 
 def _evict(table: dict) -> None:
