@@ -81,7 +81,7 @@ def measure_quick(comm: Any) -> Params:
     try:
         groups = comm.node_groups()
         here = len(next(g for g in groups if comm.rank in g))
-        load_before = measuring.load_per_core(here)
+        load_before, since = measuring.load_per_core(here), measuring.clocks()
         curves = measuring.link_curves(comm, QUICK)
         barrier = Params().barrier
         if comm.has_shared_memory:
@@ -94,7 +94,8 @@ def measure_quick(comm: Any) -> Params:
         rates = measuring.rates(QUICK)
         rates["call"] = _call_overhead()
         table = measuring.allreduce_table(comm)
-        busy = measuring.busy_check(comm, load_before, measuring.load_per_core(here), table.spread)
+        busy = measuring.busy_check(comm, load_before, measuring.load_per_core(here), table.spread,
+                                    measuring.core_share(since))
         stamp = (socket.gethostname(), time.strftime("%Y-%m-%d %H:%M:%S"),
                  time.perf_counter() - t_start)
         everyone = comm.allgather_object((rates, stamp))

@@ -10,9 +10,10 @@ timed on arrays larger than a core's caches, every rank at once. Every all-reduc
 `auto` is timed at TUNE_SIZES with the algorithms taking turns (`allreduce_table`).
 
 A calibration is only as good as the machine was quiet while it ran. `Busy` says whether it was:
-the load average per core (beyond the measuring ranks themselves) before and after, and the
-spread between the rounds of identical all-reduce calls; every rank judges the largest figures
-over ranks (one all-gather), so all ranks reach the same verdict. A calibration taken on a busy
+the load average per core (beyond the measuring ranks themselves) before and after, the share of
+a core each rank had while it measured, and the spread between the rounds of identical all-reduce
+calls; every rank judges the worst figures over ranks (one all-gather), so all ranks reach the
+same verdict. A calibration taken on a busy
 machine is kept as provisional (`Params.provisional` holds why).
 
 Where a node runs more ranks than cores (`crowded`), waiting for a core is part of every call,
@@ -63,6 +64,14 @@ TUNE_REPS = (4, 1)
 #: factor (the median over algorithms and sizes of the median round over the fastest)
 BUSY_LOAD_PER_CORE = 0.5
 BUSY_SPREAD = 1.5
+#: ... or when a node's measuring ranks had less than this share of the core time they have with
+#: the node to themselves (`node_share`). The load average lags a minute behind work that starts
+#: with the calibration: with a spinning process started just before, 2 ranks on 2 cores had
+#: 0.66-0.75 of a core each (quiet: 0.96-0.995), 4 ranks 0.74 of the 2 cores (quiet: 0.96), and
+#: the load figure read 0.0-0.2 per core
+BUSY_SHARE = 0.85
+#: a stretch shorter than this is not judged by its share
+SHARE_MIN_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -428,14 +437,38 @@ def runnable_now() -> float:
         return math.inf
 
 
+def clocks() -> tuple[float, float]:
+    """The wall clock and this process's CPU clock, now: the start of a `core_share` stretch."""
+    return time.perf_counter(), time.process_time()
+
+
+def core_share(since: tuple[float, float]) -> float:
+    """This rank's CPU time since `since` (`clocks()`) over the wall time: its share of a core. A
+    measuring rank never sleeps (MPI's and mpdl's waits poll), so this is its time on a core:
+    about 1 on a quiet node with a core for each rank, cores/ranks when there are more ranks, less
+    where other work took the rank's turns. 1.0 for a stretch shorter than SHARE_MIN_SECONDS."""
+    wall = time.perf_counter() - since[0]
+    return 1.0 if wall < SHARE_MIN_SECONDS else (time.process_time() - since[1]) / wall
+
+
+def node_share(shares: list[float], cores: int) -> float:
+    """A node's core time over what its ranks have with the node to themselves, from its ranks'
+    `core_share`s: the smallest where each rank has a core (the slowest rank sets a collective's
+    time), their sum over the cores where ranks share them (3 ranks on 2 cores split them
+    unevenly, 0.56, 0.65 and 0.57 when quiet)."""
+    return min(shares) if len(shares) <= cores else sum(shares) / cores
+
+
 @dataclass(frozen=True)
 class Busy:
     """The busy-machine check of one calibration: the largest load per core over ranks, before and
-    after, and the spread of the tuning rounds. `why` is "" on a quiet machine."""
+    after, the spread of the tuning rounds, and the smallest share of core time over nodes
+    (`node_share`). `why` is "" on a quiet machine."""
 
     load_before: float
     load_after: float
     spread: float
+    share: float = 1.0
 
     @property
     def why(self) -> str:
@@ -444,13 +477,20 @@ class Busy:
         if load > BUSY_LOAD_PER_CORE:
             reasons.append(f"load {load:.2f} per core beyond the measuring ranks "
                            f"(before {self.load_before:.2f}, after {self.load_after:.2f})")
+        if self.share < BUSY_SHARE:
+            reasons.append(f"the measuring ranks had {self.share:.2f} of the core time they "
+                           f"have alone")
         if self.spread > BUSY_SPREAD:
             reasons.append(f"repeated identical calls differed {self.spread:.2f}x")
         return "busy machine: " + ", ".join(reasons) if reasons else ""
 
 
-def busy_check(comm: Any, load_before: float, load_after: float, spread: float) -> Busy:
-    """The verdict on the largest loads over ranks, the same on every rank (collective over comm;
-    `spread` is the same on every rank already)."""
-    loads = comm.allgather_object((load_before, load_after))
-    return Busy(max(b for b, _ in loads), max(a for _, a in loads), spread)
+def busy_check(comm: Any, load_before: float, load_after: float, spread: float,
+               share: float = 1.0) -> Busy:
+    """The verdict on the largest loads over ranks and the smallest `node_share` over nodes from
+    each rank's `core_share`, the same on every rank (collective over comm; `spread` is the same
+    on every rank already)."""
+    everyone = comm.allgather_object((load_before, load_after, share, os.cpu_count() or 1))
+    shares = min(node_share([everyone[r][2] for r in group], everyone[group[0]][3])
+                 for group in comm.node_groups())
+    return Busy(max(r[0] for r in everyone), max(r[1] for r in everyone), spread, shares)

@@ -232,10 +232,11 @@ def calibrate(comm: Any, iters: int = 20, path: str | None = None) -> Params:
     emulation.install(comm, None)
     groups = comm.node_groups()
     here = len(next(g for g in groups if comm.rank in g))
-    load_before = measuring.load_per_core(here)
+    load_before, since = measuring.load_per_core(here), measuring.clocks()
     params = to_params(measure_thorough(comm, iters), comm.size, len(groups), socket.gethostname())
     table = measuring.allreduce_table(comm)
-    busy = measuring.busy_check(comm, load_before, measuring.load_per_core(here), table.spread)
+    busy = measuring.busy_check(comm, load_before, measuring.load_per_core(here), table.spread,
+                                measuring.core_share(since))
     params = dataclasses.replace(params, gemm_flops=max(comm.allgather_object(gemm_flops())),
                                  allreduce_times=table.rows, nodes=len(groups),
                                  provisional=busy.why)
