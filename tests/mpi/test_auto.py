@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -154,27 +155,38 @@ def test_first_use_behind_asynchronous_work_runs_in_order(cache):
     agree(comm, auto.model_for(comm))
 
 
+def first_use_verdicts(cache: str) -> tuple[MPIComm, Any, list[str], str] | None:
+    """A first-use calibration on a fresh communicator: (the communicator, its model, every
+    rank's provisional reason, the one its cache file holds); None on one rank, which measures
+    nothing."""
+    comm = fresh()
+    model = auto.model_for(comm)
+    if P == 1:
+        assert model.origin == "defaults" and not model.provisional
+        return None
+    verdicts = comm.allgather_object(model.provisional)
+    assert all(v == verdicts[0] for v in verdicts)
+    key = firstuse.cache_key(comm)
+    [name] = files(cache)
+    return comm, model, verdicts, firstuse.read(os.path.join(cache, name), key).provisional
+
+
 def test_a_calibration_whose_ranks_lost_core_time_is_provisional_on_every_rank(
         cache, stand_in_probes, monkeypatch):
     """Work that starts with the calibration is not in the load average yet: the ranks' share of
-    core time (a test hook on `measuring.core_share`: 0.3 of a core each, 0.6 of 2 cores where they
-    share them) makes the calibration provisional on every rank, with the reason, in the cache."""
+    core time (a test hook on `measuring.core_share`: 0.3 of a core each, their sum over 2 cores
+    where they share them) makes the calibration provisional on every rank, with the reason, in
+    the cache."""
     monkeypatch.setattr(measuring, "load_per_core", lambda ranks_here: 0.0)
     monkeypatch.setattr(measuring, "core_share", lambda since: 0.3)
     monkeypatch.setattr(measuring.os, "cpu_count", lambda: 2)
-    comm = fresh()
-    model = auto.model_for(comm)
-    if P == 1:  # nothing to measure on one rank
-        assert model.origin == "defaults" and not model.provisional
+    calibrated = first_use_verdicts(cache)
+    if calibrated is None:
         return
-    verdicts = comm.allgather_object(model.provisional)
+    _, _, verdicts, cached = calibrated
     share = 0.3 if P <= 2 else 0.3 * P / 2
-    assert all(v == verdicts[0] for v in verdicts)
     assert verdicts[0] == (f"busy machine: the measuring ranks had {share:.2f} of the core time "
-                           "they have alone") if share < measuring.BUSY_SHARE else verdicts[0] == ""
-    key = firstuse.cache_key(comm)
-    [name] = files(cache)
-    assert firstuse.read(os.path.join(cache, name), key).provisional == verdicts[0]
+                           "they have alone") == cached
 
 
 def test_a_calibration_under_load_is_provisional_on_every_rank_until_a_quiet_one_replaces_it(
@@ -185,17 +197,14 @@ def test_a_calibration_under_load_is_provisional_on_every_rank_until_a_quiet_one
     loaded = RANK == P - 1
     monkeypatch.setattr(measuring, "load_per_core", lambda ranks_here: 3.0 if loaded else 0.0)
     monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", 0.5)
-    comm = fresh()
-    model = auto.model_for(comm)
-    if P == 1:  # nothing to measure on one rank
-        assert model.origin == "defaults" and not model.provisional
+    calibrated = first_use_verdicts(cache)
+    if calibrated is None:
         return
-    verdicts = comm.allgather_object(model.provisional)
-    assert all(v == verdicts[0] for v in verdicts) and "load 3.00 per core" in verdicts[0]
+    comm, model, verdicts, cached = calibrated
+    assert "load 3.00 per core" in verdicts[0] and cached == verdicts[0]
     assert "provisional (busy machine" in model.describe()
     key = firstuse.cache_key(comm)
     [name] = files(cache)
-    assert firstuse.read(os.path.join(cache, name), key).provisional == verdicts[0]
 
     monkeypatch.setattr(measuring, "load_per_core", lambda ranks_here: 0.0)
     auto.forget()
