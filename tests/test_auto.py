@@ -150,9 +150,10 @@ def test_busy_check_names_the_load_and_the_spread(monkeypatch):
 
 
 def test_busy_check_judges_each_nodes_share_of_core_time(monkeypatch):
-    """A node whose ranks have a core each is as quiet as its slowest rank; a node of more ranks
-    than cores by their sum over the cores; the busy check takes the worst node, names it, and
-    a calibration too short to judge is not judged."""
+    """A machine whose ranks have a core each is as quiet as its slowest rank; a machine of more
+    ranks than cores by their sum over the cores (also where they are MPI nodes of their own, as
+    network namespaces on one kernel); the busy check takes the worst machine, names it, and a
+    calibration too short to judge is not judged."""
     import time
 
     from mpdl.collectives import measuring
@@ -161,15 +162,12 @@ def test_busy_check_judges_each_nodes_share_of_core_time(monkeypatch):
     assert measuring.node_share([0.56, 0.65, 0.57], cores=2) == pytest.approx(0.89)
     assert measuring.node_share([0.37, 0.35, 0.36, 0.35], cores=2) == pytest.approx(0.715)
 
-    class Comm:  # two nodes: ranks 0-1 and 2-4, as every rank's all-gather hands them back
+    class Comm:  # two machines: ranks 0-1 and 2-4, as every rank's all-gather hands them back
         def __init__(self, shares):
             self.shares = shares
 
         def allgather_object(self, mine):
-            return [(0.0, 0.0, s, 2) for s in self.shares]
-
-        def node_groups(self):
-            return [[0, 1], [2, 3, 4]]
+            return [(0.0, 0.0, s, 2, "a" if r < 2 else "b") for r, s in enumerate(self.shares)]
 
     quiet = measuring.busy_check(Comm([0.99, 0.97, 0.6, 0.6, 0.6]), 0.0, 0.0, 1.0)
     assert quiet.share == pytest.approx(0.9) and quiet.why == ""
@@ -177,6 +175,7 @@ def test_busy_check_judges_each_nodes_share_of_core_time(monkeypatch):
     assert busy.share == pytest.approx(0.75)
     assert busy.why == "busy machine: the measuring ranks had 0.75 of the core time they have alone"
     assert measuring.busy_check(Comm([0.7, 0.97, 0.6, 0.6, 0.6]), 0.0, 0.0, 1.0).share == 0.7
+    assert measuring.machine_id() == measuring.machine_id() != ""
     # a rank that sleeps has no core time; a stretch shorter than SHARE_MIN_SECONDS is not judged
     since = measuring.clocks()
     assert measuring.core_share(since) == 1.0

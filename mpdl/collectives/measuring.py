@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -64,8 +65,8 @@ TUNE_REPS = (4, 1)
 #: factor (the median over algorithms and sizes of the median round over the fastest)
 BUSY_LOAD_PER_CORE = 0.5
 BUSY_SPREAD = 1.5
-#: ... or when a node's measuring ranks had less than this share of the core time they have with
-#: the node to themselves (`node_share`). The load average lags a minute behind work that starts
+#: ... or when a machine's measuring ranks had less than this share of the core time they have with
+#: it to themselves (`node_share`). The load average lags a minute behind work that starts
 #: with the calibration: with a spinning process started just before, 2 ranks on 2 cores had
 #: 0.66-0.75 of a core each (quiet: 0.96-0.995), 4 ranks 0.74 of the 2 cores (quiet: 0.96), and
 #: the load figure read 0.0-0.2 per core
@@ -452,7 +453,7 @@ def core_share(since: tuple[float, float]) -> float:
 
 
 def node_share(shares: list[float], cores: int) -> float:
-    """A node's core time over what its ranks have with the node to themselves, from its ranks'
+    """A machine's core time over what its ranks have with it to themselves, from its ranks'
     `core_share`s: the smallest where each rank has a core (the slowest rank sets a collective's
     time), their sum over the cores where ranks share them (3 ranks on 2 cores split them
     unevenly, 0.56, 0.65 and 0.57 when quiet)."""
@@ -462,7 +463,7 @@ def node_share(shares: list[float], cores: int) -> float:
 @dataclass(frozen=True)
 class Busy:
     """The busy-machine check of one calibration: the largest load per core over ranks, before and
-    after, the spread of the tuning rounds, and the smallest share of core time over nodes
+    after, the spread of the tuning rounds, and the smallest share of core time over machines
     (`node_share`). `why` is "" on a quiet machine."""
 
     load_before: float
@@ -485,12 +486,27 @@ class Busy:
         return "busy machine: " + ", ".join(reasons) if reasons else ""
 
 
+def machine_id() -> str:
+    """What tells this machine's kernel from another's: its boot id where Linux has one (the same
+    for every network namespace and container on it, which share its cores), else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
 def busy_check(comm: Any, load_before: float, load_after: float, spread: float,
                share: float = 1.0) -> Busy:
-    """The verdict on the largest loads over ranks and the smallest `node_share` over nodes from
-    each rank's `core_share`, the same on every rank (collective over comm; `spread` is the same
-    on every rank already)."""
-    everyone = comm.allgather_object((load_before, load_after, share, os.cpu_count() or 1))
-    shares = min(node_share([everyone[r][2] for r in group], everyone[group[0]][3])
-                 for group in comm.node_groups())
+    """The verdict on the largest loads over ranks and the smallest `node_share` over machines
+    (ranks on one kernel share its cores, even as MPI nodes of their own: network namespaces,
+    emulated nodes) from each rank's `core_share`, the same on every rank (collective over comm;
+    `spread` is the same on every rank already)."""
+    everyone = comm.allgather_object(
+        (load_before, load_after, share, os.cpu_count() or 1, machine_id()))
+    machines: dict[str, list[float]] = {}
+    for r in everyone:
+        machines.setdefault(r[4], []).append(r[2])
+    cores = {r[4]: r[3] for r in everyone}
+    shares = min(node_share(s, cores[m]) for m, s in machines.items())
     return Busy(max(r[0] for r in everyone), max(r[1] for r in everyone), spread, shares)
