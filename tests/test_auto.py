@@ -158,9 +158,9 @@ def test_busy_check_judges_each_nodes_share_of_core_time(monkeypatch):
 
     from mpdl.collectives import measuring
 
-    assert measuring.node_share([0.99, 0.7], cores=2) == 0.7
-    assert measuring.node_share([0.56, 0.65, 0.57], cores=2) == pytest.approx(0.89)
-    assert measuring.node_share([0.37, 0.35, 0.36, 0.35], cores=2) == pytest.approx(0.715)
+    assert measuring.machine_share([0.99, 0.7], cores=2) == 0.7
+    assert measuring.machine_share([0.56, 0.65, 0.57], cores=2) == pytest.approx(0.89)
+    assert measuring.machine_share([0.37, 0.35, 0.36, 0.35], cores=2) == pytest.approx(0.715)
 
     class Comm:  # two machines: ranks 0-1 and 2-4, as every rank's all-gather hands them back
         def __init__(self, shares):

@@ -66,7 +66,7 @@ TUNE_REPS = (4, 1)
 BUSY_LOAD_PER_CORE = 0.5
 BUSY_SPREAD = 1.5
 #: ... or when a machine's measuring ranks had less than this share of the core time they have with
-#: it to themselves (`node_share`). The load average lags a minute behind work that starts
+#: it to themselves (`machine_share`). The load average lags a minute behind work that starts
 #: with the calibration: with a spinning process started just before, 2 ranks on 2 cores had
 #: 0.66-0.75 of a core each (quiet: 0.96-0.995), 4 ranks 0.74 of the 2 cores (quiet: 0.96), and
 #: the load figure read 0.0-0.2 per core
@@ -452,7 +452,7 @@ def core_share(since: tuple[float, float]) -> float:
     return 1.0 if wall < SHARE_MIN_SECONDS else (time.process_time() - since[1]) / wall
 
 
-def node_share(shares: list[float], cores: int) -> float:
+def machine_share(shares: list[float], cores: int) -> float:
     """A machine's core time over what its ranks have with it to themselves, from its ranks'
     `core_share`s: the smallest where each rank has a core (the slowest rank sets a collective's
     time), their sum over the cores where ranks share them (3 ranks on 2 cores split them
@@ -464,7 +464,7 @@ def node_share(shares: list[float], cores: int) -> float:
 class Busy:
     """The busy-machine check of one calibration: the largest load per core over ranks, before and
     after, the spread of the tuning rounds, and the smallest share of core time over machines
-    (`node_share`). `why` is "" on a quiet machine."""
+    (`machine_share`). `why` is "" on a quiet machine."""
 
     load_before: float
     load_after: float
@@ -498,7 +498,7 @@ def machine_id() -> str:
 
 def busy_check(comm: Any, load_before: float, load_after: float, spread: float,
                share: float = 1.0) -> Busy:
-    """The verdict on the largest loads over ranks and the smallest `node_share` over machines
+    """The verdict on the largest loads over ranks and the smallest `machine_share` over machines
     (ranks on one kernel share its cores, even as MPI nodes of their own: network namespaces,
     emulated nodes) from each rank's `core_share`, the same on every rank (collective over comm;
     `spread` is the same on every rank already)."""
@@ -508,5 +508,5 @@ def busy_check(comm: Any, load_before: float, load_after: float, spread: float,
     for r in everyone:
         machines.setdefault(r[4], []).append(r[2])
     cores = {r[4]: r[3] for r in everyone}
-    shares = min(node_share(s, cores[m]) for m, s in machines.items())
+    shares = min(machine_share(s, cores[m]) for m, s in machines.items())
     return Busy(max(r[0] for r in everyone), max(r[1] for r in everyone), spread, shares)
