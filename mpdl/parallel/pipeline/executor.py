@@ -35,7 +35,7 @@ collective, so the recorder, the flight recorder and the timeline see them; `ver
 one (picotron's VERBOSE). `step` reads as the algorithm (`_forward`: receive, run the stage, loss
 or send; `_backward`: receive, backward, send); the step's timeline spans, idle and compute
 seconds and peaks of activations held are kept by a `PipelineRecorder`
-(`mpdl.parallel.pipeline_recorder`).
+(`mpdl.parallel.pipeline.recorder`).
 
 With tp > 1, the pieces are those of `TensorParallelGPT` (each block split over the tp axis,
 `mpdl.parallel.tensor_parallel`): the tp ranks of a stage run the same schedule in lockstep, each
@@ -78,7 +78,7 @@ from mpdl.comm import Communicator, PersistentRequest
 from mpdl.parallel.context import context_attention, positions, shard_sequence
 from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.grid import ProcessGrid
-from mpdl.parallel.pipeline_recorder import PipelineRecorder
+from mpdl.parallel.pipeline.recorder import PipelineRecorder
 from mpdl.parallel.shards import placeholder as _placeholder
 from mpdl.parallel.strategy import Batch, MakeOptimizer, StepResult, Strategy, correct_predictions
 from mpdl.parallel.tensor_parallel import TensorParallelGPT, gather_array
