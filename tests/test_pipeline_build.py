@@ -11,7 +11,7 @@ import pytest
 
 from mpdl.autograd import nn
 from mpdl.parallel.pipeline import PipelineStrategy, model_pieces, partition
-from mpdl.parallel.pipeline.executor import _is_placeholder
+from mpdl.parallel.pipeline.stage import _is_placeholder
 from mpdl.threadworld import run_world
 from mpdl.training.models import build_model
 
