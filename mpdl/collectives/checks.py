@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 
 from mpdl import backend
-from mpdl.collectives import auto, blocks, registry
+from mpdl.collectives import blocks, registry
 from mpdl.collectives.ops import block_bounds, check_array, check_op
 from mpdl.comm import CollectiveMismatch, Communicator, as_communicator
+from mpdl.tuning import auto
 
 
 @dataclass(frozen=True)

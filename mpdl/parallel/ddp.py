@@ -12,7 +12,7 @@ gradient_as_bucket_view, and the bucket is overwritten by the next step's backwa
 between `loss.backward()` and `optimizer.step()`.
 
 Each bucket's buffer is made once, with a persistent all-reduce plan of it
-(`mpdl.collectives.allreduce_init`, in place), which every step runs. On one node the buffers lie
+(`mpdl.tuning.allreduce_init`, in place), which every step runs. On one node the buffers lie
 in shared memory of the node (`mpdl.collectives.shm.shared_array`), where the shm algorithm sums
 them without copying them in or out: at p = 2 the 2.6 MB bucket of
 `benchmarks/bench_ddp.py --only weak` took 0.25 ms so, against 0.49 ms for Rabenseifner's and
@@ -42,13 +42,14 @@ import numpy as np
 
 from mpdl import memory, mpi_runtime
 from mpdl.backend import get_array_module
-from mpdl.collectives import Plan, allreduce_init, broadcast, shm
+from mpdl.collectives import broadcast, shm
 from mpdl.collectives.api import _pick
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.registry import resolve
 from mpdl.comm import Communicator, as_communicator
 from mpdl.parallel import flat
 from mpdl.parallel.compression import GradientCompression, make_compression
+from mpdl.tuning import Plan, allreduce_init
 
 MB = 1 << 20
 

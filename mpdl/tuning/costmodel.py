@@ -16,7 +16,7 @@ without a formula here is estimated from its message schedule, recorded on the i
 
 `fastest` returns the algorithm with the smallest prediction. It is a pure function of its
 arguments and the parameter file, which every rank reads itself, so all ranks pick the same one;
-ties go to the algorithm registered first. `mpdl.collectives.auto` remembers its choices.
+ties go to the algorithm registered first. `mpdl.tuning.auto` remembers its choices.
 
 The formulas are named after what they time (`ring_reduce_scatter_time` times the algorithm
 `ring_reduce_scatter`); `FORMULAS` maps each registered (collective, algorithm) of
