@@ -136,6 +136,31 @@ REGISTRY: dict[str, dict[str, Algorithm]] = {
 }
 
 
+#: below this size, allreduce is latency-bound and the size rule takes recursive doubling
+AUTO_SMALL_BYTES = 32 * 1024
+#: MPICH's all-to-all switch points, bytes per destination (MPIR_CVAR_ALLTOALL_SHORT_MSG_SIZE and
+#: MPIR_CVAR_ALLTOALL_MEDIUM_MSG_SIZE): Bruck at or below the first when p >= 8, the scattered
+#: algorithm at or below the second, pairwise exchange above it
+MPICH_ALLTOALL_SHORT_BYTES = 256
+MPICH_ALLTOALL_MEDIUM_BYTES = 32768
+
+
+def simple_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
+    """The size rule "auto" takes when no cost model is usable (or no tuning engine installed)."""
+    if collective == "alltoall":  # MPICH's rule, by bytes per destination
+        per_destination = nbytes / max(1, p)
+        if per_destination <= MPICH_ALLTOALL_SHORT_BYTES and p >= 8:
+            return "bruck"
+        return "scattered" if per_destination <= MPICH_ALLTOALL_MEDIUM_BYTES else "pairwise"
+    if collective != "allreduce":
+        return "ring"
+    if nbytes <= AUTO_SMALL_BYTES:
+        return "recursive_doubling"
+    if shared_memory and nodes == 1:
+        return "shm"
+    return "hierarchical" if nodes > 1 else "ring"
+
+
 def algorithms(collective: str) -> list[str]:
     """The algorithm names available for a collective (plus "auto", always accepted)."""
     if collective not in REGISTRY:

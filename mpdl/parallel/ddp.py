@@ -43,7 +43,7 @@ import numpy as np
 from mpdl import memory, mpi_runtime
 from mpdl.backend import get_array_module
 from mpdl.collectives import broadcast, shm
-from mpdl.collectives.api import _pick
+from mpdl.collectives.checks import pick
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.registry import resolve
 from mpdl.comm import Communicator, as_communicator
@@ -391,7 +391,7 @@ class DistributedDataParallel:
     def bucket_algorithms(self) -> list[str]:
         """The all-reduce algorithm each bucket runs ("auto" resolved by bucket size)."""
         return [b.plan.algorithm if b.plan is not None else
-                _pick("allreduce", self.algorithm, self.comm, b.nbytes).name
+                pick("allreduce", self.algorithm, self.comm, b.nbytes).name
                 for b in self.buckets]
 
     def remove_hooks(self) -> None:

@@ -43,10 +43,8 @@ from dataclasses import dataclass, field
 from mpdl import settings
 from mpdl.collectives import registry
 from mpdl.collectives.handles import run_in_order
+from mpdl.collectives.registry import simple_choice
 from mpdl.tuning import costmodel, firstuse
-
-#: below this size, allreduce is latency-bound and the size rule takes recursive doubling
-AUTO_SMALL_BYTES = 32 * 1024
 
 _serial = itertools.count()
 
@@ -96,23 +94,6 @@ class Model:
             text += (f"; {len(self.unsettled)} of {len(self.verified)} verified choices "
                      f"provisional ({next(iter(self.unsettled.values()))})")
         return f"{text}; {self.note}" if self.note else text
-
-
-def simple_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
-    """The size rule `auto` uses when no cost model is usable."""
-    if collective == "alltoall":  # MPICH's rule, by bytes per destination
-        per_destination = nbytes / max(1, p)
-        if per_destination <= costmodel.MPICH_ALLTOALL_SHORT_BYTES and p >= 8:
-            return "bruck"
-        return "scattered" if per_destination <= costmodel.MPICH_ALLTOALL_MEDIUM_BYTES \
-            else "pairwise"
-    if collective != "allreduce":
-        return "ring"
-    if nbytes <= AUTO_SMALL_BYTES:
-        return "recursive_doubling"
-    if shared_memory and nodes == 1:
-        return "shm"
-    return "hierarchical" if nodes > 1 else "ring"
 
 
 # -- where the model comes from ----------------------------------------------------------------

@@ -39,6 +39,7 @@ from mpdl import settings
 from mpdl.collectives import registry
 from mpdl.collectives.hierarchical import INTER_RING_BYTES
 from mpdl.collectives.ops import block_bounds, segment_elements
+from mpdl.collectives.registry import MPICH_ALLTOALL_MEDIUM_BYTES, MPICH_ALLTOALL_SHORT_BYTES
 from mpdl.collectives.scattered import THROTTLE
 from mpdl.collectives.shm import WINDOW_BYTES
 from mpdl.collectives.torus import grid_shape
@@ -476,11 +477,6 @@ def _native(s: Setting) -> Setting:
                                      alpha_inter=s.params.alpha_native + extra), seg=1 << 62)
 
 
-#: MPICH's all-to-all switch points, bytes per destination (MPIR_CVAR_ALLTOALL_SHORT_MSG_SIZE and
-#: MPIR_CVAR_ALLTOALL_MEDIUM_MSG_SIZE): Bruck at or below the first when p >= 8, the scattered
-#: algorithm at or below the second, pairwise exchange above it
-MPICH_ALLTOALL_SHORT_BYTES = 256
-MPICH_ALLTOALL_MEDIUM_BYTES = 32768
 
 
 def mpi_alltoall_time(s: Setting) -> float:
