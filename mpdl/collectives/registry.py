@@ -12,17 +12,13 @@ from dataclasses import dataclass
 
 from mpdl.collectives import native
 from mpdl.collectives.bruck import bruck_allgather, bruck_alltoall
+from mpdl.collectives.doubling import recursive_doubling_allgather, recursive_halving_reduce_scatter
 from mpdl.collectives.hierarchical import hierarchical_allreduce
 from mpdl.collectives.hierarchical_alltoall import hierarchical_alltoall
 from mpdl.collectives.ops import with_reducer
 from mpdl.collectives.pairwise import pairwise_alltoall, pairwise_reduce_scatter
 from mpdl.collectives.pat import pat_allgather, pat_reduce_scatter
-from mpdl.collectives.recursive import (
-    rabenseifner_allreduce,
-    recursive_doubling_allgather,
-    recursive_doubling_allreduce,
-    recursive_halving_reduce_scatter,
-)
+from mpdl.collectives.recursive import rabenseifner_allreduce, recursive_doubling_allreduce
 from mpdl.collectives.ring import (
     ring_allgather,
     ring_allreduce,

@@ -11,8 +11,8 @@ reduce-scatter, then a binomial gather of the reduced blocks to the root:
 
 from __future__ import annotations
 
+from mpdl.collectives.doubling import recursive_halving_reduce_scatter
 from mpdl.collectives.ops import block_bounds
-from mpdl.collectives.recursive import recursive_halving_reduce_scatter
 from mpdl.collectives.ring import ring_allgather
 from mpdl.collectives.tree import tree_gather_blocks, tree_scatter_blocks
 
