@@ -138,6 +138,7 @@ class Trainer:
             if all(seen):
                 agreed(self.comm, self._resume)
             else:
+                agreed(self.comm, self._check_no_orphans)
                 self.report.print(f"# no checkpoint in {ck.dir} yet: starting from epoch 1")
 
     def _init_from(self) -> None:
@@ -157,8 +158,20 @@ class Trainer:
         with self.strategy.gathered():
             self.model.load_state_dict(state)
 
+    def _check_no_orphans(self) -> None:
+        """ConfigError when --resume finds the archives of a checkpoint without its state.json
+        (unless --force): starting over would overwrite them."""
+        ck = self.config.checkpoint
+        orphans = checkpoint.orphan_arrays(ck.dir)
+        if orphans and not ck.force:
+            raise ConfigError(f"{{checkpoint.resume}}: {literal(ck.dir)} holds "
+                              f"{literal(', '.join(orphans[:3]))} but no state.json; refusing to "
+                              f"start over and overwrite them (restore state.json, or give "
+                              f"{{checkpoint.force}} to start over)")
+
     def _resume(self) -> None:
         model_state, optim_state, state = checkpoint.load_checkpoint(self.config.checkpoint.dir)
+        checkpoint.check_keys(self.config.checkpoint.dir, state)
         mismatch = resume_mismatch(self.config, state.get("config", {}))
         if mismatch:
             raise ConfigError(mismatch)
