@@ -41,7 +41,7 @@ PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider --time
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,$(MPI)]"
+	$(PY) -m pip install -q -e ".[test,serve,hf,$(MPI)]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -393,8 +393,9 @@ class CheckpointConfig:
     resume: bool = option(False, "continue from the checkpoint in --checkpoint DIR (any number of "
                           "ranks; starts fresh when DIR holds none yet)")
     init_from: str | None = option(None, "start a GPT from the weights of a safetensors file "
-                                   "under nanoGPT's names (`mpdl export` writes one); a checkpoint "
-                                   "to --resume from wins", metavar="FILE")
+                                   "under nanoGPT's names (`mpdl export` writes one) or of a "
+                                   "transformers directory (`mpdl export --format hf`); a "
+                                   "checkpoint to --resume from wins", metavar="PATH")
 
 
 @dataclasses.dataclass

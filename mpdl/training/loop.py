@@ -29,7 +29,7 @@ from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator
 from mpdl.parallel import DistributedSampler, split_bounds
 from mpdl.parallel.strategy import Batch
-from mpdl.training import checkpoint, nanogpt, precision, throughput
+from mpdl.training import checkpoint, hf, nanogpt, precision, throughput
 from mpdl.training.config import ConfigError, TrainConfig, agreed, literal, resume_mismatch, validate
 from mpdl.training.factory import make_optimizer, make_strategy
 from mpdl.training.models import build_model, describe_model
@@ -137,14 +137,17 @@ class Trainer:
                 self.report.print(f"# no checkpoint in {ck.dir} yet: starting from epoch 1")
 
     def _init_from(self) -> None:
-        """Load the weights of the --init-from safetensors file (nanoGPT's names) into the GPT."""
+        """Load the weights of the --init-from safetensors file (nanoGPT's names) or transformers
+        directory (`mpdl export --format hf`) into the GPT."""
         c = self.config
         if c.model.name != "gpt":
             raise ConfigError(f"{{checkpoint.init_from}} needs {{model.name}} gpt, not "
                               f"{c.model.name}")
         info = self.task.model_info() or {}
         try:
-            state = nanogpt.import_state(c.checkpoint.init_from, self.model, info.get("vocab"))
+            source = c.checkpoint.init_from
+            load = hf.import_hf if hf.is_hf_dir(source) else nanogpt.import_state
+            state = load(source, self.model, info.get("vocab"))
         except ValueError as exc:
             raise ConfigError("{checkpoint.init_from}: " + literal(str(exc))) from None
         with self.strategy.gathered():

@@ -34,7 +34,7 @@ COUNT = 1009
 
 
 @pytest.fixture
-def world(tmp_path_factory, monkeypatch):
+def world(tmp_path_factory, monkeypatch, quiet_machine):
     """A first-use calibration (quick probes stood aside: a fixed, quiet one) in a fresh cache
     folder, verification on with RUNS runs of each algorithm, and a communicator auto has not
     seen."""
@@ -166,14 +166,14 @@ def test_a_slowed_reduce_scatter_or_allgather_choice_is_replaced_on_every_rank(w
 
 
 def test_a_verdict_taken_on_a_busy_machine_is_verified_again_by_the_next_run(world, monkeypatch):
-    """Every load counts as busy: the trial's verdict (a contender: the choice is slowed 20 ms per
-    run) is provisional in the cache; the next run's plan runs it and verifies it again, with
-    the verdict first, every run's bits those of the one-shot all-reduce of the algorithm that
-    ran, the same on every rank."""
+    """The trial sees a busy machine (a stand-in load of 3 per core): its verdict (a contender:
+    the choice is slowed 20 ms per run) is provisional in the cache; the next run's plan runs it
+    and verifies it again, with the verdict first, every run's bits those of the one-shot
+    all-reduce of the algorithm that ran, the same on every rank."""
     if P == 1:
         pytest.skip("one rank: there is no algorithm to verify (auto runs nothing)")
     assert not auto.model_for(world).provisional  # a quiet calibration; the trial is on a busy
-    monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", -1.0)  # machine: every load counts
+    monkeypatch.setattr(measuring, "load_per_core", lambda ranks_here: 3.0)  # machine
     x = np.random.default_rng(RANK).standard_normal(COUNT).astype(np.float32)
     choice = verify.candidates("allreduce", x.nbytes, world)[0]
     slow_down(choice, monkeypatch)
@@ -187,7 +187,7 @@ def test_a_verdict_taken_on_a_busy_machine_is_verified_again_by_the_next_run(wor
     path = firstuse.cache_path(settings.current().auto_cache, key)
     entry = f"allreduce:{x.nbytes}"
     assert firstuse.read_verified(path, key) == {entry: winner}
-    assert firstuse.read_unsettled(path, key)[entry].startswith("busy machine: load")
+    assert firstuse.read_unsettled(path, key)[entry].startswith("busy machine: load 3.00")
     world.barrier()
     auto.forget()
     again = C.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
@@ -202,7 +202,7 @@ def test_a_verdict_taken_on_a_busy_machine_is_verified_again_by_the_next_run(wor
 
 
 @pytest.fixture
-def poisoned(tmp_path_factory, monkeypatch):
+def poisoned(tmp_path_factory, monkeypatch, quiet_machine):
     """A first-use calibration whose all-reduce table is poisoned (as a busy machine can leave it):
     it has double_tree fastest at every size, ring next and every other candidate far behind; the
     busy check does not flag it. The settings' verify_runs is left at its default."""
@@ -213,14 +213,12 @@ def poisoned(tmp_path_factory, monkeypatch):
 
 
 def _first_use_world(tmp_path_factory, monkeypatch, name: str, rows: tuple, **options):
-    """The fixtures' world: settings pointing at a fresh cache folder (and `options`), the busy
-    check switched off, quick probes stood aside (a fixed link curve, an all-reduce table of
+    """The fixtures' world (on a `quiet_machine`): settings pointing at a fresh cache folder (and
+    `options`), quick probes stood aside (a fixed link curve, an all-reduce table of
     `rows`), auto forgotten; yields a communicator auto has not seen, then restores them."""
     path = COMM.bcast(str(tmp_path_factory.mktemp(name)) if RANK == 0 else None, root=0)
     previous = settings.update(auto_cache=os.path.join(path, "cache"),
                                cost_model=os.path.join(path, "costmodel.json"), **options)
-    monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", float("inf"))
-    monkeypatch.setattr(measuring, "BUSY_SPREAD", float("inf"))
     sizes = measuring.QUICK.sizes
     monkeypatch.setattr(measuring, "link_curves", lambda comm, effort: {
         "intra": [1e-6 * (1 + n / 1e6) for n in sizes], "ring": None, "ring_reduce": None,
