@@ -1,5 +1,5 @@
 """The `mpdl` command: one module per verb (info, bench, calibrate, train, simulate, generate,
-export, launch, doctor).
+serve, export, launch, doctor).
 
 Only the verb asked for is imported (with what it needs), so that a verb's start-up, which every
 mpiexec rank pays, does not include the other verbs' dependencies.
@@ -23,7 +23,10 @@ VERBS = {
     "calibrate": "measure this machine's α, β, γ for the cost model that drives algorithm='auto'",
     "simulate": "predict step time, speedup against N (up to 65,536), time and cost to train",
     "generate": "sample text from a GPT checkpoint of `mpdl train --model gpt`",
-    "export": "write a GPT checkpoint as a safetensors file under nanoGPT's names",
+    "serve": "serve a GPT checkpoint over HTTP (OpenAI API) with continuous batching over a "
+             "paged KV cache",
+    "export": "write a GPT checkpoint as a safetensors file under nanoGPT's names, or for "
+              "Hugging Face transformers",
     "launch": "run `mpdl train` under mpiexec or srun and restart it from its checkpoint when "
               "it fails",
     "doctor": "say what went wrong from the flight records of every rank",

@@ -25,6 +25,7 @@ names them as a front end does (the CLI: "--global-batch-size: ...").
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from collections.abc import Callable, Mapping
@@ -153,8 +154,8 @@ def expect(ok: Callable[[Any], bool], expected: str) -> Callable[[Any], str | No
     return lambda value: None if ok(value) else f"{expected}, got {value!r}"
 
 
-POSITIVE = expect(lambda v: _number(v) and v > 0, "expected a positive number")
-AT_LEAST_ZERO = expect(lambda v: _number(v) and v >= 0, "expected a number >= 0")
+POSITIVE = expect(lambda v: _number(v) and 0 < v < math.inf, "expected a positive number")
+AT_LEAST_ZERO = expect(lambda v: _number(v) and 0 <= v < math.inf, "expected a number >= 0")
 POSITIVE_INT = expect(lambda v: _integer(v) and v >= 1, "expected a positive number")
 COUNT = expect(lambda v: _integer(v) and v >= 0, "expected a number >= 0")
 OPTIONAL_POSITIVE = expect(lambda v: v is None or (_number(v) and v > 0),
@@ -251,10 +252,13 @@ class OptimConfig:
     lr: float | None = option(None, "learning rate (default: sgd 0.2, adam 0.001, lars 2, lamb "
                               "0.01; lenet: sgd 0.03, adam 0.003; gpt: adam 0.003, with "
                               "--moe-experts 0.002; x 0.25 under --compression signsgd)",
-                              check=expect(lambda v: v is None or (_number(v) and v > 0),
-                                           "expected a positive learning rate"))
+                              check=expect(lambda v: v is None or (_number(v) and
+                                                                   0 < v < math.inf),
+                                           "expected a finite learning rate > 0"))
     optimizer: str = option("sgd", "sgd and lars use --momentum", choices=OPTIMIZERS)
-    momentum: float = option(0.9, check=AT_LEAST_ZERO)
+    momentum: float = option(0.9, "in [0, 1)",
+                             check=expect(lambda v: _number(v) and 0 <= v < 1,
+                                          "expected a momentum in [0, 1)"))
     weight_decay: float = option(0.0, check=AT_LEAST_ZERO)
     warmup_epochs: float = option(0.0, "linear learning-rate warmup (Goyal et al.)",
                                   check=AT_LEAST_ZERO)
@@ -270,6 +274,9 @@ class OptimConfig:
                                     check=expect(lambda v: _number(v) and 0 < v < float("inf"),
                                                  "expected a finite loss scale > 0"),
                                     metavar="S")
+    nan_patience: int = option(1, "stop (exit status 3) after N steps in a row whose loss or "
+                               "gradient is NaN or inf (fp16: counting only steps at the loss "
+                               "scale's floor)", check=POSITIVE_INT, metavar="N")
     grad_accum: int = option(1, "split each rank's batch into N microbatches and accumulate their "
                              "gradients before one update", check=POSITIVE_INT, metavar="N")
 
@@ -392,6 +399,8 @@ class CheckpointConfig:
                        check=COUNT, metavar="N")
     resume: bool = option(False, "continue from the checkpoint in --checkpoint DIR (any number of "
                           "ranks; starts fresh when DIR holds none yet)")
+    force: bool = option(False, "--resume: start over even though DIR holds the arrays of a "
+                         "checkpoint whose state.json is gone (they are overwritten)")
     init_from: str | None = option(None, "start a GPT from the weights of a safetensors file "
                                    "under nanoGPT's names (`mpdl export` writes one) or of a "
                                    "transformers directory (`mpdl export --format hf`); a "
