@@ -121,3 +121,11 @@ def test_mpi_variants_time_the_library_s_own_algorithms_beside_mpdl_s(tmp_path, 
         if f"mpi:{name}" in names and name in names:
             assert names.index(f"mpi:{name}") == names.index(name) + 1, names
     assert "mpdl / the library's same algorithm" in out.stdout
+
+
+def test_a_bad_flag_is_one_line_from_rank_0_alone():
+    """argparse's error, without its usage block, once for the whole job (not once per rank)."""
+    out = run(3, ["train", "--lr", "abc"])
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == ("mpdl train: error: argument --lr: invalid float value: 'abc' "
+                          "(mpdl train --help lists the options)\n")
