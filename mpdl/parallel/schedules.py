@@ -80,9 +80,14 @@ class Schedule:
 
     def rank_of(self, stage: int) -> int:
         """The rank that holds `stage`."""
-        if self.kind in V_KINDS:
-            return stage if stage < self.p else 2 * self.p - 1 - stage
-        return stage % self.p
+        return self._placement()[stage]
+
+    def _placement(self) -> list[int]:
+        cache = self.__dict__.get("_p")
+        if cache is None:
+            cache = placement(self.kind, self.p, self.v)
+            object.__setattr__(self, "_p", cache)
+        return cache
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages (chunks) of `rank`, in forward order."""
@@ -123,6 +128,25 @@ class Schedule:
     def __str__(self) -> str:
         return "\n".join(f"rank {r}: " + " ".join(str(op) for op in ops)
                          for r, ops in enumerate(self.ranks))
+
+
+def placement(kind: str, p: int, v: int) -> list[int]:
+    """The rank of each of the p·v stages: stage s on rank s mod p, or a V (zb-v, dualpipev)."""
+    if kind in V_KINDS:
+        return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
+    return [s % p for s in range(p * v)]
+
+
+def fill_drain(kind: str, p: int, m: int, v: int) -> Schedule:
+    """Every forward, then every backward, on the stages `kind` places (what a short batch whose
+    microbatch count `kind` does not allow runs)."""
+    where = placement(kind, p, v)
+    ranks = []
+    for r in range(p):
+        mine = [s for s, q in enumerate(where) if q == r]
+        ranks.append(tuple([Op("F", j, s) for s in mine for j in range(m)]
+                           + [Op("B", j, s) for s in reversed(mine) for j in range(m)]))
+    return Schedule(kind, p, m, v, tuple(ranks))
 
 
 def allowed(kind: str, p: int, m: int, v: int) -> str | None:

@@ -11,7 +11,9 @@ most p−i on stage i.
 
 from __future__ import annotations
 
-SCHEDULES = ("afab", "1f1b")
+from mpdl.parallel.schedules import KINDS
+
+SCHEDULES = KINDS
 
 
 def schedule_ops(kind: str, m: int, pp: int, stage: int) -> list[tuple[str, int]]:
