@@ -37,9 +37,9 @@ from mpdl.autograd.optim import scale_lr
 from mpdl.collectives.registry import algorithms
 from mpdl.parallel.compression import COMPRESSORS, make_compression
 from mpdl.parallel.context import CP_BALANCES, CP_MODES
+from mpdl.parallel.pipeline.schedule import KINDS as PIPELINE_SCHEDULES
+from mpdl.parallel.pipeline.schedule import allowed as schedule_allowed
 from mpdl.parallel.ps import check_config
-from mpdl.parallel.schedules import KINDS as PIPELINE_SCHEDULES
-from mpdl.parallel.schedules import allowed as schedule_allowed
 from mpdl.parallel.zero import ALGORITHMS as ZERO_ALGORITHMS
 from mpdl.parallel.zero import STAGES as ZERO_STAGES
 from mpdl.training import precision

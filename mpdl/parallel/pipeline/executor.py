@@ -51,17 +51,17 @@ from mpdl.comm import Communicator, PersistentRequest
 from mpdl.parallel.context import shard_sequence
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.pipeline.recorder import PipelineRecorder
-from mpdl.parallel.pipeline.schedule import SCHEDULES
-from mpdl.parallel.pipeline.stage import PipelineStage
-from mpdl.parallel.pipeline.state import PipelineState
-from mpdl.parallel.schedules import (
+from mpdl.parallel.pipeline.schedule import (
+    SCHEDULES,
     Schedule,
     allowed,
-    bubble_formula,
     fill_drain,
     generate,
     placement,
+    schedule_bubble,
 )
+from mpdl.parallel.pipeline.stage import PipelineStage
+from mpdl.parallel.pipeline.state import PipelineState
 from mpdl.parallel.strategy import Batch, StepResult, Strategy, correct_predictions
 
 #: what a receive's verbose line calls each kind of message
@@ -149,7 +149,7 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
         self.tied_comm: Communicator | None = None
         self._shapes: dict[Any, list[tuple[tuple[int, ...], Any]]] = {}
         self._receives: dict[tuple, PersistentRequest] = {}
-        #: the last step's op order, its peak of microbatches in flight and of their stage outputs
+        #: the last step's op order ((kind, j), or (kind, j, stage) with chunks), its peak of microbatches in flight and of their stage outputs
         #: bytes (the activations a stage holds for backward grow with both), seconds idle
         #: (waiting on receives) and the step's seconds
         self.last_order: list[Any] = []
@@ -302,7 +302,9 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
         self._update(mb, record)
         self._share_metrics(record.result)
         result = record.close()
-        self.last_order, self.last_peak, self.last_peak_bytes = order, record.peak, record.peak_bytes
+        self.last_order = [(op.kind, op.mb) if self.v == 1 else (op.kind, op.mb, op.stage)
+                           for op in order]
+        self.last_peak, self.last_peak_bytes = record.peak, record.peak_bytes
         self.idle_s, self.step_s = record.idle_s, record.step_s
         if self.steps_seen:
             self.busy_s += record.busy_s
@@ -524,7 +526,7 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
         self.peak_seen = self.peak_bytes_seen = 0
 
     def _bubble_formula(self) -> float:
-        return bubble_formula(self.schedule, self.pp, self.microbatches, self.v) \
+        return schedule_bubble(self.schedule, self.pp, self.microbatches, self.v) \
             if self.pp > 1 else 0.0
 
     def report(self, final: bool = False) -> dict[str, Any]:
