@@ -149,9 +149,9 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
         self.tied_comm: Communicator | None = None
         self._shapes: dict[Any, list[tuple[tuple[int, ...], Any]]] = {}
         self._receives: dict[tuple, PersistentRequest] = {}
-        #: the last step's op order ((kind, j), or (kind, j, stage) with chunks), its peak of microbatches in flight and of their stage outputs
-        #: bytes (the activations a stage holds for backward grow with both), seconds idle
-        #: (waiting on receives) and the step's seconds
+        #: the last step's op order ((kind, j), or (kind, j, stage) with chunks), its peak of
+        #: microbatches in flight and of their stage outputs bytes (the activations a stage holds
+        #: for backward grow with both), seconds idle (waiting on receives) and the step's seconds
         self.last_order: list[Any] = []
         self.last_peak = self.last_peak_bytes = 0
         self.idle_s = self.step_s = 0.0
