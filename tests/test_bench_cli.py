@@ -97,3 +97,11 @@ def test_turns_time_every_iteration_once(iters):
     assert sorted(i for turn in rounds for i in turn) == list(range(iters))
     assert len(rounds) == min(ROUNDS, iters)
     assert max(map(len, rounds)) - min(map(len, rounds)) <= 1
+
+
+def test_a_bad_flag_is_one_line_from_rank_0_alone():
+    """argparse's error, without its usage block, once for the whole job (not once per rank)."""
+    out = run(3, ["train", "--lr", "abc"])
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == ("mpdl train: error: argument --lr: invalid float value: 'abc' "
+                          "(mpdl train --help lists the options)\n")

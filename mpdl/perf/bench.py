@@ -233,7 +233,7 @@ def _measure_all(config: Config, comm: Any, xp: Any, progress: Callable[[], None
     # the model auto chooses with (collective: it may calibrate on first use, before any timing)
     model = auto.model_for(comm)
     note = None if model.params is not None else model.describe()
-    polling.load()  # the plans' compiled wait (about 0.4 s once), loaded before any timing
+    polling.load()  # the plans' compiled wait, loaded once before any timing
     params = (model.params or costmodel.Params()).emulated(config.emulation)
 
     rows: list[dict[str, Any]] = []

@@ -666,8 +666,13 @@ def validate_context(config: TrainConfig) -> None:
                           "sequence)")
     length = sequence_length(config) if m.name == "gpt" else 0
     if p.sp and (length // p.cp) % p.tp:
+        hint = ""
+        if config.data.dataset == "addition":
+            fits = [d for d in range(1, 10) if ((3 * d + 2) // p.cp) % p.tp == 0][:2]
+            hint = (" (addition has 3 x {data.digits} + 2 positions"
+                    + (f": try {{data.digits}} {' or '.join(map(str, fits))})" if fits else ")"))
         raise ConfigError(f"{{parallel.sp}}: each rank's {length // p.cp} positions of a sequence "
-                          f"must be divisible by {{parallel.tp}} {p.tp}")
+                          f"must be divisible by {{parallel.tp}} {p.tp}{hint}")
     if p.cp == 1:
         return
     if m.name != "gpt":

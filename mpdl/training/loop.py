@@ -116,6 +116,7 @@ class Trainer:
         self.lr = c.base_lr()
         self.start_epoch, self.step = 0, 0
         self.partial, self.resumed_at = None, None
+        self.initialized = ""  # the header's note on --init-from
         if not trains:
             return
         data_comm = self.strategy.data_comm
@@ -157,6 +158,8 @@ class Trainer:
             raise ConfigError("{checkpoint.init_from}: " + literal(str(exc))) from None
         with self.strategy.gathered():
             self.model.load_state_dict(state)
+        self.initialized = (f"# weights loaded from {source} (--init-from): {len(state)} tensors, "
+                            f"{sum(int(v.size) for v in state.values()):,} parameters")
 
     def _check_no_orphans(self) -> None:
         """ConfigError when --resume finds the archives of a checkpoint without its state.json
@@ -366,7 +369,7 @@ class Trainer:
         what = describe_run(c, describe_model(c.model.name, self.model), self.task,
                             self.strategy.roles(), self.strategy.describe(),
                             emulation.describe_active(self.comm))
-        notes = [*self.task.notes(),
+        notes = [*self.task.notes(), self.initialized,
                  self.peak and throughput.note(self.model, self.task.seq_len, self.peak, self.size),
                  resumed_text(c.checkpoint.dir, self.start_epoch, self.step, self.sampler.position,
                               self.steps_per_epoch)]
