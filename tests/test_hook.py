@@ -10,7 +10,7 @@ import numpy as np
 
 from mpdl import collectives as C
 from mpdl import tuning
-from mpdl.collectives import hook, registry
+from mpdl.collectives import hook
 from mpdl.collectives.checks import pick
 from mpdl.threadworld import run_world
 from mpdl.tuning import plan as plans
@@ -67,4 +67,4 @@ def test_auto_takes_the_size_rule_without_the_engine():
         chosen = run_world(2, body)
     for names in chosen:  # the in-process world's ranks share memory: shm for large sums
         assert names == ["recursive_doubling", "shm", "pairwise"]
-        assert names[1] == registry.simple_choice("allreduce", 1 << 20, 2, 1, True)
+        assert names[1] == hook.simple_choice("allreduce", 1 << 20, 2, 1, True)
