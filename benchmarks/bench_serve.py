@@ -11,10 +11,11 @@ sequence (a contiguous cache's memory). Every mode has the same pool, 4 blocks' 
 (--kv-pages), and a batch of at most 16 sequences. N clients send the same mixed requests
 (prompts of 4-48 characters, 8-96 new tokens, greedy, streamed), each client one request at a
 time. Reported per mode: new tokens/s over the run, time to first token p50/p99, time between
-tokens p50/p99 (the server's: the client reads the stream in bursts), mean KV pages per running sequence (sampled from /metrics) against the formula:
-a contiguous cache holds ceil(block/page) pages per sequence, a paged one ceil(length/page) for
-the sequence's current length. Also the cost of reading pages: one layer's gather of a batch's
-keys and values from the pool against a slice of a contiguous cache.
+tokens p50/p99 (the server's: the client reads the stream in bursts), mean KV pages per running
+sequence (sampled from /metrics) against the formula: a contiguous cache holds ceil(block/page)
+pages per sequence, a paged one ceil(length/page) for the sequence's current length. Also the
+cost of reading pages: one layer's gather of a batch's keys and values from the pool against a
+slice of a contiguous cache.
 """
 
 from __future__ import annotations
