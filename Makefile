@@ -107,6 +107,12 @@ docs: install
 	$(PY) -m pip install -q -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
+# The concept pages' figures (docs/figures/concept_*.svg), drawn from the formulas they teach.
+.PHONY: docs-figures
+docs-figures: install
+	$(PY) -m pip install -q -e ".[plot]"
+	$(PY) docs/figures/concepts.py
+
 # The teaching notebooks, executed top to bottom (nbclient), with the notebooks extra.
 .PHONY: notebooks
 notebooks: install

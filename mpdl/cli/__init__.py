@@ -37,6 +37,16 @@ class UsageError(Exception):
     """Bad flags or an inconsistent configuration: exit code 2 with a one-line message."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags: one line, from rank 0 only (every rank parses the same argv), exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if is_rank0():
+            print(f"{self.prog}: error: {message} ({self.prog} --help lists the options)",
+                  file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def _check_settings() -> None:
     """Read the MPDL_* variables and the BLAS they choose now, so that a bad one (the same on
     every rank) is a one-line error before any work, not a traceback at its first use."""
@@ -57,7 +67,7 @@ def _verb_in(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `mpdl` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="mpdl", description="mpdl: transparent MPI data-parallel "
+    parser = _Parser(prog="mpdl", description="mpdl: transparent MPI data-parallel "
                                      "deep learning. Launch with mpiexec -n P mpdl VERB ...")
     parser.add_argument("--version", action="version", version=f"mpdl {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")

@@ -13,6 +13,10 @@ The checkpoint may come from any training layout (whole, sharded ZeRO, per stage
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
+
+from safetensors import SafetensorError
 
 from mpdl.cli import UsageError
 from mpdl.cli.output import is_rank0
@@ -41,16 +45,30 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--checkpoint: {exc}") from None
     info = state.get("model_info")
     if not info or info.get("name") != "gpt":
-        model = state.get("config", {}).get("model", "?")
+        model = state.get("config", {}).get("model", "?")  # a section, or before them a name
+        model = model.get("name", "?") if isinstance(model, dict) else model
         raise UsageError(f"--checkpoint: {args.checkpoint}: not a GPT checkpoint (written by mpdl "
                          f"train --model {model})")
+    out = Path(args.out)
+    if not out.absolute().parent.is_dir():
+        raise UsageError(f"OUT: {args.out}: the folder {out.absolute().parent} does not exist")
     if is_rank0():
         hf = args.format == "hf"
         try:
             (export_hf if hf else export_state)(model_state, info, args.out)
-        except OSError as exc:
+        except (OSError, SafetensorError) as exc:
             raise UsageError(f"OUT: cannot write {args.out} ({exc})") from None
+        readable(out)
         names = "transformers' GPT-2 names, with a character tokenizer" if hf else "nanoGPT's names"
         print(f"wrote {args.out}: {len(model_state)} tensors under {names}, "
               f"{sum(v.size for v in model_state.values()):,} parameters")
     return 0
+
+
+def readable(out: Path) -> None:
+    """Give the written file (or the directory's files) the mode the umask allows a new file
+    (0644 under umask 022): safetensors writes through a private temporary file (0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [out] if out.is_file() else [p for p in out.rglob("*") if p.is_file()]:
+        os.chmod(path, 0o666 & ~mask)

@@ -589,18 +589,107 @@ def ring_reduce_time(s: Setting) -> float:
     return ring_reduce_scatter_time(s) + s.msg(s.n * (s.p - 1) / s.p, s.nodes > 1)
 
 
+def _shift_crosses(s: Setting, d: int) -> bool:
+    """Does a message from every rank r to rank r+d (mod p) cross a node boundary?"""
+    r = np.arange(s.p)
+    return s.crosses(r, (r + d) % s.p)
+
+
+def recursive_doubling_allgather_time(s: Setting) -> float:
+    group = 1 << (s.p.bit_length() - 1)
+    t = 0.0 if group == s.p else s.msg(s.n / s.p) + s.msg(s.n)  # fold in one block, out all
+    d = 1
+    while d < group:
+        t += s.msg(s.n * d / group, _pair_crosses(s, d, group))
+        d *= 2
+    return t
+
+
+def bruck_allgather_time(s: Setting) -> float:
+    t, d = 2 * s.params.copy_time(s.n) if s.p > 1 else 0.0, 1
+    while d < s.p:
+        t += s.msg(s.n * min(d, s.p - d) / s.p, _shift_crosses(s, d))
+        d *= 2
+    return t
+
+
+def _pat_steps(s: Setting) -> list[tuple[int, int]]:
+    """(distance, blocks) of each PAT step, farthest first (the all-gather's order)."""
+    steps, d = [], 1
+    while d < s.p:
+        steps.append((d, len(range(0, s.p - d, 2 * d))))
+        d *= 2
+    return steps[::-1]
+
+
+def _pat_time(s: Setting) -> float:
+    block = s.n / s.p
+    per_message = max(1, int(s.seg // max(block, 1.0)))
+    t = 2 * s.params.copy_time(s.n * (s.p - 1) / s.p)  # packing and unpacking
+    for d, blocks in _pat_steps(s):
+        full, rest = divmod(blocks, per_message)
+        inter = _shift_crosses(s, d)
+        t += full * s.msg(per_message * block, inter) + (rest > 0) * s.msg(rest * block, inter)
+    return t + s.n * (s.p - 1) / s.p * s.gamma
+
+
+def recursive_halving_time(s: Setting) -> float:
+    group, fold = _fold(s)
+    t = 0.0 if group == s.p else fold / 2 + s.msg(s.n / s.p)  # whole buffer in, one block out
+    d, share = group // 2, s.n
+    while d >= 1:
+        share /= 2
+        t += s.msg(share, _pair_crosses(s, d, group)) + share * s.gamma
+        d //= 2
+    return t
+
+
+def pairwise_reduce_scatter_time(s: Setting) -> float:
+    block = s.n / s.p
+    return sum(s.msg(block, _shift_crosses(s, i)) + block * s.gamma for i in range(1, s.p))
+
+
+def binomial_broadcast_time(s: Setting) -> float:
+    return sum(s.msg(s.n, inter) for inter in _binomial_levels(s))
+
+
+def binomial_reduce_time(s: Setting) -> float:
+    return sum(s.msg(s.n, inter) + s.n * s.gamma for inter in _binomial_levels(s))
+
+
+def _binomial_blocks_time(s: Setting) -> float:
+    """A binomial scatter or gather of p blocks: level i moves n/2^(i+1)."""
+    return sum(s.msg(s.n / (2 << i), inter) for i, inter in enumerate(_binomial_levels(s)))
+
+
+def scatter_allgather_broadcast_time(s: Setting) -> float:
+    return _binomial_blocks_time(s) + ring_allgather_time(s)
+
+
+def reduce_scatter_gather_time(s: Setting) -> float:
+    return recursive_halving_time(s) + _binomial_blocks_time(s)
+
+
 FORMULAS: dict[str, dict[str, Callable[[Setting], float]]] = {
     "allreduce": {"ring": ring_time, "recursive_doubling": recursive_doubling_time,
                   "rabenseifner": rabenseifner_time, "tree": tree_time,
                   "double_tree": double_tree_time, "hierarchical": hierarchical_time,
                   "torus2d": torus2d_time, "shm": shm_time, "mpi": mpi_allreduce_time},
     "reduce_scatter": {"ring": ring_reduce_scatter_time, "tree": tree_reduce_scatter_time,
+                       "recursive_halving": recursive_halving_time,
+                       "pairwise": pairwise_reduce_scatter_time, "pat": _pat_time,
                        "mpi": lambda s: ring_reduce_scatter_time(_native(s))},
     "allgather": {"ring": ring_allgather_time, "tree": tree_allgather_time,
+                  "recursive_doubling": recursive_doubling_allgather_time,
+                  "bruck": bruck_allgather_time, "pat": _pat_time,
                   "mpi": lambda s: ring_allgather_time(_native(s))},
     "broadcast": {"ring": ring_broadcast_time, "tree": tree_broadcast_time,
+                  "binomial": binomial_broadcast_time,
+                  "scatter_allgather": scatter_allgather_broadcast_time,
                   "mpi": lambda s: tree_broadcast_time(_native(s))},
     "reduce": {"ring": ring_reduce_time, "tree": tree_reduce_time,
+               "binomial": binomial_reduce_time,
+               "reduce_scatter_gather": reduce_scatter_gather_time,
                "mpi": lambda s: tree_reduce_time(_native(s))},
     "alltoall": {"pairwise": pairwise_alltoall_time, "bruck": bruck_alltoall_time,
                  "scattered": scattered_alltoall_time, "hierarchical": hierarchical_alltoall_time,

@@ -14,16 +14,15 @@ between `loss.backward()` and `optimizer.step()`.
 Each bucket's buffer is made once, with a persistent all-reduce plan of it
 (`mpdl.collectives.allreduce_init`, in place), which every step runs. On one node the buffers lie
 in shared memory of the node (`mpdl.collectives.shm.shared_array`), where the shm algorithm sums
-them without copying them in or out: at p = 2 the 2.6 MB bucket of
-`benchmarks/bench_ddp.py --only weak` took 0.25 ms so, against 0.49 ms for Rabenseifner's and
-0.76 ms for shm through its window.
+them without copying them in or out, faster than any message-passing algorithm
+(docs/results/training.md#data-parallel-training).
 
 Overlap pays where the communication thread has something to hide: a wait for other nodes, or a
 core of its own. On one node whose ranks have no core to spare (as many ranks as cores, or more),
 an all-reduce is copies and additions that the communication thread could only run on the core
 backward runs on, adding its thread handoffs: there every bucket is reduced by `finish()` on the
-calling thread (`overlap_pays`). At p = 2 on 2 cores this took the MLP step of
-`benchmarks/bench_ddp.py --only weak` from 3.97 to 3.62 ms (p = 1: 3.16 ms).
+calling thread (`overlap_pays`), which makes the step faster there
+(docs/results/training.md#data-parallel-training).
 
 Buckets are launched in bucket order on every rank (a bucket that fills early waits for its
 predecessors), so all ranks issue the same collectives in the same order whatever their graphs.

@@ -116,6 +116,7 @@ class Trainer:
         self.lr = c.base_lr()
         self.start_epoch, self.step = 0, 0
         self.partial, self.resumed_at = None, None
+        self.initialized = ""  # the header's note on --init-from
         if not trains:
             return
         data_comm = self.strategy.data_comm
@@ -157,6 +158,8 @@ class Trainer:
             raise ConfigError("{checkpoint.init_from}: " + literal(str(exc))) from None
         with self.strategy.gathered():
             self.model.load_state_dict(state)
+        self.initialized = (f"# weights loaded from {source} (--init-from): {len(state)} tensors, "
+                            f"{sum(int(v.size) for v in state.values()):,} parameters")
 
     def _check_no_orphans(self) -> None:
         """ConfigError when --resume finds the archives of a checkpoint without its state.json
@@ -210,9 +213,16 @@ class Trainer:
         guard.check_saved(self.trainers, [*guard.walk("model", model_state),
                                           *guard.walk("optimizer", optim_state)],
                           self.step, ck.dir)
+        error = None
         if self.rank == 0:
-            checkpoint.save_checkpoint(ck.dir, model_state, optim_state,
-                                       self._run_state(epoch, partial), keep=ck.keep)
+            try:
+                checkpoint.save_checkpoint(ck.dir, model_state, optim_state,
+                                           self._run_state(epoch, partial), keep=ck.keep)
+            except checkpoint.CheckpointWriteError as exc:
+                error = str(exc)
+        error = next((e for e in self.trainers.allgather_object(error) if e), None)
+        if error:
+            raise checkpoint.CheckpointWriteError(error)
 
     def _save_within(self, epoch: int, sums: dict[str, float]) -> None:
         """Checkpoint in the middle of epoch (every checkpoint_every steps) with the sums of the
@@ -366,7 +376,7 @@ class Trainer:
         what = describe_run(c, describe_model(c.model.name, self.model), self.task,
                             self.strategy.roles(), self.strategy.describe(),
                             emulation.describe_active(self.comm))
-        notes = [*self.task.notes(),
+        notes = [*self.task.notes(), self.initialized,
                  self.peak and throughput.note(self.model, self.task.seq_len, self.peak, self.size),
                  resumed_text(c.checkpoint.dir, self.start_epoch, self.step, self.sampler.position,
                               self.steps_per_epoch)]
