@@ -100,6 +100,12 @@ lint: install
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache site .cache/mkdocs-jupyter
 
+# The concept pages' figures (docs/figures/concept_*.svg), drawn from the formulas they teach.
+.PHONY: docs-figures
+docs-figures: install
+	$(PY) -m pip install -q -e ".[plot]"
+	$(PY) docs/figures/concepts.py
+
 # The teaching notebooks, executed top to bottom (nbclient) by their test, with the notebooks
 # extra; each executed copy, outputs and figures included, is kept in build/notebooks/ for the site.
 NOTEBOOKS := $(wildcard notebooks/*.ipynb)

@@ -1,6 +1,6 @@
 """The concept pages' figures, drawn from the formulas they teach (no measurement, no mpdl import).
 
-Run `python docs/figures/concepts.py` from the repository root; it rewrites docs/figures/concept_*.svg
+`make docs-figures` (or `python docs/figures/concepts.py`) rewrites docs/figures/concept_*.svg
 byte for byte the same each time (fixed seeds, no dates in the files)."""
 
 from __future__ import annotations

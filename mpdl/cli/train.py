@@ -28,6 +28,7 @@ from mpdl.cli import UsageError
 from mpdl.cli.output import is_rank0
 from mpdl.comm import flight
 from mpdl.mpi_runtime import launcher_local_size, load_mpi, wait_for_peers
+from mpdl.training.checkpoint import CheckpointWriteError
 from mpdl.training.config import (
     OPTIONS,
     SECTIONS,
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         raise usage_error(exc, args.config, from_file) from None
     try:
         trainer.run()
-    except NonFiniteStop as exc:
+    except (NonFiniteStop, CheckpointWriteError) as exc:
         if is_rank0():
             print(f"mpdl train: error: {exc}", file=sys.stderr, flush=True)
         wait_for_peers()

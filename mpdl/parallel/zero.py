@@ -58,6 +58,7 @@ from mpdl import memory
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
 from mpdl.collectives import (
+    algorithms,
     allgather,
     allreduce,
     allreduce_init,
@@ -100,8 +101,10 @@ MAX_IN_FLIGHT = 2
 #: children), so that the buffers in flight (stage 3: two units' gathered parameters and up to
 #: MAX_IN_FLIGHT + 1 units' gradient buffers) stay a small part of the model at any size
 DEFAULT_BUCKET_MB = 25.0
-#: the collective algorithms ZeRO can run: those reduce_scatter and allgather both have
-ALGORITHMS = ("auto", "ring", "tree", "mpi")
+#: the collective algorithms ZeRO can run: auto (which chooses among all of them, per size) and
+#: those reduce_scatter and allgather both have; the hybrid replicas' all-reduce runs the same one
+#: where all-reduce has it, auto's otherwise
+ALGORITHMS = ("auto", *(a for a in algorithms("reduce_scatter") if a in algorithms("allgather")))
 
 
 def broadcast_model(model: Any, comm: Communicator) -> None:
@@ -142,6 +145,7 @@ class ZeroStrategy(Strategy):
                 raise ValueError(f"hybrid sharding needs the same number of ranks on every node, "
                                  f"got {sizes}")
         self.stage, self.algorithm = stage, algorithm
+        self.replica_algorithm = algorithm if algorithm in algorithms("allreduce") else "auto"
         self.bucket_mb = None if bucket_mb is None else float(bucket_mb)
         self.first_bucket_mb = float(first_bucket_mb)
         self.overlap, self.prefetch, self.hybrid = bool(overlap), bool(prefetch), bool(hybrid)
@@ -239,7 +243,8 @@ class ZeroStrategy(Strategy):
                                                     comm=self.shard_comm, in_place=True)
                 if self.replica_comm is not None:
                     mine = u.reduce_plan.result
-                    u.replica_plan = allreduce_init(mine, op="sum", algorithm=self.algorithm,
+                    u.replica_plan = allreduce_init(mine, op="sum",
+                                                    algorithm=self.replica_algorithm,
                                                     comm=self.replica_comm, out=mine)
             self.parameters.plan(u)
 
@@ -338,7 +343,7 @@ class ZeroStrategy(Strategy):
                     mine = reduce_scatter(buf, op="sum", algorithm=self.algorithm,
                                           comm=self.shard_comm, in_place=True)
                     if self.replica_comm is not None:
-                        allreduce(mine, op="sum", algorithm=self.algorithm,
+                        allreduce(mine, op="sum", algorithm=self.replica_algorithm,
                                   comm=self.replica_comm, out=mine)
                 if not self.keeps_gradient_buffers:  # keep the shard; the full buffer goes
                     unit.xp.copyto(unit.grad_shard, mine)

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from mpdl.backend import bfloat16_dtype
-from mpdl.fileio import write_atomic
+from mpdl.fileio import describe_write_error, write_atomic
 
 FILES = ("model.npz", "optimizer.npz", "state.json")
 #: where a save writes the new files before moving them into the checkpoint directory
@@ -55,6 +55,14 @@ CHECKSUM = "checksum"
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete or does not match the run."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (a full disk, a read-only path): one line naming the
+    error, the path and the bytes it needed. The previous checkpoint stays."""
+
+    #: `mpdl train`'s exit status for it, which `mpdl launch` does not retry
+    exit_status = 4
 
 
 def canonical_sha256(state: dict[str, Any]) -> str:
@@ -111,17 +119,24 @@ def save_checkpoint(directory: str | Path, model_state: dict[str, np.ndarray],
     also keep a copy in directory/history (the newest `keep` copies stay)."""
     directory = Path(directory)
     staging = directory / STAGING
-    directory.mkdir(parents=True, exist_ok=True)
-    _finish_interrupted_save(directory)
-    staging.mkdir(exist_ok=True)
     model_bytes = _npz_bytes(model_state)
     optim_bytes = _npz_bytes(optimizer_arrays(optimizer_state_dict))
     state = {**state, "sha256": {"model.npz": hashlib.sha256(model_bytes).hexdigest(),
                                  "optimizer.npz": hashlib.sha256(optim_bytes).hexdigest()}}
     contents = (model_bytes, optim_bytes, state_bytes(state))
-    for name, data in zip(FILES, contents, strict=True):
-        write_atomic(staging / name, data, durable=True)
-    _commit(directory, FILES, int(state.get("step", 0)), keep)
+    at = directory
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _finish_interrupted_save(directory)
+        staging.mkdir(exist_ok=True)
+        for name, data in zip(FILES, contents, strict=True):
+            at = staging / name
+            write_atomic(at, data, durable=True)
+        at = directory
+        _commit(directory, FILES, int(state.get("step", 0)), keep)
+    except OSError as exc:
+        raise CheckpointWriteError(describe_write_error(
+            exc, f"the checkpoint {directory}", sum(map(len, contents)), at)) from None
 
 
 def _commit(directory: Path, names: Sequence[str], step: int, keep: int) -> None:
@@ -167,23 +182,50 @@ def save_sharded_checkpoint(directory: str | Path, comm: Any, shard: dict[str, n
     the set into DIR as `save_checkpoint` does, so that a crash leaves one whole checkpoint."""
     directory = Path(directory)
     staging = directory / STAGING
-    if comm.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        _finish_interrupted_save(directory)
-        staging.mkdir(exist_ok=True)
-    comm.barrier()
-    digest = None
-    if shard is not None:
-        name, data = f"shard-{comm.rank:05d}.npz", _npz_bytes(shard)
+    what = f"the checkpoint {directory}"
+
+    def agreed_write(write: Callable[[], Any], nbytes: int, at: Path) -> Any:
+        """write()'s result on this rank (writing at `at`); CheckpointWriteError on every rank
+        when it failed on one (collective, so that no rank waits for one that stopped)."""
+        result, error = None, None
+        try:
+            result = write()
+        except OSError as exc:
+            error = describe_write_error(exc, what, nbytes, at)
+        everyone = comm.allgather_object((result, error))
+        failed = next((e for _, e in everyone if e), None)
+        if failed:
+            raise CheckpointWriteError(failed)
+        return [r for r, _ in everyone]
+
+    def prepare() -> None:
+        if comm.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            _finish_interrupted_save(directory)
+            staging.mkdir(exist_ok=True)
+
+    agreed_write(prepare, 0, directory)
+    name, data = f"shard-{comm.rank:05d}.npz", b""
+
+    def write_shard() -> tuple[str, str] | None:
+        if shard is None:
+            return None
         write_atomic(staging / name, data, durable=True)
-        digest = (name, hashlib.sha256(data).hexdigest())
-    digests = [d for d in comm.allgather_object(digest) if d is not None]
-    if comm.rank == 0:
-        state = {**state, "sha256": dict(digests)}
-        write_atomic(staging / "state.json", state_bytes(state), durable=True)
-        _commit(directory, [name for name, _ in digests] + ["state.json"],
-                int(state.get("step", 0)), keep)
-    comm.barrier()
+        return name, hashlib.sha256(data).hexdigest()
+
+    if shard is not None:
+        data = _npz_bytes(shard)
+    digests = [d for d in agreed_write(write_shard, len(data), staging / name) if d is not None]
+    state = {**state, "sha256": dict(digests)}
+    contents = state_bytes(state)
+
+    def commit() -> None:
+        if comm.rank == 0:
+            write_atomic(staging / "state.json", contents, durable=True)
+            _commit(directory, [n for n, _ in digests] + ["state.json"],
+                    int(state.get("step", 0)), keep)
+
+    agreed_write(commit, len(contents), staging / "state.json")
 
 
 def _drop_unreferenced(directory: Path, names: Sequence[str]) -> None:

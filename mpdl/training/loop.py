@@ -213,9 +213,16 @@ class Trainer:
         guard.check_saved(self.trainers, [*guard.walk("model", model_state),
                                           *guard.walk("optimizer", optim_state)],
                           self.step, ck.dir)
+        error = None
         if self.rank == 0:
-            checkpoint.save_checkpoint(ck.dir, model_state, optim_state,
-                                       self._run_state(epoch, partial), keep=ck.keep)
+            try:
+                checkpoint.save_checkpoint(ck.dir, model_state, optim_state,
+                                           self._run_state(epoch, partial), keep=ck.keep)
+            except checkpoint.CheckpointWriteError as exc:
+                error = str(exc)
+        error = next((e for e in self.trainers.allgather_object(error) if e), None)
+        if error:
+            raise checkpoint.CheckpointWriteError(error)
 
     def _save_within(self, epoch: int, sums: dict[str, float]) -> None:
         """Checkpoint in the middle of epoch (every checkpoint_every steps) with the sums of the
