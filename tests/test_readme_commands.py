@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+#: the commands are the same under every MPI library's venv: the Open MPI run leaves them out
+pytestmark = pytest.mark.same_under_every_mpi
+
 ROOT = Path(__file__).parent.parent
 BIN = Path(sys.executable).parent
 PROGRAMS = ("make", "mpiexec", "mpdl", "python")
@@ -48,6 +51,8 @@ RUNS = {
     "mpiexec -n 3 mpdl info": "mpiexec -n 3 mpdl info",
     "mpiexec -n 4 mpdl bench allreduce -b 8 -e 64M":
         "mpiexec -n 4 mpdl bench allreduce -b 8 -e 4K -n 2 -w 1",
+    "mpiexec -n 2 mpdl bench allreduce -b 1K -e 1M --mpi-variants":
+        "mpiexec -n 2 mpdl bench allreduce -b 1K -e 4K -n 2 -w 1 --mpi-variants",
     "mpiexec -n 4 mpdl calibrate": "mpiexec -n 4 mpdl calibrate -n 1",
     "make bench": DRY + "bench",
     # with the bench extra's PyTorch; without it, the one line that names the extra
@@ -104,7 +109,7 @@ RUNS = {
     "python benchmarks/bench_auto.py --ranks 2 --no-calibration --no-emulated --loop 4 --iters 12 "
     "--max-bytes 64M":
         "python benchmarks/bench_auto.py --ranks 2 --no-calibration --no-emulated --loop 4 "
-        "--iters 1 --max-bytes 1K",
+        "--iters 1 --min-bytes 1K --max-bytes 1K",
     "mpiexec -n 2 mpdl train --model gpt --precision bf16 --grad-accum 2":
         f"mpiexec -n 2 mpdl train --model gpt --precision bf16 --grad-accum 2 {SMALL_GPT}",
     "mpiexec -n 4 mpdl train --model gpt --precision bf16 --pp 2 --tp 2 --sp --digits 2":
