@@ -212,3 +212,15 @@ def test_every_row_runs(scratch):
                           f"{out.stderr[-1500:]}")
     print("\n".join(took))
     assert not failed, "\n\n".join(failed)
+
+
+def test_bench_auto_with_a_python_that_has_no_mpdl_beside_it_says_so(tmp_path):
+    """The system python in place of the venv's (a README row run without activating it)."""
+    (tmp_path / "python").symlink_to(sys.executable)
+    out = subprocess.run([str(tmp_path / "python"), str(ROOT / "benchmarks" / "bench_auto.py"),
+                          "--ranks", "2"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"bench_auto.py: no mpdl and mpiexec beside {tmp_path / 'python'}: run "
+                          f"it with the venv's python (source .venv/bin/activate after make "
+                          f"install)\n")
