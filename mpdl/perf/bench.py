@@ -28,10 +28,11 @@ import numpy as np
 from mpdl import backend
 from mpdl import collectives as C
 from mpdl import emulation as _emulation
-from mpdl.collectives import auto, costmodel, registry, verify
+from mpdl.collectives import registry
 from mpdl.comm import polling
 from mpdl.emulation import Emulation
 from mpdl.perf import mpi_variants
+from mpdl.tuning import auto, costmodel, verify
 
 #: the collectives bench can time: those of the algorithm registry
 COLLECTIVES = tuple(registry.REGISTRY)
