@@ -41,7 +41,7 @@ def _settings_from_the_environment():
 def quiet_machine(monkeypatch):
     """The busy check sees a quiet machine whatever else runs: no other work's load, every
     measuring rank its full share of core time, any spread of repeated calls taken as noise."""
-    from mpdl.collectives import measuring  # noqa: PLC0415
+    from mpdl.tuning import measuring  # noqa: PLC0415
 
     monkeypatch.setattr(measuring, "load_per_core", lambda ranks_here: 0.0)
     monkeypatch.setattr(measuring, "core_share", lambda since: 1.0)

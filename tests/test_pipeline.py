@@ -77,8 +77,9 @@ def oracle(name: str, dtype: str) -> list[float]:
 
 
 def pipeline_losses(comm, name: str, dtype: str, dp: int, pp: int, m: int, schedule: str,
-                    tp: int = 1, zero: int = 0):
-    strategy = PipelineStrategy(comm, dp, pp, tp, microbatches=m, schedule=schedule, zero=zero)
+                    tp: int = 1, zero: int = 0, v: int = 1):
+    strategy = PipelineStrategy(comm, dp, pp, tp, microbatches=m, schedule=schedule, zero=zero,
+                                virtual_stages=v)
     strategy.setup(make_model(name, dtype), lambda p: optim.Adam(p, lr=1e-2))
     x, y = data(name, dtype)
     bounds = np.linspace(0, N, dp + 1).astype(int)

@@ -1,4 +1,4 @@
-"""The schedule generator (`mpdl.parallel.schedules`): every kind at p = 2..8, m = 1..32,
+"""The schedule generator (`mpdl.parallel.pipeline.schedule`): every kind at p = 2..8, m = 1..32,
 v = 1..4 where it runs replays without a deadlock, each op once after what it needs, its peak of
 held chunk activations as the closed form below (written here, apart from the generator); a
 subset runs on the in-process world, one thread per rank; schedules by hand; a broken schedule
@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from mpdl.parallel.schedules import (
+from mpdl.parallel.pipeline.schedule import (
     KINDS,
     Op,
     Schedule,
     allowed,
-    bubble_formula,
     check,
     generate,
     run_on_threads,
+    schedule_bubble,
 )
 
 
@@ -76,7 +76,7 @@ def test_unit_clock_bubbles_follow_the_formulas():
                      ("zb-h1", 1): (p - 1) / (3 * m + p - 1)}
             for (kind, v), want in cases.items():
                 assert check(generate(kind, p, m, v)).bubble == pytest.approx(want, abs=1e-12)
-                assert bubble_formula(kind, p, m, v) == pytest.approx(want, abs=1e-12)
+                assert schedule_bubble(kind, p, m, v) == pytest.approx(want, abs=1e-12)
             if m >= 2 * p:
                 for kind in ("zb-v", "dualpipev"):
                     assert check(generate(kind, p, m)).bubble < (p - 1) / (3 * m + p - 1)

@@ -105,6 +105,11 @@ def test_other_optimizers_follow_ddp(stage, opt):
 
 
 @pytest.mark.parametrize("stage", [1, 3])
+def test_pat_reduce_scatters_and_gathers_like_ddp(stage):
+    check_same(5, zero(stage, algorithm="pat"), "mlp", "adam", "float64")
+
+
+@pytest.mark.parametrize("stage", [1, 3])
 def test_float32_and_no_prefetch(stage):
     check_same(4, zero(stage, prefetch=False), "mlp", "adam", "float32")
     check_same(6, zero(stage), "mlp", "sgd", "float32")

@@ -26,8 +26,8 @@ gather of the whole optimizer state live in `mpdl.parallel.shards`; the step's t
 counters in `mpdl.parallel.zero_recorder`.
 
 Collectives on buffers kept between steps (stage 1's gradient buffers, stages 1-2's flat
-parameters) run through persistent plans made once per unit (`mpdl.collectives.plan`; with
-algorithm "auto" they verify its choice on their first runs, `mpdl.collectives.verify`); buffers
+parameters) run through persistent plans made once per unit (`mpdl.tuning.plan`; with
+algorithm "auto" they verify its choice on their first runs, `mpdl.tuning.verify`); buffers
 made afresh each step go through the ordinary calls.
 
 The accounting (`model_state_bytes`) counts the model state the strategy holds: parameters,
@@ -57,14 +57,7 @@ import numpy as np
 from mpdl import memory
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
-from mpdl.collectives import (
-    allgather,
-    allreduce,
-    allreduce_init,
-    broadcast,
-    reduce_scatter,
-    reduce_scatter_init,
-)
+from mpdl.collectives import algorithms, allgather, allreduce, broadcast, reduce_scatter
 from mpdl.collectives.handles import Handle, engine_for
 from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator
@@ -90,6 +83,7 @@ from mpdl.parallel.zero_params import (
     module_units,
 )
 from mpdl.parallel.zero_recorder import ZeroRecorder
+from mpdl.tuning import allreduce_init, reduce_scatter_init
 
 MB = 1 << 20
 STAGES = (1, 2, 3)
@@ -100,8 +94,10 @@ MAX_IN_FLIGHT = 2
 #: children), so that the buffers in flight (stage 3: two units' gathered parameters and up to
 #: MAX_IN_FLIGHT + 1 units' gradient buffers) stay a small part of the model at any size
 DEFAULT_BUCKET_MB = 25.0
-#: the collective algorithms ZeRO can run: those reduce_scatter and allgather both have
-ALGORITHMS = ("auto", "ring", "tree", "mpi")
+#: the collective algorithms ZeRO can run: auto (which chooses among all of them, per size) and
+#: those reduce_scatter and allgather both have; the hybrid replicas' all-reduce runs the same one
+#: where all-reduce has it, auto's otherwise
+ALGORITHMS = ("auto", *(a for a in algorithms("reduce_scatter") if a in algorithms("allgather")))
 
 
 def broadcast_model(model: Any, comm: Communicator) -> None:
@@ -142,6 +138,7 @@ class ZeroStrategy(Strategy):
                 raise ValueError(f"hybrid sharding needs the same number of ranks on every node, "
                                  f"got {sizes}")
         self.stage, self.algorithm = stage, algorithm
+        self.replica_algorithm = algorithm if algorithm in algorithms("allreduce") else "auto"
         self.bucket_mb = None if bucket_mb is None else float(bucket_mb)
         self.first_bucket_mb = float(first_bucket_mb)
         self.overlap, self.prefetch, self.hybrid = bool(overlap), bool(prefetch), bool(hybrid)
@@ -239,7 +236,8 @@ class ZeroStrategy(Strategy):
                                                     comm=self.shard_comm, in_place=True)
                 if self.replica_comm is not None:
                     mine = u.reduce_plan.result
-                    u.replica_plan = allreduce_init(mine, op="sum", algorithm=self.algorithm,
+                    u.replica_plan = allreduce_init(mine, op="sum",
+                                                    algorithm=self.replica_algorithm,
                                                     comm=self.replica_comm, out=mine)
             self.parameters.plan(u)
 
@@ -338,7 +336,7 @@ class ZeroStrategy(Strategy):
                     mine = reduce_scatter(buf, op="sum", algorithm=self.algorithm,
                                           comm=self.shard_comm, in_place=True)
                     if self.replica_comm is not None:
-                        allreduce(mine, op="sum", algorithm=self.algorithm,
+                        allreduce(mine, op="sum", algorithm=self.replica_algorithm,
                                   comm=self.replica_comm, out=mine)
                 if not self.keeps_gradient_buffers:  # keep the shard; the full buffer goes
                     unit.xp.copyto(unit.grad_shard, mine)

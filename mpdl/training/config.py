@@ -37,6 +37,8 @@ from mpdl.autograd.optim import scale_lr
 from mpdl.collectives.registry import algorithms
 from mpdl.parallel.compression import COMPRESSORS, make_compression
 from mpdl.parallel.context import CP_BALANCES, CP_MODES
+from mpdl.parallel.pipeline.schedule import KINDS as PIPELINE_SCHEDULES
+from mpdl.parallel.pipeline.schedule import allowed as schedule_allowed
 from mpdl.parallel.ps import check_config
 from mpdl.parallel.zero import ALGORITHMS as ZERO_ALGORITHMS
 from mpdl.parallel.zero import STAGES as ZERO_STAGES
@@ -51,7 +53,6 @@ DATASETS = ("digits", "mnist", "synthetic", "addition", "text")
 SEQUENCE_DATASETS = ("addition", "text")
 LR_SCHEDULES = ("constant", "cosine")
 PARALLEL_MODES = ("allreduce", "ps")
-PIPELINE_SCHEDULES = ("afab", "1f1b")
 #: the learning rate of each optimizer when --lr is not given ...
 DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "lars": 2.0, "lamb": 1e-2}
 #: ... unless the model has its own: LeNet (no batch norm) diverges at sgd 0.2 and learns
@@ -326,8 +327,12 @@ class ParallelConfig:
                       "slice of the sequence, reduce-scatter + all-gather instead of all-reduce")
     microbatches: int = option(1, "--pp/--tp: microbatches per step", check=POSITIVE_INT,
                                metavar="M")
-    schedule: str = option("1f1b", "--pp: all forward then all backward (GPipe), or one forward "
-                           "one backward (PipeDream-flush)", choices=PIPELINE_SCHEDULES)
+    schedule: str = option("1f1b", "--pp: all forward then all backward (GPipe), one forward "
+                           "one backward (PipeDream-flush), interleaved 1F1B over "
+                           "--virtual-stages chunks per rank, zero bubble (zb-h1; zb-v and "
+                           "dualpipev on two chunks per rank in a V)", choices=PIPELINE_SCHEDULES)
+    virtual_stages: int = option(1, "--schedule interleaved: model chunks per rank (pp x V "
+                                 "stages)", check=POSITIVE_INT, metavar="V")
     verbose_comm: bool = option(False, "--pp: print every message between stages (stderr)")
     ep: int = option(1, "expert parallelism: groups of P data-parallel ranks (of each pipeline "
                      "stage and tp rank) share the --moe-experts E experts, E/P on each, tokens "
@@ -590,7 +595,8 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
     grid = "{parallel.pp} > 1 or {parallel.tp} > 1" if p.pp > 1 or p.tp > 1 \
         else "{parallel.cp} > 1"
     if not p.model_parallel():
-        for key in ("parallel.microbatches", "parallel.schedule", "parallel.verbose_comm"):
+        for key in ("parallel.microbatches", "parallel.schedule", "parallel.virtual_stages",
+                    "parallel.verbose_comm"):
             if getattr(p, key.split(".")[1]) != OPTIONS[key].default:
                 raise ConfigError(f"{{{key}}} needs {{parallel.pp}} > 1 (a pipeline) or "
                                   f"{{parallel.tp}} > 1")
@@ -608,6 +614,7 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
     if p.pp > pieces:
         raise ConfigError(f"{{parallel.pp}} {p.pp}: {{model.name}} {m.name} has {pieces} pieces "
                           f"to cut into stages" + (" (n_layer + 2)" if m.name == "gpt" else ""))
+    validate_schedule(config, pieces)
     if p.zero not in (0, 1):
         raise ConfigError(f"{grid} combine with {{parallel.zero}} 1 only (the optimizer state "
                           f"sharded over the data-parallel axis), not {{parallel.zero}} {p.zero}")
@@ -619,6 +626,34 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
         if value != OPTIONS[key].default:
             raise ConfigError(f"{grid} cannot be combined with {{{key}}} (not supported with "
                               f"model parallelism yet)")
+
+
+def validate_schedule(config: TrainConfig, pieces: int) -> None:
+    """The pipeline schedule against its chunks per rank, the microbatches and the model."""
+    p = config.parallel
+    kind, v, m = p.schedule, p.virtual_stages, p.microbatches
+    if kind in ("zb-v", "dualpipev") and v not in (1, 2):
+        raise ConfigError(f"{{parallel.schedule}} {kind} runs 2 chunks per rank (a V), not "
+                          f"{{parallel.virtual_stages}} {v}")
+    if kind not in ("interleaved", "zb-v", "dualpipev") and v > 1:
+        raise ConfigError(f"{{parallel.virtual_stages}} {v} needs {{parallel.schedule}} "
+                          f"interleaved (or zb-v, dualpipev: 2 chunks), not {kind}")
+    v = 2 if kind in ("zb-v", "dualpipev") else v
+    if kind == "interleaved" and v > 1 and m % p.pp:
+        raise ConfigError(f"{{parallel.microbatches}} {m} must be a multiple of {{parallel.pp}} "
+                          f"{p.pp} with {{parallel.schedule}} interleaved (groups of pp)")
+    if kind == "dualpipev" and m < 2 * p.pp:
+        raise ConfigError(f"{{parallel.microbatches}} {m} must be at least 2 x {{parallel.pp}} = "
+                          f"{2 * p.pp} with {{parallel.schedule}} dualpipev")
+    if p.pp * v > pieces:
+        raise ConfigError(f"{{parallel.pp}} x {v} chunks = {p.pp * v} stages: {{model.name}} "
+                          f"{config.model.name} has {pieces} pieces to cut into stages")
+    if config.model.moe_experts and kind not in ("afab", "1f1b"):
+        raise ConfigError(f"{{parallel.schedule}} {kind}: a pipeline with experts runs afab or "
+                          f"1f1b (an expert layer's backward exchanges tokens once)")
+    why = schedule_allowed(kind, p.pp, m, v)
+    if why:
+        raise ConfigError(why)
 
 
 def validate_context(config: TrainConfig) -> None:

@@ -38,6 +38,12 @@ def _sum32(a: Any) -> float:
         return float(get_array_module(a).sum(a, dtype=np.float32))
 
 
+def _held(a: Any) -> bool:
+    """Whether a parameter's data is its values on this rank, not a read-only placeholder."""
+    flags = getattr(a, "flags", None)
+    return flags is None or flags.writeable or any(a.strides)
+
+
 def _hint(lr: float, precision: str) -> str:
     fp32 = ", or --precision fp32" if precision != "fp32" else ""
     return f"try a lower --lr (now {lr:g}) or a longer --warmup-epochs{fp32}"
@@ -55,7 +61,8 @@ class Guard:
         """Check step `step` (collective over the ranks that train): this rank's summed loss over
         `samples`, its parameters (and their gradients) after the update; NonFiniteStop after
         `patience` bad steps in a row."""
-        params = list(params)
+        # a pipeline stage's or shard's placeholders of parameters other ranks hold are NaN
+        params = [p for p in params if _held(p.data)]
         grads = 0.0 if scaler is not None else sum(_sum32(p.grad) for p in params)
         weights = sum(_sum32(p.data) for p in params)
         total = allreduce(np.array([loss, samples, grads, weights]),

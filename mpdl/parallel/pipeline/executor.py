@@ -33,6 +33,7 @@ slices and the final LayerNorm's output leaves them."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
 from typing import Any
@@ -50,7 +51,15 @@ from mpdl.comm import Communicator, PersistentRequest
 from mpdl.parallel.context import shard_sequence
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.pipeline.recorder import PipelineRecorder
-from mpdl.parallel.pipeline.schedule import SCHEDULES, bubble_formula, schedule_ops
+from mpdl.parallel.pipeline.schedule import (
+    SCHEDULES,
+    Schedule,
+    allowed,
+    fill_drain,
+    generate,
+    placement,
+    schedule_bubble,
+)
 from mpdl.parallel.pipeline.stage import PipelineStage
 from mpdl.parallel.pipeline.state import PipelineState
 from mpdl.parallel.strategy import Batch, StepResult, Strategy, correct_predictions
@@ -77,6 +86,15 @@ class Microbatches:
     outputs: dict[int, Tensor] = dataclasses.field(default_factory=dict)
     #: the sends' (request, buffer), kept alive until the end of the step
     sends: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
+    #: the step's schedule, and for each peer the messages it sends this rank, in order
+    schedule: Schedule | None = None
+    incoming: dict[int, Any] = dataclasses.field(default_factory=dict)
+    #: messages received before the op that needs them (sent earlier on the same channel)
+    early: dict[tuple[str, int, int], Any] = dataclasses.field(default_factory=dict)
+    #: outputs and input gradients passed between two stages of this rank
+    handed: dict[tuple[str, int, int], Any] = dataclasses.field(default_factory=dict)
+    #: the weight-gradient halves of split backwards, until their W
+    later: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
 
     def rows(self, a: Any, j: int) -> Any:
         """Microbatch j's rows of `a` (the batch's inputs or labels)."""
@@ -104,7 +122,7 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
     def __init__(self, comm: Communicator, dp: int, pp: int, tp: int = 1, microbatches: int = 1,
                  schedule: str = "1f1b", algorithm: str = "auto", verbose: bool = False,
                  zero: int = 0, cp: int = 1, cp_mode: str = "ring",
-                 cp_balance: str = "zigzag", sp: bool = False) -> None:
+                 cp_balance: str = "zigzag", sp: bool = False, virtual_stages: int = 1) -> None:
         super().__init__(comm)
         if zero not in (0, 1):
             raise ValueError(f"zero: with a pipeline or tensor parallelism only stage 1 (the "
@@ -113,23 +131,38 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
             raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches: must be a positive int, not {microbatches!r}")
+        #: model chunks per rank (a V of two for zb-v and dualpipev)
+        self.v = 2 if schedule in ("zb-v", "dualpipev") and virtual_stages == 1 else virtual_stages
+        why = allowed(schedule, pp, microbatches, self.v)
+        if why:
+            raise ValueError(why)
         self.grid = ProcessGrid(comm, dp, pp, tp, cp)
         self.cp, self.cp_mode, self.cp_balance = cp, cp_mode, cp_balance
         self.sp = sp and tp > 1
         self.pp, self.stage = pp, self.grid.p
         self.microbatches, self.schedule, self.algorithm = microbatches, schedule, algorithm
         self.verbose, self.zero = verbose, zero
-        self.first, self.last = self.stage == 0, self.stage == pp - 1
+        #: the rank of each of the pp·v stages, and this rank's stages in forward order
+        self.rank_of = placement(schedule, pp, self.v)
+        self.chunks = [s for s, r in enumerate(self.rank_of) if r == self.stage]
+        self.first, self.last = 0 in self.chunks, len(self.rank_of) - 1 in self.chunks
         self.tied_comm: Communicator | None = None
         self._shapes: dict[Any, list[tuple[tuple[int, ...], Any]]] = {}
         self._receives: dict[tuple, PersistentRequest] = {}
-        #: the last step's op order, its peak of microbatches in flight and of their stage outputs
-        #: bytes (the activations a stage holds for backward grow with both), seconds idle
-        #: (waiting on receives) and the step's seconds
-        self.last_order: list[tuple[str, int]] = []
+        #: the last step's op order ((kind, j), or (kind, j, stage) with chunks), its peak of
+        #: microbatches in flight and of their stage outputs bytes (the activations a stage holds
+        #: for backward grow with both), seconds idle (waiting on receives) and the step's seconds
+        self.last_order: list[Any] = []
         self.last_peak = self.last_peak_bytes = 0
         self.idle_s = self.step_s = 0.0
         self.messages = self.bytes_sent = 0
+        #: since the last report: seconds of the ops' compute and from each step's start to its
+        #: last op (the first step, which compiles and probes shapes, left out)
+        self.busy_s = self.ops_s = 0.0
+        self.steps_seen = self.peak_seen = self.peak_bytes_seen = 0
+        #: the measured bubble since the last epoch's report (`measure`)
+        self.measured: dict[str, Any] = {}
+        self._schedules: dict[int, Schedule] = {}
         self._whole_state: dict[str, Any] | None = None
         #: bytes of parameters and of model state (parameters, gradients, optimizer state) this
         #: rank holds after a step, and their maxima over the ranks (agreed in gathered())
@@ -185,7 +218,7 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
             # the other stages' parameters are NaN placeholders: only the shapes count here
             with no_grad(), np.errstate(invalid="ignore"):
                 h = Tensor(x[:1])
-                for s in range(self.pp):
+                for s in range(len(self.rank_of)):
                     for piece in self.all_pieces[self.bounds[s]:self.bounds[s + 1]]:
                         h = piece(h)
                     shapes.append((tuple(h.shape[1:]), h.data.dtype))
@@ -198,33 +231,59 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
             print(f"[rank {self.comm.rank} stage {self.stage} dp {self.grid.d}] {text}",
                   file=sys.stderr, flush=True)
 
-    def _send(self, buf: Any, stage: int, what: str, j: int, mb: Microbatches,
+    def _send(self, buf: Any, s: int, what: str, j: int, mb: Microbatches,
               record: PipelineRecorder) -> None:
-        """Start sending microbatch j's activation or gradient to `stage` (non-blocking: the
-        request and its buffer are kept in `mb.sends` until the end of the step)."""
-        self._say(f"send {what} mb {j} -> stage {stage} ({buf.nbytes} bytes)")
-        record.send(what, j, stage, buf.nbytes)
-        mb.sends.append((self.grid.pp_comm.isend(buf, stage, step=(what, j)), buf))
+        """Start sending microbatch j's activation (the output of stage s) or gradient (of stage
+        s's input) to the rank of the next or previous stage (non-blocking: the request and its
+        buffer are kept in `mb.sends` until the end of the step)."""
+        rank = self.rank_of[s + 1 if what == "act" else s - 1]
+        self._say(f"send {what} mb {j} of stage {s} -> rank {rank} ({buf.nbytes} bytes)")
+        record.send(what, j, rank, buf.nbytes)
+        mb.sends.append((self.grid.pp_comm.isend(buf, rank, step=(what, j, s)), buf))
 
-    def _recv(self, xp: Any, shape: tuple[int, ...], dtype: Any, stage: int, what: str,
-              j: int) -> Any:
-        """Receive microbatch j's activation or gradient from `stage` into this rank's buffer for
-        it: one persistent receive per (what, j, shape, dtype), kept from step to step (a
-        step's inputs and output gradients are done with before the next step receives)."""
-        self._say(f"recv {_WHAT[what]} mb {j} <- stage {stage}")
-        key = (what, j, shape, np.dtype(dtype).str, stage)
+    def _take(self, mb: Microbatches, what: str, j: int, s: int) -> Any:
+        """Microbatch j's activation (the output of stage s) or gradient (of stage s's input),
+        received from the rank of that stage: the messages its rank sent before it on the same
+        channel are received first and kept for their own ops."""
+        want = (what, j, s)
+        peer = self.rank_of[s]
+        while want not in mb.early:
+            kind, i, t = mb.incoming[peer].popleft()
+            shape, dtype = mb.shapes[t if kind == "act" else t - 1]
+            mb.early[(kind, i, t)] = self._recv(mb.xp, (len(mb.parts[i]), *shape),
+                                                self.message_dtype or dtype, peer, kind, i, t)
+        return mb.early.pop(want)
+
+    def _recv(self, xp: Any, shape: tuple[int, ...], dtype: Any, rank: int, what: str,
+              j: int, s: int) -> Any:
+        """Receive microbatch j's activation or gradient of stage s from `rank` into this rank's
+        buffer for it: one persistent receive per (what, j, s, shape, dtype), kept from step to
+        step (a step's inputs and output gradients are done with before the next step
+        receives)."""
+        self._say(f"recv {_WHAT[what]} mb {j} of stage {s} <- rank {rank}")
+        key = (what, j, s, shape, np.dtype(dtype).str, rank)
         request = self._receives.get(key)
         if request is None:
             # those of two batch sizes are kept (an epoch's batches and its short last one)
-            if len(self._receives) >= 4 * self.microbatches:
+            if len(self._receives) >= 4 * self.microbatches * self.v:
                 for r in self._receives.values():
                     r.free()
                 self._receives.clear()
             buf = xp.empty(shape, dtype=dtype)
             memory.hold(buf, "communication")
-            request = self._receives[key] = self.grid.pp_comm.recv_init(buf, stage, step=(what, j))
+            request = self._receives[key] = self.grid.pp_comm.recv_init(buf, rank,
+                                                                        step=(what, j, s))
         self.grid.pp_comm.waitall([request.start()])
         return request.buf
+
+    def _schedule(self, m: int) -> Schedule:
+        """The step's schedule for m microbatches (a short batch whose count the schedule does
+        not allow runs all forwards, then all backwards, on the same stages)."""
+        if m not in self._schedules:
+            kind = self.schedule if allowed(self.schedule, self.pp, m, self.v) is None else None
+            self._schedules[m] = generate(self.schedule, self.pp, m, self.v) if kind \
+                else fill_drain(self.schedule, self.pp, m, self.v)
+        return self._schedules[m]
 
     def step(self, batch: Batch) -> StepResult:
         """The schedule's ops over this step's microbatches, then the gradients' sums and the
@@ -232,17 +291,27 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
         record = PipelineRecorder()
         self.optimizer.lr = batch.lr
         mb = self._microbatches(batch)
-        order = schedule_ops(self.schedule, len(mb.parts), self.pp, self.stage)
-        for kind, j in order:
-            if kind == "F":
-                self._forward(mb, j, record)
+        order = list(mb.schedule.ranks[self.stage]) if mb.parts else []
+        for op in order:
+            if op.kind == "F":
+                self._forward(mb, op.mb, op.stage, record)
+            elif op.kind == "B":
+                self._backward(mb, op.mb, op.stage, record)
             else:
-                self._backward(mb, j, record)
+                self._weights(mb, op.mb, op.stage, record)
         self._update(mb, record)
         self._share_metrics(record.result)
         result = record.close()
-        self.last_order, self.last_peak, self.last_peak_bytes = order, record.peak, record.peak_bytes
+        self.last_order = [(op.kind, op.mb) if self.v == 1 else (op.kind, op.mb, op.stage)
+                           for op in order]
+        self.last_peak, self.last_peak_bytes = record.peak, record.peak_bytes
         self.idle_s, self.step_s = record.idle_s, record.step_s
+        if self.steps_seen:
+            self.busy_s += record.busy_s
+            self.ops_s += record.ops_s
+        self.peak_seen = max(self.peak_seen, record.peak)
+        self.peak_bytes_seen = max(self.peak_bytes_seen, record.peak_bytes)
+        self.steps_seen += 1
         self.messages += record.messages
         self.bytes_sent += record.bytes_sent
         self._account()
@@ -255,36 +324,57 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
                  if len(p) or self.lockstep_microbatches]
         xp = get_array_module(self.stage_params[0].data) if self.stage_params else np
         shapes = self._boundary_shapes(self._local(batch.x)) if parts and self.pp > 1 else []
-        return Microbatches(batch, parts, xp, shapes)
+        mb = Microbatches(batch, parts, xp, shapes)
+        if parts:
+            mb.schedule = self._schedule(len(parts))
+            for op in mb.schedule.rank_ops(self.stage):  # the senders' order, per channel
+                if op.kind == "recv":
+                    mb.incoming.setdefault(op.peer, collections.deque())
+            for peer in mb.incoming:
+                mb.incoming[peer].extend((op.what, op.mb, op.stage)
+                                         for op in mb.schedule.rank_ops(peer)
+                                         if op.kind == "send" and op.peer == self.stage)
+        return mb
 
-    def _forward(self, mb: Microbatches, j: int, record: PipelineRecorder) -> None:
-        """Op F j: microbatch j's input through this stage's pieces; the last stage takes the
-        loss, the others send the output to the next stage."""
+    def _forward(self, mb: Microbatches, j: int, s: int, record: PipelineRecorder) -> None:
+        """Op F j s: microbatch j's input through stage s's pieces; the last stage takes the
+        loss, the others hand the output to the next stage (a send unless this rank holds it)."""
         record.op_begins()
-        h = self._stage_input(mb, j)
+        h = self._stage_input(mb, j, s)
         record.compute_begins()
         # as the loss (MoE layers), times fp16's loss scale
         with aux_loss_scale(mb.share(j) * getattr(self.optimizer, "loss_scale", 1.0)):
-            for piece in self.pieces:
+            for piece in self.all_pieces[self.bounds[s]:self.bounds[s + 1]]:
                 h = piece(h)
         record.compute_ends()
-        if self.last:
-            mb.outputs[j] = self._microbatch_loss(h, mb, j, record.result)
+        mb.outputs[(j, s)] = h
+        if s == len(self.rank_of) - 1:
+            mb.outputs[(j, s)] = self._microbatch_loss(h, mb, j, record.result)
+        elif self.rank_of[s + 1] == self.stage:
+            mb.handed[("act", j, s)] = h.data
         else:
-            mb.outputs[j] = h
-            self._send(self._message(h.data), self.stage + 1, "act", j, mb, record)
-        record.forward_done(j, h.data.nbytes, None if self.first else self.stage - 1)
+            self._send(self._message(h.data), s, "act", j, mb, record)
+        received = s > 0 and self.rank_of[s - 1] != self.stage
+        record.forward_done(j, h.data.nbytes, self.rank_of[s - 1] if received else None,
+                            self._chunk(s))
 
-    def _stage_input(self, mb: Microbatches, j: int) -> Tensor:
-        """Microbatch j's input to this stage: its rows of the batch on the first stage, else the
-        previous stage's output, received (a leaf whose gradient is sent back)."""
-        if self.first:
+    def _chunk(self, s: int) -> int | None:
+        """Stage s as the timeline names it: None where a rank holds one stage."""
+        return None if self.v == 1 else s
+
+    def _stage_input(self, mb: Microbatches, j: int, s: int) -> Tensor:
+        """Microbatch j's input to stage s: its rows of the batch on the first stage, else the
+        previous stage's output, received or handed on by this rank (a leaf whose gradient goes
+        back)."""
+        if s == 0:
             return Tensor(self._local(mb.rows(mb.batch.x, j)))
-        shape, dtype = mb.shapes[self.stage - 1]
-        buf = self._recv(mb.xp, (len(mb.parts[j]), *shape), self.message_dtype or dtype,
-                         self.stage - 1, "act", j)
-        mb.inputs[j] = Tensor(buf.astype(dtype, copy=False), requires_grad=True)
-        return mb.inputs[j]
+        dtype = mb.shapes[s - 1][1]
+        if self.rank_of[s - 1] == self.stage:
+            buf = mb.handed.pop(("act", j, s - 1))
+        else:
+            buf = self._take(mb, "act", j, s - 1)
+        mb.inputs[(j, s)] = Tensor(buf.astype(dtype, copy=False), requires_grad=True)
+        return mb.inputs[(j, s)]
 
     def _microbatch_loss(self, logits: Tensor, mb: Microbatches, j: int,
                          result: StepResult) -> Tensor:
@@ -299,25 +389,46 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
         result.samples += n
         return loss * (mb.share(j) * getattr(self.optimizer, "loss_scale", 1.0))
 
-    def _backward(self, mb: Microbatches, j: int, record: PipelineRecorder) -> None:
-        """Op B j: backward from microbatch j's output (on the last stage its loss, elsewhere with
-        the gradient received from the next stage), then its input's gradient to the previous
-        stage."""
-        out = mb.outputs.pop(j)
-        if self.last:
-            record.compute_begins()
-            out.backward()
-        else:
+    def _backward(self, mb: Microbatches, j: int, s: int, record: PipelineRecorder) -> None:
+        """Op B j s: backward from microbatch j's output of stage s (the last stage's from its
+        loss, the others' with the gradient from the next stage), then its input's gradient to
+        the previous stage; where the schedule has a W for it, the weights' gradients wait."""
+        out = mb.outputs.pop((j, s))
+        split = mb.schedule.split(self.stage, j, s)
+        received = s < len(self.rank_of) - 1 and self.rank_of[s + 1] != self.stage
+        grad = None
+        if s < len(self.rank_of) - 1:
             record.op_begins()
-            grad = self._recv(mb.xp, out.shape, self.message_dtype or out.data.dtype,
-                              self.stage + 1, "grad", j)
-            record.compute_begins()
-            out.backward(grad.astype(out.data.dtype, copy=False))
+            grad = self._take(mb, "grad", j, s + 1) if received else \
+                mb.handed.pop(("grad", j, s + 1))
+            grad = grad.astype(out.data.dtype, copy=False)
+        record.compute_begins()
+        if split:
+            mb.later[(j, s)] = out.backward_split(grad, self._stage_weights(s))
+        else:
+            out.backward(grad)
         record.compute_ends()
-        if not self.first:
-            self._send(self._message(mb.inputs.pop(j).grad), self.stage - 1, "grad", j, mb,
-                       record)
-        record.backward_done(j, None if self.last else self.stage + 1)
+        if s > 0:
+            g = mb.inputs.pop((j, s)).grad
+            if self.rank_of[s - 1] == self.stage:
+                mb.handed[("grad", j, s)] = g
+            else:
+                self._send(self._message(g), s, "grad", j, mb, record)
+        record.backward_done(j, self.rank_of[s + 1] if received else None, self._chunk(s),
+                             weights_later=split)
+
+    def _weights(self, mb: Microbatches, j: int, s: int, record: PipelineRecorder) -> None:
+        """Op W j s: the weight gradients of microbatch j's backward through stage s."""
+        record.compute_begins()
+        mb.later.pop((j, s)).run()
+        record.compute_ends()
+        record.weights_done(j, self._chunk(s))
+
+    def _stage_weights(self, s: int) -> list[Any]:
+        """The parameters stage s's pieces use (the head its tied embedding too)."""
+        pieces = self.all_pieces[self.bounds[s]:self.bounds[s + 1]]
+        tied = [t for t in (getattr(piece, "tied", None) for piece in pieces) if t is not None]
+        return [*self._params_of(s), *tied]
 
     def _update(self, mb: Microbatches, record: PipelineRecorder) -> None:
         """Wait for the step's sends, sum the gradients and take the optimizer step."""
@@ -373,26 +484,50 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
             result.loss, result.correct = float(vec[0]), float(vec[1])
         if self.pp == 1:
             return
-        vec = broadcast(vec, root=self.pp - 1, comm=self.grid.pp_comm)
+        vec = broadcast(vec, root=self.rank_of[-1], comm=self.grid.pp_comm)
         result.loss, result.correct, result.samples = float(vec[0]), float(vec[1]), int(vec[2])
 
 
     def describe(self, final: bool = False) -> str:
         if final:
             return ""
-        sizes = [sum(p.size for p in self._params_of(s)) for s in range(self.pp)]
+        sizes = [sum(p.size for p in self._rank_params(r)) for r in range(self.pp)]
         tp = f"tensor parallel over {self.grid.tp} ranks, " if self.grid.tp > 1 else ""
         if self.sp:
             tp = f"tensor and sequence parallel over {self.grid.tp} ranks, "
         if self.cp > 1:
             tp += (f"context parallel over {self.cp} ranks ({self.cp_mode}, "
                    f"{self.cp_balance}), ")
-        return (f"{tp}pipeline {self.schedule}, {self.pp} stages (pieces {self.bounds}, parameters "
+        chunks = f" x {self.v} chunks" if self.v > 1 else ""
+        return (f"{tp}pipeline {self.schedule}, {self.pp} stages{chunks} (pieces {self.bounds}, "
+                f"parameters "
                 f"{sizes}), {self.microbatches} microbatches, "
                 f"{f'dp x cp {self.grid.dp} x {self.cp}' if self.cp > 1 else f'dp {self.grid.dp}'} "
                 f"{'ZeRO-1 reduce-scatter/all-gather' if self.zero else 'all-reduce'} "
                 f"{self.algorithm}; bubble formula "
-                f"{bubble_formula(self.pp, self.microbatches):.1%}")
+                f"{self._bubble_formula():.1%}")
+
+    def measure(self) -> None:
+        """The bubble measured since the last call, per stage: its idle share of the pipeline's
+        step, one minus its ops' compute seconds over the longest stage's seconds from the
+        step's start to its last op; and each stage's most chunk activations and bytes of stage
+        outputs held at once (collective over pp)."""
+        figures = np.zeros((self.pp, 4))
+        figures[self.stage] = self.busy_s, self.ops_s, self.peak_seen, self.peak_bytes_seen
+        figures = allreduce(figures, op="sum", comm=self.grid.pp_comm)
+        longest = figures[:, 1].max()
+        if self.pp > 1 and longest > 0:
+            stages = [max(0.0, 1.0 - busy / longest) for busy in figures[:, 0]]
+            self.measured = {"bubble": float(np.mean(stages)),
+                             "bubble_stages": [round(b, 4) for b in stages],
+                             "peak_in_flight_stages": [int(k) for k in figures[:, 2]],
+                             "peak_activation_bytes_stages": [int(k) for k in figures[:, 3]]}
+        self.busy_s = self.ops_s = 0.0
+        self.peak_seen = self.peak_bytes_seen = 0
+
+    def _bubble_formula(self) -> float:
+        return schedule_bubble(self.schedule, self.pp, self.microbatches, self.v) \
+            if self.pp > 1 else 0.0
 
     def report(self, final: bool = False) -> dict[str, Any]:
         fields: dict[str, Any] = {"algorithm": self.algorithm,
@@ -402,8 +537,9 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
                                   "tp": self.grid.tp, "cp_mode": self.cp_mode,
                                   "cp_balance": self.cp_balance, "sp": self.sp,
                                   "schedule": self.schedule, "microbatches": self.microbatches,
-                                  "zero_stage": self.zero,
-                                  "bubble_formula": bubble_formula(self.pp, self.microbatches)}
+                                  "virtual_stages": self.v, "zero_stage": self.zero,
+                                  "bubble_formula": self._bubble_formula(),
+                                  **self.measured}
         if final:
             fields.update(stage=self.stage, p2p_messages=self.messages,
                           parameter_bytes=self.parameter_bytes,

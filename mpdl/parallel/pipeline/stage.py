@@ -144,9 +144,9 @@ class PipelineStage:
             return make_model()
         skeleton, index = partial.skeleton(make_model)
         pieces = model_pieces(skeleton)
-        bounds = partition([w for _, w in pieces], self.pp)
+        bounds = self._partition([w for _, w in pieces])
         keep = set()
-        for piece, _ in pieces[bounds[self.stage]:bounds[self.stage + 1]]:
+        for piece, _ in [x for s in self.chunks for x in pieces[bounds[s]:bounds[s + 1]]]:
             keep |= {index[id(p)] for p in piece.parameters()}
             tied = getattr(piece, "tied", None)
             if tied is not None:
@@ -170,18 +170,19 @@ class PipelineStage:
             pieces[0][0].sequence_shard = (self.grid.c, self.cp, self.cp_balance)
             for block in self.tp_model.blocks:
                 block.attn.attend = self._context_attention
-        self.bounds = partition([w for _, w in pieces], self.pp)
+        self.bounds = self._partition([w for _, w in pieces])
         self.all_pieces = [piece for piece, _ in pieces]
-        self.pieces = self.all_pieces[self.bounds[self.stage]:self.bounds[self.stage + 1]]
-        self.stage_params = self._params_of(self.stage)
-        tied = getattr(self.pieces[-1], "tied", None) if self.last else None
-        self.tied = tied if tied is not None and self.pp > 1 else None
+        self.pieces = [piece for s in self.chunks
+                       for piece in self.all_pieces[self.bounds[s]:self.bounds[s + 1]]]
+        self.stage_params = self._rank_params(self.stage)
+        ends = sorted({self.rank_of[0], self.rank_of[-1]})  # the ranks of the first and last stage
+        tied = getattr(self.all_pieces[-1], "tied", None) if len(ends) == 2 else None
+        # the tied embedding is on two ranks: each holds a copy and adds its part of the gradient
+        self.tied = tied if self.last else None
         if self.tied is not None:
             self.stage_params.append(self.tied)
-        if self.first or self.last:  # every pipeline: the stages that hold the tied embedding
-            tied_pieces = self.all_pieces[-1]
-            if getattr(tied_pieces, "tied", None) is not None and self.pp > 1:
-                self.tied_comm = self.grid.pp_comm.sub([0, self.pp - 1])
+        if tied is not None and (self.first or self.last):  # every pipeline's two ends
+            self.tied_comm = self.grid.pp_comm.sub(ends)
         self.optimizer = self._stage_optimizer(make_optimizer)
         self._owned = {id(p) for p in self.stage_params}
         self._release_others()
@@ -240,6 +241,23 @@ class PipelineStage:
             int(v.nbytes) for st in self.optimizer.state.values() for v in st.values()
             if hasattr(v, "nbytes") and np.ndim(v) > 0)
         self.rank_parameter_bytes, self.rank_state_bytes = params, params + grads + optim
+
+    def _partition(self, weights: list[int]) -> list[int]:
+        """The bounds of the pp·v stages (`partition`), or a one-line error naming the flags."""
+        stages = len(self.rank_of)
+        if self.v > 1 and len(weights) < stages:
+            raise ValueError(f"virtual-stages: pp x {self.v} = {stages} stages need at least as "
+                             f"many model pieces, the model has {len(weights)}")
+        return partition(weights, stages)
+
+    def _rank_params(self, rank: int) -> list[Any]:
+        """The parameters of the stages of `rank`, once each."""
+        seen: dict[int, Any] = {}
+        for s, r in enumerate(self.rank_of):
+            if r == rank:
+                for p in self._params_of(s):
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
 
     def _params_of(self, stage: int) -> list[Any]:
         seen: dict[int, Any] = {}

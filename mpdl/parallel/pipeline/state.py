@@ -41,8 +41,9 @@ class PipelineState:
         figures = allreduce(np.array([self.rank_parameter_bytes, self.rank_state_bytes],
                                      dtype=np.float64), op="max", comm=self.comm)
         self.parameter_bytes, self.model_state_bytes = int(figures[0]), int(figures[1])
+        self.measure()
         for s in range(self.pp):
-            params = self._params_of(s)
+            params = self._rank_params(s)
             if not params:
                 continue
             xp = get_array_module(params[0].data)
