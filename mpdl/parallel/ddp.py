@@ -12,7 +12,7 @@ gradient_as_bucket_view, and the bucket is overwritten by the next step's backwa
 between `loss.backward()` and `optimizer.step()`.
 
 Each bucket's buffer is made once, with a persistent all-reduce plan of it
-(`mpdl.collectives.allreduce_init`, in place), which every step runs. On one node the buffers lie
+(`mpdl.tuning.allreduce_init`, in place), which every step runs. On one node the buffers lie
 in shared memory of the node (`mpdl.collectives.shm.shared_array`), where the shm algorithm sums
 them without copying them in or out, faster than any message-passing algorithm
 (docs/results/training.md#data-parallel-training).
@@ -41,13 +41,14 @@ import numpy as np
 
 from mpdl import memory, mpi_runtime
 from mpdl.backend import get_array_module
-from mpdl.collectives import Plan, allreduce_init, broadcast, shm
-from mpdl.collectives.api import _pick
+from mpdl.collectives import shm
+from mpdl.collectives.checks import pick
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.registry import resolve
 from mpdl.comm import Communicator, as_communicator
 from mpdl.parallel import flat
 from mpdl.parallel.compression import GradientCompression, make_compression
+from mpdl.tuning import Plan, allreduce_init
 
 MB = 1 << 20
 
@@ -125,7 +126,7 @@ class DistributedDataParallel:
         self._sync = True
         self._next_launch = 0
         self._check_replicas()
-        self._broadcast_state()
+        flat.broadcast_model(self.module, self.comm)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = self._make_buckets()
         self._plan_buckets()
@@ -156,16 +157,6 @@ class DistributedDataParallel:
                     raise ValueError(
                         f"DistributedDataParallel: the model differs between ranks; entry {i} is "
                         f"{_describe(a)} on rank 0 but {_describe(b)} on rank {rank}")
-
-    def _broadcast_state(self) -> None:
-        """Rank 0's parameters and buffers on every rank (one flat broadcast per dtype)."""
-        if self.comm.size == 1:
-            return
-        tensors = [t for _, t in self.module.named_parameters()] + self.module.buffers()
-        for group in flat.by_kind(tensors):
-            result = broadcast(flat.pack([t.data for t in group]), root=0, comm=self.comm)
-            for t, piece in zip(group, flat.unpack(result, group), strict=True):
-                t.data[...] = piece
 
     def _make_buckets(self) -> list[Bucket]:
         buckets: list[Bucket] = []
@@ -389,7 +380,7 @@ class DistributedDataParallel:
     def bucket_algorithms(self) -> list[str]:
         """The all-reduce algorithm each bucket runs ("auto" resolved by bucket size)."""
         return [b.plan.algorithm if b.plan is not None else
-                _pick("allreduce", self.algorithm, self.comm, b.nbytes).name
+                pick("allreduce", self.algorithm, self.comm, b.nbytes).name
                 for b in self.buckets]
 
     def remove_hooks(self) -> None:

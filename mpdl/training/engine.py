@@ -3,8 +3,10 @@ step (the scheduling of Orca and vLLM).
 
 Each `Engine.step`:
 
-1. **admits** waiting requests while the batch has room (`max_batch`) and the pool has a page for
-   them (a prompt takes the shared pages of its longest computed prefix first);
+1. **admits** waiting requests while the batch has room (`max_batch`) and the pool has the pages
+   they may come to hold (prompt and max_tokens, at most a block) beside those the running ones
+   may still take; a prompt takes the shared pages of its longest computed prefix first, and
+   every sequence takes its pages one at a time as it grows;
 2. **schedules** within a token budget: one decode token for every running sequence whose prompt
    is computed, then the rest of the budget for prompt tokens (chunked prefill: a long prompt
    takes several steps while the others keep decoding);
@@ -15,8 +17,9 @@ Each `Engine.step`:
 A sequence draws from its own generator `numpy.random.default_rng((seed, 0))` with
 `mpdl generate`'s sampling, so its text does not depend on what else runs (temperature 0 or
 top_k = 1 is greedy). **At the block size** a sequence is started again from its last block_size
-tokens, as `mpdl generate` does. When the pool runs out of pages the youngest sequence is
-**preempted**: its pages are freed and it waits again, keeping its tokens, to be computed anew.
+tokens, as `mpdl generate` does. Should the pool run out of pages all the same (shared pages
+counted once for several sequences), the youngest sequence is **preempted**: its pages are freed
+and it waits again, keeping its tokens, to be computed anew.
 
 `static=True` admits only into an empty batch (static batching: the batch runs until its longest
 sequence ends), and `contiguous=True` gives every sequence the pages of a whole block at
@@ -137,28 +140,38 @@ class Engine:
                      if s.computed == len(s.tokens) - s.window]
             if ready:
                 logits = to_host(self.decoder.logits(hidden[np.array(ready)]))
-                out += [self._emit(group[b][0], logits[i]) for i, b in enumerate(ready)]
-        for s, _ in out:
-            if s.finish is not None:
-                self.running.remove(s)
-                self.pool.release(s.table)
+                emitted = [self._emit(group[b][0], logits[i]) for i, b in enumerate(ready)]
+                for s, _ in emitted:  # retired now: the next group's pages may not preempt them
+                    if s.finish is not None:
+                        self.running.remove(s)
+                        self.pool.release(s.table)
+                out += emitted
         return out
 
     def _admit(self) -> None:
+        """Admit waiting sequences while the pages free, less those the running sequences may
+        still take up to their max_tokens (or a block), hold what the next one may take."""
         if self.static and self.running:
             return
-        pages_per_block = math.ceil(self.decoder.block_size / self.pool.page_size)
+        outstanding = sum(self._need(s) - len(s.table) for s in self.running)
         while self.waiting and len(self.running) < self.max_batch:
             s = self.waiting[0]
             if not s.table and s.window == 0:
                 self._share(s)
-            need = pages_per_block if self.contiguous else 1
-            if len(self.pool.free) < need - len(s.table) or not self._grow(s, s.computed + 1,
-                                                                           preempt=False):
+            if len(self.pool.free) - outstanding < self._need(s) - len(s.table):
                 break
-            if self.contiguous:
-                self._grow(s, self.decoder.block_size, preempt=False)
+            self._grow(s, self.decoder.block_size if self.contiguous else s.computed + 1,
+                       preempt=False)
+            outstanding += self._need(s) - len(s.table)
             self.running.append(self.waiting.popleft())
+
+    def _need(self, s: Seq) -> int:
+        """The pages s holds at most: a block's for a contiguous cache, else those of its
+        prompt and max_tokens up to a block."""
+        size, block = self.pool.page_size, self.decoder.block_size
+        if self.contiguous:
+            return math.ceil(block / size)
+        return math.ceil(min(len(s.prompt) + s.params.max_tokens, block) / size)
 
     def _share(self, s: Seq) -> None:
         """Take the shared pages of s's longest computed prompt prefix (never its last token,

@@ -101,10 +101,13 @@ class Metrics:
         self.requests = self.finished = self.rejected = self.cancelled = self.tokens = 0
         self.ttft: deque[float] = deque(maxlen=10_000)
         self.gaps: deque[float] = deque(maxlen=10_000)
+        self.lock = threading.Lock()
 
     def summary(self, engine: Engine) -> dict[str, Any]:
         def pct(values: deque[float], q: float) -> float | None:
-            return float(np.percentile(list(values), q)) if values else None
+            with self.lock:  # the engine's thread appends meanwhile
+                values = list(values)
+            return float(np.percentile(values, q)) if values else None
 
         wall = time.perf_counter() - self.start
         return {"requests": self.requests, "finished": self.finished, "rejected": self.rejected,
@@ -151,7 +154,8 @@ class Frontend:
             if entry is None:
                 continue
             loop, events, times = entry
-            (self.metrics.ttft if len(times) == 1 else self.metrics.gaps).append(now - times[-1])
+            with self.metrics.lock:
+                (self.metrics.ttft if len(times) == 1 else self.metrics.gaps).append(now - times[-1])
             times.append(now)
             if s.finish is not None:
                 self.metrics.finished += 1

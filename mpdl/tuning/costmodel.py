@@ -16,7 +16,7 @@ without a formula here is estimated from its message schedule, recorded on the i
 
 `fastest` returns the algorithm with the smallest prediction. It is a pure function of its
 arguments and the parameter file, which every rank reads itself, so all ranks pick the same one;
-ties go to the algorithm registered first. `mpdl.collectives.auto` remembers its choices.
+ties go to the algorithm registered first. `mpdl.tuning.auto` remembers its choices.
 
 The formulas are named after what they time (`ring_reduce_scatter_time` times the algorithm
 `ring_reduce_scatter`); `FORMULAS` maps each registered (collective, algorithm) of
@@ -38,6 +38,7 @@ from mpdl import emulation as _emulation
 from mpdl import settings
 from mpdl.collectives import registry
 from mpdl.collectives.hierarchical import INTER_RING_BYTES
+from mpdl.collectives.hook import MPICH_ALLTOALL_MEDIUM_BYTES, MPICH_ALLTOALL_SHORT_BYTES
 from mpdl.collectives.ops import block_bounds, segment_elements
 from mpdl.collectives.scattered import THROTTLE
 from mpdl.collectives.shm import WINDOW_BYTES
@@ -60,9 +61,7 @@ class Params:
     """Machine parameters in seconds (per message, per byte). `*_inter` default to the intra values."""
 
     # The defaults (used until a calibration, or where nothing can be measured) are what
-    # `mpdl calibrate` measures for 2 ranks on one node of a current x86 server, rounded: a
-    # Python-driven message of ~10 us, ~4 GB/s through MPI's shared memory, reductions and copies
-    # of data not in cache at ~4 GB/s, ten times that in cache, a node barrier of ~25 us.
+    # `mpdl calibrate` measures for 2 ranks on one node of a current x86 server, rounded.
     alpha: float = 10e-6
     beta: float = 1 / 4.0e9
     gamma: float = 1 / 4.0e9
@@ -165,9 +164,9 @@ class Params:
         """The all-reduce algorithm's body time from `allreduce_times` (linear between measured
         sizes, the smallest size's time below them, the last size's time per byte beyond them),
         when they were measured for this world shape; None otherwise. Beyond the last size each
-        algorithm keeps the rate measured there, so their ranking there holds: the slope of the
-        last two sizes, a difference of two noisy times, had `tree` (1.24x `hierarchical` at 16
-        MiB) predicted fastest at 64 MiB, where it took 1.56x the best."""
+        algorithm keeps the rate measured there, so their ranking there holds (the slope of the
+        last two sizes, a difference of two noisy times, ranked them wrongly:
+        docs/results/auto.md#beyond-the-last-measured-size)."""
         if not self.allreduce_times or p != self.ranks or nodes != self.nodes:
             return None
         table = dict(self.allreduce_times).get(algorithm)
@@ -476,11 +475,6 @@ def _native(s: Setting) -> Setting:
                                      alpha_inter=s.params.alpha_native + extra), seg=1 << 62)
 
 
-#: MPICH's all-to-all switch points, bytes per destination (MPIR_CVAR_ALLTOALL_SHORT_MSG_SIZE and
-#: MPIR_CVAR_ALLTOALL_MEDIUM_MSG_SIZE): Bruck at or below the first when p >= 8, the scattered
-#: algorithm at or below the second, pairwise exchange above it
-MPICH_ALLTOALL_SHORT_BYTES = 256
-MPICH_ALLTOALL_MEDIUM_BYTES = 32768
 
 
 def mpi_alltoall_time(s: Setting) -> float:
