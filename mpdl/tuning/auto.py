@@ -257,8 +257,7 @@ _epoch = [0]
 
 def algorithm_for(collective: str, nbytes: int, comm) -> registry.Algorithm:
     """The registered algorithm `auto` runs for a call of nbytes on comm (an mpdl Communicator).
-    A repeated call is one lookup in comm's own table of choices (a small all-reduce takes
-    12 us on 2 ranks; the full path took 3-4 us of it), valid while the settings, the loaded
+    A repeated call is one lookup in comm's own table of choices, valid while the settings, the loaded
     parameter files and the learned verdicts stay as they were."""
     current = settings.current()
     held = getattr(comm, "_auto_algorithms", None)
@@ -291,9 +290,8 @@ def plan_choice(collective: str, nbytes: int, comm, shared: bool = False) -> reg
     not under link emulation, which changes the links the verdict was taken on), else
     `algorithm_for`'s. One-shot calls keep the
     prediction: a plan's verdict was taken on runs in the plan's own rhythm, and calls back to
-    back rank the algorithms otherwise than calls one at a time (on 2 ranks at 128 KiB, recursive
-    doubling took 13 us per call in a loop against shm's 30 us, and 74 us one call at a time
-    against 77 us for shm and 47 us for Rabenseifner)."""
+    back rank the algorithms otherwise than calls one at a time
+    (docs/results/auto.md#autos-lookup-and-one-shot-calls)."""
     verified = model_for(comm).verified.get(verified_key(collective, nbytes, shared))
     if (verified is not None and not settings.current().emulation
             and verified in costmodel.candidates(collective, comm.has_shared_memory)):
