@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mpdl.models.gpt import GPT
 from mpdl.training.checkpoint import save_checkpoint
 from mpdl.training.config import TrainConfig
-from mpdl.training.gpt import GPT
 from mpdl.training.loop import Trainer
 
 MPDL = str(Path(sys.executable).parent / "mpdl")

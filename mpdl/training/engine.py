@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from mpdl.backend import to_host
-from mpdl.training.gpt import _sample
+from mpdl.models.gpt import _sample
 from mpdl.training.inference import Decoder
 from mpdl.training.paged import OutOfPages, PagePool, forward, prefix_key
 
