@@ -145,10 +145,10 @@ class Settings:
     #: the cost model's parameter file, or "off" (no model: the size rule) or "defaults"
     cost_model: str = ""
     #: the folder where `auto` keeps its first-use calibrations (one file per machine and world
-    #: shape; see mpdl.collectives.firstuse), or "off": no first-use calibration (defaults)
+    #: shape; see mpdl.tuning.firstuse), or "off": no first-use calibration (defaults)
     auto_cache: str = ""
     #: runs of each of `auto`'s choice and the cost model's runner-up that a persistent all-reduce
-    #: plan times, taking turns, before it keeps the faster (mpdl.collectives.verify); 0: off
+    #: plan times, taking turns, before it keeps the faster (mpdl.tuning.verify); 0: off
     verify_runs: int = 3
     cuda_aware: bool | None = None
     no_cupy: bool = False

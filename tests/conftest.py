@@ -41,7 +41,7 @@ def _settings_from_the_environment():
 def quiet_machine(monkeypatch):
     """The busy check sees a quiet machine whatever else runs: no other work's load, every
     measuring rank its full share of core time, any spread of repeated calls taken as noise."""
-    from mpdl.collectives import measuring  # noqa: PLC0415
+    from mpdl.tuning import measuring  # noqa: PLC0415
 
     monkeypatch.setattr(measuring, "load_per_core", lambda ranks_here: 0.0)
     monkeypatch.setattr(measuring, "core_share", lambda since: 1.0)
@@ -55,3 +55,27 @@ def no_verification():
     previous = settings.update(verify_runs=0)
     yield
     settings.use(previous)
+
+
+def _skipped_for_want_of_torch(report) -> bool:
+    return (os.environ.get("MPDL_REQUIRE_ORACLE") == "1" and report.skipped
+            and "torch" in str(report.longrepr).lower())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under MPDL_REQUIRE_ORACLE=1 (`make test` sets it) a test skipped for want of PyTorch fails:
+    the PyTorch oracle tests must run."""
+    outcome = yield
+    report = outcome.get_result()
+    if _skipped_for_want_of_torch(report):
+        report.outcome = "failed"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a test module skipped whole for want of PyTorch."""
+    outcome = yield
+    report = outcome.get_result()
+    if _skipped_for_want_of_torch(report):
+        report.outcome = "failed"

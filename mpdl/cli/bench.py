@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "between them (OSU-style latency; out= preallocated); time is per "
                              "call (default 1: a barrier before every call)")
     parser.add_argument("--dtype", default="float32",
-                        help="float16, float32 (default), float64, int32 or int64")
+                        help="float32 (default), or another dtype the collectives carry: "
+                             "float16, float64, bfloat16, float8_e4m3fn, float8_e5m2, int8 … "
+                             "uint64, bool")
     parser.add_argument("--op", default="sum", help="sum (default), prod, max, min or avg")
     parser.add_argument("--inplace", action="store_true",
                         help="allreduce or alltoall into the input array (out=x)")
@@ -101,7 +103,9 @@ def validate(args: argparse.Namespace) -> bench.Config:
     reducing = args.collective in ("allreduce", "reduce_scatter", "reduce")
     if args.op not in OPS:
         raise UsageError(f"--op: expected one of {', '.join(OPS)}, got {args.op!r}")
-    if args.op == "avg" and dtype.kind != "f":
+    if reducing and args.op == "prod" and dtype.kind == "b":
+        raise UsageError("--op prod is not defined for bool; use min (logical and)")
+    if args.op == "avg" and not backend.is_floating(dtype):
         raise UsageError(f"--op avg needs a floating-point --dtype, got {args.dtype}")
     if args.inplace and args.collective not in ("allreduce", "alltoall"):
         raise UsageError("--inplace applies to allreduce and alltoall only")

@@ -10,6 +10,10 @@ on every rank and at least as accurate as one in the narrow dtype; it moves more
 that are only moved (all-gather, broadcast) travel as raw words. float16 goes to the library as it
 is (mpi4py hands it over as MPI_FLOAT16_T). MPI_SUM is not defined on MPI_C_BOOL: bool reduces
 as bytes with MPI_MAX (sum and max: logical or) or MPI_MIN (logical and).
+
+Each call is the library's nonblocking form (MPI_Iallreduce ...) waited for under the
+communicator's wait policy, so that a peer that never comes (or calls another collective) ends the
+wait after MPDL_TIMEOUT with `CollectiveTimeout` instead of blocking in MPI for ever.
 """
 
 from __future__ import annotations
@@ -35,6 +39,15 @@ def _mpi(comm) -> tuple[Any, Any]:
     if mpi is None:
         raise ValueError(f"algorithm: 'mpi' needs an MPI communicator, not {type(comm).__name__}")
     return mpi, comm.MPI
+
+
+def _wait(comm, request: Any, call: str) -> None:
+    """Wait for the MPI request of `call` under comm's wait policy (its timeout)."""
+    wait = getattr(comm, "_wait_mpi", None)
+    if wait is None:
+        request.Wait()
+    else:
+        wait(request, call)
 
 
 def _host(buf, comm):
@@ -64,7 +77,8 @@ def mpi_allreduce(comm, buf, op: str) -> None:
     mpi, MPI = _mpi(comm)
     host, back = _host(buf, comm)
     wide, narrow = _reducible(host)
-    mpi.Allreduce(MPI.IN_PLACE, wide, op=_mpi_op(MPI, op, buf.dtype))
+    _wait(comm, mpi.Iallreduce(MPI.IN_PLACE, wide, op=_mpi_op(MPI, op, buf.dtype)),
+          "MPI_Iallreduce")
     narrow()
     back()
 
@@ -81,20 +95,22 @@ def mpi_reduce_scatter(comm, buf, op: str, bounds: list[int]) -> None:
 def _reduce_scatter(mpi, MPI, comm, host, mpi_op, bounds: list[int]) -> None:
     counts = [bounds[i + 1] - bounds[i] for i in range(comm.size)]
     mine = host[bounds[comm.rank]:bounds[comm.rank + 1]]
-    mpi.Reduce_scatter(host.copy(), mine, recvcounts=counts, op=mpi_op)
+    source = host.copy()
+    _wait(comm, mpi.Ireduce_scatter(source, mine, recvcounts=counts, op=mpi_op),
+          "MPI_Ireduce_scatter")
 
 
 def mpi_allgather(comm, buf, bounds: list[int]) -> None:
     mpi, MPI = _mpi(comm)
     host, back = _host(buf, comm)
-    mpi.Allgather(MPI.IN_PLACE, backend.as_bytes(host))
+    _wait(comm, mpi.Iallgather(MPI.IN_PLACE, backend.as_bytes(host)), "MPI_Iallgather")
     back()
 
 
 def mpi_broadcast(comm, buf, root: int) -> None:
     mpi, _ = _mpi(comm)
     host, back = _host(buf, comm)
-    mpi.Bcast(backend.as_bytes(host), root=root)
+    _wait(comm, mpi.Ibcast(backend.as_bytes(host), root=root), "MPI_Ibcast")
     back()
 
 
@@ -104,9 +120,10 @@ def mpi_reduce(comm, buf, op: str, root: int) -> None:
     wide, narrow = _reducible(host)
     mpi_op = _mpi_op(MPI, op, buf.dtype)
     if comm.rank == root:
-        mpi.Reduce(MPI.IN_PLACE, wide, op=mpi_op, root=root)
+        request = mpi.Ireduce(MPI.IN_PLACE, wide, op=mpi_op, root=root)
     else:
-        mpi.Reduce(wide, None, op=mpi_op, root=root)
+        request = mpi.Ireduce(wide, None, op=mpi_op, root=root)
+    _wait(comm, request, "MPI_Ireduce")
     narrow()
     back()
 
@@ -119,11 +136,13 @@ def mpi_alltoall(comm, recv, send, blocks) -> None:
     source = host if in_place else _host(send, comm)[0]
     size = recv.itemsize
     if blocks.block is not None:
-        mpi.Alltoall(MPI.IN_PLACE if in_place else [source, MPI.BYTE], [host, MPI.BYTE])
+        request = mpi.Ialltoall(MPI.IN_PLACE if in_place else [source, MPI.BYTE],
+                                [host, MPI.BYTE])
     else:
         outgoing = [source, ([c * size for c in blocks.send_counts],
                              [o * size for o in blocks.send_offsets]), MPI.BYTE]
         incoming = [host, ([c * size for c in blocks.recv_counts],
                            [o * size for o in blocks.recv_offsets]), MPI.BYTE]
-        mpi.Alltoallv(MPI.IN_PLACE if in_place else outgoing, incoming)
+        request = mpi.Ialltoallv(MPI.IN_PLACE if in_place else outgoing, incoming)
+    _wait(comm, request, "MPI_Ialltoall")
     back()

@@ -2,7 +2,7 @@
 
 Every algorithm is registered with a one-line summary and its α-β-γ cost (Thakur, Rabenseifner &
 Gropp 2005) so that `mpdl bench --list`, the cost model (`costmodel.FORMULAS` is checked against
-this table) and `auto` (`mpdl.collectives.auto`) read the same names. It imports no cost model.
+this table) and `auto` (`mpdl.tuning.auto`) read the same names. It imports no cost model.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ gradient_as_bucket_view, and the bucket is overwritten by the next step's backwa
 between `loss.backward()` and `optimizer.step()`.
 
 Each bucket's buffer is made once, with a persistent all-reduce plan of it
-(`mpdl.collectives.allreduce_init`, in place), which every step runs. On one node the buffers lie
+(`mpdl.tuning.allreduce_init`, in place), which every step runs. On one node the buffers lie
 in shared memory of the node (`mpdl.collectives.shm.shared_array`), where the shm algorithm sums
 them without copying them in or out, faster than any message-passing algorithm
 (docs/results/training.md#data-parallel-training).
@@ -41,13 +41,14 @@ import numpy as np
 
 from mpdl import memory, mpi_runtime
 from mpdl.backend import get_array_module
-from mpdl.collectives import Plan, allreduce_init, broadcast, shm
-from mpdl.collectives.api import _pick
+from mpdl.collectives import broadcast, shm
+from mpdl.collectives.checks import pick
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.registry import resolve
 from mpdl.comm import Communicator, as_communicator
 from mpdl.parallel import flat
 from mpdl.parallel.compression import GradientCompression, make_compression
+from mpdl.tuning import Plan, allreduce_init
 
 MB = 1 << 20
 
@@ -389,7 +390,7 @@ class DistributedDataParallel:
     def bucket_algorithms(self) -> list[str]:
         """The all-reduce algorithm each bucket runs ("auto" resolved by bucket size)."""
         return [b.plan.algorithm if b.plan is not None else
-                _pick("allreduce", self.algorithm, self.comm, b.nbytes).name
+                pick("allreduce", self.algorithm, self.comm, b.nbytes).name
                 for b in self.buckets]
 
     def remove_hooks(self) -> None:

@@ -26,8 +26,8 @@ gather of the whole optimizer state live in `mpdl.parallel.shards`; the step's t
 counters in `mpdl.parallel.zero_recorder`.
 
 Collectives on buffers kept between steps (stage 1's gradient buffers, stages 1-2's flat
-parameters) run through persistent plans made once per unit (`mpdl.collectives.plan`; with
-algorithm "auto" they verify its choice on their first runs, `mpdl.collectives.verify`); buffers
+parameters) run through persistent plans made once per unit (`mpdl.tuning.plan`; with
+algorithm "auto" they verify its choice on their first runs, `mpdl.tuning.verify`); buffers
 made afresh each step go through the ordinary calls.
 
 The accounting (`model_state_bytes`) counts the model state the strategy holds: parameters,
@@ -57,15 +57,7 @@ import numpy as np
 from mpdl import memory
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
-from mpdl.collectives import (
-    algorithms,
-    allgather,
-    allreduce,
-    allreduce_init,
-    broadcast,
-    reduce_scatter,
-    reduce_scatter_init,
-)
+from mpdl.collectives import algorithms, allgather, allreduce, broadcast, reduce_scatter
 from mpdl.collectives.handles import Handle, engine_for
 from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator
@@ -91,6 +83,7 @@ from mpdl.parallel.zero_params import (
     module_units,
 )
 from mpdl.parallel.zero_recorder import ZeroRecorder
+from mpdl.tuning import allreduce_init, reduce_scatter_init
 
 MB = 1 << 20
 STAGES = (1, 2, 3)

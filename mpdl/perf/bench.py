@@ -28,10 +28,11 @@ import numpy as np
 from mpdl import backend
 from mpdl import collectives as C
 from mpdl import emulation as _emulation
-from mpdl.collectives import auto, costmodel, registry, verify
+from mpdl.collectives import registry
 from mpdl.comm import polling
 from mpdl.emulation import Emulation
 from mpdl.perf import mpi_variants
+from mpdl.tuning import auto, costmodel, verify
 
 #: the collectives bench can time: those of the algorithm registry
 COLLECTIVES = tuple(registry.REGISTRY)
@@ -39,7 +40,8 @@ COLLECTIVES = tuple(registry.REGISTRY)
 FIELDS = ["collective", "algorithm", "chosen", "ranks", "nodes", "bytes", "count", "dtype", "op",
           "time_us", "time_us_min", "time_us_max", "algbw_gbs", "busbw_gbs", "wrong",
           "predicted_us", "emulated", "loop"]
-_TOLERANCE = {"float16": 1e-2, "float32": 1e-5, "float64": 1e-12}
+_TOLERANCE = {"float16": 1e-2, "float32": 1e-5, "float64": 1e-12, "bfloat16": 2e-2,
+              "float8_e4m3fn": 0.25, "float8_e5m2": 0.5}
 #: rounds the timed iterations of one size are split into (see the module docstring)
 ROUNDS = 4
 
@@ -217,7 +219,7 @@ def _wrong(result: Any, reference: Any, dtype: np.dtype) -> int:
     a, b = backend.to_host(result).reshape(-1), backend.to_host(reference).reshape(-1)
     if a.shape != b.shape:
         return max(a.size, b.size)
-    if dtype.kind == "f":
+    if backend.is_floating(dtype):
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
         tol = _TOLERANCE[dtype.name]
         close = np.isclose(a64, b64, rtol=tol, atol=tol, equal_nan=True) | (a64 == b64)

@@ -15,8 +15,9 @@ from mpi4py import MPI
 
 from mpdl import collectives as C
 from mpdl import settings
-from mpdl.collectives import auto, firstuse, measuring, registry
+from mpdl.collectives import registry
 from mpdl.comm import MPIComm
+from mpdl.tuning import auto, firstuse, measuring
 
 pytestmark = pytest.mark.mpi
 

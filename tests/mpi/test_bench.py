@@ -10,9 +10,10 @@ from mpi4py import MPI
 
 from mpdl import settings
 from mpdl.cli import main
-from mpdl.collectives import auto, costmodel, registry
+from mpdl.collectives import registry
 from mpdl.comm import as_communicator
 from mpdl.perf.bench import bus_factor
+from mpdl.tuning import auto, costmodel
 
 pytestmark = pytest.mark.mpi
 

@@ -15,14 +15,15 @@ from mpi4py import MPI
 
 from mpdl import collectives as C
 from mpdl import settings
+from mpdl import tuning as T
 from mpdl.autograd import functional as F
 from mpdl.autograd import nn
 from mpdl.autograd.tensor import Tensor
-from mpdl.collectives import auto, firstuse, measuring, verify
-from mpdl.collectives import costmodel as cm
-from mpdl.collectives import plan as plans
 from mpdl.comm import MPIComm
 from mpdl.parallel import DistributedDataParallel
+from mpdl.tuning import auto, firstuse, measuring, verify
+from mpdl.tuning import costmodel as cm
+from mpdl.tuning import plan as plans
 
 pytestmark = pytest.mark.mpi
 
@@ -89,7 +90,7 @@ def test_a_trial_times_each_algorithm_waiting_as_its_later_runs_will(world, monk
                  and plans._REPLAYED[n](COUNT, plans.segment_elements(4), P)]
     assert scheduled, f"no contender with a recorded schedule among {names}"
     monkeypatch.setattr(plans, "COMPILED_AFTER", 10**6)  # plans outside a trial: never compiled
-    plan = C.allreduce_init(x, algorithm="auto", comm=world)
+    plan = T.allreduce_init(x, algorithm="auto", comm=world)
     for _ in range(len(plan.trial.order)):
         got = plan().copy()
         want = C.allreduce(x, algorithm=plan.trial.current, comm=world)  # the one that ran
@@ -107,7 +108,7 @@ def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(w
     names = verify.candidates("allreduce", x.nbytes, world)
     choice = names[0]
     slow_down(choice, monkeypatch)
-    plan = C.allreduce_init(x, algorithm="auto", comm=world)
+    plan = T.allreduce_init(x, algorithm="auto", comm=world)
     ran = run_trial(plan, names, lambda name: C.allreduce(x, algorithm=name, comm=world))
     winner = plan.algorithm
     assert winner in names[1:]
@@ -120,7 +121,7 @@ def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(w
     assert firstuse.read_verified(firstuse.cache_path(settings.current().auto_cache, key),
                                   key) == {f"allreduce:{x.nbytes}": winner}
     auto.forget()
-    again = C.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
+    again = T.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
     assert again.algorithm == winner and again.trial is None
 
 
@@ -128,9 +129,9 @@ def _gathering(collective: str, x: np.ndarray, comm):
     """(the bytes auto chooses by, a plan with auto, the one-shot call of a named algorithm) of a
     reduce-scatter or all-gather of x."""
     if collective == "reduce_scatter":
-        return (x.nbytes, lambda: C.reduce_scatter_init(x, algorithm="auto", comm=comm),
+        return (x.nbytes, lambda: T.reduce_scatter_init(x, algorithm="auto", comm=comm),
                 lambda name: C.reduce_scatter(x, algorithm=name, comm=comm))
-    return (x.nbytes * P, lambda: C.allgather_init(x, algorithm="auto", comm=comm),
+    return (x.nbytes * P, lambda: T.allgather_init(x, algorithm="auto", comm=comm),
             lambda name: C.allgather(x, algorithm=name, comm=comm))
 
 
@@ -177,7 +178,7 @@ def test_a_verdict_taken_on_a_busy_machine_is_verified_again_by_the_next_run(wor
     x = np.random.default_rng(RANK).standard_normal(COUNT).astype(np.float32)
     choice = verify.candidates("allreduce", x.nbytes, world)[0]
     slow_down(choice, monkeypatch)
-    plan = C.allreduce_init(x, algorithm="auto", comm=world)
+    plan = T.allreduce_init(x, algorithm="auto", comm=world)
     for _ in range(len(plan.trial.order)):
         plan()
     winner = plan.algorithm
@@ -190,7 +191,7 @@ def test_a_verdict_taken_on_a_busy_machine_is_verified_again_by_the_next_run(wor
     assert firstuse.read_unsettled(path, key)[entry].startswith("busy machine: load 3.00")
     world.barrier()
     auto.forget()
-    again = C.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
+    again = T.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
     assert again.algorithm == winner and again.trial is not None
     assert again.trial.names[0] == winner and choice in again.trial.names
     for _ in range(len(again.trial.order)):

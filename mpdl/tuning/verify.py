@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import settings
-from mpdl.collectives import auto, measuring
+from mpdl.tuning import auto, measuring
 
 #: the collectives whose plans verify auto's choice
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")

@@ -1,5 +1,5 @@
 """Measuring this machine's links, rates and all-reduce algorithms: the one set of probes behind
-`auto`'s first-use calibration (`mpdl.collectives.firstuse`, effort QUICK) and `mpdl calibrate`
+`auto`'s first-use calibration (`mpdl.tuning.firstuse`, effort QUICK) and `mpdl calibrate`
 (`mpdl.perf.calibrate`, effort `thorough(iters)`).
 
 Every probe runs on all ranks of a communicator at once, as a collective. An exchange is timed as
@@ -35,8 +35,8 @@ import numpy as np
 
 from mpdl import backend, mpi_runtime
 from mpdl.collectives import registry
-from mpdl.collectives.costmodel import candidates
 from mpdl.collectives.shm import WINDOW_BYTES
+from mpdl.tuning.costmodel import candidates
 
 GAMMA_DTYPES = ("float16", "float32", "float64", "int32", "int64")
 #: the rate measurements' arrays: pairs of STREAM_BYTES, 32 MiB in all (more than a core's caches)

@@ -16,7 +16,7 @@ without a formula here is estimated from its message schedule, recorded on the i
 
 `fastest` returns the algorithm with the smallest prediction. It is a pure function of its
 arguments and the parameter file, which every rank reads itself, so all ranks pick the same one;
-ties go to the algorithm registered first. `mpdl.collectives.auto` remembers its choices.
+ties go to the algorithm registered first. `mpdl.tuning.auto` remembers its choices.
 
 The formulas are named after what they time (`ring_reduce_scatter_time` times the algorithm
 `ring_reduce_scatter`); `FORMULAS` maps each registered (collective, algorithm) of
@@ -38,6 +38,7 @@ from mpdl import emulation as _emulation
 from mpdl import settings
 from mpdl.collectives import registry
 from mpdl.collectives.hierarchical import INTER_RING_BYTES
+from mpdl.collectives.hook import MPICH_ALLTOALL_MEDIUM_BYTES, MPICH_ALLTOALL_SHORT_BYTES
 from mpdl.collectives.ops import block_bounds, segment_elements
 from mpdl.collectives.scattered import THROTTLE
 from mpdl.collectives.shm import WINDOW_BYTES
@@ -476,11 +477,6 @@ def _native(s: Setting) -> Setting:
                                      alpha_inter=s.params.alpha_native + extra), seg=1 << 62)
 
 
-#: MPICH's all-to-all switch points, bytes per destination (MPIR_CVAR_ALLTOALL_SHORT_MSG_SIZE and
-#: MPIR_CVAR_ALLTOALL_MEDIUM_MSG_SIZE): Bruck at or below the first when p >= 8, the scattered
-#: algorithm at or below the second, pairwise exchange above it
-MPICH_ALLTOALL_SHORT_BYTES = 256
-MPICH_ALLTOALL_MEDIUM_BYTES = 32768
 
 
 def mpi_alltoall_time(s: Setting) -> float:

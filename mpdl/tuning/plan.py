@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import backend, faults, memory, settings
-from mpdl.collectives import checks, recording, registry, shm, verify
+from mpdl.collectives import checks, registry, shm
 from mpdl.collectives.bruck import moving
 from mpdl.collectives.ops import reducer, segment_elements
 from mpdl.collectives.pairwise import partners
@@ -42,13 +42,14 @@ from mpdl.collectives.scattered import THROTTLE
 from mpdl.comm import Communicator, Request, as_communicator, polling
 from mpdl.comm.mpi import MPIComm, free_before_finalize
 from mpdl.mpi_runtime import library_version
+from mpdl.tuning import recording, verify
 
 #: plans the ordinary calls keep (oldest dropped first), and the largest array they plan for: above
 #: it a call's Python overhead is lost in the transfer, and a plan would keep the array alive
 CACHE_PLANS = 64
 CACHE_MAX_BYTES = 1 << 20
 #: the same for `allreduce(x, out=out)`, whose plans verify auto's choice in the caller's rhythm
-#: (`mpdl.collectives.verify`): there the rhythm still ranks the algorithms at 16 MiB (on 2 ranks
+#: (`mpdl.tuning.verify`): there the rhythm still ranks the algorithms at 16 MiB (on 2 ranks
 #: the torus took 3.4-3.6 ms a call back to back against shm's 4.2-4.4, and 5.2 against 4.4 one
 #: call at a time with a new result array) and at 32 MiB (Rabenseifner, ring or hierarchical
 #: 1.11-1.33x faster than shm in loops of 4 on 2 ranks, in each of three runs where auto ran the
@@ -98,7 +99,7 @@ class Plan:
         #: the comm and out arguments of the ordinary call a cached plan stands for
         self._comm_arg: Any = None
         self._out: Any = None
-        #: the verification of auto's choice on the first runs (mpdl.collectives.verify), if any
+        #: the verification of auto's choice on the first runs (mpdl.tuning.verify), if any
         self.trial: Any = None
         if self._requests:
             free_before_finalize(self)  # its persistent MPI requests
@@ -468,7 +469,7 @@ def _fast_path_possible(comm, *arrays) -> bool:
 
 def _replay(comm, recorded: recording.Recording, arrays: dict[str, np.ndarray],
             f: Callable) -> _Schedule:
-    """A recorded schedule (`mpdl.collectives.recording`) as persistent requests on the arrays its
+    """A recorded schedule (`mpdl.tuning.recording`) as persistent requests on the arrays its
     spans name, each reduction f(a, b, out=o)."""
     s = _Schedule(comm)
     for step in recorded.steps:
@@ -536,7 +537,7 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
     """allreduce_init; without `persistent`, "mpi" stays the blocking MPI_Allreduce (a cached
     plan on one rank must match a one-shot call on another). With algorithm "auto" and the
     settings' verify_runs, the plan times auto's choice against its contenders on its first runs
-    (`mpdl.collectives.verify`)."""
+    (`mpdl.tuning.verify`)."""
     shared = (persistent and algorithm == "auto" and out is x
               and shm.in_shared_memory(as_communicator(comm), x))
     call = checks.allreduce_call(x, op, algorithm, comm, out, plan=True, shared=shared)
@@ -636,7 +637,7 @@ def reduce_scatter_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: 
     """A plan of `reduce_scatter(x, op, algorithm, comm, in_place)`: each run returns this rank's
     block (a view of x with `in_place`, else a new array). With algorithm "auto" and the settings'
     verify_runs, the plan times auto's choice against every other candidate on its first runs
-    (`mpdl.collectives.verify`)."""
+    (`mpdl.tuning.verify`)."""
     call = checks.reduce_scatter_call(x, op, algorithm, comm, in_place, plan=True)
     c, algo, xp, bounds, dtype = call.comm, call.algorithm, call.xp, call.layout, x.dtype
     buf = x if in_place else backend.empty_half_page_in(max(x.size, 1), dtype, xp)[:x.size]
@@ -679,7 +680,7 @@ def allgather_init(x: Any, algorithm: str = "auto", comm: Any = None, count: int
     """A plan of `allgather(x, algorithm, comm, count, out)`: each run gathers x's current values
     into `plan.result` (out, or an array the plan allocates) and returns it. With algorithm "auto"
     and the settings' verify_runs, the plan times auto's choice against every other candidate on
-    its first runs (`mpdl.collectives.verify`)."""
+    its first runs (`mpdl.tuning.verify`)."""
     call = checks.allgather_call(x, algorithm, comm, count, out, plan=True)
     c, algo, result = call.comm, call.algorithm, call.out
     plan = Plan(c, "allgather", algo.name, x, result, None, call.signature,
