@@ -166,14 +166,15 @@ def main() -> None:
     print(f"# {args.requests} requests, {args.clients} clients, pages of {PAGE}, batch <= "
           f"{BATCH}; median of {args.rounds} rounds; tokens/s also as a ratio to the first row")
     print(f"{'mode':<33} {'tokens/s':>9} {'ratio':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'gap p50':>8} {'gap p99':>8} {'pages/seq':>9}")
+          f"{'gap p50':>8} {'gap p99':>8} {'pages/seq':>9}  tokens/s of each round")
     out = []
     for mode, rs in rows.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if rs[0][k] is not None}
         print(f"{mode:<33} {med['tokens_per_s']:>9.1f} {med['tokens_per_s'] / base:>6.2f} "
               f"{med['ttft_p50_s'] * 1e3:>7.0f}ms {med['ttft_p99_s'] * 1e3:>7.0f}ms "
               f"{med['gap_p50_s'] * 1e3:>6.1f}ms {med['gap_p99_s'] * 1e3:>6.1f}ms "
-              f"{med.get('pages_per_seq', float('nan')):>9.2f}")
+              f"{med.get('pages_per_seq', float('nan')):>9.2f}  "
+              + " ".join(f"{r['tokens_per_s']:.0f}" for r in rs))
         out.append({"mode": mode, **med})
     print(f"# formula: pages per sequence, paged {statistics.mean(held):.2f} (token-weighted "
           f"ceil(length/{PAGE})), contiguous {math.ceil(BLOCK / PAGE)}")
