@@ -31,6 +31,9 @@ MPI_SIZES ?= 1 2 3 4 5
 MPI_TIMEOUT ?= 420
 # World sizes the all-reduce tests run again at, with emulated nodes of 2 ranks (the last one uneven).
 NODE_SIZES ?= 4 5
+# A test skipped for want of PyTorch fails (tests/conftest.py): the test tools install it, and the
+# autograd, GPT and layer oracles against it must run.
+export MPDL_REQUIRE_ORACLE ?= 1
 # One BLAS thread per rank: MPI ranks already fill the cores.
 export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
@@ -41,7 +44,7 @@ PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider --time
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,$(MPI)]"
+	$(PY) -m pip install -q -e ".[test,serve,hf,$(MPI)]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -100,16 +103,47 @@ lint: install
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache site .cache/mkdocs-jupyter
 
-# The docs site (mkdocs.yml): README, docs/, the notebooks (not executed) and the API reference
-# from the docstrings, built into site/ with --strict, so a broken link or a missing page fails.
-.PHONY: docs
-docs: install
-	$(PY) -m pip install -q -e ".[docs]"
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+# The concept pages' figures (docs/figures/concept_*.svg), drawn from the formulas they teach.
+.PHONY: docs-figures
+docs-figures: install
+	$(PY) -m pip install -q -e ".[plot]"
+	$(PY) docs/figures/concepts.py
 
-# The teaching notebooks, executed top to bottom (nbclient), with the notebooks extra.
-.PHONY: notebooks
-notebooks: install
+# The teaching notebooks, executed top to bottom (nbclient) by their test, with the notebooks
+# extra; each executed copy, outputs and figures included, is kept in build/notebooks/ for the site.
+NOTEBOOKS := $(wildcard notebooks/*.ipynb)
+EXECUTED  := $(patsubst notebooks/%,build/notebooks/%,$(NOTEBOOKS))
+NOTEBOOK_TEST = NOTEBOOK_OUT=build/notebooks $(PY) -m pytest -q tests/test_notebooks.py \
+  -p no:cacheprovider --timeout=600
+
+$(VENV)/.notebooks: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[notebooks]"
 	$(PY) -c "import nbclient, nbformat, ipykernel"
-	$(PY) -m pytest -q tests/test_notebooks.py -p no:cacheprovider --timeout=600
+	touch $@
+
+.PHONY: notebooks notebook
+notebooks: $(VENV)/.notebooks
+	$(NOTEBOOK_TEST)
+
+# One notebook: make notebook N=01
+notebook: $(VENV)/.notebooks
+	@test -n "$(N)" || { echo "make notebook: give N, the notebook's number (N=01)"; exit 2; }
+	$(NOTEBOOK_TEST) -k "$(N)_"
+
+# A notebook edited since it was last executed runs again (make notebooks keeps them current).
+build/notebooks/%.ipynb: notebooks/%.ipynb | $(VENV)/.notebooks
+	$(NOTEBOOK_TEST) -k "$*"
+
+# The docs site (mkdocs.yml): README, docs/, the notebooks with what they print and draw (their
+# executed copies) and the API reference from the docstrings, built into site/ with --strict, so
+# a broken link or a missing page fails; every notebook's page must show a figure.
+.PHONY: docs
+$(VENV)/.docs: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs $(EXECUTED)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	@for nb in $(NOTEBOOKS); do page=site/notebooks/$$(basename $$nb .ipynb)/index.html; \
+	  grep -q '<img[^>]*src="data:image/png;base64,' $$page || \
+	    { echo "make docs: $$page shows no figure"; exit 1; }; done

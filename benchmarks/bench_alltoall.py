@@ -33,11 +33,11 @@ from mpi4py import MPI
 
 from mpdl import collectives as C
 from mpdl import settings
-from mpdl.collectives import auto
 from mpdl.comm import as_communicator, polling
 from mpdl.comm.mpi import MPIComm
 from mpdl.perf.bench import turns
 from mpdl.perf.units import parse_size
+from mpdl.tuning import auto
 
 NODES_OF_2 = "hierarchical@2"
 #: mpi's calls in the turns of auto's choice (timed apart from mpi's own turns)

@@ -27,9 +27,9 @@ import numpy as np
 from mpi4py import MPI
 
 from mpdl import collectives as C
-from mpdl.collectives.plan import alltoall_init
 from mpdl.comm import as_communicator
 from mpdl.perf.units import parse_size
+from mpdl.tuning.plan import alltoall_init
 
 #: how long the last rank lets its peers go ahead
 HEAD_START_S = 3e-3

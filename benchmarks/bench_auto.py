@@ -183,6 +183,10 @@ def main() -> int:
                         help="with --no-calibration: start from OUT/auto-cache as an earlier run "
                              "left it (as a user's next run does) instead of emptying it")
     args = parser.parse_args()
+    if not (BIN / "mpdl").exists() or not (BIN / "mpiexec").exists():
+        print(f"bench_auto.py: no mpdl and mpiexec beside {sys.executable}: run it with the venv's "
+              f"python (source .venv/bin/activate after make install)", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     env = {"MPDL_COST_MODEL": str(args.out / "costmodel.json")}
     cache = args.out / "auto-cache"

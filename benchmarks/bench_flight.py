@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpdl import collectives as C
+from mpdl import tuning as T
 from mpdl.comm import as_communicator, flight
 from mpdl.perf.units import parse_size
 
@@ -37,7 +38,7 @@ def main() -> None:
     x = np.ones(parse_size(args.size) // 4, np.float32)
     out = np.empty_like(x)
     if args.plan:
-        call = C.allreduce_init(x, algorithm=args.algorithm, comm=comm, out=out)
+        call = T.allreduce_init(x, algorithm=args.algorithm, comm=comm, out=out)
     else:
         def call() -> None:
             C.allreduce(x, algorithm=args.algorithm, comm=comm, out=out)

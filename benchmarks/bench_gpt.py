@@ -186,7 +186,11 @@ def main() -> None:
     global _clock
     _clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
-    import torch  # noqa: PLC0415  (optional: only the benchmark needs it)
+    try:
+        import torch  # noqa: PLC0415  (optional: only the benchmark needs it)
+    except ImportError:
+        raise SystemExit("bench_gpt.py: needs PyTorch, from the bench extra: "
+                         "pip install -e '.[bench]'") from None
     from threadpoolctl import threadpool_limits  # noqa: PLC0415
 
     torch.set_num_threads(1)

@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpdl import collectives as C
+from mpdl import tuning as T
 from mpdl.comm import as_communicator
 from mpdl.perf.units import parse_size
 
@@ -58,7 +59,7 @@ def main() -> None:
         for a in algorithms:
             variants[a] = lambda a=a, x=x, out=out: C.allreduce(x, algorithm=a, comm=comm, out=out)
         for a in planned:
-            h = C.allreduce_init(x, algorithm=a, comm=comm, out=np.empty_like(x))
+            h = T.allreduce_init(x, algorithm=a, comm=comm, out=np.empty_like(x))
             variants[f"plan:{a}"] = h
         calls = calls_for(x.nbytes)
         names = list(variants)

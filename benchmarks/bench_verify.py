@@ -15,8 +15,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpdl import collectives as C
 from mpdl import settings
+from mpdl import tuning as T
 from mpdl.comm import MPIComm
 
 SIZES = (1 << 16, 1 << 20, 1 << 22)
@@ -28,7 +28,7 @@ def main() -> None:
     trial_runs = 2 * settings.current().verify_runs
     for nbytes in SIZES:
         x = np.ones(nbytes // 4, np.float32)
-        plan = C.allreduce_init(x, algorithm="auto", comm=comm)
+        plan = T.allreduce_init(x, algorithm="auto", comm=comm)
         names = plan.trial.names if plan.trial is not None else (plan.algorithm,)
         times = []
         for _ in range(trial_runs + STEADY_RUNS):

@@ -60,7 +60,6 @@ from pathlib import Path
 
 import numpy as np
 
-from mpdl.collectives import costmodel as cm
 from mpdl.mpi_runtime import usable_cores
 from mpdl.perf import layouts as L
 from mpdl.perf import simulate as S
@@ -74,6 +73,7 @@ from mpdl.perf.agreement import (
     verdict,
     zero_step,
 )
+from mpdl.tuning import costmodel as cm
 
 BIN = Path(sys.executable).parent
 MPIEXEC, MPDL = str(BIN / "mpiexec"), str(BIN / "mpdl")

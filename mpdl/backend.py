@@ -14,41 +14,57 @@ import numpy as np
 
 from mpdl import settings
 
-#: NumPy's own dtypes among those the collectives support (SUPPORTED_DTYPES adds bfloat16)
-_NUMPY_SUPPORTED = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
+#: NumPy's own dtypes among those the collectives support (SUPPORTED_DTYPES adds ml_dtypes' floats)
+_NUMPY_SUPPORTED = tuple(np.dtype(t) for t in (
+    "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+    "uint32", "uint64", "bool"))
+
+#: the ml_dtypes floats the collectives support: MPI moves them as raw words of their size
+ML_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 @functools.cache
-def bfloat16_dtype() -> np.dtype:
-    """bfloat16 on the host (NumPy has no 16-bit brain float of its own: ml_dtypes provides it).
-    ml_dtypes is imported at the first use: its import takes longer than NumPy's, and a process
-    that never meets a bfloat16 array (most ranks of most jobs) need not pay it."""
+def ml_dtype(name: str) -> np.dtype:
+    """One of ml_dtypes' floats (`ML_FLOATS`) by name. ml_dtypes is imported at the first use:
+    its import takes longer than NumPy's, and a process that never meets such an array (most
+    ranks of most jobs) need not pay it."""
     import ml_dtypes  # noqa: PLC0415
 
-    return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+def bfloat16_dtype() -> np.dtype:
+    """bfloat16 on the host (NumPy has no 16-bit brain float of its own: ml_dtypes provides it)."""
+    return ml_dtype("bfloat16")
 
 
 def __getattr__(name: str) -> Any:
-    """The module's constants that hold bfloat16: `bfloat16`, `LOW_PRECISION` (the 16-bit
+    """The module's constants that hold ml_dtypes' types: `bfloat16`, `LOW_PRECISION` (the 16-bit
     floating-point types of mixed precision) and `SUPPORTED_DTYPES` (those of the collectives)."""
     if name == "bfloat16":
         return bfloat16_dtype()
     if name == "LOW_PRECISION":
         return (np.dtype("float16"), bfloat16_dtype())
     if name == "SUPPORTED_DTYPES":
-        return (*_NUMPY_SUPPORTED, bfloat16_dtype())
+        return (*_NUMPY_SUPPORTED, *(ml_dtype(n) for n in ML_FLOATS))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _dtype(dtype: Any) -> np.dtype:
-    """np.dtype(dtype), the name "bfloat16" included before ml_dtypes is imported."""
-    return bfloat16_dtype() if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
+    """np.dtype(dtype), the names of ml_dtypes' floats included before ml_dtypes is imported."""
+    return ml_dtype(dtype) if isinstance(dtype, str) and dtype in ML_FLOATS else np.dtype(dtype)
+
+
+def is_ml_float(dt: np.dtype) -> bool:
+    """Whether dt is one of ml_dtypes' floats (`ML_FLOATS`); told by name without importing
+    ml_dtypes for NumPy's own types."""
+    return dt.name in ML_FLOATS and dt == ml_dtype(dt.name)
 
 
 def is_bfloat16(dt: np.dtype) -> bool:
     """Whether dt is bfloat16 (its kind is "V": a dtype of another kind is not, and is told
     without importing ml_dtypes)."""
-    return dt.kind == "V" and dt == bfloat16_dtype()
+    return dt.name == "bfloat16" and dt == bfloat16_dtype()
 
 
 @functools.lru_cache(maxsize=1)
@@ -128,15 +144,22 @@ def empty_half_page_in(count: int, dtype: Any, xp: Any) -> Any:
 
 
 def is_floating(dtype: Any) -> bool:
-    """Whether dtype is a floating-point type (NumPy's own or bfloat16, whose kind is "V")."""
+    """Whether dtype is a floating-point type (NumPy's own or one of ml_dtypes')."""
     dt = _dtype(dtype)
-    return dt.kind == "f" or is_bfloat16(dt)
+    return dt.kind == "f" or is_ml_float(dt)
 
 
 def is_low_precision(dtype: Any) -> bool:
     """Whether dtype is float16 or bfloat16."""
     dt = _dtype(dtype)
     return dt == np.float16 or is_bfloat16(dt)
+
+
+def accumulates_wide(dtype: Any) -> bool:
+    """Whether a sum of several operands of dtype is accumulated in float32 and rounded once:
+    float16, bfloat16 and the 8-bit floats."""
+    dt = _dtype(dtype)
+    return dt == np.float16 or is_ml_float(dt)
 
 
 def precision_dtype(name: str, xp: types.ModuleType = np) -> np.dtype:
@@ -158,15 +181,19 @@ def precision_dtype(name: str, xp: types.ModuleType = np) -> np.dtype:
 
 
 def as_bytes(host: np.ndarray) -> np.ndarray:
-    """A host array's memory as a NumPy buffer MPI can read (bfloat16 exposes no buffer format:
-    it is viewed as unsigned 16-bit words; other dtypes are returned as they are)."""
-    return host.view(np.uint16) if is_bfloat16(host.dtype) else host
+    """A host array's memory as a NumPy buffer MPI can read (ml_dtypes' floats expose no buffer
+    format: they are viewed as unsigned words of their size; bool as bytes; other dtypes are
+    returned as they are)."""
+    dt = host.dtype
+    if dt.kind == "b" or is_ml_float(dt):
+        return host.view(f"u{dt.itemsize}")
+    return host
 
 
 def check_dtype(dtype: Any, argument: str = "x") -> np.dtype:
     """The dtype if mpdl's collectives support it; TypeError naming it otherwise."""
     dt = _dtype(dtype)
-    if dt not in _NUMPY_SUPPORTED and not is_bfloat16(dt):
+    if dt not in _NUMPY_SUPPORTED and not is_ml_float(dt):
         allowed = ", ".join(d.name for d in __getattr__("SUPPORTED_DTYPES"))
         raise TypeError(f"{argument}: unsupported dtype {dt.name!r}; expected one of {allowed}")
     return dt

@@ -12,8 +12,8 @@ dtypes, other array types, more dimensions, strides BLAS cannot take, empty prod
 ``MPDL_BLAS`` chooses: ``auto`` (default: MKL where it is installed and NumPy's BLAS runs one
 thread, as under ``mpiexec`` where the ranks fill the cores), ``mkl`` (an error where it is not
 installed) or ``numpy``. MKL runs sequentially, one thread per process: where NumPy's OpenBLAS
-may use several cores (one process, a notebook), ``auto`` leaves the products to it (1024×128
-by 128×384 took 0.36 ms on OpenBLAS's 2 threads against 0.57-0.61 ms on MKL's one). Which
+may use several cores (one process, a notebook), ``auto`` leaves the products to it, faster there
+(docs/results/collectives.md#waiting-on-crowded-cores). Which
 library computes a product changes its last bits, never its shape or dtype; every rank of a job
 uses the same one (the ranks of a job run as many threads each).
 """

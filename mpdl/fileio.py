@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterator
 from typing import IO, Any
@@ -36,3 +37,13 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, durable: bool = Fal
     rename, so the file survives a crash of the machine too."""
     with atomic_open(path, "wb", sync=durable) as f:
         f.write(data.encode() if isinstance(data, str) else data)
+
+
+def describe_write_error(exc: OSError, what: str, nbytes: int, path: str | os.PathLike) -> str:
+    """One line on a failed write of `what` (nbytes in all) while at `path` (the error's own path
+    first): the error's name, the path and the bytes it needed, e.g. "... ENOSPC (No space left on
+    device) at PATH; it needs 40,960 bytes"."""
+    name = errno.errorcode.get(exc.errno or 0, "error")
+    path = exc.filename or os.fspath(path)
+    return (f"cannot write {what}: {name} ({exc.strerror or exc}) at {path}; it needs "
+            f"{nbytes:,} bytes")

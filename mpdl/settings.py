@@ -26,7 +26,7 @@ from ``current()`` (or from the communicator that was built with it).
   --checkpoint`, else ./mpdl-flight) |
 | MPDL_FLIGHT_RECORDS | flight_records | operations the flight recorder keeps; 0: off (1000) |
 | MPDL_STALL_WARN | stall_warn | seconds in one wait before a rank says whom it waits for (60) |
-| MPDL_FAULT | fault | tests only: ``kill:RANK:STEP`` or ``skip:RANK:SEQ`` (none) |
+| MPDL_FAULT | fault | tests only: ``kill:RANK:STEP``, ``nan:RANK:STEP`` or ``skip:RANK:SEQ`` (none) |
 """
 
 from __future__ import annotations
@@ -145,10 +145,10 @@ class Settings:
     #: the cost model's parameter file, or "off" (no model: the size rule) or "defaults"
     cost_model: str = ""
     #: the folder where `auto` keeps its first-use calibrations (one file per machine and world
-    #: shape; see mpdl.collectives.firstuse), or "off": no first-use calibration (defaults)
+    #: shape; see mpdl.tuning.firstuse), or "off": no first-use calibration (defaults)
     auto_cache: str = ""
     #: runs of each of `auto`'s choice and the cost model's runner-up that a persistent all-reduce
-    #: plan times, taking turns, before it keeps the faster (mpdl.collectives.verify); 0: off
+    #: plan times, taking turns, before it keeps the faster (mpdl.tuning.verify); 0: off
     verify_runs: int = 3
     cuda_aware: bool | None = None
     no_cupy: bool = False
@@ -162,7 +162,7 @@ class Settings:
     flight_records: int = 1000
     #: seconds a rank waits in one operation before it prints which peers it waits for
     stall_warn: float = 60.0
-    #: a fault injected for tests: ("kill", rank, step) or ("skip", rank, sequence number)
+    #: a fault injected for tests: ("kill" or "nan", rank, step) or ("skip", rank, sequence number)
     fault: tuple[str, int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -278,8 +278,9 @@ class Settings:
 def _parse_fault(raw: str) -> tuple[str, int, int]:
     kind, _, rest = raw.partition(":")
     rank, _, where = rest.partition(":")
-    if kind not in ("kill", "skip") or not rank.isdigit() or not where.isdigit():
-        raise ValueError(f"MPDL_FAULT: expected kill:RANK:STEP or skip:RANK:SEQ, got {raw!r}")
+    if kind not in ("kill", "nan", "skip") or not rank.isdigit() or not where.isdigit():
+        raise ValueError(f"MPDL_FAULT: expected kill:RANK:STEP, nan:RANK:STEP or skip:RANK:SEQ, "
+                         f"got {raw!r}")
     return kind, int(rank), int(where)
 
 

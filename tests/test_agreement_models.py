@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mpdl.collectives import costmodel as cm
 from mpdl.perf import agreement as A
+from mpdl.tuning import costmodel as cm
 
 PIECES = {"forward_s": 1.0, "backward_s": 2.0, "optimizer_s": 0.3, "blocks_forward_s": 0.8,
           "core_forward_s": 0.2, "sync_s": 0.01}

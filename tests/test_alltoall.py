@@ -16,9 +16,10 @@ import pytest
 
 from mpdl import collectives as C
 from mpdl import emulation
-from mpdl.collectives import auto
-from mpdl.collectives import costmodel as cm
+from mpdl import tuning as T
 from mpdl.threadworld import run_world
+from mpdl.tuning import auto
+from mpdl.tuning import costmodel as cm
 
 OURS = [a for a in C.algorithms("alltoall") if a != "mpi"]
 DTYPES = ["float16", "float32", "float64", "int32", "int64"]
@@ -197,9 +198,9 @@ def test_persistent_plan_runs_again_on_new_values_in_place_and_not(algorithm):
 
     def body(c):
         x = rounds[0][c.rank].copy()
-        plan = C.alltoall_init(x, comm=c, algorithm=algorithm)
+        plan = T.alltoall_init(x, comm=c, algorithm=algorithm)
         held = x.copy()
-        in_place = C.alltoall_init(held, comm=c, algorithm=algorithm, out=held)
+        in_place = T.alltoall_init(held, comm=c, algorithm=algorithm, out=held)
         results = []
         for values in rounds:
             x[...] = values[c.rank]

@@ -18,9 +18,9 @@ import pytest
 
 from mpdl import collectives as C
 from mpdl import settings
-from mpdl.collectives import auto, firstuse, measuring
-from mpdl.collectives import costmodel as cm
 from mpdl.threadworld import run_world
+from mpdl.tuning import auto, firstuse, measuring
+from mpdl.tuning import costmodel as cm
 
 
 @pytest.fixture(autouse=True)
@@ -135,7 +135,7 @@ def test_a_provisional_cache_is_used_but_measured_again_by_the_next_run(tmp_path
 
 
 def test_busy_check_names_the_load_and_the_spread(monkeypatch):
-    from mpdl.collectives import measuring
+    from mpdl.tuning import measuring
 
     assert measuring.Busy(0.1, 0.2, 1.1).why == ""
     assert "load 0.90 per core" in measuring.Busy(0.1, 0.9, 1.1).why
@@ -156,7 +156,7 @@ def test_busy_check_judges_each_nodes_share_of_core_time(monkeypatch):
     calibration too short to judge is not judged."""
     import time
 
-    from mpdl.collectives import measuring
+    from mpdl.tuning import measuring
 
     assert measuring.machine_share([0.99, 0.7], cores=2) == 0.7
     assert measuring.machine_share([0.56, 0.65, 0.57], cores=2) == pytest.approx(0.89)
@@ -412,7 +412,7 @@ def test_a_trial_runs_in_turns_in_rounds_forth_and_back():
     """Every algorithm's turn once a round, the rounds reversed in turn: each algorithm's runs
     fall on every place of a short rhythm of its caller (calls after a barrier, calls back to
     back); a turn is TURN runs in a row."""
-    from mpdl.collectives import verify
+    from mpdl.tuning import verify
 
     assert verify.TURN == 2
     assert verify.serpentine(("a", "b"), 3) == ["a", "b", "b", "a", "a", "b"]
@@ -427,7 +427,7 @@ def test_a_trial_switches_only_when_the_runner_up_is_ten_percent_faster(runner_u
     """Per run the slowest rank's time, per algorithm the fastest of its runs: the runner-up (b)
     wins at <= 0.9 of the choice's (a) time; rank 0's fast run of a (0.1) does not count, rank 1's
     1.0 in the same run does, and neither do the algorithms' first runs (SETUP)."""
-    from mpdl.collectives import verify
+    from mpdl.tuning import verify
 
     learned = []
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: learned.append(verdict))
@@ -444,7 +444,7 @@ def test_a_turns_first_run_after_another_algorithm_does_not_decide_the_trial(mon
     """The runner-up b takes 5.0 on the first run of each turn (charged with what the algorithm
     before it left) and 0.5 on the second; the choice a 1.0 on both: b wins, as its runs after
     itself say (the runs after another algorithm alone would have kept a)."""
-    from mpdl.collectives import verify
+    from mpdl.tuning import verify
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b"), {}, lambda name: None, 3)
@@ -461,7 +461,7 @@ def test_every_run_but_the_first_counts_wherever_it_falls_in_the_callers_rhythm(
     the rhythm for a (41, 19, 41) and not for b (39, 17, 22), so counting only them switched to
     b, which the sweep then timed at 1.4x a. a's first runs of its later turns (29, 11) count:
     a stays."""
-    from mpdl.collectives import verify
+    from mpdl.tuning import verify
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
     trial = verify.Trial(FakeComm(2), "allreduce", 8, ("a", "b"), {}, lambda name: None, 3)
@@ -476,7 +476,7 @@ def test_a_slow_spell_over_two_of_the_runner_ups_turns_does_not_decide_the_trial
     when another process's time slice falls on it; the choice (a) runs at 1.0: b wins (its
     median, 3.0, would have kept a). The fastest run counts on every node, one with more ranks
     than cores too."""
-    from mpdl.collectives import verify
+    from mpdl.tuning import verify
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
     monkeypatch.setattr(measuring, "crowded", lambda comm: True)
@@ -488,7 +488,7 @@ def test_a_slow_spell_over_two_of_the_runner_ups_turns_does_not_decide_the_trial
 def test_the_fastest_of_several_contenders_wins_and_each_runs_in_turn(monkeypatch):
     """Choice a, contenders b and c, each in every round (a, b, c, c, b, a): c's fastest run
     (0.5) beats b's (0.85), both within 0.9 of a's (1.0): c wins."""
-    from mpdl.collectives import verify
+    from mpdl.tuning import verify
 
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: None)
     trial = verify.Trial(FakeComm(2), "allreduce", 4096, ("a", "b", "c"), {}, lambda n: None, 2)
@@ -572,7 +572,7 @@ def test_a_trial_on_a_busy_machine_learns_a_provisional_verdict(loads, provision
     """The whole trial on stand-in runners: other work's load per core (3.0 on the last rank at
     the end) makes the verdict provisional, with the busy check's reason; every rank's largest
     load counts (FakeComm's all-gather hands every rank rank 0's view)."""
-    from mpdl.collectives import verify
+    from mpdl.tuning import verify
 
     learned, settled = [], []
     monkeypatch.setattr(auto, "learn", lambda comm, *verdict: learned.append(verdict))
@@ -613,8 +613,8 @@ def test_a_provisional_verdict_round_trips_and_never_replaces_a_quiet_one(tmp_pa
 def test_every_candidate_contends_in_a_reduce_scatter_or_allgather_plan(tmp_path, monkeypatch):
     """For an all-reduce the contenders are the candidates predicted within FIELD; for the other
     verified collectives every candidate, however far behind the model puts it (here with a FIELD
-    of 1.1, at 16 MiB on 4 ranks: tree beyond it)."""
-    from mpdl.collectives import verify
+    of 1.1, at 16 MiB on 4 ranks: tree beyond it, which `ranked` leaves out)."""
+    from mpdl.tuning import verify
 
     monkeypatch.setattr(verify, "FIELD", 1.1)
     settings.update(auto_cache=str(tmp_path), cost_model=str(tmp_path / "none.json"))
@@ -628,7 +628,7 @@ def test_every_candidate_contends_in_a_reduce_scatter_or_allgather_plan(tmp_path
         predicted = {name: cm.predict(collective, name, 1 << 24, 4, 1, model.params)
                      for name in cm.candidates(collective, True)}
         assert max(predicted.values()) > verify.FIELD * min(predicted.values()), predicted
-        assert auto.ranked(collective, 1 << 24, comm, model, verify.FIELD) == ()
+        assert "tree" not in auto.ranked(collective, 1 << 24, comm, model, verify.FIELD)
         names = verify.candidates(collective, 1 << 24, comm)
         assert names is not None and names[0] == auto.algorithm_for(collective, 1 << 24, comm).name
         assert sorted(names) == sorted(predicted)
@@ -638,7 +638,7 @@ def test_a_provisional_verdict_is_used_verified_again_by_the_next_run_and_shown(
     """The cache holds a quiet verdict for 4096 B and a provisional one for 8192 B: plans of both
     sizes run their verdicts, a plan of 8192 B verifies again (once in the run: a verdict learned
     now settles it), 4096 B does not; `mpdl info`'s line counts the provisional verdicts."""
-    from mpdl.collectives import verify
+    from mpdl.tuning import verify
 
     settings.update(auto_cache=str(tmp_path), cost_model=str(tmp_path / "none.json"))
     comm = FakeComm(2)

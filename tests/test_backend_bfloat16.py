@@ -23,13 +23,17 @@ import ml_dtypes
 assert backend.bfloat16 == np.dtype(ml_dtypes.bfloat16) == backend.check_dtype("bfloat16")
 assert backend.LOW_PRECISION == (np.dtype("float16"), backend.bfloat16)
 assert [d.name for d in backend.SUPPORTED_DTYPES] == [
-    "float16", "float32", "float64", "int32", "int64", "bfloat16"]
+    "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+    "uint32", "uint64", "bool", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
 x = np.arange(6).astype(backend.bfloat16)
 assert backend.as_bytes(x).dtype == np.uint16 and backend.is_bfloat16(x.dtype)
+assert backend.as_bytes(x.astype(ml_dtypes.float8_e4m3fn)).dtype == np.uint8
+assert backend.is_floating("float8_e5m2") and backend.accumulates_wide("float8_e4m3fn")
+assert not backend.accumulates_wide("int8") and not backend.is_floating("bool")
 try:
     backend.check_dtype(np.complex64)
 except TypeError as e:
-    assert "expected one of float16, float32, float64, int32, int64, bfloat16" in str(e), e
+    assert "expected one of float16, float32, float64, int8," in str(e), e
 else:
     raise AssertionError("complex64 accepted")
 print("ok")

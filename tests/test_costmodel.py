@@ -12,12 +12,13 @@ import pytest
 
 from mpdl import collectives as C
 from mpdl import emulation, settings
-from mpdl.collectives import auto, registry
-from mpdl.collectives import costmodel as cm
+from mpdl.collectives import registry
 from mpdl.perf import bench
 from mpdl.perf.bench import bus_factor
 from mpdl.perf.units import parse_size
 from mpdl.threadworld import run_world
+from mpdl.tuning import auto
+from mpdl.tuning import costmodel as cm
 
 ZERO = cm.Params(alpha=0.0, beta=0.0, gamma=0.0, copy=0.0, barrier=0.0, call=0.0, alpha_native=0.0)
 SIZES = [0, 8, 1000, 1 << 16, 1 << 20, 1 << 26]
@@ -218,7 +219,7 @@ def test_ring_steps_use_the_ring_curve_and_pairwise_steps_the_pair_curve():
 
 
 def test_calibrated_curve_never_decreases():
-    from mpdl.collectives.measuring import monotone
+    from mpdl.tuning.measuring import monotone
 
     assert monotone((8, 64, 128), [5e-6, 2e-6, 3e-6]) == ((8.0, 2e-6), (64.0, 2e-6), (128.0, 3e-6))
 
@@ -235,7 +236,7 @@ def test_recursive_doubling_pays_the_inter_node_link_only_where_pairs_cross_node
 def test_calibrated_exchange_drops_a_sweep_a_slow_spell_fell_on(monkeypatch):
     """Each size is timed in several sweeps; one sweep ten times slower (the machine paused) must
     not move the figure, as it would with a mean or with a single sweep."""
-    from mpdl.collectives import measuring
+    from mpdl.tuning import measuring
 
     effort = measuring.thorough(4)
     sizes = effort.sizes
@@ -254,7 +255,7 @@ def test_calibrated_exchange_drops_a_sweep_a_slow_spell_fell_on(monkeypatch):
 @pytest.mark.parametrize("nbytes", [8, 1 << 16, 1 << 20])
 def test_calibrated_exchange_buffers_share_a_page_offset(nbytes):
     """Not 16 bytes apart modulo 4 KiB, as two heap arrays allocated in a row are (4K aliasing)."""
-    from mpdl.collectives.measuring import exchange_buffers
+    from mpdl.tuning.measuring import exchange_buffers
 
     send, recv = exchange_buffers(nbytes)
     assert send.nbytes == recv.nbytes == nbytes and not np.shares_memory(send, recv)
@@ -265,8 +266,8 @@ def test_calibrated_exchange_buffers_share_a_page_offset(nbytes):
 def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
     """The ring curve times 2(p-1) forwarding steps in one call and reports the time per step;
     each step sends one block to the next rank and receives one from the previous."""
-    from mpdl.collectives import measuring
     from mpdl.threadworld import run_world
+    from mpdl.tuning import measuring
 
     monkeypatch.setattr(measuring, "bench_time", lambda comm, fn, reps, mpi_barrier=False: 6.0)
     effort = measuring.thorough(4)
@@ -340,8 +341,8 @@ def test_calibrated_reducing_ring_chain_adds_each_block_it_receives(nbytes, monk
     """Each step sends its block to the next rank, receives the next block from the previous one
     and adds it in (float32: whole elements, 66 bytes become 64); the block a step sends is the
     one the step before added into, so after 4 steps the last block holds 1 + 4 (all ones)."""
-    from mpdl.collectives import measuring
     from mpdl.threadworld import run_world
+    from mpdl.tuning import measuring
 
     buffers = []
     real_buffers = measuring.exchange_buffers

@@ -59,6 +59,10 @@ def test_generate_from_a_tiny_checkpoint(ckpt):
     assert out.stdout == expected + "\n" and len(expected) == 6
     sampled = [generate("--max-new-tokens", "20", "--seed", s).stdout for s in ("1", "1", "2")]
     assert sampled[0] == sampled[1] != sampled[2] and len(sampled[0]) == 1 + 20 + 1
+    # by default as many characters as the model sees at once: its block size, 5
+    out = generate("--prompt", "3+4=", "--top-k", "1")
+    assert out.stdout == sample(model, info["vocab"], "3+4=", 5, top_k=1) + "\n"
+    assert len(out.stdout) == 4 + 5 + 1
     for flags, message in [(["--prompt", "3*4="], "--prompt: '*' not in the model's vocabulary"),
                            (["--temperature", "0"], "--temperature: expected a positive"),
                            (["--top-k", "0"], "--top-k: expected a positive")]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -151,6 +152,9 @@ def test_init_from_and_export_refuse_what_does_not_fit(tmp_path):
             "--n-head", "4", "--epochs", "1", "--no-progress"]
     save_checkpoint(tmp_path / "mlp", {"w": np.zeros(3)}, {"state": {}, "param_groups": []},
                     {"epoch": 1, "step": 1, "config": {"model": "mlp"}})
+    # today's checkpoints record the configuration by section
+    save_checkpoint(tmp_path / "mlp2", {"w": np.zeros(3)}, {"state": {}, "param_groups": []},
+                    {"epoch": 1, "step": 1, "config": {"model": {"name": "mlp", "n_layer": 2}}})
     for args, message in [
             ([*base, "--n-embd", "8", "--init-from", str(tmp_path / "model.safetensors")],
              "--init-from: " + str(tmp_path / "model.safetensors") + ": transformer.wte.weight has "
@@ -159,10 +163,29 @@ def test_init_from_and_export_refuse_what_does_not_fit(tmp_path):
              "--init-from: " + str(tmp_path / "junk.safetensors") + ": not a readable safetensors"),
             (["export", "--checkpoint", str(tmp_path / "mlp"), str(tmp_path / "x.safetensors")],
              "--checkpoint: " + str(tmp_path / "mlp") + ": not a GPT checkpoint (written by mpdl "
-             "train --model mlp)")]:
+             "train --model mlp)"),
+            (["export", "--checkpoint", str(tmp_path / "mlp2"), str(tmp_path / "x.safetensors")],
+             "--checkpoint: " + str(tmp_path / "mlp2") + ": not a GPT checkpoint (written by mpdl "
+             "train --model mlp)"),
+            (["export", "--checkpoint", str(tmp_path / "ckpt"),
+              str(tmp_path / "missing" / "x.safetensors")],
+             "OUT: " + str(tmp_path / "missing" / "x.safetensors") + ": the folder "
+             + str(tmp_path / "missing") + " does not exist")]:
         out = subprocess.run([MPDL, *args], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert message in out.stderr, out.stderr
+    assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_the_exported_file_has_the_mode_the_umask_gives(tmp_path, umask, mode):
+    """Not the private temporary file's 0600 whatever the umask."""
+    gpt_checkpoint(tmp_path / "ckpt")
+    out = subprocess.run(["sh", "-c", f"umask {umask:03o} && exec {MPDL} export --checkpoint "
+                          f"{tmp_path / 'ckpt'} {tmp_path / 'model.safetensors'}"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert stat.S_IMODE((tmp_path / "model.safetensors").stat().st_mode) == mode
 
 
 @pytest.mark.parametrize("layout", [{}, {"parallel.pp": 2}, {"parallel.zero": 3}])
@@ -180,8 +203,12 @@ def test_a_run_starts_from_the_file(tmp_path, layout):
         trainer = Trainer(config, comm=comm, out=io.StringIO())
         trainer.setup()
         with trainer.strategy.gathered():
-            return trainer.model.state_dict()
+            return trainer.model.state_dict(), trainer.initialized
 
-    for state in run_world(2 if layout else 1, body):
+    for state, note in run_world(2 if layout else 1, body):
         for name, value in gpt.state_dict().items():
             np.testing.assert_array_equal(state[name], value)
+        # the header's note: (n_embd 16) wte 12·16, wpe 5·16, per block 12·16² + 13·16, ln_f 2·16
+        assert note == (f"# weights loaded from {tmp_path / 'model.safetensors'} (--init-from): "
+                        f"28 tensors, {12 * 16 + 5 * 16 + 2 * (12 * 256 + 13 * 16) + 2 * 16:,} "
+                        f"parameters")

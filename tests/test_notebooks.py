@@ -1,10 +1,13 @@
 """The teaching notebooks run top to bottom (nbclient) and their own checks pass: each ends by
 printing "CHECKS PASSED" and the checks it made after its assert cells, and draws at least one
-figure. The notebooks found here are the ones the README's learning path and the docs site list."""
+figure. The notebooks found here are the ones the README's learning path and the docs site list.
+With NOTEBOOK_OUT=DIR (`make notebooks`), each notebook that passes is written there as executed,
+outputs and figures included: the docs site shows those copies."""
 
 from __future__ import annotations
 
 import base64
+import os
 import re
 import struct
 import time
@@ -80,3 +83,7 @@ def test_notebook_runs_and_its_checks_pass(path, tmp_path, monkeypatch):
         width, height = png_size(figure)
         assert width >= 100 and height >= 100, (width, height)
     print(f"{path.name}: {time.perf_counter() - start:.1f} s")
+    if os.environ.get("NOTEBOOK_OUT"):  # make notebooks: the executed copy, for the docs site
+        out = Path(os.environ["NOTEBOOK_OUT"]) / path.name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(book, str(out))

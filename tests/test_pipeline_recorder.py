@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mpdl.parallel import pipeline_recorder
-from mpdl.parallel.pipeline_recorder import PipelineRecorder
+from mpdl.parallel.pipeline import recorder as pipeline_recorder
+from mpdl.parallel.pipeline.recorder import PipelineRecorder
 
 
 class Clock:

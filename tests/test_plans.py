@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from mpdl import collectives as C
-from mpdl.collectives import plan as plans
+from mpdl import tuning as T
 from mpdl.threadworld import run_world
+from mpdl.tuning import plan as plans
 
 OURS = [a for a in C.algorithms("allreduce") if a != "mpi"]
 
@@ -27,7 +28,7 @@ def test_allreduce_plans_match_the_one_shot_call_bit_for_bit(algorithm):
                 def body(c, xs=xs, op=op):
                     x = xs[c.rank].copy()
                     expected = C.allreduce(x, op=op, algorithm=algorithm, comm=c)
-                    h = C.allreduce_init(x, op=op, algorithm=algorithm, comm=c,
+                    h = T.allreduce_init(x, op=op, algorithm=algorithm, comm=c,
                                          out=np.empty_like(x))
                     first, second = h().copy(), h.start(x).wait()
                     return expected, first, second
@@ -43,10 +44,10 @@ def test_reduce_scatter_and_allgather_plans_every_p():
             xs = data(p, n, p + n)
 
             def body(c, xs=xs, n=n):
-                rs = [C.reduce_scatter_init(xs[c.rank], algorithm=a, comm=c)()
+                rs = [T.reduce_scatter_init(xs[c.rank], algorithm=a, comm=c)()
                       for a in C.algorithms("reduce_scatter") if a != "mpi"]
                 mine = np.array_split(xs[c.rank], c.size)[c.rank].copy()
-                ag = [C.allgather_init(mine, algorithm=a, comm=c, count=n)()
+                ag = [T.allgather_init(mine, algorithm=a, comm=c, count=n)()
                       for a in C.algorithms("allgather") if a != "mpi"]
                 return rs, ag
 
@@ -84,7 +85,7 @@ def test_the_cache_serves_each_array_its_own_result():
 def test_another_array_is_refused_with_a_clear_error():
     def body(c):
         x = np.ones(4)
-        h = C.allreduce_init(x, algorithm="ring", comm=c)
+        h = T.allreduce_init(x, algorithm="ring", comm=c)
         with pytest.raises(ValueError, match="made for another array"):
             h(np.ones(4))
         return h().tolist()

@@ -1,4 +1,4 @@
-"""Recorded schedules (mpdl.collectives.recording) against the live algorithms on the in-process
+"""Recorded schedules (mpdl.tuning.recording) against the live algorithms on the in-process
 world: the same messages (peer, buffer, offset, length, step) and reductions, in the same order,
 and a replay of the record gives the live result bit for bit."""
 
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from mpdl import settings
-from mpdl.collectives import recording
-from mpdl.collectives.recording import BUF, SRC, Message, Recording, Span, Step
 from mpdl.collectives.recursive import recursive_doubling_allreduce
 from mpdl.collectives.ring import ring_allreduce
 from mpdl.threadworld import run_world
+from mpdl.tuning import recording
+from mpdl.tuning.recording import BUF, SRC, Message, Recording, Span, Step
 
 ALGORITHMS = {"ring": ring_allreduce, "recursive_doubling": recursive_doubling_allreduce}
 

@@ -89,9 +89,17 @@ def test_an_object_all_gather_waiting_for_a_silent_rank_times_out(tmp_path):
     assert "CollectiveTimeout" in out.stderr and "object size" in out.stderr, out.stderr
 
 
-def test_doctor_without_records_says_so(tmp_path):
-    out = run([MPDL, "doctor", str(tmp_path)], timeout=60)
-    assert out.returncode == 2 and "no flight records" in out.stderr
+def test_doctor_without_records_says_nothing_went_wrong(tmp_path):
+    """A run that went well writes no records: its flight folder (or CHECKPOINT/flight, never
+    made) gets one line saying so and exit 0; a folder that is nowhere is an error (exit 2)."""
+    (tmp_path / "ckpt").mkdir()
+    for folder in (tmp_path, tmp_path / "ckpt" / "flight"):
+        out = run([MPDL, "doctor", str(folder)], timeout=60)
+        assert out.returncode == 0 and out.stderr == "", out.stderr
+        assert out.stdout == f"{folder}: no flight records: nothing went wrong (ranks write them " \
+                             f"only when a run fails, stalls or is sent SIGUSR1)\n"
+    out = run([MPDL, "doctor", str(tmp_path / "nowhere" / "flight")], timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "no such folder" in out.stderr
 
 
 COMMON = ["--no-progress", "--dtype", "float64", "--epochs", "2", "--global-batch-size", "128",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mpdl import emulation, settings
-from mpdl.collectives import auto
-from mpdl.collectives import costmodel as cm
+from mpdl.tuning import auto
+from mpdl.tuning import costmodel as cm
 
 
 def test_environment_is_read_once_and_validated(monkeypatch):

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from mpdl.collectives import costmodel as cm
 from mpdl.perf import agreement
 from mpdl.perf import oversubscription as O
 from mpdl.perf import simulate as S
+from mpdl.tuning import costmodel as cm
 
 BIN = Path(sys.executable).parent
 MPIEXEC, MPDL = str(BIN / "mpiexec"), str(BIN / "mpdl")

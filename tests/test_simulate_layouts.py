@@ -155,7 +155,7 @@ EXPECTED = {  # name: published figure, as the papers state it
     "Yamazaki et al. 2019 throughput": 1.73e6, "Mikami et al. 2018": 224.0}
 
 
-#: rows outside ±15%, each explained in docs/simulate.md, with the ratio they stand at
+#: rows outside ±15%, each explained in docs/results/simulate.md, with the ratio they stand at
 OUTSIDE = {"Mikami et al. 2018": 0.39}
 
 
@@ -175,7 +175,7 @@ def test_published_figures_within_their_bands():
     assert len(bubbles) == 4 and all(r["ok"] for r in bubbles)
     # every row's band is ±15% at most
     assert all(r["band"] <= 0.15 for r in rows.values())
-    # Mikami et al. stays outside the band: what the model misses is said in docs/simulate.md;
+    # Mikami et al. stays outside the band: what the model misses is said in docs/results/simulate.md;
     # on the same cluster Yamazaki et al.'s throughput lies inside
     assert not rows["Mikami et al. 2018"]["ok"]
     assert rows["Mikami et al. 2018"]["ratio"] == pytest.approx(OUTSIDE["Mikami et al. 2018"],

@@ -52,6 +52,18 @@ def test_checks_name_fields_and_the_cli_names_flags(changes, library, flags):
     assert flag("optim.lr_schedule") == "--lr-schedule"
 
 
+def test_sequence_parallelism_names_the_digits_that_split_evenly():
+    """3-digit addition has 11 positions: tp 2 cannot split them, 2 or 4 digits (8, 14) can."""
+    keys = {"model.name": "gpt", "data.dataset": "addition", "parallel.tp": 2, "parallel.pp": 2,
+            "parallel.sp": True}
+    with pytest.raises(ConfigError) as caught:
+        validate(TrainConfig.from_keys(keys), 4)
+    assert caught.value.message(flag) == (
+        "--sp: each rank's 11 positions of a sequence must be divisible by --tp 2 (addition has "
+        "3 x --digits + 2 positions: try --digits 2 or 4)")
+    validate(TrainConfig.from_keys({**keys, "data.digits": 2}), 4)
+
+
 def test_default_learning_rates():
     assert TrainConfig().base_lr() == 0.2
     assert TrainConfig.from_keys({"model.name": "lenet"}).base_lr() == 0.03

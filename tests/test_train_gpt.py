@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpdl.collectives import algorithms, costmodel
+from mpdl.collectives import algorithms
 from mpdl.threadworld import ThreadWorld, run_world
 from mpdl.training import throughput
 from mpdl.training.config import ConfigError, TrainConfig, model_defaults, validate
 from mpdl.training.loop import Trainer
 from mpdl.training.models import GPT, build_model
+from mpdl.tuning import costmodel
 
 TOL = {"float32": 1e-5, "float64": 1e-10}
 #: a tiny GPT on 1-digit addition: 90 training problems, 10 held out, 8 steps an epoch of 12

@@ -18,8 +18,9 @@ from mpdl.autograd import nn, optim
 from mpdl.autograd.tensor import Tensor
 from mpdl.parallel import DistributedSampler
 from mpdl.parallel.data_parallel import AllReduceStrategy
+from mpdl.parallel.naive import NaiveZero
 from mpdl.parallel.strategy import Batch
-from mpdl.parallel.zero import NaiveZero, ZeroStrategy
+from mpdl.parallel.zero import ZeroStrategy
 from mpdl.threadworld import run_world
 from mpdl.training import checkpoint
 from mpdl.training.config import ConfigError, TrainConfig, validate
@@ -102,6 +103,11 @@ def test_mlp_follows_ddp(stage, opt, p):
 @pytest.mark.parametrize("opt", ["adamw", "lars", "lamb"])
 def test_other_optimizers_follow_ddp(stage, opt):
     check_same(5, zero(stage), "mlp", opt, "float64")
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pat_reduce_scatters_and_gathers_like_ddp(stage):
+    check_same(5, zero(stage, algorithm="pat"), "mlp", "adam", "float64")
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -5,7 +5,9 @@ The pages under docs/ link to each other and to the repository as GitHub shows i
 
 - the home page is README.md (a link to it from docs/ leads there), its links rewritten from
   the repository root to the site;
-- the notebooks (notebooks/*.ipynb) are pages of the site, rendered by mkdocs-jupyter;
+- the notebooks (notebooks/*.ipynb) are pages of the site, rendered by mkdocs-jupyter from their
+  executed copies in build/notebooks/ (what they print and draw; `make docs` makes them), else
+  as stored (code only);
 - the API reference: one page per layer of `.layers`, generated from the docstrings by
   mkdocstrings (`::: mpdl.collectives` and the like), so a new package appears once it is in
   `.layers`.
@@ -36,6 +38,8 @@ LAYER_NAMES = {
     5: "measurement and tools",
     6: "the command line",
 }
+#: the notebooks as `make notebooks` executed them (outputs and figures), where it has
+EXECUTED = ROOT / "build" / "notebooks"
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s#]+)(#[^)\s]*)?\)")
 
 
@@ -132,7 +136,9 @@ def on_files(files: Files, config) -> Files:
     readme = (ROOT / "README.md").read_text()
     files.append(File.generated(config, "index.md", content=readme))
     for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
-        files.append(File(f"notebooks/{notebook.name}", str(ROOT), config["site_dir"],
+        executed = EXECUTED / notebook.name
+        source = executed.parent.parent if executed.exists() else ROOT
+        files.append(File(f"notebooks/{notebook.name}", str(source), config["site_dir"],
                           config["use_directory_urls"]))
     for layer, modules in sorted(table.items()):
         files.append(File.generated(config, f"reference/layer-{layer}.md",

@@ -17,8 +17,9 @@ What lives in which dtype (see docs/precision.md):
 
 Loss scaling (`LossScaler`, PyTorch GradScaler's rules): the loss is multiplied by the scale
 before backward, so that small float16 gradients do not flush to zero; the optimizer divides the
-gradients by it. A step whose gradients hold an inf or NaN is skipped and the scale halved; after
-2000 clean steps in a row it doubles. bfloat16 has float32's exponent range and needs no scaling.
+gradients by it. A step whose gradients hold an inf or NaN is skipped and the scale halved (not
+below 1); after 2000 clean steps in a row it doubles. bfloat16 has float32's exponent range and
+needs no scaling.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ INITIAL_SCALE = 2.0**16
 GROWTH_FACTOR = 2.0
 BACKOFF_FACTOR = 0.5
 GROWTH_INTERVAL = 2000
+#: the lowest loss scale backing off reaches (Megatron-LM's min_loss_scale), unless the first is lower
+MIN_SCALE = 1.0
 
 
 # -- the products -----------------------------------------------------------------------------------
@@ -76,14 +79,16 @@ def matmul(a: Any, b: Any, dtype: np.dtype | None) -> Any:
 # -- loss scaling --------------------------------------------------------------------------------------
 class LossScaler:
     """Dynamic loss scaling: `scale` multiplies the loss; `update(finite)` after each step halves
-    it on a step with inf/NaN gradients and doubles it after `growth_interval` clean steps."""
+    it on a step with inf/NaN gradients (down to `min_scale`, or the first scale if lower) and
+    doubles it after `growth_interval` clean steps."""
 
     def __init__(self, initial: float = INITIAL_SCALE, growth_factor: float = GROWTH_FACTOR,
                  backoff_factor: float = BACKOFF_FACTOR,
-                 growth_interval: int = GROWTH_INTERVAL) -> None:
+                 growth_interval: int = GROWTH_INTERVAL, min_scale: float = MIN_SCALE) -> None:
         if not initial > 0 or not np.isfinite(initial):
             raise ValueError(f"initial: expected a finite loss scale > 0, got {initial!r}")
         self.scale = float(initial)
+        self.min_scale = min(float(min_scale), self.scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval = growth_interval
         self.clean_steps = 0
@@ -92,7 +97,7 @@ class LossScaler:
 
     def update(self, finite: bool) -> None:
         if not finite:
-            self.scale *= self.backoff_factor
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.clean_steps = 0
             self.skipped_steps += 1
             self.backoffs += 1
@@ -101,6 +106,11 @@ class LossScaler:
         if self.clean_steps == self.growth_interval:
             self.scale *= self.growth_factor
             self.clean_steps = 0
+
+    @property
+    def at_floor(self) -> bool:
+        """Whether backing off can lower the scale no further."""
+        return self.scale <= self.min_scale
 
     def state_dict(self) -> dict[str, float]:
         return {"scale": self.scale, "clean_steps": self.clean_steps,

@@ -9,8 +9,8 @@ in backward, three zero-filled gradients of qkv's size and two sums of them. Wit
 mask the products run on blocks of `CAUSAL_BLOCK` query rows and skip the keys the block cannot
 see: at T = 4 blocks, 5/8 of the full products' work. The batch runs in chunks of at most
 `CHUNK_BYTES` of scores (one element at least), so that each chunk's scores are normalised and
-multiplied again while they are still in cache (a GPT train step at B 4, T 256, 6 heads of 64,
-6 layers: 112 instead of 119 ms in the attention cores, one thread).
+multiplied again while they are still in cache
+(docs/results/gpt.md#attention-in-cache-sized-chunks).
 """
 
 from __future__ import annotations
@@ -75,10 +75,8 @@ class PackedAttention(Function):
             fused.softmax_(scores, scale, is_causal)
             heads_out = out[i0:i1].transpose(0, 2, 1, 3)
             for r0, r1 in blocks:
-                # the products into the heads' outputs (contracting over keys or queries, hd
-                # columns) stay with NumPy: MKL's batched GEMM took 1.66-2.12 ms against NumPy's
-                # 1.47-1.79 on them at B 4, T 256, 6 heads of 64; on the score products
-                # (contracting over hd) 1.59-1.67 against 1.93-2.13
+                # these products stay with NumPy, faster here than MKL's batched GEMM
+                # (docs/results/gpt.md#gpt-train-step-against-pytorch-cpu)
                 blas.numpy_matmul_into(scores[:, :, r0:r1, :r1], v[:, :, :r1],
                                        heads_out[:, :, r0:r1])
         self.qkv, self.probs, self.is_causal, self.scale = qkv, probs, is_causal, scale

@@ -206,6 +206,18 @@ class Tensor:
 
     def backward(self, grad: Any = None, retain_graph: bool = False) -> None:
         """Accumulate d(self)/d(leaf) into every leaf's ``.grad``; ``grad`` seeds non-scalars."""
+        _run_backward(self, self._seed(grad), retain_graph)
+
+    def backward_split(self, grad: Any = None, weights: Any = ()) -> WeightGradients:
+        """The first half of ``backward()``: every gradient but those of the leaves in
+        ``weights`` now, theirs when the returned `WeightGradients` runs (the same values as one
+        ``backward()``; the graph is kept until then)."""
+        later = WeightGradients({id(w) for w in weights})
+        _run_backward(self, self._seed(grad), False, later)
+        return later
+
+    def _seed(self, grad: Any) -> Any:
+        """The gradient backward starts from (ones for a scalar)."""
         if not self.requires_grad:
             raise RuntimeError("backward(): tensor does not require grad and has no graph")
         xp = get_array_module(self.data)
@@ -219,7 +231,7 @@ class Tensor:
             if grad.shape != self.data.shape:
                 raise ValueError(f"backward(): grad shape {tuple(grad.shape)} does not match "
                                  f"tensor shape {self.shape}")
-        _run_backward(self, grad, retain_graph)
+        return grad
 
     # ------------------------------------------------------------------ operators
     def __add__(self, other: Any) -> Tensor:
@@ -365,10 +377,77 @@ def _consumer_counts(root: Tensor) -> dict[int, int]:
     return counts
 
 
-def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
+class WeightGradients:
+    """The second half of a split backward (`Tensor.backward_split`): the nodes that have a
+    weight among their inputs, each with the gradient of its output, to run again for the
+    weights' gradients alone."""
+
+    def __init__(self, weights: set[int]) -> None:
+        self.weights = weights
+        #: (node, its output's gradient, which inputs are weights), in the backward's order
+        self.nodes: list[tuple[Function, Any, tuple[bool, ...]]] = []
+
+    def input_grads(self, ctx: Function, grad: Any) -> tuple:
+        """The node's gradients for its inputs that are not weights; the node is kept for
+        `run` when some are."""
+        mask = tuple(need and id(t) in self.weights
+                     for t, need in zip(ctx.inputs, ctx.needs_input_grad, strict=True))
+        if not any(mask):
+            return _as_tuple(ctx.backward(grad))
+        # a copy: the output's gradient may be an array the engine adds into afterwards
+        self.nodes.append((ctx, grad.copy(), mask))
+        now = tuple(need and not w for need, w in zip(ctx.needs_input_grad, mask, strict=True))
+        if not any(now):
+            return (None,) * len(mask)
+        return _as_tuple(_backward_for(ctx, grad, now))
+
+    def run(self) -> None:
+        """Accumulate the weights' gradients into their ``.grad`` (summed per weight in the
+        order one backward adds them, then its grad-ready hooks fire) and free the nodes."""
+        grads: dict[int, Any] = {}
+        leaves: dict[int, Tensor] = {}
+        owned: set[int] = set()
+        for ctx, grad, mask in self.nodes:
+            for t, w, g in zip(ctx.inputs, mask, _as_tuple(_backward_for(ctx, grad, mask)),
+                               strict=True):
+                if not w or g is None:
+                    continue
+                key = id(t)
+                leaves[key] = t
+                if key not in grads:
+                    grads[key] = g
+                elif key in owned:
+                    grads[key] += g
+                else:
+                    grads[key] = grads[key] + g
+                    owned.add(key)
+            ctx.release()
+        self.nodes = []
+        handed: set[int] = set()
+        for key, leaf in leaves.items():
+            _finish_leaf(leaf, grads[key], key in owned, handed)
+
+
+def _backward_for(ctx: Function, grad: Any, needs: tuple[bool, ...]) -> Any:
+    """The node's backward for the inputs in ``needs`` only."""
+    full = ctx.needs_input_grad
+    ctx.needs_input_grad = needs
+    try:
+        return ctx.backward(grad)
+    finally:
+        ctx.needs_input_grad = full
+
+
+def _as_tuple(grads: Any) -> tuple:
+    return grads if isinstance(grads, tuple) else (grads,)
+
+
+def _run_backward(root: Tensor, grad: Any, retain_graph: bool,
+                  later: WeightGradients | None = None) -> None:
     """Kahn's algorithm from the output: a tensor's backward runs once all of its consumers have
     added their contribution to its gradient (its pending count reached zero), so every gradient
-    is complete before it is used, however many paths of whatever lengths lead to it."""
+    is complete before it is used, however many paths of whatever lengths lead to it. With
+    `later`, the gradients of its weights are left to it."""
     pending = _consumer_counts(root)
     grads: dict[int, Any] = {id(root): grad}
     owned = {id(root)}  # tensors whose accumulated gradient array the engine created
@@ -383,12 +462,12 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
         g = grads.pop(id(t), None)
         if g is None:
             in_grads: tuple = (None,) * len(ctx.inputs)
+        elif later is None:
+            in_grads = _as_tuple(ctx.backward(g))
         else:
-            in_grads = ctx.backward(g)
-            if not isinstance(in_grads, tuple):
-                in_grads = (in_grads,)
+            in_grads = later.input_grads(ctx, g)
         for inp, need, gi in zip(ctx.inputs, ctx.needs_input_grad, in_grads, strict=True):
-            if not need:
+            if not need or (later is not None and id(inp) in later.weights):
                 continue
             key = id(inp)
             if gi is not None:
@@ -406,7 +485,8 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
                     _finish_leaf(inp, grads.pop(key, None), key in owned, handed)
                 else:
                     ready.append(inp)
-        if not retain_graph:
+        if not retain_graph and not (later is not None and later.nodes
+                                     and later.nodes[-1][0] is ctx):
             ctx.release()
 
 

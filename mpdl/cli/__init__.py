@@ -1,5 +1,5 @@
 """The `mpdl` command: one module per verb (info, bench, calibrate, train, simulate, generate,
-export, launch, doctor).
+serve, export, launch, doctor).
 
 Only the verb asked for is imported (with what it needs), so that a verb's start-up, which every
 mpiexec rank pays, does not include the other verbs' dependencies.
@@ -23,7 +23,10 @@ VERBS = {
     "calibrate": "measure this machine's α, β, γ for the cost model that drives algorithm='auto'",
     "simulate": "predict step time, speedup against N (up to 65,536), time and cost to train",
     "generate": "sample text from a GPT checkpoint of `mpdl train --model gpt`",
-    "export": "write a GPT checkpoint as a safetensors file under nanoGPT's names",
+    "serve": "serve a GPT checkpoint over HTTP (OpenAI API) with continuous batching over a "
+             "paged KV cache",
+    "export": "write a GPT checkpoint as a safetensors file under nanoGPT's names, or for "
+              "Hugging Face transformers",
     "launch": "run `mpdl train` under mpiexec or srun and restart it from its checkpoint when "
               "it fails",
     "doctor": "say what went wrong from the flight records of every rank",
@@ -32,6 +35,16 @@ VERBS = {
 
 class UsageError(Exception):
     """Bad flags or an inconsistent configuration: exit code 2 with a one-line message."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags: one line, from rank 0 only (every rank parses the same argv), exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if is_rank0():
+            print(f"{self.prog}: error: {message} ({self.prog} --help lists the options)",
+                  file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def _check_settings() -> None:
@@ -54,7 +67,7 @@ def _verb_in(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `mpdl` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="mpdl", description="mpdl: transparent MPI data-parallel "
+    parser = _Parser(prog="mpdl", description="mpdl: transparent MPI data-parallel "
                                      "deep learning. Launch with mpiexec -n P mpdl VERB ...")
     parser.add_argument("--version", action="version", version=f"mpdl {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")

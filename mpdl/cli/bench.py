@@ -22,7 +22,7 @@ from mpdl.collectives.ops import OPS
 from mpdl.comm import as_communicator
 from mpdl.fileio import atomic_open
 from mpdl.mpi_runtime import load_mpi
-from mpdl.perf import bench
+from mpdl.perf import bench, mpi_variants
 from mpdl.perf.units import parse_size
 
 
@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "between them (OSU-style latency; out= preallocated); time is per "
                              "call (default 1: a barrier before every call)")
     parser.add_argument("--dtype", default="float32",
-                        help="float16, float32 (default), float64, int32 or int64")
+                        help="float32 (default), or another dtype the collectives carry: "
+                             "float16, float64, bfloat16, float8_e4m3fn, float8_e5m2, int8 … "
+                             "uint64, bool")
     parser.add_argument("--op", default="sum", help="sum (default), prod, max, min or avg")
     parser.add_argument("--inplace", action="store_true",
                         help="allreduce or alltoall into the input array (out=x)")
@@ -56,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", type=int, default=0, help="root of broadcast and reduce")
     parser.add_argument("--check", action="store_true",
                         help="compare every result with the mpi baseline; mismatches go in #wrong")
+    parser.add_argument("--mpi-variants", action="store_true",
+                        help="also time the MPI library's own algorithms by name (MPICH's "
+                             "MPIR_CVAR_<COLL>_INTRA_ALGORITHM, Open MPI's coll_tuned_<coll>_"
+                             "algorithm), as rows mpi:NAME beside mpdl's algorithm of that name")
     parser.add_argument("--list", action="store_true",
                         help="list the algorithms with their cost formulas and exit")
     parser.add_argument("--emulate", metavar="SPEC",
@@ -97,7 +103,9 @@ def validate(args: argparse.Namespace) -> bench.Config:
     reducing = args.collective in ("allreduce", "reduce_scatter", "reduce")
     if args.op not in OPS:
         raise UsageError(f"--op: expected one of {', '.join(OPS)}, got {args.op!r}")
-    if args.op == "avg" and dtype.kind != "f":
+    if reducing and args.op == "prod" and dtype.kind == "b":
+        raise UsageError("--op prod is not defined for bool; use min (logical and)")
+    if args.op == "avg" and not backend.is_floating(dtype):
         raise UsageError(f"--op avg needs a floating-point --dtype, got {args.dtype}")
     if args.inplace and args.collective not in ("allreduce", "alltoall"):
         raise UsageError("--inplace applies to allreduce and alltoall only")
@@ -121,7 +129,8 @@ def validate(args: argparse.Namespace) -> bench.Config:
                         sizes=tuple(bench.sizes(min_bytes, max_bytes, args.factor)),
                         op=args.op if reducing else None, iters=args.iters, warmup=args.warmup,
                         root=args.root, inplace=args.inplace, check=args.check,
-                        device=args.device, emulation=emulated, loop=args.loop)
+                        device=args.device, emulation=emulated, loop=args.loop,
+                        mpi_variants=args.mpi_variants)
 
 
 def list_algorithms(collective: str) -> None:
@@ -154,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
         result = bench.run(config, comm, progress=None if bar is None else lambda: bar.update(1))
     except bench.Unusable as exc:
         raise UsageError(f"--{exc}") from None
+    except mpi_variants.Unavailable as exc:
+        raise UsageError(f"--mpi-variants: {exc}") from None
     finally:
         if bar is not None:
             bar.close()
@@ -204,7 +215,8 @@ def print_table(rows, args, p, nodes, emulated, params, model: str = "") -> None
           "the fastest's" + (" [EMULATED]" if emulated else ""))
     for size in sorted({r["bytes"] for r in rows}):
         mine = [r for r in rows if r["bytes"] == size]
-        ours = [r for r in mine if r["algorithm"] not in ("mpi", "auto")]
+        ours = [r for r in mine if r["algorithm"] not in ("mpi", "auto")
+                and not r["algorithm"].startswith("mpi:")]
         mpi = next((r for r in mine if r["algorithm"] == "mpi"), None)
         auto = next((r for r in mine if r["algorithm"] == "auto"), None)
         if not ours:
@@ -216,6 +228,12 @@ def print_table(rows, args, p, nodes, emulated, params, model: str = "") -> None
         if auto is not None and best["time_us"] > 0:
             line += f"  auto→{auto['chosen']} {auto['time_us'] / best['time_us']:5.2f}x best"
         print(line)
+        pairs = [(r, next((v for v in mine if v["algorithm"] == f"mpi:{r['algorithm']}"), None))
+                 for r in ours]
+        same = [f"{r['algorithm']} {r['time_us'] / v['time_us']:.2f}x" for r, v in pairs
+                if v is not None and v["time_us"] > 0]
+        if same:
+            print(f"{'':>12}  mpdl / the library's same algorithm (mpi:NAME): {', '.join(same)}")
 
 
 def _label(row) -> str:

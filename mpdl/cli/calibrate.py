@@ -11,10 +11,10 @@ import argparse
 import json
 
 from mpdl.cli import UsageError
-from mpdl.collectives import costmodel
 from mpdl.comm import as_communicator
 from mpdl.mpi_runtime import load_mpi
 from mpdl.perf.calibrate import calibrate
+from mpdl.tuning import costmodel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

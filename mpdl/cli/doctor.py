@@ -4,13 +4,16 @@
 
 Says which ranks wrote records and why, where each stopped, the first collective whose signature
 differs between ranks, the ranks that never arrived, and which ranks to look at first.
-Exit status 0 when the records show no problem, 1 when they do, 2 when there are none.
+Exit status 0 when the records show no problem, or when there are none (ranks write them only
+when a run fails, stalls or is sent SIGUSR1: a run that went well leaves none), 1 when they show
+one, 2 when neither FLIGHT nor the folder holding it exists.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from mpdl.cli import UsageError
 from mpdl.tools.doctor import FlightError, diagnose
@@ -23,6 +26,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    folder = Path(args.flight)
+    if not folder.is_dir() and not folder.absolute().parent.is_dir():
+        raise UsageError(f"FLIGHT: {args.flight}: no such folder (expected the flight folder of a "
+                         f"run: CHECKPOINT/flight, $MPDL_FLIGHT_DIR or ./mpdl-flight)")
+    if not any(folder.glob("rank-*.json")):
+        print(f"{args.flight}: no flight records: nothing went wrong (ranks write them only when a "
+              f"run fails, stalls or is sent SIGUSR1)")
+        return 0
     try:
         found = diagnose(args.flight)
     except FlightError as exc:

@@ -42,8 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "or the vocabulary's first character when it has none)")
     what.add_argument("--prompts", metavar="FILE",
                       help="a file of prompts, one per line, generated as one batch")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
-                   help="characters to generate after each prompt (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, metavar="N",
+                   help="characters to generate after each prompt (default: the model's block "
+                        "size, the characters it sees at once: past them it no longer sees the "
+                        "prompt)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",
                    help="divides the logits: below 1 sharper, above 1 flatter (default: "
                         "%(default)s)")
@@ -89,7 +91,7 @@ def read_prompts(path: str, vocab: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 0:
+    if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens: expected a number >= 0, got {args.max_new_tokens}")
     if not args.temperature > 0:
         raise UsageError(f"--temperature: expected a positive number, got {args.temperature}")
@@ -102,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         raise UsageError(f"--checkpoint: {exc}") from None
     vocab = info["vocab"]
+    if args.max_new_tokens is None:
+        args.max_new_tokens = info["block_size"]
     try:
         if args.prompts is not None:
             texts = read_prompts(args.prompts, vocab)

@@ -17,9 +17,9 @@ import numpy
 
 import mpdl
 from mpdl import backend, blas
-from mpdl.collectives import auto
 from mpdl.comm import as_communicator, cuda_aware_mpi, polling, ranks_per_node_override
 from mpdl.mpi_runtime import library_version, load_mpi, usable_cores
+from mpdl.tuning import auto
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

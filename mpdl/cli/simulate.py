@@ -24,12 +24,15 @@ from mpdl.cli import UsageError
 from mpdl.cli import simulate_layouts as layouts
 from mpdl.cli.output import is_rank0, world_size, write_json_lines
 from mpdl.cli.simulate_layouts import duration as _duration
-from mpdl.collectives import costmodel
 from mpdl.fileio import atomic_open
 from mpdl.mpi_runtime import load_mpi, oversubscribed
 from mpdl.perf import simulate as S
 from mpdl.perf.units import parse_count, parse_size
 from mpdl.training.models import IMAGE_MODELS
+from mpdl.tuning import costmodel
+
+#: the most workers a configuration or a sweep may have (the cost model walks the ranks)
+MAX_WORKERS = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -325,8 +328,8 @@ def run(args: argparse.Namespace) -> int:
         for name, n in S.NETWORKS.items():
             print(f"network {name:<20} {n.per_node} per node; {n.source}")
         return 0
-    if args.max_workers < 1 or args.max_workers > 1 << 20:
-        raise UsageError(f"--max-workers: expected 1..{1 << 20}, got {args.max_workers}")
+    if args.max_workers < 1 or args.max_workers > MAX_WORKERS:
+        raise UsageError(f"--max-workers: expected 1..{MAX_WORKERS}, got {args.max_workers}")
     if args.batch_per_worker is not None and args.global_batch is not None:
         raise UsageError("give --batch-per-worker or --global-batch, not both")
     if args.batch_per_worker is not None and not args.batch_per_worker > 0:
@@ -347,6 +350,10 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--nodes", args.nodes), ("--per-node", args.per_node)):
         if value is not None and value < 1:
             raise UsageError(f"{flag}: expected a positive count, got {value}")
+    workers = (args.nodes or 1) * (args.per_node or 1)
+    if workers > MAX_WORKERS:
+        raise UsageError(f"--nodes x --per-node: {workers:,} workers is beyond the simulator's "
+                         f"range of 1..{MAX_WORKERS:,} (its cost model walks the ranks)")
     strategies = parse_strategies(args.algorithms, not args.no_overlap, args.compression,
                                   args.bucket_mb * S.MB)
     workload, default_net = choose_workload(args)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from threadpoolctl import threadpool_limits
 
@@ -26,7 +27,8 @@ from mpdl.backend import cupy_module
 from mpdl.cli import UsageError
 from mpdl.cli.output import is_rank0
 from mpdl.comm import flight
-from mpdl.mpi_runtime import launcher_local_size, load_mpi
+from mpdl.mpi_runtime import launcher_local_size, load_mpi, wait_for_peers
+from mpdl.training.checkpoint import CheckpointWriteError
 from mpdl.training.config import (
     OPTIONS,
     SECTIONS,
@@ -39,6 +41,7 @@ from mpdl.training.config import (
     validate,
 )
 from mpdl.training.config_file import config_toml, read_config_file
+from mpdl.training.guard import NonFiniteStop
 from mpdl.training.loop import Trainer
 
 
@@ -169,5 +172,11 @@ def run(args: argparse.Namespace) -> int:
         trainer.setup()
     except ConfigError as exc:
         raise usage_error(exc, args.config, from_file) from None
-    trainer.run()
+    try:
+        trainer.run()
+    except (NonFiniteStop, CheckpointWriteError) as exc:
+        if is_rank0():
+            print(f"mpdl train: error: {exc}", file=sys.stderr, flush=True)
+        wait_for_peers()
+        return exc.exit_status
     return 0

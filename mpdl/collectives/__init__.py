@@ -3,8 +3,7 @@
 Public calls take NumPy or CuPy arrays and return the same kind. `comm` is an mpi4py communicator
 (default MPI.COMM_WORLD) or an mpdl Communicator (for example one rank of the in-process world).
 `alltoall` and `alltoallv` exchange blocks between every pair of ranks.
-`allreduce_init`, `reduce_scatter_init`, `allgather_init` and `alltoall_init` prepare persistent plans
-(`mpdl.collectives.plan`).
+Persistent plans (`allreduce_init` and the others) are the tuning engine's: `mpdl.tuning`.
 """
 
 from mpdl.collectives.api import (
@@ -21,16 +20,8 @@ from mpdl.collectives.api import (
     reduce_scatter_async,
 )
 from mpdl.collectives.handles import Handle
-from mpdl.collectives.plan import (
-    Plan,
-    allgather_init,
-    allreduce_init,
-    alltoall_init,
-    reduce_scatter_init,
-)
 from mpdl.collectives.registry import COLLECTIVES, REGISTRY, algorithms
 
 __all__ = ["allreduce", "allreduce_async", "reduce_scatter", "reduce_scatter_async",
            "allgather", "allgather_async", "broadcast", "reduce", "algorithms", "Handle",
-           "COLLECTIVES", "REGISTRY", "Plan", "allreduce_init", "reduce_scatter_init",
-           "allgather_init", "alltoall", "alltoall_async", "alltoallv", "alltoall_init"]
+           "COLLECTIVES", "REGISTRY", "alltoall", "alltoall_async", "alltoallv"]

@@ -16,15 +16,13 @@ from mpdl import faults
 from mpdl.collectives import blocks as _blocks
 from mpdl.collectives import checks as _checks
 from mpdl.collectives import counts as _counts
-from mpdl.collectives import plan as _plan
+from mpdl.collectives import hook as _hook
 from mpdl.collectives import registry
 from mpdl.collectives.checks import agree as _agree
 from mpdl.collectives.checks import pick as _pick
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.ops import check_array, check_op
 from mpdl.comm import Communicator, as_communicator
-
-_cached_plans = _plan.cache
 
 
 def _check_root(root: Any, comm: Communicator) -> int:
@@ -74,17 +72,18 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None
     """Reduce x elementwise over all ranks; every rank gets the result (x's kind, shape, dtype).
 
     x is left untouched unless `out is x`. Results are bit-identical on every rank. With `out`,
-    the call runs through a cached plan (`mpdl.collectives.plan`) of these arrays.
+    the call runs through a cached plan (`mpdl.tuning.plan`, through `hook`) of these arrays.
     """
-    if out is not None:
-        try:  # the plan cache's hit, in line (plan.allreduce_key): a call here would cost 0.13 us
-            plan = _cached_plans.get((id(x), id(out), id(comm), op, algorithm))
+    engine = _hook.engine
+    if out is not None and engine is not None:
+        try:  # the plan cache's hit, in line (plan.allreduce_key): cheaper than a call
+            plan = engine.cache.get((id(x), id(out), id(comm), op, algorithm))
         except TypeError:  # op or algorithm unhashable: the checks below say which
             plan = None
         if plan is not None and x.dtype is plan._dtype and x.shape == plan._shape:
             return plan()
         if type(op) is str and type(algorithm) is str:
-            plan = _plan.cached_allreduce(x, op, algorithm, comm, out)
+            plan = engine.cached_allreduce(x, op, algorithm, comm, out)
             if plan is not None:
                 return plan()
     return _prepare_allreduce(x, op, algorithm, comm, out)[1]()
@@ -125,10 +124,11 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any =
     Blocks follow numpy.array_split: the first count % p blocks are one element longer. With
     `in_place`, x (1-D, C-contiguous) is the work buffer and the result is a view of its block
     (the rest of x is left undefined); otherwise x is untouched and the result a new array.
-    Runs through a cached plan (`mpdl.collectives.plan`) of x.
+    Runs through a cached plan (`mpdl.tuning.plan`, through `hook`) of x.
     """
-    if type(op) is str and type(algorithm) is str:
-        plan = _plan.cached_reduce_scatter(x, op, algorithm, comm, in_place)
+    engine = _hook.engine
+    if engine is not None and type(op) is str and type(algorithm) is str:
+        plan = engine.cached_reduce_scatter(x, op, algorithm, comm, in_place)
         if plan is not None:
             return plan()
     return _prepare_reduce_scatter(x, op, algorithm, comm, in_place)[1]()
@@ -171,10 +171,12 @@ def allgather(x: Any, algorithm: str = "auto", comm: Any = None, count: int | No
     `reduce_scatter`'s (block_bounds: the first count % p blocks one element longer; x.size is
     this rank's block size) and the result is that array. `out` (1-D, the result's size and
     dtype) receives the result; this rank's block may already be in place (x a view of it).
-    With `out`, the call runs through a cached plan (`mpdl.collectives.plan`) of these arrays.
+    With `out`, the call runs through a cached plan (`mpdl.tuning.plan`, through `hook`) of these arrays.
     """
-    if out is not None and type(algorithm) is str and (count is None or type(count) is int):
-        plan = _plan.cached_allgather(x, algorithm, comm, count, out)
+    engine = _hook.engine
+    if (engine is not None and out is not None and type(algorithm) is str
+            and (count is None or type(count) is int)):
+        plan = engine.cached_allgather(x, algorithm, comm, count, out)
         if plan is not None:
             return plan()
     return _prepare_allgather(x, algorithm, comm, count, out)[1]()
@@ -240,17 +242,18 @@ def alltoall(x: Any, comm: Any = None, algorithm: str = "auto", out: Any = None)
     """Block j of x (x[j], its first axis of length p) goes to rank j; block i of the result came
     from rank i. The result has x's shape and dtype; `out` (of that shape and dtype) receives it,
     and `out is x` exchanges in place. x is left untouched otherwise. With `out`, the call runs
-    through a cached plan (`mpdl.collectives.plan`) of these arrays; without, small NumPy inputs
+    through a cached plan (`mpdl.tuning.plan`, through `hook`) of these arrays; without, small NumPy inputs
     run through a plan kept for their shape (`plan.shaped_alltoall`)."""
-    if out is None:
-        result = _plan.shaped_alltoall(x, comm, algorithm)
+    engine = _hook.engine
+    if engine is not None and out is None:
+        result = engine.shaped_alltoall(x, comm, algorithm)
         if result is not None:
             return result
-    elif type(algorithm) is str:
-        plan = _cached_plans.get(("alltoall", id(x), id(out), id(comm), algorithm))
+    elif engine is not None and type(algorithm) is str:
+        plan = engine.cache.get(("alltoall", id(x), id(out), id(comm), algorithm))
         if plan is not None and x.dtype is plan._dtype and x.shape == plan._shape:
             return plan()  # the plan cache's hit in line, as allreduce's (plan.cached_alltoall)
-        plan = _plan.cached_alltoall(x, algorithm, comm, out)
+        plan = engine.cached_alltoall(x, algorithm, comm, out)
         if plan is not None:
             return plan()
     return _prepare_alltoall(x, comm, algorithm, out)[1]()

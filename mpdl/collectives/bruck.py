@@ -1,4 +1,5 @@
-"""Bruck's all-to-all (Bruck, Ho, Kipnis, Upfal & Weathersby 1997; MPICH's alltoall_intra_brucks).
+"""Bruck's algorithms: all-to-all and all-gather (Bruck, Ho, Kipnis, Upfal & Weathersby 1997; MPICH's
+alltoall_intra_brucks and allgather_intra_brucks).
 
 Few messages for many ranks, at the price of forwarding: ceil(lg p) steps instead of p-1.
 1. Rotate: position i of a work array takes the block for rank r+i (mod p), so a block's
@@ -96,3 +97,30 @@ def _varying_blocks(comm, recv, send, blocks: Blocks) -> None:
         target = blocks.recv_block(recv, (r - i) % p)
         if target.size:
             xp.copyto(target, held[i])
+
+
+def bruck_allgather(comm, buf, bounds: list[int]) -> None:
+    """Bruck's all-gather in place, any p, ceil(lg p) steps: position i of a work array holds the
+    block of rank r+i; at distance d = 2^k a rank sends its first min(d, p-d) positions to rank
+    r-d and takes rank r+d's into positions [d, d + min(d, p-d)); a last rotation puts the
+    blocks in rank order. T = ceil(lg p)·α + n(p-1)/p·β + 2 local copies."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        return
+    total, start = buf.size, bounds[r]
+    work = comm.workspace("bruck.gather", total, buf.dtype, get_array_module(buf))
+
+    def end(positions: int) -> int:
+        """Where position `positions` starts in the work array (the blocks r, r+1, … before)."""
+        last = r + positions
+        return bounds[last] - start if last <= p else total - start + bounds[last - p]
+
+    work[:end(1)] = buf[start:bounds[r + 1]]
+    distance = 1
+    while distance < p:
+        count = min(distance, p - distance)
+        comm.sendrecv(work[:end(count)], (r - distance) % p,
+                      work[end(distance):end(distance + count)], (r + distance) % p, distance)
+        distance *= 2
+    buf[start:] = work[:total - start]
+    buf[:start] = work[total - start:]

@@ -3,12 +3,17 @@
 Not ours: these call MPI_Allreduce and friends through mpi4py. Device arrays are passed straight to
 a CUDA-aware library, and otherwise copied to the host and back.
 
-MPI 4.1 has no bfloat16 type (MPI 5.0's MPI_BFLOAT16_T is a null datatype in MPICH 5.0.2, and
-Python's buffer protocol cannot describe ml_dtypes' bfloat16): a bfloat16 reduction is upcast to
-float32, reduced by the library in float32 and rounded back once. The result is the same on every
-rank and at least as accurate as a bfloat16 reduction; it moves twice the bytes of one. bfloat16
-arrays that are only moved (all-gather, broadcast) travel as 16-bit words. float16 goes to the
-library as it is (mpi4py hands it over as MPI_FLOAT16_T).
+MPI 4.1 has no bfloat16 or 8-bit float type (MPI 5.0's MPI_BFLOAT16_T is a null datatype in
+MPICH 5.0.2, and Python's buffer protocol cannot describe ml_dtypes' floats): such a reduction is
+upcast to float32, reduced by the library in float32 and rounded back once. The result is the same
+on every rank and at least as accurate as one in the narrow dtype; it moves more bytes. Arrays
+that are only moved (all-gather, broadcast) travel as raw words. float16 goes to the library as it
+is (mpi4py hands it over as MPI_FLOAT16_T). MPI_SUM is not defined on MPI_C_BOOL: bool reduces
+as bytes with MPI_MAX (sum and max: logical or) or MPI_MIN (logical and).
+
+Each call is the library's nonblocking form (MPI_Iallreduce ...) waited for under the
+communicator's wait policy, so that a peer that never comes (or calls another collective) ends the
+wait after MPDL_TIMEOUT with `CollectiveTimeout` instead of blocking in MPI for ever.
 """
 
 from __future__ import annotations
@@ -20,6 +25,12 @@ import numpy as np
 from mpdl import backend
 
 _MPI_OPS = {"sum": "SUM", "avg": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
+_BOOL_OPS = {"sum": "MAX", "max": "MAX", "min": "MIN"}
+
+
+def _mpi_op(MPI, op: str, dtype: np.dtype):
+    """The MPI reduction operator of op on dtype (bool: see the module's docstring)."""
+    return getattr(MPI, (_BOOL_OPS if dtype.kind == "b" else _MPI_OPS)[op])
 
 
 def _mpi(comm) -> tuple[Any, Any]:
@@ -28,6 +39,15 @@ def _mpi(comm) -> tuple[Any, Any]:
     if mpi is None:
         raise ValueError(f"algorithm: 'mpi' needs an MPI communicator, not {type(comm).__name__}")
     return mpi, comm.MPI
+
+
+def _wait(comm, request: Any, call: str) -> None:
+    """Wait for the MPI request of `call` under comm's wait policy (its timeout)."""
+    wait = getattr(comm, "_wait_mpi", None)
+    if wait is None:
+        request.Wait()
+    else:
+        wait(request, call)
 
 
 def _host(buf, comm):
@@ -44,8 +64,10 @@ def _host(buf, comm):
 
 def _reducible(host: np.ndarray):
     """(an array the MPI library can reduce, a function that writes it back into host):
-    bfloat16 is upcast to float32 (MPI has no bfloat16)."""
-    if not backend.is_bfloat16(host.dtype):
+    ml_dtypes' floats are upcast to float32 (MPI has no type for them), bool is viewed as bytes."""
+    if host.dtype.kind == "b":
+        return host.view(np.uint8), lambda: None
+    if not backend.is_ml_float(host.dtype):
         return host, lambda: None
     wide = host.astype(np.float32)
     return wide, lambda: np.copyto(host, wide, casting="unsafe")
@@ -55,7 +77,8 @@ def mpi_allreduce(comm, buf, op: str) -> None:
     mpi, MPI = _mpi(comm)
     host, back = _host(buf, comm)
     wide, narrow = _reducible(host)
-    mpi.Allreduce(MPI.IN_PLACE, wide, op=getattr(MPI, _MPI_OPS[op]))
+    _wait(comm, mpi.Iallreduce(MPI.IN_PLACE, wide, op=_mpi_op(MPI, op, buf.dtype)),
+          "MPI_Iallreduce")
     narrow()
     back()
 
@@ -64,28 +87,30 @@ def mpi_reduce_scatter(comm, buf, op: str, bounds: list[int]) -> None:
     mpi, MPI = _mpi(comm)
     host, back = _host(buf, comm)
     wide, narrow = _reducible(host)
-    _reduce_scatter(mpi, MPI, comm, wide, op, bounds)
+    _reduce_scatter(mpi, MPI, comm, wide, _mpi_op(MPI, op, buf.dtype), bounds)
     narrow()
     back()
 
 
-def _reduce_scatter(mpi, MPI, comm, host, op: str, bounds: list[int]) -> None:
+def _reduce_scatter(mpi, MPI, comm, host, mpi_op, bounds: list[int]) -> None:
     counts = [bounds[i + 1] - bounds[i] for i in range(comm.size)]
     mine = host[bounds[comm.rank]:bounds[comm.rank + 1]]
-    mpi.Reduce_scatter(host.copy(), mine, recvcounts=counts, op=getattr(MPI, _MPI_OPS[op]))
+    source = host.copy()
+    _wait(comm, mpi.Ireduce_scatter(source, mine, recvcounts=counts, op=mpi_op),
+          "MPI_Ireduce_scatter")
 
 
 def mpi_allgather(comm, buf, bounds: list[int]) -> None:
     mpi, MPI = _mpi(comm)
     host, back = _host(buf, comm)
-    mpi.Allgather(MPI.IN_PLACE, backend.as_bytes(host))
+    _wait(comm, mpi.Iallgather(MPI.IN_PLACE, backend.as_bytes(host)), "MPI_Iallgather")
     back()
 
 
 def mpi_broadcast(comm, buf, root: int) -> None:
     mpi, _ = _mpi(comm)
     host, back = _host(buf, comm)
-    mpi.Bcast(backend.as_bytes(host), root=root)
+    _wait(comm, mpi.Ibcast(backend.as_bytes(host), root=root), "MPI_Ibcast")
     back()
 
 
@@ -93,10 +118,12 @@ def mpi_reduce(comm, buf, op: str, root: int) -> None:
     mpi, MPI = _mpi(comm)
     host, back = _host(buf, comm)
     wide, narrow = _reducible(host)
+    mpi_op = _mpi_op(MPI, op, buf.dtype)
     if comm.rank == root:
-        mpi.Reduce(MPI.IN_PLACE, wide, op=getattr(MPI, _MPI_OPS[op]), root=root)
+        request = mpi.Ireduce(MPI.IN_PLACE, wide, op=mpi_op, root=root)
     else:
-        mpi.Reduce(wide, None, op=getattr(MPI, _MPI_OPS[op]), root=root)
+        request = mpi.Ireduce(wide, None, op=mpi_op, root=root)
+    _wait(comm, request, "MPI_Ireduce")
     narrow()
     back()
 
@@ -109,11 +136,13 @@ def mpi_alltoall(comm, recv, send, blocks) -> None:
     source = host if in_place else _host(send, comm)[0]
     size = recv.itemsize
     if blocks.block is not None:
-        mpi.Alltoall(MPI.IN_PLACE if in_place else [source, MPI.BYTE], [host, MPI.BYTE])
+        request = mpi.Ialltoall(MPI.IN_PLACE if in_place else [source, MPI.BYTE],
+                                [host, MPI.BYTE])
     else:
         outgoing = [source, ([c * size for c in blocks.send_counts],
                              [o * size for o in blocks.send_offsets]), MPI.BYTE]
         incoming = [host, ([c * size for c in blocks.recv_counts],
                            [o * size for o in blocks.recv_offsets]), MPI.BYTE]
-        mpi.Alltoallv(MPI.IN_PLACE if in_place else outgoing, incoming)
+        request = mpi.Ialltoallv(MPI.IN_PLACE if in_place else outgoing, incoming)
+    _wait(comm, request, "MPI_Ialltoall")
     back()

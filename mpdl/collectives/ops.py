@@ -1,10 +1,12 @@
 """Reduction operators and the argument checks every collective shares.
 
-float16 and bfloat16 reduce like any dtype: each elementwise result of two operands is computed in
-float32 and rounded once (NumPy's float16 loops and ml_dtypes' bfloat16 loops do so). Where a
-rank adds several incoming arrays into one chunk (a tree node's children, a node's shared-memory
-peers), it accumulates them in float32 and rounds once at the end (`accumulator`, `settle`). The
-partial sums that travel between ranks stay in the 16-bit dtype: that is what halves the bytes.
+float16, bfloat16 and the 8-bit floats reduce like any dtype: each elementwise result of two
+operands is computed in float32 and rounded once (NumPy's float16 loops and ml_dtypes' loops do
+so). Where a rank adds several incoming arrays into one chunk (a tree node's children, a node's
+shared-memory peers), it accumulates them in float32 and rounds once at the end (`accumulator`,
+`settle`). The partial sums that travel between ranks stay in the narrow dtype: that is what
+saves the bytes. Integers wrap around as NumPy's do; bool's sum is logical or, its max and min
+logical or and and (its prod is refused: say min).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def check_op(op: Any, dtype: np.dtype) -> str:
     if op == "avg" and not backend.is_floating(dtype):
         raise ValueError(f"op: 'avg' needs a floating-point dtype, got {dtype.name}; "
                          f"use 'sum' and divide")
+    if op == "prod" and dtype.kind == "b":
+        raise ValueError("op: 'prod' is not defined for bool; use 'min' (logical and)")
     return op
 
 
@@ -38,9 +42,9 @@ def reducer(op: str, xp: Any):
 
 def accumulator(part: Any, operands: int) -> Any:
     """Where `operands` arrays will be reduced into `part` one after another: part itself, or a
-    float32 copy of it when part is float16 or bfloat16 and more than one operand comes (reduce
-    into the copy, then `settle`)."""
-    if operands > 1 and backend.is_low_precision(part.dtype):
+    float32 copy of it when part is float16, bfloat16 or an 8-bit float and more than one operand
+    comes (reduce into the copy, then `settle`)."""
+    if operands > 1 and backend.accumulates_wide(part.dtype):
         return part.astype(np.float32)
     return part
 

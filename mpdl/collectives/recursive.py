@@ -104,3 +104,4 @@ def rabenseifner_allreduce(comm, buf, reduce) -> None:
             lo, hi = min(lo, plo), max(hi, plo + size)
             distance *= 2
     _fold_out(comm, buf)
+

@@ -2,7 +2,7 @@
 
 Every algorithm is registered with a one-line summary and its α-β-γ cost (Thakur, Rabenseifner &
 Gropp 2005) so that `mpdl bench --list`, the cost model (`costmodel.FORMULAS` is checked against
-this table) and `auto` (`mpdl.collectives.auto`) read the same names. It imports no cost model.
+this table) and `auto` (`mpdl.tuning.auto`) read the same names. It imports no cost model.
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpdl.collectives import native
-from mpdl.collectives.bruck import bruck_alltoall
+from mpdl.collectives.bruck import bruck_allgather, bruck_alltoall
+from mpdl.collectives.doubling import recursive_doubling_allgather, recursive_halving_reduce_scatter
 from mpdl.collectives.hierarchical import hierarchical_allreduce
 from mpdl.collectives.hierarchical_alltoall import hierarchical_alltoall
 from mpdl.collectives.ops import with_reducer
-from mpdl.collectives.pairwise import pairwise_alltoall
+from mpdl.collectives.pairwise import pairwise_alltoall, pairwise_reduce_scatter
+from mpdl.collectives.pat import pat_allgather, pat_reduce_scatter
 from mpdl.collectives.recursive import rabenseifner_allreduce, recursive_doubling_allreduce
 from mpdl.collectives.ring import (
     ring_allgather,
@@ -28,6 +30,8 @@ from mpdl.collectives.scattered import scattered_alltoall
 from mpdl.collectives.shm import shm_allreduce
 from mpdl.collectives.torus import torus2d_allreduce
 from mpdl.collectives.tree import (
+    binomial_broadcast,
+    binomial_reduce,
     double_tree_allreduce,
     tree_allgather,
     tree_allreduce,
@@ -35,6 +39,7 @@ from mpdl.collectives.tree import (
     tree_reduce,
     tree_reduce_scatter,
 )
+from mpdl.collectives.vandegeijn import reduce_scatter_gather_reduce, scatter_allgather_broadcast
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall")
 
@@ -96,17 +101,37 @@ REGISTRY: dict[str, dict[str, Algorithm]] = {
            "(p-1)α + n(p-1)/p·(β+γ)"),
         _a("tree", with_reducer(tree_reduce_scatter), "binomial reduce to rank 0 + binomial scatter",
            "2 lg p·α + n·lg p·(β+γ) + n·β"),
+        _a("recursive_halving", with_reducer(recursive_halving_reduce_scatter),
+           "lg p exchanges of half the remaining blocks (fold for p not 2^k)",
+           "lg p·α + n(p-1)/p·(β+γ) (+ 2α + n·β + n·γ to fold)"),
+        _a("pairwise", with_reducer(pairwise_reduce_scatter),
+           "p-1 exchanges: each block straight to its owner, reduced as it comes",
+           "(p-1)α + n(p-1)/p·(β+γ)"),
+        _a("pat", with_reducer(pat_reduce_scatter),
+           "parallel aggregated trees (NCCL 2.23): Bruck's tree backwards, nearest first, "
+           "at most a segment per message", "Σ_k ceil(m_k/a)·α + n(p-1)/p·(β+γ)"),
         _a("mpi", native.mpi_reduce_scatter, _MPI, "library's choice", baseline=True),
     ]},
     "allgather": {a.name: a for a in [
         _a("ring", ring_allgather, "ring all-gather", "(p-1)α + n(p-1)/p·β"),
         _a("tree", tree_allgather, "binomial gather to rank 0 + binomial broadcast",
            "2 lg p·α + n·(1 + lg p)·β"),
+        _a("recursive_doubling", recursive_doubling_allgather,
+           "lg p exchanges of everything gathered so far (fold for p not 2^k)",
+           "lg p·α + n(p-1)/p·β (+ 2α + n·β to fold)"),
+        _a("bruck", bruck_allgather, "ceil(lg p) steps to rank r-2^k, any p, then a rotation",
+           "ceil(lg p)·α + n(p-1)/p·β + 2 copies of n"),
+        _a("pat", pat_allgather, "parallel aggregated trees (NCCL 2.23): Bruck's tree farthest "
+           "first, at most a segment per message", "Σ_k ceil(m_k/a)·α + n(p-1)/p·β"),
         _a("mpi", native.mpi_allgather, _MPI, "library's choice", baseline=True),
     ]},
     "broadcast": {a.name: a for a in [
         _a("ring", ring_broadcast, "pipelined chain root → root+1 → …", "(p-1 + segments)·α + n·β"),
         _a("tree", tree_broadcast, "binomial tree, pipelined segments", "lg p·α + n·lg p·β"),
+        _a("binomial", binomial_broadcast, "binomial tree of whole messages",
+           "lg p·(α + n·β)"),
+        _a("scatter_allgather", scatter_allgather_broadcast, "binomial scatter of p blocks + "
+           "ring all-gather (van de Geijn)", "(lg p + p-1)·α + 2n(p-1)/p·β"),
         _a("mpi", native.mpi_broadcast, _MPI, "library's choice", baseline=True),
     ]},
     "reduce": {a.name: a for a in [
@@ -114,6 +139,11 @@ REGISTRY: dict[str, dict[str, Algorithm]] = {
            "2(p-1)α + 2n(p-1)/p·β + n(p-1)/p·γ"),
         _a("tree", with_reducer(tree_reduce), "binomial tree, pipelined segments",
            "lg p·α + n·lg p·(β+γ)"),
+        _a("binomial", with_reducer(binomial_reduce), "binomial tree of whole messages",
+           "lg p·(α + n·β + n·γ)"),
+        _a("reduce_scatter_gather", with_reducer(reduce_scatter_gather_reduce),
+           "recursive-halving reduce-scatter + binomial gather (Rabenseifner)",
+           "2 lg p·α + 2n(p-1)/p·β + n(p-1)/p·γ"),
         _a("mpi", native.mpi_reduce, _MPI, "library's choice", baseline=True),
     ]},
     "alltoall": {a.name: a for a in [

@@ -45,6 +45,35 @@ def tree_broadcast(comm, buf, root: int = 0) -> None:
     _pipelined_broadcast(comm, buf, parent, children[::-1], root)
 
 
+def binomial_broadcast(comm, buf, root: int = 0) -> None:
+    """Binomial-tree broadcast of root's whole buf, in place (MPICH's bcast_intra_binomial):
+    lg p rounds of one whole message, no segments: lg p·(α + n·β)."""
+    p = comm.size
+    if p == 1:
+        return
+    parent, children = binomial_parent_children((comm.rank - root) % p, p)
+    if parent is not None:
+        comm.recv(buf, (parent + root) % p, "bcast")
+    comm.waitall([comm.isend(buf, (c + root) % p, "bcast") for c in children[::-1]])
+
+
+def binomial_reduce(comm, buf, reduce, root: int = 0) -> None:
+    """Binomial-tree reduce of whole buffers to root, in place (MPICH's reduce_intra_binomial):
+    lg p rounds of one whole message: lg p·(α + n·β + n·γ)."""
+    p = comm.size
+    if p == 1:
+        return
+    parent, children = binomial_parent_children((comm.rank - root) % p, p)
+    incoming = comm.workspace("binomial.incoming", buf.size, buf.dtype, get_array_module(buf))
+    acc = accumulator(buf, len(children))
+    for child in children:  # children hold higher ranks: own data first keeps the order canonical
+        comm.recv(incoming, (child + root) % p, "reduce")
+        reduce(acc, incoming, out=acc)
+    settle(buf, acc)
+    if parent is not None:
+        comm.send(buf, (parent + root) % p, "reduce")
+
+
 def tree_allreduce(comm, buf, reduce) -> None:
     """Binomial reduce to rank 0, then binomial broadcast from rank 0."""
     tree_reduce(comm, buf, reduce, 0)

@@ -344,11 +344,19 @@ class Communicator:
         if self.flight is not None:
             self.flight.waiting([self.world_rank(r.peer) for r in pending if r.peer >= 0])
         r = pending[0]
-        what = "receiving from" if r.kind == "recv" else "sending to"
+        if r.peer < 0:  # an MPI collective: the library does not say which rank is missing
+            peer = f"in {r.step} for the ranks {self._ranks_text()} (one of them never came)"
+        else:
+            what = "receiving from" if r.kind == "recv" else "sending to"
+            peer = f"{what} rank {self.world_rank(r.peer)} at step {r.step}"
         return CollectiveTimeout(
             f"{self.collective}: rank {self.world_rank(self.rank)} waited more than "
-            f"{self.timeout:g} s {what} rank {self.world_rank(r.peer)} at step {r.step} "
-            f"(MPDL_TIMEOUT sets the limit)")
+            f"{self.timeout:g} s {peer} (MPDL_TIMEOUT sets the limit)")
+
+    def _ranks_text(self) -> str:
+        ranks = [self.world_rank(r) for r in range(self.size)]
+        return f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) \
+            else ", ".join(map(str, ranks))
 
     # -- structure -------------------------------------------------------------------------------
     def world_rank(self, rank: int) -> int:

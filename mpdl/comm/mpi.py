@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import os
 import pickle
+import sys
 import threading
 import time
 import weakref
@@ -249,15 +250,20 @@ class MPIComm(Communicator, DeviceStaging):
     # -- nodes ---------------------------------------------------------------------------------
     def node_of_rank(self) -> list[int]:
         if self._nodes is None:
-            self._nodes = nodes.node_of_rank(self.mpi, self.MPI, self.settings.ranks_per_node)
+            self._nodes = nodes.node_of_rank(self.mpi, self.MPI, self.settings.ranks_per_node,
+                                             self._wait_mpi)
         return self._nodes
 
     def shared_segments(self, nbytes: int, own: bool = False) -> tuple[list[np.ndarray],
                                                                         Callable[[], None]]:
         if self._shared is None:
-            # a real MPI communicator over this rank's node (real shared memory, emulated split)
+            # a real MPI communicator over this rank's node (real shared memory, emulated split),
+            # after a barrier under the deadline: the splits below block in MPI
+            node = self.node_of_rank()[self.rank]
+            self._wait_mpi(self.mpi.Ibarrier(), "the shared-memory setup (before "
+                           "MPI_Comm_split_type)")
             shared = self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
-            node_comm = shared.Split(self.node_of_rank()[self.rank], key=self.rank)
+            node_comm = shared.Split(node, key=self.rank)
             shared.Free()
             self._shared = nodes.SharedWindows(self.MPI, node_comm,
                                                lambda r: self._wait_mpi(r, "shm barrier"))
@@ -268,8 +274,8 @@ class MPIComm(Communicator, DeviceStaging):
 
     def free(self) -> None:
         """Release the shared-memory windows and node communicator (before MPI finalizes; called
-        at exit when the program did not)."""
-        if self._shared is not None and not self.MPI.Is_finalized():
+        at exit when the program did not), unless an uncaught exception ends the process."""
+        if self._shared is not None and not self.MPI.Is_finalized() and not _failing():
             self._shared.free()
             self._shared = None
 
@@ -284,8 +290,17 @@ def free_before_finalize(holder: Any) -> None:
     _live.add(holder)
 
 
+def _failing() -> bool:
+    """Whether an uncaught exception ends this process: then the collective frees (of windows,
+    of persistent requests' communicators) would wait for peers that may never come, and the
+    job's abort cleans up instead."""
+    return getattr(sys, "last_value", None) is not None
+
+
 @atexit.register
 def _free_all() -> None:
+    if _failing():
+        return
     for holder in list(_live):
         holder.free()
 

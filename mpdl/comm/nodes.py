@@ -19,12 +19,16 @@ def ranks_per_node_override() -> int | None:
     return settings.current().ranks_per_node
 
 
-def node_of_rank(mpi: Any, MPI: Any, ranks_per_node: int | None) -> list[int]:
+def node_of_rank(mpi: Any, MPI: Any, ranks_per_node: int | None,
+                 wait: Callable[[Any, str], None]) -> list[int]:
     """The node index of every rank of the mpi4py communicator `mpi` (nodes numbered by their
-    lowest rank's order). Collective over mpi unless ranks_per_node is given."""
+    lowest rank's order). Collective over mpi unless ranks_per_node is given: first a barrier
+    waited for by `wait(request, step)` (under a deadline), so that a rank whose peers are in
+    another call never enters the blocking MPI_Comm_split_type."""
     rank, size = mpi.Get_rank(), mpi.Get_size()
     if ranks_per_node is not None:
         return [r // ranks_per_node for r in range(size)]
+    wait(mpi.Ibarrier(), "the node lookup (before MPI_Comm_split_type)")
     shared = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     leader = shared.allreduce(rank, op=MPI.MIN)
     shared.Free()

@@ -61,8 +61,8 @@ def _bound(loop: Callable, block: np.ndarray, arrays: tuple) -> Callable[[int, i
 
 
 def load() -> bool:
-    """Load the compiled loops now (numba's import and its on-disk cache, about 0.4 s, otherwise
-    paid by the first compiled wait; a benchmark does it before timing). True if available."""
+    """Load the compiled loops now (numba's import and its on-disk cache, otherwise paid by the
+    first compiled wait; a benchmark does it before timing). True if available."""
     return _functions() is not None
 
 

@@ -12,18 +12,17 @@ gradient_as_bucket_view, and the bucket is overwritten by the next step's backwa
 between `loss.backward()` and `optimizer.step()`.
 
 Each bucket's buffer is made once, with a persistent all-reduce plan of it
-(`mpdl.collectives.allreduce_init`, in place), which every step runs. On one node the buffers lie
+(`mpdl.tuning.allreduce_init`, in place), which every step runs. On one node the buffers lie
 in shared memory of the node (`mpdl.collectives.shm.shared_array`), where the shm algorithm sums
-them without copying them in or out: at p = 2 the 2.6 MB bucket of
-`benchmarks/bench_ddp.py --only weak` took 0.25 ms so, against 0.49 ms for Rabenseifner's and
-0.76 ms for shm through its window.
+them without copying them in or out, faster than any message-passing algorithm
+(docs/results/training.md#data-parallel-training).
 
 Overlap pays where the communication thread has something to hide: a wait for other nodes, or a
 core of its own. On one node whose ranks have no core to spare (as many ranks as cores, or more),
 an all-reduce is copies and additions that the communication thread could only run on the core
 backward runs on, adding its thread handoffs: there every bucket is reduced by `finish()` on the
-calling thread (`overlap_pays`). At p = 2 on 2 cores this took the MLP step of
-`benchmarks/bench_ddp.py --only weak` from 3.97 to 3.62 ms (p = 1: 3.16 ms).
+calling thread (`overlap_pays`), which makes the step faster there
+(docs/results/training.md#data-parallel-training).
 
 Buckets are launched in bucket order on every rank (a bucket that fills early waits for its
 predecessors), so all ranks issue the same collectives in the same order whatever their graphs.
@@ -42,13 +41,14 @@ import numpy as np
 
 from mpdl import memory, mpi_runtime
 from mpdl.backend import get_array_module
-from mpdl.collectives import Plan, allreduce_init, broadcast, shm
-from mpdl.collectives.api import _pick
+from mpdl.collectives import shm
+from mpdl.collectives.checks import pick
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.registry import resolve
 from mpdl.comm import Communicator, as_communicator
 from mpdl.parallel import flat
 from mpdl.parallel.compression import GradientCompression, make_compression
+from mpdl.tuning import Plan, allreduce_init
 
 MB = 1 << 20
 
@@ -126,7 +126,7 @@ class DistributedDataParallel:
         self._sync = True
         self._next_launch = 0
         self._check_replicas()
-        self._broadcast_state()
+        flat.broadcast_model(self.module, self.comm)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = self._make_buckets()
         self._plan_buckets()
@@ -157,16 +157,6 @@ class DistributedDataParallel:
                     raise ValueError(
                         f"DistributedDataParallel: the model differs between ranks; entry {i} is "
                         f"{_describe(a)} on rank 0 but {_describe(b)} on rank {rank}")
-
-    def _broadcast_state(self) -> None:
-        """Rank 0's parameters and buffers on every rank (one flat broadcast per dtype)."""
-        if self.comm.size == 1:
-            return
-        tensors = [t for _, t in self.module.named_parameters()] + self.module.buffers()
-        for group in flat.by_kind(tensors):
-            result = broadcast(flat.pack([t.data for t in group]), root=0, comm=self.comm)
-            for t, piece in zip(group, flat.unpack(result, group), strict=True):
-                t.data[...] = piece
 
     def _make_buckets(self) -> list[Bucket]:
         buckets: list[Bucket] = []
@@ -390,7 +380,7 @@ class DistributedDataParallel:
     def bucket_algorithms(self) -> list[str]:
         """The all-reduce algorithm each bucket runs ("auto" resolved by bucket size)."""
         return [b.plan.algorithm if b.plan is not None else
-                _pick("allreduce", self.algorithm, self.comm, b.nbytes).name
+                pick("allreduce", self.algorithm, self.comm, b.nbytes).name
                 for b in self.buckets]
 
     def remove_hooks(self) -> None:

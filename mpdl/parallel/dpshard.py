@@ -25,7 +25,7 @@ import numpy as np
 
 from mpdl import memory
 from mpdl.backend import get_array_module
-from mpdl.collectives import allgather_init, allreduce, reduce_scatter
+from mpdl.collectives import allreduce, reduce_scatter
 from mpdl.comm import Communicator
 from mpdl.parallel import flat
 from mpdl.parallel.shards import (
@@ -37,6 +37,7 @@ from mpdl.parallel.shards import (
     optimizer_state_nbytes,
 )
 from mpdl.parallel.strategy import MakeOptimizer
+from mpdl.tuning import allgather_init
 
 
 class ShardedOptimizer:

@@ -26,8 +26,8 @@ gather of the whole optimizer state live in `mpdl.parallel.shards`; the step's t
 counters in `mpdl.parallel.zero_recorder`.
 
 Collectives on buffers kept between steps (stage 1's gradient buffers, stages 1-2's flat
-parameters) run through persistent plans made once per unit (`mpdl.collectives.plan`; with
-algorithm "auto" they verify its choice on their first runs, `mpdl.collectives.verify`); buffers
+parameters) run through persistent plans made once per unit (`mpdl.tuning.plan`; with
+algorithm "auto" they verify its choice on their first runs, `mpdl.tuning.verify`); buffers
 made afresh each step go through the ordinary calls.
 
 The accounting (`model_state_bytes`) counts the model state the strategy holds: parameters,
@@ -55,20 +55,12 @@ from typing import Any
 import numpy as np
 
 from mpdl import memory
-from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
-from mpdl.collectives import (
-    allgather,
-    allreduce,
-    allreduce_init,
-    broadcast,
-    reduce_scatter,
-    reduce_scatter_init,
-)
+from mpdl.collectives import algorithms, allreduce, reduce_scatter
 from mpdl.collectives.handles import Handle, engine_for
-from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator
 from mpdl.parallel import flat
+from mpdl.parallel.flat import broadcast_model
 from mpdl.parallel.shards import (
     Piece,
     Unit,
@@ -90,6 +82,7 @@ from mpdl.parallel.zero_params import (
     module_units,
 )
 from mpdl.parallel.zero_recorder import ZeroRecorder
+from mpdl.tuning import allreduce_init, reduce_scatter_init
 
 MB = 1 << 20
 STAGES = (1, 2, 3)
@@ -100,19 +93,10 @@ MAX_IN_FLIGHT = 2
 #: children), so that the buffers in flight (stage 3: two units' gathered parameters and up to
 #: MAX_IN_FLIGHT + 1 units' gradient buffers) stay a small part of the model at any size
 DEFAULT_BUCKET_MB = 25.0
-#: the collective algorithms ZeRO can run: those reduce_scatter and allgather both have
-ALGORITHMS = ("auto", "ring", "tree", "mpi")
-
-
-def broadcast_model(model: Any, comm: Communicator) -> None:
-    """Rank 0's parameters and buffers on every rank (one flat broadcast per dtype)."""
-    if comm.size == 1:
-        return
-    tensors = [t for _, t in model.named_parameters()] + model.buffers()
-    for group in flat.by_kind(tensors):
-        result = broadcast(flat.pack([t.data for t in group]), root=0, comm=comm)
-        for t, piece in zip(group, flat.unpack(result, group), strict=True):
-            t.data[...] = piece
+#: the collective algorithms ZeRO can run: auto (which chooses among all of them, per size) and
+#: those reduce_scatter and allgather both have; the hybrid replicas' all-reduce runs the same one
+#: where all-reduce has it, auto's otherwise
+ALGORITHMS = ("auto", *(a for a in algorithms("reduce_scatter") if a in algorithms("allgather")))
 
 
 class ZeroStrategy(Strategy):
@@ -142,6 +126,7 @@ class ZeroStrategy(Strategy):
                 raise ValueError(f"hybrid sharding needs the same number of ranks on every node, "
                                  f"got {sizes}")
         self.stage, self.algorithm = stage, algorithm
+        self.replica_algorithm = algorithm if algorithm in algorithms("allreduce") else "auto"
         self.bucket_mb = None if bucket_mb is None else float(bucket_mb)
         self.first_bucket_mb = float(first_bucket_mb)
         self.overlap, self.prefetch, self.hybrid = bool(overlap), bool(prefetch), bool(hybrid)
@@ -239,7 +224,8 @@ class ZeroStrategy(Strategy):
                                                     comm=self.shard_comm, in_place=True)
                 if self.replica_comm is not None:
                     mine = u.reduce_plan.result
-                    u.replica_plan = allreduce_init(mine, op="sum", algorithm=self.algorithm,
+                    u.replica_plan = allreduce_init(mine, op="sum",
+                                                    algorithm=self.replica_algorithm,
                                                     comm=self.replica_comm, out=mine)
             self.parameters.plan(u)
 
@@ -338,7 +324,7 @@ class ZeroStrategy(Strategy):
                     mine = reduce_scatter(buf, op="sum", algorithm=self.algorithm,
                                           comm=self.shard_comm, in_place=True)
                     if self.replica_comm is not None:
-                        allreduce(mine, op="sum", algorithm=self.algorithm,
+                        allreduce(mine, op="sum", algorithm=self.replica_algorithm,
                                   comm=self.replica_comm, out=mine)
                 if not self.keeps_gradient_buffers:  # keep the shard; the full buffer goes
                     unit.xp.copyto(unit.grad_shard, mine)
@@ -501,36 +487,3 @@ def _ghost(batch: Batch) -> Batch:
     return Batch(xp.zeros((1, *batch.x.shape[1:]), dtype=batch.x.dtype),
                  xp.zeros((1, *batch.y.shape[1:]), dtype=batch.y.dtype), batch.global_size,
                  batch.lr)
-
-
-class NaiveZero:
-    """ZeRO stage 1 as the paper draws it, for reading and as a reference: after backward, all
-    gradients (packed per dtype, times `weight`) are reduce-scattered, the optimizer steps on
-    this rank's block of the flat parameters, and the blocks are all-gathered. No buckets, no
-    overlap. Call `step()` after `loss.backward()`."""
-
-    def __init__(self, model: Any, make_optimizer: MakeOptimizer, comm: Communicator) -> None:
-        self.comm, self.model = comm, model
-        broadcast_model(model, comm)
-        self.groups = flat.by_kind([p for p in model.parameters() if p.requires_grad])
-        self.shards = []
-        for group in self.groups:
-            bounds = block_bounds(sum(p.data.size for p in group), comm.size)
-            lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
-            self.shards.append((Tensor(flat.pack([p.data for p in group])[lo:hi].copy(),
-                                       requires_grad=True), lo, hi))
-        self.optimizer = make_optimizer([t for t, _, _ in self.shards])
-        self.weight = 1.0 / comm.size
-
-    def step(self) -> None:
-        for group, (t, _, _) in zip(self.groups, self.shards, strict=True):
-            xp = get_array_module(group[0].data)
-            grads = flat.pack([p.grad if p.grad is not None else xp.zeros_like(p.data)
-                               for p in group]) * self.weight
-            t.grad = reduce_scatter(grads, op="sum", comm=self.comm)
-        self.optimizer.step()
-        for group, (t, _, _) in zip(self.groups, self.shards, strict=True):
-            whole = allgather(t.data, comm=self.comm, count=sum(p.data.size for p in group))
-            for p, piece in zip(group, flat.unpack(whole, group), strict=True):
-                p.data[...] = piece
-                p.grad = None

@@ -30,12 +30,13 @@ from mpdl import memory
 from mpdl.autograd import nn
 from mpdl.autograd.recompute import recomputing
 from mpdl.autograd.tensor import Function, Tensor, is_grad_enabled
-from mpdl.collectives import allgather, allgather_init
+from mpdl.collectives import allgather
 from mpdl.collectives.handles import Handle
 from mpdl.comm import Communicator
 from mpdl.parallel import flat
 from mpdl.parallel.shards import Unit, placeholder
 from mpdl.parallel.zero_recorder import ZeroRecorder
+from mpdl.tuning import allgather_init
 
 #: stage 3 by default: a unit holds at most 1/UNITS_PER_MODEL of the model (a module larger than
 #: that is split into its children)

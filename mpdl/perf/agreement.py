@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import statistics
 
-from mpdl.collectives import costmodel as cm
 from mpdl.perf import oversubscription as O
 from mpdl.perf import simulate as S
+from mpdl.tuning import costmodel as cm
 
 #: how far from 1 a median ratio of predicted to measured time may lie
 TOLERANCE = 0.25

@@ -28,9 +28,11 @@ import numpy as np
 from mpdl import backend
 from mpdl import collectives as C
 from mpdl import emulation as _emulation
-from mpdl.collectives import auto, costmodel, registry, verify
+from mpdl.collectives import registry
 from mpdl.comm import polling
 from mpdl.emulation import Emulation
+from mpdl.perf import mpi_variants
+from mpdl.tuning import auto, costmodel, verify
 
 #: the collectives bench can time: those of the algorithm registry
 COLLECTIVES = tuple(registry.REGISTRY)
@@ -38,7 +40,8 @@ COLLECTIVES = tuple(registry.REGISTRY)
 FIELDS = ["collective", "algorithm", "chosen", "ranks", "nodes", "bytes", "count", "dtype", "op",
           "time_us", "time_us_min", "time_us_max", "algbw_gbs", "busbw_gbs", "wrong",
           "predicted_us", "emulated", "loop"]
-_TOLERANCE = {"float16": 1e-2, "float32": 1e-5, "float64": 1e-12}
+_TOLERANCE = {"float16": 1e-2, "float32": 1e-5, "float64": 1e-12, "bfloat16": 2e-2,
+              "float8_e4m3fn": 0.25, "float8_e5m2": 0.5}
 #: rounds the timed iterations of one size are split into (see the module docstring)
 ROUNDS = 4
 
@@ -108,6 +111,8 @@ class Config:
     emulation: Emulation | None = None
     #: calls timed back to back per iteration (1: one barrier before every call)
     loop: int = 1
+    #: also time the MPI library's own algorithms by name (`mpi_variants`), rows `mpi:NAME`
+    mpi_variants: bool = False
 
 
 class Unusable(ValueError):
@@ -132,10 +137,16 @@ class Result:
 
 # -- the measurement ---------------------------------------------------------------------------
 class Case:
-    """One (size, algorithm): how to call it, and what it produced on this rank."""
+    """One (size, algorithm): how to call it, and what it produced on this rank. A variant of
+    the MPI library's (`mpi_variants.Variant`) runs mpdl's "mpi" on the variant's communicator,
+    between its enter() and leave()."""
 
     def __init__(self, collective: str, algorithm: str, x: Any, op: str | None, root: int,
-                 inplace: bool, comm: Any, loop: int = 1):
+                 inplace: bool, comm: Any, loop: int = 1, variant: Any = None):
+        self.label = algorithm if variant is None else variant.name
+        self.variant = variant
+        if variant is not None:
+            algorithm, comm = "mpi", variant.comm
         self.algorithm = algorithm
         self.result = None
         #: restores the input before an iteration (in-place runs overwrite it); outside the clock
@@ -183,6 +194,22 @@ def _input(collective: str, nbytes: int, dtype: np.dtype, p: int, rank: int, xp:
     return xp.asarray(values) if xp is not np else values, count * dtype.itemsize, count
 
 
+def _turn(case: Case, work: Callable[[], Any], world: Any) -> Any:
+    """Run work (a case's calls) with its variant selected, if any; a barrier first when
+    `world` is given."""
+    if case.reset is not None and world is not None:
+        case.reset()
+    if case.variant is not None:
+        case.variant.enter()
+    try:
+        if world is not None:
+            world.Barrier()
+        return work()
+    finally:
+        if case.variant is not None:
+            case.variant.leave()
+
+
 def _wrong(result: Any, reference: Any, dtype: np.dtype) -> int:
     """How many elements differ from the baseline (with a tolerance for float sums)."""
     if result is None and reference is None:
@@ -192,7 +219,7 @@ def _wrong(result: Any, reference: Any, dtype: np.dtype) -> int:
     a, b = backend.to_host(result).reshape(-1), backend.to_host(reference).reshape(-1)
     if a.shape != b.shape:
         return max(a.size, b.size)
-    if dtype.kind == "f":
+    if backend.is_floating(dtype):
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
         tol = _TOLERANCE[dtype.name]
         close = np.isclose(a64, b64, rtol=tol, atol=tol, equal_nan=True) | (a64 == b64)
@@ -233,14 +260,15 @@ def _measure_all(config: Config, comm: Any, xp: Any, progress: Callable[[], None
     # the model auto chooses with (collective: it may calibrate on first use, before any timing)
     model = auto.model_for(comm)
     note = None if model.params is not None else model.describe()
-    polling.load()  # the plans' compiled wait (about 0.4 s once), loaded before any timing
+    polling.load()  # the plans' compiled wait, loaded once before any timing
     params = (model.params or costmodel.Params()).emulated(config.emulation)
 
+    found = mpi_variants.variants(comm, config.collective) if config.mpi_variants else []
     rows: list[dict[str, Any]] = []
     chosen_everywhere: list[tuple[int, str]] = []
     for size in config.sizes:
         size_rows, auto_choice = measure_size(config, comm, size, xp, params, nodes,
-                                              comm.has_shared_memory)
+                                              comm.has_shared_memory, found)
         rows.extend(size_rows)
         if auto_choice is not None:
             chosen_everywhere.append((size, auto_choice))
@@ -254,39 +282,66 @@ def _measure_all(config: Config, comm: Any, xp: Any, progress: Callable[[], None
     return Result(rows if rank == 0 else [], p, nodes, params, note, model.describe())
 
 
+def _applicable(comm: Any, case: Case) -> bool:
+    """Whether the library runs a variant's forced algorithm for these arguments (MPICH raises
+    when it does not: COLLECTIVE_FALLBACK=error); every rank agrees."""
+    case.variant.enter()
+    try:
+        case.call()
+        ok = True
+    except comm.MPI.Exception:
+        ok = False
+    finally:
+        case.variant.leave()
+    return all(comm.allgather_object(ok))
+
+
 def measure_size(config: Config, comm: Any, size: int, xp: Any, params: costmodel.Params,
-                 nodes: int, shared: bool) -> tuple[list[dict[str, Any]], str | None]:
-    """Time every algorithm at one size, in turns: (the rows, complete on rank 0, empty
-    elsewhere; the algorithm auto chose, None when auto is not timed)."""
+                 nodes: int, shared: bool, variants: Sequence[Any] = ()
+                 ) -> tuple[list[dict[str, Any]], str | None]:
+    """Time every algorithm (and every variant of the MPI library's, `mpi_variants.Variant`)
+    at one size, in turns: (the rows, complete on rank 0, empty elsewhere; the algorithm auto
+    chose, None when auto is not timed). A variant that does not apply to the size gets no row."""
     p, rank, collective = comm.size, comm.rank, config.collective
     names, dtype, op = list(config.algorithms), config.dtype, config.op
     x, nbytes, count = _input(collective, size, dtype, p, rank, xp)
     cases = [Case(collective, a, x.copy() if config.inplace else x, op, config.root,
                   config.inplace, comm, config.loop) for a in names]
+    for variant in variants:  # each beside mpdl's algorithm of its name, if timed
+        case = Case(collective, "mpi", x.copy() if config.inplace else x, op, config.root,
+                    config.inplace, comm, config.loop, variant)
+        if _applicable(comm, case):
+            after = [i for i, c in enumerate(cases) if c.label == variant.counterpart
+                     or c.variant is not None and c.variant.counterpart == variant.counterpart
+                     and variant.counterpart is not None]
+            cases.insert(after[-1] + 1 if after else len(cases), case)
     calls = range(config.loop)
-    chosen = {a: a for a in names}
+    chosen = {c.label: c.algorithm if c.variant is None else c.variant.library_name
+              for c in cases}
     if "auto" in names:
         chosen["auto"] = auto.algorithm_for(collective, nbytes, comm).name
     world, MPI = comm.mpi, comm.MPI
     for _ in range(config.warmup):
         for case in cases:
-            if case.reset is not None:
-                case.reset()
-            world.Barrier()
-            case.call()
+            _turn(case, lambda case=case: case.call(), world)
     times = np.zeros((len(cases), config.iters), dtype=np.float64)
     for turn in turns(config.iters):
         for i, case in enumerate(cases):
-            for it in (None, *turn):  # None: the turn's untimed first call
-                if case.reset is not None:
-                    case.reset()
-                world.Barrier()
-                call = case.call
-                t0 = time.perf_counter()
-                for _ in calls:
-                    result = call()
-                if it is not None:
-                    times[i, it] = (time.perf_counter() - t0) / config.loop
+            def timed(case=case, i=i, turn=turn) -> Any:
+                result = None
+                for it in (None, *turn):  # None: the turn's untimed first call
+                    if case.reset is not None:
+                        case.reset()
+                    world.Barrier()
+                    call = case.call
+                    t0 = time.perf_counter()
+                    for _ in calls:
+                        result = call()
+                    if it is not None:
+                        times[i, it] = (time.perf_counter() - t0) / config.loop
+                return result
+
+            result = _turn(case, timed, None)
             if config.check:  # keep results only when they are compared
                 case.result = result
     if "auto" in names and config.loop > 1 and collective in verify.COLLECTIVES:
@@ -297,7 +352,7 @@ def measure_size(config: Config, comm: Any, size: int, xp: Any, params: costmode
 
     wrong = np.zeros(len(cases), dtype=np.int64)
     if config.check:
-        reference = cases[names.index("mpi")].result
+        reference = next(c for c in cases if c.label == "mpi").result
         for i, case in enumerate(cases):
             wrong[i] = _wrong(case.result, reference, dtype)
         world.Allreduce(MPI.IN_PLACE, wrong, op=MPI.SUM)
@@ -309,10 +364,13 @@ def measure_size(config: Config, comm: Any, size: int, xp: Any, params: costmode
     for i, case in enumerate(cases):
         median = float(np.median(slowest[i]))
         algbw = nbytes / median / 1e9 if median > 0 else 0.0
-        predicted = costmodel.predict(collective, chosen[case.algorithm], nbytes, p, nodes,
-                                      params, dtype.name)
-        rows.append({"collective": collective, "algorithm": case.algorithm,
-                     "chosen": chosen[case.algorithm], "ranks": p, "nodes": nodes,
+        modelled = chosen[case.label]
+        if case.variant is not None:  # the library's algorithm, predicted as mpdl's of its name
+            modelled = case.variant.counterpart or "mpi"
+        predicted = costmodel.predict(collective, modelled, nbytes, p, nodes, params,
+                                      dtype.name)
+        rows.append({"collective": collective, "algorithm": case.label,
+                     "chosen": chosen[case.label], "ranks": p, "nodes": nodes,
                      "bytes": nbytes, "count": count, "dtype": dtype.name, "op": op or "none",
                      "time_us": median * 1e6, "time_us_min": float(slowest[i].min()) * 1e6,
                      "time_us_max": float(slowest[i].max()) * 1e6, "algbw_gbs": algbw,

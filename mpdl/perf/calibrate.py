@@ -22,7 +22,7 @@ float32 512×512 GEMMs at once (`mpdl.training.throughput.gemm_flops`), and the 
 is the per-core peak `mpdl train` reports model-FLOPs utilisation against. Then every all-reduce
 algorithm `auto` may pick is timed at a few sizes (`measuring.allreduce_table`, as `auto`'s
 first-use calibration does): for this world shape the model interpolates those times. The
-probes are `mpdl.collectives.measuring`'s, at its thorough effort; a calibration taken on a busy
+probes are `mpdl.tuning.measuring`'s, at its thorough effort; a calibration taken on a busy
 machine is provisional (saved with the reason, never replacing a quiet one). `calibrate`
 stores the parameters under this world size in the cost model's file ($MPDL_COST_MODEL, or
 ~/.cache/mpdl/costmodel.json; XDG_CACHE_HOME is honoured); `auto` and `mpdl bench` read them from
@@ -40,9 +40,11 @@ from typing import Any
 import numpy as np
 
 from mpdl import collectives, emulation
-from mpdl.collectives import auto, costmodel, measuring
-from mpdl.collectives.costmodel import Params
-from mpdl.collectives.measuring import (
+from mpdl.threadworld import ThreadWorld
+from mpdl.training.throughput import gemm_flops
+from mpdl.tuning import auto, costmodel, measuring
+from mpdl.tuning.costmodel import Params
+from mpdl.tuning.measuring import (
     Effort,
     bench_time,
     fit,
@@ -53,8 +55,6 @@ from mpdl.collectives.measuring import (
     shifts,
     thorough,
 )
-from mpdl.threadworld import ThreadWorld
-from mpdl.training.throughput import gemm_flops
 
 #: how long the computing ranks keep a waiting rank waiting (see _wait_cost)
 WAIT_SECONDS = (1e-3, 8e-3)

@@ -62,7 +62,7 @@ Step time (one step = m micro-batches on each of dp replicas):
                       after the optimizer is always exposed
 
 All-to-all is pairwise: (p − 1)·α + n·(p − 1)/p·β for n bytes a rank sends in all. Pure
-functions; the cost model is `mpdl.collectives.costmodel`.
+functions; the cost model is `mpdl.tuning.costmodel`.
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from mpdl.collectives import costmodel as cm
 from mpdl.perf import compute as C
 from mpdl.perf.compute import Gpu
+from mpdl.tuning import costmodel as cm
 
 GB = 1e9
 FAMILIES = ("gpt", "llama")

@@ -36,8 +36,8 @@ from mpdl.autograd import functional as F
 from mpdl.autograd import optim
 from mpdl.autograd.tensor import Tensor
 from mpdl.collectives import algorithms
-from mpdl.collectives import costmodel as cm
 from mpdl.training.models import build_model
+from mpdl.tuning import costmodel as cm
 
 MB = 1 << 20
 #: ImageNet-1k training images
@@ -219,7 +219,7 @@ def allreduce_seconds(algorithm: str, nbytes: float, workers: int, nodes: int,
                       params: cm.Params, dtype: str = "float32", shared_inter: bool = False
                       ) -> float:
     """Seconds of one all-reduce of nbytes over `workers` ranks on `nodes` nodes of consecutive
-    ranks (`mpdl.collectives.costmodel.predict`). One worker communicates nothing: 0. With
+    ranks (`mpdl.tuning.costmodel.predict`). One worker communicates nothing: 0. With
     shared_inter, the inter-node bandwidth is the node's: in the inter-node phase of the
     NODE_WIDE_INTER algorithms the node's workers cross at once, each at 1/g of it."""
     if workers <= 1:

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from mpdl.training import checkpoint
+from mpdl.training.checkpoint import CheckpointWriteError
+from mpdl.training.guard import NonFiniteStop
 
 #: variables in which launchers give a process its rank
 RANK_VARIABLES = (b"PMI_RANK", b"OMPI_COMM_WORLD_RANK", b"SLURM_PROCID")
@@ -41,6 +43,14 @@ RANK_VARIABLES = (b"PMI_RANK", b"OMPI_COMM_WORLD_RANK", b"SLURM_PROCID")
 WATCH = (sys.executable, "-m", "mpdl.tools.rankwatch", sys.executable, "-m", "mpdl.cli")
 #: mpdl's exit status for bad flags or an inconsistent configuration (not worth a restart)
 USAGE_STATUS = 2
+#: `mpdl train`'s exit statuses that a restart would only repeat, and why
+FINAL_STATUSES = {
+    USAGE_STATUS: "train refused its arguments (the same on every rank)",
+    NonFiniteStop.exit_status: "the run stopped on a NaN or inf loss or weight (it would diverge "
+                               "again from the same checkpoint)",
+    CheckpointWriteError.exit_status: "a checkpoint could not be written (a full disk or a "
+                                      "read-only path stays so)",
+}
 #: what Open MPI needs to be told to pass on
 OPENMPI_FORWARD = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
 
@@ -378,10 +388,10 @@ def supervise(plan: LaunchPlan, launcher: Launcher | None = None,
             failure = parse_failure(result.output, returncode, result.ranks_by_pid)
             failures.append(failure)
             say(f"attempt {attempt + 1} failed (exit status {returncode}): {failure.describe()}")
-            if failure.status == USAGE_STATUS and failure.signal is None:
-                say(f"giving up: train refused its arguments (exit status {USAGE_STATUS}, the "
-                    f"same on every rank); a restart would not change that")
-                return USAGE_STATUS
+            if failure.status in FINAL_STATUSES and failure.signal is None:
+                say(f"giving up: {FINAL_STATUSES[failure.status]} (exit status "
+                    f"{failure.status}); a restart would not change that")
+                return failure.status
             if attempt == plan.max_restarts:
                 break
             if hosts is not None:

@@ -3,8 +3,10 @@ strategy that shards the model (ZeRO), one DIR/shard-RRRRR.npz per shard and DIR
 
 model.npz holds parameters and buffers by name; optimizer.npz the optimizer's per-parameter
 arrays (`state/<index>/<name>`) and, as JSON in `meta`, its parameter groups and scalar state;
-state.json the epoch, step, sampler and RNG state, the run's configuration and the SHA-256 of the
-two archives. A save writes all three files into DIR/.staging first (each to a temporary name,
+state.json the epoch, step, sampler and RNG state, the run's configuration, the SHA-256 of the
+two archives and, under "checksum", the SHA-256 of its own canonical form (`canonical_sha256`), so
+that a state.json changed by hand or by a bad disk is refused (one written before checksums, with
+none, is read as it is). A save writes all three files into DIR/.staging first (each to a temporary name,
 then renamed), then moves them into DIR, state.json last. A crash at any moment leaves one whole
 checkpoint: while the staging files are written, DIR still holds the previous one; while they are
 moved, the staging files that are left, over those of DIR, make up the new one. `load_checkpoint`
@@ -38,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from mpdl.backend import bfloat16_dtype
-from mpdl.fileio import write_atomic
+from mpdl.fileio import describe_write_error, write_atomic
 
 FILES = ("model.npz", "optimizer.npz", "state.json")
 #: where a save writes the new files before moving them into the checkpoint directory
@@ -47,8 +49,33 @@ STAGING = ".staging"
 HISTORY = "history"
 
 
+#: the key of state.json that holds the SHA-256 of the rest of it
+CHECKSUM = "checksum"
+
+
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete or does not match the run."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (a full disk, a read-only path): one line naming the
+    error, the path and the bytes it needed. The previous checkpoint stays."""
+
+    #: `mpdl train`'s exit status for it, which `mpdl launch` does not retry
+    exit_status = 4
+
+
+def canonical_sha256(state: dict[str, Any]) -> str:
+    """The SHA-256 of state as JSON (its "checksum" left out) with sorted keys and no spaces, after
+    a round trip through JSON (so that tuples and lists, int and str keys compare alike)."""
+    body = json.loads(json.dumps({k: v for k, v in state.items() if k != CHECKSUM}))
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def state_bytes(state: dict[str, Any]) -> bytes:
+    """state.json's contents: state with its canonical checksum."""
+    return (json.dumps({**state, CHECKSUM: canonical_sha256(state)}, indent=1) + "\n").encode()
 
 
 def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
@@ -92,17 +119,24 @@ def save_checkpoint(directory: str | Path, model_state: dict[str, np.ndarray],
     also keep a copy in directory/history (the newest `keep` copies stay)."""
     directory = Path(directory)
     staging = directory / STAGING
-    directory.mkdir(parents=True, exist_ok=True)
-    _finish_interrupted_save(directory)
-    staging.mkdir(exist_ok=True)
     model_bytes = _npz_bytes(model_state)
     optim_bytes = _npz_bytes(optimizer_arrays(optimizer_state_dict))
     state = {**state, "sha256": {"model.npz": hashlib.sha256(model_bytes).hexdigest(),
                                  "optimizer.npz": hashlib.sha256(optim_bytes).hexdigest()}}
-    contents = (model_bytes, optim_bytes, (json.dumps(state, indent=1) + "\n").encode())
-    for name, data in zip(FILES, contents, strict=True):
-        write_atomic(staging / name, data, durable=True)
-    _commit(directory, FILES, int(state.get("step", 0)), keep)
+    contents = (model_bytes, optim_bytes, state_bytes(state))
+    at = directory
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _finish_interrupted_save(directory)
+        staging.mkdir(exist_ok=True)
+        for name, data in zip(FILES, contents, strict=True):
+            at = staging / name
+            write_atomic(at, data, durable=True)
+        at = directory
+        _commit(directory, FILES, int(state.get("step", 0)), keep)
+    except OSError as exc:
+        raise CheckpointWriteError(describe_write_error(
+            exc, f"the checkpoint {directory}", sum(map(len, contents)), at)) from None
 
 
 def _commit(directory: Path, names: Sequence[str], step: int, keep: int) -> None:
@@ -148,24 +182,50 @@ def save_sharded_checkpoint(directory: str | Path, comm: Any, shard: dict[str, n
     the set into DIR as `save_checkpoint` does, so that a crash leaves one whole checkpoint."""
     directory = Path(directory)
     staging = directory / STAGING
-    if comm.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        _finish_interrupted_save(directory)
-        staging.mkdir(exist_ok=True)
-    comm.barrier()
-    digest = None
-    if shard is not None:
-        name, data = f"shard-{comm.rank:05d}.npz", _npz_bytes(shard)
+    what = f"the checkpoint {directory}"
+
+    def agreed_write(write: Callable[[], Any], nbytes: int, at: Path) -> Any:
+        """write()'s result on this rank (writing at `at`); CheckpointWriteError on every rank
+        when it failed on one (collective, so that no rank waits for one that stopped)."""
+        result, error = None, None
+        try:
+            result = write()
+        except OSError as exc:
+            error = describe_write_error(exc, what, nbytes, at)
+        everyone = comm.allgather_object((result, error))
+        failed = next((e for _, e in everyone if e), None)
+        if failed:
+            raise CheckpointWriteError(failed)
+        return [r for r, _ in everyone]
+
+    def prepare() -> None:
+        if comm.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            _finish_interrupted_save(directory)
+            staging.mkdir(exist_ok=True)
+
+    agreed_write(prepare, 0, directory)
+    name, data = f"shard-{comm.rank:05d}.npz", b""
+
+    def write_shard() -> tuple[str, str] | None:
+        if shard is None:
+            return None
         write_atomic(staging / name, data, durable=True)
-        digest = (name, hashlib.sha256(data).hexdigest())
-    digests = [d for d in comm.allgather_object(digest) if d is not None]
-    if comm.rank == 0:
-        state = {**state, "sha256": dict(digests)}
-        write_atomic(staging / "state.json", (json.dumps(state, indent=1) + "\n").encode(),
-                     durable=True)
-        _commit(directory, [name for name, _ in digests] + ["state.json"],
-                int(state.get("step", 0)), keep)
-    comm.barrier()
+        return name, hashlib.sha256(data).hexdigest()
+
+    if shard is not None:
+        data = _npz_bytes(shard)
+    digests = [d for d in agreed_write(write_shard, len(data), staging / name) if d is not None]
+    state = {**state, "sha256": dict(digests)}
+    contents = state_bytes(state)
+
+    def commit() -> None:
+        if comm.rank == 0:
+            write_atomic(staging / "state.json", contents, durable=True)
+            _commit(directory, [n for n, _ in digests] + ["state.json"],
+                    int(state.get("step", 0)), keep)
+
+    agreed_write(commit, len(contents), staging / "state.json")
 
 
 def _drop_unreferenced(directory: Path, names: Sequence[str]) -> None:
@@ -220,6 +280,27 @@ def has_checkpoint(directory: str | Path) -> bool:
     return (directory / "state.json").is_file() or (directory / STAGING / "state.json").is_file()
 
 
+def orphan_arrays(directory: str | Path) -> list[str]:
+    """The archives of a checkpoint in directory whose state.json is gone (sorted names)."""
+    directory = Path(directory)
+    if has_checkpoint(directory) or not directory.is_dir():
+        return []
+    return sorted(p.name for p in directory.iterdir()
+                  if p.is_file() and (p.name in FILES[:2] or p.name.startswith("shard-")))
+
+
+#: what `load_checkpoint`'s run state must hold to resume a run
+REQUIRED_KEYS = ("epoch", "step", "sampler")
+
+
+def check_keys(directory: str | Path, state: dict[str, Any]) -> None:
+    """CheckpointError naming state.json and the first of REQUIRED_KEYS it lacks."""
+    missing = [key for key in REQUIRED_KEYS if key not in state]
+    if missing:
+        raise CheckpointError(f"{Path(directory) / 'state.json'}: no {missing[0]!r} key; "
+                              f"cannot resume from it")
+
+
 def _read_set(state_path: Path, locate: Callable[[str], Path]
               ) -> tuple[dict[str, Any], dict[str, bytes]] | str:
     """(state, archive bytes) of the set whose state.json is at state_path (its archives are the
@@ -229,6 +310,11 @@ def _read_set(state_path: Path, locate: Callable[[str], Path]
         return f"missing {', '.join([*missing, 'state.json'])}"
     try:
         state = json.loads(state_path.read_text())
+        if not isinstance(state, dict):
+            return f"{state_path}: expected a JSON object"
+        if CHECKSUM in state and state[CHECKSUM] != canonical_sha256(state):
+            return (f"{state_path}: changed since it was written (its checksum does not match "
+                    f"its contents: edited by hand or a bad disk)")
         names = list(state.get("sha256", {})) or list(FILES[:2])
         missing = [name for name in names if not locate(name).is_file()]
         if missing:
@@ -265,6 +351,9 @@ def load_checkpoint(directory: str | Path
     else:
         if all(r.startswith("missing") for r in reasons):
             raise CheckpointError(f"{directory}: not a checkpoint ({reasons[-1]})")
+        changed = [r for r in reasons if "changed since it was written" in r]
+        if changed:
+            raise CheckpointError(f"refusing {changed[-1]}")
         raise CheckpointError(f"{directory}: no whole checkpoint ({'; '.join(reasons)})")
     state, blobs = found
     if "manifest" in state:

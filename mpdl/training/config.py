@@ -25,6 +25,7 @@ names them as a front end does (the CLI: "--global-batch-size: ...").
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from collections.abc import Callable, Mapping
@@ -36,6 +37,8 @@ from mpdl.autograd.optim import scale_lr
 from mpdl.collectives.registry import algorithms
 from mpdl.parallel.compression import COMPRESSORS, make_compression
 from mpdl.parallel.context import CP_BALANCES, CP_MODES
+from mpdl.parallel.pipeline.schedule import KINDS as PIPELINE_SCHEDULES
+from mpdl.parallel.pipeline.schedule import allowed as schedule_allowed
 from mpdl.parallel.ps import check_config
 from mpdl.parallel.zero import ALGORITHMS as ZERO_ALGORITHMS
 from mpdl.parallel.zero import STAGES as ZERO_STAGES
@@ -50,7 +53,6 @@ DATASETS = ("digits", "mnist", "synthetic", "addition", "text")
 SEQUENCE_DATASETS = ("addition", "text")
 LR_SCHEDULES = ("constant", "cosine")
 PARALLEL_MODES = ("allreduce", "ps")
-PIPELINE_SCHEDULES = ("afab", "1f1b")
 #: the learning rate of each optimizer when --lr is not given ...
 DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "lars": 2.0, "lamb": 1e-2}
 #: ... unless the model has its own: LeNet (no batch norm) diverges at sgd 0.2 and learns
@@ -153,8 +155,8 @@ def expect(ok: Callable[[Any], bool], expected: str) -> Callable[[Any], str | No
     return lambda value: None if ok(value) else f"{expected}, got {value!r}"
 
 
-POSITIVE = expect(lambda v: _number(v) and v > 0, "expected a positive number")
-AT_LEAST_ZERO = expect(lambda v: _number(v) and v >= 0, "expected a number >= 0")
+POSITIVE = expect(lambda v: _number(v) and 0 < v < math.inf, "expected a positive number")
+AT_LEAST_ZERO = expect(lambda v: _number(v) and 0 <= v < math.inf, "expected a number >= 0")
 POSITIVE_INT = expect(lambda v: _integer(v) and v >= 1, "expected a positive number")
 COUNT = expect(lambda v: _integer(v) and v >= 0, "expected a number >= 0")
 OPTIONAL_POSITIVE = expect(lambda v: v is None or (_number(v) and v > 0),
@@ -251,10 +253,13 @@ class OptimConfig:
     lr: float | None = option(None, "learning rate (default: sgd 0.2, adam 0.001, lars 2, lamb "
                               "0.01; lenet: sgd 0.03, adam 0.003; gpt: adam 0.003, with "
                               "--moe-experts 0.002; x 0.25 under --compression signsgd)",
-                              check=expect(lambda v: v is None or (_number(v) and v > 0),
-                                           "expected a positive learning rate"))
+                              check=expect(lambda v: v is None or (_number(v) and
+                                                                   0 < v < math.inf),
+                                           "expected a finite learning rate > 0"))
     optimizer: str = option("sgd", "sgd and lars use --momentum", choices=OPTIMIZERS)
-    momentum: float = option(0.9, check=AT_LEAST_ZERO)
+    momentum: float = option(0.9, "in [0, 1)",
+                             check=expect(lambda v: _number(v) and 0 <= v < 1,
+                                          "expected a momentum in [0, 1)"))
     weight_decay: float = option(0.0, check=AT_LEAST_ZERO)
     warmup_epochs: float = option(0.0, "linear learning-rate warmup (Goyal et al.)",
                                   check=AT_LEAST_ZERO)
@@ -270,6 +275,9 @@ class OptimConfig:
                                     check=expect(lambda v: _number(v) and 0 < v < float("inf"),
                                                  "expected a finite loss scale > 0"),
                                     metavar="S")
+    nan_patience: int = option(1, "stop (exit status 3) after N steps in a row whose loss or "
+                               "gradient is NaN or inf (fp16: counting only steps at the loss "
+                               "scale's floor)", check=POSITIVE_INT, metavar="N")
     deterministic: bool = option(False, "the same parameters to the last bit on any number of "
                                  "ranks, algorithm and ZeRO stage: each batch cut into --atoms "
                                  "atoms, their gradients summed exactly in int64 "
@@ -325,8 +333,12 @@ class ParallelConfig:
                       "slice of the sequence, reduce-scatter + all-gather instead of all-reduce")
     microbatches: int = option(1, "--pp/--tp: microbatches per step", check=POSITIVE_INT,
                                metavar="M")
-    schedule: str = option("1f1b", "--pp: all forward then all backward (GPipe), or one forward "
-                           "one backward (PipeDream-flush)", choices=PIPELINE_SCHEDULES)
+    schedule: str = option("1f1b", "--pp: all forward then all backward (GPipe), one forward "
+                           "one backward (PipeDream-flush), interleaved 1F1B over "
+                           "--virtual-stages chunks per rank, zero bubble (zb-h1; zb-v and "
+                           "dualpipev on two chunks per rank in a V)", choices=PIPELINE_SCHEDULES)
+    virtual_stages: int = option(1, "--schedule interleaved: model chunks per rank (pp x V "
+                                 "stages)", check=POSITIVE_INT, metavar="V")
     verbose_comm: bool = option(False, "--pp: print every message between stages (stderr)")
     ep: int = option(1, "expert parallelism: groups of P data-parallel ranks (of each pipeline "
                      "stage and tp rank) share the --moe-experts E experts, E/P on each, tokens "
@@ -398,9 +410,12 @@ class CheckpointConfig:
                        check=COUNT, metavar="N")
     resume: bool = option(False, "continue from the checkpoint in --checkpoint DIR (any number of "
                           "ranks; starts fresh when DIR holds none yet)")
+    force: bool = option(False, "--resume: start over even though DIR holds the arrays of a "
+                         "checkpoint whose state.json is gone (they are overwritten)")
     init_from: str | None = option(None, "start a GPT from the weights of a safetensors file "
-                                   "under nanoGPT's names (`mpdl export` writes one); a checkpoint "
-                                   "to --resume from wins", metavar="FILE")
+                                   "under nanoGPT's names (`mpdl export` writes one) or of a "
+                                   "transformers directory (`mpdl export --format hf`); a "
+                                   "checkpoint to --resume from wins", metavar="PATH")
 
 
 @dataclasses.dataclass
@@ -587,7 +602,8 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
     grid = "{parallel.pp} > 1 or {parallel.tp} > 1" if p.pp > 1 or p.tp > 1 \
         else "{parallel.cp} > 1"
     if not p.model_parallel():
-        for key in ("parallel.microbatches", "parallel.schedule", "parallel.verbose_comm"):
+        for key in ("parallel.microbatches", "parallel.schedule", "parallel.virtual_stages",
+                    "parallel.verbose_comm"):
             if getattr(p, key.split(".")[1]) != OPTIONS[key].default:
                 raise ConfigError(f"{{{key}}} needs {{parallel.pp}} > 1 (a pipeline) or "
                                   f"{{parallel.tp}} > 1")
@@ -605,6 +621,7 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
     if p.pp > pieces:
         raise ConfigError(f"{{parallel.pp}} {p.pp}: {{model.name}} {m.name} has {pieces} pieces "
                           f"to cut into stages" + (" (n_layer + 2)" if m.name == "gpt" else ""))
+    validate_schedule(config, pieces)
     if p.zero not in (0, 1):
         raise ConfigError(f"{grid} combine with {{parallel.zero}} 1 only (the optimizer state "
                           f"sharded over the data-parallel axis), not {{parallel.zero}} {p.zero}")
@@ -618,6 +635,34 @@ def validate_grid(config: TrainConfig, world_size: int) -> None:
                               f"model parallelism yet)")
 
 
+def validate_schedule(config: TrainConfig, pieces: int) -> None:
+    """The pipeline schedule against its chunks per rank, the microbatches and the model."""
+    p = config.parallel
+    kind, v, m = p.schedule, p.virtual_stages, p.microbatches
+    if kind in ("zb-v", "dualpipev") and v not in (1, 2):
+        raise ConfigError(f"{{parallel.schedule}} {kind} runs 2 chunks per rank (a V), not "
+                          f"{{parallel.virtual_stages}} {v}")
+    if kind not in ("interleaved", "zb-v", "dualpipev") and v > 1:
+        raise ConfigError(f"{{parallel.virtual_stages}} {v} needs {{parallel.schedule}} "
+                          f"interleaved (or zb-v, dualpipev: 2 chunks), not {kind}")
+    v = 2 if kind in ("zb-v", "dualpipev") else v
+    if kind == "interleaved" and v > 1 and m % p.pp:
+        raise ConfigError(f"{{parallel.microbatches}} {m} must be a multiple of {{parallel.pp}} "
+                          f"{p.pp} with {{parallel.schedule}} interleaved (groups of pp)")
+    if kind == "dualpipev" and m < 2 * p.pp:
+        raise ConfigError(f"{{parallel.microbatches}} {m} must be at least 2 x {{parallel.pp}} = "
+                          f"{2 * p.pp} with {{parallel.schedule}} dualpipev")
+    if p.pp * v > pieces:
+        raise ConfigError(f"{{parallel.pp}} x {v} chunks = {p.pp * v} stages: {{model.name}} "
+                          f"{config.model.name} has {pieces} pieces to cut into stages")
+    if config.model.moe_experts and kind not in ("afab", "1f1b"):
+        raise ConfigError(f"{{parallel.schedule}} {kind}: a pipeline with experts runs afab or "
+                          f"1f1b (an expert layer's backward exchanges tokens once)")
+    why = schedule_allowed(kind, p.pp, m, v)
+    if why:
+        raise ConfigError(why)
+
+
 def validate_context(config: TrainConfig) -> None:
     """Context parallelism: its split of the sequence and what the model must offer; sequence
     parallelism: its tensor-parallel ranks."""
@@ -628,8 +673,13 @@ def validate_context(config: TrainConfig) -> None:
                           "sequence)")
     length = sequence_length(config) if m.name == "gpt" else 0
     if p.sp and (length // p.cp) % p.tp:
+        hint = ""
+        if config.data.dataset == "addition":
+            fits = [d for d in range(1, 10) if ((3 * d + 2) // p.cp) % p.tp == 0][:2]
+            hint = (" (addition has 3 x {data.digits} + 2 positions"
+                    + (f": try {{data.digits}} {' or '.join(map(str, fits))})" if fits else ")"))
         raise ConfigError(f"{{parallel.sp}}: each rank's {length // p.cp} positions of a sequence "
-                          f"must be divisible by {{parallel.tp}} {p.tp}")
+                          f"must be divisible by {{parallel.tp}} {p.tp}{hint}")
     if p.cp == 1:
         return
     if m.name != "gpt":

@@ -43,6 +43,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
                                   f"{exc.strerror or exc}")) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(literal(f"{path}: not TOML: {exc}")) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(literal(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                                  f"at offset {exc.start}); TOML files are UTF-8")) from None
     values = {}
     for section, table in tables.items():
         if section not in SECTIONS:

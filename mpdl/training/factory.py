@@ -31,7 +31,7 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
     if p.model_parallel():
         grid = dict(dp=p.data_ranks(comm.size), pp=p.pp, tp=p.tp, microbatches=p.microbatches,
                     schedule=p.schedule, algorithm=c.algorithm, verbose=p.verbose_comm,
-                    zero=p.zero)
+                    zero=p.zero, virtual_stages=p.virtual_stages)
         if config.model.moe_experts:  # the experts of each stage over its dp ranks
             return ExpertPipelineStrategy(comm, ep=p.ep, **grid)
         return PipelineStrategy(comm, cp=p.cp, cp_mode=p.cp_mode, cp_balance=p.cp_balance,

@@ -40,8 +40,8 @@ import numpy as np
 
 from mpdl.autograd import kernels
 from mpdl.backend import get_array_module
-from mpdl.collectives import Plan, allreduce_init, auto
 from mpdl.comm import Communicator
+from mpdl.tuning import Plan, allreduce_init, auto
 
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 

@@ -30,11 +30,12 @@ from mpdl.comm import as_communicator
 from mpdl.parallel import DistributedSampler, split_bounds
 from mpdl.parallel.deterministic import param_sha256
 from mpdl.parallel.strategy import Batch
-from mpdl.training import checkpoint, nanogpt, precision, throughput
+from mpdl.training import checkpoint, guard, hf, nanogpt, precision, throughput
 from mpdl.training.config import ConfigError, TrainConfig, agreed, literal, resume_mismatch, validate
 from mpdl.training.factory import make_optimizer, make_strategy
 from mpdl.training.models import build_model, describe_model
 from mpdl.training.report import (
+    FP16_COLUMNS,
     ZERO_COLUMNS,
     Report,
     describe_run,
@@ -68,6 +69,9 @@ class Trainer:
         #: this rank's memory ledger (mpdl.memory): what setup and training hold, by category
         self.ledger = memory.Ledger()
         self._memory_peaks: dict[str, int] = {}
+        #: the ranks that train (all of them but a parameter server's servers), set by run()
+        self.trainers: Any = None
+        self.guard: guard.Guard | None = None
 
     @property
     def optimizer(self) -> Any:
@@ -113,6 +117,7 @@ class Trainer:
         self.lr = c.base_lr()
         self.start_epoch, self.step = 0, 0
         self.partial, self.resumed_at = None, None
+        self.initialized = ""  # the header's note on --init-from
         if not trains:
             return
         data_comm = self.strategy.data_comm
@@ -136,24 +141,42 @@ class Trainer:
             if all(seen):
                 agreed(self.comm, self._resume)
             else:
+                agreed(self.comm, self._check_no_orphans)
                 self.report.print(f"# no checkpoint in {ck.dir} yet: starting from epoch 1")
 
     def _init_from(self) -> None:
-        """Load the weights of the --init-from safetensors file (nanoGPT's names) into the GPT."""
+        """Load the weights of the --init-from safetensors file (nanoGPT's names) or transformers
+        directory (`mpdl export --format hf`) into the GPT."""
         c = self.config
         if c.model.name != "gpt":
             raise ConfigError(f"{{checkpoint.init_from}} needs {{model.name}} gpt, not "
                               f"{c.model.name}")
         info = self.task.model_info() or {}
         try:
-            state = nanogpt.import_state(c.checkpoint.init_from, self.model, info.get("vocab"))
+            source = c.checkpoint.init_from
+            load = hf.import_hf if hf.is_hf_dir(source) else nanogpt.import_state
+            state = load(source, self.model, info.get("vocab"))
         except ValueError as exc:
             raise ConfigError("{checkpoint.init_from}: " + literal(str(exc))) from None
         with self.strategy.gathered():
             self.model.load_state_dict(state)
+        self.initialized = (f"# weights loaded from {source} (--init-from): {len(state)} tensors, "
+                            f"{sum(int(v.size) for v in state.values()):,} parameters")
+
+    def _check_no_orphans(self) -> None:
+        """ConfigError when --resume finds the archives of a checkpoint without its state.json
+        (unless --force): starting over would overwrite them."""
+        ck = self.config.checkpoint
+        orphans = checkpoint.orphan_arrays(ck.dir)
+        if orphans and not ck.force:
+            raise ConfigError(f"{{checkpoint.resume}}: {literal(ck.dir)} holds "
+                              f"{literal(', '.join(orphans[:3]))} but no state.json; refusing to "
+                              f"start over and overwrite them (restore state.json, or give "
+                              f"{{checkpoint.force}} to start over)")
 
     def _resume(self) -> None:
         model_state, optim_state, state = checkpoint.load_checkpoint(self.config.checkpoint.dir)
+        checkpoint.check_keys(self.config.checkpoint.dir, state)
         mismatch = resume_mismatch(self.config, state.get("config", {}))
         if mismatch:
             raise ConfigError(mismatch)
@@ -177,17 +200,31 @@ class Trainer:
         return state
 
     def _save(self, epoch: int, partial: dict[str, float] | None = None) -> None:
-        """Checkpoint after `epoch` epochs (partial: the sums of the next one so far); collective,
-        inside the strategy's gathered()."""
+        """Checkpoint after `epoch` epochs (partial: the sums of the next one so far); collective
+        over the ranks that train, inside the strategy's gathered(). Refuses (NonFiniteStop) to
+        write a NaN or inf."""
         ck = self.config.checkpoint
         if self.strategy.sharded_checkpoint:
             shard, manifest = self.strategy.checkpoint_shard()
+            guard.check_saved(self.trainers, guard.walk("", shard or {}), self.step, ck.dir)
             checkpoint.save_sharded_checkpoint(ck.dir, self.comm, shard, {
                 **self._run_state(epoch, partial), "manifest": manifest}, keep=ck.keep)
-        elif self.rank == 0:
-            checkpoint.save_checkpoint(ck.dir, self.model.state_dict(),
-                                       self.strategy.state_dict(), self._run_state(epoch, partial),
-                                       keep=ck.keep)
+            return
+        model_state, optim_state = ((self.model.state_dict(), self.strategy.state_dict())
+                                    if self.rank == 0 else ({}, {}))
+        guard.check_saved(self.trainers, [*guard.walk("model", model_state),
+                                          *guard.walk("optimizer", optim_state)],
+                          self.step, ck.dir)
+        error = None
+        if self.rank == 0:
+            try:
+                checkpoint.save_checkpoint(ck.dir, model_state, optim_state,
+                                           self._run_state(epoch, partial), keep=ck.keep)
+            except checkpoint.CheckpointWriteError as exc:
+                error = str(exc)
+        error = next((e for e in self.trainers.allgather_object(error) if e), None)
+        if error:
+            raise checkpoint.CheckpointWriteError(error)
 
     def _save_within(self, epoch: int, sums: dict[str, float]) -> None:
         """Checkpoint in the middle of epoch (every checkpoint_every steps) with the sums of the
@@ -221,7 +258,8 @@ class Trainer:
                           count=int((self.task.ytr[self.sampler.batch] >= 0).sum()))
             if self.sampler.atoms:
                 batch.atoms = self.sampler.local_atoms(global_batch)
-            r = self.strategy.step(batch)
+            with np.errstate(over="ignore", invalid="ignore"):  # the guard below reports them
+                r = self.strategy.step(batch)
             for key, value in zip(SUMS[:-1], (r.loss, r.correct, r.samples, r.compute_s,
                                               r.comm_s, r.exposed_s), strict=True):  # not "wall"
                 sums[key] += value
@@ -230,7 +268,10 @@ class Trainer:
                     self.timeline.add(s.name, s.start, s.end, thread=s.thread, cat=s.cat,
                                       **s.args, step=self.step)
             self.step += 1
-            faults.after_step(self.rank, self.step, self.resumed_at)
+            self.guard.after_step(self.step, r.loss, r.samples, self.model.parameters(),
+                                  getattr(self.optimizer, "scaler", None),
+                                  self.config.base_lr())
+            faults.after_step(self.rank, self.step, self.resumed_at, self.model.parameters())
             if every and self.step % every == 0 and self.sampler.position < self.steps_per_epoch:
                 self._save_within(epoch, sums)
             if bar is not None:
@@ -281,7 +322,8 @@ class Trainer:
         else:
             self._print_header()
             data_comm = strategy.data_comm
-            trainers = self.comm if everyone else data_comm
+            trainers = self.trainers = self.comm if everyone else data_comm
+            self.guard = guard.Guard(trainers, c.optim.nan_patience, c.optim.precision)
             for epoch in range(self.start_epoch, c.optim.epochs):
                 s = self.train_epoch(epoch)
                 peaks = memory_fields(self._memory_peaks, trainers)
@@ -342,10 +384,12 @@ class Trainer:
         what = describe_run(c, describe_model(c.model.name, self.model), self.task,
                             self.strategy.roles(), self.strategy.describe(),
                             emulation.describe_active(self.comm))
-        notes = [*self.task.notes(),
+        notes = [*self.task.notes(), self.initialized,
                  self.peak and throughput.note(self.model, self.task.seq_len, self.peak, self.size),
                  resumed_text(c.checkpoint.dir, self.start_epoch, self.step, self.sampler.position,
                               self.steps_per_epoch)]
         if "model_state_bytes" in self.strategy.report():
             self.report.columns = (*self.report.columns, *ZERO_COLUMNS)
+        if c.optim.precision == "fp16":
+            self.report.columns = (*self.report.columns, *FP16_COLUMNS)
         self.report.header(what, [note for note in notes if note])

@@ -70,13 +70,22 @@ def import_state(path: str | Path, model: Any, vocab: str | None = None
             metadata = f.metadata() or {}
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
-    if vocab is not None and "vocab" in metadata and json.loads(metadata["vocab"]) != vocab:
-        raise ValueError(f"{path}: written for the vocabulary {json.loads(metadata['vocab'])!r}, "
-                         f"this run's is {vocab!r}")
+    written = json.loads(metadata["vocab"]) if "vocab" in metadata else None
+    return state_from(tensors, path, model, written, vocab)
+
+
+def state_from(tensors: dict[str, np.ndarray], path: str | Path, model: Any,
+               written_vocab: str | None, vocab: str | None) -> dict[str, np.ndarray]:
+    """The state (mpdl's names, the model's dtype) for `model` from nanoGPT-named, nanoGPT-laid
+    `tensors` read from `path`; ValueError naming `path` and the first tensor that is missing or
+    has another shape, or a vocabulary `written_vocab` that `vocab` differs from."""
+    if vocab is not None and written_vocab is not None and written_vocab != vocab:
+        raise ValueError(f"{path}: written for the vocabulary {written_vocab!r}, this run's is "
+                         f"{vocab!r}")
     params = dict(model.named_parameters())
     names = {nanogpt_name(name): name for name in params}
     extra = sorted(set(tensors) - set(names) - {"lm_head.weight"}
-                   - {k for k in tensors if k.endswith(".attn.bias")})  # nanoGPT's causal mask
+                   - {k for k in tensors if k.endswith((".attn.bias", ".attn.masked_bias"))})  # causal masks
     if extra:
         raise ValueError(f"{path}: {extra[0]} is not a tensor of this run's model "
                          f"({len(model.blocks)} blocks)")

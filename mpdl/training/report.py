@@ -22,6 +22,8 @@ MIB = 1 << 20
 #: and bytes sent per step, in MiB: (title, row field, width, format, divisor)
 ZERO_COLUMNS = (("state_MiB", "model_state_bytes", 9, ".3f", MIB),
                 ("sent_MiB", "sent_bytes_per_step", 9, ".3f", MIB))
+#: the column an fp16 run adds: the optimizer steps the loss scaler skipped so far
+FP16_COLUMNS = (("skipped", "skipped_steps", 7, ".0f"),)
 
 
 def memory_fields(peaks: dict[str, int], comm: Any) -> dict[str, Any]:

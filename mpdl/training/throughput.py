@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import blas
-from mpdl.collectives import costmodel
+from mpdl.tuning import costmodel
 
 #: the side of the GEMM microbenchmark: large enough to reach a core's peak, small enough to
 #: measure in a fraction of a second

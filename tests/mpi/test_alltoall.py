@@ -8,6 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from mpdl import collectives as C
+from mpdl import tuning as T
 
 pytestmark = pytest.mark.mpi
 
@@ -119,13 +120,13 @@ def test_bad_input_raises_on_every_rank(algorithm):
 def test_persistent_plans_and_cached_calls_match_mpi(algorithm):
     """alltoall_init (persistent requests where the algorithm has them) and repeated calls with
     out= (a cached plan from the second call), in place and not, on values that change."""
-    from mpdl.collectives import plan as plans
+    from mpdl.tuning import plan as plans
 
     x = local_bits((P, 5), "float32", 3)
     out = np.empty_like(x)
     held = x.copy()
-    plan = C.alltoall_init(x, algorithm=algorithm, out=out)
-    in_place = C.alltoall_init(held, algorithm=algorithm, out=held)
+    plan = T.alltoall_init(x, algorithm=algorithm, out=out)
+    in_place = T.alltoall_init(held, algorithm=algorithm, out=held)
     for seed in range(plans.COMPILED_AFTER + 2):  # past the runs that wait from Python
         x[...] = local_bits((P, 5), "float32", 10 + seed)
         held[...] = x
@@ -137,7 +138,7 @@ def test_persistent_plans_and_cached_calls_match_mpi(algorithm):
     plan.free()
     in_place.free()
     wide = local_bits((P, 6), "int32", 4)
-    strided = C.alltoall_init(wide[:, :3], algorithm=algorithm)  # x's flat form is a copy
+    strided = T.alltoall_init(wide[:, :3], algorithm=algorithm)  # x's flat form is a copy
     for seed in range(2):
         wide[...] = local_bits((P, 6), "int32", 30 + seed)
         assert_bits(strided(), mpi_alltoall(np.ascontiguousarray(wide[:, :3])))
@@ -149,8 +150,8 @@ def test_one_shot_calls_of_one_shape_match_mpi(algorithm):
     """alltoall(x) without out, again and again on new arrays of one shape (from the second call a
     plan kept for the shape runs it: x copied in, the result copied out), x strided: every result
     is bit-exact and an array of its own, and x is left as it was."""
-    from mpdl.collectives import plan as plans
     from mpdl.comm import as_communicator
+    from mpdl.tuning import plan as plans
 
     results, wants = [], []
     for seed in range(3):

@@ -15,8 +15,9 @@ from mpi4py import MPI
 
 from mpdl import collectives as C
 from mpdl import settings
-from mpdl.collectives import auto, firstuse, measuring, registry
+from mpdl.collectives import registry
 from mpdl.comm import MPIComm
+from mpdl.tuning import auto, firstuse, measuring
 
 pytestmark = pytest.mark.mpi
 
@@ -28,11 +29,10 @@ LIMIT_S = 60
 
 
 @pytest.fixture
-def cache(tmp_path_factory, monkeypatch):
+def cache(tmp_path_factory, monkeypatch, quiet_machine):
     """A first-use cache folder every rank agrees on (rank 0's), no calibration file, and a
-    machine taken as quiet however loaded it is (the busy check has its own test below)."""
-    monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", float("inf"))
-    monkeypatch.setattr(measuring, "BUSY_SPREAD", float("inf"))
+    machine taken as quiet however loaded it is (stand-in readings: the busy check's tests below
+    stand in readings of their own)."""
     # these tests check how calibrations are shared, kept and replaced, not the sizes they time:
     # the 16 and 64 MiB turns would add several seconds to each of them on 4 ranks
     monkeypatch.setattr(measuring, "TUNE_SIZES", measuring.TUNE_SIZES[:-2])
@@ -196,7 +196,6 @@ def test_a_calibration_under_load_is_provisional_on_every_rank_until_a_quiet_one
     quiet machine replaces it in the cache and is then the final word."""
     loaded = RANK == P - 1
     monkeypatch.setattr(measuring, "load_per_core", lambda ranks_here: 3.0 if loaded else 0.0)
-    monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", 0.5)
     calibrated = first_use_verdicts(cache)
     if calibrated is None:
         return

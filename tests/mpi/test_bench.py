@@ -10,9 +10,10 @@ from mpi4py import MPI
 
 from mpdl import settings
 from mpdl.cli import main
-from mpdl.collectives import auto, costmodel, registry
+from mpdl.collectives import registry
 from mpdl.comm import as_communicator
 from mpdl.perf.bench import bus_factor
+from mpdl.tuning import auto, costmodel
 
 pytestmark = pytest.mark.mpi
 
@@ -159,12 +160,12 @@ def test_bad_flags_exit_2_with_one_line_from_rank_0(argv, message, capsys):
         assert err == ""
 
 
-def test_auto_is_identical_on_all_ranks(shared_dir):
+def test_auto_is_identical_on_all_ranks(shared_dir, monkeypatch):
     path = os.path.join(shared_dir, "model.json")
     if RANK == 0:
         costmodel.save(path, costmodel.Params(alpha=3e-6, beta=2e-10, ranks=P))
     COMM.Barrier()
-    os.environ["MPDL_COST_MODEL"] = path
+    monkeypatch.setenv("MPDL_COST_MODEL", path)
     settings.use(None)
     try:
         auto.forget()
@@ -172,7 +173,7 @@ def test_auto_is_identical_on_all_ranks(shared_dir):
                  for n in (0, 8, 1 << 12, 1 << 16, 1 << 20, 1 << 26) for nodes in (1, 2)
                  for shm in (True, False)]
     finally:
-        del os.environ["MPDL_COST_MODEL"]
+        monkeypatch.undo()
         settings.use(None)
         auto.forget()
     everyone = COMM.allgather(picks)

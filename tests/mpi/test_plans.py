@@ -8,8 +8,9 @@ from mpi4py import MPI
 from rankdata import local_data
 
 from mpdl import collectives as C
-from mpdl.collectives import plan as plans
+from mpdl import tuning as T
 from mpdl.comm import CollectiveTimeout, MPIComm, as_communicator
+from mpdl.tuning import plan as plans
 
 pytestmark = pytest.mark.mpi
 
@@ -40,7 +41,7 @@ def test_allreduce_plans_match_the_one_shot_call_bit_for_bit(algorithm):
     for seed, (op, dtype, count) in enumerate(cases()):
         x = local_data(count, dtype, op, seed)
         out = np.empty_like(x)
-        h = C.allreduce_init(x, op=op, algorithm=algorithm, out=out)
+        h = T.allreduce_init(x, op=op, algorithm=algorithm, out=out)
         for run in range(3):  # a plan runs again and again on the array's current values
             x[...] = local_data(count, dtype, op, seed + 100 * run)
             expected = C.allreduce(x, op=op, algorithm=algorithm)  # one-shot (out=None)
@@ -51,7 +52,7 @@ def test_allreduce_plans_match_the_one_shot_call_bit_for_bit(algorithm):
             np.testing.assert_array_equal(x, before, err_msg="input was modified")
         inplace = local_data(count, dtype, op, seed)
         expected = C.allreduce(inplace, op=op, algorithm=algorithm)
-        g = C.allreduce_init(inplace, op=op, algorithm=algorithm, out=inplace)
+        g = T.allreduce_init(inplace, op=op, algorithm=algorithm, out=inplace)
         assert g() is inplace
         same_bytes(inplace, expected, f"{algorithm} {op} {dtype} n={count} in place")
 
@@ -62,11 +63,11 @@ def test_reduce_scatter_plans_match_the_one_shot_call(algorithm):
         for count in COUNTS:
             x = local_data(count, "float64", op, seed=3)
             expected = C.reduce_scatter(x.copy(), op=op, algorithm=algorithm)
-            h = C.reduce_scatter_init(x, op=op, algorithm=algorithm)
+            h = T.reduce_scatter_init(x, op=op, algorithm=algorithm)
             same_bytes(h(), expected, f"{algorithm} {op} n={count}")
             same_bytes(h(), expected, f"{algorithm} {op} n={count} again")
             work = x.copy()
-            g = C.reduce_scatter_init(work, op=op, algorithm=algorithm, in_place=True)
+            g = T.reduce_scatter_init(work, op=op, algorithm=algorithm, in_place=True)
             same_bytes(g(), expected, f"{algorithm} {op} n={count} in place")
 
 
@@ -77,17 +78,17 @@ def test_allgather_plans_match_the_one_shot_call(algorithm):
             continue  # MPI_Allgather: equal blocks only
         block = np.array_split(np.arange(count, dtype=np.int64) * 7 + 1, P)[RANK].copy()
         out = np.empty(count, np.int64)
-        h = C.allgather_init(block, algorithm=algorithm, count=count, out=out)
+        h = T.allgather_init(block, algorithm=algorithm, count=count, out=out)
         assert h() is out
         np.testing.assert_array_equal(out, np.arange(count) * 7 + 1)
         x = local_data(count, "float32", "sum", seed=4)
-        same_bytes(C.allgather_init(x, algorithm=algorithm)(), C.allgather(x, algorithm=algorithm),
+        same_bytes(T.allgather_init(x, algorithm=algorithm)(), C.allgather(x, algorithm=algorithm),
                    f"{algorithm} n={count}")
 
 
 def test_a_plan_refuses_another_array_on_every_rank():
     x = np.ones(5, np.float32)
-    h = C.allreduce_init(x, algorithm="recursive_doubling", out=np.empty_like(x))
+    h = T.allreduce_init(x, algorithm="recursive_doubling", out=np.empty_like(x))
     with pytest.raises(ValueError, match="x: this allreduce plan was made for another array"):
         h.start(np.ones(5, np.float32))
     with pytest.raises(ValueError, match="another array"):
@@ -104,15 +105,15 @@ def test_a_plan_refuses_another_array_on_every_rank():
 def test_bad_arguments_raise_when_the_plan_is_made():
     x = np.ones(4, np.float32)
     with pytest.raises(ValueError, match="op"):
-        C.allreduce_init(np.ones(4, np.int32), op="avg")
+        T.allreduce_init(np.ones(4, np.int32), op="avg")
     with pytest.raises(ValueError, match="algorithm"):
-        C.allreduce_init(x, algorithm="butterfly")
+        T.allreduce_init(x, algorithm="butterfly")
     with pytest.raises(ValueError, match="out"):
-        C.allreduce_init(x, out=np.empty(5, np.float32))
+        T.allreduce_init(x, out=np.empty(5, np.float32))
     with pytest.raises(ValueError, match="count"):
-        C.allgather_init(x, count=-1)
+        T.allgather_init(x, count=-1)
     with pytest.raises(ValueError, match="in_place"):
-        C.reduce_scatter_init(np.ones((2, 2)), in_place=True)
+        T.reduce_scatter_init(np.ones((2, 2)), in_place=True)
 
 
 @pytest.mark.parametrize("algorithm", ["mpi", "recursive_doubling", "ring", "tree", "auto"])
@@ -139,7 +140,7 @@ def test_the_flight_recorder_keeps_planned_calls():
     if comm.flight is None:
         pytest.skip("the flight recorder is off")
     x = np.ones(6, np.float32)
-    h = C.allreduce_init(x, op="max", algorithm="recursive_doubling", out=np.empty_like(x))
+    h = T.allreduce_init(x, op="max", algorithm="recursive_doubling", out=np.empty_like(x))
     first = comm.flight.next_seq(comm.flight_group())
     h()
     h.start().wait()
@@ -321,7 +322,7 @@ def test_plans_run_many_times_wait_in_compiled_code_bit_for_bit(algorithm, monke
     comm = MPIComm(COMM.Dup())
     for count in (1, P + 1, 31):
         x = local_data(count, "float32", "sum", count)
-        h = C.allreduce_init(x, algorithm=algorithm, comm=comm, out=np.empty_like(x))
+        h = T.allreduce_init(x, algorithm=algorithm, comm=comm, out=np.empty_like(x))
         for run in range(plans.COMPILED_AFTER + 3):
             x[...] = local_data(count, "float32", "sum", 7 * run + count)
             same_bytes(h(), C.allreduce(x, algorithm=algorithm, comm=comm),

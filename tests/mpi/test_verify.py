@@ -15,14 +15,15 @@ from mpi4py import MPI
 
 from mpdl import collectives as C
 from mpdl import settings
+from mpdl import tuning as T
 from mpdl.autograd import functional as F
 from mpdl.autograd import nn
 from mpdl.autograd.tensor import Tensor
-from mpdl.collectives import auto, firstuse, measuring, verify
-from mpdl.collectives import costmodel as cm
-from mpdl.collectives import plan as plans
 from mpdl.comm import MPIComm
 from mpdl.parallel import DistributedDataParallel
+from mpdl.tuning import auto, firstuse, measuring, verify
+from mpdl.tuning import costmodel as cm
+from mpdl.tuning import plan as plans
 
 pytestmark = pytest.mark.mpi
 
@@ -34,7 +35,7 @@ COUNT = 1009
 
 
 @pytest.fixture
-def world(tmp_path_factory, monkeypatch):
+def world(tmp_path_factory, monkeypatch, quiet_machine):
     """A first-use calibration (quick probes stood aside: a fixed, quiet one) in a fresh cache
     folder, verification on with RUNS runs of each algorithm, and a communicator auto has not
     seen."""
@@ -89,7 +90,7 @@ def test_a_trial_times_each_algorithm_waiting_as_its_later_runs_will(world, monk
                  and plans._REPLAYED[n](COUNT, plans.segment_elements(4), P)]
     assert scheduled, f"no contender with a recorded schedule among {names}"
     monkeypatch.setattr(plans, "COMPILED_AFTER", 10**6)  # plans outside a trial: never compiled
-    plan = C.allreduce_init(x, algorithm="auto", comm=world)
+    plan = T.allreduce_init(x, algorithm="auto", comm=world)
     for _ in range(len(plan.trial.order)):
         got = plan().copy()
         want = C.allreduce(x, algorithm=plan.trial.current, comm=world)  # the one that ran
@@ -107,7 +108,7 @@ def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(w
     names = verify.candidates("allreduce", x.nbytes, world)
     choice = names[0]
     slow_down(choice, monkeypatch)
-    plan = C.allreduce_init(x, algorithm="auto", comm=world)
+    plan = T.allreduce_init(x, algorithm="auto", comm=world)
     ran = run_trial(plan, names, lambda name: C.allreduce(x, algorithm=name, comm=world))
     winner = plan.algorithm
     assert winner in names[1:]
@@ -120,7 +121,7 @@ def test_a_slowed_choice_is_replaced_by_a_contender_the_same_way_on_every_rank(w
     assert firstuse.read_verified(firstuse.cache_path(settings.current().auto_cache, key),
                                   key) == {f"allreduce:{x.nbytes}": winner}
     auto.forget()
-    again = C.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
+    again = T.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
     assert again.algorithm == winner and again.trial is None
 
 
@@ -128,9 +129,9 @@ def _gathering(collective: str, x: np.ndarray, comm):
     """(the bytes auto chooses by, a plan with auto, the one-shot call of a named algorithm) of a
     reduce-scatter or all-gather of x."""
     if collective == "reduce_scatter":
-        return (x.nbytes, lambda: C.reduce_scatter_init(x, algorithm="auto", comm=comm),
+        return (x.nbytes, lambda: T.reduce_scatter_init(x, algorithm="auto", comm=comm),
                 lambda name: C.reduce_scatter(x, algorithm=name, comm=comm))
-    return (x.nbytes * P, lambda: C.allgather_init(x, algorithm="auto", comm=comm),
+    return (x.nbytes * P, lambda: T.allgather_init(x, algorithm="auto", comm=comm),
             lambda name: C.allgather(x, algorithm=name, comm=comm))
 
 
@@ -166,18 +167,18 @@ def test_a_slowed_reduce_scatter_or_allgather_choice_is_replaced_on_every_rank(w
 
 
 def test_a_verdict_taken_on_a_busy_machine_is_verified_again_by_the_next_run(world, monkeypatch):
-    """Every load counts as busy: the trial's verdict (a contender: the choice is slowed 20 ms per
-    run) is provisional in the cache; the next run's plan runs it and verifies it again, with
-    the verdict first, every run's bits those of the one-shot all-reduce of the algorithm that
-    ran, the same on every rank."""
+    """The trial sees a busy machine (a stand-in load of 3 per core): its verdict (a contender:
+    the choice is slowed 20 ms per run) is provisional in the cache; the next run's plan runs it
+    and verifies it again, with the verdict first, every run's bits those of the one-shot
+    all-reduce of the algorithm that ran, the same on every rank."""
     if P == 1:
         pytest.skip("one rank: there is no algorithm to verify (auto runs nothing)")
     assert not auto.model_for(world).provisional  # a quiet calibration; the trial is on a busy
-    monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", -1.0)  # machine: every load counts
+    monkeypatch.setattr(measuring, "load_per_core", lambda ranks_here: 3.0)  # machine
     x = np.random.default_rng(RANK).standard_normal(COUNT).astype(np.float32)
     choice = verify.candidates("allreduce", x.nbytes, world)[0]
     slow_down(choice, monkeypatch)
-    plan = C.allreduce_init(x, algorithm="auto", comm=world)
+    plan = T.allreduce_init(x, algorithm="auto", comm=world)
     for _ in range(len(plan.trial.order)):
         plan()
     winner = plan.algorithm
@@ -187,10 +188,10 @@ def test_a_verdict_taken_on_a_busy_machine_is_verified_again_by_the_next_run(wor
     path = firstuse.cache_path(settings.current().auto_cache, key)
     entry = f"allreduce:{x.nbytes}"
     assert firstuse.read_verified(path, key) == {entry: winner}
-    assert firstuse.read_unsettled(path, key)[entry].startswith("busy machine: load")
+    assert firstuse.read_unsettled(path, key)[entry].startswith("busy machine: load 3.00")
     world.barrier()
     auto.forget()
-    again = C.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
+    again = T.allreduce_init(x, algorithm="auto", comm=MPIComm(COMM.Dup()))
     assert again.algorithm == winner and again.trial is not None
     assert again.trial.names[0] == winner and choice in again.trial.names
     for _ in range(len(again.trial.order)):
@@ -202,7 +203,7 @@ def test_a_verdict_taken_on_a_busy_machine_is_verified_again_by_the_next_run(wor
 
 
 @pytest.fixture
-def poisoned(tmp_path_factory, monkeypatch):
+def poisoned(tmp_path_factory, monkeypatch, quiet_machine):
     """A first-use calibration whose all-reduce table is poisoned (as a busy machine can leave it):
     it has double_tree fastest at every size, ring next and every other candidate far behind; the
     busy check does not flag it. The settings' verify_runs is left at its default."""
@@ -213,14 +214,12 @@ def poisoned(tmp_path_factory, monkeypatch):
 
 
 def _first_use_world(tmp_path_factory, monkeypatch, name: str, rows: tuple, **options):
-    """The fixtures' world: settings pointing at a fresh cache folder (and `options`), the busy
-    check switched off, quick probes stood aside (a fixed link curve, an all-reduce table of
+    """The fixtures' world (on a `quiet_machine`): settings pointing at a fresh cache folder (and
+    `options`), quick probes stood aside (a fixed link curve, an all-reduce table of
     `rows`), auto forgotten; yields a communicator auto has not seen, then restores them."""
     path = COMM.bcast(str(tmp_path_factory.mktemp(name)) if RANK == 0 else None, root=0)
     previous = settings.update(auto_cache=os.path.join(path, "cache"),
                                cost_model=os.path.join(path, "costmodel.json"), **options)
-    monkeypatch.setattr(measuring, "BUSY_LOAD_PER_CORE", float("inf"))
-    monkeypatch.setattr(measuring, "BUSY_SPREAD", float("inf"))
     sizes = measuring.QUICK.sizes
     monkeypatch.setattr(measuring, "link_curves", lambda comm, effort: {
         "intra": [1e-6 * (1 + n / 1e6) for n in sizes], "ring": None, "ring_reduce": None,

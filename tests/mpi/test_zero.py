@@ -163,7 +163,7 @@ def test_unit_plans_give_the_one_shot_calls_bit_for_bit(stage, algorithm, monkey
     cache) ends on the same bytes. Hybrid where the nodes allow it (the Makefile's emulated
     nodes of 2 ranks): the sum over the replicas is planned too."""
     from mpdl.collectives import allgather  # noqa: PLC0415
-    from mpdl.collectives import plan as plans  # noqa: PLC0415
+    from mpdl.tuning import plan as plans  # noqa: PLC0415
 
     comm = as_communicator(COMM)
     hybrid = len({len(g) for g in comm.node_groups()}) == 1 and len(comm.node_groups()) > 1

@@ -1,6 +1,6 @@
 """Schedules recorded from the algorithms themselves, for persistent plans to replay.
 
-A persistent plan (`mpdl.collectives.plan`) sends the same messages on every run. Rather than
+A persistent plan (`mpdl.tuning.plan`) sends the same messages on every run. Rather than
 keep a second copy of an algorithm's schedule, the plan runs the algorithm once on stand-ins:
 `Span`s in place of its arrays (which buffer, where in it, how long) and a `RecordingComm` in
 place of its communicator, which notes every message posted and every reduction instead of moving

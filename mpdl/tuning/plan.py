@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from mpdl import backend, faults, memory, settings
-from mpdl.collectives import checks, recording, registry, shm, verify
+from mpdl.collectives import checks, registry, shm
 from mpdl.collectives.bruck import moving
 from mpdl.collectives.ops import reducer, segment_elements
 from mpdl.collectives.pairwise import partners
@@ -42,17 +42,15 @@ from mpdl.collectives.scattered import THROTTLE
 from mpdl.comm import Communicator, Request, as_communicator, polling
 from mpdl.comm.mpi import MPIComm, free_before_finalize
 from mpdl.mpi_runtime import library_version
+from mpdl.tuning import recording, verify
 
 #: plans the ordinary calls keep (oldest dropped first), and the largest array they plan for: above
 #: it a call's Python overhead is lost in the transfer, and a plan would keep the array alive
 CACHE_PLANS = 64
 CACHE_MAX_BYTES = 1 << 20
-#: the same for `allreduce(x, out=out)`, whose plans verify auto's choice in the caller's rhythm
-#: (`mpdl.collectives.verify`): there the rhythm still ranks the algorithms at 16 MiB (on 2 ranks
-#: the torus took 3.4-3.6 ms a call back to back against shm's 4.2-4.4, and 5.2 against 4.4 one
-#: call at a time with a new result array) and at 32 MiB (Rabenseifner, ring or hierarchical
-#: 1.11-1.33x faster than shm in loops of 4 on 2 ranks, in each of three runs where auto ran the
-#: one-shot prediction, shm), so plans go to 64 MiB, within CACHE_BYTES
+#: the same for `allreduce(x, out=out)`, whose plans verify auto's choice in the caller's rhythm:
+#: the rhythm still ranks the algorithms at 16 and 32 MiB, so plans go to 64 MiB, within
+#: CACHE_BYTES (docs/results/auto.md#cached-plans-up-to-64-mib)
 ALLREDUCE_CACHE_MAX_BYTES = 64 << 20
 #: the most bytes of distinct arrays the cached plans may keep alive (their x and out; oldest plan
 #: dropped first): a dropped plan's trial starts again with the next plan of its arrays, so the
@@ -98,7 +96,7 @@ class Plan:
         #: the comm and out arguments of the ordinary call a cached plan stands for
         self._comm_arg: Any = None
         self._out: Any = None
-        #: the verification of auto's choice on the first runs (mpdl.collectives.verify), if any
+        #: the verification of auto's choice on the first runs (mpdl.tuning.verify), if any
         self.trial: Any = None
         if self._requests:
             free_before_finalize(self)  # its persistent MPI requests
@@ -351,21 +349,18 @@ class _Schedule:
 
 #: polls of a plan's requests, each after yielding the core, before the communicator's wait
 #: policy takes over (its timeout, stall warning and sleeps) where ranks outnumber cores: from
-#: Python, and in compiled code (a poll there costs a fifth as much: about 1-2 ms of polls in
-#: either); and the compiled wait's polls where ranks have cores of their own (yielding every 64)
+#: Python, and in compiled code (a poll there costs a fifth as much); and the compiled wait's
+#: polls where ranks have cores of their own (yielding every 64)
 YIELD_POLLS = 256
 COMPILED_YIELD_POLLS = 2048
 COMPILED_POLLS = 8192
-#: runs of a schedule after which it waits in compiled code: making the first compiled wait costs
-#: a process about 0.4 s (numba's import and cache), repaid only by schedules run many times
+#: runs of a schedule after which it waits in compiled code: the first compiled wait costs a
+#: process numba's import and cache, repaid only by schedules run many times
 COMPILED_AFTER = 8
 #: the same for the runs of a plan that verifies auto's choice (a plan run many times): its trial
-#: times each algorithm as it will run from then on, waiting in compiled code from the first run.
-#: Timed in Python's wait instead, the trial compared what the plan never runs again: at p = 4
-#: on 2 cores, 8 B, recursive doubling took 88 us a call in its first four runs and 24-44 from
-#: the ninth, ring 77 and 50-72, so ring won trials the sweep then timed at 2-3x the choice's time
-#: (`mpdl bench --loop 4`, p = 4, trials in turns of two runs: auto within 10% of the best at
-#: 11 of 24 sizes with the trial's waits in Python, 19 of 24 with them compiled)
+#: times each algorithm as it will run from then on, waiting in compiled code from the first run;
+#: timed in Python's wait, it compared what the plan never runs again
+#: (docs/results/auto.md#trials-wait-in-compiled-code)
 TRIAL_COMPILED_AFTER = 1
 
 
@@ -468,7 +463,7 @@ def _fast_path_possible(comm, *arrays) -> bool:
 
 def _replay(comm, recorded: recording.Recording, arrays: dict[str, np.ndarray],
             f: Callable) -> _Schedule:
-    """A recorded schedule (`mpdl.collectives.recording`) as persistent requests on the arrays its
+    """A recorded schedule (`mpdl.tuning.recording`) as persistent requests on the arrays its
     spans name, each reduction f(a, b, out=o)."""
     s = _Schedule(comm)
     for step in recorded.steps:
@@ -536,7 +531,7 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
     """allreduce_init; without `persistent`, "mpi" stays the blocking MPI_Allreduce (a cached
     plan on one rank must match a one-shot call on another). With algorithm "auto" and the
     settings' verify_runs, the plan times auto's choice against its contenders on its first runs
-    (`mpdl.collectives.verify`)."""
+    (`mpdl.tuning.verify`)."""
     shared = (persistent and algorithm == "auto" and out is x
               and shm.in_shared_memory(as_communicator(comm), x))
     call = checks.allreduce_call(x, op, algorithm, comm, out, plan=True, shared=shared)
@@ -636,7 +631,7 @@ def reduce_scatter_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: 
     """A plan of `reduce_scatter(x, op, algorithm, comm, in_place)`: each run returns this rank's
     block (a view of x with `in_place`, else a new array). With algorithm "auto" and the settings'
     verify_runs, the plan times auto's choice against every other candidate on its first runs
-    (`mpdl.collectives.verify`)."""
+    (`mpdl.tuning.verify`)."""
     call = checks.reduce_scatter_call(x, op, algorithm, comm, in_place, plan=True)
     c, algo, xp, bounds, dtype = call.comm, call.algorithm, call.xp, call.layout, x.dtype
     buf = x if in_place else backend.empty_half_page_in(max(x.size, 1), dtype, xp)[:x.size]
@@ -679,7 +674,7 @@ def allgather_init(x: Any, algorithm: str = "auto", comm: Any = None, count: int
     """A plan of `allgather(x, algorithm, comm, count, out)`: each run gathers x's current values
     into `plan.result` (out, or an array the plan allocates) and returns it. With algorithm "auto"
     and the settings' verify_runs, the plan times auto's choice against every other candidate on
-    its first runs (`mpdl.collectives.verify`)."""
+    its first runs (`mpdl.tuning.verify`)."""
     call = checks.allgather_call(x, algorithm, comm, count, out, plan=True)
     c, algo, result = call.comm, call.algorithm, call.out
     plan = Plan(c, "allgather", algo.name, x, result, None, call.signature,
@@ -948,8 +943,7 @@ def cached_alltoall(x: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
 #: the one-shot all-to-all's plans by communicator, algorithm, shape and dtype (`shaped_alltoall`),
 #: each with its input array; shapes met once (a plan is made at the second call of a shape); and
 #: the largest input they are kept for: above it the copies in and out cost more than they save
-#: (4 ranks, scattered: 128 KiB 174 µs against 316 one-shot, 256 KiB 394 against 443, 1 MiB 1.2
-#: against 0.85 ms)
+#: (docs/results/auto.md#one-shot-all-to-all-plans)
 shaped: dict[tuple, tuple[Plan, np.ndarray]] = {}
 _shapes_seen: dict[tuple, None] = {}
 SHAPED_MAX_BYTES = 256 << 10

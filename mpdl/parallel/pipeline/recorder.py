@@ -31,10 +31,11 @@ class PipelineRecorder:
         #: (the activations a stage holds for backward grow with both): now and at the most
         self.live = self.peak = self.live_bytes = self.peak_bytes = 0
         self.messages = self.bytes_sent = 0
-        self._held: dict[int, int] = {}
+        self._held: dict[tuple[int, int | None], int] = {}
         self._wait: float | None = None  # the phases' clocks (time.perf_counter, thread_time)
         self._compute = self._cpu = self._computed = 0.0
         self._sync = self._update = self._updated = 0.0
+        self._busy = 0.0
 
     # -- the ops -----------------------------------------------------------------------------
     def op_begins(self) -> None:
@@ -50,24 +51,41 @@ class PipelineRecorder:
     def compute_ends(self) -> None:
         self._computed = time.perf_counter()
 
-    def forward_done(self, j: int, output_bytes: int, received_from: int | None) -> None:
-        """Microbatch j's forward is over; its stage output (`output_bytes`) is held until its
-        backward; `received_from`: the stage its input came from (None: the batch)."""
-        self._op_done(f"forward {j}", j, f"recv act {j}", received_from)
+    def forward_done(self, j: int, output_bytes: int, received_from: int | None,
+                     chunk: int | None = None) -> None:
+        """Microbatch j's forward (through stage `chunk` of a rank that holds several) is over;
+        its stage output (`output_bytes`) is held until its backward; `received_from`: the stage
+        its input came from (None: the batch or this rank's previous chunk)."""
+        label = _label(j, chunk)
+        self._op_done(f"forward {label}", j, f"recv act {label}", received_from, chunk)
         self.live += 1
         self.peak = max(self.peak, self.live)
-        self._held[j] = output_bytes
+        self._held[(j, chunk)] = output_bytes
         self.live_bytes += output_bytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
-    def backward_done(self, j: int, received_from: int | None) -> None:
-        """Microbatch j's backward is over; `received_from`: the stage its output's gradient came
-        from (None: the last stage's loss)."""
-        self._op_done(f"backward {j}", j, f"recv grad {j}", received_from)
-        self.live -= 1
-        self.live_bytes -= self._held[j]
+    def backward_done(self, j: int, received_from: int | None, chunk: int | None = None,
+                      weights_later: bool = False) -> None:
+        """Microbatch j's backward is over (with `weights_later` only its input gradient: what
+        it holds stays until `weights_done`); `received_from`: the stage its output's gradient
+        came from (None: the loss or this rank's next chunk)."""
+        label = _label(j, chunk)
+        self._op_done(f"{'input grad' if weights_later else 'backward'} {label}", j,
+                      f"recv grad {label}", received_from, chunk)
+        if not weights_later:
+            self._release(j, chunk)
 
-    def _op_done(self, name: str, j: int, recv: str, received_from: int | None) -> None:
+    def weights_done(self, j: int, chunk: int | None = None) -> None:
+        """The weight gradients of microbatch j's backward are in: what it held is freed."""
+        self._op_done(f"weight grad {_label(j, chunk)}", j, "", None, chunk)
+        self._release(j, chunk)
+
+    def _release(self, j: int, chunk: int | None) -> None:
+        self.live -= 1
+        self.live_bytes -= self._held.pop((j, chunk))
+
+    def _op_done(self, name: str, j: int, recv: str, received_from: int | None,
+                 chunk: int | None) -> None:
         cpu = time.thread_time() - self._cpu
         wait, compute, computed = self._wait, self._compute, self._computed
         self._wait = None
@@ -75,9 +93,10 @@ class PipelineRecorder:
         if received_from is not None:
             self.result.spans.append(Span(recv, wait, compute, cat="communication",
                                           args={"peer_stage": received_from}))
-        self.result.spans.append(Span(name, compute, computed, args={"microbatch": j,
-                                                                      "cpu_s": cpu}))
+        args = {"microbatch": j, "cpu_s": cpu, **({} if chunk is None else {"stage": chunk})}
+        self.result.spans.append(Span(name, compute, computed, args=args))
         self.result.compute_s += computed - compute
+        self._busy += computed - compute
 
     def send(self, what: str, j: int, stage: int, nbytes: int) -> None:
         """A send of microbatch j's activation or gradient to `stage` starts: a zero-length
@@ -112,4 +131,12 @@ class PipelineRecorder:
                                             + (end - self._updated))
         result.compute_s += self._updated - self._update
         self.step_s = end - self.start
+        #: from the step's start to its last op's end, and the ops' compute seconds in it
+        self.ops_s = self._sync - self.start
+        self.busy_s = self._busy
         return result
+
+
+def _label(j: int, chunk: int | None) -> str:
+    """An op's microbatch, with its stage where a rank holds several: "3" or "3.5"."""
+    return str(j) if chunk is None else f"{j}.{chunk}"

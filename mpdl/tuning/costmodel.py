@@ -16,7 +16,7 @@ without a formula here is estimated from its message schedule, recorded on the i
 
 `fastest` returns the algorithm with the smallest prediction. It is a pure function of its
 arguments and the parameter file, which every rank reads itself, so all ranks pick the same one;
-ties go to the algorithm registered first. `mpdl.collectives.auto` remembers its choices.
+ties go to the algorithm registered first. `mpdl.tuning.auto` remembers its choices.
 
 The formulas are named after what they time (`ring_reduce_scatter_time` times the algorithm
 `ring_reduce_scatter`); `FORMULAS` maps each registered (collective, algorithm) of
@@ -38,6 +38,7 @@ from mpdl import emulation as _emulation
 from mpdl import settings
 from mpdl.collectives import registry
 from mpdl.collectives.hierarchical import INTER_RING_BYTES
+from mpdl.collectives.hook import MPICH_ALLTOALL_MEDIUM_BYTES, MPICH_ALLTOALL_SHORT_BYTES
 from mpdl.collectives.ops import block_bounds, segment_elements
 from mpdl.collectives.scattered import THROTTLE
 from mpdl.collectives.shm import WINDOW_BYTES
@@ -60,9 +61,7 @@ class Params:
     """Machine parameters in seconds (per message, per byte). `*_inter` default to the intra values."""
 
     # The defaults (used until a calibration, or where nothing can be measured) are what
-    # `mpdl calibrate` measures for 2 ranks on one node of a current x86 server, rounded: a
-    # Python-driven message of ~10 us, ~4 GB/s through MPI's shared memory, reductions and copies
-    # of data not in cache at ~4 GB/s, ten times that in cache, a node barrier of ~25 us.
+    # `mpdl calibrate` measures for 2 ranks on one node of a current x86 server, rounded.
     alpha: float = 10e-6
     beta: float = 1 / 4.0e9
     gamma: float = 1 / 4.0e9
@@ -165,9 +164,9 @@ class Params:
         """The all-reduce algorithm's body time from `allreduce_times` (linear between measured
         sizes, the smallest size's time below them, the last size's time per byte beyond them),
         when they were measured for this world shape; None otherwise. Beyond the last size each
-        algorithm keeps the rate measured there, so their ranking there holds: the slope of the
-        last two sizes, a difference of two noisy times, had `tree` (1.24x `hierarchical` at 16
-        MiB) predicted fastest at 64 MiB, where it took 1.56x the best."""
+        algorithm keeps the rate measured there, so their ranking there holds (the slope of the
+        last two sizes, a difference of two noisy times, ranked them wrongly:
+        docs/results/auto.md#beyond-the-last-measured-size)."""
         if not self.allreduce_times or p != self.ranks or nodes != self.nodes:
             return None
         table = dict(self.allreduce_times).get(algorithm)
@@ -476,11 +475,6 @@ def _native(s: Setting) -> Setting:
                                      alpha_inter=s.params.alpha_native + extra), seg=1 << 62)
 
 
-#: MPICH's all-to-all switch points, bytes per destination (MPIR_CVAR_ALLTOALL_SHORT_MSG_SIZE and
-#: MPIR_CVAR_ALLTOALL_MEDIUM_MSG_SIZE): Bruck at or below the first when p >= 8, the scattered
-#: algorithm at or below the second, pairwise exchange above it
-MPICH_ALLTOALL_SHORT_BYTES = 256
-MPICH_ALLTOALL_MEDIUM_BYTES = 32768
 
 
 def mpi_alltoall_time(s: Setting) -> float:
@@ -589,18 +583,107 @@ def ring_reduce_time(s: Setting) -> float:
     return ring_reduce_scatter_time(s) + s.msg(s.n * (s.p - 1) / s.p, s.nodes > 1)
 
 
+def _shift_crosses(s: Setting, d: int) -> bool:
+    """Does a message from every rank r to rank r+d (mod p) cross a node boundary?"""
+    r = np.arange(s.p)
+    return s.crosses(r, (r + d) % s.p)
+
+
+def recursive_doubling_allgather_time(s: Setting) -> float:
+    group = 1 << (s.p.bit_length() - 1)
+    t = 0.0 if group == s.p else s.msg(s.n / s.p) + s.msg(s.n)  # fold in one block, out all
+    d = 1
+    while d < group:
+        t += s.msg(s.n * d / group, _pair_crosses(s, d, group))
+        d *= 2
+    return t
+
+
+def bruck_allgather_time(s: Setting) -> float:
+    t, d = 2 * s.params.copy_time(s.n) if s.p > 1 else 0.0, 1
+    while d < s.p:
+        t += s.msg(s.n * min(d, s.p - d) / s.p, _shift_crosses(s, d))
+        d *= 2
+    return t
+
+
+def _pat_steps(s: Setting) -> list[tuple[int, int]]:
+    """(distance, blocks) of each PAT step, farthest first (the all-gather's order)."""
+    steps, d = [], 1
+    while d < s.p:
+        steps.append((d, len(range(0, s.p - d, 2 * d))))
+        d *= 2
+    return steps[::-1]
+
+
+def _pat_time(s: Setting) -> float:
+    block = s.n / s.p
+    per_message = max(1, int(s.seg // max(block, 1.0)))
+    t = 2 * s.params.copy_time(s.n * (s.p - 1) / s.p)  # packing and unpacking
+    for d, blocks in _pat_steps(s):
+        full, rest = divmod(blocks, per_message)
+        inter = _shift_crosses(s, d)
+        t += full * s.msg(per_message * block, inter) + (rest > 0) * s.msg(rest * block, inter)
+    return t + s.n * (s.p - 1) / s.p * s.gamma
+
+
+def recursive_halving_time(s: Setting) -> float:
+    group, fold = _fold(s)
+    t = 0.0 if group == s.p else fold / 2 + s.msg(s.n / s.p)  # whole buffer in, one block out
+    d, share = group // 2, s.n
+    while d >= 1:
+        share /= 2
+        t += s.msg(share, _pair_crosses(s, d, group)) + share * s.gamma
+        d //= 2
+    return t
+
+
+def pairwise_reduce_scatter_time(s: Setting) -> float:
+    block = s.n / s.p
+    return sum(s.msg(block, _shift_crosses(s, i)) + block * s.gamma for i in range(1, s.p))
+
+
+def binomial_broadcast_time(s: Setting) -> float:
+    return sum(s.msg(s.n, inter) for inter in _binomial_levels(s))
+
+
+def binomial_reduce_time(s: Setting) -> float:
+    return sum(s.msg(s.n, inter) + s.n * s.gamma for inter in _binomial_levels(s))
+
+
+def _binomial_blocks_time(s: Setting) -> float:
+    """A binomial scatter or gather of p blocks: level i moves n/2^(i+1)."""
+    return sum(s.msg(s.n / (2 << i), inter) for i, inter in enumerate(_binomial_levels(s)))
+
+
+def scatter_allgather_broadcast_time(s: Setting) -> float:
+    return _binomial_blocks_time(s) + ring_allgather_time(s)
+
+
+def reduce_scatter_gather_time(s: Setting) -> float:
+    return recursive_halving_time(s) + _binomial_blocks_time(s)
+
+
 FORMULAS: dict[str, dict[str, Callable[[Setting], float]]] = {
     "allreduce": {"ring": ring_time, "recursive_doubling": recursive_doubling_time,
                   "rabenseifner": rabenseifner_time, "tree": tree_time,
                   "double_tree": double_tree_time, "hierarchical": hierarchical_time,
                   "torus2d": torus2d_time, "shm": shm_time, "mpi": mpi_allreduce_time},
     "reduce_scatter": {"ring": ring_reduce_scatter_time, "tree": tree_reduce_scatter_time,
+                       "recursive_halving": recursive_halving_time,
+                       "pairwise": pairwise_reduce_scatter_time, "pat": _pat_time,
                        "mpi": lambda s: ring_reduce_scatter_time(_native(s))},
     "allgather": {"ring": ring_allgather_time, "tree": tree_allgather_time,
+                  "recursive_doubling": recursive_doubling_allgather_time,
+                  "bruck": bruck_allgather_time, "pat": _pat_time,
                   "mpi": lambda s: ring_allgather_time(_native(s))},
     "broadcast": {"ring": ring_broadcast_time, "tree": tree_broadcast_time,
+                  "binomial": binomial_broadcast_time,
+                  "scatter_allgather": scatter_allgather_broadcast_time,
                   "mpi": lambda s: tree_broadcast_time(_native(s))},
     "reduce": {"ring": ring_reduce_time, "tree": tree_reduce_time,
+               "binomial": binomial_reduce_time,
+               "reduce_scatter_gather": reduce_scatter_gather_time,
                "mpi": lambda s: tree_reduce_time(_native(s))},
     "alltoall": {"pairwise": pairwise_alltoall_time, "bruck": bruck_alltoall_time,
                  "scattered": scattered_alltoall_time, "hierarchical": hierarchical_alltoall_time,

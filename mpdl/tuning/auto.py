@@ -1,6 +1,6 @@
 """`auto`: which registered algorithm a collective call runs when the caller does not say.
 
-The choice is the algorithm the cost model (`mpdl.collectives.costmodel`) predicts fastest for the
+The choice is the algorithm the cost model (`mpdl.tuning.costmodel`) predicts fastest for the
 call's size, world size, node count and shared memory, plus the settings' emulated links. The
 model's parameters (`model_for(comm)`), in this order:
 
@@ -8,7 +8,7 @@ model's parameters (`model_for(comm)`), in this order:
    default parameters;
 2. the calibration file `mpdl calibrate` saved (MPDL_COST_MODEL, ~/.cache/mpdl/costmodel.json),
    its entry for the nearest world size; a broken file means no model (the size rule);
-3. otherwise the first-use calibration of this machine and world shape (`mpdl.collectives.firstuse`):
+3. otherwise the first-use calibration of this machine and world shape (`mpdl.tuning.firstuse`):
    read from the settings' `auto_cache` folder (MPDL_AUTO_CACHE), or measured now by every rank of
    the communicator (about a second) and saved there; a cache file that cannot be read is ignored
    with a warning and measured again. A calibration taken on a busy machine is provisional: it is
@@ -24,7 +24,7 @@ communicator, and each choice in one cache (a dictionary lookup per call). Anoth
 after `forget()` (call it on every rank, as `mpdl calibrate` does) or a change of the settings'
 `cost_model` / `auto_cache`; link emulation changes only the choices.
 
-A model also holds the choices that plans verified online (`mpdl.collectives.verify`), read from
+A model also holds the choices that plans verified online (`mpdl.tuning.verify`), read from
 and written to the first-use cache: a plan of such a size runs the verified algorithm
 (`plan_choice`); one-shot calls keep the prediction. A choice verified on a busy machine is
 provisional: used, and verified again by the next run's first plan of its size.
@@ -41,11 +41,10 @@ import warnings
 from dataclasses import dataclass, field
 
 from mpdl import settings
-from mpdl.collectives import costmodel, firstuse, registry
+from mpdl.collectives import registry
 from mpdl.collectives.handles import run_in_order
-
-#: below this size, allreduce is latency-bound and the size rule takes recursive doubling
-AUTO_SMALL_BYTES = 32 * 1024
+from mpdl.collectives.hook import simple_choice
+from mpdl.tuning import costmodel, firstuse
 
 _serial = itertools.count()
 
@@ -95,23 +94,6 @@ class Model:
             text += (f"; {len(self.unsettled)} of {len(self.verified)} verified choices "
                      f"provisional ({next(iter(self.unsettled.values()))})")
         return f"{text}; {self.note}" if self.note else text
-
-
-def simple_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
-    """The size rule `auto` uses when no cost model is usable."""
-    if collective == "alltoall":  # MPICH's rule, by bytes per destination
-        per_destination = nbytes / max(1, p)
-        if per_destination <= costmodel.MPICH_ALLTOALL_SHORT_BYTES and p >= 8:
-            return "bruck"
-        return "scattered" if per_destination <= costmodel.MPICH_ALLTOALL_MEDIUM_BYTES \
-            else "pairwise"
-    if collective != "allreduce":
-        return "ring"
-    if nbytes <= AUTO_SMALL_BYTES:
-        return "recursive_doubling"
-    if shared_memory and nodes == 1:
-        return "shm"
-    return "hierarchical" if nodes > 1 else "ring"
 
 
 # -- where the model comes from ----------------------------------------------------------------
@@ -268,8 +250,7 @@ _epoch = [0]
 
 def algorithm_for(collective: str, nbytes: int, comm) -> registry.Algorithm:
     """The registered algorithm `auto` runs for a call of nbytes on comm (an mpdl Communicator).
-    A repeated call is one lookup in comm's own table of choices (a small all-reduce takes
-    12 us on 2 ranks; the full path took 3-4 us of it), valid while the settings, the loaded
+    A repeated call is one lookup in comm's own table of choices, valid while the settings, the loaded
     parameter files and the learned verdicts stay as they were."""
     current = settings.current()
     held = getattr(comm, "_auto_algorithms", None)
@@ -298,13 +279,12 @@ def verified_key(collective: str, nbytes: int, shared: bool = False) -> str:
 
 def plan_choice(collective: str, nbytes: int, comm, shared: bool = False) -> registry.Algorithm:
     """The registered algorithm a persistent plan made with `auto` runs for nbytes on comm (of an
-    array in shared memory with `shared`): the one such a plan verified (`mpdl.collectives.verify`;
+    array in shared memory with `shared`): the one such a plan verified (`mpdl.tuning.verify`;
     not under link emulation, which changes the links the verdict was taken on), else
     `algorithm_for`'s. One-shot calls keep the
     prediction: a plan's verdict was taken on runs in the plan's own rhythm, and calls back to
-    back rank the algorithms otherwise than calls one at a time (on 2 ranks at 128 KiB, recursive
-    doubling took 13 us per call in a loop against shm's 30 us, and 74 us one call at a time
-    against 77 us for shm and 47 us for Rabenseifner)."""
+    back rank the algorithms otherwise than calls one at a time
+    (docs/results/auto.md#autos-lookup-and-one-shot-calls)."""
     verified = model_for(comm).verified.get(verified_key(collective, nbytes, shared))
     if (verified is not None and not settings.current().emulation
             and verified in costmodel.candidates(collective, comm.has_shared_memory)):

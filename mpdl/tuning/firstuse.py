@@ -1,24 +1,22 @@
 """`auto`'s first-use calibration: a short measurement of the cost model's parameters, cached per
 machine and world shape, for when nobody has run `mpdl calibrate`.
 
-`measure_quick(comm)` measures with `mpdl.collectives.measuring`'s QUICK effort, written against the
+`measure_quick(comm)` measures with `mpdl.tuning.measuring`'s QUICK effort, written against the
 Communicator interface, so that it runs on any MPI-backed communicator (the world, a split, a
 sub-communicator of a process grid): one sweep over five message sizes, few repetitions, and no
 GEMM peak or MPI-library latency (`mpdl calibrate` measures thoroughly with the same probes). Then
 it times every all-reduce algorithm `auto` may pick at ten sizes from 8 B to 64 MiB
 (`measuring.allreduce_table`): the cost model interpolates these for this world shape instead of
 its formulas, which miss effects such as caches and cores shared by more ranks than they can run.
-Every rank fits the same parameters from the same numbers. It took about half a second for 2
-ranks on 2 cores, one and a half for 4, up to 8 MiB (docs/results.md); 16 MiB adds about as much
-again (1.8 s for 2 ranks at load 14), and 64 MiB 0.6 s for 2 ranks and 2.5 s for 4 on a quiet
-machine (1.6 s and 5.6-6.1 s in all). A calibration taken on a busy machine
+Every rank fits the same parameters from the same numbers. How long it takes:
+docs/results/auto.md#the-first-use-calibrations-length. A calibration taken on a busy machine
 (`measuring.Busy`) is provisional: `Params.provisional` says why.
 
 The result is kept in one JSON file per key (`cache_key`: host, MPI library, world size, ranks per
 node, and the communicator's own shape when it is a part of the world) in the settings' `auto_cache`
 folder (MPDL_AUTO_CACHE; $XDG_CACHE_HOME/mpdl by default), written atomically, with the choices
 that plans verified online (`verified`: collective and size -> algorithm) and, for those verified
-on a busy machine, why (`verified_provisional`: the next run verifies them again). `mpdl.collectives.auto`
+on a busy machine, why (`verified_provisional`: the next run verifies them again). `mpdl.tuning.auto`
 decides when to read, measure and write (rank 0 decides, every rank follows).
 """
 
@@ -35,12 +33,13 @@ from typing import Any
 import numpy as np
 
 from mpdl import backend
-from mpdl.collectives import measuring, registry
-from mpdl.collectives.costmodel import ModelUnavailable, Params
-from mpdl.collectives.measuring import QUICK, fit, monotone
+from mpdl.collectives import registry
 from mpdl.collectives.ops import check_array, check_op
 from mpdl.fileio import atomic_open
 from mpdl.threadworld import ThreadWorld
+from mpdl.tuning import measuring
+from mpdl.tuning.costmodel import ModelUnavailable, Params
+from mpdl.tuning.measuring import QUICK, fit, monotone
 
 FORMAT_VERSION = 1
 

@@ -1,0 +1,17 @@
+"""Pipeline parallelism: `schedule` (which op each stage runs when: plain data), `stage` (the
+model cut into stages, each rank's built), `executor` (the strategy and its step), `state` (the
+whole model gathered, checkpoints) and `recorder` (a step's figures)."""
+
+from mpdl.parallel.pipeline.executor import Microbatches, PipelineStrategy
+from mpdl.parallel.pipeline.schedule import (
+    SCHEDULES,
+    bubble_formula,
+    peak_in_flight,
+    schedule_ops,
+    slot_bubble,
+    timed_bubble,
+)
+from mpdl.parallel.pipeline.stage import model_pieces, partition
+
+__all__ = ["SCHEDULES", "Microbatches", "PipelineStrategy", "bubble_formula", "model_pieces",
+           "partition", "peak_in_flight", "schedule_ops", "slot_bubble", "timed_bubble"]

@@ -1,0 +1,101 @@
+"""state.json carries the checksum of its canonical form: an edited or corrupt one (the ZeRO
+manifest with it), or one without a key a resume needs, is refused in one line naming it; --resume
+does not overwrite the arrays of a checkpoint whose state.json is gone unless --force."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_checkpoint import _save, _save_sharded
+
+from mpdl.training import checkpoint as ck
+
+BIN = Path(sys.executable).parent
+
+
+def _edit(directory: Path, change) -> None:
+    path = directory / "state.json"
+    state = json.loads(path.read_text())
+    change(state)
+    path.write_text(json.dumps(state, indent=1) + "\n")
+
+
+def test_an_edited_step_is_refused_naming_the_file(tmp_path):
+    _save(tmp_path, 1.0, 49)
+    assert ck.load_checkpoint(tmp_path)[2]["epoch"] == 49
+    _edit(tmp_path, lambda s: s.update(epoch=3))
+    with pytest.raises(ck.CheckpointError, match=rf"^refusing {tmp_path}/state.json: changed "
+                                                 r"since it was written \(its checksum"):
+        ck.load_checkpoint(tmp_path)
+
+
+def test_a_shifted_zero_unit_offset_is_refused(tmp_path):
+    _save_sharded(tmp_path, 2.0, 4, ranks=2)
+    ck.load_checkpoint(tmp_path)
+
+    def shift(state):
+        state["manifest"]["units"][0]["params"][1][3] += 1
+    _edit(tmp_path, shift)
+    with pytest.raises(ck.CheckpointError, match="state.json: changed since it was written"):
+        ck.load_checkpoint(tmp_path)
+
+
+def test_the_checksum_ignores_layout_and_key_order_and_an_old_file_without_one_loads(tmp_path):
+    _save(tmp_path, 1.0, 2)
+    path = tmp_path / "state.json"
+    state = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(reversed(list(state.items())))))  # no indent, keys reversed
+    assert ck.load_checkpoint(tmp_path)[2]["epoch"] == 2
+    del state[ck.CHECKSUM]
+    path.write_text(json.dumps(state))  # as written before state.json had a checksum
+    assert ck.load_checkpoint(tmp_path)[2]["epoch"] == 2
+    assert ck.canonical_sha256({"a": (1, 2), 3: "x"}) == ck.canonical_sha256({"3": "x",
+                                                                               "a": [1, 2]})
+    assert ck.canonical_sha256({"a": 1}) != ck.canonical_sha256({"a": 2})
+
+
+def test_a_missing_key_is_named(tmp_path):
+    with pytest.raises(ck.CheckpointError, match=r"^D/state.json: no 'sampler' key; cannot resume"):
+        ck.check_keys("D", {"epoch": 1, "step": 3})
+    ck.check_keys("D", {"epoch": 1, "step": 3, "sampler": {}})
+
+
+def test_orphan_arrays_are_the_archives_left_without_state_json(tmp_path):
+    assert ck.orphan_arrays(tmp_path / "none") == []
+    _save(tmp_path, 1.0, 1)
+    assert ck.orphan_arrays(tmp_path) == []
+    os.remove(tmp_path / "state.json")
+    assert ck.orphan_arrays(tmp_path) == ["model.npz", "optimizer.npz"]
+
+
+def _train(*flags: str) -> subprocess.CompletedProcess:
+    cmd = ["timeout", "-k", "5", "100", str(BIN / "mpiexec"), "-n", "2", str(BIN / "mpdl"),
+           "train", "--no-progress", "--epochs", "1", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_train_refuses_an_edited_state_json_and_orphan_arrays_in_one_line(tmp_path):
+    d = tmp_path / "D"
+    assert _train("--checkpoint", str(d)).returncode == 0
+    _edit(d, lambda s: s.update(step=3))
+    out = _train("--checkpoint", str(d), "--resume", "--epochs", "2")
+    assert out.returncode == 2 and out.stderr == (
+        f"mpdl train: error: refusing {d}/state.json: changed since it was written (its checksum "
+        f"does not match its contents: edited by hand or a bad disk)\n")
+    os.remove(d / "state.json")
+    before = (d / "model.npz").read_bytes()
+    out = _train("--checkpoint", str(d), "--resume")
+    assert out.returncode == 2 and out.stderr == (
+        f"mpdl train: error: --resume: {d} holds model.npz, optimizer.npz but no state.json; "
+        f"refusing to start over and overwrite them (restore state.json, or give --force to "
+        f"start over)\n")
+    assert (d / "model.npz").read_bytes() == before
+    out = _train("--checkpoint", str(d), "--resume", "--force")
+    assert out.returncode == 0, out.stderr
+    assert "# no checkpoint in" in out.stdout and (d / "state.json").is_file()
+    assert ck.load_checkpoint(d)[2]["step"] > 0

@@ -1,0 +1,89 @@
+"""Every wait ends: ranks that disagree (mismatched shapes under `auto`, MPI's own all-reduce
+against its all-gather, a node lookup or shared-memory setup one rank never joins) end the job
+after MPDL_TIMEOUT with a line naming the collective and what it waited for, and a test run whose
+oracle skips for want of PyTorch fails under MPDL_REQUIRE_ORACLE=1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+JOBS = {
+    "auto with mismatched shapes": """
+        x = np.ones(1000 if rank == 0 else 2000, np.float32)
+        allreduce(x, algorithm="auto")
+    """,
+    "mpi all-reduce against all-gather": """
+        x = np.ones(1000, np.float32)
+        allreduce(x, algorithm="mpi") if rank == 0 else allgather(x, algorithm="mpi")
+    """,
+    "a node lookup one rank never joins": """
+        comm = as_communicator(None)
+        comm.node_of_rank() if rank == 0 else comm.recv(np.empty(1), 0, step="never")
+    """,
+    "a shared-memory setup one rank never joins": """
+        comm = as_communicator(None)
+        comm.node_of_rank()
+        comm.shared_segments(64) if rank == 0 else comm.recv(np.empty(1), 0, step="never")
+    """,
+}
+
+
+def _run(code: str, timeout_s: int) -> tuple[subprocess.CompletedProcess, float]:
+    program = "\n".join([
+        "import numpy as np", "from mpi4py import MPI",
+        "from mpdl.collectives import allgather, allreduce",
+        "from mpdl.comm import as_communicator", "rank = MPI.COMM_WORLD.Get_rank()",
+        textwrap.dedent(code)])
+    start = time.monotonic()
+    out = subprocess.run(["timeout", "-k", "5", "90", str(BIN / "mpiexec"), "-n", "2",
+                          sys.executable, "-m", "mpi4py", "-c", program], capture_output=True,
+                         text=True, timeout=100, env={
+                             **{k: v for k, v in os.environ.items() if k != "MPDL_RANKS_PER_NODE"},
+                             "MPDL_TIMEOUT": str(timeout_s)})
+    return out, time.monotonic() - start
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_ranks_that_disagree_end_the_job_after_the_timeout(job):
+    out, seconds = _run(JOBS[job], 4)
+    assert out.returncode not in (0, 124, 137), out.stderr[-2000:]
+    assert seconds < 60
+    if job.startswith("a node lookup"):
+        assert "waited more than 4 s in the node lookup (before MPI_Comm_split_type) for the " \
+               "ranks 0-1" in out.stderr
+    elif job.startswith("a shared-memory"):
+        assert "waited more than 4 s in the shared-memory setup (before MPI_Comm_split_type)" \
+            in out.stderr
+    elif job.startswith("mpi"):
+        assert "allreduce/mpi: rank 0 waited more than 4 s in MPI_Iallreduce for the ranks 0-1" \
+            in out.stderr
+
+
+@pytest.mark.parametrize("where", ["test", "module"])
+def test_a_skip_for_want_of_pytorch_fails_under_mpdl_require_oracle(tmp_path, where):
+    body = "pytest.importorskip('torch')"
+    test = ("import sys\nsys.modules['torch'] = None\nimport pytest\n"
+            + (f"{body}\n\ndef test_a():\n    pass\n" if where == "module" else
+               f"\ndef test_a():\n    {body}\n"))
+    (tmp_path / "test_oracle_probe.py").write_text(test)
+    (tmp_path / "test_other.py").write_text("def test_b():\n    pass\n")
+
+    def run(required: str) -> int:
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+             "--rootdir", str(tmp_path), str(tmp_path)],
+            capture_output=True, text=True, timeout=60, cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent),
+                 "MPDL_REQUIRE_ORACLE": required}).returncode
+
+    assert run("1") != 0
+    assert run("0") == 0
