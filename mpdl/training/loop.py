@@ -26,7 +26,7 @@ from mpdl import emulation, faults, memory
 from mpdl.autograd import optim
 from mpdl.backend import cupy_module, use_local_gpu
 from mpdl.collectives import allreduce
-from mpdl.comm import as_communicator
+from mpdl.comm import as_communicator, check_every_call
 from mpdl.parallel import DistributedSampler, split_bounds
 from mpdl.parallel.deterministic import param_sha256
 from mpdl.parallel.strategy import Batch
@@ -49,6 +49,9 @@ from mpdl.training.timeline import Timeline
 
 __all__ = ["ConfigError", "TrainConfig", "Trainer", "validate"]
 
+#: the first steps, in which every collective compares its arguments across the ranks (as under
+#: MPDL_CHECK=1): a rank whose program calls other collectives stops there with CollectiveMismatch
+CHECKED_STEPS = 3
 #: the sums of an epoch, over this rank's steps
 SUMS = ("loss", "correct", "n", "compute", "comm", "exposed", "wall")
 
@@ -72,6 +75,8 @@ class Trainer:
         #: the ranks that train (all of them but a parameter server's servers), set by run()
         self.trainers: Any = None
         self.guard: guard.Guard | None = None
+        #: the step after which the collectives' arguments are no longer compared across ranks
+        self._checked_until = -1
 
     @property
     def optimizer(self) -> Any:
@@ -268,6 +273,8 @@ class Trainer:
                     self.timeline.add(s.name, s.start, s.end, thread=s.thread, cat=s.cat,
                                       **s.args, step=self.step)
             self.step += 1
+            if self.step == self._checked_until:
+                check_every_call(False)
             self.guard.after_step(self.step, r.loss, r.samples, self.model.parameters(),
                                   getattr(self.optimizer, "scaler", None),
                                   self.config.base_lr())
@@ -299,6 +306,7 @@ class Trainer:
             with self.ledger.installed():
                 return self._run()
         finally:
+            check_every_call(False)
             self._end_emulation()
 
     def _end_emulation(self) -> None:
@@ -324,6 +332,9 @@ class Trainer:
             data_comm = strategy.data_comm
             trainers = self.trainers = self.comm if everyone else data_comm
             self.guard = guard.Guard(trainers, c.optim.nan_patience, c.optim.precision)
+            if everyone:
+                self._checked_until = self.step + CHECKED_STEPS
+                check_every_call(True)
             for epoch in range(self.start_epoch, c.optim.epochs):
                 s = self.train_epoch(epoch)
                 peaks = memory_fields(self._memory_peaks, trainers)
