@@ -167,20 +167,12 @@ class Plan:
             cell[0] = seq + 1
             entry = [seq, self._info, _time(), None, "started", None]
             self._slots.append(entry)
-        previous, comm.collective = comm.collective, self._name
         try:
-            fast = self._fast
-            # (a fast schedule exists only on an MPIComm, which always has link_delay)
-            if fast is not None and comm.recorder is None and comm.link_delay is None:
-                fast()
-            else:
-                self._go()
+            self._run_body()
         except BaseException:
             if entry is not None:
                 entry[3], entry[4] = _time(), "failed"
             raise
-        finally:
-            comm.collective = previous
         if entry is not None:
             entry[3], entry[4] = _time(), "done"
         return self.result if self._finish is None else self._finish()
@@ -222,6 +214,7 @@ class Plan:
         previous, comm.collective = comm.collective, self._name
         try:
             fast = self._fast
+            # (a fast schedule exists only on an MPIComm, which always has link_delay)
             if fast is not None and comm.recorder is None and comm.link_delay is None:
                 fast()
             else:
