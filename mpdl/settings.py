@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 #: the variable of link emulation (mpdl.emulation); its spec is parsed here like every setting's
@@ -218,22 +218,10 @@ class Settings:
         raw = env.get(EMULATE_ENV, "").strip()
         if raw and raw.lower() not in ("0", "off", "none"):
             fields["emulation"] = parse(raw)
-        raw = env.get("MPDL_COST_MODEL", "").strip()
-        if raw.lower() in ("off", "none"):
-            fields["cost_model"] = "off"
-        elif raw.lower() == "defaults":
-            fields["cost_model"] = "defaults"
-        elif raw:
-            fields["cost_model"] = os.path.expanduser(raw)
-        else:
-            fields["cost_model"] = default_cost_model_path(env)
-        raw = env.get("MPDL_AUTO_CACHE", "").strip()
-        if raw.lower() in ("off", "none", "0"):
-            fields["auto_cache"] = "off"
-        elif raw:
-            fields["auto_cache"] = os.path.expanduser(raw)
-        else:
-            fields["auto_cache"] = default_auto_cache(env)
+        fields["cost_model"] = _path_or_word(env, "MPDL_COST_MODEL", {
+            "off": "off", "none": "off", "defaults": "defaults"}, default_cost_model_path)
+        fields["auto_cache"] = _path_or_word(env, "MPDL_AUTO_CACHE", {
+            "off": "off", "none": "off", "0": "off"}, default_auto_cache)
         raw = env.get("MPDL_CUDA_AWARE", "").strip()
         if raw:
             if raw not in ("0", "1"):
@@ -282,6 +270,16 @@ def _parse_fault(raw: str) -> tuple[str, int, int]:
         raise ValueError(f"MPDL_FAULT: expected kill:RANK:STEP, nan:RANK:STEP or skip:RANK:SEQ, "
                          f"got {raw!r}")
     return kind, int(rank), int(where)
+
+
+def _path_or_word(env: Mapping[str, str], var: str, words: dict[str, str],
+                  default: Callable[[Mapping[str, str]], str]) -> str:
+    """A path variable: the word's meaning for one of `words` (any case), else the path with ~
+    expanded, or default(env) when it is unset or empty."""
+    raw = env.get(var, "").strip()
+    if raw.lower() in words:
+        return words[raw.lower()]
+    return os.path.expanduser(raw) if raw else default(env)
 
 
 def _positive_int(env: Mapping[str, str], var: str, unit: str) -> int | None:

@@ -4,7 +4,10 @@ README's results section stays at most 25 lines."""
 
 from __future__ import annotations
 
+import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,3 +66,39 @@ def test_readme_results_section_short():
     section = readme.split(heads[0] + "\n", 1)[1].split("\n## ", 1)[0].strip()
     n = len(section.splitlines())
     assert n <= RESULTS_CAP, f"README's results section has {n} lines, over {RESULTS_CAP}"
+
+
+#: a figure with a unit of time or of throughput, what a comment carrying a run's timing shows
+#: (not a link spec such as inter=10Gbit/s,20us, whose latency follows a comma)
+TIMING = re.compile(r"(?<![\w.,=-])\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)? ?(?:ms|µs|us|ns|s|[GMK]i?B/s)\b")
+TIMING_CAP = 10
+
+
+def timing_lines(source: str) -> list[int]:
+    """Lines of comments and docstrings that carry a figure in seconds or bytes per second."""
+    lines = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT and TIMING.search(token.string):
+            lines.add(token.start[0])
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            for i, line in enumerate(body[0].value.value.splitlines()):
+                if TIMING.search(line):
+                    lines.add(body[0].lineno + i)
+    return sorted(lines)
+
+
+def test_timing_lines_finds_comments_and_docstrings():
+    source = ('"""Module.\n\nTook 9 us on 2 ranks."""\nx = 1  # 3.4-3.6 ms a call\ny = "5 ms"  # a reason\n'
+              'z = 2  # e.g. inter=10Gbit/s,20us\n')
+    assert timing_lines(source) == [3, 4]
+
+
+def test_few_comments_carry_timings():
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in sorted((ROOT / "mpdl").rglob("*.py"))
+             for n in timing_lines(path.read_text())]
+    assert len(found) <= TIMING_CAP, (
+        f"{len(found)} lines of mpdl/ carry timings in comments or docstrings (at most {TIMING_CAP}: "
+        f"give a one-line reason and link the entry of docs/results/): {found}")

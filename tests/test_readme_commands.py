@@ -50,7 +50,7 @@ RUNS = {
     "make lint": DRY + "lint",
     "mpiexec -n 3 mpdl info": "mpiexec -n 3 mpdl info",
     "mpiexec -n 4 mpdl bench allreduce -b 8 -e 64M":
-        "mpiexec -n 4 mpdl bench allreduce -b 8 -e 4K -n 2 -w 1",
+        "mpiexec -n 4 mpdl bench allreduce -b 8 -e 64 -n 2 -w 1",
     "mpiexec -n 2 mpdl bench allreduce -b 1K -e 1M --mpi-variants":
         "mpiexec -n 2 mpdl bench allreduce -b 1K -e 4K -n 2 -w 1 --mpi-variants",
     "mpiexec -n 4 mpdl calibrate": "mpiexec -n 4 mpdl calibrate -n 1",
@@ -74,7 +74,7 @@ RUNS = {
     "make test-multinode": DRY + "test-multinode",
     "make bench-multinode": DRY + "bench-multinode",
     "mpiexec -n 4 mpdl bench alltoall --check":
-        "mpiexec -n 4 mpdl bench alltoall --check -b 8 -e 1K -n 2 -w 1",
+        "mpiexec -n 4 mpdl bench alltoall --check -b 8 -e 64 -n 2 -w 1",
     "mpiexec -n 4 python benchmarks/bench_alltoall_overhead.py":
         "mpiexec -n 4 python benchmarks/bench_alltoall_overhead.py --sizes 8 --reps 3",
     "mpdl simulate --model-shape llama3-405b --seq 131072 --tp 8 --cp 16 --pp 16 --dp 8 --sp "

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from mpdl import emulation, settings
@@ -54,3 +57,14 @@ def test_every_formula_times_a_registered_algorithm():
 
     for collective, formulas in cm.FORMULAS.items():
         assert set(formulas) <= set(registry.REGISTRY[collective])
+
+
+def test_the_test_session_never_reads_the_users_cache():
+    """tests/conftest.py points the cache (and the calibration file) at a temporary folder of the
+    session, which the `mpdl` commands the tests start inherit: a user's `mpdl calibrate` file in
+    ~/.cache/mpdl never changes what the tests see."""
+    user_cache = os.path.join(os.path.expanduser("~"), ".cache")
+    temporary = tempfile.gettempdir()
+    for path in (os.environ["XDG_CACHE_HOME"], settings.current().cost_model):
+        assert path.startswith(temporary) and not path.startswith(user_cache), path
+    assert not os.path.exists(settings.current().cost_model)

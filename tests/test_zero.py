@@ -18,8 +18,9 @@ from mpdl.autograd import nn, optim
 from mpdl.autograd.tensor import Tensor
 from mpdl.parallel import DistributedSampler
 from mpdl.parallel.data_parallel import AllReduceStrategy
+from mpdl.parallel.naive import NaiveZero
 from mpdl.parallel.strategy import Batch
-from mpdl.parallel.zero import NaiveZero, ZeroStrategy
+from mpdl.parallel.zero import ZeroStrategy
 from mpdl.threadworld import run_world
 from mpdl.training import checkpoint
 from mpdl.training.config import ConfigError, TrainConfig, validate

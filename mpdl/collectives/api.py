@@ -76,7 +76,7 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None
     """
     engine = _hook.engine
     if out is not None and engine is not None:
-        try:  # the plan cache's hit, in line (plan.allreduce_key): a call here would cost 0.13 us
+        try:  # the plan cache's hit, in line (plan.allreduce_key): cheaper than a call
             plan = engine.cache.get((id(x), id(out), id(comm), op, algorithm))
         except TypeError:  # op or algorithm unhashable: the checks below say which
             plan = None

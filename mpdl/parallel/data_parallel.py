@@ -12,14 +12,7 @@ from mpdl.parallel.compression import GradientCompression
 from mpdl.parallel.ddp import DistributedDataParallel
 from mpdl.parallel.localsgd import LocalSGD
 from mpdl.parallel.ps import ParameterServer, format_histogram
-from mpdl.parallel.strategy import (
-    Batch,
-    MakeOptimizer,
-    Span,
-    StepResult,
-    Strategy,
-    microbatches,
-)
+from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, microbatches
 
 
 class AllReduceStrategy(Strategy):

@@ -41,7 +41,7 @@ import numpy as np
 
 from mpdl import memory, mpi_runtime
 from mpdl.backend import get_array_module
-from mpdl.collectives import broadcast, shm
+from mpdl.collectives import shm
 from mpdl.collectives.checks import pick
 from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.registry import resolve
@@ -126,7 +126,7 @@ class DistributedDataParallel:
         self._sync = True
         self._next_launch = 0
         self._check_replicas()
-        self._broadcast_state()
+        flat.broadcast_model(self.module, self.comm)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = self._make_buckets()
         self._plan_buckets()
@@ -157,16 +157,6 @@ class DistributedDataParallel:
                     raise ValueError(
                         f"DistributedDataParallel: the model differs between ranks; entry {i} is "
                         f"{_describe(a)} on rank 0 but {_describe(b)} on rank {rank}")
-
-    def _broadcast_state(self) -> None:
-        """Rank 0's parameters and buffers on every rank (one flat broadcast per dtype)."""
-        if self.comm.size == 1:
-            return
-        tensors = [t for _, t in self.module.named_parameters()] + self.module.buffers()
-        for group in flat.by_kind(tensors):
-            result = broadcast(flat.pack([t.data for t in group]), root=0, comm=self.comm)
-            for t, piece in zip(group, flat.unpack(result, group), strict=True):
-                t.data[...] = piece
 
     def _make_buckets(self) -> list[Bucket]:
         buckets: list[Bucket] = []

@@ -72,14 +72,7 @@ from mpdl.parallel import flat
 from mpdl.parallel.ddp import DistributedDataParallel
 from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.shards import placeholder as _placeholder
-from mpdl.parallel.strategy import (
-    Batch,
-    MakeOptimizer,
-    Span,
-    StepResult,
-    Strategy,
-    microbatches,
-)
+from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, microbatches
 
 
 class AllToAll(Function):

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from mpdl.backend import get_array_module
+from mpdl.collectives import broadcast
 
 
 def by_kind(tensors: Iterable[Any]) -> list[list[Any]]:
@@ -36,3 +37,14 @@ def unpack(flat: Any, tensors: Sequence[Any]) -> list[Any]:
         pieces.append(flat[offset:offset + t.data.size].reshape(t.data.shape))
         offset += t.data.size
     return pieces
+
+
+def broadcast_model(model: Any, comm: Any) -> None:
+    """Rank 0's parameters and buffers on every rank (one flat broadcast per dtype)."""
+    if comm.size == 1:
+        return
+    tensors = [t for _, t in model.named_parameters()] + model.buffers()
+    for group in by_kind(tensors):
+        result = broadcast(pack([t.data for t in group]), root=0, comm=comm)
+        for t, piece in zip(group, unpack(result, group), strict=True):
+            t.data[...] = piece

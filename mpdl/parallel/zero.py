@@ -55,13 +55,12 @@ from typing import Any
 import numpy as np
 
 from mpdl import memory
-from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
-from mpdl.collectives import algorithms, allgather, allreduce, broadcast, reduce_scatter
+from mpdl.collectives import algorithms, allreduce, reduce_scatter
 from mpdl.collectives.handles import Handle, engine_for
-from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator
 from mpdl.parallel import flat
+from mpdl.parallel.flat import broadcast_model
 from mpdl.parallel.shards import (
     Piece,
     Unit,
@@ -98,17 +97,6 @@ DEFAULT_BUCKET_MB = 25.0
 #: those reduce_scatter and allgather both have; the hybrid replicas' all-reduce runs the same one
 #: where all-reduce has it, auto's otherwise
 ALGORITHMS = ("auto", *(a for a in algorithms("reduce_scatter") if a in algorithms("allgather")))
-
-
-def broadcast_model(model: Any, comm: Communicator) -> None:
-    """Rank 0's parameters and buffers on every rank (one flat broadcast per dtype)."""
-    if comm.size == 1:
-        return
-    tensors = [t for _, t in model.named_parameters()] + model.buffers()
-    for group in flat.by_kind(tensors):
-        result = broadcast(flat.pack([t.data for t in group]), root=0, comm=comm)
-        for t, piece in zip(group, flat.unpack(result, group), strict=True):
-            t.data[...] = piece
 
 
 class ZeroStrategy(Strategy):
@@ -499,36 +487,3 @@ def _ghost(batch: Batch) -> Batch:
     return Batch(xp.zeros((1, *batch.x.shape[1:]), dtype=batch.x.dtype),
                  xp.zeros((1, *batch.y.shape[1:]), dtype=batch.y.dtype), batch.global_size,
                  batch.lr)
-
-
-class NaiveZero:
-    """ZeRO stage 1 as the paper draws it, for reading and as a reference: after backward, all
-    gradients (packed per dtype, times `weight`) are reduce-scattered, the optimizer steps on
-    this rank's block of the flat parameters, and the blocks are all-gathered. No buckets, no
-    overlap. Call `step()` after `loss.backward()`."""
-
-    def __init__(self, model: Any, make_optimizer: MakeOptimizer, comm: Communicator) -> None:
-        self.comm, self.model = comm, model
-        broadcast_model(model, comm)
-        self.groups = flat.by_kind([p for p in model.parameters() if p.requires_grad])
-        self.shards = []
-        for group in self.groups:
-            bounds = block_bounds(sum(p.data.size for p in group), comm.size)
-            lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
-            self.shards.append((Tensor(flat.pack([p.data for p in group])[lo:hi].copy(),
-                                       requires_grad=True), lo, hi))
-        self.optimizer = make_optimizer([t for t, _, _ in self.shards])
-        self.weight = 1.0 / comm.size
-
-    def step(self) -> None:
-        for group, (t, _, _) in zip(self.groups, self.shards, strict=True):
-            xp = get_array_module(group[0].data)
-            grads = flat.pack([p.grad if p.grad is not None else xp.zeros_like(p.data)
-                               for p in group]) * self.weight
-            t.grad = reduce_scatter(grads, op="sum", comm=self.comm)
-        self.optimizer.step()
-        for group, (t, _, _) in zip(self.groups, self.shards, strict=True):
-            whole = allgather(t.data, comm=self.comm, count=sum(p.data.size for p in group))
-            for p, piece in zip(group, flat.unpack(whole, group), strict=True):
-                p.data[...] = piece
-                p.grad = None

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -186,6 +187,12 @@ def _agree(comm) -> Model:
     if found is not None and not path:  # a model of this process (its serial keys its cache)
         return Model(found.params, found.origin, found.path, found.note, dict(found.verified),
                      dict(found.unsettled), set(found.recheck))
+    if comm.rank == 0:  # the user never waits silently
+        what = "calibrating again (the last was on a busy machine)" if found else \
+            "first use: calibrating"
+        print(f"mpdl: {what} the collectives for `auto` on {comm.size} ranks (seconds, longer on a busy "
+              f"machine), cached in {path}; to skip: MPDL_AUTO_CACHE=off, or `mpdl calibrate` "
+              f"once", file=sys.stderr, flush=True)
     params = firstuse.measure_quick(comm)  # none yet, or a provisional one: measure again
     verified = dict(found.verified) if found is not None else {}  # the file keeps them too
     unsettled = dict(found.unsettled) if found is not None else {}
@@ -250,8 +257,7 @@ _epoch = [0]
 
 def algorithm_for(collective: str, nbytes: int, comm) -> registry.Algorithm:
     """The registered algorithm `auto` runs for a call of nbytes on comm (an mpdl Communicator).
-    A repeated call is one lookup in comm's own table of choices (a small all-reduce takes
-    12 us on 2 ranks; the full path took 3-4 us of it), valid while the settings, the loaded
+    A repeated call is one lookup in comm's own table of choices, valid while the settings, the loaded
     parameter files and the learned verdicts stay as they were."""
     current = settings.current()
     held = getattr(comm, "_auto_algorithms", None)
@@ -284,9 +290,8 @@ def plan_choice(collective: str, nbytes: int, comm, shared: bool = False) -> reg
     not under link emulation, which changes the links the verdict was taken on), else
     `algorithm_for`'s. One-shot calls keep the
     prediction: a plan's verdict was taken on runs in the plan's own rhythm, and calls back to
-    back rank the algorithms otherwise than calls one at a time (on 2 ranks at 128 KiB, recursive
-    doubling took 13 us per call in a loop against shm's 30 us, and 74 us one call at a time
-    against 77 us for shm and 47 us for Rabenseifner)."""
+    back rank the algorithms otherwise than calls one at a time
+    (docs/results/auto.md#autos-lookup-and-one-shot-calls)."""
     verified = model_for(comm).verified.get(verified_key(collective, nbytes, shared))
     if (verified is not None and not settings.current().emulation
             and verified in costmodel.candidates(collective, comm.has_shared_memory)):

@@ -61,9 +61,7 @@ class Params:
     """Machine parameters in seconds (per message, per byte). `*_inter` default to the intra values."""
 
     # The defaults (used until a calibration, or where nothing can be measured) are what
-    # `mpdl calibrate` measures for 2 ranks on one node of a current x86 server, rounded: a
-    # Python-driven message of ~10 us, ~4 GB/s through MPI's shared memory, reductions and copies
-    # of data not in cache at ~4 GB/s, ten times that in cache, a node barrier of ~25 us.
+    # `mpdl calibrate` measures for 2 ranks on one node of a current x86 server, rounded.
     alpha: float = 10e-6
     beta: float = 1 / 4.0e9
     gamma: float = 1 / 4.0e9
@@ -166,9 +164,9 @@ class Params:
         """The all-reduce algorithm's body time from `allreduce_times` (linear between measured
         sizes, the smallest size's time below them, the last size's time per byte beyond them),
         when they were measured for this world shape; None otherwise. Beyond the last size each
-        algorithm keeps the rate measured there, so their ranking there holds: the slope of the
-        last two sizes, a difference of two noisy times, had `tree` (1.24x `hierarchical` at 16
-        MiB) predicted fastest at 64 MiB, where it took 1.56x the best."""
+        algorithm keeps the rate measured there, so their ranking there holds (the slope of the
+        last two sizes, a difference of two noisy times, ranked them wrongly:
+        docs/results/auto.md#beyond-the-last-measured-size)."""
         if not self.allreduce_times or p != self.ranks or nodes != self.nodes:
             return None
         table = dict(self.allreduce_times).get(algorithm)

@@ -8,10 +8,8 @@ GEMM peak or MPI-library latency (`mpdl calibrate` measures thoroughly with the 
 it times every all-reduce algorithm `auto` may pick at ten sizes from 8 B to 64 MiB
 (`measuring.allreduce_table`): the cost model interpolates these for this world shape instead of
 its formulas, which miss effects such as caches and cores shared by more ranks than they can run.
-Every rank fits the same parameters from the same numbers. It took about half a second for 2
-ranks on 2 cores, one and a half for 4, up to 8 MiB (docs/results.md); 16 MiB adds about as much
-again (1.8 s for 2 ranks at load 14), and 64 MiB 0.6 s for 2 ranks and 2.5 s for 4 on a quiet
-machine (1.6 s and 5.6-6.1 s in all). A calibration taken on a busy machine
+Every rank fits the same parameters from the same numbers. How long it takes:
+docs/results/auto.md#the-first-use-calibrations-length. A calibration taken on a busy machine
 (`measuring.Busy`) is provisional: `Params.provisional` says why.
 
 The result is kept in one JSON file per key (`cache_key`: host, MPI library, world size, ranks per

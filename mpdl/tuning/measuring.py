@@ -45,11 +45,8 @@ STREAM_PAIRS = 4
 #: the most memory the blocks of one size's chain of ring steps take (see ring_chain)
 CHAIN_BYTES = 64 << 20
 #: sizes at which every all-reduce candidate is timed (float32); beyond the last, the time per
-#: byte measured there. The last three lie beyond a core's caches (with 8 MiB last, 16 MiB was
-#: ranked from the slope from 2 MiB, partly in cache: Rabenseifner over shm, 1.38x slower in
-#: `benchmarks/bench_auto.py`), and 64 MiB beyond the machine's: from 32 to 64 MiB on 2 ranks
-#: the algorithms that pass messages took 2.4-2.5x the time and shm 2.0x, so with 16 MiB last
-#: the torus went for 64 MiB at 1.17-1.24x shm's time
+#: byte measured there. The last three lie beyond a core's caches, 64 MiB beyond the machine's
+#: (docs/results/auto.md#the-calibration-tables-sizes)
 TUNE_SIZES = (8, 1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 23, 1 << 24, 1 << 26)
 #: from this size a candidate is timed in TUNE_ROUNDS // 2 rounds of one call, with an untimed
 #: call before it in the first round only (its workspace's first use): a call takes milliseconds
@@ -324,17 +321,11 @@ def _allreduce_times(comm: Any, crowded_node: bool = False) -> dict[str, list[li
     algorithms taking turns as in `mpdl bench`), each call into a new result array with the input
     copy, as the one-shot public call makes them (the algorithms that read their input directly
     get it as `src`). The table predicts one-shot calls (plans verify their own rhythm), and a new
-    array ranks the algorithms otherwise than a reused one: on 2 ranks at 16 MiB the torus took
-    3.4 ms a call into a reused array against shm's 4.2, and 5.2 against 4.4 into a new one. Timed
-    into a reused array, auto ran the torus at 16 MiB one call at a time at 1.14-1.22x shm's time
-    in 4 of 5 sets of three runs (`bench_auto.py --iters 10`); into a new one, never.
+    array ranks the algorithms otherwise than a reused one.
 
     Where a node runs more ranks than cores (`crowded_node`, every rank's view combined), the
-    barrier is MPI_Barrier, as `mpdl bench` times calls: after mpdl's barrier (waiting under the
-    wait policy, which yields the core there) 4 ranks on 2 cores timed ring's 8 MiB at 5.6 ms
-    against the sweep's 7.3 (shm 6.2 against 6.4), and auto missed 4-16 MiB in every run; with
-    MPI_Barrier, 24, 22 and 24 of 24 sizes right in one set of three runs. On 2 ranks MPI_Barrier
-    did worse (63, 69, 68 of 72 in three sets, against 71, 70, 71, 67 after mpdl's barrier)."""
+    barrier is MPI_Barrier, as `mpdl bench` times calls; elsewhere mpdl's own barrier, which did
+    better there (docs/results/auto.md#new-arrays-and-the-barrier-of-the-table)."""
     names = candidates("allreduce", comm.has_shared_memory)
     out: dict[str, list[list[list[float]]]] = {name: [] for name in names}
     # (a part of the world, which has no MPI communicator of its own, keeps mpdl's barrier)
@@ -396,11 +387,10 @@ class Table:
 
 def allreduce_table(comm: Any) -> Table:
     """Every all-reduce candidate timed at TUNE_SIZES, the algorithms taking turns. Per candidate
-    and size, the fastest round counts (one slow spell spanning a whole round of 4 calls of
-    15 us made `tree` look faster than recursive doubling at 8 B), or the median round where a
-    node runs more ranks than cores (`typical`: at 4 ranks on 2 cores the fastest of four rounds
-    had `double_tree` at 1-3 ms from 32 KiB to 2 MiB, where calls took 7-13 ms). Collective over
-    comm; the same table on every rank."""
+    and size, the fastest round counts, or the median round where a node runs more ranks than
+    cores (`typical`), where the fastest round is a lucky one
+    (docs/results/auto.md#the-fastest-round-or-the-median). Collective over comm; the same table
+    on every rank."""
     crowded_node = any(comm.allgather_object(crowded(comm)))
     everyone = comm.allgather_object(_allreduce_times(comm, crowded_node))
     rows, ratios = [], []

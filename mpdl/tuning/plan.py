@@ -48,12 +48,9 @@ from mpdl.tuning import recording, verify
 #: it a call's Python overhead is lost in the transfer, and a plan would keep the array alive
 CACHE_PLANS = 64
 CACHE_MAX_BYTES = 1 << 20
-#: the same for `allreduce(x, out=out)`, whose plans verify auto's choice in the caller's rhythm
-#: (`mpdl.tuning.verify`): there the rhythm still ranks the algorithms at 16 MiB (on 2 ranks
-#: the torus took 3.4-3.6 ms a call back to back against shm's 4.2-4.4, and 5.2 against 4.4 one
-#: call at a time with a new result array) and at 32 MiB (Rabenseifner, ring or hierarchical
-#: 1.11-1.33x faster than shm in loops of 4 on 2 ranks, in each of three runs where auto ran the
-#: one-shot prediction, shm), so plans go to 64 MiB, within CACHE_BYTES
+#: the same for `allreduce(x, out=out)`, whose plans verify auto's choice in the caller's rhythm:
+#: the rhythm still ranks the algorithms at 16 and 32 MiB, so plans go to 64 MiB, within
+#: CACHE_BYTES (docs/results/auto.md#cached-plans-up-to-64-mib)
 ALLREDUCE_CACHE_MAX_BYTES = 64 << 20
 #: the most bytes of distinct arrays the cached plans may keep alive (their x and out; oldest plan
 #: dropped first): a dropped plan's trial starts again with the next plan of its arrays, so the
@@ -170,20 +167,12 @@ class Plan:
             cell[0] = seq + 1
             entry = [seq, self._info, _time(), None, "started", None]
             self._slots.append(entry)
-        previous, comm.collective = comm.collective, self._name
         try:
-            fast = self._fast
-            # (a fast schedule exists only on an MPIComm, which always has link_delay)
-            if fast is not None and comm.recorder is None and comm.link_delay is None:
-                fast()
-            else:
-                self._go()
+            self._run_body()
         except BaseException:
             if entry is not None:
                 entry[3], entry[4] = _time(), "failed"
             raise
-        finally:
-            comm.collective = previous
         if entry is not None:
             entry[3], entry[4] = _time(), "done"
         return self.result if self._finish is None else self._finish()
@@ -225,6 +214,7 @@ class Plan:
         previous, comm.collective = comm.collective, self._name
         try:
             fast = self._fast
+            # (a fast schedule exists only on an MPIComm, which always has link_delay)
             if fast is not None and comm.recorder is None and comm.link_delay is None:
                 fast()
             else:
@@ -352,21 +342,18 @@ class _Schedule:
 
 #: polls of a plan's requests, each after yielding the core, before the communicator's wait
 #: policy takes over (its timeout, stall warning and sleeps) where ranks outnumber cores: from
-#: Python, and in compiled code (a poll there costs a fifth as much: about 1-2 ms of polls in
-#: either); and the compiled wait's polls where ranks have cores of their own (yielding every 64)
+#: Python, and in compiled code (a poll there costs a fifth as much); and the compiled wait's
+#: polls where ranks have cores of their own (yielding every 64)
 YIELD_POLLS = 256
 COMPILED_YIELD_POLLS = 2048
 COMPILED_POLLS = 8192
-#: runs of a schedule after which it waits in compiled code: making the first compiled wait costs
-#: a process about 0.4 s (numba's import and cache), repaid only by schedules run many times
+#: runs of a schedule after which it waits in compiled code: the first compiled wait costs a
+#: process numba's import and cache, repaid only by schedules run many times
 COMPILED_AFTER = 8
 #: the same for the runs of a plan that verifies auto's choice (a plan run many times): its trial
-#: times each algorithm as it will run from then on, waiting in compiled code from the first run.
-#: Timed in Python's wait instead, the trial compared what the plan never runs again: at p = 4
-#: on 2 cores, 8 B, recursive doubling took 88 us a call in its first four runs and 24-44 from
-#: the ninth, ring 77 and 50-72, so ring won trials the sweep then timed at 2-3x the choice's time
-#: (`mpdl bench --loop 4`, p = 4, trials in turns of two runs: auto within 10% of the best at
-#: 11 of 24 sizes with the trial's waits in Python, 19 of 24 with them compiled)
+#: times each algorithm as it will run from then on, waiting in compiled code from the first run;
+#: timed in Python's wait, it compared what the plan never runs again
+#: (docs/results/auto.md#trials-wait-in-compiled-code)
 TRIAL_COMPILED_AFTER = 1
 
 
@@ -949,8 +936,7 @@ def cached_alltoall(x: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
 #: the one-shot all-to-all's plans by communicator, algorithm, shape and dtype (`shaped_alltoall`),
 #: each with its input array; shapes met once (a plan is made at the second call of a shape); and
 #: the largest input they are kept for: above it the copies in and out cost more than they save
-#: (4 ranks, scattered: 128 KiB 174 µs against 316 one-shot, 256 KiB 394 against 443, 1 MiB 1.2
-#: against 0.85 ms)
+#: (docs/results/auto.md#one-shot-all-to-all-plans)
 shaped: dict[tuple, tuple[Plan, np.ndarray]] = {}
 _shapes_seen: dict[tuple, None] = {}
 SHAPED_MAX_BYTES = 256 << 10

@@ -41,25 +41,17 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 #: a contender replaces the choice when its fastest run is at most this fraction of the choice's
 SWITCH = 0.9
 #: the contenders: every candidate the cost model predicts within this factor of the choice's time
-#: (the model times calls one at a time, after a barrier; calls back to back can rank otherwise:
-#: on 2 ranks, recursive doubling took 9 us per call of 32 KiB in a loop against shm's 20 us,
-#: where one call at a time took 33 us against 18 us)
+#: (the model times calls one at a time; calls back to back can rank otherwise:
+#: docs/results/auto.md#the-field-of-contenders)
 FIELD = 2.5
-#: the same for the other collectives: every candidate (two, ring and tree). Their predictions come
-#: from the links' parameters alone, with no measured table of the algorithms: on 4 ranks of
-#: 2 cores the model put tree's reduce-scatter of 8 B - 128 KiB at 2.7x ring's time, where
-#: `mpdl bench --loop 4` timed it at 0.74-0.86x
+#: the same for the other collectives: every candidate (two, ring and tree), whose predictions
+#: come from the links' parameters alone, with no measured table of the algorithms
 FIELD_OTHERS = math.inf
 #: runs of one algorithm in a row in a trial (a turn): a run is charged with what the run before it
 #: left (the skew between ranks with which the previous algorithm ended, its late messages, its
-#: buffers in the caches), so each algorithm also runs after itself, as the plan's runs will. On
-#: 2 ranks at 32 KiB, with every run after another algorithm's, recursive doubling took 18-26 us
-#: a run and ring 15-57, so ring won the trial, and the sweep (`mpdl bench --loop 4`) then timed
-#: it at 2.2x recursive doubling; as the second run of a turn, recursive doubling took 7-8 us and
-#: ring 12. Every run but an algorithm's first counts: with only the second run of a turn counted,
-#: the timed runs fell on fixed places of the caller's rhythm, and on 2 ranks at 8 B recursive
-#: doubling's fell on the slow ones (41, 19 and 41 us, its others 11 and 29) and ring (17) won the
-#: trial, which the sweep timed at 1.4x recursive doubling
+#: buffers in the caches), so each algorithm also runs after itself, as the plan's runs will.
+#: Every run but an algorithm's first counts, so the timed runs do not fall on fixed places of the
+#: caller's rhythm (docs/results/auto.md#turns-of-two-runs)
 TURN = 2
 
 

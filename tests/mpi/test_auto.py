@@ -76,12 +76,18 @@ def agree(comm, model) -> None:
     assert all(e == everyone[0] for e in everyone), everyone
 
 
-def test_first_use_calibration_writes_one_cache_and_every_rank_agrees(cache):
+def test_first_use_calibration_writes_one_cache_and_every_rank_agrees(cache, capsys):
     comm = fresh()
     x = np.arange(1000, dtype=np.float32) + RANK
     t0 = time.perf_counter()
     y = C.allreduce(x, comm=comm)  # the first auto call: measures (with 2 or more ranks)
     took = max(COMM.allgather(time.perf_counter() - t0))
+    said = capsys.readouterr().err.splitlines()
+    if P > 1 and RANK == 0:  # one line on rank 0: what, where it is cached, how to skip it
+        assert len(said) == 1 and said[0].startswith("mpdl: first use: calibrating"), said
+        assert cache in said[0] and "MPDL_AUTO_CACHE=off" in said[0], said
+    else:
+        assert said == []
     np.testing.assert_allclose(y, P * np.arange(1000) + P * (P - 1) / 2)
     assert took < LIMIT_S
     model = auto.model_for(comm)
@@ -99,6 +105,7 @@ def test_first_use_calibration_writes_one_cache_and_every_rank_agrees(cache):
     t0 = time.perf_counter()
     C.allreduce(x, comm=again)
     assert auto.model_for(again).origin == "cache"
+    assert capsys.readouterr().err == ""  # read back: nothing to say
     assert auto.model_for(again).params == model.params
     assert time.perf_counter() - t0 < LIMIT_S / 4
     assert files(cache) == written
