@@ -104,3 +104,26 @@ def test_each_sequence_gets_generates_text_whatever_runs_beside_it(gpt, mode):
                 engine.add(i, [VOCAB.index(c) for c in p], params)
     assert [texts[i] for i in range(len(prompts))] == want
     assert engine.pool.in_use == 0
+
+
+def test_a_sequence_preempted_when_pages_run_out_is_computed_again_to_the_same_text(gpt):
+    prompts = ["the cat sat", "on the mat", "a dog"]
+    params = Params(max_tokens=12, temperature=0)
+    want = texts_of_generate(gpt, prompts, params)
+    decoder = Decoder(gpt)
+    engine = Engine(decoder, pool_for(decoder, 30), VOCAB)
+    for i, p in enumerate(prompts):
+        engine.add(i, [VOCAB.index(c) for c in p], params)
+    texts = {i: "" for i in range(len(prompts))}
+    for s, piece in engine.step():
+        texts[s.rid] += piece
+    held = [engine.pool.take() for _ in range(len(engine.pool.free))]  # the pool runs dry
+    while engine.steps < 6:
+        for s, piece in engine.step():
+            texts[s.rid] += piece
+    assert len(engine.waiting) >= 1  # someone was preempted to let the others grow
+    engine.pool.release(held)
+    while not engine.idle:
+        for s, piece in engine.step():
+            texts[s.rid] += piece
+    assert [texts[i] for i in range(len(prompts))] == want and engine.pool.in_use == 0
