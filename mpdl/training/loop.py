@@ -28,6 +28,7 @@ from mpdl.backend import cupy_module, use_local_gpu
 from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator, check_every_call
 from mpdl.parallel import DistributedSampler, split_bounds
+from mpdl.parallel.deterministic import param_sha256
 from mpdl.parallel.strategy import Batch
 from mpdl.training import checkpoint, guard, hf, nanogpt, precision, throughput
 from mpdl.training.config import ConfigError, TrainConfig, agreed, literal, resume_mismatch, validate
@@ -127,7 +128,8 @@ class Trainer:
         data_comm = self.strategy.data_comm
         self.sampler = DistributedSampler(len(self.task.xtr), o.global_batch_size,
                                           rank=data_comm.rank, num_replicas=data_comm.size,
-                                          seed=o.seed, drop_last=c.data.drop_last)
+                                          seed=o.seed, drop_last=c.data.drop_last,
+                                          atoms=o.atoms if o.deterministic else 0)
         self.steps_per_epoch = len(self.sampler)
         total = o.epochs * self.steps_per_epoch
         warmup = int(round(o.warmup_epochs * self.steps_per_epoch))
@@ -257,7 +259,10 @@ class Trainer:
         for idx, global_batch in self.sampler:
             self.lr = self.schedule(self.step)
             batch = Batch(self._to_device(self.task.xtr[idx]),
-                          self._to_device(self.task.ytr[idx]), global_batch, self.lr)
+                          self._to_device(self.task.ytr[idx]), global_batch, self.lr,
+                          count=int((self.task.ytr[self.sampler.batch] >= 0).sum()))
+            if self.sampler.atoms:
+                batch.atoms = self.sampler.local_atoms(global_batch)
             with np.errstate(over="ignore", invalid="ignore"):  # the guard below reports them
                 r = self.strategy.step(batch)
             for key, value in zip(SUMS[:-1], (r.loss, r.correct, r.samples, r.compute_s,
@@ -344,9 +349,12 @@ class Trainer:
                 with strategy.gathered():
                     final = allreduce(np.array(self.evaluate(), dtype=np.float64), op="sum",
                                       comm=data_comm)
+            with strategy.gathered():
+                digest = param_sha256(self.model.named_parameters())
             summary = self._summary(time.perf_counter() - run_start)
             if final is not None:
                 summary.update(self.task.metrics(final))
+            summary["param_sha256"] = digest
         self.report.summary(summary, self.rows, strategy.describe(final=True))
         if self.timeline is not None:
             self.timeline.counters("memory (bytes)", memory.CATEGORIES, self.ledger.samples or [])
