@@ -130,7 +130,7 @@ def test_plans_compare_their_signature_at_creation_without_mpdl_check():
             allreduce_init(x, algorithm="auto")
         except CollectiveMismatch as exc:
             print("refused:", exc, flush=True)
-    """, 10)
+    """, 60)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("refused:")]
     assert len(lines) == 2 and all("allreduce plan" in line and "(1000,)" in line
