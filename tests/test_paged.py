@@ -10,7 +10,7 @@ import pytest
 from mpdl.training.engine import Engine, Params
 from mpdl.training.gpt import GPT
 from mpdl.training.inference import Decoder
-from mpdl.training.paged import PagePool, forward
+from mpdl.training.paged import PagePool, forward, last_positions
 from mpdl.training.serving import generate_replica
 
 VOCAB = "abcdefghijklmnopqrstuvwxyz ."
@@ -42,12 +42,13 @@ def test_paged_prefill_chunks_and_steps_give_the_contiguous_caches_logits(gpt):
     cache = decoder.new_cache(2)
     x = decoder.embed(np.array([a[:5], b[:5]]))
     want = decoder.prefill(x, cache)[:, -1]
-    got = forward(decoder, pool, [(ta, 0, a[:3]), (tb, 0, b[:5])])  # a: 3 of its 5 first
-    got_a = forward(decoder, pool, [(ta, 3, a[3:5])])
+    rows = [(ta, 0, a[:3]), (tb, 0, b[:5])]  # a: 3 of its 5 first
+    got = last_positions(forward(decoder, pool, rows), rows)
+    got_a = forward(decoder, pool, [(ta, 3, a[3:5])])[:, -1]
     np.testing.assert_allclose(got[1], want[1], atol=1e-5)
     np.testing.assert_allclose(got_a[0], want[0], atol=1e-5)
     step = decoder.step(decoder.embed([[a[5]], [b[5]]], [5, 5]), [5, 5], cache)
-    paged = forward(decoder, pool, [(ta, 5, [a[5]]), (tb, 5, [b[5]])])
+    paged = forward(decoder, pool, [(ta, 5, [a[5]]), (tb, 5, [b[5]])])[:, 0]
     np.testing.assert_allclose(decoder.logits(paged), decoder.logits(step[:, 0]), atol=1e-5)
     whole = gpt(np.array([a[:6]])).data[0, -1]
     np.testing.assert_allclose(decoder.logits(paged)[0], whole, atol=1e-5)
