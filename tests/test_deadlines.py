@@ -119,3 +119,19 @@ def test_check_every_call_switches_every_communicator():
     finally:
         check_every_call(False)
     assert not any(c.check for c in comms)
+
+
+def test_plans_compare_their_signature_at_creation_without_mpdl_check():
+    out, _ = _run("""
+        from mpdl.tuning import allreduce_init
+        from mpdl.comm import CollectiveMismatch
+        x = np.ones(1000 if rank == 0 else 2000, np.float32)
+        try:
+            allreduce_init(x, algorithm="auto")
+        except CollectiveMismatch as exc:
+            print("refused:", exc, flush=True)
+    """, 60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("refused:")]
+    assert len(lines) == 2 and all("allreduce plan" in line and "(1000,)" in line
+                                   and "(2000,)" in line for line in lines), out.stdout

@@ -30,7 +30,7 @@ from mpdl.comm import as_communicator, check_every_call
 from mpdl.parallel import DistributedSampler, split_bounds
 from mpdl.parallel.deterministic import param_sha256
 from mpdl.parallel.strategy import Batch
-from mpdl.training import checkpoint, guard, hf, nanogpt, precision, throughput
+from mpdl.training import checkpoint, guard, hf, precision, throughput
 from mpdl.training.config import ConfigError, TrainConfig, agreed, literal, resume_mismatch, validate
 from mpdl.training.factory import make_optimizer, make_strategy
 from mpdl.training.models import build_model, describe_model
@@ -150,17 +150,15 @@ class Trainer:
                 self.report.print(f"# no checkpoint in {ck.dir} yet: starting from epoch 1")
 
     def _init_from(self) -> None:
-        """Load the weights of the --init-from safetensors file (nanoGPT's names) or transformers
-        directory (`mpdl export --format hf`) into the GPT."""
+        """Load the weights of the --init-from file or directory (`mpdl export`) into the GPT."""
         c = self.config
         if c.model.name != "gpt":
             raise ConfigError(f"{{checkpoint.init_from}} needs {{model.name}} gpt, not "
                               f"{c.model.name}")
         info = self.task.model_info() or {}
+        source = c.checkpoint.init_from
         try:
-            source = c.checkpoint.init_from
-            load = hf.import_hf if hf.is_hf_dir(source) else nanogpt.import_state
-            state = load(source, self.model, info.get("vocab"))
+            state = hf.import_weights(source, self.model, info.get("vocab"))
         except ValueError as exc:
             raise ConfigError("{checkpoint.init_from}: " + literal(str(exc))) from None
         with self.strategy.gathered():
