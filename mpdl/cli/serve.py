@@ -97,14 +97,18 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    frontend = http = None
+    frontend = http = failed = None
+    port = args.port + grid.d
     if grid.t == 0:
         frontend = server.Frontend(engine, Path(args.checkpoint).resolve().name)
-        port = args.port + grid.d
         try:
             http = server.start_http(frontend, args.host, port)
         except RuntimeError as exc:
-            raise UsageError(str(exc)) from None
+            failed = str(exc)
+    failures = [f for f in comm.allgather_object(failed) if f]
+    if failures:  # every rank stops, not only the one that could not listen
+        raise UsageError(failures[0])
+    if http is not None:
         print(f"mpdl serve: replica {grid.d} on http://{args.host}:{port} (tp {tp}, {pages} KV "
               f"pages of {args.page_size} positions)", flush=True)
     server.run_replica(engine, group, frontend, stop)

@@ -28,6 +28,17 @@ class CollectiveTimeout(RuntimeError):
     """A point-to-point wait inside a collective took longer than MPDL_TIMEOUT seconds."""
 
 
+#: whether `check_every_call` is on
+_checking_all = [False]
+
+
+def check_every_call(on: bool) -> None:
+    """Make every communicator check its collectives' arguments across ranks, as MPDL_CHECK=1
+    does, while on (`mpdl train` turns it on for its first steps). Every rank must switch at the
+    same point of its program."""
+    _checking_all[0] = on
+
+
 class CollectiveMismatch(ValueError):
     """Ranks called a collective with different arguments (detected with MPDL_CHECK=1)."""
 
@@ -163,8 +174,18 @@ class Communicator:
         self.settings = settings.current()
         self.timeout = self.settings.timeout
         #: MPDL_CHECK=1: compare every collective's arguments across ranks before it runs
-        self.check = self.settings.check
+        self._check = self.settings.check
         self._groups: list[list[int]] | None = None
+
+    @property
+    def check(self) -> bool:
+        """Whether each collective first compares its arguments across the ranks (MPDL_CHECK=1,
+        or every communicator while `check_every_call` is on)."""
+        return self._check or _checking_all[0]
+
+    @check.setter
+    def check(self, value: bool) -> None:
+        self._check = value
 
     # -- the transport (what an implementation provides) ---------------------------------------
     def _isend(self, buf: Any, dest: int, step: Any) -> Request:
@@ -429,7 +450,7 @@ class SubComm(Communicator):
         self.rank = ranks.index(parent.rank)
         self.settings = parent.settings
         self.timeout = parent.timeout
-        self.check = parent.check
+        self._check = parent._check
 
     @property
     def collective(self) -> str:  # type: ignore[override]

@@ -56,7 +56,7 @@ class Params:
     seed: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class Seq:
     """One request's state: its tokens (prompt then new), the pages of its block table, how many
     of its tokens are computed, from which token its window starts."""
