@@ -365,7 +365,9 @@ class Communicator:
         if self.flight is not None:
             self.flight.waiting([self.world_rank(r.peer) for r in pending if r.peer >= 0])
         r = pending[0]
-        if r.peer < 0:  # an MPI collective: the library does not say which rank is missing
+        if r.peer < 0 and self.size == 2:  # an MPI collective of two: the other is missing
+            peer = f"in {r.step} for rank {self.world_rank(1 - self.rank)}"
+        elif r.peer < 0:  # an MPI collective: the library does not say which rank is missing
             peer = f"in {r.step} for the ranks {self._ranks_text()} (one of them never came)"
         else:
             what = "receiving from" if r.kind == "recv" else "sending to"
