@@ -2,6 +2,7 @@
 step against one rank, in one run.
 
     mpiexec -n 4 python benchmarks/bench_pipeline.py [--steps 8] [--json PATH]
+    mpiexec -n 2 python benchmarks/bench_pipeline.py --draw   # each schedule's timeline, m = 4
 
 Schedules: for pp = 2 and 4 (those that divide the world size; dp = world / pp) and m = 4, 8, 16
 microbatches of 32 samples each, an MLP of equal Linear layers (so that the stages balance) trains
@@ -120,6 +121,41 @@ def bubble(comm, pp: int, m: int, schedule: str, v: int, steps: int) -> dict[str
             "peak_bytes": max(b for *_, b in pipeline)}
 
 
+def draw(comm, m: int, columns: int = 96) -> None:
+    """Each schedule's second step on pp = the world size, drawn from its timeline spans: a
+    letter per column of time, F forward, B backward (its input gradient where a W follows), W
+    weight gradients, lower case on a rank's second chunk, . waiting."""
+    pp = comm.size
+    for schedule, v in SCHEDULES:
+        if allowed(schedule, pp, m, v):
+            continue
+        strategy = PipelineStrategy(comm, 1, pp, microbatches=m, schedule=schedule,
+                                    virtual_stages=v)
+        strategy.setup(deep_mlp(), lambda p: optim.SGD(p, lr=1e-3))
+        x = np.random.default_rng(0).standard_normal((MICRO * m, 512)).astype(np.float32)
+        y = np.zeros(MICRO * m, dtype=np.int64)
+        for _ in range(2):
+            comm.barrier()
+            r = strategy.step(Batch(x, y, MICRO * m, 1e-3))
+        mine = [(KIND[s.name.split()[0]], s.args.get("stage", strategy.stage), s.start, s.end)
+                for s in r.spans if s.name.split()[0] in KIND]
+        spans = comm.allgather_object(mine)
+        if comm.rank:
+            continue
+        t0 = min(a for rank in spans for *_, a, _ in rank)
+        t1 = max(b for rank in spans for *_, b in rank)
+        print(f"{schedule} (pp {pp}, m {m}{f', {v} chunks per rank' if v > 1 else ''}), "
+              f"{(t1 - t0) * 1e3:.0f} ms")
+        for rank, ops in enumerate(spans):
+            line = ["."] * columns
+            for kind, stage, a, b in ops:
+                lo = int((a - t0) / (t1 - t0) * columns)
+                hi = max(lo + 1, int((b - t0) / (t1 - t0) * columns))
+                letter = kind if stage < pp else kind.lower()
+                line[lo:hi] = letter * (min(hi, columns) - lo)
+            print(f"  rank {rank} |{''.join(line)}|")
+
+
 def memory() -> list[dict]:
     """Per-rank parameter and model-state bytes (parameters, gradients, Adam's state) after one
     step of a GPT of 8 blocks, on the in-process world (deterministic: no timing)."""
@@ -170,8 +206,13 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--draw", action="store_true",
+                        help="draw each schedule's timeline at pp = the world size, m = 4")
     args = parser.parse_args()
     comm = as_communicator(MPI.COMM_WORLD)
+    if args.draw:
+        draw(comm, 4)
+        return
     rows = []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if comm.rank == 0:

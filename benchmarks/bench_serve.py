@@ -3,19 +3,20 @@ contiguous KV memory.
 
     python benchmarks/bench_serve.py [--requests 64] [--clients 16] [--rounds 1] [--json PATH]
 
-A GPT with random weights (4 blocks, 4 heads, width 64, block size 128, 28 characters) is saved
-as a checkpoint and served by `mpdl serve` on one rank in three modes, taking turns each round:
-continuous batching over paged memory, static batching (a batch is admitted only when the last
-one has finished) over paged memory, and continuous batching with a whole block of pages per
-sequence (a contiguous cache's memory). Every mode has the same pool, 4 blocks' worth of pages
-(--kv-pages), and a batch of at most 16 sequences. N clients send the same mixed requests
-(prompts of 4-48 characters, 8-96 new tokens, greedy, streamed), each client one request at a
-time. Reported per mode: new tokens/s over the run, time to first token p50/p99, time between
-tokens p50/p99 (the server's: the client reads the stream in bursts), mean KV pages per running
-sequence (sampled from /metrics) against the formula: a contiguous cache holds ceil(block/page)
-pages per sequence, a paged one ceil(length/page) for the sequence's current length. Also the
-cost of reading pages: one layer's gather of a batch's keys and values from the pool against a
-slice of a contiguous cache.
+A GPT with random weights (4 blocks, 4 heads, width 128, block size 128, 28 characters) is saved
+as a checkpoint and served by `mpdl serve` on one rank in four modes, taking turns each round:
+continuous against static batching (a batch is admitted only when the last one has finished),
+both over paged memory with pages enough for 16 whole blocks (memory does not bind); then, with
+pages for 4 blocks only, paged memory against a whole block of pages per sequence (a contiguous
+cache's memory), both continuous. A batch holds at most 16 sequences. N clients send the same
+mixed requests (prompts of 4-48 characters, 8-96 new tokens, greedy, not streamed: a stream's
+per-token events would cost the one-rank server more than a step of this small model), each
+client one request at a time. Reported per mode: new tokens/s over the run, the server's time
+to first token and between tokens p50/p99 (its /metrics, from a request's arrival), mean KV
+pages per running sequence (sampled from /metrics) against the formula: a contiguous cache
+holds ceil(block/page) pages per sequence, a paged one ceil(length/page) for the sequence's
+current length. Also the cost of reading pages: one layer's q·kᵀ over keys gathered as whole
+pages against keys sliced from a contiguous cache.
 """
 
 from __future__ import annotations
@@ -41,17 +42,19 @@ from mpdl.training.checkpoint import save_checkpoint
 
 VOCAB = " abcdefghijklmnopqrstuvwxyz."
 BLOCK, PAGE, BATCH = 128, 16, 16
-MODES = {"continuous, paged": [], "static, paged": ["--batching", "static"],
-         "continuous, contiguous": ["--kv", "contiguous"]}
+BIG, SMALL = 16 * BLOCK // PAGE, 4 * BLOCK // PAGE  # pages: 16 blocks, 4 blocks
+MODES = {"continuous, paged": ([], BIG), "static, paged": (["--batching", "static"], BIG),
+         "continuous, paged, 4 blocks": ([], SMALL),
+         "continuous, contiguous, 4 blocks": (["--kv", "contiguous"], SMALL)}
 
 
 def checkpoint(directory: Path) -> None:
-    gpt = GPT(len(VOCAB), BLOCK, 4, 4, 64, seed=0)
+    gpt = GPT(len(VOCAB), BLOCK, 4, 4, 128, seed=0)
     rng = np.random.default_rng(0)
     for name, p in gpt.named_parameters():
         p.data[...] = rng.normal(0, 1.0 if "embedding" in name else 0.1, p.shape)
     info = {"name": "gpt", "vocab": VOCAB, "block_size": BLOCK, "n_layer": 4, "n_head": 4,
-            "n_embd": 64, "dtype": "float32"}
+            "n_embd": 128, "dtype": "float32"}
     save_checkpoint(directory, gpt.state_dict(), {"state": {}, "param_groups": []},
                     {"epoch": 1, "step": 1, "model_info": info, "config": {"model": "gpt"}})
 
@@ -62,19 +65,13 @@ def workload(n: int) -> list[tuple[str, int]]:
              int(rng.integers(8, 97))) for _ in range(n)]
 
 
-def request(base: str, prompt: str, max_tokens: int) -> float:
-    """Time to first token of one streamed completion, read to its end."""
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True}).encode()
-    start = time.perf_counter()
-    times = []
+def request(base: str, prompt: str, max_tokens: int) -> str:
+    """One completion's text."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
     req = urllib.request.Request(base + "/v1/completions", body,
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
-        for line in r:
-            if line.startswith(b"data: {"):
-                times.append(time.perf_counter())
-    return times[0] - start
+        return json.loads(r.read())["choices"][0]["text"]
 
 
 def get(url: str) -> dict:
@@ -82,8 +79,8 @@ def get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def run_mode(ckpt: Path, flags: list[str], work: list[tuple[str, int]], clients: int,
-             pages: int) -> dict:
+def run_mode(ckpt: Path, flags: list[str], pages: int, work: list[tuple[str, int]],
+             clients: int) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -121,28 +118,29 @@ def run_mode(ckpt: Path, flags: list[str], work: list[tuple[str, int]], clients:
     finally:
         server.terminate()
         server.wait(30)
+    assert [len(r) for r in results] == [n for _, n in work]
     return {"tokens_per_s": sum(n for _, n in work) / wall, "wall_s": wall,
-            "ttft_p50_s": float(np.percentile(results, 50)),
-            "ttft_p99_s": float(np.percentile(results, 99)),
+            "ttft_p50_s": served["ttft_p50_s"], "ttft_p99_s": served["ttft_p99_s"],
             "gap_p50_s": served["latency_p50_s"], "gap_p99_s": served["latency_p99_s"],
             "pages_per_seq": statistics.mean(per_seq) if per_seq else None}
 
 
 def gather_cost(reps: int = 200) -> tuple[float, float]:
-    """Seconds of one layer's key gather from a pool for 16 sequences of 96 positions, and of the
-    same keys sliced from a contiguous (batch, heads, block, head_dim) cache."""
+    """Seconds of one layer's q·kᵀ for a decode step of 16 sequences of 96 positions: keys read
+    as whole pages (in random order) from a pool (`mpdl.training.paged.forward`'s gather), and
+    sliced from a contiguous (batch, heads, block, head_dim) cache (`Decoder.step`'s)."""
     rng = np.random.default_rng(0)
-    pool = rng.normal(size=(4, 64 * BLOCK // PAGE * PAGE, 16)).astype(np.float32)
-    read = rng.permutation(pool.shape[1])[:16 * 96].reshape(16, 96)
+    pool = rng.normal(size=(4, BIG, PAGE, 16)).astype(np.float32)
+    tables = rng.permutation(BIG)[:16 * 96 // PAGE].reshape(16, 96 // PAGE)
     contiguous = rng.normal(size=(16, 4, BLOCK, 16)).astype(np.float32)
     q = rng.normal(size=(16, 4, 1, 16)).astype(np.float32)
-    times = {"paged": [], "contiguous": []}
+    times: dict[str, list[float]] = {"paged": [], "contiguous": []}
     for _ in range(reps):
         t = time.perf_counter()
-        (q @ pool[:, read].transpose(1, 0, 3, 2))
+        q.transpose(1, 0, 2, 3) @ pool[:, tables].reshape(4, 16, 96, 16).swapaxes(-1, -2)
         times["paged"].append(time.perf_counter() - t)
         t = time.perf_counter()
-        (q @ contiguous[:, :, :96].swapaxes(-1, -2))
+        q @ contiguous[:, :, :96].swapaxes(-1, -2)
         times["contiguous"].append(time.perf_counter() - t)
     return statistics.median(times["paged"]), statistics.median(times["contiguous"])
 
@@ -155,7 +153,6 @@ def main() -> None:
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     work = workload(args.requests)
-    pages = 4 * math.ceil(BLOCK / PAGE)
     # the formula: a sequence of prompt p and n new tokens holds ceil((p + j) / PAGE) pages
     # after its j-th token; a contiguous cache ceil(BLOCK / PAGE) throughout
     held = [math.ceil((len(pr) + j) / PAGE) for pr, n in work for j in range(1, n + 1)]
@@ -163,20 +160,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint(Path(tmp) / "ckpt")
         for _ in range(args.rounds):
-            for mode, flags in MODES.items():
-                rows[mode].append(run_mode(Path(tmp) / "ckpt", flags, work, args.clients, pages))
+            for mode, (flags, pages) in MODES.items():
+                rows[mode].append(run_mode(Path(tmp) / "ckpt", flags, pages, work, args.clients))
     base = statistics.median(r["tokens_per_s"] for r in rows["continuous, paged"])
-    print(f"# {args.requests} requests, {args.clients} clients, pool {pages} pages of {PAGE}, "
-          f"batch <= {BATCH}; median of {args.rounds} rounds")
-    print(f"{'mode':<24} {'tokens/s':>9} {'vs cont.':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'gap p50':>8} {'gap p99':>8} {'pages/seq':>9}")
+    print(f"# {args.requests} requests, {args.clients} clients, pages of {PAGE}, batch <= "
+          f"{BATCH}; median of {args.rounds} rounds; tokens/s also as a ratio to the first row")
+    print(f"{'mode':<33} {'tokens/s':>9} {'ratio':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'gap p50':>8} {'gap p99':>8} {'pages/seq':>9}  tokens/s of each round")
     out = []
     for mode, rs in rows.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if rs[0][k] is not None}
-        print(f"{mode:<24} {med['tokens_per_s']:>9.1f} {med['tokens_per_s'] / base:>8.2f} "
+        print(f"{mode:<33} {med['tokens_per_s']:>9.1f} {med['tokens_per_s'] / base:>6.2f} "
               f"{med['ttft_p50_s'] * 1e3:>7.0f}ms {med['ttft_p99_s'] * 1e3:>7.0f}ms "
               f"{med['gap_p50_s'] * 1e3:>6.1f}ms {med['gap_p99_s'] * 1e3:>6.1f}ms "
-              f"{med.get('pages_per_seq', float('nan')):>9.2f}")
+              f"{med.get('pages_per_seq', float('nan')):>9.2f}  "
+              + " ".join(f"{r['tokens_per_s']:.0f}" for r in rs))
         out.append({"mode": mode, **med})
     print(f"# formula: pages per sequence, paged {statistics.mean(held):.2f} (token-weighted "
           f"ceil(length/{PAGE})), contiguous {math.ceil(BLOCK / PAGE)}")

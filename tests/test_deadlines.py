@@ -58,13 +58,13 @@ def test_ranks_that_disagree_end_the_job_after_the_timeout(job):
     assert out.returncode not in (0, 124, 137), out.stderr[-2000:]
     assert seconds < 60
     if job.startswith("a node lookup"):
-        assert "waited more than 4 s in the node lookup (before MPI_Comm_split_type) for the " \
-               "ranks 0-1" in out.stderr
+        assert "rank 0 waited more than 4 s in the node lookup (before MPI_Comm_split_type) for " \
+               "rank 1" in out.stderr
     elif job.startswith("a shared-memory"):
         assert "waited more than 4 s in the shared-memory setup (before MPI_Comm_split_type)" \
             in out.stderr
     elif job.startswith("mpi"):
-        assert "allreduce/mpi: rank 0 waited more than 4 s in MPI_Iallreduce for the ranks 0-1" \
+        assert "allreduce/mpi: rank 0 waited more than 4 s in MPI_Iallreduce for rank 1" \
             in out.stderr
 
 
@@ -87,3 +87,51 @@ def test_a_skip_for_want_of_pytorch_fails_under_mpdl_require_oracle(tmp_path, wh
 
     assert run("1") != 0
     assert run("0") == 0
+
+
+def test_doctor_names_the_rank_that_skipped_an_allreduce_at_2_ranks(tmp_path):
+    """Rank 1 skips its fourth collective (#3, the second step's gradient bucket); train checks
+    its first steps' calls across ranks, so rank 1 stops at its next call and doctor names it."""
+    ck = tmp_path / "D"
+    out = subprocess.run(
+        ["timeout", "-k", "5", "90", str(BIN / "mpiexec"), "-n", "2", str(BIN / "mpdl"), "train",
+         "--no-progress", "--epochs", "1", "--checkpoint", str(ck)], capture_output=True,
+        text=True, timeout=100,
+        env={**os.environ, "MPDL_FAULT": "skip:1:3", "MPDL_TIMEOUT": "5"})
+    assert out.returncode not in (0, 124, 137), out.stderr[-2000:]
+    doctor = subprocess.run([str(BIN / "mpdl"), "doctor", str(ck / "flight")],
+                            capture_output=True, text=True, timeout=60)
+    assert doctor.returncode == 1
+    assert "never arrived: rank 1 at #3 allreduce" in doctor.stdout
+    assert doctor.stdout.strip().endswith("look first at: rank 1"), doctor.stdout
+
+
+def test_check_every_call_switches_every_communicator():
+    from mpdl.comm import as_communicator, check_every_call  # noqa: PLC0415
+    from mpdl.threadworld import ThreadWorld  # noqa: PLC0415
+
+    comms = [as_communicator(None), ThreadWorld(1).comm(0)]
+    comms.append(comms[1].sub([0]))
+    assert not any(c.check for c in comms)
+    check_every_call(True)
+    try:
+        assert all(c.check for c in comms)
+    finally:
+        check_every_call(False)
+    assert not any(c.check for c in comms)
+
+
+def test_plans_compare_their_signature_at_creation_without_mpdl_check():
+    out, _ = _run("""
+        from mpdl.tuning import allreduce_init
+        from mpdl.comm import CollectiveMismatch
+        x = np.ones(1000 if rank == 0 else 2000, np.float32)
+        try:
+            allreduce_init(x, algorithm="auto")
+        except CollectiveMismatch as exc:
+            print("refused:", exc, flush=True)
+    """, 60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("refused:")]
+    assert len(lines) == 2 and all("allreduce plan" in line and "(1000,)" in line
+                                   and "(2000,)" in line for line in lines), out.stdout

@@ -71,7 +71,8 @@ def test_switched_off_with_zero_records(fresh):
 @pytest.mark.parametrize("variable, value, message", [
     ("MPDL_FLIGHT_RECORDS", "-1", "MPDL_FLIGHT_RECORDS: expected an integer >= 0"),
     ("MPDL_STALL_WARN", "0", "MPDL_STALL_WARN: expected a positive number"),
-    ("MPDL_FAULT", "kill:x:1", "MPDL_FAULT: expected kill:RANK:STEP, nan:RANK:STEP or skip:RANK:SEQ"),
+    ("MPDL_FAULT", "kill:x:1", "MPDL_FAULT: expected kill:RANK:STEP, stall:RANK:STEP, "
+                               "nan:RANK:STEP or skip:RANK:SEQ"),
 ])
 def test_bad_values_name_the_variable(variable, value, message):
     with pytest.raises(ValueError, match=message):

@@ -164,7 +164,10 @@ def run(args: argparse.Namespace) -> int:
         if cupy_module() is None:
             raise UsageError("--device gpu: CuPy is not installed or sees no GPU (pip install "
                              "\"mpdl[gpu]\"), or use --device cpu")
-    limit_blas_threads()
+    if config.optim.deterministic:
+        threadpool_limits(1)  # one BLAS thread on any layout: a GEMM's bits may depend on its threads
+    else:
+        limit_blas_threads()
     if config.checkpoint.dir:
         flight.set_default_directory(os.path.join(config.checkpoint.dir, "flight"))
     trainer = Trainer(config)

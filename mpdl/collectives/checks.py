@@ -47,6 +47,8 @@ def allreduce_call(x: Any, op: Any, algorithm: Any, comm: Any, out: Any,
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     check_op(op, dtype)
+    if plan:  # once per plan, always, and before auto's choice (which may set up groups)
+        agree(c, "allreduce plan", algorithm, x.shape, dtype, op, None, always=True)
     algo = pick("allreduce", algorithm, c, x.nbytes, plan, shared)
     if out is None:
         out = backend.empty_like_page_offset(x)
@@ -66,6 +68,8 @@ def reduce_scatter_call(x: Any, op: Any, algorithm: Any, comm: Any, in_place: bo
     check_op(op, dtype)
     if in_place and (x.ndim != 1 or not x.flags["C_CONTIGUOUS"]):
         raise ValueError("x: in_place needs a 1-D C-contiguous array")
+    if plan:
+        agree(c, "reduce_scatter plan", algorithm, x.shape, dtype, op, None, always=True)
     algo = pick("reduce_scatter", algorithm, c, x.nbytes, plan)
     signature = ("reduce_scatter", algo.name, x.shape, dtype, op, None)
     agree(c, *signature)
@@ -80,6 +84,9 @@ def allgather_call(x: Any, algorithm: Any, comm: Any, count: Any, out: Any,
     xp, dtype = check_array(x)
     bounds, total = allgather_bounds(x, c, count)
     check_allgather_out(out, xp, dtype, total)
+    if plan:
+        agree(c, "allgather plan", algorithm, x.shape if count is None else (count,), dtype,
+              None, None, always=True)
     algo = pick("allgather", algorithm, c, total * x.itemsize, plan)
     signature = ("allgather", algo.name, x.shape if count is None else (count,), dtype, None,
                  None)
@@ -115,10 +122,11 @@ def pick(collective: str, algorithm: str, comm: Communicator, nbytes: int,
     return registry.resolve(collective, algorithm)
 
 
-def agree(comm: Communicator, *signature: Any) -> None:
-    """With MPDL_CHECK=1 (`comm.check`), make sure every rank called the same collective with the
-    same arguments. Costs one small all-gather of Python objects per call (tens of microseconds)."""
-    if not comm.check:
+def agree(comm: Communicator, *signature: Any, always: bool = False) -> None:
+    """With MPDL_CHECK=1 (`comm.check`) or `always`, make sure every rank called the same
+    collective with the same arguments. Costs one small all-gather of Python objects per call
+    (tens of microseconds)."""
+    if not (comm.check or always) or comm.size == 1:
         return
     everyone = comm.allgather_object(signature)
     if any(s != everyone[0] for s in everyone):

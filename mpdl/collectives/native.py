@@ -62,12 +62,18 @@ def _host(buf, comm):
     return host, lambda: backend.upload(buf, host)
 
 
-def _reducible(host: np.ndarray):
+def _reducible(host: np.ndarray, op: str):
     """(an array the MPI library can reduce, a function that writes it back into host):
-    ml_dtypes' floats are upcast to float32 (MPI has no type for them), bool is viewed as bytes."""
-    if host.dtype.kind == "b":
+    ml_dtypes' floats are upcast to float32 (MPI has no type for them), bool is viewed as bytes,
+    and 8- and 16-bit integers are summed and multiplied in 32 bits, then wrapped back: Open
+    MPI's vectorized sums saturate them (open-mpi/ompi#8045, closed as won't fix)."""
+    dt = host.dtype
+    if dt.kind == "b":
         return host.view(np.uint8), lambda: None
-    if not backend.is_ml_float(host.dtype):
+    if dt.kind in "iu" and dt.itemsize <= 2 and op in ("sum", "prod"):
+        wide = host.astype(f"{dt.kind}4")
+        return wide, lambda: np.copyto(host, wide, casting="unsafe")
+    if not backend.is_ml_float(dt):
         return host, lambda: None
     wide = host.astype(np.float32)
     return wide, lambda: np.copyto(host, wide, casting="unsafe")
@@ -76,7 +82,7 @@ def _reducible(host: np.ndarray):
 def mpi_allreduce(comm, buf, op: str) -> None:
     mpi, MPI = _mpi(comm)
     host, back = _host(buf, comm)
-    wide, narrow = _reducible(host)
+    wide, narrow = _reducible(host, op)
     _wait(comm, mpi.Iallreduce(MPI.IN_PLACE, wide, op=_mpi_op(MPI, op, buf.dtype)),
           "MPI_Iallreduce")
     narrow()
@@ -86,7 +92,7 @@ def mpi_allreduce(comm, buf, op: str) -> None:
 def mpi_reduce_scatter(comm, buf, op: str, bounds: list[int]) -> None:
     mpi, MPI = _mpi(comm)
     host, back = _host(buf, comm)
-    wide, narrow = _reducible(host)
+    wide, narrow = _reducible(host, op)
     _reduce_scatter(mpi, MPI, comm, wide, _mpi_op(MPI, op, buf.dtype), bounds)
     narrow()
     back()
@@ -117,7 +123,7 @@ def mpi_broadcast(comm, buf, root: int) -> None:
 def mpi_reduce(comm, buf, op: str, root: int) -> None:
     mpi, MPI = _mpi(comm)
     host, back = _host(buf, comm)
-    wide, narrow = _reducible(host)
+    wide, narrow = _reducible(host, op)
     mpi_op = _mpi_op(MPI, op, buf.dtype)
     if comm.rank == root:
         request = mpi.Ireduce(MPI.IN_PLACE, wide, op=mpi_op, root=root)

@@ -16,6 +16,7 @@ from mpdl.comm.base import (
     PersistentRequest,
     Request,
     SubComm,
+    check_every_call,
     timeout_s,
 )
 from mpdl.comm.cuda import cuda_aware_mpi
@@ -25,4 +26,5 @@ from mpdl.comm.staging import StagingPool, staging_chunk_bytes
 
 __all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMismatch", "CollectiveTimeout", "Communicator",
            "MPIComm", "PersistentRequest", "Request", "StagingPool", "SubComm", "as_communicator",
-           "cuda_aware_mpi", "ranks_per_node_override", "staging_chunk_bytes", "timeout_s"]
+           "check_every_call", "cuda_aware_mpi", "ranks_per_node_override", "staging_chunk_bytes",
+           "timeout_s"]

@@ -28,6 +28,17 @@ class CollectiveTimeout(RuntimeError):
     """A point-to-point wait inside a collective took longer than MPDL_TIMEOUT seconds."""
 
 
+#: whether `check_every_call` is on
+_checking_all = [False]
+
+
+def check_every_call(on: bool) -> None:
+    """Make every communicator check its collectives' arguments across ranks, as MPDL_CHECK=1
+    does, while on (`mpdl train` turns it on for its first steps). Every rank must switch at the
+    same point of its program."""
+    _checking_all[0] = on
+
+
 class CollectiveMismatch(ValueError):
     """Ranks called a collective with different arguments (detected with MPDL_CHECK=1)."""
 
@@ -163,8 +174,18 @@ class Communicator:
         self.settings = settings.current()
         self.timeout = self.settings.timeout
         #: MPDL_CHECK=1: compare every collective's arguments across ranks before it runs
-        self.check = self.settings.check
+        self._check = self.settings.check
         self._groups: list[list[int]] | None = None
+
+    @property
+    def check(self) -> bool:
+        """Whether each collective first compares its arguments across the ranks (MPDL_CHECK=1,
+        or every communicator while `check_every_call` is on)."""
+        return self._check or _checking_all[0]
+
+    @check.setter
+    def check(self, value: bool) -> None:
+        self._check = value
 
     # -- the transport (what an implementation provides) ---------------------------------------
     def _isend(self, buf: Any, dest: int, step: Any) -> Request:
@@ -344,7 +365,9 @@ class Communicator:
         if self.flight is not None:
             self.flight.waiting([self.world_rank(r.peer) for r in pending if r.peer >= 0])
         r = pending[0]
-        if r.peer < 0:  # an MPI collective: the library does not say which rank is missing
+        if r.peer < 0 and self.size == 2:  # an MPI collective of two: the other is missing
+            peer = f"in {r.step} for rank {self.world_rank(1 - self.rank)}"
+        elif r.peer < 0:  # an MPI collective: the library does not say which rank is missing
             peer = f"in {r.step} for the ranks {self._ranks_text()} (one of them never came)"
         else:
             what = "receiving from" if r.kind == "recv" else "sending to"
@@ -429,7 +452,7 @@ class SubComm(Communicator):
         self.rank = ranks.index(parent.rank)
         self.settings = parent.settings
         self.timeout = parent.timeout
-        self.check = parent.check
+        self._check = parent._check
 
     @property
     def collective(self) -> str:  # type: ignore[override]

@@ -14,6 +14,10 @@ When the dataset size is not a multiple of B, the last global batch of an epoch 
 - drop_last=False, pad=False (default) keeps it as a smaller global batch, split by the same rule;
 - drop_last=False, pad=True fills it up to B with samples from the start of the epoch's order
   (those samples are seen twice in that epoch), so every step has exactly B samples.
+
+With `atoms` (deterministic training, `mpdl.parallel.deterministic`), each global batch is first
+cut into that many contiguous atoms by the same rule, and rank r gets the atoms of block r of
+them: a rank always holds whole atoms, and the atoms are the same on any number of ranks.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class DistributedSampler:
 
     def __init__(self, dataset_size: int, global_batch_size: int, rank: int = 0,
                  num_replicas: int = 1, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, pad: bool = False) -> None:
+                 drop_last: bool = False, pad: bool = False, atoms: int = 0) -> None:
         for name, value, low in (("dataset_size", dataset_size, 1),
                                  ("global_batch_size", global_batch_size, 1),
                                  ("num_replicas", num_replicas, 1)):
@@ -52,6 +56,11 @@ class DistributedSampler:
         self.rank, self.num_replicas = int(rank), int(num_replicas)
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.drop_last, self.pad = bool(drop_last), bool(pad)
+        if not isinstance(atoms, int | np.integer) or atoms < 0:
+            raise ValueError(f"atoms: expected an integer >= 0, got {atoms!r}")
+        self.atoms = int(atoms)
+        #: the sample indices of the whole global batch last handed out
+        self.batch = np.empty(0, dtype=np.int64)
         self.epoch = 0
         #: global batches of `epoch` already handed out; iteration continues from there
         self.position = 0
@@ -88,9 +97,19 @@ class DistributedSampler:
             yield batch
 
     def local_slice(self, batch: np.ndarray) -> np.ndarray:
-        """This rank's contiguous slice of a global batch."""
+        """This rank's contiguous slice of a global batch (whole atoms with `atoms`)."""
+        if self.atoms:
+            cuts = split_bounds(len(batch), self.atoms)
+            mine = split_bounds(self.atoms, self.num_replicas)
+            return batch[cuts[mine[self.rank]]:cuts[mine[self.rank + 1]]]
         bounds = split_bounds(len(batch), self.num_replicas)
         return batch[bounds[self.rank]:bounds[self.rank + 1]]
+
+    def local_atoms(self, batch_size: int) -> list[int]:
+        """The sizes of the atoms of this rank's slice of a global batch of batch_size."""
+        cuts = split_bounds(batch_size, self.atoms)
+        mine = split_bounds(self.atoms, self.num_replicas)
+        return [int(cuts[a + 1] - cuts[a]) for a in range(mine[self.rank], mine[self.rank + 1])]
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, int]]:
         """This rank's slice of each global batch from `position` on (then from the start)."""
@@ -98,6 +117,7 @@ class DistributedSampler:
         for step, batch in enumerate(self.global_batches()):
             if step >= start:
                 self.position = step + 1
+                self.batch = batch
                 yield self.local_slice(batch), len(batch)
 
     def state_dict(self) -> dict[str, Any]:

@@ -41,12 +41,16 @@ MakeOptimizer = Callable[[list[Any]], Any]
 @dataclasses.dataclass
 class Batch:
     """This rank's slice of a global batch: inputs and labels on the model's device (possibly
-    empty), the size of the whole global batch and the learning rate of this step."""
+    empty), the size of the whole global batch and the learning rate of this step; `count`: the
+    targets of the whole global batch (labels >= 0; 0 where not given) and `atoms`: the sizes of
+    the atoms this slice is made of (deterministic training; None otherwise)."""
 
     x: Any
     y: Any
     global_size: int
     lr: float
+    count: int = 0
+    atoms: list[int] | None = None
 
 
 @dataclasses.dataclass

@@ -278,6 +278,12 @@ class OptimConfig:
     nan_patience: int = option(1, "stop (exit status 3) after N steps in a row whose loss or "
                                "gradient is NaN or inf (fp16: counting only steps at the loss "
                                "scale's floor)", check=POSITIVE_INT, metavar="N")
+    deterministic: bool = option(False, "the same parameters to the last bit on any number of "
+                                 "ranks, algorithm and ZeRO stage: each batch cut into --atoms "
+                                 "atoms, their gradients summed exactly in int64 "
+                                 "(docs/training.md)")
+    atoms: int = option(8, "--deterministic: atoms per global batch (the same on any layout)",
+                        check=POSITIVE_INT, metavar="N")
     grad_accum: int = option(1, "split each rank's batch into N microbatches and accumulate their "
                              "gradients before one update", check=POSITIVE_INT, metavar="N")
 
@@ -299,7 +305,7 @@ class ParallelConfig:
                             flag="--async")
     zero: int = option(0, "ZeRO sharded data parallelism: 1 shards the optimizer state, 2 also the "
                        "gradients, 3 also the parameters (FSDP); gradients reduce-scattered and "
-                       "parameters all-gathered with --algorithm auto, ring, tree or mpi",
+                       f"parameters all-gathered with --algorithm {', '.join(ZERO_ALGORITHMS)}",
                        check=expect(lambda v: v == 0 or v in ZERO_STAGES,
                                     "expected a stage 1, 2 or 3"), metavar="{1,2,3}")
     zero_hybrid: bool = option(False, "--zero: shard within each node, replicate across nodes "
@@ -365,8 +371,10 @@ class CommunicationConfig:
     """The gradients' all-reduce: its algorithm, buckets, compression or local SGD, and the
     links' emulation."""
 
-    algorithm: str = option("auto", "gradient all-reduce: auto or any name of `mpdl bench --list`",
-                            check=lambda v: _one_of(v, ("auto", *algorithms("allreduce"))),
+    algorithm: str = option("auto", "gradient all-reduce: auto or any name of `mpdl bench --list` "
+                            "(with --zero: a reduce-scatter and all-gather pair)",
+                            check=lambda v: _one_of(v, tuple(dict.fromkeys(
+                                ("auto", *algorithms("allreduce"), *ZERO_ALGORITHMS)))),
                             metavar="NAME")
     bucket_mb: float | None = option(None, "gradient bucket size in MiB (default: 25; --zero 1 "
                                      "and 2: at most 1/16 of the model and 25)",
@@ -537,6 +545,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
     validate_communication(config, world_size)
     validate_grid(config, world_size)
     validate_moe(config, world_size)
+    validate_deterministic(config)
     try:
         precision.check(config)
     except precision.PrecisionError as exc:
@@ -763,6 +772,9 @@ def validate_communication(config: TrainConfig, world_size: int) -> None:
     if c.sync_every > 1 and c.compression != "none":
         raise ConfigError("{communication.sync_every} (local SGD averages parameters) and "
                           "{communication.compression} (compresses gradients) cannot be combined")
+    if not p.zero and c.algorithm not in ("auto", *algorithms("allreduce")):
+        raise ConfigError(f"{{communication.algorithm}} {c.algorithm} has no all-reduce; it "
+                          f"runs with {{parallel.zero}} (a reduce-scatter and all-gather)")
     validate_zero(config)
     if p.mode != "ps":
         if p.staleness is not None:
@@ -790,6 +802,36 @@ def validate_communication(config: TrainConfig, world_size: int) -> None:
     if config.checkpoint.dir or config.checkpoint.resume:
         raise ConfigError("{parallel.mode} ps cannot be combined with {checkpoint.dir} or "
                           "{checkpoint.resume} (the servers' shards and momentum are not saved)")
+
+
+def validate_deterministic(config: TrainConfig) -> None:
+    """What --deterministic covers: data parallelism (any algorithm, ZeRO 1-3) in fp32 on the
+    CPU; every other way of training sums in floating point or splits the GEMMs' own sums."""
+    if not config.optim.deterministic:
+        return
+    p, c, o, m = config.parallel, config.communication, config.optim, config.model
+    why = {"{parallel.tp}": (p.tp > 1, "tensor parallelism splits each GEMM's own sum over "
+                             "ranks, so its rounding depends on the layout"),
+           "{parallel.pp}": (p.pp > 1, "pipeline stages accumulate microbatch gradients in "
+                             "floating point"),
+           "{parallel.cp}": (p.cp > 1, "context parallelism splits the attention sums over ranks"),
+           "{model.moe_experts}": (m.moe_experts > 0, "expert routing sums in floating point"),
+           "{parallel.mode}": (p.mode == "ps", "the parameter server adds pushes as they come"),
+           "{communication.sync_every}": (c.sync_every > 1, "local SGD averages in floating point"),
+           "{communication.compression}": (c.compression != "none", "compression is lossy"),
+           "{optim.precision}": (o.precision != "fp32", "it needs fp32 (16-bit loss scaling and "
+                                 "rounding are not covered)"),
+           "{model.device}": (m.device != "cpu", "it runs on the CPU only"),
+           "{parallel.zero_hybrid}": (p.zero_hybrid, "it shards over all ranks"),
+           "{optim.optimizer}": (p.zero > 0 and o.optimizer in ("lars", "lamb"),
+                                 "with {parallel.zero}, lars and lamb need whole-tensor norms; "
+                                 "use sgd or adam")}
+    for key, (bad, reason) in why.items():
+        if bad:
+            raise ConfigError(f"{{optim.deterministic}} cannot be combined with {key}: {reason}")
+    if p.zero and config.checkpoint.dir:
+        raise ConfigError("{optim.deterministic} with {parallel.zero} keeps no checkpoint; drop "
+                          "{checkpoint.dir} or {parallel.zero}")
 
 
 def validate_zero(config: TrainConfig) -> None:

@@ -9,6 +9,7 @@ from mpdl.autograd import optim
 from mpdl.comm import Communicator
 from mpdl.parallel.compression import make_compression
 from mpdl.parallel.data_parallel import AllReduceStrategy, LocalSGDStrategy, ParameterServerStrategy
+from mpdl.parallel.deterministic import DeterministicStrategy
 from mpdl.parallel.expert import ExpertParallelStrategy
 from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
@@ -21,6 +22,8 @@ from mpdl.training.config import TrainConfig
 def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
     """The strategy a (valid) configuration asks for."""
     p, c, o = config.parallel, config.communication, config.optim
+    if o.deterministic:
+        return DeterministicStrategy(comm, algorithm=c.algorithm, zero=p.zero, atoms=o.atoms)
     if p.mode == "ps":
         return ParameterServerStrategy(comm, servers=p.servers, mode=p.ps_mode(),
                                        staleness=p.staleness, lr=config.base_lr(),

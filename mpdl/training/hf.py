@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl.models.nanogpt import nanogpt_name, state_from
+from mpdl.models.nanogpt import import_state, nanogpt_name, state_from
 
 #: the GPT-2 modules that are Conv1D (weights stored in × out)
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -122,3 +122,9 @@ def import_hf(directory: str | Path, model: Any, vocab: str | None = None) -> di
     shape, or a tokenizer whose vocabulary `vocab` differs from."""
     tensors, written = load_hf_tensors(directory)
     return state_from(tensors, Path(directory) / "model.safetensors", model, written, vocab)
+
+
+def import_weights(path: str | Path, model: Any, vocab: str | None = None) -> dict[str, np.ndarray]:
+    """The state for `model` from a safetensors file under nanoGPT's names or from an exported
+    transformers directory (`import_hf`)."""
+    return (import_hf if is_hf_dir(path) else import_state)(path, model, vocab)

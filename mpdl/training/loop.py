@@ -26,10 +26,10 @@ from mpdl import emulation, faults, memory
 from mpdl.autograd import optim
 from mpdl.backend import cupy_module, use_local_gpu
 from mpdl.collectives import allreduce
-from mpdl.comm import as_communicator
-from mpdl.models import nanogpt
+from mpdl.comm import as_communicator, check_every_call
 from mpdl.models.zoo import build_model, describe_model
 from mpdl.parallel import DistributedSampler, split_bounds
+from mpdl.parallel.deterministic import param_sha256
 from mpdl.parallel.strategy import Batch
 from mpdl.training import checkpoint, guard, hf, precision, throughput
 from mpdl.training.config import ConfigError, TrainConfig, agreed, literal, resume_mismatch, validate
@@ -49,6 +49,9 @@ from mpdl.training.timeline import Timeline
 
 __all__ = ["ConfigError", "TrainConfig", "Trainer", "validate"]
 
+#: the first steps, in which every collective compares its arguments across the ranks (as under
+#: MPDL_CHECK=1): a rank whose program calls other collectives stops there with CollectiveMismatch
+CHECKED_STEPS = 3
 #: the sums of an epoch, over this rank's steps
 SUMS = ("loss", "correct", "n", "compute", "comm", "exposed", "wall")
 
@@ -72,6 +75,8 @@ class Trainer:
         #: the ranks that train (all of them but a parameter server's servers), set by run()
         self.trainers: Any = None
         self.guard: guard.Guard | None = None
+        #: the step after which the collectives' arguments are no longer compared across ranks
+        self._checked_until = -1
 
     @property
     def optimizer(self) -> Any:
@@ -123,7 +128,8 @@ class Trainer:
         data_comm = self.strategy.data_comm
         self.sampler = DistributedSampler(len(self.task.xtr), o.global_batch_size,
                                           rank=data_comm.rank, num_replicas=data_comm.size,
-                                          seed=o.seed, drop_last=c.data.drop_last)
+                                          seed=o.seed, drop_last=c.data.drop_last,
+                                          atoms=o.atoms if o.deterministic else 0)
         self.steps_per_epoch = len(self.sampler)
         total = o.epochs * self.steps_per_epoch
         warmup = int(round(o.warmup_epochs * self.steps_per_epoch))
@@ -144,17 +150,15 @@ class Trainer:
                 self.report.print(f"# no checkpoint in {ck.dir} yet: starting from epoch 1")
 
     def _init_from(self) -> None:
-        """Load the weights of the --init-from safetensors file (nanoGPT's names) or transformers
-        directory (`mpdl export --format hf`) into the GPT."""
+        """Load the weights of the --init-from file or directory (`mpdl export`) into the GPT."""
         c = self.config
         if c.model.name != "gpt":
             raise ConfigError(f"{{checkpoint.init_from}} needs {{model.name}} gpt, not "
                               f"{c.model.name}")
         info = self.task.model_info() or {}
+        source = c.checkpoint.init_from
         try:
-            source = c.checkpoint.init_from
-            load = hf.import_hf if hf.is_hf_dir(source) else nanogpt.import_state
-            state = load(source, self.model, info.get("vocab"))
+            state = hf.import_weights(source, self.model, info.get("vocab"))
         except ValueError as exc:
             raise ConfigError("{checkpoint.init_from}: " + literal(str(exc))) from None
         with self.strategy.gathered():
@@ -253,7 +257,10 @@ class Trainer:
         for idx, global_batch in self.sampler:
             self.lr = self.schedule(self.step)
             batch = Batch(self._to_device(self.task.xtr[idx]),
-                          self._to_device(self.task.ytr[idx]), global_batch, self.lr)
+                          self._to_device(self.task.ytr[idx]), global_batch, self.lr,
+                          count=int((self.task.ytr[self.sampler.batch] >= 0).sum()))
+            if self.sampler.atoms:
+                batch.atoms = self.sampler.local_atoms(global_batch)
             with np.errstate(over="ignore", invalid="ignore"):  # the guard below reports them
                 r = self.strategy.step(batch)
             for key, value in zip(SUMS[:-1], (r.loss, r.correct, r.samples, r.compute_s,
@@ -264,6 +271,8 @@ class Trainer:
                     self.timeline.add(s.name, s.start, s.end, thread=s.thread, cat=s.cat,
                                       **s.args, step=self.step)
             self.step += 1
+            if self.step == self._checked_until:
+                check_every_call(False)
             self.guard.after_step(self.step, r.loss, r.samples, self.model.parameters(),
                                   getattr(self.optimizer, "scaler", None),
                                   self.config.base_lr())
@@ -295,6 +304,7 @@ class Trainer:
             with self.ledger.installed():
                 return self._run()
         finally:
+            check_every_call(False)
             self._end_emulation()
 
     def _end_emulation(self) -> None:
@@ -320,6 +330,9 @@ class Trainer:
             data_comm = strategy.data_comm
             trainers = self.trainers = self.comm if everyone else data_comm
             self.guard = guard.Guard(trainers, c.optim.nan_patience, c.optim.precision)
+            if everyone:
+                self._checked_until = self.step + CHECKED_STEPS
+                check_every_call(True)
             for epoch in range(self.start_epoch, c.optim.epochs):
                 s = self.train_epoch(epoch)
                 peaks = memory_fields(self._memory_peaks, trainers)
@@ -334,9 +347,12 @@ class Trainer:
                 with strategy.gathered():
                     final = allreduce(np.array(self.evaluate(), dtype=np.float64), op="sum",
                                       comm=data_comm)
+            with strategy.gathered():
+                digest = param_sha256(self.model.named_parameters())
             summary = self._summary(time.perf_counter() - run_start)
             if final is not None:
                 summary.update(self.task.metrics(final))
+            summary["param_sha256"] = digest
         self.report.summary(summary, self.rows, strategy.describe(final=True))
         if self.timeline is not None:
             self.timeline.counters("memory (bytes)", memory.CATEGORIES, self.ledger.samples or [])

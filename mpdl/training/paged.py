@@ -16,9 +16,9 @@ reference is dropped.
 `forward` runs a batch of rows, each a run of new tokens of one sequence at positions start ..
 start + n − 1 (a prompt, a chunk of it after shared pages, or one decode token): it writes their
 keys and values into the sequence's pages and attends to positions 0 .. start + n − 1 gathered
-from them. NumPy has no kernel that reads pages in place, so each layer gathers a row's keys and
-values into a contiguous (heads, positions, head_dim) array: that copy is what paging costs here
-(benchmarks/bench_serve.py measures it).
+from them. NumPy has no kernel that reads pages in place, so each layer gathers the whole pages of
+every row into a (heads, rows, positions, head_dim) array, a copy of page-sized runs of memory:
+that copy is what paging costs here (benchmarks/bench_serve.py measures it).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl.backend import get_array_module
 from mpdl.training.inference import Decoder, _softmax_
 
 
@@ -107,40 +108,55 @@ class PagePool:
             + pos % self.page_size
 
 
-def forward(decoder: Decoder, pool: PagePool, rows: list[tuple[Sequence[int], int, Sequence[int]]]
-            ) -> Any:
-    """Run rows (block table, start, new tokens) through the decoder's blocks (it must hold the
-    embeddings), writing the new keys and values into the pool; returns the hidden state of each
-    row's last new token (rows, C)."""
+def forward(decoder: Decoder, pool: PagePool, rows: list[tuple[Sequence[int], int, Sequence[int]]],
+            x: Any = None) -> Any:
+    """Run rows (block table, start, new tokens) through the decoder's blocks, writing the new
+    keys and values into the pool: from the tokens' embeddings, or (on a later pipeline stage)
+    from the hidden states x (rows, longest run, C) of the stage before; returns the hidden
+    states of every position (rows, longest run, C)."""
     xp = decoder.xp
+    size = pool.page_size
     n = np.array([len(r[2]) for r in rows])
     start = np.array([r[1] for r in rows])
     t, ctx = int(n.max()), start + n
-    width = int(ctx.max())
+    width = -(-int(ctx.max()) // size) * size
     ids = np.zeros((len(rows), t), dtype=np.int64)
     pos = np.zeros((len(rows), t), dtype=np.int64)
-    read = np.zeros((len(rows), width), dtype=np.int64)
+    tables = np.zeros((len(rows), width // size), dtype=np.int64)
+    write = []
     for b, (table, s, tokens) in enumerate(rows):
         ids[b, :len(tokens)] = tokens
         pos[b] = np.minimum(s + np.arange(t), decoder.block_size - 1)
-        read[b, :ctx[b]] = pool.slots(table, 0, ctx[b])
+        used = -(-int(ctx[b]) // size)
+        tables[b, :used] = table[:used]
+        write.append(pool.slots(table, s, s + len(tokens)))
     valid = np.arange(t)[None, :] < n[:, None]
-    write = read[np.nonzero(valid)[0], (start[:, None] + np.arange(t))[valid]]
     # query t of row b sees the keys at positions up to start_b + t, and none past the row's end
     keys = np.arange(width)[None, None, :]
     allowed = (keys <= (start[:, None] + np.arange(t))[:, :, None]) & (keys < ctx[:, None, None])
-    mask = xp.asarray(np.where(allowed, 0, -np.inf).astype(decoder.dtype))[:, None]
-    read, write, valid_x = xp.asarray(read), xp.asarray(write), xp.asarray(valid)
+    mask = xp.asarray(np.where(allowed, 0, -np.inf).astype(decoder.dtype))[None]
+    write, valid_x, tables = xp.asarray(np.concatenate(write)), xp.asarray(valid), xp.asarray(tables)
+    heads, head_dim = pool.k.shape[1], pool.k.shape[3]
+
+    def pages(a: Any) -> Any:
+        """Whole pages of every row, (heads, rows, width, head_dim): a copy of page-sized runs."""
+        return a.reshape(heads, pool.pages, size, head_dim)[:, tables].reshape(
+            heads, len(rows), width, head_dim)
 
     def attend(layer: int, q: Any, k: Any, v: Any) -> Any:
         pool.k[layer][:, write] = k.transpose(1, 0, 2, 3)[:, valid_x]
         pool.v[layer][:, write] = v.transpose(1, 0, 2, 3)[:, valid_x]
-        keys_ = pool.k[layer][:, read].transpose(1, 0, 2, 3)
-        att = q @ xp.swapaxes(keys_, -1, -2)
+        att = q.transpose(1, 0, 2, 3) @ xp.swapaxes(pages(pool.k[layer]), -1, -2)
         att *= decoder.scale
         att += mask
-        return _softmax_(att) @ pool.v[layer][:, read].transpose(1, 0, 2, 3)
+        return (_softmax_(att) @ pages(pool.v[layer])).transpose(1, 0, 2, 3)
 
-    x = decoder.wte[xp.asarray(ids)] + decoder.wpe[xp.asarray(pos)]
-    x = decoder._blocks(x, attend)
-    return x[xp.arange(len(rows)), xp.asarray(n - 1)]
+    if x is None:
+        x = decoder.wte[xp.asarray(ids)] + decoder.wpe[xp.asarray(pos)]
+    return decoder._blocks(x, attend)
+
+
+def last_positions(x: Any, rows: list[tuple[Sequence[int], int, Sequence[int]]]) -> Any:
+    """The hidden state of each row's last new token (rows, C) from forward's (rows, T, C)."""
+    xp = get_array_module(x)
+    return x[xp.arange(len(rows)), xp.asarray([len(r[2]) - 1 for r in rows])]

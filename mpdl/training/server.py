@@ -304,11 +304,12 @@ def start_http(frontend: Frontend, host: str, port: int) -> Any:
     import uvicorn  # noqa: PLC0415
 
     server = uvicorn.Server(uvicorn.Config(make_app(frontend), host=host, port=port,
-                                           log_level="warning", access_log=False))
+                                           log_level="critical", access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         if not thread.is_alive():
-            raise RuntimeError(f"--port: cannot listen on {host}:{port}")
+            raise RuntimeError(f"--port: cannot listen on {host}:{port} (in use, or --host is "
+                               f"not an address of this machine)")
         time.sleep(0.01)
     return server

@@ -71,13 +71,16 @@ def test_data_movement_is_bit_exact(name):
 
 
 def mpi_integer_reduction(x: np.ndarray, op: str) -> np.ndarray:
+    """MPI's reduction in 64 bits, wrapped to x's width (NumPy's wrap-around; Open MPI's own
+    8- and 16-bit sums saturate, open-mpi/ompi#8045)."""
     if x.dtype.kind == "b":
         out = np.empty_like(x)
         COMM.Allreduce(x, out, op=_BOOL_OP[op])
         return out
-    out = np.empty_like(x)
-    COMM.Allreduce(x, out, op=_MPI_OP[op])
-    return out
+    wide = x.astype(f"{x.dtype.kind}8")
+    out = np.empty_like(wide)
+    COMM.Allreduce(wide, out, op=_MPI_OP[op])
+    return out.astype(x.dtype)
 
 
 @pytest.mark.parametrize("name", INTEGERS)

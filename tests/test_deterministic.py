@@ -1,0 +1,119 @@
+"""Deterministic training on the in-process world: exact sums of atom gradients whatever the
+number of ranks and the order, the sampler's atoms, the same parameter hash on 1 and 3 ranks,
+and the one-line refusals of what the mode does not cover."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+import numpy as np
+import pytest
+
+from mpdl.parallel import DistributedSampler
+from mpdl.parallel.deterministic import exact_sum, grid_bits, param_sha256
+from mpdl.threadworld import run_world
+from mpdl.training.config import ConfigError, TrainConfig, validate
+from mpdl.training.loop import Trainer
+
+RNG = np.random.default_rng(3)
+SIZES = [5, 1, 7]
+#: 7 atoms of gradients spanning many magnitudes, so that float sums depend on their order
+ATOMS = [(RNG.standard_normal(13) * 10.0 ** RNG.integers(-6, 6, 13)).astype(np.float32)
+         for _ in range(7)]
+
+
+def summed(p: int, order: list[int], shard: bool = False) -> list[np.ndarray]:
+    def body(comm):
+        mine = [ATOMS[a] for a in np.array_split(np.array(order), p)[comm.rank]]
+        return exact_sum(mine, SIZES, len(ATOMS), comm, shard=shard)
+    return run_world(p, body)
+
+
+def test_exact_sum_is_the_same_bits_on_any_rank_count_and_order():
+    reference = summed(1, list(range(7)))[0]
+    exact = np.sum(np.array(ATOMS, dtype=np.float64), axis=0)
+    np.testing.assert_allclose(reference, exact, rtol=1e-6)
+    for p, order in ((2, [6, 5, 4, 3, 2, 1, 0]), (3, [2, 0, 6, 1, 5, 3, 4]), (4, list(range(7))),
+                     (5, [1, 3, 5, 0, 2, 4, 6])):
+        for result in summed(p, order):
+            assert result.tobytes() == reference.tobytes(), (p, order)
+
+
+def test_exact_sum_shards_are_blocks_of_the_whole():
+    whole = summed(1, list(range(7)))[0]
+    blocks = summed(3, [4, 2, 0, 1, 3, 5, 6], shard=True)
+    assert np.concatenate(blocks).tobytes() == whole.tobytes()
+    assert [len(b) for b in blocks] == [5, 4, 4]
+
+
+def test_float_sums_of_these_atoms_do_depend_on_the_order():
+    forward = np.float32(0) + np.zeros(13, np.float32)
+    for g in ATOMS:
+        forward = forward + g
+    backward = np.zeros(13, np.float32)
+    for g in reversed(ATOMS):
+        backward = backward + g
+    assert forward.tobytes() != backward.tobytes()
+
+
+def test_grid_leaves_room_for_every_atom():
+    assert grid_bits(1) == 62 and grid_bits(8) == 59 and grid_bits(9) == 58
+    assert 9 * 2 ** grid_bits(9) <= 2 ** 63 - 1
+
+
+def test_sampler_gives_each_rank_whole_atoms():
+    # 10 samples in 4 atoms: 3, 3, 2, 2; on 3 ranks the atoms split 2, 1, 1
+    slices = [DistributedSampler(10, 10, rank=r, num_replicas=3, shuffle=False, atoms=4)
+              for r in range(3)]
+    got = [next(iter(s)) for s in slices]
+    assert [list(idx) for idx, _ in got] == [[0, 1, 2, 3, 4, 5], [6, 7], [8, 9]]
+    assert [s.local_atoms(10) for s in slices] == [[3, 3], [2], [2]]
+    assert DistributedSampler(10, 10, rank=4, num_replicas=5, atoms=4).local_atoms(10) == []
+    with pytest.raises(ValueError, match="atoms: expected an integer >= 0"):
+        DistributedSampler(10, 10, atoms=-1)
+
+
+def test_param_sha256_hashes_names_shapes_and_bytes():
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    h = hashlib.sha256()
+    h.update(b"w:<f4:(2, 3);")
+    h.update(a.tobytes())
+    assert param_sha256([("w", a)]) == h.hexdigest()
+    assert param_sha256([("w", a.reshape(3, 2))]) != param_sha256([("w", a)])
+
+
+#: an MLP on the shipped digits, 1797 = 28 x 64 + 5 samples: the last batch of each epoch is short
+MLP = {"optim.epochs": 1, "optim.seed": 4, "optim.deterministic": True, "optim.atoms": 5,
+       "output.progress": False}
+
+
+def digest(p: int, changes: dict) -> list[str]:
+    def body(comm):
+        trainer = Trainer(TrainConfig.from_keys({**MLP, **changes}), comm=comm, out=io.StringIO())
+        trainer.setup()
+        return trainer.run()[-1]["param_sha256"]
+    return run_world(p, body)
+
+
+def test_mlp_has_the_same_hash_on_one_and_three_ranks_and_with_zero():
+    one = digest(1, {})[0]
+    assert set(digest(3, {"communication.algorithm": "ring"})) == {one}
+    assert set(digest(2, {"parallel.zero": 3})) == {one}
+    assert digest(1, {"optim.atoms": 4})[0] != one  # other atoms, other roundings
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"parallel.pp": 2}, "parallel.pp: pipeline stages"),
+    ({"parallel.tp": 2, "model.name": "gpt", "data.dataset": "addition"},
+     "parallel.tp: tensor parallelism splits each GEMM"),
+    ({"communication.compression": "fp16"}, "communication.compression: compression is lossy"),
+    ({"optim.precision": "bf16"}, "optim.precision: it needs fp32"),
+    ({"parallel.zero": 1, "optim.optimizer": "lars"}, "lars and lamb need whole-tensor norms"),
+])
+def test_what_deterministic_does_not_cover_is_refused_in_one_line(changes, words):
+    with pytest.raises(ConfigError) as info:
+        validate(TrainConfig.from_keys({**MLP, **changes}), 2)
+    message = str(info.value)
+    assert message.startswith("optim.deterministic cannot be combined with ")
+    assert words in message and "\n" not in message
