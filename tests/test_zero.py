@@ -239,6 +239,7 @@ def test_sent_bytes():
     ({"parallel.zero": 3, "communication.sync_every": 2}, r"communication\.sync_every"),
     ({"parallel.zero": 1, "communication.algorithm": "rabenseifner"},
      r"communication\.algorithm rabenseifner"),
+    ({"communication.algorithm": "pat"}, r"communication\.algorithm pat has no all-reduce"),
     ({"parallel.prefetch": False}, r"parallel\.prefetch needs parallel\.zero 3"),
 ])
 def test_config_errors(flags, message):
