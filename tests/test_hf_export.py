@@ -18,6 +18,9 @@ from mpdl.training.checkpoint import save_checkpoint
 from mpdl.training.config import TrainConfig
 from mpdl.training.loop import Trainer
 
+# the files and transformers' reading of them, not the MPI library: the Open MPI rerun leaves it out
+pytestmark = pytest.mark.same_under_every_mpi
+
 MPDL = str(Path(sys.executable).parent / "mpdl")
 VOCAB = "\n !,.abcdehilorsw"  # a newline and spaces: decoding must give them back exactly
 
