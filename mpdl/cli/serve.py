@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, metavar="N",
                    help="positions per KV-cache page (default: %(default)s)")
     p.add_argument("--kv-pages", type=int, metavar="N",
-                   help="KV-cache pages per replica (default: a whole block for every sequence "
-                        "of --max-batch)")
+                   help="KV-cache pages per replica, at least a block's worth (default: a "
+                        "whole block for every sequence of --max-batch)")
     p.add_argument("--max-batch", type=int, default=64, metavar="N",
                    help="sequences running at once (default: %(default)s)")
     p.add_argument("--token-budget", type=int, default=512, metavar="N",
@@ -81,7 +81,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     limit_blas_threads()
     model.eval()
-    pages = args.kv_pages or args.max_batch * math.ceil(model.block_size / args.page_size)
+    block_pages = math.ceil(model.block_size / args.page_size)
+    if args.kv_pages is not None and args.kv_pages < block_pages:
+        raise UsageError(f"--kv-pages: expected at least a block's worth, {block_pages} pages of "
+                         f"{args.page_size} positions for the block of {model.block_size}, got "
+                         f"{args.kv_pages}")
+    pages = args.kv_pages or args.max_batch * block_pages
     engine, group, grid = replica_engine(
         comm, model, info["vocab"], dp, pp, tp, args.page_size, pages, max_batch=args.max_batch,
         token_budget=args.token_budget, static=args.batching == "static",
