@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mpdl.models.gpt import GPT
 from mpdl.training.engine import Engine, Params
-from mpdl.training.gpt import GPT
 from mpdl.training.inference import Decoder
 from mpdl.training.paged import PagePool, forward, last_positions
 from mpdl.training.serving import generate_replica

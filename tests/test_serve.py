@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mpdl.models.gpt import GPT
 from mpdl.training.checkpoint import save_checkpoint
-from mpdl.training.gpt import GPT
 
 openai = pytest.importorskip("openai")
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from mpdl.models.gpt import GPT
 from mpdl.perf import layouts as L
 from mpdl.perf import published as P
-from mpdl.training.gpt import GPT
 
 MPDL = str(Path(sys.executable).parent / "mpdl")
 MIXED, FP32 = L.PRECISIONS["bf16"], L.PRECISIONS["fp32"]

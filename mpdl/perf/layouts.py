@@ -4,7 +4,7 @@ with ZeRO, recomputation and precision.
 A workload is a transformer's shape (`Shape`: layers L, hidden d, heads a, sequence T, vocab V,
 micro-batch b; optionally an MLP width f, grouped-query key/value heads, a gated (SwiGLU) MLP, and
 mixture-of-experts blocks of E experts with top-k routing). Two families: ``gpt`` counts as
-`mpdl.training.gpt.GPT` (biases, LayerNorms, learned positions, output tied to the input
+`mpdl.models.gpt.GPT` (biases, LayerNorms, learned positions, output tied to the input
 embedding); ``llama`` has no biases, RMSNorms, rotary positions and an untied output layer.
 
     params          N = embeddings + L·(attention + norms) + dense blocks·MLP

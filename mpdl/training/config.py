@@ -35,6 +35,8 @@ from mpdl import emulation
 from mpdl.autograd.moe import MoESettings
 from mpdl.autograd.optim import scale_lr
 from mpdl.collectives.registry import algorithms
+from mpdl.models.gpt import RECOMPUTE
+from mpdl.models.zoo import MODELS
 from mpdl.parallel.compression import COMPRESSORS, make_compression
 from mpdl.parallel.context import CP_BALANCES, CP_MODES
 from mpdl.parallel.pipeline.schedule import KINDS as PIPELINE_SCHEDULES
@@ -43,8 +45,6 @@ from mpdl.parallel.ps import check_config
 from mpdl.parallel.zero import ALGORITHMS as ZERO_ALGORITHMS
 from mpdl.parallel.zero import STAGES as ZERO_STAGES
 from mpdl.training import precision
-from mpdl.training.gpt import RECOMPUTE
-from mpdl.training.models import MODELS
 from mpdl.training.precision import PRECISIONS
 
 OPTIMIZERS = ("sgd", "adam", "lars", "lamb")

@@ -39,8 +39,8 @@ import numpy as np
 
 from mpdl.backend import to_host
 from mpdl.comm import MPIComm
+from mpdl.models.gpt import _sample
 from mpdl.parallel.grid import ProcessGrid
-from mpdl.training.gpt import _sample
 from mpdl.training.inference import Decoder
 from mpdl.training.paged import OutOfPages, PagePool, forward, last_positions, prefix_key
 from mpdl.training.serving import stage_layers, tp_communicator

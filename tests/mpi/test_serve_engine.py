@@ -9,8 +9,8 @@ import pytest
 from mpi4py import MPI
 
 from mpdl.comm import as_communicator
+from mpdl.models.gpt import GPT
 from mpdl.training.engine import Params, replica_engine
-from mpdl.training.gpt import GPT
 from mpdl.training.inference import Decoder
 from mpdl.training.serving import generate_replica
 
