@@ -124,6 +124,39 @@ def test_bubble_formula_matches_a_timetable(schedule):
         assert P.pipeline_schedule_bubble(pp, m, schedule) == pytest.approx((pp - 1) / (m + pp - 1))
 
 
+def test_bubbles_of_the_generated_schedules():
+    # hand values: zb-h1 (p − 1)/(3m + p − 1); interleaved v-fold less than 1F1B
+    assert L.bubble(4, 8, 1, "zb-h1") == pytest.approx(3 / 27)
+    assert L.bubble(4, 8, 2, "interleaved") == pytest.approx(3 / 19)
+    assert L.bubble(4, 8, 2, "1f1b") == pytest.approx(3 / 19)
+    one = L.bubble(4, 8, 1, "1f1b")
+    assert 0 < L.bubble(4, 8, 2, "zb-v") < L.bubble(4, 8, 1, "zb-h1") < one
+    assert 0 < L.bubble(4, 8, 2, "dualpipev") < one
+
+
+def test_step_and_memory_follow_the_schedule():
+    shape = L.SHAPES["gpt2-small"]
+    rows = {kind: L.step(shape, L.Layout(pp=4, microbatches=8, schedule=kind,
+                                         virtual=2 if kind in ("zb-v", "dualpipev") else 1),
+                         MIXED, A100, SELENE.params, 8) for kind in ("1f1b", "zb-h1", "zb-v")}
+    assert rows["zb-h1"]["bubble_share"] == pytest.approx(3 / 27)
+    assert rows["zb-h1"]["bubble_s"] / rows["zb-h1"]["step_s"] == pytest.approx(3 / 27, rel=0.01)
+    assert rows["zb-v"]["step_s"] < rows["zb-h1"]["step_s"] < rows["1f1b"]["step_s"]
+    # the first rank's held activations in stages: 1F1B p, DualPipeV (2p + 1)/2, interleaved
+    # p + (p − 1)/v (Korthikanti et al. 2022)
+    assert L.in_flight(L.Layout(pp=4, microbatches=8)) == 4
+    assert L.in_flight(L.Layout(pp=4, microbatches=8, schedule="dualpipev", virtual=2)) == 4.5
+    assert L.in_flight(L.Layout(pp=4, microbatches=8, virtual=2)) == 5.5
+
+
+def test_search_tries_the_schedule_as_a_dimension():
+    shape = L.SHAPES["megatron-8.3b"]
+    kinds = ("1f1b", "zb-h1", "zb-v")
+    rows = L.search(shape, 64, 512, MIXED, L.GPUS["a100-80gb"], SELENE.params, 8, kinds, top=500)
+    assert {r["schedule"] for r in rows if r["pp"] > 1} == set(kinds)
+    assert all(r["virtual"] == 2 for r in rows if r["schedule"] == "zb-v")
+
+
 def test_step_charges_the_bubble():
     shape = L.SHAPES["gpt2-small"]
     one = L.step(shape, L.Layout(microbatches=8), MIXED, A100, SELENE.params, 8)
@@ -236,6 +269,9 @@ def test_cli_layout_json(tmp_path):
     (["--model-shape", "gpt2-small", "--gpu", "tpu"], "--gpu"),
     (["--model-shape", "gpt2-small", "--precision", "int8"], "--precision"),
     (["--model-shape", "gpt2-small", "--schedule", "zigzag", "--pp", "2"], "--schedule"),
+    (["--model-shape", "gpt2-small", "--schedule", "dualpipev", "--pp", "4", "--microbatches",
+      "6"], "--microbatches"),
+    (["--model-shape", "gpt2-small", "--schedule", "1f1b,zigzag", "--search"], "--schedule"),
 ])
 def test_cli_bad_layout_flags(args, flag):
     out = _mpdl(*args)
@@ -390,9 +426,10 @@ def test_search_takes_the_interleaving_depth_with_its_bubble_sends_and_memory():
         plain = L.evaluate(shape, replace(_layout(r), virtual=1), MIXED, A100, SELENE.params, 8)
         assert r["bubble_s"] < plain["bubble_s"]
         assert r["pp_comm_s"] == pytest.approx(v * plain["pp_comm_s"])
-        # the first stage holds (1 + (pp - 1)/(pp v)) times the micro-batches in flight
+        # the first stage holds pp + (pp - 1)/v micro-batches' activations, at most all m of
+        # them, against 1F1B's pp (Korthikanti et al. 2022, §4.2.3)
         assert r["activation_bytes"] == pytest.approx(
-            plain["activation_bytes"] * (1 + (pp - 1) / (pp * v)))
+            plain["activation_bytes"] * min(pp + (pp - 1) / v, m) / pp)
     without = L.search_report(shape, 8, 64, MIXED, A100, SELENE.params, 8, top=10_000,
                               context=False, sequence_parallel=False, recomputes=("none",),
                               zero_stages=(0,), interleave=False)
