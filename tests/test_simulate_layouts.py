@@ -443,3 +443,19 @@ def _layout(row):
     return L.Layout(row["dp"], row["pp"], row["tp"], row["zero"], row["microbatches"],
                     row["schedule"], row["recompute"], row["zero_group"], row["cp"], row["ep"],
                     row["sp"], row["cp_mode"], row["capacity_factor"], row["virtual"])
+
+
+def test_frontier_gpus_from_their_data_sheets():
+    # dense figures: half the data sheets' "with sparsity" ones; memory and NVLink a GPU
+    h200, b200, gb200 = L.GPUS["h200"], L.GPUS["b200"], L.GPUS["gb200"]
+    assert (h200.peak_flops, h200.fp8_flops, h200.memory, h200.memory_bandwidth) == (
+        989e12, 1979e12, 141 * L.GB, 4.8e12)
+    assert (b200.peak_flops, b200.fp8_flops, b200.memory * 8) == (2.25e15, 4.5e15, 1440 * L.GB)
+    assert (gb200.peak_flops, gb200.fp8_flops, gb200.nvlink_domain) == (2.5e15, 5e15, 72)
+    assert P.NETWORKS[P.GPU_NETWORK["gb200"]].per_node == 72
+    assert P.NETWORKS[P.GPU_NETWORK["b200"]].params.beta == pytest.approx(1 / 900e9)
+    # tensor parallelism may span the NVL72 domain, not an HGX board
+    assert _mpdl("--model-shape", "llama3-405b", "--gpu", "gb200", "--tp", "16",
+                 "--pp", "9").returncode == 0
+    out = _mpdl("--model-shape", "llama3-405b", "--gpu", "h200", "--tp", "16", "--pp", "9")
+    assert out.returncode == 2 and "--tp" in out.stderr

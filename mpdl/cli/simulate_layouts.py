@@ -149,7 +149,7 @@ def _setup(args: argparse.Namespace):
     if args.gpu_memory is not None:
         gpu = replace(gpu, memory=parse_memory(args.gpu_memory))
     networks = {**S.NETWORKS, **P.NETWORKS}
-    name = args.network or "selene"
+    name = args.network or P.GPU_NETWORK.get(args.gpu, "selene")
     if name not in networks:
         raise UsageError(f"--network: expected one of {', '.join(networks)}, got {name!r}")
     net = networks[name]

@@ -255,7 +255,24 @@ GPUS = {
     "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GB, 3350e9, 132, 0.7699,
                      "H100 SXM5 data sheet: 989 TFLOP/s dense bf16 tensor cores, 3.35 TB/s HBM3, "
                      "132 SMs; eta from Megatron-LM's README, H100 model table: the 1.7B GPT, "
-                     "(t, p, d) = (1, 1, 48), 408.8 TFLOP/s"),
+                     "(t, p, d) = (1, 1, 48), 408.8 TFLOP/s", fp8_flops=1979e12),
+    # eta of the three below: H100's, assumed (no published one-GPU GEMM rate to source it from)
+    "h200": Gpu("h200", 989e12, 141 * GB, 4800e9, 132, 0.7699,
+                      "H200 SXM data sheet (nvidia.com/h200): 1,979 TFLOP/s bf16 and 3,958 FP8 "
+                      "with sparsity (989 and 1,979 dense), 141 GB HBM3e at 4.8 TB/s, NVLink 900 "
+                      "GB/s both ways, 8 on an HGX board; the H100's die (132 SMs), eta as h100",
+                      fp8_flops=1979e12, nvlink_domain=8),
+    "b200": Gpu("b200", 2250e12, 180 * GB, 8000e9, 148, 0.7699,
+                      "DGX B200 data sheet (nvidia.com/dgx-b200): 8 GPUs, 1,440 GB HBM3e at 64 "
+                      "TB/s, 72 PFLOP/s FP8 training with sparsity (4.5 dense a GPU; bf16 half: "
+                      "2.25), NVLink 14.4 TB/s (1.8 TB/s a GPU both ways); 148 SMs; eta of h100 "
+                      "assumed", fp8_flops=4500e12, nvlink_domain=8),
+    "gb200": Gpu("gb200", 2500e12, 186 * GB, 8000e9, 148, 0.7699,
+                 "GB200 NVL72 data sheet (nvidia.com/gb200-nvl72): 72 Blackwell GPUs on one NVLink "
+                 "domain, 360 PFLOP/s bf16 and 720 FP8 with sparsity (2.5 and 5 dense a GPU), up "
+                 "to 13.4 TB HBM3e (186 GB a GPU) at 576 TB/s (8 TB/s a GPU), NVLink 130 TB/s "
+                 "(1.8 TB/s a GPU both ways); 148 SMs; eta of h100 assumed",
+                 fp8_flops=5000e12, nvlink_domain=72),
 }
 
 
