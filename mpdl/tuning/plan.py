@@ -40,6 +40,7 @@ from mpdl.collectives.ops import reducer, segment_elements
 from mpdl.collectives.pairwise import partners
 from mpdl.collectives.scattered import THROTTLE
 from mpdl.comm import Communicator, Request, as_communicator, polling
+from mpdl.comm.flight import FlightEntry
 from mpdl.comm.mpi import MPIComm, free_before_finalize
 from mpdl.mpi_runtime import library_version
 from mpdl.tuning import recording, verify
@@ -139,8 +140,7 @@ class Plan:
         self._started = False
         entry, self._entry = self._entry, None
         if entry is not None:
-            entry[3] = _time()
-            entry[4] = "done"
+            entry.end, entry.state = _time(), "done"
         return self.result if self._finish is None else self._finish()
 
     def __call__(self, x: Any = None) -> Any:
@@ -165,16 +165,16 @@ class Plan:
             if self._fault and faults.skips(comm.world_rank(comm.rank), seq):
                 return self.result if self._finish is None else self._finish()
             cell[0] = seq + 1
-            entry = [seq, self._info, _time(), None, "started", None]
+            entry = FlightEntry(seq, self._info, _time())
             self._slots.append(entry)
         try:
             self._run_body()
         except BaseException:
             if entry is not None:
-                entry[3], entry[4] = _time(), "failed"
+                entry.end, entry.state = _time(), "failed"
             raise
         if entry is not None:
-            entry[3], entry[4] = _time(), "done"
+            entry.end, entry.state = _time(), "done"
         return self.result if self._finish is None else self._finish()
 
     def _bind(self, rec: Any) -> None:
@@ -187,7 +187,7 @@ class Plan:
         self._begin()
         entry, self._entry = self._entry, None
         if entry is not None:
-            entry[3], entry[4] = _time(), "done"
+            entry.end, entry.state = _time(), "done"
 
     def _begin(self) -> None:
         """Check (MPDL_CHECK), record and run the collective's body."""
@@ -205,7 +205,7 @@ class Plan:
             self._run_body()
         except BaseException:
             if entry is not None:
-                entry[3], entry[4] = _time(), "failed"
+                entry.end, entry.state = _time(), "failed"
             raise
         self._entry = entry
 
