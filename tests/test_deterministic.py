@@ -123,9 +123,9 @@ def counted_run(p: int, grad_accum: int, use_count: bool) -> list[np.ndarray]:
     """A tiny GPT, 3 steps of 12 sequences whose targets are masked (-100) unevenly, by
     AllReduceStrategy on p in-process ranks."""
     from mpdl.autograd import optim  # noqa: PLC0415
+    from mpdl.models.zoo import build_model  # noqa: PLC0415
     from mpdl.parallel.data_parallel import AllReduceStrategy  # noqa: PLC0415
     from mpdl.parallel.strategy import Batch  # noqa: PLC0415
-    from mpdl.models.zoo import build_model  # noqa: PLC0415
 
     rng = np.random.default_rng(5)
     x = rng.integers(0, 7, (36, 6))
