@@ -42,11 +42,11 @@ import mpdl.autograd.functional as F
 from mpdl.autograd import optim
 from mpdl.autograd.tensor import Tensor
 from mpdl.comm import as_communicator
+from mpdl.models.gpt import GPT
 from mpdl.parallel.context import block_work, context_attention, shard_sequence
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.threadworld import run_world
-from mpdl.training.gpt import GPT
 
 HEADS, HEAD_DIM = 4, 16
 VARIANTS = [("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"),

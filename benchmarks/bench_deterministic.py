@@ -19,11 +19,11 @@ from mpi4py import MPI
 
 from mpdl.autograd import optim
 from mpdl.comm import as_communicator
+from mpdl.models.zoo import build_model
 from mpdl.parallel import DistributedSampler
 from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.deterministic import DeterministicStrategy
 from mpdl.parallel.strategy import Batch
-from mpdl.training.models import build_model
 
 
 def main() -> None:

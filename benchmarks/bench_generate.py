@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from mpdl.training.gpt import GPT
+from mpdl.models.gpt import GPT
 from mpdl.training.inference import Decoder
 from mpdl.training.serving import generate_replica, serve, summary
 

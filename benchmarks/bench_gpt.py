@@ -32,7 +32,7 @@ import mpdl.autograd.functional as F  # noqa: E402
 from mpdl import blas  # noqa: E402
 from mpdl.allocator import keep_heap  # noqa: E402
 from mpdl.autograd import optim  # noqa: E402
-from mpdl.training.gpt import GPT  # noqa: E402
+from mpdl.models.gpt import GPT  # noqa: E402
 from mpdl.training.throughput import GEMM_N, gemm_flops  # noqa: E402
 
 

@@ -35,10 +35,10 @@ import numpy as np
 
 from mpdl import memory
 from mpdl.autograd import functional as F
+from mpdl.models.gpt import GPT
 from mpdl.parallel.pipeline import model_pieces, partition
 from mpdl.training import precision
 from mpdl.training.activation_memory import korthikanti_layer_bytes, model_activation_bytes
-from mpdl.training.gpt import GPT
 
 MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16")

@@ -32,13 +32,13 @@ from mpdl import collectives as C
 from mpdl.autograd import optim
 from mpdl.autograd.moe import MoESettings
 from mpdl.comm import as_communicator
+from mpdl.models.gpt import GPT
 from mpdl.parallel import split_bounds
 from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.expert import ExpertParallelStrategy
 from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.perf.bench import turns
-from mpdl.training.gpt import GPT
 
 VOCAB, BLOCK = 14, 11
 

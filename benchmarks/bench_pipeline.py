@@ -47,11 +47,11 @@ from mpi4py import MPI
 
 from mpdl.autograd import nn, optim
 from mpdl.comm import as_communicator
+from mpdl.models.gpt import GPT
 from mpdl.parallel.pipeline import PipelineStrategy, timed_bubble
 from mpdl.parallel.pipeline.schedule import allowed, check, generate, schedule_bubble
 from mpdl.parallel.strategy import Batch
 from mpdl.threadworld import run_world
-from mpdl.training.gpt import GPT
 
 MICRO = 32  # samples per microbatch
 MIB = 1 << 20

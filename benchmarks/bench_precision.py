@@ -29,8 +29,8 @@ import mpdl.autograd.functional as F  # noqa: E402
 from mpdl.autograd import optim  # noqa: E402
 from mpdl.autograd.tensor import Tensor  # noqa: E402
 from mpdl.backend import bfloat16  # noqa: E402
+from mpdl.models.gpt import GPT  # noqa: E402
 from mpdl.training import precision  # noqa: E402
-from mpdl.training.gpt import GPT  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 

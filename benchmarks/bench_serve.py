@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mpdl.models.gpt import GPT
 from mpdl.training.checkpoint import save_checkpoint
-from mpdl.training.gpt import GPT
 
 VOCAB = " abcdefghijklmnopqrstuvwxyz."
 BLOCK, PAGE, BATCH = 128, 16, 16

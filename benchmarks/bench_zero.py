@@ -23,13 +23,13 @@ from mpi4py import MPI
 
 from mpdl.autograd import optim
 from mpdl.comm import as_communicator
+from mpdl.models.gpt import GPT
+from mpdl.models.zoo import mlp
 from mpdl.parallel import split_bounds
 from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.parallel.zero import ZeroStrategy
 from mpdl.perf.bench import turns
-from mpdl.training.gpt import GPT
-from mpdl.training.models import mlp
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3-noprefetch")
 

@@ -160,10 +160,10 @@ def own_work_times(repeats: int = 50, warmup: int = 10) -> dict[int, float]:
     optimizer on pieces); the four take turns step by step, medians, at least 0."""
     from mpdl.autograd import optim
     from mpdl.comm import as_communicator
+    from mpdl.models.zoo import build_model
     from mpdl.parallel.data_parallel import AllReduceStrategy
     from mpdl.parallel.strategy import Batch
     from mpdl.parallel.zero import ZeroStrategy
-    from mpdl.training.models import build_model
 
     comm = as_communicator(None)
     shape = S.INPUT_SHAPES["mnist"]
@@ -253,8 +253,8 @@ def stage_times(model: str, shape: str, microbatch: int, pp: int, repeats: int =
     from mpdl.autograd import functional as F
     from mpdl.autograd import optim
     from mpdl.autograd.tensor import Tensor
+    from mpdl.models.zoo import build_model
     from mpdl.parallel.pipeline import model_pieces, partition
-    from mpdl.training.models import build_model
 
     net = build_model(model, S.INPUT_SHAPES[shape], 10, seed=seed)
     pieces = model_pieces(net)
@@ -391,9 +391,9 @@ def gpt_pieces(spec: dict, repeats: int = 30, warmup: int = 3, sync_repeats: int
     from mpdl.autograd import functional as F
     from mpdl.autograd.moe import MoE, MoESettings
     from mpdl.comm import as_communicator
+    from mpdl.models.gpt import causal_attention
+    from mpdl.models.zoo import build_model
     from mpdl.parallel.expert import ExpertGroups
-    from mpdl.training.gpt import causal_attention
-    from mpdl.training.models import build_model
 
     moe = MoESettings(spec["experts"], TOP_K, 0.0, 0.0, 1) if spec["experts"] else None
     net = build_model("gpt", (spec["seq"],), spec["vocab"], moe=moe, **GPT)
@@ -457,9 +457,9 @@ def context_pieces(spec: dict, repeats: int = 30, warmup: int = 3,
     from mpdl.autograd import Tensor, optim
     from mpdl.autograd import functional as F
     from mpdl.comm import as_communicator
+    from mpdl.models.zoo import build_model
     from mpdl.parallel import context as C
     from mpdl.parallel.tensor_parallel import TensorParallelGPT, causal_attention
-    from mpdl.training.models import build_model
 
     world = as_communicator(MPI.COMM_WORLD)
     cp, rank = world.size, world.rank
@@ -579,7 +579,7 @@ def _train_gpt(p: int, batch: int, args: list[str], env: dict, path: Path) -> tu
 def _gpt_grad_bytes(experts: int = 0) -> tuple[int, int]:
     """(dense, expert) gradient bytes of the checks' GPT (float32)."""
     from mpdl.autograd.moe import MoESettings
-    from mpdl.training.models import build_model
+    from mpdl.models.zoo import build_model
 
     moe = MoESettings(experts, TOP_K, 0.0, 0.0, 1) if experts else None
     net = build_model("gpt", (GPT_SEQ,), 17, moe=moe, **GPT)

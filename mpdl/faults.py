@@ -3,7 +3,8 @@
 `MPDL_FAULT` (read in mpdl.settings) names one: ``kill:RANK:STEP`` SIGKILLs rank RANK of
 `mpdl train` right after its global training step STEP, unless the run resumed from a checkpoint
 (so that a restarted run goes on); ``nan:RANK:STEP`` writes a NaN into rank RANK's first
-parameter after that step, as a diverging update would; ``skip:RANK:SEQ`` makes rank RANK skip
+parameter after that step, as a diverging update would; ``stall:RANK:STEP`` makes rank RANK
+sleep for an hour after that step, as a hung rank would; ``skip:RANK:SEQ`` makes rank RANK skip
 the collective with sequence number SEQ (counted per group of ranks, as in the flight records), as
 a buggy program would.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,12 +21,15 @@ from mpdl import settings
 
 
 def after_step(rank: int, step: int, resumed_at: int | None, params: Iterator[Any]) -> None:
-    """The training loop's hook after each step (nothing unless MPDL_FAULT says kill or nan)."""
+    """The training loop's hook after each step (nothing unless MPDL_FAULT says kill, stall or
+    nan)."""
     fault = settings.current().fault
     if fault is None or fault[1:] != (rank, step) or resumed_at is not None:
         return
     if fault[0] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif fault[0] == "stall":
+        time.sleep(3600)
     elif fault[0] == "nan":
         p = next(p for p in params if p.data.size)
         p.data.reshape(-1)[0] = float("nan")

@@ -26,7 +26,7 @@ from ``current()`` (or from the communicator that was built with it).
   --checkpoint`, else ./mpdl-flight) |
 | MPDL_FLIGHT_RECORDS | flight_records | operations the flight recorder keeps; 0: off (1000) |
 | MPDL_STALL_WARN | stall_warn | seconds in one wait before a rank says whom it waits for (60) |
-| MPDL_FAULT | fault | tests only: ``kill:RANK:STEP``, ``nan:RANK:STEP`` or ``skip:RANK:SEQ`` (none) |
+| MPDL_FAULT | fault | tests only: ``kill``, ``stall`` or ``nan:RANK:STEP``, or ``skip:RANK:SEQ`` (none) |
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ class Settings:
     flight_records: int = 1000
     #: seconds a rank waits in one operation before it prints which peers it waits for
     stall_warn: float = 60.0
-    #: a fault injected for tests: ("kill" or "nan", rank, step) or ("skip", rank, sequence number)
+    #: a fault injected for tests: ("kill", "stall" or "nan", rank, step) or ("skip", rank,
+    #: sequence number)
     fault: tuple[str, int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -266,9 +267,9 @@ class Settings:
 def _parse_fault(raw: str) -> tuple[str, int, int]:
     kind, _, rest = raw.partition(":")
     rank, _, where = rest.partition(":")
-    if kind not in ("kill", "nan", "skip") or not rank.isdigit() or not where.isdigit():
-        raise ValueError(f"MPDL_FAULT: expected kill:RANK:STEP, nan:RANK:STEP or skip:RANK:SEQ, "
-                         f"got {raw!r}")
+    if kind not in ("kill", "stall", "nan", "skip") or not rank.isdigit() or not where.isdigit():
+        raise ValueError(f"MPDL_FAULT: expected kill:RANK:STEP, stall:RANK:STEP, nan:RANK:STEP or "
+                         f"skip:RANK:SEQ, got {raw!r}")
     return kind, int(rank), int(where)
 
 

@@ -8,7 +8,7 @@ import pytest
 import mpdl.autograd.functional as F
 from mpdl.autograd import Tensor
 from mpdl.autograd.gradcheck import gradcheck
-from mpdl.training.models import BasicBlock, ResNet8
+from mpdl.models.zoo import BasicBlock, ResNet8
 
 try:
     import torch

@@ -10,7 +10,7 @@ import pytest
 from mpdl.autograd import functional as F
 from mpdl.autograd import nn
 from mpdl.autograd.tensor import Tensor
-from mpdl.training.gpt import MLP, Block, CausalSelfAttention
+from mpdl.models.gpt import MLP, Block, CausalSelfAttention
 
 
 def modules(dtype):

@@ -9,7 +9,7 @@ import pytest
 import mpdl.autograd.functional as F
 from mpdl import datasets
 from mpdl.autograd import Tensor, gradcheck, nn, no_grad, optim
-from mpdl.training.gpt import GPT
+from mpdl.models.gpt import GPT
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is the optional oracle for "

@@ -12,7 +12,7 @@ import pytest
 import mpdl.autograd.functional as F
 from mpdl import blas, settings
 from mpdl.autograd import Tensor
-from mpdl.training.gpt import GPT
+from mpdl.models.gpt import GPT
 
 OPENBLAS = blas.numpy_openblas()
 MKL = blas.mkl()

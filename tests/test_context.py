@@ -19,6 +19,7 @@ import mpdl.autograd.functional as F
 from mpdl.autograd import optim
 from mpdl.autograd.tensor import Tensor
 from mpdl.collectives import allreduce
+from mpdl.models.gpt import GPT
 from mpdl.parallel.context import (
     block_work,
     chunks_of,
@@ -32,7 +33,6 @@ from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.threadworld import run_world
 from mpdl.training.config import ConfigError, TrainConfig, validate
-from mpdl.training.gpt import GPT
 from mpdl.training.loop import Trainer
 
 TOL = {np.float64: 1e-10, np.float32: 1e-5}

@@ -18,13 +18,13 @@ from oracle import adam_losses
 from mpdl.autograd import optim
 from mpdl.autograd.moe import MoESettings
 from mpdl.collectives import allreduce
+from mpdl.models.gpt import GPT
 from mpdl.parallel import split_bounds
 from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.threadworld import run_world
 from mpdl.training import precision
 from mpdl.training.config import TrainConfig
-from mpdl.training.gpt import GPT
 from mpdl.training.loop import Trainer
 
 STEPS, LR = 2, 1e-2

@@ -124,3 +124,29 @@ def test_a_non_utf8_config_file_is_one_line_and_exit_2(tmp_path):
     assert out.returncode == 2 and out.stderr == (
         f"mpdl train: error: {path}: not UTF-8 text (byte 0xff at offset 19); TOML files are "
         f"UTF-8\n")
+
+
+def test_launch_names_the_rank_that_stalled_not_the_one_that_timed_out(tmp_path):
+    out = subprocess.run(
+        [str(BIN / "mpdl"), "launch", "-n", "2", "--", "train", "--no-progress", "--epochs", "1",
+         "--checkpoint", str(tmp_path / "D")], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "MPDL_FAULT": "stall:1:3", "MPDL_TIMEOUT": "3"})
+    assert out.returncode != 0
+    assert "attempt 1 failed (exit status 1): rank 1 stalled or missed a collective: rank 0 " \
+           "timed out waiting for it" in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("line, stalled", [
+    ("CollectiveTimeout: allreduce/ring: rank 2 waited more than 5 s receiving from rank 1 at "
+     "step 0 (MPDL_TIMEOUT sets the limit)", 1),
+    ("CollectiveTimeout: p2p: rank 0 waited more than 5 s in object size for rank 1", 1),
+    ("CollectiveTimeout: allreduce/mpi: rank 0 waited more than 5 s in MPI_Iallreduce for the "
+     "ranks 0-2 (one of them never came)", None),
+])
+def test_the_supervisor_reads_whom_the_timed_out_rank_waited_for(line, stalled):
+    from mpdl.tools.supervisor import parse_failure  # noqa: PLC0415
+
+    failure = parse_failure(f"Traceback ...\nmpdl.comm.base.{line}\n", 1, {})
+    assert failure.stalled == stalled
+    if stalled is not None:
+        assert failure.describe().startswith(f"rank {stalled} stalled or missed a collective")

@@ -13,7 +13,7 @@ from mpdl.autograd import Tensor, attention, fused, gradcheck, nn, optim
 from mpdl.autograd.attention import packed_attention
 from mpdl.autograd.linear_gelu import linear_gelu
 from mpdl.backend import standin
-from mpdl.training.gpt import GPT
+from mpdl.models.gpt import GPT
 
 #: float32 kernels: a few units in the last place of the array path (exp and erf are polynomials)
 TOL = {np.float32: dict(rtol=2e-5, atol=2e-6), np.float64: dict(rtol=1e-12, atol=1e-13)}

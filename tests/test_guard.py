@@ -145,3 +145,10 @@ def test_fp16_counts_a_nan_loss_only_at_the_scale_floor():
     with pytest.raises(guard.NonFiniteStop, match=r"step 2: the loss is nan, loss scale 1 \(its "
                                                   r"floor\) \(1 step in a row"):
         g.after_step(2, float("nan"), 4, [Param(1.0)], scaler, 0.1)
+
+
+def test_a_parameter_servers_run_stops_too():
+    """The workers stop; the server, which waits for their pushes, is ended with them."""
+    out = train(3, "--mode", "ps", "--servers", "1", "--lr", "1e30", "--epochs", "1")
+    assert out.returncode == 3, out.stderr
+    assert "mpdl train: error: stopped at step 2: the loss is nan" in out.stderr

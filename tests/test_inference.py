@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from mpdl.autograd import no_grad
+from mpdl.models.gpt import GPT
 from mpdl.threadworld import run_world
-from mpdl.training.gpt import GPT
 from mpdl.training.inference import Decoder
 from mpdl.training.serving import check_layout, generate_replica, serve, stage_layers, summary
 

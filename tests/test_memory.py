@@ -22,6 +22,7 @@ from mpdl.autograd import functional as F
 from mpdl.backend import bfloat16
 from mpdl.cli import UsageError
 from mpdl.cli.train import check
+from mpdl.models.gpt import GPT
 from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
@@ -31,7 +32,6 @@ from mpdl.threadworld import run_world
 from mpdl.training import precision
 from mpdl.training.activation_memory import korthikanti_layer_bytes, layer_activation_bytes
 from mpdl.training.config import TrainConfig
-from mpdl.training.gpt import GPT
 from mpdl.training.loop import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from mpdl.autograd.moe import (
     expert_capacity,
     route,
 )
-from mpdl.training.gpt import GPT
+from mpdl.models.gpt import GPT
 
 
 def routing_by_loops(probs, k, capacity):

@@ -17,12 +17,12 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from mpdl.autograd import no_grad
+from mpdl.models.gpt import GPT
+from mpdl.models.nanogpt import import_state, nanogpt_name
 from mpdl.threadworld import run_world
 from mpdl.training.checkpoint import save_checkpoint
 from mpdl.training.config import TrainConfig
-from mpdl.training.gpt import GPT
 from mpdl.training.loop import Trainer
-from mpdl.training.nanogpt import import_state, nanogpt_name
 
 MPDL = str(Path(sys.executable).parent / "mpdl")
 SHAPE = dict(vocab_size=12, block_size=5, n_layer=2, n_head=4, n_embd=16)  # addition, 1 digit

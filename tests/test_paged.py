@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mpdl.models.gpt import GPT
 from mpdl.training.engine import Engine, Params
-from mpdl.training.gpt import GPT
 from mpdl.training.inference import Decoder
-from mpdl.training.paged import PagePool, forward
+from mpdl.training.paged import PagePool, forward, last_positions
 from mpdl.training.serving import generate_replica
 
 VOCAB = "abcdefghijklmnopqrstuvwxyz ."
@@ -42,12 +42,13 @@ def test_paged_prefill_chunks_and_steps_give_the_contiguous_caches_logits(gpt):
     cache = decoder.new_cache(2)
     x = decoder.embed(np.array([a[:5], b[:5]]))
     want = decoder.prefill(x, cache)[:, -1]
-    got = forward(decoder, pool, [(ta, 0, a[:3]), (tb, 0, b[:5])])  # a: 3 of its 5 first
-    got_a = forward(decoder, pool, [(ta, 3, a[3:5])])
+    rows = [(ta, 0, a[:3]), (tb, 0, b[:5])]  # a: 3 of its 5 first
+    got = last_positions(forward(decoder, pool, rows), rows)
+    got_a = forward(decoder, pool, [(ta, 3, a[3:5])])[:, -1]
     np.testing.assert_allclose(got[1], want[1], atol=1e-5)
     np.testing.assert_allclose(got_a[0], want[0], atol=1e-5)
     step = decoder.step(decoder.embed([[a[5]], [b[5]]], [5, 5]), [5, 5], cache)
-    paged = forward(decoder, pool, [(ta, 5, [a[5]]), (tb, 5, [b[5]])])
+    paged = forward(decoder, pool, [(ta, 5, [a[5]]), (tb, 5, [b[5]])])[:, 0]
     np.testing.assert_allclose(decoder.logits(paged), decoder.logits(step[:, 0]), atol=1e-5)
     whole = gpt(np.array([a[:6]])).data[0, -1]
     np.testing.assert_allclose(decoder.logits(paged)[0], whole, atol=1e-5)
@@ -104,3 +105,26 @@ def test_each_sequence_gets_generates_text_whatever_runs_beside_it(gpt, mode):
                 engine.add(i, [VOCAB.index(c) for c in p], params)
     assert [texts[i] for i in range(len(prompts))] == want
     assert engine.pool.in_use == 0
+
+
+def test_a_sequence_preempted_when_pages_run_out_is_computed_again_to_the_same_text(gpt):
+    prompts = ["the cat sat", "on the mat", "a dog"]
+    params = Params(max_tokens=12, temperature=0)
+    want = texts_of_generate(gpt, prompts, params)
+    decoder = Decoder(gpt)
+    engine = Engine(decoder, pool_for(decoder, 30), VOCAB)
+    for i, p in enumerate(prompts):
+        engine.add(i, [VOCAB.index(c) for c in p], params)
+    texts = {i: "" for i in range(len(prompts))}
+    for s, piece in engine.step():
+        texts[s.rid] += piece
+    held = [engine.pool.take() for _ in range(len(engine.pool.free))]  # the pool runs dry
+    while engine.steps < 6:
+        for s, piece in engine.step():
+            texts[s.rid] += piece
+    assert len(engine.waiting) >= 1  # someone was preempted to let the others grow
+    engine.pool.release(held)
+    while not engine.idle:
+        for s, piece in engine.step():
+            texts[s.rid] += piece
+    assert [texts[i] for i in range(len(prompts))] == want and engine.pool.in_use == 0

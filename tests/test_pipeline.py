@@ -30,6 +30,7 @@ from mpdl.autograd import functional as F
 from mpdl.autograd import nn, optim
 from mpdl.autograd.tensor import Tensor
 from mpdl.collectives import allreduce
+from mpdl.models.gpt import GPT
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.pipeline import (
     PipelineStrategy,
@@ -44,7 +45,6 @@ from mpdl.parallel.strategy import Batch
 from mpdl.threadworld import ThreadWorld, run_world
 from mpdl.training.checkpoint import load_checkpoint
 from mpdl.training.config import TrainConfig
-from mpdl.training.gpt import GPT
 from mpdl.training.loop import Trainer
 
 TOL = {"float32": 1e-5, "float64": 1e-10}

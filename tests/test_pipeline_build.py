@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from mpdl.autograd import nn
+from mpdl.models.zoo import build_model
 from mpdl.parallel.pipeline import PipelineStrategy, model_pieces, partition
 from mpdl.parallel.pipeline.stage import _is_placeholder
 from mpdl.threadworld import run_world
-from mpdl.training.models import build_model
 
 
 def gpt():

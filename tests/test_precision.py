@@ -11,13 +11,13 @@ from mpdl.autograd import amp, nn, optim
 from mpdl.autograd import functional as F
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import bfloat16
+from mpdl.models.gpt import GPT
 from mpdl.parallel import DistributedSampler
 from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.parallel.zero import ZeroStrategy
 from mpdl.threadworld import run_world
 from mpdl.training import precision
-from mpdl.training.gpt import GPT
 
 N = 23
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mpdl.models.gpt import GPT
 from mpdl.training.checkpoint import save_checkpoint
-from mpdl.training.gpt import GPT
 
 openai = pytest.importorskip("openai")
 
@@ -125,3 +125,17 @@ def test_serve_over_tp_2_answers_the_openai_client(tmp_path):
             server.wait(20)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_serve_refuses_bad_flags_in_one_line(tmp_path):
+    checkpoint(tmp_path / "ckpt")
+    for flags, message in [(["--kv-pages", "7"], "--kv-pages: expected at least a block's worth, "
+                            "8 pages of 4 positions for the block of 32, got 7"),
+                           (["--tp", "3"], "--tp: 3 tensor-parallel ranks must divide the model's "
+                            "4 heads"),
+                           (["--max-batch", "0"], "--max-batch: expected a positive number, got 0")]:
+        out = subprocess.run([str(BIN / "mpdl"), "serve", "--checkpoint", str(tmp_path / "ckpt"),
+                              "--port", str(free_port()), "--page-size", "4", *flags],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert message in out.stderr, out.stderr

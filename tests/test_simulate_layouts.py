@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from mpdl.models.gpt import GPT
 from mpdl.perf import layouts as L
 from mpdl.perf import published as P
-from mpdl.training.gpt import GPT
 
 MPDL = str(Path(sys.executable).parent / "mpdl")
 MIXED, FP32 = L.PRECISIONS["bf16"], L.PRECISIONS["fp32"]
@@ -122,6 +122,39 @@ def test_more_microbatches_never_a_larger_bubble():
 def test_bubble_formula_matches_a_timetable(schedule):
     for pp, m in ((2, 1), (4, 4), (4, 9), (8, 3)):
         assert P.pipeline_schedule_bubble(pp, m, schedule) == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+def test_bubbles_of_the_generated_schedules():
+    # hand values: zb-h1 (p − 1)/(3m + p − 1); interleaved v-fold less than 1F1B
+    assert L.bubble(4, 8, 1, "zb-h1") == pytest.approx(3 / 27)
+    assert L.bubble(4, 8, 2, "interleaved") == pytest.approx(3 / 19)
+    assert L.bubble(4, 8, 2, "1f1b") == pytest.approx(3 / 19)
+    one = L.bubble(4, 8, 1, "1f1b")
+    assert 0 < L.bubble(4, 8, 2, "zb-v") < L.bubble(4, 8, 1, "zb-h1") < one
+    assert 0 < L.bubble(4, 8, 2, "dualpipev") < one
+
+
+def test_step_and_memory_follow_the_schedule():
+    shape = L.SHAPES["gpt2-small"]
+    rows = {kind: L.step(shape, L.Layout(pp=4, microbatches=8, schedule=kind,
+                                         virtual=2 if kind in ("zb-v", "dualpipev") else 1),
+                         MIXED, A100, SELENE.params, 8) for kind in ("1f1b", "zb-h1", "zb-v")}
+    assert rows["zb-h1"]["bubble_share"] == pytest.approx(3 / 27)
+    assert rows["zb-h1"]["bubble_s"] / rows["zb-h1"]["step_s"] == pytest.approx(3 / 27, rel=0.01)
+    assert rows["zb-v"]["step_s"] < rows["zb-h1"]["step_s"] < rows["1f1b"]["step_s"]
+    # the first rank's held activations in stages: 1F1B p, DualPipeV (2p + 1)/2, interleaved
+    # p + (p − 1)/v (Korthikanti et al. 2022)
+    assert L.in_flight(L.Layout(pp=4, microbatches=8)) == 4
+    assert L.in_flight(L.Layout(pp=4, microbatches=8, schedule="dualpipev", virtual=2)) == 4.5
+    assert L.in_flight(L.Layout(pp=4, microbatches=8, virtual=2)) == 5.5
+
+
+def test_search_tries_the_schedule_as_a_dimension():
+    shape = L.SHAPES["megatron-8.3b"]
+    kinds = ("1f1b", "zb-h1", "zb-v")
+    rows = L.search(shape, 64, 512, MIXED, L.GPUS["a100-80gb"], SELENE.params, 8, kinds, top=500)
+    assert {r["schedule"] for r in rows if r["pp"] > 1} == set(kinds)
+    assert all(r["virtual"] == 2 for r in rows if r["schedule"] == "zb-v")
 
 
 def test_step_charges_the_bubble():
@@ -236,6 +269,9 @@ def test_cli_layout_json(tmp_path):
     (["--model-shape", "gpt2-small", "--gpu", "tpu"], "--gpu"),
     (["--model-shape", "gpt2-small", "--precision", "int8"], "--precision"),
     (["--model-shape", "gpt2-small", "--schedule", "zigzag", "--pp", "2"], "--schedule"),
+    (["--model-shape", "gpt2-small", "--schedule", "dualpipev", "--pp", "4", "--microbatches",
+      "6"], "--microbatches"),
+    (["--model-shape", "gpt2-small", "--schedule", "1f1b,zigzag", "--search"], "--schedule"),
 ])
 def test_cli_bad_layout_flags(args, flag):
     out = _mpdl(*args)
@@ -390,9 +426,10 @@ def test_search_takes_the_interleaving_depth_with_its_bubble_sends_and_memory():
         plain = L.evaluate(shape, replace(_layout(r), virtual=1), MIXED, A100, SELENE.params, 8)
         assert r["bubble_s"] < plain["bubble_s"]
         assert r["pp_comm_s"] == pytest.approx(v * plain["pp_comm_s"])
-        # the first stage holds (1 + (pp - 1)/(pp v)) times the micro-batches in flight
+        # the first stage holds pp + (pp - 1)/v micro-batches' activations, at most all m of
+        # them, against 1F1B's pp (Korthikanti et al. 2022, §4.2.3)
         assert r["activation_bytes"] == pytest.approx(
-            plain["activation_bytes"] * (1 + (pp - 1) / (pp * v)))
+            plain["activation_bytes"] * min(pp + (pp - 1) / v, m) / pp)
     without = L.search_report(shape, 8, 64, MIXED, A100, SELENE.params, 8, top=10_000,
                               context=False, sequence_parallel=False, recomputes=("none",),
                               zero_stages=(0,), interleave=False)
@@ -406,3 +443,19 @@ def _layout(row):
     return L.Layout(row["dp"], row["pp"], row["tp"], row["zero"], row["microbatches"],
                     row["schedule"], row["recompute"], row["zero_group"], row["cp"], row["ep"],
                     row["sp"], row["cp_mode"], row["capacity_factor"], row["virtual"])
+
+
+def test_frontier_gpus_from_their_data_sheets():
+    # dense figures: half the data sheets' "with sparsity" ones; memory and NVLink a GPU
+    h200, b200, gb200 = L.GPUS["h200"], L.GPUS["b200"], L.GPUS["gb200"]
+    assert (h200.peak_flops, h200.fp8_flops, h200.memory, h200.memory_bandwidth) == (
+        989e12, 1979e12, 141 * L.GB, 4.8e12)
+    assert (b200.peak_flops, b200.fp8_flops, b200.memory * 8) == (2.25e15, 4.5e15, 1440 * L.GB)
+    assert (gb200.peak_flops, gb200.fp8_flops, gb200.nvlink_domain) == (2.5e15, 5e15, 72)
+    assert P.NETWORKS[P.GPU_NETWORK["gb200"]].per_node == 72
+    assert P.NETWORKS[P.GPU_NETWORK["b200"]].params.beta == pytest.approx(1 / 900e9)
+    # tensor parallelism may span the NVL72 domain, not an HGX board
+    assert _mpdl("--model-shape", "llama3-405b", "--gpu", "gb200", "--tp", "16",
+                 "--pp", "9").returncode == 0
+    out = _mpdl("--model-shape", "llama3-405b", "--gpu", "h200", "--tp", "16", "--pp", "9")
+    assert out.returncode == 2 and "--tp" in out.stderr

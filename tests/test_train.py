@@ -295,8 +295,8 @@ def _rank_pid(mpiexec_pid: int, rank: int) -> int | None:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the rank's process through /proc")
 def test_killed_rank_ends_the_job_and_the_checkpoint_stays_loadable(tmp_path):
+    from mpdl.models.zoo import build_model
     from mpdl.training.checkpoint import load_checkpoint
-    from mpdl.training.models import build_model
 
     ckpt = tmp_path / "ckpt"
     job = subprocess.Popen([MPIEXEC, "-n", "2", MPDL, "train", "--no-progress", "--epochs", "500",

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from mpdl.collectives import algorithms
+from mpdl.models.zoo import GPT, build_model
 from mpdl.threadworld import ThreadWorld, run_world
 from mpdl.training import throughput
 from mpdl.training.config import ConfigError, TrainConfig, model_defaults, validate
 from mpdl.training.loop import Trainer
-from mpdl.training.models import GPT, build_model
 from mpdl.tuning import costmodel
 
 TOL = {"float32": 1e-5, "float64": 1e-10}

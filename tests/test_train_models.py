@@ -8,9 +8,9 @@ import io
 
 import pytest
 
+from mpdl.models.zoo import IMAGE_MODELS
 from mpdl.threadworld import ThreadWorld
 from mpdl.training.loop import TrainConfig, Trainer
-from mpdl.training.models import IMAGE_MODELS
 
 DATASETS = {"digits": {"data.dataset": "digits"},
             "synthetic-mnist": {"data.dataset": "synthetic", "data.synthetic_shape": "mnist"},

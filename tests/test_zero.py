@@ -16,6 +16,8 @@ import pytest
 from mpdl.autograd import functional as F
 from mpdl.autograd import nn, optim
 from mpdl.autograd.tensor import Tensor
+from mpdl.models.gpt import GPT
+from mpdl.models.zoo import build_model
 from mpdl.parallel import DistributedSampler
 from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.naive import NaiveZero
@@ -24,8 +26,6 @@ from mpdl.parallel.zero import ZeroStrategy
 from mpdl.threadworld import run_world
 from mpdl.training import checkpoint
 from mpdl.training.config import ConfigError, TrainConfig, validate
-from mpdl.training.gpt import GPT
-from mpdl.training.models import build_model
 
 TOL = {"float32": 1e-5, "float64": 1e-10}
 OPTIMIZERS = {
@@ -239,6 +239,7 @@ def test_sent_bytes():
     ({"parallel.zero": 3, "communication.sync_every": 2}, r"communication\.sync_every"),
     ({"parallel.zero": 1, "communication.algorithm": "rabenseifner"},
      r"communication\.algorithm rabenseifner"),
+    ({"communication.algorithm": "pat"}, r"communication\.algorithm pat has no all-reduce"),
     ({"parallel.prefetch": False}, r"parallel\.prefetch needs parallel\.zero 3"),
 ])
 def test_config_errors(flags, message):

@@ -1,5 +1,5 @@
 """`mpdl export`: a GPT checkpoint of `mpdl train --model gpt` as a safetensors file under nanoGPT's
-names (`mpdl.training.nanogpt`), for PyTorch, nanoGPT and the tools that read safetensors, or as a
+names (`mpdl.models.nanogpt`), for PyTorch, nanoGPT and the tools that read safetensors, or as a
 Hugging Face transformers directory (`mpdl.training.hf`: GPT-2 config, weights and a character
 tokenizer).
 
@@ -20,9 +20,9 @@ from safetensors import SafetensorError
 
 from mpdl.cli import UsageError
 from mpdl.cli.output import is_rank0
+from mpdl.models.nanogpt import export_state
 from mpdl.training.checkpoint import CheckpointError, load_checkpoint
 from mpdl.training.hf import export_hf
-from mpdl.training.nanogpt import export_state
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

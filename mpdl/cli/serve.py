@@ -1,12 +1,12 @@
 """`mpdl serve`: a GPT checkpoint of `mpdl train --model gpt` behind an OpenAI-compatible HTTP API.
 
-    mpiexec -n P mpdl serve --checkpoint DIR [--tp T] [--dp D] [--host 127.0.0.1] --port P
+    mpiexec -n P mpdl serve --checkpoint DIR [--tp T] [--pp S] [--dp D] [--host 127.0.0.1] --port P
                  [--page-size N] [--kv-pages N] [--max-batch N] [--token-budget N]
 
-The ranks form dp replicas of tp ranks each (`mpdl.training.serving`'s grid); the first rank of
-replica d listens on port P + d (`mpdl.training.server`) and every rank of the replica runs the
-continuous-batching engine (`mpdl.training.engine`) over its heads' pages of the KV cache
-(`mpdl.training.paged`). It runs until interrupted (Ctrl-C, SIGTERM).
+The ranks form dp replicas of pp stages of tp ranks (`mpdl.training.serving`'s grid); the first
+rank of replica d listens on port P + d (`mpdl.training.server`) and every rank of the replica
+runs the continuous-batching engine (`mpdl.training.engine`) over the pages of its stage's blocks
+and its heads (`mpdl.training.paged`). It runs until interrupted (Ctrl-C, SIGTERM).
 """
 
 from __future__ import annotations
@@ -19,14 +19,11 @@ from pathlib import Path
 
 from mpdl.cli import UsageError
 from mpdl.cli.train import limit_blas_threads
-from mpdl.comm import MPIComm, as_communicator
-from mpdl.parallel.grid import ProcessGrid
+from mpdl.comm import as_communicator
 from mpdl.training.checkpoint import CheckpointError
-from mpdl.training.engine import Engine
+from mpdl.training.engine import replica_engine
 from mpdl.training.generation import load_gpt
-from mpdl.training.inference import Decoder
-from mpdl.training.paged import PagePool
-from mpdl.training.serving import check_layout, tp_communicator
+from mpdl.training.serving import check_layout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,16 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="T",
                    help="tensor-parallel ranks per replica; must divide the heads (default: 1)")
     p.add_argument("--pp", type=int, default=1, metavar="S",
-                   help="pipeline stages (only 1: serving over stages is not supported yet)")
+                   help="pipeline stages per replica, at most the blocks (default: 1)")
     p.add_argument("--dp", type=int, metavar="D",
-                   help="replicas, replica d on port P + d (default: the ranks / tp)")
+                   help="replicas, replica d on port P + d (default: the ranks / (pp·tp))")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, required=True, metavar="P", help="port of the first replica")
     p.add_argument("--page-size", type=int, default=16, metavar="N",
                    help="positions per KV-cache page (default: %(default)s)")
     p.add_argument("--kv-pages", type=int, metavar="N",
-                   help="KV-cache pages per replica (default: a whole block for every sequence "
-                        "of --max-batch)")
+                   help="KV-cache pages per replica, at least a block's worth (default: a "
+                        "whole block for every sequence of --max-batch)")
     p.add_argument("--max-batch", type=int, default=64, metavar="N",
                    help="sequences running at once (default: %(default)s)")
     p.add_argument("--token-budget", type=int, default=512, metavar="N",
@@ -65,9 +62,6 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{flag.replace('_', '-')}: expected a positive number, got {value}")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port: expected 1..65535, got {args.port}")
-    if args.pp != 1:
-        raise UsageError(f"--pp: serving over {args.pp} pipeline stages is not supported yet "
-                         f"(expected 1; use --tp or --dp)")
     try:
         import starlette  # noqa: F401, PLC0415 (the serve extra)
         import uvicorn  # noqa: F401, PLC0415
@@ -81,25 +75,28 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--checkpoint: {exc}") from None
     comm = as_communicator(None)
     try:
-        dp, pp, tp = check_layout(comm.size, model.n_head, model.n_layer, args.dp, 1, args.tp)
+        dp, pp, tp = check_layout(comm.size, model.n_head, model.n_layer, args.dp, args.pp,
+                                  args.tp)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     limit_blas_threads()
     model.eval()
-    grid = ProcessGrid(comm, dp, pp, tp)
-    decoder = Decoder(model, tp_comm=tp_communicator(comm, grid) if tp > 1 else None)
-    pages = args.kv_pages or args.max_batch * math.ceil(model.block_size / args.page_size)
-    pool = PagePool(len(decoder.layers), decoder.heads, decoder.head_dim, pages, args.page_size,
-                    decoder.dtype, decoder.xp)
-    engine = Engine(decoder, pool, info["vocab"], args.max_batch, args.token_budget,
-                    static=args.batching == "static", contiguous=args.kv == "contiguous")
-    group = comm.mpi.Split(grid.d, grid.t) if isinstance(comm, MPIComm) and tp > 1 else None
+    block_pages = math.ceil(model.block_size / args.page_size)
+    if args.kv_pages is not None and args.kv_pages < block_pages:
+        raise UsageError(f"--kv-pages: expected at least a block's worth, {block_pages} pages of "
+                         f"{args.page_size} positions for the block of {model.block_size}, got "
+                         f"{args.kv_pages}")
+    pages = args.kv_pages or args.max_batch * block_pages
+    engine, group, grid = replica_engine(
+        comm, model, info["vocab"], dp, pp, tp, args.page_size, pages, max_batch=args.max_batch,
+        token_budget=args.token_budget, static=args.batching == "static",
+        contiguous=args.kv == "contiguous")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     frontend = http = failed = None
     port = args.port + grid.d
-    if grid.t == 0:
+    if grid.t == 0 and grid.p == 0:
         frontend = server.Frontend(engine, Path(args.checkpoint).resolve().name)
         try:
             http = server.start_http(frontend, args.host, port)
@@ -109,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
     if failures:  # every rank stops, not only the one that could not listen
         raise UsageError(failures[0])
     if http is not None:
-        print(f"mpdl serve: replica {grid.d} on http://{args.host}:{port} (tp {tp}, {pages} KV "
-              f"pages of {args.page_size} positions)", flush=True)
+        print(f"mpdl serve: replica {grid.d} on http://{args.host}:{port} (pp {pp} x tp {tp}, {pages} "
+              f"KV pages of {args.page_size} positions)", flush=True)
     server.run_replica(engine, group, frontend, stop)
     if http is not None:
         frontend.running = False

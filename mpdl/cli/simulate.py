@@ -25,10 +25,10 @@ from mpdl.cli import simulate_layouts as layouts
 from mpdl.cli.output import is_rank0, world_size, write_json_lines
 from mpdl.cli.simulate_layouts import duration as _duration
 from mpdl.fileio import atomic_open
+from mpdl.models.zoo import IMAGE_MODELS
 from mpdl.mpi_runtime import load_mpi, oversubscribed
 from mpdl.perf import simulate as S
 from mpdl.perf.units import parse_count, parse_size
-from mpdl.training.models import IMAGE_MODELS
 from mpdl.tuning import costmodel
 
 #: the most workers a configuration or a sweep may have (the cost model walks the ranks)

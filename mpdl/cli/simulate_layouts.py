@@ -19,6 +19,7 @@ from typing import Any
 
 from mpdl.cli import UsageError
 from mpdl.cli.output import is_rank0, write_json_lines
+from mpdl.parallel.pipeline.schedule import KINDS, V_KINDS
 from mpdl.perf import layouts as L
 from mpdl.perf import published as P
 from mpdl.perf import simulate as S
@@ -67,7 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="hybrid sharding: ZeRO shards over groups of this many dp ranks")
     g.add_argument("--microbatches", type=int,
                    help="micro-batches per step m (default 1, or from --global-batch)")
-    g.add_argument("--schedule", default="1f1b", help="pipeline schedule afab or 1f1b (default)")
+    g.add_argument("--schedule", default="1f1b",
+                   help="pipeline schedule: afab, 1f1b (default), interleaved, zb-h1, zb-v or "
+                        "dualpipev (zb-v, dualpipev: two chunks per GPU in a V); with --search a "
+                        "comma-separated list, or all, to try each")
     g.add_argument("--recompute", nargs="?", const="full", default="none",
                    help=f"activation recomputation: {', '.join(L.RECOMPUTE)} (default none; "
                         f"--recompute alone: full)")
@@ -145,7 +149,7 @@ def _setup(args: argparse.Namespace):
     if args.gpu_memory is not None:
         gpu = replace(gpu, memory=parse_memory(args.gpu_memory))
     networks = {**S.NETWORKS, **P.NETWORKS}
-    name = args.network or "selene"
+    name = args.network or P.GPU_NETWORK.get(args.gpu, "selene")
     if name not in networks:
         raise UsageError(f"--network: expected one of {', '.join(networks)}, got {name!r}")
     net = networks[name]
@@ -155,6 +159,16 @@ def _setup(args: argparse.Namespace):
 
 def _gb(x: float) -> str:
     return f"{x / L.GB:.2f}"
+
+
+def _schedules(text: str) -> tuple[str, ...]:
+    """The schedules --search tries: a comma-separated list of kinds, or all."""
+    kinds = KINDS if text.lower() == "all" else tuple(k.strip().lower() for k in text.split(","))
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise UsageError(f"--schedule: expected all or a comma-separated list of "
+                         f"{', '.join(KINDS)}, got {text!r}")
+    return kinds
 
 
 def print_rows(rows: list[dict[str, Any]], title: str) -> None:
@@ -244,9 +258,10 @@ def run(args: argparse.Namespace) -> int:
         if args.cp_mode not in L.CP_MODES:
             raise UsageError(f"--cp-mode: expected one of {', '.join(L.CP_MODES)}, got "
                              f"{args.cp_mode!r}")
+        kinds = _schedules(args.schedule)
         try:
             report = L.search_report(shape, gpus, batch, precision, gpu, net.params, per_node,
-                                     args.schedule, top=args.top, cp_mode=args.cp_mode,
+                                     kinds, top=args.top, cp_mode=args.cp_mode,
                                      capacity_factor=args.moe_capacity_factor)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
@@ -279,9 +294,11 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--global-batch: {args.global_batch} is not a multiple of dp × "
                              f"micro-batch = {dp * shape.microbatch}")
         m = args.global_batch // (dp * shape.microbatch)
-    layout = L.Layout(dp, args.pp, args.tp, args.zero, m or 1, args.schedule.lower(),
+    kind = args.schedule.lower()
+    virtual = 2 if kind in V_KINDS and args.virtual_stages == 1 else args.virtual_stages
+    layout = L.Layout(dp, args.pp, args.tp, args.zero, m or 1, kind,
                       args.recompute, args.zero_group, args.cp, args.ep, args.sp,
-                      args.cp_mode, args.moe_capacity_factor, args.virtual_stages)
+                      args.cp_mode, args.moe_capacity_factor, virtual)
     try:
         L.check_layout(shape, layout, per_node)
     except ValueError as exc:

@@ -180,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
     except (NonFiniteStop, CheckpointWriteError) as exc:
         if is_rank0():
             print(f"mpdl train: error: {exc}", file=sys.stderr, flush=True)
+        if is_rank0() and trainer.trainers is not None and trainer.trainers.size < trainer.size:
+            MPI.COMM_WORLD.Abort(exc.exit_status)  # a parameter server's servers wait for pushes
         wait_for_peers()
         return exc.exit_status
     return 0

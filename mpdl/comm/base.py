@@ -352,7 +352,7 @@ class Communicator:
         note them in the flight record. Returns True."""
         peers = sorted({self.world_rank(r.peer) for r in pending if r.peer >= 0})
         entry = self.flight.waiting(peers) if self.flight is not None else None
-        which = f" (#{entry[0]})" if entry is not None else ""
+        which = f" (#{entry.seq})" if entry is not None else ""
         whom = ("rank" + ("s " if len(peers) > 1 else " ") + ", ".join(map(str, peers))) \
             if peers else "the other ranks"
         sys.stderr.write(f"mpdl: rank {self.world_rank(self.rank)} has waited {waited:.0f} s in "
@@ -365,7 +365,9 @@ class Communicator:
         if self.flight is not None:
             self.flight.waiting([self.world_rank(r.peer) for r in pending if r.peer >= 0])
         r = pending[0]
-        if r.peer < 0:  # an MPI collective: the library does not say which rank is missing
+        if r.peer < 0 and self.size == 2:  # an MPI collective of two: the other is missing
+            peer = f"in {r.step} for rank {self.world_rank(1 - self.rank)}"
+        elif r.peer < 0:  # an MPI collective: the library does not say which rank is missing
             peer = f"in {r.step} for the ranks {self._ranks_text()} (one of them never came)"
         else:
             what = "receiving from" if r.kind == "recv" else "sending to"

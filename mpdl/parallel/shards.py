@@ -15,13 +15,15 @@ state as a replica's optimizer would have it (`gather_optimizer_state`), this ra
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, is_low_precision, to_host
-from mpdl.collectives import allgather
+from mpdl.collectives import allgather, allreduce
 from mpdl.collectives.handles import Handle
 from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator
@@ -209,3 +211,74 @@ def optimizer_state_nbytes(optimizer: Any) -> int:
     """Bytes of the optimizer's array state on this rank."""
     return sum(int(v.nbytes) for s in optimizer.state.values() for v in s.values()
                if hasattr(v, "nbytes") and np.ndim(v) > 0)
+
+
+class ZeroCheckpoint:
+    """The part of `mpdl.parallel.zero.ZeroStrategy` that gives the whole model and optimizer
+    state from the shards, and writes and reads this rank's part of a checkpoint."""
+
+    @contextmanager
+    def gathered(self, optimizer_state: bool = False) -> Iterator[None]:
+        """Within the block every rank holds the whole model (stage 3 gathers it; values
+        written into it are kept); with `optimizer_state`, `state_dict()` gives the whole
+        optimizer state. Collective over comm; also agrees on the accounting figures."""
+        figures = allreduce(np.array([self.step_peak_bytes, self.record.sent_bytes_per_step()],
+                                     dtype=np.float64), op="max", comm=self.comm)
+        self.model_state_bytes, self.sent_bytes_per_step = int(figures[0]), float(figures[1])
+        self._full_state = self.gather_optimizer_state() if optimizer_state else None
+        with self.parameters.whole():
+            yield
+
+    def gather_optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state_dict as a replica's optimizer would have it (one entry per
+        parameter of the model, whole tensors): gathered from the shards. Collective over the
+        shard group."""
+        return gather_optimizer_state(self.optimizer, self.units, self.pieces, self._positions(),
+                                      self.shard_comm, self.algorithm)
+
+    def _positions(self) -> dict[int, int]:
+        """id(parameter) -> its number in a replica's optimizer state_dict."""
+        return {id(p): n for n, p in enumerate(p for p in self.model.parameters()
+                                               if p.requires_grad)}
+
+    def checkpoint_shard(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """This rank's shard for a sharded checkpoint (None on a replica of another node: hybrid)
+        and the manifest `mpdl.training.checkpoint` reassembles whole tensors with. Collective
+        over the shard group."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        position = self._positions()
+        keys, scalars = optimizer_state_keys(self.optimizer, self.shard_comm)
+        manifest = {"format": "zero", "stage": self.stage, "ranks": self.shard_comm.size,
+                    "units": [{"dtype": str(u.dtype), "count": u.count,
+                               "params": [[names[id(p)], position[id(p)], list(p.shape), o]
+                                          for p, o in zip(u.params, u.offsets, strict=True)]}
+                              for u in self.units],
+                    "state_keys": keys, "scalars": scalars,
+                    "param_groups": whole_param_groups(self.optimizer, len(position))}
+        if self.replica_comm is not None and self.replica_comm.rank != 0:
+            return None, manifest
+        arrays: dict[str, Any] = {}
+        for u in self.units:
+            arrays[f"unit{u.index}/param"] = np.array(to_host(u.shard))
+            for key in keys:
+                arrays[f"unit{u.index}/state/{key}"] = to_host(
+                    optimizer_state_shard(self.optimizer, u, self.pieces, key))
+        if self.shard_comm.rank == 0:  # the model's other arrays: buffers, frozen parameters
+            sharded = {id(p) for u in self.units for p in u.params}
+            arrays.update({f"other/{n}": np.array(to_host(t.data)) for n, t in
+                           [*self.model.named_parameters(), *self.model.named_buffers()]
+                           if id(t) not in sharded})
+        return arrays, manifest
+
+    def state_dict(self) -> dict[str, Any]:
+        if getattr(self, "_full_state", None) is None:
+            raise RuntimeError("ZeroStrategy.state_dict: call it inside gathered("
+                               "optimizer_state=True) (the whole state is gathered from shards)")
+        return self._full_state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a replica's optimizer state_dict (whole tensors, one entry per parameter; as
+        `state_dict` writes it, from any number of ranks and any stage) and keep this rank's
+        pieces of it."""
+        keep_state_pieces(self.optimizer, state, self.pieces, self._positions())
+        self._count_optimizer_state()

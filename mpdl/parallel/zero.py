@@ -48,14 +48,13 @@ the reference the tests compare the fast one with.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from mpdl import memory
-from mpdl.backend import get_array_module, to_host
+from mpdl.backend import get_array_module
 from mpdl.collectives import algorithms, allreduce, reduce_scatter
 from mpdl.collectives.handles import Handle, engine_for
 from mpdl.comm import Communicator
@@ -64,14 +63,10 @@ from mpdl.parallel.flat import broadcast_model
 from mpdl.parallel.shards import (
     Piece,
     Unit,
-    gather_optimizer_state,
-    keep_state_pieces,
+    ZeroCheckpoint,
     make_pieces,
-    optimizer_state_keys,
     optimizer_state_nbytes,
-    optimizer_state_shard,
     state_dtype,
-    whole_param_groups,
 )
 from mpdl.parallel.strategy import Batch, MakeOptimizer, StepResult, Strategy
 from mpdl.parallel.zero_params import (
@@ -99,7 +94,7 @@ DEFAULT_BUCKET_MB = 25.0
 ALGORITHMS = ("auto", *(a for a in algorithms("reduce_scatter") if a in algorithms("allgather")))
 
 
-class ZeroStrategy(Strategy):
+class ZeroStrategy(ZeroCheckpoint, Strategy):
     """ZeRO stage 1, 2 or 3 over `comm` (see the module docstring); `algorithm` names the
     reduce-scatter and all-gather (auto, ring, tree or mpi); `bucket_mb` and `first_bucket_mb`
     size stages 1-2's units (`bucket_mb` None: at most 1/UNITS_PER_MODEL of the model's bytes
@@ -386,77 +381,10 @@ class ZeroStrategy(Strategy):
     def _count_optimizer_state(self) -> None:
         self.record.optimizer_state(optimizer_state_nbytes(self.optimizer))
 
-    # -- the whole model, for evaluation and checkpoints -------------------------------------------
     def _all_finite(self, finite: bool) -> bool:
         """Whether every rank's gradient shard is finite (one tiny all-reduce)."""
         flags = allreduce(np.array([0 if finite else 1], np.int32), op="max", comm=self.comm)
         return not flags[0]
-
-    @contextmanager
-    def gathered(self, optimizer_state: bool = False) -> Iterator[None]:
-        """Within the block every rank holds the whole model (stage 3 gathers it; values
-        written into it are kept); with `optimizer_state`, `state_dict()` gives the whole
-        optimizer state. Collective over comm; also agrees on the accounting figures."""
-        figures = allreduce(np.array([self.step_peak_bytes, self.record.sent_bytes_per_step()],
-                                     dtype=np.float64), op="max", comm=self.comm)
-        self.model_state_bytes, self.sent_bytes_per_step = int(figures[0]), float(figures[1])
-        self._full_state = self.gather_optimizer_state() if optimizer_state else None
-        with self.parameters.whole():
-            yield
-
-    def gather_optimizer_state(self) -> dict[str, Any]:
-        """The optimizer's state_dict as a replica's optimizer would have it (one entry per
-        parameter of the model, whole tensors): gathered from the shards. Collective over the
-        shard group."""
-        return gather_optimizer_state(self.optimizer, self.units, self.pieces, self._positions(),
-                                      self.shard_comm, self.algorithm)
-
-    def _positions(self) -> dict[int, int]:
-        """id(parameter) -> its number in a replica's optimizer state_dict."""
-        return {id(p): n for n, p in enumerate(p for p in self.model.parameters()
-                                               if p.requires_grad)}
-
-    def checkpoint_shard(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-        """This rank's shard for a sharded checkpoint (None on a replica of another node: hybrid)
-        and the manifest `mpdl.training.checkpoint` reassembles whole tensors with. Collective
-        over the shard group."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        position = self._positions()
-        keys, scalars = optimizer_state_keys(self.optimizer, self.shard_comm)
-        manifest = {"format": "zero", "stage": self.stage, "ranks": self.shard_comm.size,
-                    "units": [{"dtype": str(u.dtype), "count": u.count,
-                               "params": [[names[id(p)], position[id(p)], list(p.shape), o]
-                                          for p, o in zip(u.params, u.offsets, strict=True)]}
-                              for u in self.units],
-                    "state_keys": keys, "scalars": scalars,
-                    "param_groups": whole_param_groups(self.optimizer, len(position))}
-        if self.replica_comm is not None and self.replica_comm.rank != 0:
-            return None, manifest
-        arrays: dict[str, Any] = {}
-        for u in self.units:
-            arrays[f"unit{u.index}/param"] = np.array(to_host(u.shard))
-            for key in keys:
-                arrays[f"unit{u.index}/state/{key}"] = to_host(
-                    optimizer_state_shard(self.optimizer, u, self.pieces, key))
-        if self.shard_comm.rank == 0:  # the model's other arrays: buffers, frozen parameters
-            sharded = {id(p) for u in self.units for p in u.params}
-            arrays.update({f"other/{n}": np.array(to_host(t.data)) for n, t in
-                           [*self.model.named_parameters(), *self.model.named_buffers()]
-                           if id(t) not in sharded})
-        return arrays, manifest
-
-    def state_dict(self) -> dict[str, Any]:
-        if getattr(self, "_full_state", None) is None:
-            raise RuntimeError("ZeroStrategy.state_dict: call it inside gathered("
-                               "optimizer_state=True) (the whole state is gathered from shards)")
-        return self._full_state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a replica's optimizer state_dict (whole tensors, one entry per parameter; as
-        `state_dict` writes it, from any number of ranks and any stage) and keep this rank's
-        pieces of it."""
-        keep_state_pieces(self.optimizer, state, self.pieces, self._positions())
-        self._count_optimizer_state()
 
     # -- reporting ---------------------------------------------------------------------------------
     def describe(self, final: bool = False) -> str:

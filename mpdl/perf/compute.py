@@ -57,7 +57,8 @@ TILE = (256, 128)
 @dataclass(frozen=True)
 class Gpu:
     """A GPU: peak 16-bit tensor-core FLOP/s, memory, memory bandwidth, streaming
-    multiprocessors, and η, the share of peak a full wave of full GEMM tiles sustains."""
+    multiprocessors, η, the share of peak a full wave of full GEMM tiles sustains, its dense FP8
+    peak and its NVLink domain."""
 
     name: str
     peak_flops: float
@@ -66,6 +67,10 @@ class Gpu:
     sms: int
     gemm_efficiency: float
     source: str = ""
+    #: dense FP8 tensor-core FLOP/s (0: none)
+    fp8_flops: float = 0.0
+    #: GPUs on one NVLink domain (HGX: 8; GB200 NVL72: 72)
+    nvlink_domain: int = 8
 
 
 @dataclass(frozen=True)

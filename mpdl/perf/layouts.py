@@ -4,7 +4,7 @@ with ZeRO, recomputation and precision.
 A workload is a transformer's shape (`Shape`: layers L, hidden d, heads a, sequence T, vocab V,
 micro-batch b; optionally an MLP width f, grouped-query key/value heads, a gated (SwiGLU) MLP, and
 mixture-of-experts blocks of E experts with top-k routing). Two families: ``gpt`` counts as
-`mpdl.training.gpt.GPT` (biases, LayerNorms, learned positions, output tied to the input
+`mpdl.models.gpt.GPT` (biases, LayerNorms, learned positions, output tied to the input
 embedding); ``llama`` has no biases, RMSNorms, rotary positions and an untied output layer.
 
     params          N = embeddings + L·(attention + norms) + dense blocks·MLP
@@ -67,11 +67,13 @@ functions; the cost model is `mpdl.tuning.costmodel`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from mpdl.parallel.pipeline import schedule as S
 from mpdl.perf import compute as C
 from mpdl.perf.compute import Gpu
 from mpdl.tuning import costmodel as cm
@@ -253,7 +255,24 @@ GPUS = {
     "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GB, 3350e9, 132, 0.7699,
                      "H100 SXM5 data sheet: 989 TFLOP/s dense bf16 tensor cores, 3.35 TB/s HBM3, "
                      "132 SMs; eta from Megatron-LM's README, H100 model table: the 1.7B GPT, "
-                     "(t, p, d) = (1, 1, 48), 408.8 TFLOP/s"),
+                     "(t, p, d) = (1, 1, 48), 408.8 TFLOP/s", fp8_flops=1979e12),
+    # eta of the three below: H100's, assumed (no published one-GPU GEMM rate to source it from)
+    "h200": Gpu("h200", 989e12, 141 * GB, 4800e9, 132, 0.7699,
+                      "H200 SXM data sheet (nvidia.com/h200): 1,979 TFLOP/s bf16 and 3,958 FP8 "
+                      "with sparsity (989 and 1,979 dense), 141 GB HBM3e at 4.8 TB/s, NVLink 900 "
+                      "GB/s both ways, 8 on an HGX board; the H100's die (132 SMs), eta as h100",
+                      fp8_flops=1979e12, nvlink_domain=8),
+    "b200": Gpu("b200", 2250e12, 180 * GB, 8000e9, 148, 0.7699,
+                      "DGX B200 data sheet (nvidia.com/dgx-b200): 8 GPUs, 1,440 GB HBM3e at 64 "
+                      "TB/s, 72 PFLOP/s FP8 training with sparsity (4.5 dense a GPU; bf16 half: "
+                      "2.25), NVLink 14.4 TB/s (1.8 TB/s a GPU both ways); 148 SMs; eta of h100 "
+                      "assumed", fp8_flops=4500e12, nvlink_domain=8),
+    "gb200": Gpu("gb200", 2500e12, 186 * GB, 8000e9, 148, 0.7699,
+                 "GB200 NVL72 data sheet (nvidia.com/gb200-nvl72): 72 Blackwell GPUs on one NVLink "
+                 "domain, 360 PFLOP/s bf16 and 720 FP8 with sparsity (2.5 and 5 dense a GPU), up "
+                 "to 13.4 TB HBM3e (186 GB a GPU) at 576 TB/s (8 TB/s a GPU), NVLink 130 TB/s "
+                 "(1.8 TB/s a GPU both ways); 148 SMs; eta of h100 assumed",
+                 fp8_flops=5000e12, nvlink_domain=72),
 }
 
 
@@ -315,8 +334,13 @@ def check_layout(shape: Shape, layout: Layout, per_node: int) -> None:
             raise ValueError(f"--{key}: expected a positive integer, got {getattr(layout, key)}")
     if layout.zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero: expected 0, 1, 2 or 3, got {layout.zero}")
-    if layout.schedule not in ("afab", "1f1b"):
-        raise ValueError(f"--schedule: expected afab or 1f1b, got {layout.schedule!r}")
+    if layout.schedule not in S.KINDS:
+        raise ValueError(f"--schedule: expected one of {', '.join(S.KINDS)}, got "
+                         f"{layout.schedule!r}")
+    if layout.pp > 1 and layout.schedule not in ("afab", "1f1b"):
+        why = S.allowed(layout.schedule, layout.pp, layout.microbatches, layout.virtual)
+        if why:
+            raise ValueError(f"--{why}")
     if layout.recompute not in RECOMPUTE:
         raise ValueError(f"--recompute: expected one of {', '.join(RECOMPUTE)}, got "
                          f"{layout.recompute!r}")
@@ -415,16 +439,20 @@ def activation_bytes_per_layer(shape: Shape, layout: Layout, precision: Precisio
     return (sbd * per_token + router) * scale
 
 
+def pipeline_kind(layout: Layout) -> str:
+    """The generator's kind of the layout's schedule (1F1B over v > 1 chunks is interleaved)."""
+    return "interleaved" if layout.schedule == "1f1b" and layout.virtual > 1 else layout.schedule
+
+
 def in_flight(layout: Layout) -> float:
-    """Micro-batches whose activations the first stage holds at once (interleaved: times
-    1 + (pp − 1)/(pp·v), Korthikanti et al. 2022 §4.2.3)."""
+    """Micro-batches whose activations the first stage holds at once: the generator's peak of
+    chunk activations on rank 0 over the v chunks of a stage (interleaved: pp + (pp − 1)/v,
+    Korthikanti et al. 2022 §4.2.3)."""
     if layout.pp == 1:
         return 1
-    held = layout.microbatches if layout.schedule == "afab" \
-        else min(layout.microbatches, layout.pp)
-    if layout.virtual > 1:
-        held *= 1 + (layout.pp - 1) / (layout.pp * layout.virtual)
-    return held
+    kind = pipeline_kind(layout)
+    return S.peak_formula(kind, layout.pp, layout.microbatches, layout.virtual, 0) \
+        / layout.virtual
 
 
 def model_states(params: float, precision: Precision, zero: int = 0, shard: int = 1
@@ -473,9 +501,15 @@ def memory(shape: Shape, layout: Layout, precision: Precision) -> dict[str, floa
     return out
 
 
-def bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
-    """The pipeline bubble's share of a step: (p − 1)/(v·m + p − 1)."""
-    return (pp - 1) / (virtual * microbatches + pp - 1)
+@functools.lru_cache(maxsize=4096)
+def bubble(pp: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
+    """The pipeline bubble's share of a step, from the schedule generator
+    (`mpdl.parallel.pipeline.schedule.schedule_bubble`): (p − 1)/(v·m + p − 1) for afab, 1f1b and
+    interleaved, (p − 1)/(3m + p − 1) for zb-h1, the unit-clock replay for zb-v and dualpipev."""
+    if pp == 1:
+        return 0.0
+    kind = "interleaved" if schedule == "1f1b" and virtual > 1 else schedule
+    return S.schedule_bubble(kind, pp, microbatches, virtual)
 
 
 # -- time ------------------------------------------------------------------------------------------
@@ -600,8 +634,9 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     ep_mb = expert_time(shape, layout, precision, params, per_node)
     slot = compute_mb + tp_mb + pp_mb + cp["cp_exposed_s"] + ep_mb
     m = layout.microbatches
-    bubble_slots = (layout.pp - 1) / layout.virtual
-    pipeline_s = (m + bubble_slots) * slot
+    share = bubble(layout.pp, m, layout.virtual, layout.schedule)
+    # the bubble is idle time beside the m slots a stage works: m·slot / (1 − share) in all
+    pipeline_s = m * slot / (1 - share)
     # data parallel: the gradient of one GPU over the ranks holding the same parameters
     dense, experts = stage_params(shape, layout)
     per_node_replicas = max(1, per_node // (layout.tp * layout.cp * layout.pp))
@@ -631,8 +666,8 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     return {"compute_s": m * compute_mb, **{f"compute_{k}": m * v for k, v in parts.items()},
             "tp_comm_s": m * tp_mb, "pp_comm_s": m * pp_mb,
             "cp_comm_s": m * cp["cp_comm_s"], "cp_exposed_s": m * cp["cp_exposed_s"],
-            "ep_comm_s": m * ep_mb, "bubble_s": bubble_slots * slot,
-            "bubble_share": bubble(layout.pp, m, layout.virtual),
+            "ep_comm_s": m * ep_mb, "bubble_s": pipeline_s - m * slot,
+            "bubble_share": share,
             "dp_comm_s": dp_s, "dp_exposed_s": dp_exposed, "step_s": total,
             "global_batch": global_batch, "tokens_per_s": tokens_s,
             "model_flops_per_s": tokens_s * model_tok,
@@ -689,8 +724,29 @@ def virtual_stages(layers: int, pp: int, microbatches: int, schedule: str = "1f1
                   if layers % (pp * v) == 0 or (layers + 2) % (pp * v) == 0]
 
 
+def _pipelines(shape: Shape, pp: int, m: int, kinds: tuple[str, ...], interleave: bool
+               ) -> list[tuple[str, int]]:
+    """The (schedule, chunks per GPU) pairs to try for pp stages and m micro-batches: one when
+    pp = 1 (no pipeline), each interleaving depth for 1f1b (v > 1: interleaved), two chunks
+    for a V."""
+    if pp == 1:
+        return [(kinds[0], 1)]
+    out = []
+    for kind in kinds:
+        if kind in S.V_KINDS:
+            out.append((kind, 2))
+        elif kind == "1f1b":
+            out += [(kind, v) for v in (virtual_stages(shape.layers, pp, m) if interleave
+                                        else [1])]
+        elif kind == "interleaved" and "1f1b" not in kinds:
+            out += [(kind, v) for v in virtual_stages(shape.layers, pp, m) if v > 1]
+        else:
+            out.append((kind, 1))
+    return out
+
+
 def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
-               schedule: str = "1f1b", zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+               schedule: str | tuple[str, ...] = "1f1b", zero_stages: tuple[int, ...] = (0, 1, 2, 3),
                cp_mode: str = "ring", capacity_factor: float = 1.0,
                recomputes: tuple[str, ...] = RECOMPUTE, context: bool = True,
                sequence_parallel: bool = True, interleave: bool = True):
@@ -698,7 +754,9 @@ def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
     heads and at most a node, pp the layers, cp the sequence, ep the experts and dp, dp the global
     batch in micro-batches; each ZeRO stage allowed, each of `recomputes`, with and without sp
     (unless `sequence_parallel` is false), cp > 1 only with `context`, and with `interleave`
-    each interleaving depth of `virtual_stages`."""
+    each interleaving depth of `virtual_stages`; `schedule` is one kind or a tuple of kinds to
+    try (`mpdl.parallel.pipeline.schedule.KINDS`)."""
+    kinds = (schedule,) if isinstance(schedule, str) else tuple(schedule)
     for tp in _divisors(gpus):
         if tp > per_node or shape.heads % tp:
             continue
@@ -712,12 +770,10 @@ def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
                     for zero in zero_stages:
                         if (pp > 1 and zero > 1) or (dp * cp == 1 and zero > 0):
                             continue
-                        depths = virtual_stages(shape.layers, pp, m, schedule) if interleave \
-                            else [1]
-                        for recompute, sp, virtual in itertools.product(
+                        for recompute, sp, (kind, virtual) in itertools.product(
                                 recomputes, (False, True) if tp > 1 and sequence_parallel
-                                else (False,), depths):
-                            layout = Layout(dp, pp, tp, zero, m, schedule, recompute, None, cp,
+                                else (False,), _pipelines(shape, pp, m, kinds, interleave)):
+                            layout = Layout(dp, pp, tp, zero, m, kind, recompute, None, cp,
                                             ep, sp, cp_mode, capacity_factor, virtual)
                             try:
                                 check_layout(shape, layout, per_node)

@@ -10,7 +10,8 @@ so each variant runs on a duplicate of the communicator made after the write. mp
 MPI_T: the calls go through ctypes to the library mpi4py loaded.
 
 Each variant is named `mpi:NAME`, NAME being mpdl's algorithm of the same method where there is
-one (`LIBRARY_NAMES`), the library's own name otherwise.
+one (`LIBRARY_NAMES`), the library's own name otherwise (prefixed by the library's where that name
+is taken: MPICH's k-ary `tree` broadcast beside its `pipelined_tree`, which is mpdl's `tree`).
 """
 
 from __future__ import annotations
@@ -127,6 +128,13 @@ def library(MPI: Any) -> str:
     raise Unavailable(f"--mpi-variants knows MPICH and Open MPI, not {version.split()[0]}")
 
 
+def _label(library_name: str, item: str, known: dict[str, str]) -> str:
+    """`mpi:NAME` of the library's algorithm `item` (see the module's docstring)."""
+    if item in known:
+        return f"mpi:{known[item]}"
+    return f"mpi:{library_name}_{item}" if item in known.values() else f"mpi:{item}"
+
+
 @dataclass
 class Variant:
     """One of the library's algorithms: `enter()` before its calls, `leave()` after (outside
@@ -166,8 +174,8 @@ def variants(comm: Any, collective: str) -> list[Variant]:
                 tool.write(handle, automatic)
                 tool.write(fallback, usual)
 
-            found.append(Variant(f"mpi:{known.get(item, item)}", item, known.get(item), comm,
-                                 enter, leave))
+            found.append(Variant(_label(name, item, known), item, known.get(item), comm, enter,
+                                 leave))
         return found
     rules, _ = tool.variable("coll_tuned_use_dynamic_rules")
     handle, values = tool.variable(f"coll_tuned_{_OPENMPI_NAMES[collective]}_algorithm")
@@ -179,6 +187,6 @@ def variants(comm: Any, collective: str) -> list[Variant]:
         duplicate = as_communicator(comm.mpi.Dup())
         tool.write(handle, 0)
         tool.write(rules, 0)
-        found.append(Variant(f"mpi:{known.get(item, item)}", item, known.get(item), duplicate,
+        found.append(Variant(_label(name, item, known), item, known.get(item), duplicate,
                              lambda: None, lambda: None))
     return found

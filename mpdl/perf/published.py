@@ -31,7 +31,23 @@ NETWORKS: dict[str, S.Network] = {
         source="Dubey et al. 2024 (Llama 3), section 3.3.1: 8 H100 per server on NVLink (900 "
                "GB/s both directions: 450 GB/s each way), 400 Gbit/s RoCE per GPU (50 GB/s); "
                "latencies assumed"),
+    "hgx-h200": S.network(
+        "hgx-h200", 450e9, 5e-6, 50e9, 5e-6, per_node=8, gamma=0.0,
+        source="HGX H200 (nvidia.com/h200): 8 H200 on NVLink (900 GB/s both directions: 450 "
+               "GB/s each way), a 400 Gbit/s ConnectX-7 per GPU (50 GB/s); latencies assumed"),
+    "hgx-b200": S.network(
+        "hgx-b200", 900e9, 5e-6, 50e9, 5e-6, per_node=8, gamma=0.0,
+        source="DGX B200 (nvidia.com/dgx-b200): 8 B200 on NVLink 5 (1.8 TB/s both directions: "
+               "900 GB/s each way), a 400 Gbit/s ConnectX-7 per GPU (50 GB/s); latencies assumed"),
+    "gb200-nvl72": S.network(
+        "gb200-nvl72", 900e9, 5e-6, 50e9, 5e-6, per_node=72, gamma=0.0,
+        source="GB200 NVL72 (nvidia.com/gb200-nvl72): 72 GPUs on one NVLink 5 domain (1.8 TB/s "
+               "a GPU both directions: 900 GB/s each way), 400 Gbit/s a GPU between racks "
+               "(assumed, as HGX); latencies assumed"),
 }
+
+#: the network `mpdl simulate --gpu` runs on unless --network says otherwise
+GPU_NETWORK = {"h200": "hgx-h200", "b200": "hgx-b200", "gb200": "gb200-nvl72"}
 
 MEGATRON = (L.SHAPES["megatron-8.3b"], L.Layout(dp=64, pp=1, tp=8, microbatches=1,
                                                 recompute="full"), "dgx2h", "v100-32gb")

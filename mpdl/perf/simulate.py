@@ -36,7 +36,7 @@ from mpdl.autograd import functional as F
 from mpdl.autograd import optim
 from mpdl.autograd.tensor import Tensor
 from mpdl.collectives import algorithms
-from mpdl.training.models import build_model
+from mpdl.models.zoo import build_model
 from mpdl.tuning import costmodel as cm
 
 MB = 1 << 20

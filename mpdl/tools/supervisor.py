@@ -134,8 +134,13 @@ class Failure:
     status: int | None = None
     signal: int | None = None
     how: str = ""
+    #: the rank a timed-out rank waited for (the one that stalled or missed a collective)
+    stalled: int | None = None
 
     def describe(self) -> str:
+        if self.stalled is not None and self.stalled != self.rank:
+            return (f"rank {self.stalled} stalled or missed a collective: rank {self.rank} timed "
+                    f"out waiting for it" + (f" [{self.how}]" if self.how else ""))
         who = f"rank {self.rank}" if self.rank is not None else "a rank (the launcher did not say " \
             "which)"
         if self.signal is not None:
@@ -214,6 +219,11 @@ def parse_failure(output: str, returncode: int, ranks_by_pid: dict[int, int]) ->
         host = (m.group(1) or m.group(2)) if m else None
         found.append("mpiexec could not start its proxy" + (f" on host {host}" if host else "")
                      + (f" ({m.group(0)})" if m else ""))
+    m = re.search(r"CollectiveTimeout: \S+ rank (\d+) waited more than \S+ s (?:receiving from "
+                  r"|sending to |in .{0,80}? for )rank (\d+)", output)
+    if m:
+        failure.rank, failure.stalled = int(m.group(1)), int(m.group(2))
+        found.append("the timeout: " + m.group(0).split(": ", 1)[1])
     failure.how = "; ".join(found)
     return failure
 

@@ -1,1 +1,2 @@
-"""Training: the data-parallel loop, checkpoints, the Chrome-trace timeline and the model zoo."""
+"""Training: the data-parallel loop, checkpoints and the Chrome-trace timeline (the models it
+trains are in `mpdl.models`)."""

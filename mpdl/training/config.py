@@ -35,6 +35,8 @@ from mpdl import emulation
 from mpdl.autograd.moe import MoESettings
 from mpdl.autograd.optim import scale_lr
 from mpdl.collectives.registry import algorithms
+from mpdl.models.gpt import RECOMPUTE
+from mpdl.models.zoo import MODELS
 from mpdl.parallel.compression import COMPRESSORS, make_compression
 from mpdl.parallel.context import CP_BALANCES, CP_MODES
 from mpdl.parallel.pipeline.schedule import KINDS as PIPELINE_SCHEDULES
@@ -43,8 +45,6 @@ from mpdl.parallel.ps import check_config
 from mpdl.parallel.zero import ALGORITHMS as ZERO_ALGORITHMS
 from mpdl.parallel.zero import STAGES as ZERO_STAGES
 from mpdl.training import precision
-from mpdl.training.gpt import RECOMPUTE
-from mpdl.training.models import MODELS
 from mpdl.training.precision import PRECISIONS
 
 OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
@@ -305,7 +305,7 @@ class ParallelConfig:
                             flag="--async")
     zero: int = option(0, "ZeRO sharded data parallelism: 1 shards the optimizer state, 2 also the "
                        "gradients, 3 also the parameters (FSDP); gradients reduce-scattered and "
-                       "parameters all-gathered with --algorithm auto, ring, tree or mpi",
+                       f"parameters all-gathered with --algorithm {', '.join(ZERO_ALGORITHMS)}",
                        check=expect(lambda v: v == 0 or v in ZERO_STAGES,
                                     "expected a stage 1, 2 or 3"), metavar="{1,2,3}")
     zero_hybrid: bool = option(False, "--zero: shard within each node, replicate across nodes "
@@ -371,8 +371,10 @@ class CommunicationConfig:
     """The gradients' all-reduce: its algorithm, buckets, compression or local SGD, and the
     links' emulation."""
 
-    algorithm: str = option("auto", "gradient all-reduce: auto or any name of `mpdl bench --list`",
-                            check=lambda v: _one_of(v, ("auto", *algorithms("allreduce"))),
+    algorithm: str = option("auto", "gradient all-reduce: auto or any name of `mpdl bench --list` "
+                            "(with --zero: a reduce-scatter and all-gather pair)",
+                            check=lambda v: _one_of(v, tuple(dict.fromkeys(
+                                ("auto", *algorithms("allreduce"), *ZERO_ALGORITHMS)))),
                             metavar="NAME")
     bucket_mb: float | None = option(None, "gradient bucket size in MiB (default: 25; --zero 1 "
                                      "and 2: at most 1/16 of the model and 25)",
@@ -770,6 +772,9 @@ def validate_communication(config: TrainConfig, world_size: int) -> None:
     if c.sync_every > 1 and c.compression != "none":
         raise ConfigError("{communication.sync_every} (local SGD averages parameters) and "
                           "{communication.compression} (compresses gradients) cannot be combined")
+    if not p.zero and c.algorithm not in ("auto", *algorithms("allreduce")):
+        raise ConfigError(f"{{communication.algorithm}} {c.algorithm} has no all-reduce; it "
+                          f"runs with {{parallel.zero}} (a reduce-scatter and all-gather)")
     validate_zero(config)
     if p.mode != "ps":
         if p.staleness is not None:

@@ -38,9 +38,12 @@ from typing import Any
 import numpy as np
 
 from mpdl.backend import to_host
-from mpdl.training.gpt import _sample
+from mpdl.comm import MPIComm
+from mpdl.models.gpt import _sample
+from mpdl.parallel.grid import ProcessGrid
 from mpdl.training.inference import Decoder
-from mpdl.training.paged import OutOfPages, PagePool, forward, prefix_key
+from mpdl.training.paged import OutOfPages, PagePool, forward, last_positions, prefix_key
+from mpdl.training.serving import stage_layers, tp_communicator
 
 
 @dataclass
@@ -80,13 +83,41 @@ class Seq:
         return len(self.tokens) - len(self.prompt)
 
 
+class Pipe:
+    """This rank's pipeline stage among `comm`'s (an mpi4py communicator of the replica's stages,
+    stage i its rank i): hidden states come from the stage before and go to the next; the last
+    stage's sampled tokens go to every stage."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.stage, self.stages = comm, comm.Get_rank(), comm.Get_size()
+        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
+
+    def hidden_in(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        if self.first:
+            return None
+        x = np.empty(shape, dtype=dtype)
+        self.comm.Recv(x, source=self.stage - 1, tag=1)
+        return x
+
+    def hidden_out(self, x: Any) -> None:
+        if not self.last:
+            self.comm.Send(np.ascontiguousarray(to_host(x)), dest=self.stage + 1, tag=1)
+
+    def tokens(self, tokens: list[int] | None, count: int) -> list[int]:
+        buf = np.array(tokens if self.last else [0] * count, dtype=np.int64)
+        self.comm.Bcast(buf, root=self.stages - 1)
+        return buf.tolist()
+
+
 class Engine:
-    """Continuous batching of requests on one replica's `decoder` (which holds the embeddings and
-    the head) with a `pool` of pages; `vocab`: the characters of the token ids."""
+    """Continuous batching of requests on one replica's `decoder` with a `pool` of pages;
+    `vocab`: the characters of the token ids; `pipe`: this rank's pipeline stage (the decoder
+    then holds that stage's blocks; without it, all of them, the embeddings and the head)."""
 
     def __init__(self, decoder: Decoder, pool: PagePool, vocab: str, max_batch: int = 64,
-                 token_budget: int = 512, static: bool = False, contiguous: bool = False) -> None:
-        self.decoder, self.pool, self.vocab = decoder, pool, vocab
+                 token_budget: int = 512, static: bool = False, contiguous: bool = False,
+                 pipe: Pipe | None = None) -> None:
+        self.decoder, self.pool, self.vocab, self.pipe = decoder, pool, vocab, pipe
         self.max_batch, self.token_budget = max_batch, token_budget
         self.static, self.contiguous = static, contiguous
         self.waiting: deque[Seq] = deque()
@@ -132,15 +163,22 @@ class Engine:
                 continue
             rows = [(s.table, s.computed, s.tokens[s.window + s.computed:
                                                     s.window + s.computed + n]) for s, n in group]
-            hidden = forward(self.decoder, self.pool, rows)
+            hidden = self._forward(rows)
             for s, n in group:
                 s.computed += n
                 self._register(s)
             ready = [b for b, (s, _) in enumerate(group)
                      if s.computed == len(s.tokens) - s.window]
             if ready:
-                logits = to_host(self.decoder.logits(hidden[np.array(ready)]))
-                emitted = [self._emit(group[b][0], logits[i]) for i, b in enumerate(ready)]
+                tokens = None
+                if self.pipe is None or self.pipe.last:
+                    logits = to_host(self.decoder.logits(last_positions(hidden, rows)[ready]))
+                    tokens = [next_token(logits[i], group[b][0].params, group[b][0].rng)
+                              for i, b in enumerate(ready)]
+                if self.pipe is not None:
+                    tokens = self.pipe.tokens(tokens, len(ready))
+                emitted = [self._emit(group[b][0], token) for b, token in zip(ready, tokens,
+                                                                               strict=True)]
                 for s, _ in emitted:  # retired now: the next group's pages may not preempt them
                     if s.finish is not None:
                         self.running.remove(s)
@@ -210,8 +248,17 @@ class Engine:
         s.table, s.computed = [], 0
         self.waiting.appendleft(s)
 
-    def _emit(self, s: Seq, logits: np.ndarray) -> tuple[Seq, str]:
-        token = next_token(logits, s.params, s.rng)
+    def _forward(self, rows: list) -> Any:
+        """The rows through this rank's blocks: from the stage before and on to the next one
+        on a pipeline."""
+        if self.pipe is None:
+            return forward(self.decoder, self.pool, rows)
+        shape = (len(rows), max(len(r[2]) for r in rows), self.decoder.n_embd)
+        x = forward(self.decoder, self.pool, rows, self.pipe.hidden_in(shape, self.decoder.dtype))
+        self.pipe.hidden_out(x)
+        return x
+
+    def _emit(self, s: Seq, token: int) -> tuple[Seq, str]:
         s.tokens.append(token)
         piece = self.vocab[token]
         s.text += piece
@@ -250,3 +297,21 @@ def next_token(logits: np.ndarray, params: Params, rng: np.random.Generator) -> 
     q = np.zeros_like(p)
     q[keep] = p[keep] / p[keep].sum()
     return int(min((q.cumsum() < rng.random()).sum(), len(q) - 1))
+
+
+def replica_engine(comm: Any, gpt: Any, vocab: str, dp: int, pp: int, tp: int, page_size: int,
+                   pages: int, **options: Any) -> tuple[Engine, Any, Any]:
+    """This rank's engine on the (dp, pp, tp) grid over `comm` (collective): stage p of its
+    replica holds the blocks `stage_layers(n_layer, pp, p)` and their pages, a tp rank its heads.
+    Returns the engine, the replica's mpi4py communicator (the first rank's commands go over it;
+    None for a replica of one rank) and the grid."""
+    grid = ProcessGrid(comm, dp, pp, tp)
+    decoder = Decoder(gpt, stage_layers(gpt.n_layer, pp, grid.p),
+                      tp_communicator(comm, grid) if tp > 1 else None,
+                      embed=grid.p == 0, head=grid.p == pp - 1)
+    pool = PagePool(len(decoder.layers), decoder.heads, decoder.head_dim, pages, page_size,
+                    decoder.dtype, decoder.xp)
+    mpi = comm.mpi if isinstance(comm, MPIComm) else None
+    group = mpi.Split(grid.d, grid.p * tp + grid.t) if mpi is not None and pp * tp > 1 else None
+    pipe = Pipe(mpi.Split(grid.d * tp + grid.t, grid.p)) if mpi is not None and pp > 1 else None
+    return Engine(decoder, pool, vocab, pipe=pipe, **options), group, grid

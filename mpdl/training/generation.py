@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from mpdl.models.gpt import GPT
 from mpdl.training.checkpoint import CheckpointError, load_checkpoint
-from mpdl.training.gpt import GPT
 
 
 def load_gpt(directory: str | Path) -> tuple[GPT, dict[str, Any]]:

@@ -11,7 +11,7 @@
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` and `AutoTokenizer.from_pretrained(OUT_DIR)` load
 it. GPT-2 keeps its four projections in `Conv1D` modules, whose weights are (in_features,
 out_features), the transpose of mpdl's and nanoGPT's `Linear`: those four are transposed on the
-way out and back; every other tensor travels unchanged (`mpdl.training.nanogpt` names them).
+way out and back; every other tensor travels unchanged (`mpdl.models.nanogpt` names them).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl.training.nanogpt import import_state, nanogpt_name, state_from
+from mpdl.models.nanogpt import import_state, nanogpt_name, state_from
 
 #: the GPT-2 modules that are Conv1D (weights stored in × out)
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

@@ -27,13 +27,13 @@ from mpdl.autograd import optim
 from mpdl.backend import cupy_module, use_local_gpu
 from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator, check_every_call
+from mpdl.models.zoo import build_model, describe_model
 from mpdl.parallel import DistributedSampler, split_bounds
 from mpdl.parallel.deterministic import param_sha256
 from mpdl.parallel.strategy import Batch
 from mpdl.training import checkpoint, guard, hf, precision, throughput
 from mpdl.training.config import ConfigError, TrainConfig, agreed, literal, resume_mismatch, validate
 from mpdl.training.factory import make_optimizer, make_strategy
-from mpdl.training.models import build_model, describe_model
 from mpdl.training.report import (
     FP16_COLUMNS,
     ZERO_COLUMNS,

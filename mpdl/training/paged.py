@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl.backend import get_array_module
 from mpdl.training.inference import Decoder, _softmax_
 
 
@@ -107,11 +108,12 @@ class PagePool:
             + pos % self.page_size
 
 
-def forward(decoder: Decoder, pool: PagePool, rows: list[tuple[Sequence[int], int, Sequence[int]]]
-            ) -> Any:
-    """Run rows (block table, start, new tokens) through the decoder's blocks (it must hold the
-    embeddings), writing the new keys and values into the pool; returns the hidden state of each
-    row's last new token (rows, C)."""
+def forward(decoder: Decoder, pool: PagePool, rows: list[tuple[Sequence[int], int, Sequence[int]]],
+            x: Any = None) -> Any:
+    """Run rows (block table, start, new tokens) through the decoder's blocks, writing the new
+    keys and values into the pool: from the tokens' embeddings, or (on a later pipeline stage)
+    from the hidden states x (rows, longest run, C) of the stage before; returns the hidden
+    states of every position (rows, longest run, C)."""
     xp = decoder.xp
     size = pool.page_size
     n = np.array([len(r[2]) for r in rows])
@@ -149,6 +151,12 @@ def forward(decoder: Decoder, pool: PagePool, rows: list[tuple[Sequence[int], in
         att += mask
         return (_softmax_(att) @ pages(pool.v[layer])).transpose(1, 0, 2, 3)
 
-    x = decoder.wte[xp.asarray(ids)] + decoder.wpe[xp.asarray(pos)]
-    x = decoder._blocks(x, attend)
-    return x[xp.arange(len(rows)), xp.asarray(n - 1)]
+    if x is None:
+        x = decoder.wte[xp.asarray(ids)] + decoder.wpe[xp.asarray(pos)]
+    return decoder._blocks(x, attend)
+
+
+def last_positions(x: Any, rows: list[tuple[Sequence[int], int, Sequence[int]]]) -> Any:
+    """The hidden state of each row's last new token (rows, C) from forward's (rows, T, C)."""
+    xp = get_array_module(x)
+    return x[xp.arange(len(rows)), xp.asarray([len(r[2]) - 1 for r in rows])]

@@ -33,8 +33,8 @@ import numpy as np
 
 from mpdl.backend import to_host
 from mpdl.comm import Communicator, MPIComm, as_communicator
+from mpdl.models.gpt import _sample
 from mpdl.parallel.grid import ProcessGrid
-from mpdl.training.gpt import _sample
 from mpdl.training.inference import Decoder
 
 

@@ -188,11 +188,11 @@ def _agree(comm) -> Model:
         return Model(found.params, found.origin, found.path, found.note, dict(found.verified),
                      dict(found.unsettled), set(found.recheck))
     if comm.rank == 0:  # the user never waits silently
-        what = "calibrating again (the last was on a busy machine)" if found else \
-            "first use: calibrating"
-        print(f"mpdl: {what} the collectives for `auto` on {comm.size} ranks (seconds, longer on a busy "
-              f"machine), cached in {path}; to skip: MPDL_AUTO_CACHE=off, or `mpdl calibrate` "
-              f"once", file=sys.stderr, flush=True)
+        what = "the last calibration was on a busy machine, calibrating again" if found else \
+            "first use, calibrating"
+        print(f"mpdl: {what}: the collectives for `auto` on {comm.size} ranks (seconds, longer on "
+              f"a busy machine), cached in {path}; to skip: MPDL_AUTO_CACHE=off, or `mpdl "
+              f"calibrate` once", file=sys.stderr, flush=True)
     params = firstuse.measure_quick(comm)  # none yet, or a provisional one: measure again
     verified = dict(found.verified) if found is not None else {}  # the file keeps them too
     unsettled = dict(found.unsettled) if found is not None else {}

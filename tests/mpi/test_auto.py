@@ -84,7 +84,7 @@ def test_first_use_calibration_writes_one_cache_and_every_rank_agrees(cache, cap
     took = max(COMM.allgather(time.perf_counter() - t0))
     said = capsys.readouterr().err.splitlines()
     if P > 1 and RANK == 0:  # one line on rank 0: what, where it is cached, how to skip it
-        assert len(said) == 1 and said[0].startswith("mpdl: first use: calibrating"), said
+        assert len(said) == 1 and said[0].startswith("mpdl: first use, calibrating: the collectives"), said
         assert cache in said[0] and "MPDL_AUTO_CACHE=off" in said[0], said
     else:
         assert said == []

@@ -19,9 +19,9 @@ from oracle import adam_losses
 from mpdl.autograd import optim
 from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator
+from mpdl.models.gpt import GPT
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
-from mpdl.training.gpt import GPT
 
 pytestmark = pytest.mark.mpi
 

@@ -37,10 +37,10 @@ from mpdl.autograd import amp, nn, optim
 from mpdl.backend import bfloat16
 from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator
+from mpdl.models.gpt import GPT
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.training import precision
-from mpdl.training.gpt import GPT
 
 pytestmark = pytest.mark.mpi
 

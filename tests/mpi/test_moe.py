@@ -29,6 +29,7 @@ from mpdl.autograd.tensor import Tensor
 from mpdl.backend import bfloat16
 from mpdl.collectives import allreduce, alltoallv
 from mpdl.comm import MPIComm, as_communicator
+from mpdl.models.gpt import GPT
 from mpdl.parallel import expert as expert_module
 from mpdl.parallel import split_bounds
 from mpdl.parallel.expert import ExpertParallelStrategy
@@ -37,7 +38,6 @@ from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.training import precision
 from mpdl.training.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint
-from mpdl.training.gpt import GPT
 
 pytestmark = pytest.mark.mpi
 

@@ -22,9 +22,9 @@ from mpdl.autograd import nn, optim
 from mpdl.autograd.tensor import Tensor
 from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator
+from mpdl.models.gpt import GPT
 from mpdl.parallel.pipeline import PipelineStrategy
 from mpdl.parallel.strategy import Batch
-from mpdl.training.gpt import GPT
 
 pytestmark = pytest.mark.mpi
 

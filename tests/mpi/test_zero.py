@@ -18,12 +18,12 @@ from mpi4py import MPI
 
 from mpdl.autograd import nn, optim
 from mpdl.comm import MPIComm, as_communicator
+from mpdl.models.gpt import GPT
+from mpdl.models.zoo import build_model
 from mpdl.parallel import DistributedSampler
 from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.strategy import Batch
 from mpdl.parallel.zero import ZeroStrategy
-from mpdl.training.gpt import GPT
-from mpdl.training.models import build_model
 
 pytestmark = pytest.mark.mpi
 

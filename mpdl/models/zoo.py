@@ -1,5 +1,5 @@
 """The model zoo of `mpdl train`: mlp, lenet and resnet8, built for any (C, H, W) input, and the
-GPT language model (`mpdl.training.gpt`) for the sequence tasks."""
+GPT language model (`mpdl.models.gpt`) for the sequence tasks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 from mpdl.autograd import nn
 from mpdl.autograd.moe import MoESettings
 from mpdl.autograd.tensor import Tensor
-from mpdl.training.gpt import GPT
+from mpdl.models.gpt import GPT
 
 __all__ = ["GPT", "IMAGE_MODELS", "MODELS", "build_model", "describe_model"]
 
