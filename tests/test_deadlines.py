@@ -90,14 +90,16 @@ def test_a_skip_for_want_of_pytorch_fails_under_mpdl_require_oracle(tmp_path, wh
 
 
 def test_doctor_names_the_rank_that_skipped_an_allreduce_at_2_ranks(tmp_path):
-    """Rank 1 skips its fourth collective (#3, the second step's gradient bucket); train checks
-    its first steps' calls across ranks, so rank 1 stops at its next call and doctor names it."""
+    """Rank 1 skips its fourth collective (#3, the second step's gradient bucket; `auto`'s
+    first-use calibration before it is not counted); train checks its first steps' calls across
+    ranks, so rank 1 stops at its next call and doctor names it."""
     ck = tmp_path / "D"
     out = subprocess.run(
         ["timeout", "-k", "5", "90", str(BIN / "mpiexec"), "-n", "2", str(BIN / "mpdl"), "train",
          "--no-progress", "--epochs", "1", "--checkpoint", str(ck)], capture_output=True,
         text=True, timeout=100,
-        env={**os.environ, "MPDL_FAULT": "skip:1:3", "MPDL_TIMEOUT": "5"})
+        env={**os.environ, "MPDL_FAULT": "skip:1:3", "MPDL_TIMEOUT": "5",
+             "MPDL_AUTO_CACHE": str(tmp_path / "cache")})
     assert out.returncode not in (0, 124, 137), out.stderr[-2000:]
     doctor = subprocess.run([str(BIN / "mpdl"), "doctor", str(ck / "flight")],
                             capture_output=True, text=True, timeout=60)

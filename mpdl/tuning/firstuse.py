@@ -71,12 +71,14 @@ def _call_overhead() -> float:
 def measure_quick(comm: Any) -> Params:
     """The cost model's parameters of comm's ranks and links, measured now (collective over comm,
     an MPI-backed communicator of at least two ranks; the same Params on every rank). Emulated
-    link delays are lifted while it measures: the model adds them itself."""
+    link delays are lifted while it measures: the model adds them itself. Its collectives are
+    left out of the flight records, so that the program's own keep their sequence numbers
+    whether or not a calibration ran first."""
     t_start = time.perf_counter()
     root = root_of(comm)
     delay = getattr(root, "link_delay", None)
-    previous = comm.collective
-    root.link_delay, comm.collective = None, "auto first-use calibration"
+    previous, recorder = comm.collective, root.flight
+    root.link_delay, comm.collective, root.flight = None, "auto first-use calibration", None
     try:
         groups = comm.node_groups()
         here = len(next(g for g in groups if comm.rank in g))
@@ -99,7 +101,7 @@ def measure_quick(comm: Any) -> Params:
                  time.perf_counter() - t_start)
         everyone = comm.allgather_object((rates, stamp))
     finally:
-        root.link_delay, comm.collective = delay, previous
+        root.link_delay, comm.collective, root.flight = delay, previous, recorder
 
     worst = {k: max(r[0][k] for r in everyone) for k in rates}
     intra, inter = curves["intra"], curves["inter"]
