@@ -144,3 +144,22 @@ def test_a_short_batch_runs_where_its_count_does_not_fit_the_schedule():
         opt.zero_grad()
     for losses in run_world(2, body):
         np.testing.assert_allclose(losses, ref, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("schedule, v, cp, tp", [("zb-v", 2, 2, 1), ("dualpipev", 2, 1, 2)])
+def test_context_and_sequence_parallel_stages_under_the_v_schedules(schedule, v, cp, tp):
+    """cp = 2 (each rank a half of every sequence) or tp = 2 with sequence parallelism, float64:
+    the one-process losses within 1e-10."""
+    ref = oracle("gpt", "float64")
+    x, y = data("gpt", "float64")
+
+    def body(comm):
+        strategy = PipelineStrategy(comm, 1, 2, tp, microbatches=4, schedule=schedule,
+                                    virtual_stages=v, cp=cp, sp=tp > 1,
+                                    cp_balance="contiguous")
+        strategy.setup(make_model("gpt", "float64"), lambda p: optim.Adam(p, lr=1e-2))
+        return [(r := strategy.step(Batch(x, y, len(x), 1e-2))).loss / r.samples
+                for _ in ref]
+
+    for losses in run_world(2 * cp * tp, body):
+        np.testing.assert_allclose(losses, ref, rtol=0, atol=1e-10)
