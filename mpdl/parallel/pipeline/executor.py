@@ -50,11 +50,11 @@ import numpy as np
 from mpdl import memory
 from mpdl.autograd import functional as F
 from mpdl.autograd import no_grad
-from mpdl.autograd.moe import aux_loss_scale
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module
 from mpdl.collectives import allreduce, broadcast
 from mpdl.comm import Communicator, PersistentRequest
+from mpdl.models.moe import aux_loss_scale
 from mpdl.parallel.context import shard_sequence
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.pipeline.recorder import PipelineRecorder
