@@ -30,9 +30,9 @@ from mpi4py import MPI
 
 from mpdl import collectives as C
 from mpdl.autograd import optim
-from mpdl.autograd.moe import MoESettings
 from mpdl.comm import as_communicator
 from mpdl.models.gpt import GPT
+from mpdl.models.moe import MoESettings
 from mpdl.parallel import split_bounds
 from mpdl.parallel.data_parallel import AllReduceStrategy
 from mpdl.parallel.expert import ExpertParallelStrategy

@@ -389,9 +389,9 @@ def gpt_pieces(spec: dict, repeats: int = 30, warmup: int = 3, sync_repeats: int
 
     from mpdl.autograd import Tensor, optim
     from mpdl.autograd import functional as F
-    from mpdl.autograd.moe import MoE, MoESettings
     from mpdl.comm import as_communicator
     from mpdl.models.gpt import causal_attention
+    from mpdl.models.moe import MoE, MoESettings
     from mpdl.models.zoo import build_model
     from mpdl.parallel.expert import ExpertGroups
 
@@ -578,7 +578,7 @@ def _train_gpt(p: int, batch: int, args: list[str], env: dict, path: Path) -> tu
 
 def _gpt_grad_bytes(experts: int = 0) -> tuple[int, int]:
     """(dense, expert) gradient bytes of the checks' GPT (float32)."""
-    from mpdl.autograd.moe import MoESettings
+    from mpdl.models.moe import MoESettings
     from mpdl.models.zoo import build_model
 
     moe = MoESettings(experts, TOP_K, 0.0, 0.0, 1) if experts else None

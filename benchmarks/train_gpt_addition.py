@@ -23,8 +23,8 @@ import numpy as np  # noqa: E402
 import mpdl.autograd.functional as F  # noqa: E402
 from mpdl import datasets  # noqa: E402
 from mpdl.autograd import optim  # noqa: E402
-from mpdl.autograd.moe import MoESettings  # noqa: E402
 from mpdl.models.gpt import GPT  # noqa: E402
+from mpdl.models.moe import MoESettings  # noqa: E402
 
 
 def main() -> None:

@@ -117,3 +117,39 @@ def test_what_deterministic_does_not_cover_is_refused_in_one_line(changes, words
     message = str(info.value)
     assert message.startswith("optim.deterministic cannot be combined with ")
     assert words in message and "\n" not in message
+
+
+def counted_run(p: int, grad_accum: int, use_count: bool) -> list[np.ndarray]:
+    """A tiny GPT, 3 steps of 12 sequences whose targets are masked (-100) unevenly, by
+    AllReduceStrategy on p in-process ranks."""
+    from mpdl.autograd import optim  # noqa: PLC0415
+    from mpdl.models.zoo import build_model  # noqa: PLC0415
+    from mpdl.parallel.data_parallel import AllReduceStrategy  # noqa: PLC0415
+    from mpdl.parallel.strategy import Batch  # noqa: PLC0415
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 7, (36, 6))
+    y = rng.integers(0, 7, (36, 6))
+    y[np.arange(6) >= rng.integers(1, 7, 36)[:, None]] = -100  # 1 to 6 targets a sequence
+
+    def body(comm):
+        s = AllReduceStrategy(comm, algorithm="ring", grad_accum=grad_accum)
+        s.setup(build_model("gpt", (6,), 7, seed=2, dtype=np.float64, n_layer=1, n_head=2,
+                            n_embd=8), lambda params: optim.SGD(params, lr=0.5))
+        for step in range(3):
+            rows = np.arange(12 * step, 12 * step + 12)
+            mine = np.array_split(rows, comm.size)[comm.rank]
+            count = int((y[rows] >= 0).sum()) if use_count else 0
+            s.step(Batch(x[mine], y[mine], 12, 0.5, count=count))
+        return [p.data.copy() for p in s.model.parameters()]
+    return run_world(p, body)[0]
+
+
+def test_ranks_and_microbatches_weight_by_the_step_count_of_targets():
+    reference = counted_run(1, 1, True)
+    for p, accum in ((3, 1), (2, 2), (1, 4)):
+        for a, b in zip(counted_run(p, accum, True), reference, strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+    # the per-part mean weighted by samples is another (wrong) gradient when counts differ
+    wrong = counted_run(3, 1, False)
+    assert max(np.max(np.abs(a - b)) for a, b in zip(wrong, reference, strict=True)) > 1e-4

@@ -16,9 +16,9 @@ import pytest
 from oracle import adam_losses
 
 from mpdl.autograd import optim
-from mpdl.autograd.moe import MoESettings
 from mpdl.collectives import allreduce
 from mpdl.models.gpt import GPT
+from mpdl.models.moe import MoESettings
 from mpdl.parallel import split_bounds
 from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
 from mpdl.parallel.strategy import Batch

@@ -25,7 +25,7 @@ def test_the_ring_keeps_the_last_n_operations_in_order():
     assert records[0]["bytes"] == 16 and records[0]["peers"] == (0, 1)
     assert rec.waiting([1, 0, 1]) is not None and rec.records()[-1]["waiting_for"] == [0, 1]
     other = rec.begin((1,), "send", "p2p", 4, "int32", None, (0,))
-    assert other[0] == 0  # sequence numbers count per group
+    assert other.seq == 0  # sequence numbers count per group
     assert rec.next_seq(group) == 5
 
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import mpdl.autograd.functional as F
-from mpdl.autograd import Tensor, attention, fused, gradcheck, nn, optim
-from mpdl.autograd.attention import packed_attention
+from mpdl.autograd import Tensor, fused, gradcheck, nn, optim
 from mpdl.autograd.linear_gelu import linear_gelu
 from mpdl.backend import standin
+from mpdl.models import attention
+from mpdl.models.attention import packed_attention
 from mpdl.models.gpt import GPT
 
 #: float32 kernels: a few units in the last place of the array path (exp and erf are polynomials)

@@ -10,7 +10,8 @@ import pytest
 import mpdl.autograd.functional as F
 from mpdl import memory
 from mpdl.autograd import Tensor, gradcheck
-from mpdl.autograd.moe import (
+from mpdl.models.gpt import GPT
+from mpdl.models.moe import (
     MoE,
     MoESettings,
     aux_loss_scale,
@@ -18,7 +19,6 @@ from mpdl.autograd.moe import (
     expert_capacity,
     route,
 )
-from mpdl.models.gpt import GPT
 
 
 def routing_by_loops(probs, k, capacity):

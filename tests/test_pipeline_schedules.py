@@ -11,8 +11,13 @@ import io
 
 import numpy as np
 import pytest
-from test_pipeline import TOL, grid, oracle, pipeline_losses
+from test_pipeline import TOL, data, grid, make_model, oracle, pipeline_losses
 
+from mpdl.autograd import functional as F
+from mpdl.autograd import optim
+from mpdl.autograd.tensor import Tensor
+from mpdl.parallel.pipeline import PipelineStrategy
+from mpdl.parallel.strategy import Batch
 from mpdl.threadworld import run_world
 from mpdl.training.config import ConfigError, TrainConfig, validate
 from mpdl.training.loop import Trainer
@@ -115,3 +120,46 @@ def test_bad_combinations_are_one_line(flags, words):
         validate(TrainConfig.from_keys({**ADDITION, **grid(flags)}), flags["pp"])
     assert words in str(error.value) and "\n" not in str(error.value)
 
+
+
+def test_a_short_batch_runs_where_its_count_does_not_fit_the_schedule():
+    """Interleaved over 2 ranks with 4 microbatches, then a batch of 3 samples (3 microbatches,
+    not a multiple of pp): all forwards then all backwards on the same chunks, the same losses."""
+    def body(comm):
+        strategy = PipelineStrategy(comm, 1, 2, microbatches=4, schedule="interleaved",
+                                    virtual_stages=2)
+        strategy.setup(make_model("mlp", "float64"), lambda p: optim.SGD(p, lr=0.1))
+        x, y = data("mlp", "float64")
+        return [strategy.step(Batch(x[:n], y[:n], n, 0.1)).loss / n for n in (8, 3)]
+
+    model = make_model("mlp", "float64")
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    x, y = data("mlp", "float64")
+    ref = []
+    for n in (8, 3):
+        loss = F.cross_entropy(model(Tensor(x[:n])), y[:n])
+        ref.append(float(loss.item()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for losses in run_world(2, body):
+        np.testing.assert_allclose(losses, ref, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("schedule, v, cp, tp", [("zb-v", 2, 2, 1), ("dualpipev", 2, 1, 2)])
+def test_context_and_sequence_parallel_stages_under_the_v_schedules(schedule, v, cp, tp):
+    """cp = 2 (each rank a half of every sequence) or tp = 2 with sequence parallelism, float64:
+    the one-process losses within 1e-10."""
+    ref = oracle("gpt", "float64")
+    x, y = data("gpt", "float64")
+
+    def body(comm):
+        strategy = PipelineStrategy(comm, 1, 2, tp, microbatches=4, schedule=schedule,
+                                    virtual_stages=v, cp=cp, sp=tp > 1,
+                                    cp_balance="contiguous")
+        strategy.setup(make_model("gpt", "float64"), lambda p: optim.Adam(p, lr=1e-2))
+        return [(r := strategy.step(Batch(x, y, len(x), 1e-2))).loss / r.samples
+                for _ in ref]
+
+    for losses in run_world(2 * cp * tp, body):
+        np.testing.assert_allclose(losses, ref, rtol=0, atol=1e-10)

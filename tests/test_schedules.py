@@ -14,6 +14,7 @@ from mpdl.parallel.pipeline.schedule import (
     Schedule,
     allowed,
     check,
+    fill_drain,
     generate,
     run_on_threads,
     schedule_bubble,
@@ -132,3 +133,14 @@ def test_bad_combinations_say_why_in_one_line(kind, p, m, v, words):
     assert words in why and "\n" not in why
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
         generate(kind, p, m, v)
+
+
+def test_fill_drain_runs_any_count_on_each_placement():
+    """What a short batch runs when its microbatch count is not the schedule's: every forward,
+    then every backward, on the kind's stages; each rank holds all its chunks' activations."""
+    for kind, v in (("interleaved", 2), ("interleaved", 3), ("zb-v", 2), ("dualpipev", 2)):
+        for p in (2, 3, 4):
+            for m in (1, 3, 5):
+                schedule = fill_drain(kind, p, m, v)
+                assert schedule.stages_of(0) == generate(kind, p, p * 2, v).stages_of(0)
+                assert check(schedule).peaks == [m * v] * p

@@ -352,7 +352,7 @@ class Communicator:
         note them in the flight record. Returns True."""
         peers = sorted({self.world_rank(r.peer) for r in pending if r.peer >= 0})
         entry = self.flight.waiting(peers) if self.flight is not None else None
-        which = f" (#{entry[0]})" if entry is not None else ""
+        which = f" (#{entry.seq})" if entry is not None else ""
         whom = ("rank" + ("s " if len(peers) > 1 else " ") + ", ".join(map(str, peers))) \
             if peers else "the other ranks"
         sys.stderr.write(f"mpdl: rank {self.world_rank(self.rank)} has waited {waited:.0f} s in "

@@ -25,6 +25,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from time import time
 from typing import Any
@@ -38,15 +39,28 @@ FIELDS = ("seq", "collective", "algorithm", "bytes", "dtype", "op", "peers", "st
 DEFAULT_DIRECTORY = "mpdl-flight"
 
 
+@dataclass(slots=True)
+class FlightEntry:
+    """One operation: its sequence number, the fields fixed for its call site (collective,
+    algorithm, bytes, dtype, op, peers: one tuple the call site keeps), when it started and
+    ended, its state (started, done, failed) and the peers a long wait still waits for."""
+
+    seq: int
+    info: tuple
+    start: float
+    end: float | None = None
+    state: str = "started"
+    waiting_for: list[int] | None = None
+
+
 class FlightRecorder:
     """A ring buffer of the last `capacity` operations of one process (rank `rank` of `size`).
 
-    An entry is a list [seq, (collective, algorithm, bytes, dtype, op, peers), start, end, state,
-    waiting_for]: the fields fixed for a call site are one tuple it can keep (`begin_counted`)."""
+    Each entry is a `FlightEntry`."""
 
     def __init__(self, capacity: int, rank: int = 0, size: int = 1) -> None:
         self.capacity, self.rank, self.size = capacity, rank, size
-        self.slots: deque[list] = deque(maxlen=capacity)
+        self.slots: deque[FlightEntry] = deque(maxlen=capacity)
         #: the next sequence number of each group, in a one-element list (`counter`)
         self._seqs: dict[tuple[int, ...], list[int]] = {}
 
@@ -56,7 +70,7 @@ class FlightRecorder:
         return sum(cell[0] for cell in list(self._seqs.values()))
 
     @property
-    def last(self) -> list | None:
+    def last(self) -> FlightEntry | None:
         """The operation started last (a wait that stalls notes whom it waits for in it)."""
         try:
             return self.slots[-1]
@@ -77,42 +91,42 @@ class FlightRecorder:
         return cell
 
     def begin(self, group: tuple[int, ...], collective: str, algorithm: str, nbytes: int,
-              dtype: Any, op: str | None, peers: tuple[int, ...]) -> list:
+              dtype: Any, op: str | None, peers: tuple[int, ...]) -> FlightEntry:
         """Record the start of an operation; returns its entry for `end`."""
         return self.begin_counted(self.counter(group),
                                   (collective, algorithm, nbytes, dtype, op, peers))
 
-    def begin_counted(self, cell: list[int], info: tuple) -> list:
+    def begin_counted(self, cell: list[int], info: tuple) -> FlightEntry:
         """`begin` with the group's counter (`counter(group)`) and the tuple (collective,
         algorithm, bytes, dtype, op, peers) already at hand."""
         seq = cell[0]
         cell[0] = seq + 1
-        entry = [seq, info, time(), None, "started", None]
+        entry = FlightEntry(seq, info, time())
         self.slots.append(entry)
         return entry
 
     @staticmethod
-    def end(entry: list, state: str = "done") -> None:
-        entry[3] = time()
-        entry[4] = state
+    def end(entry: FlightEntry, state: str = "done") -> None:
+        entry.end, entry.state = time(), state
 
-    def waiting(self, peers: list[int]) -> list | None:
+    def waiting(self, peers: list[int]) -> FlightEntry | None:
         """Note that the operation started last, if it has not ended, still waits for `peers`;
         returns its entry."""
         entry = self.last
-        if entry is None or entry[4] != "started":
+        if entry is None or entry.state != "started":
             return None
-        entry[5] = sorted(set(peers))
+        entry.waiting_for = sorted(set(peers))
         return entry
 
     def records(self) -> list[dict[str, Any]]:
         """The entries kept, oldest first."""
         records = []
-        for seq, info, start, end, state, waiting_for in list(self.slots):
-            r = dict(zip(FIELDS[1:7], info, strict=True))
+        for e in list(self.slots):
+            r = dict(zip(FIELDS[1:7], e.info, strict=True))
             # kept as given (a NumPy dtype is named only here, off the hot path)
             r["dtype"] = str(r["dtype"]) if r["dtype"] is not None else ""
-            r.update(seq=seq, start=start, end=end, state=state, waiting_for=waiting_for)
+            r.update(seq=e.seq, start=e.start, end=e.end, state=e.state,
+                     waiting_for=e.waiting_for)
             records.append({f: r[f] for f in FIELDS})
         return records
 

@@ -21,11 +21,11 @@ import numpy as np
 
 import mpdl.autograd.functional as F
 from mpdl.autograd import Tensor, nn, no_grad
-from mpdl.autograd.attention import packed_attention
-from mpdl.autograd.block import ResidualBlock
-from mpdl.autograd.moe import MoE, MoESettings
 from mpdl.autograd.recompute import checkpoint
 from mpdl.backend import get_array_module, to_host
+from mpdl.models.attention import packed_attention
+from mpdl.models.block import ResidualBlock
+from mpdl.models.moe import MoE, MoESettings
 
 #: --recompute: nothing, the attention core (Korthikanti et al. 2022's selective), each block
 RECOMPUTE = ("none", "selective", "full")
@@ -72,7 +72,7 @@ class MLP(nn.Module):
 
 class Block(ResidualBlock):
     """A pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)); with `moe`, the
-    MLP is a mixture of experts (`mpdl.autograd.moe.MoE`)."""
+    MLP is a mixture of experts (`mpdl.models.moe.MoE`)."""
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, rng: np.random.Generator,
                  dtype: Any, moe: MoESettings | None = None) -> None:

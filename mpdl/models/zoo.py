@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from mpdl.autograd import nn
-from mpdl.autograd.moe import MoESettings
 from mpdl.autograd.tensor import Tensor
 from mpdl.models.gpt import GPT
+from mpdl.models.moe import MoESettings
 
 __all__ = ["GPT", "IMAGE_MODELS", "MODELS", "build_model", "describe_model"]
 

@@ -41,14 +41,18 @@ class AllReduceStrategy(Strategy):
 
     def step(self, batch: Batch) -> StepResult:
         self.optimizer.lr = batch.lr
-        self.ddp.set_local_batch(len(batch.y), batch.global_size)
+        by_count = batch.count > 0  # each part's loss is already over the step's count
+        if by_count:
+            self.ddp.set_local_batch(1, 1)
+        else:
+            self.ddp.set_local_batch(len(batch.y), batch.global_size)
         result = StepResult()
         start = time.perf_counter()
         parts = microbatches(batch, self.grad_accum)
         with self.ddp.no_sync():
             for part, share in parts[:-1]:
-                self.forward_backward(part, result, share)
-        backward_end = self.forward_backward(parts[-1][0], result, parts[-1][1])
+                self.forward_backward(part, result, share, by_count)
+        backward_end = self.forward_backward(parts[-1][0], result, parts[-1][1], by_count)
         self.ddp.finish()
         waited = time.perf_counter()
         self.optimizer.step()

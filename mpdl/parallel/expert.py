@@ -1,5 +1,5 @@
 """Expert parallelism: the data-parallel ranks split into groups of `ep` that share the E experts
-of every MoE layer (`mpdl.autograd.moe`), each rank holding E/ep of them.
+of every MoE layer (`mpdl.models.moe`), each rank holding E/ep of them.
 
 Ranks r = g·ep + j: group g (ranks g·ep … g·ep+ep−1, the `ep_comm`) holds one copy of all the
 experts, rank j of the group experts j·E/ep … (j+1)·E/ep − 1. Ranks with the same j in different
@@ -56,7 +56,11 @@ from typing import Any
 import numpy as np
 
 from mpdl.autograd.amp import compute_dtype
-from mpdl.autograd.moe import (
+from mpdl.autograd.tensor import Function, Tensor
+from mpdl.backend import get_array_module
+from mpdl.collectives import allgather, allreduce, alltoall, alltoallv
+from mpdl.comm import Communicator
+from mpdl.models.moe import (
     GatherRows,
     LocalExperts,
     MoE,
@@ -64,10 +68,6 @@ from mpdl.autograd.moe import (
     aux_loss_scale,
     run_experts,
 )
-from mpdl.autograd.tensor import Function, Tensor
-from mpdl.backend import get_array_module
-from mpdl.collectives import allgather, allreduce, alltoall, alltoallv
-from mpdl.comm import Communicator
 from mpdl.parallel import flat
 from mpdl.parallel.ddp import DistributedDataParallel
 from mpdl.parallel.dpshard import ShardedOptimizer

@@ -38,8 +38,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from mpdl.autograd.moe import MoE
 from mpdl.comm import Communicator
+from mpdl.models.moe import MoE
 from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.expert import ExpertGroups, ShardedOptimizers, check_ep, epoch_figures
 from mpdl.parallel.pipeline import PipelineStrategy

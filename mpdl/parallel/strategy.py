@@ -163,22 +163,32 @@ class Strategy:
         raise NotImplementedError
 
     # -- for subclasses ---------------------------------------------------------------------------
-    def forward_backward(self, batch: Batch, result: StepResult, weight: float = 1.0) -> float:
+    def forward_backward(self, batch: Batch, result: StepResult, weight: float = 1.0,
+                         by_count: bool = False) -> float:
         """Forward and backward of the batch (nothing when it is empty), adding loss, correct
         predictions, samples and the forward and backward spans to `result`; returns the time
         backward ended. The gradient is that of `weight` × the mean loss (a microbatch's share
-        of the batch), times the optimizer's loss scale under fp16."""
+        of the batch), or with `by_count` that of the summed loss over the batch's targets
+        divided by `batch.count` (the global batch's targets: then the sum over ranks and
+        microbatches is the step's loss whatever their counts), times fp16's loss scale."""
         start = time.perf_counter()
         if not len(batch.y):
             return start
         logits = self.model(Tensor(batch.x))
-        loss = F.cross_entropy(logits, batch.y)
-        forward_end = time.perf_counter()
-        seed = weight * getattr(self.optimizer, "loss_scale", 1.0)
-        loss.backward(None if seed == 1.0 else seed)
-        end = time.perf_counter()
+        scale = getattr(self.optimizer, "loss_scale", 1.0)
         n = len(batch.y)
-        result.loss += float(loss.item()) * n
+        if by_count:
+            loss = F.cross_entropy(logits, batch.y, reduction="sum")
+            forward_end = time.perf_counter()
+            loss.backward(scale / batch.count)
+            result.loss += float(loss.item()) * batch.global_size / batch.count
+        else:
+            loss = F.cross_entropy(logits, batch.y)
+            forward_end = time.perf_counter()
+            seed = weight * scale
+            loss.backward(None if seed == 1.0 else seed)
+            result.loss += float(loss.item()) * n
+        end = time.perf_counter()
         result.correct += correct_predictions(logits.data, batch.y)
         result.samples += n
         result.spans += [Span("forward", start, forward_end), Span("backward", forward_end, end)]
@@ -196,7 +206,7 @@ def microbatches(batch: Batch, n: int) -> list[tuple[Batch, float]]:
     parts, start = [], 0
     for size in sizes:
         part = Batch(batch.x[start:start + size], batch.y[start:start + size], batch.global_size,
-                     batch.lr)
+                     batch.lr, count=batch.count)
         parts.append((part, size / total if total else 0.0))
         start += size
     return parts

@@ -10,7 +10,7 @@ applied locally) and its second row-wise. Each column-then-row pair needs two op
 
 so a block all-reduces twice forward (g after attention, g after the MLP) and twice backward (f
 before each), over `tp_comm` with mpdl's all-reduce. The row-parallel layers' biases are added
-once, after g. Embeddings, LayerNorms, mixtures of experts (`mpdl.autograd.moe.MoE`: router and
+once, after g. Embeddings, LayerNorms, mixtures of experts (`mpdl.models.moe.MoE`: router and
 experts) and the tied output projection are **replicated** on every tp rank (the documented
 alternative to a vocabulary-parallel embedding and cross-entropy): their inputs and output
 gradients are the same on every tp rank, so their gradients are too, and they need no
@@ -44,13 +44,13 @@ import numpy as np
 
 import mpdl.autograd.functional as F
 from mpdl.autograd import amp, nn
-from mpdl.autograd.block import ResidualBlock
-from mpdl.autograd.moe import MoE
 from mpdl.autograd.recompute import checkpoint
 from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
 from mpdl.collectives import allgather, allreduce, reduce_scatter
 from mpdl.comm import Communicator
+from mpdl.models.block import ResidualBlock
+from mpdl.models.moe import MoE
 
 
 def in_dtype(collective: Any, x: Any, dtype: Any) -> Any:

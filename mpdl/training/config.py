@@ -32,10 +32,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mpdl import emulation
-from mpdl.autograd.moe import MoESettings
 from mpdl.autograd.optim import scale_lr
 from mpdl.collectives.registry import algorithms
 from mpdl.models.gpt import RECOMPUTE
+from mpdl.models.moe import MoESettings
 from mpdl.models.zoo import MODELS
 from mpdl.parallel.compression import COMPRESSORS, make_compression
 from mpdl.parallel.context import CP_BALANCES, CP_MODES

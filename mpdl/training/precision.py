@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from mpdl.autograd import amp
-from mpdl.autograd.moe import MoE
 from mpdl.backend import get_array_module, precision_dtype
+from mpdl.models.moe import MoE
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 

@@ -40,6 +40,7 @@ from mpdl.collectives.ops import reducer, segment_elements
 from mpdl.collectives.pairwise import partners
 from mpdl.collectives.scattered import THROTTLE
 from mpdl.comm import Communicator, Request, as_communicator, polling
+from mpdl.comm.flight import FlightEntry
 from mpdl.comm.mpi import MPIComm, free_before_finalize
 from mpdl.mpi_runtime import library_version
 from mpdl.tuning import recording, verify
@@ -139,8 +140,7 @@ class Plan:
         self._started = False
         entry, self._entry = self._entry, None
         if entry is not None:
-            entry[3] = _time()
-            entry[4] = "done"
+            entry.end, entry.state = _time(), "done"
         return self.result if self._finish is None else self._finish()
 
     def __call__(self, x: Any = None) -> Any:
@@ -165,16 +165,16 @@ class Plan:
             if self._fault and faults.skips(comm.world_rank(comm.rank), seq):
                 return self.result if self._finish is None else self._finish()
             cell[0] = seq + 1
-            entry = [seq, self._info, _time(), None, "started", None]
+            entry = FlightEntry(seq, self._info, _time())
             self._slots.append(entry)
         try:
             self._run_body()
         except BaseException:
             if entry is not None:
-                entry[3], entry[4] = _time(), "failed"
+                entry.end, entry.state = _time(), "failed"
             raise
         if entry is not None:
-            entry[3], entry[4] = _time(), "done"
+            entry.end, entry.state = _time(), "done"
         return self.result if self._finish is None else self._finish()
 
     def _bind(self, rec: Any) -> None:
@@ -187,7 +187,7 @@ class Plan:
         self._begin()
         entry, self._entry = self._entry, None
         if entry is not None:
-            entry[3], entry[4] = _time(), "done"
+            entry.end, entry.state = _time(), "done"
 
     def _begin(self) -> None:
         """Check (MPDL_CHECK), record and run the collective's body."""
@@ -205,7 +205,7 @@ class Plan:
             self._run_body()
         except BaseException:
             if entry is not None:
-                entry[3], entry[4] = _time(), "failed"
+                entry.end, entry.state = _time(), "failed"
             raise
         self._entry = entry
 
@@ -221,6 +221,27 @@ class Plan:
                 self._go()
         finally:
             comm.collective = previous
+
+    def schedule(self) -> tuple[Any, Any, list | None]:
+        """(go, fast, requests): what a run does, the fast schedule where there is one, and the
+        persistent requests they hold."""
+        return self._go, self._fast, self._requests
+
+    def switch(self, name: str, go: Callable[[], None], fast: Callable[[], None] | None) -> None:
+        """Run the registered algorithm `name` from now on (`go`, or `fast` where it can):
+        verification's verdict."""
+        self._go, self._fast = go, fast
+        self.algorithm, self._name = name, f"{self.collective}/{name}"
+        self._signature = (self.collective, name, *self._signature[2:])
+        self._rec = None  # the flight recorder's entries name the algorithm afresh
+
+    def run_trial(self, trial: Any, requests: list) -> None:
+        """Run `trial` (a `verify.Trial`) on the next runs, holding every contender's persistent
+        `requests` until the plan is freed."""
+        self._go, self._fast, self.trial = trial.run, None, trial
+        if requests and not self._requests:
+            free_before_finalize(self)
+        self._requests = requests
 
     def free(self) -> None:
         """Release the plan's persistent MPI requests (done at exit for plans still alive)."""
@@ -554,7 +575,7 @@ def _verifying(plan: Plan, names: tuple[str, ...],
     then the winner's; `runner_of(algorithm)` gives a contender's (go, fast, requests) on the
     plan's arrays."""
     c, collective = plan.comm, plan.collective
-    built = {plan.algorithm: (plan._go, plan._fast, plan._requests)}
+    built = {plan.algorithm: plan.schedule()}
     for name in names[1:]:
         other = registry.resolve(collective, name)
         built[other.name] = runner_of(other)
@@ -567,18 +588,12 @@ def _verifying(plan: Plan, names: tuple[str, ...],
 
     def settle(name: str) -> None:
         go, fast, _ = built[name]
-        plan._go, plan._fast = go, fast
-        plan.algorithm, plan._name = name, f"{collective}/{name}"
-        plan._signature = (collective, name, *plan._signature[2:])
-        plan._rec = None  # the flight recorder's entries name the algorithm afresh
+        plan.switch(name, go, fast)
 
     # (the size auto chooses by: the whole array, or for all-gather the whole result)
     trial = verify.Trial(c, collective, plan._nbytes, names, {n: runner(n) for n in names},
                          settle, settings.current().verify_runs, shared)
-    plan._go, plan._fast, plan.trial = trial.run, None, trial
-    if requests and not plan._requests:
-        free_before_finalize(plan)
-    plan._requests = requests
+    plan.run_trial(trial, requests)
 
 
 def _allreduce_runner(call: checks.Call, algo: registry.Algorithm, persistent: bool,

@@ -24,12 +24,12 @@ from oracle import adam_losses
 
 from mpdl.autograd import functional as F
 from mpdl.autograd import no_grad, optim
-from mpdl.autograd.moe import LocalExperts, MoE, MoESettings, aux_loss_scale, run_experts
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import bfloat16
 from mpdl.collectives import allreduce, alltoallv
 from mpdl.comm import MPIComm, as_communicator
 from mpdl.models.gpt import GPT
+from mpdl.models.moe import LocalExperts, MoE, MoESettings, aux_loss_scale, run_experts
 from mpdl.parallel import expert as expert_module
 from mpdl.parallel import split_bounds
 from mpdl.parallel.expert import ExpertParallelStrategy

@@ -1,5 +1,12 @@
-"""Pipeline parallelism: the model cut into `pp` stages, the batch into microbatches, and the
-schedules AFAB (all forward, all backward: GPipe) and 1F1B (PipeDream-flush), on a process grid.
+"""Pipeline parallelism: the model cut into `pp` stages (pp·v with v chunks per rank), the batch
+into microbatches, and a schedule of `mpdl.parallel.pipeline.schedule` (afab, 1f1b, interleaved,
+zb-h1, zb-v, dualpipev) run op by op, on a process grid.
+
+With several chunks per rank the ops name their stage (`F j s`, `B j s`, `W j s`): messages go to
+the rank of the neighbouring stage (received in the order that rank sent them: a receive keeps
+the earlier ones for their ops), two stages of one rank hand activations and gradients over
+without a message, and a B that has a W runs `Tensor.backward_split`, its weight gradients left
+to the W. What follows is written for one chunk per rank.
 
 A step on stage i of pipeline d: the slice of the global batch of data-parallel rank d, split into
 m microbatches; for each op of the schedule, `F j`: receive microbatch j's activation from stage
@@ -43,11 +50,11 @@ import numpy as np
 from mpdl import memory
 from mpdl.autograd import functional as F
 from mpdl.autograd import no_grad
-from mpdl.autograd.moe import aux_loss_scale
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module
 from mpdl.collectives import allreduce, broadcast
 from mpdl.comm import Communicator, PersistentRequest
+from mpdl.models.moe import aux_loss_scale
 from mpdl.parallel.context import shard_sequence
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.pipeline.recorder import PipelineRecorder
@@ -280,9 +287,9 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
         """The step's schedule for m microbatches (a short batch whose count the schedule does
         not allow runs all forwards, then all backwards, on the same stages)."""
         if m not in self._schedules:
-            kind = self.schedule if allowed(self.schedule, self.pp, m, self.v) is None else None
-            self._schedules[m] = generate(self.schedule, self.pp, m, self.v) if kind \
-                else fill_drain(self.schedule, self.pp, m, self.v)
+            runs = allowed(self.schedule, self.pp, m, self.v) is None
+            self._schedules[m] = (generate if runs else fill_drain)(self.schedule, self.pp, m,
+                                                                    self.v)
         return self._schedules[m]
 
     def step(self, batch: Batch) -> StepResult:

@@ -4,9 +4,9 @@ tensor-parallel version: x + attn(ln1(x)), then + mlp(ln2(x)), optionally recomp
 from __future__ import annotations
 
 from mpdl.autograd import nn
-from mpdl.autograd.moe import MoE
 from mpdl.autograd.recompute import checkpoint
 from mpdl.autograd.tensor import Tensor
+from mpdl.models.moe import MoE
 
 
 class ResidualBlock(nn.Module):
