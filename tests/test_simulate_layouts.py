@@ -272,6 +272,8 @@ def test_cli_layout_json(tmp_path):
     (["--model-shape", "gpt2-small", "--schedule", "dualpipev", "--pp", "4", "--microbatches",
       "6"], "--microbatches"),
     (["--model-shape", "gpt2-small", "--schedule", "1f1b,zigzag", "--search"], "--schedule"),
+    (["--model-shape", "gpt2-small", "--failure-rate", "-1"], "--failure-rate"),
+    (["--model-shape", "gpt2-small", "--checkpoint-bandwidth", "0"], "--checkpoint-bandwidth"),
 ])
 def test_cli_bad_layout_flags(args, flag):
     out = _mpdl(*args)

@@ -20,6 +20,7 @@ from typing import Any
 from mpdl.cli import UsageError
 from mpdl.cli.output import is_rank0, write_json_lines
 from mpdl.parallel.pipeline.schedule import KINDS, V_KINDS
+from mpdl.perf import goodput as G
 from mpdl.perf import layouts as L
 from mpdl.perf import published as P
 from mpdl.perf import simulate as S
@@ -84,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "marked as not fitting")
     g.add_argument("--gpus", type=int, help="GPUs for --search (default: --nodes × --per-node)")
     g.add_argument("--tokens", metavar="COUNT", help="tokens to train on, e.g. 300B: time and cost")
+    g.add_argument("--failure-rate", type=float, default=G.LLAMA3_RATE, metavar="RATE",
+                   help="interruptions per GPU-hour (default Llama 3's: 419 in 54 days on "
+                        "16,384 GPUs, 1.97e-5); 0: none")
+    g.add_argument("--restart-time", type=float, default=G.Failures.restart_s, metavar="S",
+                   help="seconds to restart from the last checkpoint (default 600, assumed)")
+    g.add_argument("--checkpoint-bandwidth", type=float, default=2000.0, metavar="GB/S",
+                   help="the storage's write bandwidth for the whole job (default 2000: Llama 3)")
     g.add_argument("--search", action="store_true",
                    help="the fastest layouts of --gpus GPUs that fit, for --global-batch sequences "
                         "(every dp, pp, cp, tp, ep, ZeRO stage, recomputation, sp and "
@@ -161,6 +169,17 @@ def _gb(x: float) -> str:
     return f"{x / L.GB:.2f}"
 
 
+def _failures(args: argparse.Namespace) -> G.Failures:
+    for flag, value in (("--failure-rate", args.failure_rate), ("--restart-time",
+                                                                args.restart_time)):
+        if not value >= 0:
+            raise UsageError(f"{flag}: expected a non-negative number, got {value}")
+    if not args.checkpoint_bandwidth > 0:
+        raise UsageError(f"--checkpoint-bandwidth: expected a positive GB/s, got "
+                         f"{args.checkpoint_bandwidth}")
+    return G.Failures(args.failure_rate, args.restart_time, args.checkpoint_bandwidth * 1e9)
+
+
 def _schedules(text: str) -> tuple[str, ...]:
     """The schedules --search tries: a comma-separated list of kinds, or all."""
     kinds = KINDS if text.lower() == "all" else tuple(k.strip().lower() for k in text.split(","))
@@ -174,7 +193,7 @@ def _schedules(text: str) -> tuple[str, ...]:
 def print_rows(rows: list[dict[str, Any]], title: str) -> None:
     print(title)
     print(f"{'layout':<42} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total GB':>8} "
-          f"{'fits':>4} {'step_s':>9} {'bubble':>6} {'tokens/s':>10} {'MFU':>5}"
+          f"{'fits':>4} {'step_s':>9} {'bubble':>6} {'tokens/s':>10} {'MFU':>5} {'goodput':>7}"
           f"{'  train time':>12}  slower by")
     for r in rows:
         train = duration(r["time_to_train_s"]) if "time_to_train_s" in r else "-"
@@ -182,7 +201,7 @@ def print_rows(rows: list[dict[str, Any]], title: str) -> None:
               f"{_gb(r['optimizer_bytes']):>7} {_gb(r['activation_bytes']):>7} "
               f"{_gb(r['total_bytes']):>8} {'yes' if r['fits'] else 'NO':>4} "
               f"{r['step_s']:>9.3f} {r['bubble_share']:>6.1%} {r['tokens_per_s']:>10.0f} "
-              f"{r['mfu']:>5.1%} {train:>12}  {r.get('slower_by', '')}")
+              f"{r['mfu']:>5.1%} {r['goodput']:>7.1%} {train:>12}  {r.get('slower_by', '')}")
 
 
 def duration(seconds: float) -> str:
@@ -243,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
                         ("--top", args.top)):
         if value is not None and value < 1:
             raise UsageError(f"{flag}: expected a positive integer, got {value}")
+    failures = _failures(args)
     gpus = args.gpus or (args.nodes or 1) * per_node
     moe = (f", {shape.experts} experts top-{shape.top_k} ({shape.active_params / 1e9:.3f}B "
            f"active)" if shape.experts else "")
@@ -268,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         rows = report["rows"]
         if tokens:
             rows = [L.evaluate(shape, _layout_of(r), precision, gpu, net.params, per_node,
-                               tokens, args.price_per_hour) for r in rows]
+                               tokens, args.price_per_hour, failures=failures) for r in rows]
         if not is_rank0():
             return 0
         print(head)
@@ -304,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     row = L.evaluate(shape, layout, precision, gpu, net.params, per_node, tokens,
-                     args.price_per_hour)
+                     args.price_per_hour, failures=failures)
     if not is_rank0():
         return 0
     print(head)
@@ -314,6 +334,12 @@ def run(args: argparse.Namespace) -> int:
                       f"exposed), experts' all-to-all {row['ep_comm_s']:.3f} s, bubble "
                       f"{row['bubble_s']:.3f} s, data parallel {row['dp_comm_s']:.3f} s "
                       f"({row['dp_exposed_s']:.3f} s exposed)")
+    print(f"# failures: the job is interrupted every {duration(row['mtbf_s'])} at "
+          f"{failures.rate_per_gpu_hour:.3g} per GPU-hour; a checkpoint takes "
+          f"{duration(row['checkpoint_write_s'])} every {duration(row['checkpoint_interval_s'])} "
+          f"(Young/Daly), a restart {duration(row['restart_s'])}: goodput {row['goodput']:.1%}"
+          + (f"; {row['gpu_hours']:.4g} GPU-hours to train" if "gpu_hours" in row else "")
+          + (f", cost {row['cost']:.4g}" if "cost" in row else ""))
     if args.json:
         write_json_lines(args.json, [row])
     return 0

@@ -75,6 +75,7 @@ from typing import Any
 
 from mpdl.parallel.pipeline import schedule as S
 from mpdl.perf import compute as C
+from mpdl.perf import goodput as G
 from mpdl.perf.compute import Gpu
 from mpdl.tuning import costmodel as cm
 
@@ -678,9 +679,10 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
 
 def evaluate(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: cm.Params,
              per_node: int, tokens: float | None = None, price_per_hour: float | None = None,
-             overlap: bool = True) -> dict[str, Any]:
+             overlap: bool = True, failures: G.Failures = G.LLAMA3) -> dict[str, Any]:
     """One JSON-ready row: the layout, memory per component and in total, whether it fits,
-    the step and, with `tokens`, time (and cost) to train."""
+    the step, goodput under `failures` (checkpoints of the parameters and optimizer state) and,
+    with `tokens`, wall time (and cost) to train at that goodput."""
     row: dict[str, Any] = {"layout": layout.label(), **asdict(layout), "gpus": layout.gpus,
                            "model": shape.name, "params": shape.params,
                            "active_params": shape.active_params,
@@ -689,8 +691,12 @@ def evaluate(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, param
     row.update(memory(shape, layout, precision))
     row["fits"] = row["total_bytes"] <= gpu.memory
     row.update(step(shape, layout, precision, gpu, params, per_node, overlap))
+    row.update(G.goodput(layout.gpus, shape.params * (precision.param + precision.optimizer),
+                         failures))
     if tokens:
-        seconds = tokens / row["tokens_per_s"]
+        row["time_to_train_no_failures_s"] = tokens / row["tokens_per_s"]
+        seconds = row["time_to_train_no_failures_s"] / row["goodput"] if row["goodput"] \
+            else math.inf
         row["time_to_train_s"] = seconds
         row["gpu_hours"] = layout.gpus * seconds / 3600
         if price_per_hour is not None:
