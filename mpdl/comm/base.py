@@ -28,15 +28,15 @@ class CollectiveTimeout(RuntimeError):
     """A point-to-point wait inside a collective took longer than MPDL_TIMEOUT seconds."""
 
 
-#: whether `check_every_call` is on
-_checking_all = [False]
+#: whether `check_every_call` is on, per thread (the ranks of an in-process world are threads)
+_checking = threading.local()
 
 
 def check_every_call(on: bool) -> None:
-    """Make every communicator check its collectives' arguments across ranks, as MPDL_CHECK=1
-    does, while on (`mpdl train` turns it on for its first steps). Every rank must switch at the
-    same point of its program."""
-    _checking_all[0] = on
+    """Make every communicator check the collectives this thread calls across ranks, as
+    MPDL_CHECK=1 does, while on (`mpdl train` turns it on for its first steps). Every rank must
+    switch at the same point of its program."""
+    _checking.on = on
 
 
 class CollectiveMismatch(ValueError):
@@ -181,7 +181,7 @@ class Communicator:
     def check(self) -> bool:
         """Whether each collective first compares its arguments across the ranks (MPDL_CHECK=1,
         or every communicator while `check_every_call` is on)."""
-        return self._check or _checking_all[0]
+        return self._check or getattr(_checking, "on", False)
 
     @check.setter
     def check(self, value: bool) -> None:
