@@ -103,8 +103,31 @@ def test_mlp_has_the_same_hash_on_one_and_three_ranks_and_with_zero():
     assert digest(1, {"optim.atoms": 4})[0] != one  # other atoms, other roundings
 
 
+#: a 2-layer GPT on 1-digit addition: 90 problems in batches of 32, the last one of 26
+GPT = {"model.name": "gpt", "data.dataset": "addition", "data.digits": 1, "model.n_layer": 2,
+       "model.n_head": 2, "model.n_embd": 16, "optim.global_batch_size": 32, "optim.lr": 0.05,
+       "optim.optimizer": "sgd", "optim.seed": 6, "optim.epochs": 1, "optim.atoms": 5,
+       "optim.deterministic": True, "output.progress": False}
+
+
+def gpt_digest(p: int, changes: dict) -> list[str]:
+    def body(comm):
+        trainer = Trainer(TrainConfig.from_keys({**GPT, **changes}), comm=comm, out=io.StringIO())
+        trainer.setup()
+        return trainer.run()[-1]["param_sha256"]
+    return run_world(p, body)
+
+
+def test_gpt_pipeline_has_one_ranks_hash():
+    one = gpt_digest(1, {})[0]
+    assert set(gpt_digest(2, {"parallel.pp": 2, "parallel.microbatches": 2})) == {one}
+    assert set(gpt_digest(3, {"parallel.pp": 3})) == {one}  # the tied halves on two stages of 3
+    assert gpt_digest(1, {"optim.atoms": 4})[0] != one  # other atoms, other roundings
+
+
 @pytest.mark.parametrize("changes, words", [
-    ({"parallel.pp": 2}, "parallel.pp: pipeline stages"),
+    ({"parallel.pp": 2, "parallel.schedule": "afab"}, "parallel.schedule: only the 1f1b"),
+    ({"parallel.pp": 2, "parallel.zero": 1}, "parallel.zero: with parallel.pp the update is not"),
     ({"parallel.tp": 2, "model.name": "gpt", "data.dataset": "addition"},
      "parallel.tp: tensor parallelism splits each GEMM"),
     ({"communication.compression": "fp16"}, "communication.compression: compression is lossy"),

@@ -805,15 +805,18 @@ def validate_communication(config: TrainConfig, world_size: int) -> None:
 
 
 def validate_deterministic(config: TrainConfig) -> None:
-    """What --deterministic covers: data parallelism (any algorithm, ZeRO 1-3) in fp32 on the
-    CPU; every other way of training sums in floating point or splits the GEMMs' own sums."""
+    """What --deterministic covers: data parallelism (any algorithm, ZeRO 1-3) and a 1f1b
+    pipeline (without ZeRO) in fp32 on the CPU; every other way of training sums in floating
+    point or splits the GEMMs' own sums."""
     if not config.optim.deterministic:
         return
     p, c, o, m = config.parallel, config.communication, config.optim, config.model
     why = {"{parallel.tp}": (p.tp > 1, "tensor parallelism splits each GEMM's own sum over "
                              "ranks, so its rounding depends on the layout"),
-           "{parallel.pp}": (p.pp > 1, "pipeline stages accumulate microbatch gradients in "
-                             "floating point"),
+           "{parallel.schedule}": (p.pp > 1 and p.schedule != "1f1b", "only the 1f1b "
+                                   "schedule keeps each atom's gradient whole"),
+           "{parallel.virtual_stages}": (p.pp > 1 and p.virtual_stages > 1, "a rank holds one "
+                                         "stage"),
            "{parallel.cp}": (p.cp > 1, "context parallelism splits the attention sums over ranks"),
            "{model.moe_experts}": (m.moe_experts > 0, "expert routing sums in floating point"),
            "{parallel.mode}": (p.mode == "ps", "the parameter server adds pushes as they come"),
@@ -823,6 +826,8 @@ def validate_deterministic(config: TrainConfig) -> None:
                                  "rounding are not covered)"),
            "{model.device}": (m.device != "cpu", "it runs on the CPU only"),
            "{parallel.zero_hybrid}": (p.zero_hybrid, "it shards over all ranks"),
+           "{parallel.zero}": (p.pp > 1 and p.zero > 0, "with {parallel.pp} the update is not "
+                               "sharded"),
            "{optim.optimizer}": (p.zero > 0 and o.optimizer in ("lars", "lamb"),
                                  "with {parallel.zero}, lars and lamb need whole-tensor norms; "
                                  "use sgd or adam")}

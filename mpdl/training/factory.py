@@ -13,6 +13,7 @@ from mpdl.parallel.deterministic import DeterministicStrategy
 from mpdl.parallel.expert import ExpertParallelStrategy
 from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
+from mpdl.parallel.pipeline.exact import ExactPipeline
 from mpdl.parallel.strategy import Strategy
 from mpdl.parallel.zero import DEFAULT_BUCKET_MB as DDP_BUCKET_MB
 from mpdl.parallel.zero import ZeroStrategy
@@ -22,6 +23,9 @@ from mpdl.training.config import TrainConfig
 def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
     """The strategy a (valid) configuration asks for."""
     p, c, o = config.parallel, config.communication, config.optim
+    if o.deterministic and p.pp > 1:
+        return ExactPipeline(comm, dp=p.data_ranks(comm.size), pp=p.pp,
+                             microbatches=p.microbatches, algorithm=c.algorithm, atoms=o.atoms)
     if o.deterministic:
         return DeterministicStrategy(comm, algorithm=c.algorithm, zero=p.zero, atoms=o.atoms)
     if p.mode == "ps":

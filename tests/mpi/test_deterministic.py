@@ -65,3 +65,16 @@ def test_gpt_hash_is_one_ranks():
 def test_float_path_loss_is_one_ranks_within_1e6(changes):
     reference = one_rank(GPT)["loss"]
     assert summary({**GPT, **changes})["loss"] == pytest.approx(reference, rel=1e-6, abs=0)
+
+
+#: pipeline stages at this world size (dp = size / pp): the GPT has 4 pieces to cut
+PP = 2 if COMM.size % 2 == 0 else 3 if COMM.size == 3 else 0
+
+
+@pytest.mark.skipif(not PP, reason="the world size has no divisor between 2 and 4")
+def test_gpt_pipeline_hash_is_one_ranks():
+    keys = {**GPT, "optim.deterministic": True, "optim.epochs": 1}
+    reference = one_rank(keys)["param_sha256"]
+    ours = summary({**keys, "parallel.pp": PP, "parallel.microbatches": 2})["param_sha256"]
+    assert ours == reference
+    assert set(COMM.allgather(ours)) == {reference}

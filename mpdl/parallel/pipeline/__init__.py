@@ -1,6 +1,7 @@
 """Pipeline parallelism: `schedule` (which op each stage runs when: plain data), `stage` (the
 model cut into stages, each rank's built), `executor` (the strategy and its step), `state` (the
-whole model gathered, checkpoints) and `recorder` (a step's figures)."""
+whole model gathered, checkpoints), `recorder` (a step's figures) and `exact` (the deterministic
+pipeline: `mpdl train --deterministic --pp`)."""
 
 from mpdl.parallel.pipeline.executor import Microbatches, PipelineStrategy
 from mpdl.parallel.pipeline.schedule import (

@@ -102,6 +102,8 @@ class Microbatches:
     handed: dict[tuple[str, int, int], Any] = dataclasses.field(default_factory=dict)
     #: the weight-gradient halves of split backwards, until their W
     later: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    #: the gradient each loss's backward starts from (None: one)
+    seed: Any = None
 
     def rows(self, a: Any, j: int) -> Any:
         """Microbatch j's rows of `a` (the batch's inputs or labels)."""
@@ -327,8 +329,7 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
     def _microbatches(self, batch: Batch) -> Microbatches:
         """The batch cut into `microbatches` parts (the empty ones dropped, unless
         `lockstep_microbatches`)."""
-        parts = [p for p in np.array_split(np.arange(len(batch.y)), self.microbatches)
-                 if len(p) or self.lockstep_microbatches]
+        parts = self._parts(batch)
         xp = get_array_module(self.stage_params[0].data) if self.stage_params else np
         shapes = self._boundary_shapes(self._local(batch.x)) if parts and self.pp > 1 else []
         mb = Microbatches(batch, parts, xp, shapes)
@@ -342,6 +343,12 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
                                          for op in mb.schedule.rank_ops(peer)
                                          if op.kind == "send" and op.peer == self.stage)
         return mb
+
+    def _parts(self, batch: Batch) -> list[Any]:
+        """Each microbatch's rows of the batch (the empty ones dropped, unless
+        `lockstep_microbatches`)."""
+        return [p for p in np.array_split(np.arange(len(batch.y)), self.microbatches)
+                if len(p) or self.lockstep_microbatches]
 
     def _forward(self, mb: Microbatches, j: int, s: int, record: PipelineRecorder) -> None:
         """Op F j s: microbatch j's input through stage s's pieces; the last stage takes the
@@ -403,7 +410,7 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
         out = mb.outputs.pop((j, s))
         split = mb.schedule.split(self.stage, j, s)
         received = s < len(self.rank_of) - 1 and self.rank_of[s + 1] != self.stage
-        grad = None
+        grad = mb.seed
         if s < len(self.rank_of) - 1:
             record.op_begins()
             grad = self._take(mb, "grad", j, s + 1) if received else \
