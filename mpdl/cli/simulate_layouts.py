@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         kinds = _schedules(args.schedule)
         try:
             report = L.search_report(shape, gpus, batch, precision, gpu, net.params, per_node,
-                                     kinds, top=args.top, cp_mode=args.cp_mode,
+                                     kinds, top=args.top, failures=failures, cp_mode=args.cp_mode,
                                      capacity_factor=args.moe_capacity_factor)
         except ValueError as exc:
             raise UsageError(str(exc)) from None

@@ -796,7 +796,7 @@ def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
 
 
 def search(shape: Shape, gpus: int, global_batch: int, precision: Precision, gpu: Gpu,
-           params: cm.Params, per_node: int, schedule: str = "1f1b",
+           params: cm.Params, per_node: int, schedule: str | tuple[str, ...] = "1f1b",
            zero_stages: tuple[int, ...] = (0, 1, 2, 3), top: int = 5,
            **axes: Any) -> list[dict[str, Any]]:
     """The fastest layouts of `gpus` GPUs that fit in the GPU's memory, fastest first (see
@@ -806,17 +806,17 @@ def search(shape: Shape, gpus: int, global_batch: int, precision: Precision, gpu
 
 
 def search_report(shape: Shape, gpus: int, global_batch: int, precision: Precision, gpu: Gpu,
-                  params: cm.Params, per_node: int, schedule: str = "1f1b",
+                  params: cm.Params, per_node: int, schedule: str | tuple[str, ...] = "1f1b",
                   zero_stages: tuple[int, ...] = (0, 1, 2, 3), top: int = 5,
-                  **axes: Any) -> dict[str, Any]:
-    """`search`'s rows, how many layouts were tried and did not fit, and the smallest of those
-    that did not (what it would need)."""
+                  failures: G.Failures = G.LLAMA3, **axes: Any) -> dict[str, Any]:
+    """`search`'s rows (goodput under `failures`), how many layouts were tried and did not fit,
+    and the smallest of those that did not (what it would need)."""
     if global_batch % shape.microbatch:
         raise ValueError(f"--global-batch: {global_batch} is not a multiple of the micro-batch "
                          f"{shape.microbatch}")
     fit, too_big = [], []
     for layout in candidates(shape, gpus, global_batch, per_node, schedule, zero_stages, **axes):
-        row = evaluate(shape, layout, precision, gpu, params, per_node)
+        row = evaluate(shape, layout, precision, gpu, params, per_node, failures=failures)
         (fit if row["fits"] else too_big).append(row)
     fit.sort(key=lambda r: (r["step_s"], r["total_bytes"]))
     rows = fit[:top]
