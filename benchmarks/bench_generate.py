@@ -8,7 +8,7 @@ rank, and mpdl's per-token latency against PyTorch eager with its own KV cache o
 cache: a GPT of block size 1024 (4 blocks, 4 heads, width 128, 65 characters), batch 1; for each
 total length T = prompt + generation in 64 … 1024, a prompt of T − 32 tokens and 32 new tokens
 (greedy), tokens/s of `GPT.generate` (each new token runs the whole prefix again) and of the KV
-cache (`mpdl.training.serving.generate_replica`: one prefill, then one token a step), taking
+cache (`mpdl.inference.serving.generate_replica`: one prefill, then one token a step), taking
 turns, median over reps. The uncached cost per token grows with T, the cached one barely. Also
 the model FLOP/s (a forward's: 2N + 4·n_layer·n_embd·T per token) of the cached run's prefill
 (the prompt in one forward, as training runs) and of its decode steps (one token each).
@@ -31,9 +31,9 @@ import time
 
 import numpy as np
 
+from mpdl.inference.inference import Decoder
+from mpdl.inference.serving import generate_replica, serve, summary
 from mpdl.models.gpt import GPT
-from mpdl.training.inference import Decoder
-from mpdl.training.serving import generate_replica, serve, summary
 
 VOCAB, LAYERS, HEADS, WIDTH = 65, 4, 4, 128
 

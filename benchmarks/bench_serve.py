@@ -127,7 +127,7 @@ def run_mode(ckpt: Path, flags: list[str], pages: int, work: list[tuple[str, int
 
 def gather_cost(reps: int = 200) -> tuple[float, float]:
     """Seconds of one layer's q·kᵀ for a decode step of 16 sequences of 96 positions: keys read
-    as whole pages (in random order) from a pool (`mpdl.training.paged.forward`'s gather), and
+    as whole pages (in random order) from a pool (`mpdl.inference.paged.forward`'s gather), and
     sliced from a contiguous (batch, heads, block, head_dim) cache (`Decoder.step`'s)."""
     rng = np.random.default_rng(0)
     pool = rng.normal(size=(4, BIG, PAGE, 16)).astype(np.float32)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from mpdl.inference.generation import load_gpt, sample
 from mpdl.threadworld import ThreadWorld
 from mpdl.training.config import TrainConfig
-from mpdl.training.generation import load_gpt, sample
 from mpdl.training.loop import Trainer
 
 MPDL = str(Path(sys.executable).parent / "mpdl")

@@ -49,3 +49,13 @@ def test_train_time_counts_the_lost_time():
     assert lossy["time_to_train_s"] == pytest.approx(
         lossy["time_to_train_no_failures_s"] / lossy["goodput"])
     assert lossy["cost"] == pytest.approx(4096 * lossy["time_to_train_s"] / 3600)
+
+
+def test_search_rows_take_the_failure_model():
+    shape, gpu = L.SHAPES["gpt2-small"], L.GPUS["a100-80gb"]
+    net = P.NETWORKS["selene"]
+    none = L.search_report(shape, 64, 64, L.PRECISIONS["bf16"], gpu, net.params, 8,
+                           failures=G.Failures(rate_per_gpu_hour=0))["rows"]
+    assert none and all(r["goodput"] == 1.0 for r in none)
+    some = L.search_report(shape, 64, 64, L.PRECISIONS["bf16"], gpu, net.params, 8)["rows"]
+    assert all(0 < r["goodput"] < 1 for r in some)

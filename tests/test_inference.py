@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from mpdl.autograd import no_grad
+from mpdl.inference.inference import Decoder
+from mpdl.inference.serving import check_layout, generate_replica, serve, stage_layers, summary
 from mpdl.models.gpt import GPT
 from mpdl.threadworld import run_world
-from mpdl.training.inference import Decoder
-from mpdl.training.serving import check_layout, generate_replica, serve, stage_layers, summary
 
 
 def model(n_head: int = 6, n_layer: int = 3, block_size: int = 12, seed: int = 3) -> GPT:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mpdl.inference.engine import Engine, Params
+from mpdl.inference.inference import Decoder
+from mpdl.inference.paged import PagePool, forward, last_positions
+from mpdl.inference.serving import generate_replica
 from mpdl.models.gpt import GPT
-from mpdl.training.engine import Engine, Params
-from mpdl.training.inference import Decoder
-from mpdl.training.paged import PagePool, forward, last_positions
-from mpdl.training.serving import generate_replica
 
 VOCAB = "abcdefghijklmnopqrstuvwxyz ."
 BLOCK = 24

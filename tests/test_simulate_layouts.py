@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from mpdl.models.gpt import GPT
+from mpdl.perf import compute as C
 from mpdl.perf import layouts as L
 from mpdl.perf import published as P
 
@@ -273,6 +274,7 @@ def test_cli_layout_json(tmp_path):
       "6"], "--microbatches"),
     (["--model-shape", "gpt2-small", "--schedule", "1f1b,zigzag", "--search"], "--schedule"),
     (["--model-shape", "gpt2-small", "--failure-rate", "-1"], "--failure-rate"),
+    (["--model-shape", "gpt2-small", "--gpu", "a100-80gb", "--precision", "fp8"], "--precision"),
     (["--model-shape", "gpt2-small", "--checkpoint-bandwidth", "0"], "--checkpoint-bandwidth"),
 ])
 def test_cli_bad_layout_flags(args, flag):
@@ -461,3 +463,26 @@ def test_frontier_gpus_from_their_data_sheets():
                  "--pp", "9").returncode == 0
     out = _mpdl("--model-shape", "llama3-405b", "--gpu", "h200", "--tp", "16", "--pp", "9")
     assert out.returncode == 2 and "--tp" in out.stderr
+
+
+def test_fp8_gemms_at_the_fp8_peak():
+    h100 = L.GPUS["h100-80gb"]
+    big = dict(microbatch=1, queries=8192, keys=8192, hidden=16384, heads=128, d_kv=2048,
+               d_ff=53248, gated=True, family="llama")
+    bf16 = C.linear_seconds(C.Layer(**big), h100)
+    fp8 = C.linear_seconds(C.Layer(**big, fp8=True), h100)
+    # compute-bound: DeepGEMM's 1,550 TFLOP/s against 0.7699 x 989 TFLOP/s = 761.4
+    assert bf16[0] / fp8[0] == pytest.approx(1550 / 761.43, rel=0.01)
+    assert bf16[1] / fp8[1] == pytest.approx(1550 / 761.43, rel=0.01)
+    shape = L.SHAPES["llama3-405b"]
+    layout = L.Layout(dp=16, pp=8, tp=8, microbatches=16, recompute="selective", sp=True)
+    rows = [L.step(shape, layout, L.PRECISIONS[p], L.GPUS["h200"], SELENE.params, 8)
+            for p in ("bf16", "fp8")]
+    # the GEMMs get faster, nothing else: the step shrinks by less than 2x
+    assert rows[1]["compute_gemm_s"] < 0.51 * rows[0]["compute_gemm_s"]
+    assert rows[1]["compute_attention_s"] == rows[0]["compute_attention_s"]
+    assert 1 < rows[0]["step_s"] / rows[1]["step_s"] < 2
+    for gpu in ("h200", "b200"):
+        out = _mpdl("--model-shape", "llama3-405b", "--gpu", gpu, "--tp", "8", "--pp", "8",
+                    "--dp", "16", "--precision", "fp8")
+        assert out.returncode == 0 and "fp8 GEMMs" in out.stdout, out.stderr

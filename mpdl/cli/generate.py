@@ -4,8 +4,8 @@
                   [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]
                   [--tp T] [--pp S] [--dp D] [--microbatches M] [--json OUT] [--metrics]
 
-The prompts (one per line of FILE) run as one batch with a KV cache (`mpdl.training.inference`),
-on a dp × pp × tp grid of the ranks (`mpdl.training.serving`): data parallel splits the prompts,
+The prompts (one per line of FILE) run as one batch with a KV cache (`mpdl.inference.inference`),
+on a dp × pp × tp grid of the ranks (`mpdl.inference.serving`): data parallel splits the prompts,
 pipeline parallel streams micro-batches of them through the stages, tensor parallel splits each
 block's heads and MLP. The checkpoint may come from any training layout. Rank 0 prints each
 prompt's text on a line of its own; with --prompts or --metrics, then a table of time to first
@@ -26,9 +26,9 @@ from mpdl.cli import UsageError
 from mpdl.cli.output import write_json_lines
 from mpdl.cli.train import limit_blas_threads
 from mpdl.comm import as_communicator
+from mpdl.inference.generation import check_prompt, default_prompt, load_gpt
+from mpdl.inference.serving import check_layout, serve, summary
 from mpdl.training.checkpoint import CheckpointError
-from mpdl.training.generation import check_prompt, default_prompt, load_gpt
-from mpdl.training.serving import check_layout, serve, summary
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

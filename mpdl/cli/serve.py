@@ -3,10 +3,10 @@
     mpiexec -n P mpdl serve --checkpoint DIR [--tp T] [--pp S] [--dp D] [--host 127.0.0.1] --port P
                  [--page-size N] [--kv-pages N] [--max-batch N] [--token-budget N]
 
-The ranks form dp replicas of pp stages of tp ranks (`mpdl.training.serving`'s grid); the first
-rank of replica d listens on port P + d (`mpdl.training.server`) and every rank of the replica
-runs the continuous-batching engine (`mpdl.training.engine`) over the pages of its stage's blocks
-and its heads (`mpdl.training.paged`). It runs until interrupted (Ctrl-C, SIGTERM).
+The ranks form dp replicas of pp stages of tp ranks (`mpdl.inference.serving`'s grid); the first
+rank of replica d listens on port P + d (`mpdl.inference.server`) and every rank of the replica
+runs the continuous-batching engine (`mpdl.inference.engine`) over the pages of its stage's blocks
+and its heads (`mpdl.inference.paged`). It runs until interrupted (Ctrl-C, SIGTERM).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pathlib import Path
 from mpdl.cli import UsageError
 from mpdl.cli.train import limit_blas_threads
 from mpdl.comm import as_communicator
+from mpdl.inference.engine import replica_engine
+from mpdl.inference.generation import load_gpt
+from mpdl.inference.serving import check_layout
 from mpdl.training.checkpoint import CheckpointError
-from mpdl.training.engine import replica_engine
-from mpdl.training.generation import load_gpt
-from mpdl.training.serving import check_layout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         import starlette  # noqa: F401, PLC0415 (the serve extra)
         import uvicorn  # noqa: F401, PLC0415
 
-        from mpdl.training import server  # noqa: PLC0415
+        from mpdl.inference import server  # noqa: PLC0415
     except ImportError as exc:
         raise UsageError(f"serve needs the serve extra: pip install 'mpdl[serve]' ({exc})") from None
     try:

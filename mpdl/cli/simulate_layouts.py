@@ -78,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"--recompute alone: full)")
     g.add_argument("--precision", default="bf16",
                    help="bf16 or fp16 (16-bit compute, float32 master weights and Adam, K=12; "
-                        "default bf16) or fp32 (float32 Adam), as mpdl train --precision")
+                        "default bf16) or fp32 (float32 Adam), as mpdl train --precision; or "
+                        "fp8: the weight GEMMs in FP8, the rest as bf16")
     g.add_argument("--gpu", default="a100-80gb", help=f"{', '.join(L.GPUS)} (default a100-80gb)")
     g.add_argument("--gpu-memory", metavar="SIZE",
                    help="memory per GPU, e.g. 40GB (default: the GPU's); layouts above it are "
@@ -162,6 +163,9 @@ def _setup(args: argparse.Namespace):
         raise UsageError(f"--network: expected one of {', '.join(networks)}, got {name!r}")
     net = networks[name]
     per_node = args.per_node or net.per_node
+    if L.PRECISIONS[args.precision].fp8_gemms and not gpu.fp8_flops:
+        raise UsageError(f"--precision: fp8 needs a GPU with FP8 tensor cores (h100-80gb, h200, "
+                         f"b200, gb200), got {gpu.name}")
     return L.PRECISIONS[args.precision], gpu, net, per_node
 
 
@@ -281,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         kinds = _schedules(args.schedule)
         try:
             report = L.search_report(shape, gpus, batch, precision, gpu, net.params, per_node,
-                                     kinds, top=args.top, cp_mode=args.cp_mode,
+                                     kinds, top=args.top, failures=failures, cp_mode=args.cp_mode,
                                      capacity_factor=args.moe_capacity_factor)
         except ValueError as exc:
             raise UsageError(str(exc)) from None

@@ -48,7 +48,7 @@ builds it from a shape and a layout) and a `Gpu`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: cuBLAS's largest tensor-core output tile for 16-bit inputs (NVIDIA's GEMM guide, §2.3)
 TILE = (256, 128)
@@ -98,6 +98,8 @@ class Layer:
     top_k: int = 1
     capacity_factor: float = 1.0
     ep: int = 1
+    #: the weight GEMMs in FP8 (one-byte operands at the GPU's FP8 peak), the rest as act_bytes
+    fp8: bool = False
 
     @property
     def tokens(self) -> float:
@@ -134,9 +136,23 @@ def _with_backward(m: float, n: float, k: float, gpu: Gpu, nbytes: float, batch:
     return forward, backward
 
 
+#: η of FP8 GEMMs: DeepGEMM's README (2025-04-18) reports up to 1,550 TFLOP/s of FP8 GEMM on
+#: H800, whose tensor cores are the H100's (1,979 TFLOP/s dense FP8): a best case, not per shape
+FP8_EFFICIENCY = 1550 / 1979
+
+
+def fp8_view(gpu: Gpu) -> Gpu:
+    """The GPU as its FP8 GEMMs see it: the FP8 peak at `FP8_EFFICIENCY`."""
+    if not gpu.fp8_flops:
+        raise ValueError(f"--precision: fp8 needs a GPU with FP8 tensor cores, {gpu.name} has none")
+    return replace(gpu, peak_flops=gpu.fp8_flops, gemm_efficiency=FP8_EFFICIENCY)
+
+
 def linear_seconds(layer: Layer, gpu: Gpu) -> tuple[float, float]:
-    """(forward, backward) seconds of the layer's weight GEMMs."""
+    """(forward, backward) seconds of the layer's weight GEMMs (in FP8 with `layer.fp8`)."""
     t, d, nbytes = layer.tp, layer.hidden, layer.act_bytes
+    if layer.fp8:
+        gpu, nbytes = fp8_view(gpu), 1
     up = (2 if layer.gated else 1) * layer.d_ff / t
     if layer.experts:
         experts = layer.experts / layer.ep

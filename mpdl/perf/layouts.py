@@ -225,17 +225,23 @@ SHAPES: dict[str, Shape] = {
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per parameter of parameters, gradients and optimizer state, and per activation."""
+    """Bytes per parameter of parameters, gradients and optimizer state, and per activation, and
+    whether the weight GEMMs run in FP8."""
 
     name: str
     param: int
     grad: int
     optimizer: int
     activation: int
+    fp8_gemms: bool = False
 
 
-#: the words of `mpdl train --precision`
+#: the words of `mpdl train --precision`, and fp8 (the simulator's only)
 PRECISIONS = {
+    # Transformer Engine's recipe: FP8 GEMM operands with per-tensor scales; parameters,
+    # gradients, the optimizer and the activations kept between layers stay as bf16's
+    "fp8": Precision("fp8 GEMMs, otherwise bf16 with float32 master weights and Adam (K=12)",
+                     2, 2, 12, 2, True),
     "bf16": Precision("bf16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
     "fp16": Precision("fp16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
     "fp32": Precision("float32 Adam", 4, 4, 8, 4),
@@ -593,7 +599,8 @@ def layer_work(shape: Shape, layout: Layout, precision: Precision, moe: bool = F
     return C.Layer(shape.microbatch, shape.seq / layout.cp, shape.seq, shape.hidden, shape.heads,
                    shape.d_kv, shape.d_ff, shape.gated, shape.family, layout.tp, layout.sp,
                    layout.recompute, precision.activation,
-                   shape.experts if moe else 0, shape.top_k, layout.capacity_factor, layout.ep)
+                   shape.experts if moe else 0, shape.top_k, layout.capacity_factor, layout.ep,
+                   precision.fp8_gemms)
 
 
 def compute_parts(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu
@@ -789,7 +796,7 @@ def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
 
 
 def search(shape: Shape, gpus: int, global_batch: int, precision: Precision, gpu: Gpu,
-           params: cm.Params, per_node: int, schedule: str = "1f1b",
+           params: cm.Params, per_node: int, schedule: str | tuple[str, ...] = "1f1b",
            zero_stages: tuple[int, ...] = (0, 1, 2, 3), top: int = 5,
            **axes: Any) -> list[dict[str, Any]]:
     """The fastest layouts of `gpus` GPUs that fit in the GPU's memory, fastest first (see
@@ -799,17 +806,17 @@ def search(shape: Shape, gpus: int, global_batch: int, precision: Precision, gpu
 
 
 def search_report(shape: Shape, gpus: int, global_batch: int, precision: Precision, gpu: Gpu,
-                  params: cm.Params, per_node: int, schedule: str = "1f1b",
+                  params: cm.Params, per_node: int, schedule: str | tuple[str, ...] = "1f1b",
                   zero_stages: tuple[int, ...] = (0, 1, 2, 3), top: int = 5,
-                  **axes: Any) -> dict[str, Any]:
-    """`search`'s rows, how many layouts were tried and did not fit, and the smallest of those
-    that did not (what it would need)."""
+                  failures: G.Failures = G.LLAMA3, **axes: Any) -> dict[str, Any]:
+    """`search`'s rows (goodput under `failures`), how many layouts were tried and did not fit,
+    and the smallest of those that did not (what it would need)."""
     if global_batch % shape.microbatch:
         raise ValueError(f"--global-batch: {global_batch} is not a multiple of the micro-batch "
                          f"{shape.microbatch}")
     fit, too_big = [], []
     for layout in candidates(shape, gpus, global_batch, per_node, schedule, zero_stages, **axes):
-        row = evaluate(shape, layout, precision, gpu, params, per_node)
+        row = evaluate(shape, layout, precision, gpu, params, per_node, failures=failures)
         (fit if row["fits"] else too_big).append(row)
     fit.sort(key=lambda r: (r["step_s"], r["total_bytes"]))
     rows = fit[:top]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mpdl.parallel.pipeline import schedule_ops, timed_bubble
+from mpdl.parallel.pipeline.schedule import check, generate
 from mpdl.perf import layouts as L
 from mpdl.perf import simulate as S
 
@@ -191,6 +192,11 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
                             pipeline_schedule_bubble(pp, mb, schedule), "share of step", 1e-9,
                             source="GPipe / PipeDream-flush: (p-1)/(m+p-1), against an "
                                    "event-by-event timetable"))
+        out.append(_row(f"zero bubble ZB-H1 p={pp} m={mb}", (pp - 1) / (3 * mb + pp - 1),
+                        check(generate("zb-h1", pp, mb)).bubble, "share of step", 1e-9,
+                        source="Qi et al. 2024 (Zero Bubble Pipeline Parallelism), ZB-H1: a "
+                               "bubble of (p-1)(T_F+T_B-T_W), with T_F=T_B=T_W (p-1)/(3m+p-1), "
+                               "against the generator's schedule replayed on a unit clock"))
     for run in S.PUBLISHED:
         r = S.predict_published(run)
         out.append(_row(run.name, run.seconds, r["predicted_s"], "s to train", BAND,

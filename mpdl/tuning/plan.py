@@ -167,12 +167,7 @@ class Plan:
             cell[0] = seq + 1
             entry = FlightEntry(seq, self._info, _time())
             self._slots.append(entry)
-        try:
-            self._run_body()
-        except BaseException:
-            if entry is not None:
-                entry.end, entry.state = _time(), "failed"
-            raise
+        self._run_noting(entry)
         if entry is not None:
             entry.end, entry.state = _time(), "done"
         return self.result if self._finish is None else self._finish()
@@ -201,13 +196,17 @@ class Plan:
             if self._fault and faults.skips(comm.world_rank(comm.rank), self._cell[0]):
                 return
             entry = rec.begin_counted(self._cell, self._info)
+        self._run_noting(entry)
+        self._entry = entry
+
+    def _run_noting(self, entry: FlightEntry | None) -> None:
+        """`_run_body`, marking the flight entry (if any) failed when it raises."""
         try:
             self._run_body()
         except BaseException:
             if entry is not None:
                 entry.end, entry.state = _time(), "failed"
             raise
-        self._entry = entry
 
     def _run_body(self) -> None:
         comm = self.comm

@@ -16,10 +16,10 @@ import pytest
 from mpi4py import MPI
 
 from mpdl.comm import as_communicator
+from mpdl.inference.generation import load_gpt
+from mpdl.inference.serving import serve
 from mpdl.training.config import TrainConfig
-from mpdl.training.generation import load_gpt
 from mpdl.training.loop import Trainer
-from mpdl.training.serving import serve
 
 pytestmark = pytest.mark.mpi
 

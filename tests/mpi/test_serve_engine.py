@@ -9,10 +9,10 @@ import pytest
 from mpi4py import MPI
 
 from mpdl.comm import as_communicator
+from mpdl.inference.engine import Params, replica_engine
+from mpdl.inference.inference import Decoder
+from mpdl.inference.serving import generate_replica
 from mpdl.models.gpt import GPT
-from mpdl.training.engine import Params, replica_engine
-from mpdl.training.inference import Decoder
-from mpdl.training.serving import generate_replica
 
 pytestmark = pytest.mark.mpi
 

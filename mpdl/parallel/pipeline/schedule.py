@@ -386,11 +386,13 @@ def schedule_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
 @dataclasses.dataclass
 class Replay:
     """What a replay of a schedule found: each rank's peak of held chunk activations, the step's
-    length on the unit clock and each rank's idle time in it."""
+    length on the unit clock, each rank's idle time in it, and when each compute op ran (rank,
+    start, duration, op), the data of a drawing."""
 
     peaks: list[int]
     length: float
     idle: list[float]
+    timeline: list[tuple[int, float, float, Op]] = dataclasses.field(default_factory=list)
 
     @property
     def bubble(self) -> float:
@@ -437,6 +439,7 @@ def check(schedule: Schedule) -> Replay:
     done: dict[tuple[str, int, int], float] = {}
     pos, free, live, peaks = [0] * p, [0.0] * p, [0] * p, [0] * p
     busy = [0.0] * p
+    timeline: list[tuple[int, float, float, Op]] = []
     while any(pos[r] < len(ops[r]) for r in range(p)):
         progressed = False
         for r in range(p):
@@ -465,6 +468,7 @@ def check(schedule: Schedule) -> Replay:
                     cost = unit_cost(schedule, r, op)
                     done[(op.kind, op.mb, op.stage)] = free[r] = start + cost
                     busy[r] += cost
+                    timeline.append((r, start, cost, op))
                     ends = op.kind == "W" or (op.kind == "B" and not schedule.split(r, op.mb,
                                                                                      op.stage))
                     live[r] += 1 if op.kind == "F" else -1 if ends else 0
@@ -478,7 +482,7 @@ def check(schedule: Schedule) -> Replay:
     if any(channels.values()) or any(stash.values()):
         raise ValueError("a message is sent and never received")
     length = max(free)
-    return Replay(peaks, length, [length - b for b in busy])
+    return Replay(peaks, length, [length - b for b in busy], timeline)
 
 
 def run_on_threads(schedule: Schedule, timeout: float = 30.0) -> list[int]:

@@ -8,7 +8,7 @@ get none). **Pipeline:** a replica's prompts are cut into micro-batches; stage s
 s+1, the last stage samples the next tokens and sends them back to stage 0, which embeds them at
 the next step. While the last stage samples micro-batch j, stage 0 already runs micro-batch j+1:
 with m ≥ pp micro-batches every stage has work at every step. **Tensor parallel:** every stage's
-blocks are split over its tp ranks (`mpdl.training.inference.Decoder`); all tp ranks of a stage
+blocks are split over its tp ranks (`mpdl.inference.inference.Decoder`); all tp ranks of a stage
 run the same steps and sample the same tokens.
 
 A step of a micro-batch is either a **prefill** or a one-token **decode** step over the KV cache.
@@ -33,9 +33,9 @@ import numpy as np
 
 from mpdl.backend import to_host
 from mpdl.comm import Communicator, MPIComm, as_communicator
+from mpdl.inference.inference import Decoder
 from mpdl.models.gpt import _sample
 from mpdl.parallel.grid import ProcessGrid
-from mpdl.training.inference import Decoder
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from mpdl.backend import get_array_module
-from mpdl.training.inference import Decoder, _softmax_
+from mpdl.inference.inference import Decoder, _softmax_
 
 
 class OutOfPages(Exception):

@@ -10,7 +10,7 @@ Each `Engine.step`:
 2. **schedules** within a token budget: one decode token for every running sequence whose prompt
    is computed, then the rest of the budget for prompt tokens (chunked prefill: a long prompt
    takes several steps while the others keep decoding);
-3. runs the decode rows and the prefill rows (`mpdl.training.paged.forward`), samples a token for
+3. runs the decode rows and the prefill rows (`mpdl.inference.paged.forward`), samples a token for
    every sequence whose last known token was computed, and **retires** the sequences that reached
    max_tokens or a stop string, freeing their pages.
 
@@ -39,11 +39,11 @@ import numpy as np
 
 from mpdl.backend import to_host
 from mpdl.comm import MPIComm
+from mpdl.inference.inference import Decoder
+from mpdl.inference.paged import OutOfPages, PagePool, forward, last_positions, prefix_key
+from mpdl.inference.serving import stage_layers, tp_communicator
 from mpdl.models.gpt import _sample
 from mpdl.parallel.grid import ProcessGrid
-from mpdl.training.inference import Decoder
-from mpdl.training.paged import OutOfPages, PagePool, forward, last_positions, prefix_key
-from mpdl.training.serving import stage_layers, tp_communicator
 
 
 @dataclass

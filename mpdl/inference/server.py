@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from mpdl.training.engine import Engine, Params
-from mpdl.training.generation import check_prompt
+from mpdl.inference.engine import Engine, Params
+from mpdl.inference.generation import check_prompt
 
 _TAG = 52
 
