@@ -15,9 +15,9 @@ import pytest
 from mpdl import collectives as C
 from mpdl import settings
 from mpdl.backend import bfloat16, standin
-from mpdl.collectives.handles import Engine
 from mpdl.comm import CollectiveTimeout
 from mpdl.comm.base import background_is_awaited
+from mpdl.comm.handles import Engine
 from mpdl.threadworld import run_world
 
 OURS = [a for a in C.algorithms("allreduce") if a != "mpi"]

@@ -19,8 +19,8 @@ from mpdl.collectives.api import (
     reduce_scatter,
     reduce_scatter_async,
 )
-from mpdl.collectives.handles import Handle
 from mpdl.collectives.registry import COLLECTIVES, REGISTRY, algorithms
+from mpdl.comm.handles import Handle
 
 __all__ = ["allreduce", "allreduce_async", "reduce_scatter", "reduce_scatter_async",
            "allgather", "allgather_async", "broadcast", "reduce", "algorithms", "Handle",

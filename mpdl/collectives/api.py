@@ -20,9 +20,9 @@ from mpdl.collectives import hook as _hook
 from mpdl.collectives import registry
 from mpdl.collectives.checks import agree as _agree
 from mpdl.collectives.checks import pick as _pick
-from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.ops import check_array, check_op
 from mpdl.comm import Communicator, as_communicator
+from mpdl.comm.handles import Handle, engine_for, run_in_order
 
 
 def _check_root(root: Any, comm: Communicator) -> int:

@@ -15,15 +15,17 @@ All-gather: lg p·α + n(p-1)/p·β; reduce-scatter: lg p·α + n(p-1)/p·(β+γ
 from __future__ import annotations
 
 from mpdl.backend import get_array_module
-from mpdl.collectives.recursive import _real_rank
+from mpdl.collectives.recursive import _halving, _real_rank
 
 
-def _group_firsts(p: int) -> list[int]:
-    """The first real rank (and block) of each member of the folded power-of-two group, and p:
-    member i < rem stands for ranks 2i and 2i+1, member i >= rem for rank i + rem."""
+def _member(p: int, r: int) -> tuple[list[int], bool, int]:
+    """The first real rank (and block) of each member of the folded power-of-two group, and p;
+    whether rank r is one of the folded first 2·rem; and its member index. Member i < rem
+    stands for ranks 2i and 2i+1, member i >= rem for rank i + rem."""
     group = 1 << (p.bit_length() - 1)
     rem = p - group
-    return [2 * i if i < rem else i + rem for i in range(group + 1)]
+    folded = r < 2 * rem
+    return [2 * i if i < rem else i + rem for i in range(group + 1)], folded, r // 2 if folded else r - rem
 
 
 def recursive_doubling_allgather(comm, buf, bounds: list[int]) -> None:
@@ -34,16 +36,14 @@ def recursive_doubling_allgather(comm, buf, bounds: list[int]) -> None:
     p, r = comm.size, comm.rank
     if p == 1:
         return
-    firsts = _group_firsts(p)
+    firsts, folded, me = _member(p, r)
     group = len(firsts) - 1
-    folded = r < 2 * (p - group)
     if folded and r % 2 == 0:
         comm.send(buf[bounds[r]:bounds[r + 1]], r + 1, "fold")
         comm.recv(buf, r + 1, "unfold")
         return
     if folded:
         comm.recv(buf[bounds[r - 1]:bounds[r]], r - 1, "fold")
-    me = r // 2 if folded else r - (p - group)
     distance = 1
     while distance < group:
         partner = me ^ distance
@@ -65,9 +65,8 @@ def recursive_halving_reduce_scatter(comm, buf, reduce, bounds: list[int]) -> No
     p, r = comm.size, comm.rank
     if p == 1:
         return
-    firsts = _group_firsts(p)
+    firsts, folded, me = _member(p, r)
     group = len(firsts) - 1
-    folded = r < 2 * (p - group)
     if folded and r % 2 == 0:
         comm.send(buf, r + 1, "fold")
         comm.recv(buf[bounds[r]:bounds[r + 1]], r + 1, "unfold")
@@ -76,22 +75,6 @@ def recursive_halving_reduce_scatter(comm, buf, reduce, bounds: list[int]) -> No
     if folded:
         comm.recv(tmp[:buf.size], r - 1, "fold")
         reduce(tmp[:buf.size], buf, out=buf)  # the lower rank's data first
-    me = r // 2 if folded else r - (p - group)
-    lo, hi = 0, group  # the members whose blocks this rank still reduces
-    distance = group // 2
-    while distance >= 1:
-        partner, mid = me ^ distance, (lo + hi) // 2
-        keep, give = ((mid, hi), (lo, mid)) if me & distance else ((lo, mid), (mid, hi))
-        kept = buf[bounds[firsts[keep[0]]]:bounds[firsts[keep[1]]]]
-        incoming = tmp[:kept.size]
-        comm.sendrecv(buf[bounds[firsts[give[0]]]:bounds[firsts[give[1]]]],
-                      _real_rank(comm, partner), incoming, _real_rank(comm, partner),
-                      ("halving", distance))
-        if partner < me:
-            reduce(incoming, kept, out=kept)
-        else:
-            reduce(kept, incoming, out=kept)
-        lo, hi = keep
-        distance //= 2
+    _halving(comm, buf, tmp, reduce, [bounds[f] for f in firsts], me, group)
     if folded:
         comm.send(buf[bounds[r - 1]:bounds[r]], r - 1, "unfold")

@@ -34,11 +34,11 @@ def _chunks(offsets: range, size: int) -> list[range]:
     return [offsets[i:i + size] for i in range(0, len(offsets), size)]
 
 
-def pat_allgather(comm, buf, bounds: list[int]) -> None:
-    """All-gather in place: farthest distance first, aggregated blocks, bounded messages."""
+def _walk(comm, buf, bounds: list[int], distances, reduce=None) -> None:
+    """One PAT schedule: at each distance d, offsets j = 0, 2d, 4d, … < p-d travel in aggregated
+    messages. Without `reduce` (all-gather) offset j goes to rank r-d and offset j+d is copied in
+    from r+d; with it (reduce-scatter) offset j+d goes to r+d and is reduced into offset j."""
     p, r = comm.size, comm.rank
-    if p == 1:
-        return
     xp = get_array_module(buf)
     per_message = _aggregate(buf, bounds)
     room = per_message * _largest_block(bounds)
@@ -49,55 +49,36 @@ def pat_allgather(comm, buf, bounds: list[int]) -> None:
         rank %= p
         return buf[bounds[rank]:bounds[rank + 1]]
 
-    distance = 1 << ((p - 1).bit_length() - 1)  # the largest power of two below p
-    while distance >= 1:
+    for distance in distances:
+        gives, gets = (0, distance) if reduce is None else (distance, 0)
+        to = r - distance if reduce is None else r + distance
         for chunk in _chunks(range(0, p - distance, 2 * distance), per_message):
             sent = received = 0
             for j in chunk:
-                mine = block(r + j)
-                outgoing[sent:sent + mine.size] = mine
-                sent += mine.size
-                received += block(r + distance + j).size
-            comm.sendrecv(outgoing[:sent], (r - distance) % p, incoming[:received],
-                          (r + distance) % p, ("pat", distance, chunk.start))
+                given = block(r + gives + j)
+                outgoing[sent:sent + given.size] = given
+                sent += given.size
+                received += block(r + gets + j).size
+            comm.sendrecv(outgoing[:sent], to % p, incoming[:received],
+                          (2 * r - to) % p, ("pat", distance, chunk.start))
             at = 0
             for j in chunk:
-                theirs = block(r + distance + j)
-                theirs[...] = incoming[at:at + theirs.size]
-                at += theirs.size
-        distance //= 2
+                got = block(r + gets + j)
+                if reduce is None:
+                    got[...] = incoming[at:at + got.size]
+                else:
+                    reduce(got, incoming[at:at + got.size], out=got)
+                at += got.size
+
+
+def pat_allgather(comm, buf, bounds: list[int]) -> None:
+    """All-gather in place: farthest distance first, aggregated blocks, bounded messages."""
+    if comm.size > 1:
+        _walk(comm, buf, bounds, [1 << k for k in reversed(range((comm.size - 1).bit_length()))])
 
 
 def pat_reduce_scatter(comm, buf, reduce, bounds: list[int]) -> None:
     """Reduce-scatter in place: the all-gather's schedule backwards, nearest distance first;
     afterwards block r of rank r holds the reduced values."""
-    p, r = comm.size, comm.rank
-    if p == 1:
-        return
-    xp = get_array_module(buf)
-    per_message = _aggregate(buf, bounds)
-    room = per_message * _largest_block(bounds)
-    outgoing = comm.workspace("pat.out", room, buf.dtype, xp)
-    incoming = comm.workspace("pat.in", room, buf.dtype, xp)
-
-    def block(rank: int):
-        rank %= p
-        return buf[bounds[rank]:bounds[rank + 1]]
-
-    distance = 1
-    while distance < p:
-        for chunk in _chunks(range(0, p - distance, 2 * distance), per_message):
-            sent = received = 0
-            for j in chunk:
-                given = block(r + distance + j)
-                outgoing[sent:sent + given.size] = given
-                sent += given.size
-                received += block(r + j).size
-            comm.sendrecv(outgoing[:sent], (r + distance) % p, incoming[:received],
-                          (r - distance) % p, ("pat", distance, chunk.start))
-            at = 0
-            for j in chunk:
-                acc = block(r + j)
-                reduce(acc, incoming[at:at + acc.size], out=acc)
-                at += acc.size
-        distance *= 2
+    if comm.size > 1:
+        _walk(comm, buf, bounds, [1 << k for k in range((comm.size - 1).bit_length())], reduce)

@@ -42,6 +42,29 @@ def _real_rank(comm, new_rank: int) -> int:
     return 2 * new_rank + 1 if new_rank < rem else new_rank + rem
 
 
+def _halving(comm, buf, tmp, reduce, edges: list[int], me: int, group: int) -> tuple[int, int]:
+    """Recursive halving over a power-of-two group whose member i holds buf[edges[i]:edges[i+1]]:
+    each step sends the half the partner keeps and reduces the other; returns the members
+    (lo, hi) whose range this rank ends up holding reduced."""
+    lo, hi = 0, group
+    distance = group // 2
+    while distance >= 1:
+        partner, mid = me ^ distance, (lo + hi) // 2
+        keep, give = ((mid, hi), (lo, mid)) if me & distance else ((lo, mid), (mid, hi))
+        kept = buf[edges[keep[0]]:edges[keep[1]]]
+        incoming = tmp[:kept.size]
+        comm.sendrecv(buf[edges[give[0]]:edges[give[1]]], _real_rank(comm, partner),
+                      incoming, _real_rank(comm, partner), ("halving", distance))
+        # Canonical order (lower rank's data first) keeps every rank's result bit-identical.
+        if partner < me:
+            reduce(incoming, kept, out=kept)
+        else:
+            reduce(kept, incoming, out=kept)
+        lo, hi = keep
+        distance //= 2
+    return lo, hi
+
+
 def recursive_doubling_allreduce(comm, buf, reduce) -> None:
     """All-reduce in lg p steps; each step swaps the whole buffer with the partner at distance 2^k."""
     if comm.size == 1:
@@ -73,25 +96,7 @@ def rabenseifner_allreduce(comm, buf, reduce) -> None:
         bounds = block_bounds(buf.size, group)
         tmp = comm.workspace("rab.incoming", (buf.size + 1) // 2 + group, buf.dtype,
                              get_array_module(buf))
-        lo, hi = 0, group  # the range of blocks this rank is still responsible for
-        distance = group // 2
-        while distance >= 1:
-            partner = me ^ distance
-            mid = (lo + hi) // 2
-            if me & distance:
-                keep, give = (mid, hi), (lo, mid)
-            else:
-                keep, give = (lo, mid), (mid, hi)
-            kept = buf[bounds[keep[0]]:bounds[keep[1]]]
-            incoming = tmp[: kept.size]
-            comm.sendrecv(buf[bounds[give[0]]:bounds[give[1]]], _real_rank(comm, partner),
-                          incoming, _real_rank(comm, partner), ("halving", distance))
-            if partner < me:
-                reduce(incoming, kept, out=kept)
-            else:
-                reduce(kept, incoming, out=kept)
-            lo, hi = keep
-            distance //= 2
+        lo, hi = _halving(comm, buf, tmp, reduce, bounds, me, group)
         distance = 1
         while distance < group:
             partner = me ^ distance

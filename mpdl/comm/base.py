@@ -51,7 +51,7 @@ _blocked_lock = threading.Lock()
 @contextlib.contextmanager
 def blocked_on_background() -> Iterator[None]:
     """Mark the calling thread, for the block, as blocked until work on a communication thread
-    finishes (`mpdl.collectives.handles.Handle.wait`): nobody then needs the GIL or the core that
+    finishes (`mpdl.comm.handles.Handle.wait`): nobody then needs the GIL or the core that
     a background wait would leave them, and background waits poll without pausing."""
     with _blocked_lock:
         _blocked[0] += 1
@@ -164,7 +164,7 @@ class Communicator:
     recorder: list | None = None
     #: the flight recorder of this process (mpdl.comm.flight), or None
     flight: Any = None
-    #: the communication thread of mpdl.collectives.handles (started on first asynchronous call)
+    #: the communication thread of mpdl.comm.handles (started on first asynchronous call)
     _engine: Any = None
 
     def __init__(self) -> None:

@@ -42,8 +42,8 @@ import mpdl.autograd.functional as F
 from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
 from mpdl.collectives import allgather, alltoall, reduce_scatter
-from mpdl.collectives.handles import Handle, engine_for
 from mpdl.comm import Communicator
+from mpdl.comm.handles import Handle, engine_for
 
 CP_MODES = ("ring", "allgather", "ulysses")
 CP_BALANCES = ("zigzag", "contiguous")

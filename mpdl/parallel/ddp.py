@@ -43,9 +43,9 @@ from mpdl import memory, mpi_runtime
 from mpdl.backend import get_array_module
 from mpdl.collectives import shm
 from mpdl.collectives.checks import pick
-from mpdl.collectives.handles import Handle, engine_for, run_in_order
 from mpdl.collectives.registry import resolve
 from mpdl.comm import Communicator, as_communicator
+from mpdl.comm.handles import Handle, engine_for, run_in_order
 from mpdl.parallel import flat
 from mpdl.parallel.compression import GradientCompression, make_compression
 from mpdl.tuning import Plan, allreduce_init

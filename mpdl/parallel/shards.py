@@ -24,9 +24,9 @@ import numpy as np
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, is_low_precision, to_host
 from mpdl.collectives import allgather, allreduce
-from mpdl.collectives.handles import Handle
 from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator
+from mpdl.comm.handles import Handle
 from mpdl.tuning import Plan
 
 

@@ -56,8 +56,8 @@ import numpy as np
 from mpdl import memory
 from mpdl.backend import get_array_module
 from mpdl.collectives import algorithms, allreduce, reduce_scatter
-from mpdl.collectives.handles import Handle, engine_for
 from mpdl.comm import Communicator
+from mpdl.comm.handles import Handle, engine_for
 from mpdl.parallel import flat
 from mpdl.parallel.flat import broadcast_model
 from mpdl.parallel.shards import (

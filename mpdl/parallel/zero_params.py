@@ -31,8 +31,8 @@ from mpdl.autograd import nn
 from mpdl.autograd.recompute import recomputing
 from mpdl.autograd.tensor import Function, Tensor, is_grad_enabled
 from mpdl.collectives import allgather
-from mpdl.collectives.handles import Handle
 from mpdl.comm import Communicator
+from mpdl.comm.handles import Handle
 from mpdl.parallel import flat
 from mpdl.parallel.shards import Unit, placeholder
 from mpdl.parallel.zero_recorder import ZeroRecorder

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 
 from mpdl import settings
 from mpdl.collectives import registry
-from mpdl.collectives.handles import run_in_order
 from mpdl.collectives.hook import simple_choice
+from mpdl.comm.handles import run_in_order
 from mpdl.tuning import costmodel, firstuse
 
 _serial = itertools.count()
