@@ -33,6 +33,7 @@ class ExactPipeline(PipelineStrategy):
                  algorithm: str = "auto", atoms: int = DEFAULT_ATOMS) -> None:
         super().__init__(comm, dp=dp, pp=pp, microbatches=microbatches, algorithm=algorithm)
         self.atoms = int(atoms)
+        self.microbatches = self.atoms  # one per atom: the receive cache keeps a step's receives
         #: this step's gradients of the stage's parameters, one flat array per atom
         self.atom_grads: list[np.ndarray] = []
 
