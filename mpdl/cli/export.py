@@ -20,8 +20,9 @@ from safetensors import SafetensorError
 
 from mpdl.cli import UsageError
 from mpdl.cli.output import is_rank0
+from mpdl.inference.generation import gpt_checkpoint
 from mpdl.models.nanogpt import export_state
-from mpdl.training.checkpoint import CheckpointError, load_checkpoint
+from mpdl.training.checkpoint import CheckpointError
 from mpdl.training.hf import export_hf
 
 
@@ -40,15 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        model_state, _, state = load_checkpoint(args.checkpoint)
+        model_state, info = gpt_checkpoint(args.checkpoint)
     except CheckpointError as exc:
         raise UsageError(f"--checkpoint: {exc}") from None
-    info = state.get("model_info")
-    if not info or info.get("name") != "gpt":
-        model = state.get("config", {}).get("model", "?")  # a section, or before them a name
-        model = model.get("name", "?") if isinstance(model, dict) else model
-        raise UsageError(f"--checkpoint: {args.checkpoint}: not a GPT checkpoint (written by mpdl "
-                         f"train --model {model})")
     out = Path(args.out)
     if not out.absolute().parent.is_dir():
         raise UsageError(f"OUT: {args.out}: the folder {out.absolute().parent} does not exist")

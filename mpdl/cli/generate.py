@@ -71,6 +71,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the table of timings after the texts (always with --prompts)")
 
 
+def ready_to_serve(comm: Any, model: Any, args: argparse.Namespace) -> tuple[int, int, int]:
+    """The (dp, pp, tp) layout of --dp/--pp/--tp over the world, checked against the model (a
+    UsageError if it does not fit), with the model in evaluation mode and BLAS on one thread."""
+    try:
+        layout = check_layout(comm.size, model.n_head, model.n_layer, args.dp, args.pp, args.tp)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    limit_blas_threads()
+    model.eval()
+    return layout
+
+
 def read_prompts(path: str, vocab: str) -> list[str]:
     """The prompts of a file, one per line; ValueError naming --prompts for a file that cannot be
     read or is empty, an empty line or a character outside the vocabulary."""
@@ -116,13 +128,7 @@ def run(args: argparse.Namespace) -> int:
         message = str(exc)
         raise UsageError(message if message.startswith("--") else f"--{message}") from None
     comm = as_communicator(None)
-    try:
-        dp, pp, tp = check_layout(comm.size, model.n_head, model.n_layer, args.dp, args.pp,
-                                  args.tp)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    limit_blas_threads()
-    model.eval()
+    dp, pp, tp = ready_to_serve(comm, model, args)
     prompts = [[vocab.index(ch) for ch in text] for text in texts]
     sequences, figures = serve(comm, model, prompts, args.max_new_tokens, dp, pp, tp,
                                args.temperature, args.top_k, args.seed, args.microbatches)

@@ -18,11 +18,10 @@ import threading
 from pathlib import Path
 
 from mpdl.cli import UsageError
-from mpdl.cli.train import limit_blas_threads
+from mpdl.cli.generate import ready_to_serve
 from mpdl.comm import as_communicator
 from mpdl.inference.engine import replica_engine
 from mpdl.inference.generation import load_gpt
-from mpdl.inference.serving import check_layout
 from mpdl.training.checkpoint import CheckpointError
 
 
@@ -74,13 +73,7 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         raise UsageError(f"--checkpoint: {exc}") from None
     comm = as_communicator(None)
-    try:
-        dp, pp, tp = check_layout(comm.size, model.n_head, model.n_layer, args.dp, args.pp,
-                                  args.tp)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    limit_blas_threads()
-    model.eval()
+    dp, pp, tp = ready_to_serve(comm, model, args)
     block_pages = math.ceil(model.block_size / args.page_size)
     if args.kv_pages is not None and args.kv_pages < block_pages:
         raise UsageError(f"--kv-pages: expected at least a block's worth, {block_pages} pages of "

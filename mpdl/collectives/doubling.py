@@ -18,14 +18,15 @@ from mpdl.backend import get_array_module
 from mpdl.collectives.recursive import _halving, _real_rank
 
 
-def _member(p: int, r: int) -> tuple[list[int], bool, int]:
+def _member(p: int, r: int) -> tuple[list[int], int, bool, int]:
     """The first real rank (and block) of each member of the folded power-of-two group, and p;
-    whether rank r is one of the folded first 2·rem; and its member index. Member i < rem
-    stands for ranks 2i and 2i+1, member i >= rem for rank i + rem."""
+    the group's size; whether rank r is one of the folded first 2·rem; and its member index.
+    Member i < rem stands for ranks 2i and 2i+1, member i >= rem for rank i + rem."""
     group = 1 << (p.bit_length() - 1)
     rem = p - group
     folded = r < 2 * rem
-    return [2 * i if i < rem else i + rem for i in range(group + 1)], folded, r // 2 if folded else r - rem
+    firsts = [2 * i if i < rem else i + rem for i in range(group + 1)]
+    return firsts, group, folded, r // 2 if folded else r - rem
 
 
 def recursive_doubling_allgather(comm, buf, bounds: list[int]) -> None:
@@ -36,8 +37,7 @@ def recursive_doubling_allgather(comm, buf, bounds: list[int]) -> None:
     p, r = comm.size, comm.rank
     if p == 1:
         return
-    firsts, folded, me = _member(p, r)
-    group = len(firsts) - 1
+    firsts, group, folded, me = _member(p, r)
     if folded and r % 2 == 0:
         comm.send(buf[bounds[r]:bounds[r + 1]], r + 1, "fold")
         comm.recv(buf, r + 1, "unfold")
@@ -65,8 +65,7 @@ def recursive_halving_reduce_scatter(comm, buf, reduce, bounds: list[int]) -> No
     p, r = comm.size, comm.rank
     if p == 1:
         return
-    firsts, folded, me = _member(p, r)
-    group = len(firsts) - 1
+    firsts, group, folded, me = _member(p, r)
     if folded and r % 2 == 0:
         comm.send(buf, r + 1, "fold")
         comm.recv(buf[bounds[r]:bounds[r + 1]], r + 1, "unfold")

@@ -187,15 +187,13 @@ def double_tree_allreduce(comm, buf, reduce) -> None:
     down_sends = []
     # Process segments of both trees in one global order; sends never block, so no cycle can form.
     for step in range(max(len(s) for s in segs)):
-        for t in (0, 1):
-            if step >= len(segs[t]):
-                continue
-            a, b = segs[t][step]
-            part = halves[t][a:b]
-            parent, children = trees[t][comm.rank]
+        # each tree's segment of this step (its part of the buffer) and this rank's place in it
+        live = [(t, halves[t][a:b], *trees[t][comm.rank])
+                for t in (0, 1) if step < len(segs[t]) for a, b in [segs[t][step]]]
+        for t, part, parent, children in live:
             acc = accumulator(part, len(children))
             for child in sorted(children):
-                incoming = tmp[: b - a]
+                incoming = tmp[:part.size]
                 comm.recv(incoming, child, ("up", t, step))
                 if child < comm.rank:
                     reduce(incoming, acc, out=acc)
@@ -204,12 +202,7 @@ def double_tree_allreduce(comm, buf, reduce) -> None:
             settle(part, acc)
             if parent is not None:
                 up_sends[t].append(comm.isend(part, parent, ("up", t, step)))
-        for t in (0, 1):
-            if step >= len(segs[t]):
-                continue
-            a, b = segs[t][step]
-            part = halves[t][a:b]
-            parent, children = trees[t][comm.rank]
+        for t, part, parent, children in live:
             if parent is not None:
                 comm.waitall([up_sends[t][step]])  # the buffer is rewritten below
                 comm.recv(part, parent, ("down", t, step))

@@ -15,8 +15,8 @@ from mpdl.models.gpt import GPT
 from mpdl.training.checkpoint import CheckpointError, load_checkpoint
 
 
-def load_gpt(directory: str | Path) -> tuple[GPT, dict[str, Any]]:
-    """The GPT of a checkpoint and its `model_info`; CheckpointError when there is no whole
+def gpt_checkpoint(directory: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A GPT checkpoint's model state and `model_info`; CheckpointError when there is no whole
     checkpoint in directory or it is not a GPT's."""
     model_state, _, state = load_checkpoint(directory)
     info = state.get("model_info")
@@ -25,6 +25,13 @@ def load_gpt(directory: str | Path) -> tuple[GPT, dict[str, Any]]:
         model = model.get("name", "?") if isinstance(model, dict) else model
         raise CheckpointError(f"{directory}: not a GPT checkpoint (written by mpdl train --model "
                               f"{model})")
+    return model_state, info
+
+
+def load_gpt(directory: str | Path) -> tuple[GPT, dict[str, Any]]:
+    """The GPT of a checkpoint and its `model_info`; CheckpointError when there is no whole
+    checkpoint in directory or it is not a GPT's."""
+    model_state, info = gpt_checkpoint(directory)
     model = GPT(len(info["vocab"]), info["block_size"], info["n_layer"], info["n_head"],
                 info["n_embd"], dtype=np.dtype(info["dtype"]))
     model.load_state_dict(model_state)

@@ -20,7 +20,8 @@ from mpdl.autograd.tensor import Tensor
 from mpdl.collectives import broadcast
 from mpdl.comm import Communicator
 from mpdl.parallel.deterministic import DEFAULT_ATOMS, exact_sum
-from mpdl.parallel.pipeline.executor import Microbatches, PipelineStrategy
+from mpdl.parallel.pipeline.driver import Microbatches
+from mpdl.parallel.pipeline.executor import PipelineStrategy
 from mpdl.parallel.pipeline.recorder import PipelineRecorder
 from mpdl.parallel.strategy import Batch, StepResult, correct_predictions
 

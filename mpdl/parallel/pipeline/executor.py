@@ -21,8 +21,9 @@ a copy into a kept buffer, which costs more than it saves from 64 KiB: benchmark
 Gradients add up over the microbatches and are then all-reduced over the data-parallel axis
 (mpdl's all-reduce, any algorithm). Every message is an mpdl point-to-point message or
 collective, so the recorder, the flight recorder and the timeline see them; `verbose` prints each
-one (picotron's VERBOSE). `step` reads as the algorithm (`_forward`: receive, run the stage, loss
-or send; `_backward`: receive, backward, send); the step's timeline spans, idle and compute
+one (picotron's VERBOSE). The ops and their messages are run by `ScheduleRunner`
+(`mpdl.parallel.pipeline.driver`: `_forward`: receive, run the stage, loss or send; `_backward`:
+receive, backward, send), which the strategy extends; the step's timeline spans, idle and compute
 seconds and peaks of activations held are kept by a `PipelineRecorder`
 (`mpdl.parallel.pipeline.recorder`).
 
@@ -41,22 +42,19 @@ slices and the final LayerNorm's output leaves them."""
 from __future__ import annotations
 
 import collections
-import dataclasses
-import sys
 from typing import Any
 
 import numpy as np
 
-from mpdl import memory
 from mpdl.autograd import functional as F
 from mpdl.autograd import no_grad
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module
 from mpdl.collectives import allreduce, broadcast
 from mpdl.comm import Communicator, PersistentRequest
-from mpdl.models.moe import aux_loss_scale
 from mpdl.parallel.context import shard_sequence
 from mpdl.parallel.grid import ProcessGrid
+from mpdl.parallel.pipeline.driver import Microbatches, ScheduleRunner
 from mpdl.parallel.pipeline.recorder import PipelineRecorder
 from mpdl.parallel.pipeline.schedule import (
     SCHEDULES,
@@ -71,52 +69,9 @@ from mpdl.parallel.pipeline.stage import PipelineStage
 from mpdl.parallel.pipeline.state import PipelineState
 from mpdl.parallel.strategy import Batch, StepResult, Strategy, correct_predictions
 
-#: what a receive's verbose line calls each kind of message
-_WHAT = {"act": "activation", "grad": "gradient"}
-
-
-@dataclasses.dataclass
-class Microbatches:
-    """One step's batch cut into microbatches on one stage, and what each microbatch holds from
-    its forward to its backward."""
-
-    batch: Batch
-    #: each microbatch's rows of the batch (contiguous)
-    parts: list[Any]
-    #: the stage's array module
-    xp: Any
-    #: each stage's output (per-sample shape, dtype): what the next stage receives
-    shapes: list[tuple[tuple[int, ...], Any]]
-    #: the received activations (leaves: their gradients go back to the previous stage)
-    inputs: dict[int, Tensor] = dataclasses.field(default_factory=dict)
-    #: the stage outputs (on the last stage the scaled loss) until their backward
-    outputs: dict[int, Tensor] = dataclasses.field(default_factory=dict)
-    #: the sends' (request, buffer), kept alive until the end of the step
-    sends: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
-    #: the step's schedule, and for each peer the messages it sends this rank, in order
-    schedule: Schedule | None = None
-    incoming: dict[int, Any] = dataclasses.field(default_factory=dict)
-    #: messages received before the op that needs them (sent earlier on the same channel)
-    early: dict[tuple[str, int, int], Any] = dataclasses.field(default_factory=dict)
-    #: outputs and input gradients passed between two stages of this rank
-    handed: dict[tuple[str, int, int], Any] = dataclasses.field(default_factory=dict)
-    #: the weight-gradient halves of split backwards, until their W
-    later: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
-    #: the gradient each loss's backward starts from (None: one)
-    seed: Any = None
-
-    def rows(self, a: Any, j: int) -> Any:
-        """Microbatch j's rows of `a` (the batch's inputs or labels)."""
-        idx = self.parts[j]
-        return a[idx[0]:idx[-1] + 1] if len(idx) else a[:0]
-
-    def share(self, j: int) -> float:
-        """Microbatch j's share of the global batch (the scale of its loss)."""
-        return len(self.parts[j]) / self.batch.global_size
-
 
 # -- the strategy --------------------------------------------------------------------------------
-class PipelineStrategy(PipelineStage, PipelineState, Strategy):
+class PipelineStrategy(ScheduleRunner, PipelineStage, PipelineState, Strategy):
     """Pipeline parallelism over the pp axis of a (dp, pp, cp, tp) grid, tensor parallelism of
     the GPT's blocks over tp (`mpdl.parallel.tensor_parallel`), context parallelism of its attention over
     cp (`mpdl.parallel.context`: each cp rank holds a slice of every sequence and its part of
@@ -235,56 +190,6 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
             self._shapes[key] = shapes
         return self._shapes[key]
 
-    def _say(self, text: str) -> None:
-        if self.verbose:
-            print(f"[rank {self.comm.rank} stage {self.stage} dp {self.grid.d}] {text}",
-                  file=sys.stderr, flush=True)
-
-    def _send(self, buf: Any, s: int, what: str, j: int, mb: Microbatches,
-              record: PipelineRecorder) -> None:
-        """Start sending microbatch j's activation (the output of stage s) or gradient (of stage
-        s's input) to the rank of the next or previous stage (non-blocking: the request and its
-        buffer are kept in `mb.sends` until the end of the step)."""
-        rank = self.rank_of[s + 1 if what == "act" else s - 1]
-        self._say(f"send {what} mb {j} of stage {s} -> rank {rank} ({buf.nbytes} bytes)")
-        record.send(what, j, rank, buf.nbytes)
-        mb.sends.append((self.grid.pp_comm.isend(buf, rank, step=(what, j, s)), buf))
-
-    def _take(self, mb: Microbatches, what: str, j: int, s: int) -> Any:
-        """Microbatch j's activation (the output of stage s) or gradient (of stage s's input),
-        received from the rank of that stage: the messages its rank sent before it on the same
-        channel are received first and kept for their own ops."""
-        want = (what, j, s)
-        peer = self.rank_of[s]
-        while want not in mb.early:
-            kind, i, t = mb.incoming[peer].popleft()
-            shape, dtype = mb.shapes[t if kind == "act" else t - 1]
-            mb.early[(kind, i, t)] = self._recv(mb.xp, (len(mb.parts[i]), *shape),
-                                                self.message_dtype or dtype, peer, kind, i, t)
-        return mb.early.pop(want)
-
-    def _recv(self, xp: Any, shape: tuple[int, ...], dtype: Any, rank: int, what: str,
-              j: int, s: int) -> Any:
-        """Receive microbatch j's activation or gradient of stage s from `rank` into this rank's
-        buffer for it: one persistent receive per (what, j, s, shape, dtype), kept from step to
-        step (a step's inputs and output gradients are done with before the next step
-        receives)."""
-        self._say(f"recv {_WHAT[what]} mb {j} of stage {s} <- rank {rank}")
-        key = (what, j, s, shape, np.dtype(dtype).str, rank)
-        request = self._receives.get(key)
-        if request is None:
-            # those of two batch sizes are kept (an epoch's batches and its short last one)
-            if len(self._receives) >= 4 * self.microbatches * self.v:
-                for r in self._receives.values():
-                    r.free()
-                self._receives.clear()
-            buf = xp.empty(shape, dtype=dtype)
-            memory.hold(buf, "communication")
-            request = self._receives[key] = self.grid.pp_comm.recv_init(buf, rank,
-                                                                        step=(what, j, s))
-        self.grid.pp_comm.waitall([request.start()])
-        return request.buf
-
     def _schedule(self, m: int) -> Schedule:
         """The step's schedule for m microbatches (a short batch whose count the schedule does
         not allow runs all forwards, then all backwards, on the same stages)."""
@@ -301,13 +206,7 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
         self.optimizer.lr = batch.lr
         mb = self._microbatches(batch)
         order = list(mb.schedule.ranks[self.stage]) if mb.parts else []
-        for op in order:
-            if op.kind == "F":
-                self._forward(mb, op.mb, op.stage, record)
-            elif op.kind == "B":
-                self._backward(mb, op.mb, op.stage, record)
-            else:
-                self._weights(mb, op.mb, op.stage, record)
+        self._run(mb, order, record)
         self._update(mb, record)
         self._share_metrics(record.result)
         result = record.close()
@@ -349,100 +248,6 @@ class PipelineStrategy(PipelineStage, PipelineState, Strategy):
         `lockstep_microbatches`)."""
         return [p for p in np.array_split(np.arange(len(batch.y)), self.microbatches)
                 if len(p) or self.lockstep_microbatches]
-
-    def _forward(self, mb: Microbatches, j: int, s: int, record: PipelineRecorder) -> None:
-        """Op F j s: microbatch j's input through stage s's pieces; the last stage takes the
-        loss, the others hand the output to the next stage (a send unless this rank holds it)."""
-        record.op_begins()
-        h = self._stage_input(mb, j, s)
-        record.compute_begins()
-        # as the loss (MoE layers), times fp16's loss scale
-        with aux_loss_scale(mb.share(j) * getattr(self.optimizer, "loss_scale", 1.0)):
-            for piece in self.all_pieces[self.bounds[s]:self.bounds[s + 1]]:
-                h = piece(h)
-        record.compute_ends()
-        mb.outputs[(j, s)] = h
-        if s == len(self.rank_of) - 1:
-            mb.outputs[(j, s)] = self._microbatch_loss(h, mb, j, record.result)
-        elif self.rank_of[s + 1] == self.stage:
-            mb.handed[("act", j, s)] = h.data
-        else:
-            self._send(self._message(h.data), s, "act", j, mb, record)
-        received = s > 0 and self.rank_of[s - 1] != self.stage
-        record.forward_done(j, h.data.nbytes, self.rank_of[s - 1] if received else None,
-                            self._chunk(s))
-
-    def _chunk(self, s: int) -> int | None:
-        """Stage s as the timeline names it: None where a rank holds one stage."""
-        return None if self.v == 1 else s
-
-    def _stage_input(self, mb: Microbatches, j: int, s: int) -> Tensor:
-        """Microbatch j's input to stage s: its rows of the batch on the first stage, else the
-        previous stage's output, received or handed on by this rank (a leaf whose gradient goes
-        back)."""
-        if s == 0:
-            return Tensor(self._local(mb.rows(mb.batch.x, j)))
-        dtype = mb.shapes[s - 1][1]
-        if self.rank_of[s - 1] == self.stage:
-            buf = mb.handed.pop(("act", j, s - 1))
-        else:
-            buf = self._take(mb, "act", j, s - 1)
-        mb.inputs[(j, s)] = Tensor(buf.astype(dtype, copy=False), requires_grad=True)
-        return mb.inputs[(j, s)]
-
-    def _microbatch_loss(self, logits: Tensor, mb: Microbatches, j: int,
-                         result: StepResult) -> Tensor:
-        """Microbatch j's loss scaled by its share of the global batch (backward starts from
-        it); its loss, correct predictions and samples add up in `result`."""
-        n = len(mb.parts[j])
-        if not n:  # an empty microbatch's backward still runs (lockstep_microbatches)
-            return logits.sum() * 0.0
-        loss, correct = self._loss(logits, mb.rows(mb.batch.y, j))
-        result.loss += float(loss.item()) * n
-        result.correct += correct
-        result.samples += n
-        return loss * (mb.share(j) * getattr(self.optimizer, "loss_scale", 1.0))
-
-    def _backward(self, mb: Microbatches, j: int, s: int, record: PipelineRecorder) -> None:
-        """Op B j s: backward from microbatch j's output of stage s (the last stage's from its
-        loss, the others' with the gradient from the next stage), then its input's gradient to
-        the previous stage; where the schedule has a W for it, the weights' gradients wait."""
-        out = mb.outputs.pop((j, s))
-        split = mb.schedule.split(self.stage, j, s)
-        received = s < len(self.rank_of) - 1 and self.rank_of[s + 1] != self.stage
-        grad = mb.seed
-        if s < len(self.rank_of) - 1:
-            record.op_begins()
-            grad = self._take(mb, "grad", j, s + 1) if received else \
-                mb.handed.pop(("grad", j, s + 1))
-            grad = grad.astype(out.data.dtype, copy=False)
-        record.compute_begins()
-        if split:
-            mb.later[(j, s)] = out.backward_split(grad, self._stage_weights(s))
-        else:
-            out.backward(grad)
-        record.compute_ends()
-        if s > 0:
-            g = mb.inputs.pop((j, s)).grad
-            if self.rank_of[s - 1] == self.stage:
-                mb.handed[("grad", j, s)] = g
-            else:
-                self._send(self._message(g), s, "grad", j, mb, record)
-        record.backward_done(j, self.rank_of[s + 1] if received else None, self._chunk(s),
-                             weights_later=split)
-
-    def _weights(self, mb: Microbatches, j: int, s: int, record: PipelineRecorder) -> None:
-        """Op W j s: the weight gradients of microbatch j's backward through stage s."""
-        record.compute_begins()
-        mb.later.pop((j, s)).run()
-        record.compute_ends()
-        record.weights_done(j, self._chunk(s))
-
-    def _stage_weights(self, s: int) -> list[Any]:
-        """The parameters stage s's pieces use (the head its tied embedding too)."""
-        pieces = self.all_pieces[self.bounds[s]:self.bounds[s + 1]]
-        tied = [t for t in (getattr(piece, "tied", None) for piece in pieces) if t is not None]
-        return [*self._params_of(s), *tied]
 
     def _update(self, mb: Microbatches, record: PipelineRecorder) -> None:
         """Wait for the step's sends, sum the gradients and take the optimizer step."""
