@@ -125,9 +125,18 @@ def test_mpi_variants_time_the_library_s_own_algorithms_beside_mpdl_s(tmp_path, 
     assert "mpdl / the library's same algorithm" in out.stdout
 
 
-def test_a_bad_flag_is_one_line_from_rank_0_alone():
+BAD_LR = ("mpdl train: error: argument --lr: invalid float value: 'abc' "
+          "(mpdl train --help lists the options)\n")
+
+
+def test_a_bad_flag_is_reported_with_one_line_from_rank_0_alone():
     """argparse's error, without its usage block, once for the whole job (not once per rank)."""
     out = run(3, ["train", "--lr", "abc"])
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr == ("mpdl train: error: argument --lr: invalid float value: 'abc' "
-                          "(mpdl train --help lists the options)\n")
+    assert out.stderr == BAD_LR
+
+
+def test_a_bad_flag_reaches_stderr_once_under_every_mpi():
+    """Under any launcher (Open MPI's adds a paragraph of its own), rank 0's line is there, once."""
+    out = run(3, ["train", "--lr", "abc"])
+    assert out.returncode != 0 and out.stderr.count(BAD_LR) == 1, out.stderr

@@ -79,7 +79,7 @@ def _train(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
-def test_train_refuses_an_edited_state_json_and_orphan_arrays_in_one_line(tmp_path):
+def test_train_refuses_an_edited_state_json_and_orphan_arrays_with_one_line(tmp_path):
     d = tmp_path / "D"
     assert _train("--checkpoint", str(d)).returncode == 0
     _edit(d, lambda s: s.update(step=3))
