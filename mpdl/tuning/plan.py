@@ -535,13 +535,13 @@ def allreduce_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any =
     into `plan.result` (out, or an array the plan allocates) and returns it. With algorithm
     "mpi" it is a persistent MPI_Allreduce_init, which every rank must plan and start alike, under
     MPICH; other libraries may reduce in another order in their persistent collectives than in
-    MPI_Allreduce (Open MPI does, for float16), so there the plan keeps the blocking call."""
+    MPI_Allreduce (Open MPI does, for float16), so there the plan makes the one-shot call."""
     return _allreduce_plan(x, op, algorithm, comm, out, persistent=True)
 
 
 def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
                     persistent: bool) -> Plan:
-    """allreduce_init; without `persistent`, "mpi" stays the blocking MPI_Allreduce (a cached
+    """allreduce_init; without `persistent`, "mpi" makes the one-shot call (a cached
     plan on one rank must match a one-shot call on another). With algorithm "auto" and the
     settings' verify_runs, the plan times auto's choice against its contenders on its first runs
     (`mpdl.tuning.verify`)."""
@@ -619,10 +619,9 @@ def _allreduce_runner(call: checks.Call, algo: registry.Algorithm, persistent: b
         mpi_op = getattr(MPI, {"avg": "SUM"}.get(op, op.upper()))
         replayed = _REPLAYED.get(algo.name)
         if algo.name == "mpi" and not (persistent and _persistent_matches_blocking(MPI)):
-            # MPI reads x itself (the library's copy into out, then the same reduction as in
-            # place), called with no Python frame of ours between
-            fast = functools.partial(c.mpi.Allreduce, xflat if copy else MPI.IN_PLACE, flat,
-                                     mpi_op)
+            # the one-shot call's own nonblocking MPI_Iallreduce under the deadline (go): Open
+            # MPI reduces in another order in MPI_Iallreduce than in MPI_Allreduce
+            fast = None
         elif algo.name == "mpi":
             request = (c.mpi.Allreduce_init(MPI.IN_PLACE, flat, op=mpi_op) if out is x else
                        c.mpi.Allreduce_init(xflat, flat, op=mpi_op))
