@@ -136,19 +136,14 @@ def saturating(name: str, rate: float, batch: int, half_batch: float, bytes_per_
                     bytes_per_param=bytes_per_param, source=source)
 
 
-#: samples' worth of fixed time per step (see `saturating`): the least-squares line through the
-#: latency of ResNet-50 v1.5 at batch 1-128 in NVIDIA DeepLearningExamples (MXNet, mixed
-#: precision, 20.12 container), taken for training as for inference: V100 16GB 2.87 ms + 0.272 ms
-#: per image (10.6 images), A100 80GB 2.37 ms + 0.170 ms per image (13.9 images)
+#: samples' worth of fixed time per step (see `saturating`), from NVIDIA's published ResNet-50
+#: latencies (derivation: docs/results/simulate.md, "Where the profiles' constants come from")
 HALF_BATCH = {"v100": 10.6, "a100": 13.9}
 
-#: Goyal et al. 2017, §5.5 (Fig. 7): an epoch at a batch of 11k on 352 GPUs takes 30 s,
-#: ceil(1,281,167 / 11,264) = 114 iterations, and the time per iteration is 12% above that of a
-#: batch of 256 on 8 GPUs (one server; an epoch there "over 16 minutes"): one server's iteration
-#: of 32 images a GPU, everything in it, is 30 / 114 / 1.12 = 0.235 s
+#: one server's iteration of 32 images a GPU in Goyal et al. 2017, §5.5 (derivation: the journal's
+#: "Where the profiles' constants come from")
 GOYAL_SERVER_ITERATION_S = 30.0 / math.ceil(IMAGENET_TRAIN / 11264) / 1.12
-#: Goyal et al. 2017, §4.3: "Backwards pass time for ResNet-50 on a single NVIDIA Tesla
-#: P100 GPU is 120 ms" (32 images, the per-GPU batch of the paper)
+#: the published backward of ResNet-50 on one P100 at 32 images (Goyal et al. 2017, §4.3)
 GOYAL_BACKWARD_S = 0.120
 
 PROFILES: dict[str, Workload] = {
@@ -522,9 +517,8 @@ class Published:
     note: str = ""
 
 
-#: Jia et al. ran on Tesla P40s, which have no published ResNet-50 training rate beside the paper:
-#: taken as a P100's compute of 32 images, Goyal et al.'s backward (120 ms, §4.3) and a forward of
-#: half of it (P40: 12 TFLOP/s fp32, P100 SXM2: 10.6), with fp16 gradients
+#: Jia et al.'s P40s have no published ResNet-50 rate: a P100's, as the journal's "Where the
+#: profiles' constants come from" says why
 RESNET50_P40 = Workload("resnet50-p40", RESNET50_PARAMS, sample_s=1.5 * GOYAL_BACKWARD_S / 32,
                         bytes_per_param=2,
                         source="assumed: a P100's backward of 32 images (120 ms, Goyal et al. "
