@@ -2,8 +2,8 @@
 
 Per message size, the algorithms take turns in rounds (A A A B B B C C C, A A A B B B ...), so a
 noisy machine that drifts treats them alike, while each call follows a call of the same algorithm,
-as in nccl-tests' loops: a call that follows another algorithm's (whose buffers and messages left
-the caches and the scheduler in another state) ran 1.11-1.37x slower at p=3 and 4 on 2 cores. Each
+as in nccl-tests' loops: a call that follows another algorithm's runs slower (its buffers and
+messages left the caches and the scheduler in another state; docs/benchmarks.md). Each
 turn starts with one untimed call. One iteration is: MPI barrier, start the clock, call, stop the
 clock; with `loop` > 1 (`mpdl bench --loop`), the clock runs over that many calls back to back
 with no barrier between them, OSU-style, and the time is per call (the output array is then
