@@ -37,7 +37,7 @@ from mpdl import settings
 from mpdl.tuning import auto, measuring
 
 #: the collectives whose plans verify auto's choice
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+VERIFIED = ("allreduce", "reduce_scatter", "allgather")
 #: a contender replaces the choice when its fastest run is at most this fraction of the choice's
 SWITCH = 0.9
 #: the contenders: every candidate the cost model predicts within this factor of the choice's time
