@@ -1,8 +1,8 @@
 """The docs name only code that exists: every repository path in the pages (mpdl/..., tests/...,
 benchmarks/..., tools/..., notebooks/...), every `file.py:name` and `file.py::test_name`, every
 `mpdl.module.name`, every name written as a link to a file ([`ring.ring_allreduce`](ring.py)),
-every `module.name` or `Class.member` of mpdl's and every test named by its function (`test_...`). A page that teaches a code path must stay true when
-the code moves."""
+every `module.name` or `Class.member` of mpdl's and every test named by its function
+(`test_...`). A page that teaches a code path must stay true when the code moves."""
 
 from __future__ import annotations
 
