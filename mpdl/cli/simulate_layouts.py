@@ -251,8 +251,10 @@ def run_published(args: argparse.Namespace) -> int:
     print(f"{'published figure':<54} {'published':>10} {'predicted':>10} {'ratio':>6} "
           f"{'band':>6} ok   unit")
     for r in rows:
+        # a floor ("over 90%") passes from ratio 1 up: its band is printed +x%
+        band = f"+{r['band']:.0%}" if r.get("bound") == "lower" else f"{r['band']:.0%}"
         print(f"{r['name']:<54} {r['published']:>10.4g} {r['predicted']:>10.4g} "
-              f"{r['ratio']:>6.3f} {r['band']:>6.0%} {'yes' if r['ok'] else 'NO ':<4} {r['unit']}")
+              f"{r['ratio']:>6.3f} {band:>6} {'yes' if r['ok'] else 'NO ':<4} {r['unit']}")
     if args.json:
         write_json_lines(args.json, rows)
     return 0
