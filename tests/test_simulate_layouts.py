@@ -511,3 +511,12 @@ def test_fp8_zero3_gathers_one_byte_a_parameter():
     assert L.zero_working_bytes(unit, fp8, 3) == 3 * unit
     assert L.zero_working_bytes(unit, fp8, 1) == L.zero_working_bytes(unit, MIXED, 1) == 0
     assert L.zero_working_bytes(unit, MIXED, 3) == 4 * unit
+
+
+def test_dualpipe_bubble_rows():
+    rows = {r["name"]: r for r in P.rows(search=False)}
+    # (PP/2 − 1)(F&B + B − 3W) at F = W = 1, B = 2, F&B = 3, by hand: 3·2 and 7·2
+    for name, figure in (("DualPipeV bubble, 8 stages on 4 ranks, m=10", 6.0),
+                         ("DualPipeV bubble, 16 stages on 8 ranks, m=20", 14.0)):
+        assert rows[name]["published"] == figure
+        assert rows[name]["predicted"] == figure and rows[name]["ok"]
