@@ -31,7 +31,7 @@ class Comm:
     entries are (kind, step, source, dest, bytes) when installed."""
 
     rank = 1
-    recorder: list | None = None
+    message_log: list | None = None
 
     def world_rank(self, rank: int) -> int:
         return rank
@@ -97,21 +97,21 @@ def test_the_bytes_this_rank_sent_are_counted_per_step_from_its_own_message_log(
     comm = Comm()
     r = ZeroRecorder(comm)
     r.begin()                                   # installs a log on the communicator
-    comm.recorder += [("send", 0, 1, 0, 100), ("send", 0, 0, 1, 7), ("send", 0, 1, 2, 20)]
+    comm.message_log += [("send", 0, 1, 0, 100), ("send", 0, 0, 1, 7), ("send", 0, 1, 2, 20)]
     r.finish(StepResult(), [])
-    assert comm.recorder is None                # its own log goes with each step
+    assert comm.message_log is None                # its own log goes with each step
     r.begin()
-    comm.recorder.append(("send", 1, 1, 0, 30))
+    comm.message_log.append(("send", 1, 1, 0, 30))
     r.finish(StepResult(), [])
     assert r.sent_bytes_per_step() == (120 + 30) / 2
 
 
 def test_a_log_installed_by_someone_else_is_read_from_where_the_step_began_and_kept():
     comm = Comm()
-    comm.recorder = [("send", 0, 1, 0, 1000)]   # before the step: not counted
+    comm.message_log = [("send", 0, 1, 0, 1000)]   # before the step: not counted
     r = ZeroRecorder(comm)
     r.begin()
-    comm.recorder.append(("send", 1, 1, 0, 8))
+    comm.message_log.append(("send", 1, 1, 0, 8))
     r.finish(StepResult(), [])
     assert r.sent_bytes_per_step() == 8
-    assert len(comm.recorder) == 2
+    assert len(comm.message_log) == 2

@@ -136,19 +136,19 @@ class ZeroRecorder:
     # -- bytes sent --------------------------------------------------------------------------------
     def _message_log(self) -> tuple[list[Any], int]:
         """The communicator's message recorder (installed if there is none) and its length."""
-        if self.comm.recorder is None:
+        if self.comm.message_log is None:
             try:
-                self.comm.recorder = []
+                self.comm.message_log = []
                 self._own_messages = True
             except AttributeError:  # a sub-communicator: its parent's recorder
                 return [], 0
-        return self.comm.recorder, len(self.comm.recorder)
+        return self.comm.message_log, len(self.comm.message_log)
 
     def _count_sent(self) -> None:
         me = self.comm.world_rank(self.comm.rank)
         sent = sum(entry[4] for entry in self._messages[self._first_message:] if entry[2] == me)
         if self._own_messages:  # the recorder this step installed goes with it (the next step's
             del self._messages[:]  # begin() installs it again): nothing else records after us
-            self.comm.recorder, self._own_messages = None, False
+            self.comm.message_log, self._own_messages = None, False
         self._sent += sent
         self._steps += 1
