@@ -1,8 +1,8 @@
 """The docs name only code that exists: every repository path in the pages (mpdl/..., tests/...,
 benchmarks/..., tools/..., notebooks/...), every `file.py:name` and `file.py::test_name`, every
-`mpdl.module.name`, every name written as a link to a file ([`ring.ring_allreduce`](ring.py)) and
-every test named by its function (`test_...`). A page that teaches a code path must stay true when
-the code moves."""
+`mpdl.module.name`, every name written as a link to a file ([`ring.ring_allreduce`](ring.py)),
+every `module.name` or `Class.member` of mpdl's and every test named by its function
+(`test_...`). A page that teaches a code path must stay true when the code moves."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ LINKED = re.compile(r"\[`([A-Za-z_][\w.]*)(?:\(\))?`\]"
                     r"\((?:\.\./)*((?:mpdl|tests|benchmarks|tools)/[\w/.-]+\.py)\)")
 #: a dotted name in the mpdl package: `mpdl.tuning.verify` or `mpdl.perf.bench.run`
 DOTTED = re.compile(r"`(mpdl(?:\.[A-Za-z_]\w*)+)(?:\(\))?`")
+#: a backticked attribute of an mpdl module or class: `ring.ring_allreduce`, `DDP.finish`
+ATTRIBUTE = re.compile(r"`([A-Za-z_]\w*)\.([A-Za-z_]\w*)[\w.]*(?:\(\))?`")
+#: module names that name something else in the pages: the TOML file's sections (`config.optim.lr`)
+#: and mpi4py's communicator (`comm.Allreduce`)
+NOT_MODULES = {"config", "comm"}
 #: a test named by its function (two words at least: `test_acc` is a column of the training table)
 TEST = re.compile(r"`(test_[A-Za-z0-9]+_\w+)`(?!\*)")
 
@@ -71,6 +76,36 @@ def module_file(dotted: list[str]) -> tuple[Path, list[str]] | None:
 
 
 @cache
+def mpdl_index() -> tuple[dict[str, list[Path]], dict[str, list[tuple[set[str], set[str]]]]]:
+    """mpdl's modules by their file's stem, and its classes by name: (members, base names) each,
+    members being methods, class attributes and the attributes their methods set on self."""
+    modules: dict[str, list[Path]] = {}
+    classes: dict[str, list[tuple[set[str], set[str]]]] = {}
+    for f in sorted((ROOT / "mpdl").rglob("*.py")):
+        if f.name != "__init__.py":
+            modules.setdefault(f.stem, []).append(f)
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ClassDef):
+                members = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+                members |= {n.id for s in node.body if isinstance(s, (ast.Assign, ast.AnnAssign))
+                            for n in ast.walk(s) if isinstance(n, ast.Name)}
+                members |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                            and isinstance(n.value, ast.Name) and n.value.id == "self"
+                            and isinstance(n.ctx, ast.Store)}
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                classes.setdefault(node.name, []).append((members, bases))
+    return modules, classes
+
+
+def has_member(cls: str, name: str, seen: frozenset[str] = frozenset()) -> bool:
+    """Whether an mpdl class of that name, or one of its bases, has the member."""
+    classes = mpdl_index()[1]
+    return any(name in members or any(has_member(b, name, seen | {cls}) for b in bases
+                                      if b in classes and b not in seen)
+               for members, bases in classes.get(cls, []))
+
+
+@cache
 def defined_tests() -> frozenset[str]:
     """The test functions under tests/."""
     return frozenset(m for f in (ROOT / "tests").rglob("*.py")
@@ -97,6 +132,13 @@ def missing_in(page: Path) -> list[str]:
         found = module_file(dotted.split("."))
         if found is None or (found[1] and not defines(found[0], ".".join(found[1]))):
             wrong.append(f"{where}: {dotted} does not exist")
+    modules, classes = mpdl_index()
+    for owner, name in ATTRIBUTE.findall(text):
+        if owner in classes and not has_member(owner, name):
+            wrong.append(f"{where}: {owner}.{name}: no {name} in class {owner}")
+        elif owner not in classes and owner not in NOT_MODULES and name != "py" \
+                and len(modules.get(owner, [])) == 1 and not defines(modules[owner][0], name):
+            wrong.append(f"{where}: {owner}.{name}: no {name} in {modules[owner][0].relative_to(ROOT)}")
     wrong += [f"{where}: no test {name} in tests/" for name in TEST.findall(text)
               if name not in defined_tests()]
     return wrong
@@ -109,7 +151,8 @@ def test_checks_find_what_is_missing(tmp_path):
                     "mpdl/collectives/ring.py:gone, mpdl/nowhere.py, tests/test_layers.py, mpdl/torch, "
                     "[`ring.py`](../mpdl/collectives/ring.py), "
                     "`mpdl.collectives.ring.ring_allreduce`, `mpdl.collectives.nothing`, "
-                    "`test_no_such_test`, `tests/mpi/test_*.py`, `test_fp16_*`\n")
+                    "`test_no_such_test`, `tests/mpi/test_*.py`, `test_fp16_*`, `ring.ring_allgather`, "
+                    "`ring.gone`, `Ledger.hold`, `Ledger.gone`, `DistributedSampler.position`\n")
     try:
         wrong = missing_in(page)
     finally:
@@ -117,7 +160,9 @@ def test_checks_find_what_is_missing(tmp_path):
     assert [w.split(": ", 1)[1] for w in wrong] == [
         "mpdl/collectives/ring.py:gone: no gone there", "mpdl/nowhere.py does not exist",
         "[ring.no_such](mpdl/collectives/ring.py): no ring.no_such there",
-        "mpdl.collectives.nothing does not exist", "no test test_no_such_test in tests/"]
+        "mpdl.collectives.nothing does not exist", "ring.no_such: no no_such in mpdl/collectives/ring.py",
+        "ring.gone: no gone in mpdl/collectives/ring.py",
+        "Ledger.gone: no gone in class Ledger", "no test test_no_such_test in tests/"]
 
 
 def test_docs_name_only_code_that_exists():

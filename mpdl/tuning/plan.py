@@ -214,7 +214,7 @@ class Plan:
         try:
             fast = self._fast
             # (a fast schedule exists only on an MPIComm, which always has link_delay)
-            if fast is not None and comm.recorder is None and comm.link_delay is None:
+            if fast is not None and comm.message_log is None and comm.link_delay is None:
                 fast()
             else:
                 self._go()
@@ -582,7 +582,7 @@ def _verifying(plan: Plan, names: tuple[str, ...],
 
     def runner(name: str):
         go, fast, _ = built[name]
-        return lambda: (fast if fast is not None and c.recorder is None
+        return lambda: (fast if fast is not None and c.message_log is None
                         and c.link_delay is None else go)()
 
     def settle(name: str) -> None:

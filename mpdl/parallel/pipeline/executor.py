@@ -20,7 +20,7 @@ sends stay ordinary sends of the arrays backward and forward made (a persistent 
 a copy into a kept buffer, which costs more than it saves from 64 KiB: benchmarks/bench_p2p.py).
 Gradients add up over the microbatches and are then all-reduced over the data-parallel axis
 (mpdl's all-reduce, any algorithm). Every message is an mpdl point-to-point message or
-collective, so the recorder, the flight recorder and the timeline see them; `verbose` prints each
+collective, so the message log, the flight recorder and the timeline see them; `verbose` prints each
 one (picotron's VERBOSE). The ops and their messages are run by `ScheduleRunner`
 (`mpdl.parallel.pipeline.driver`: `_forward`: receive, run the stage, loss or send; `_backward`:
 receive, backward, send), which the strategy extends; the step's timeline spans, idle and compute
