@@ -342,7 +342,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(head)
     print_rows([row], f"# {layout.gpus} GPUs; step: compute {row['compute_s']:.3f} s, tensor "
-                      f"parallel {row['tp_comm_s']:.3f} s ({row['tp_exposed_s']:.3f} s exposed), pipeline sends {row['pp_comm_s']:.3f} s, "
+                      f"parallel {row['tp_comm_s']:.3f} s ({row['tp_exposed_s']:.3f} s exposed), "
+                      f"pipeline sends {row['pp_comm_s']:.3f} s, "
                       f"context parallel {row['cp_comm_s']:.3f} s ({row['cp_exposed_s']:.3f} s "
                       f"exposed), experts' all-to-all {row['ep_comm_s']:.3f} s, bubble "
                       f"{row['bubble_s']:.3f} s, data parallel {row['dp_comm_s']:.3f} s "
