@@ -202,6 +202,7 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
                         source="Qi et al. 2024 (Zero Bubble Pipeline Parallelism), ZB-H1: a "
                                "bubble of (p-1)(T_F+T_B-T_W), with T_F=T_B=T_W (p-1)/(3m+p-1), "
                                "against the generator's schedule replayed on a unit clock"))
+    out += dualpipe_rows()
     for run in S.PUBLISHED:
         r = S.predict_published(run)
         out.append(_row(run.name, run.seconds, r["predicted_s"], "s to train", BAND,
@@ -218,6 +219,31 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
     out.append(_row("Yamazaki et al. 2019 throughput", 1.73e6,
                     YAMAZAKI.global_batch / r["step_s"], "images/s", BAND,
                     source=YAMAZAKI.result))
+    return out
+
+
+def dualpipe_formula(stages: int, b: float, w: float, fb: float) -> float:
+    """The bubble of DualPipe and DualPipeV (PP stages; on PP/2 ranks in a V) in the DeepSeek-V3
+    report's Table 2: (PP/2 − 1)(F&B + B − 3W), B a chunk's full backward, W its weight gradient,
+    F&B an overlapped forward and backward pair."""
+    return (stages / 2 - 1) * (fb + b - 3 * w)
+
+
+def dualpipe_rows() -> list[dict[str, Any]]:
+    """DualPipeV's bubble from the schedule generator, its pairs overlapped (`check(overlap=True)`),
+    on the unit clock (F = W = 1, B = 2, F&B = F + B: the overlap hides communication, the two
+    computations still take their time), against DeepSeek's formula: the README's example of 4
+    ranks (8 stages) and 10 micro-batches, and DeepSeek-V3's 16 stages on 8 ranks."""
+    src = ("DeepSeek-V3 technical report (arXiv 2412.19437), Table 2, and "
+           "github.com/deepseek-ai/DualPipe README: DualPipeV bubble (PP/2-1)(F&B+B-3W), at "
+           "F = W = 1, B = 2, F&B = 3, against the generator's schedule replayed with its pairs "
+           "overlapped")
+    out = []
+    for ranks, m in ((4, 10), (8, 20)):
+        replay = check(generate("dualpipev", ranks, m), overlap=True)
+        out.append(_row(f"DualPipeV bubble, {2 * ranks} stages on {ranks} ranks, m={m}",
+                        dualpipe_formula(2 * ranks, 2, 1, 3), max(replay.idle),
+                        "forward-chunk times idle", 1e-9, source=src))
     return out
 
 
