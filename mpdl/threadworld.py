@@ -1,8 +1,8 @@
 """An in-process world of p ranks, one thread each, with queues instead of MPI.
 
 The same collective code that runs over mpi4py runs here, so tests can check every algorithm for
-p = 1..32 in seconds, notebooks can run and draw an algorithm without mpiexec, and the recorder
-captures each message (collective, step, source, destination, bytes) for the cost model.
+p = 1..32 in seconds, notebooks can run and draw an algorithm without mpiexec, and the message
+log holds each message (collective, step, source, destination, bytes) for the cost model.
 It is a test and teaching double: every algorithm is also tested over real MPI.
 """
 
@@ -74,7 +74,7 @@ class ThreadComm(Communicator):
         self.rank = rank
         self.size = world.size
         self._own_calls = 0
-        self.recorder = world.schedule
+        self.message_log = world.schedule
 
     def _isend(self, buf: Any, dest: int, step: Any) -> Request:
         if not 0 <= dest < self.size:

@@ -68,9 +68,11 @@ def test_readme_results_section_short():
     assert n <= RESULTS_CAP, f"README's results section has {n} lines, over {RESULTS_CAP}"
 
 
-#: a figure with a unit of time or of throughput, what a comment carrying a run's timing shows
-#: (not a link spec such as inter=10Gbit/s,20us, whose latency follows a comma)
-TIMING = re.compile(r"(?<![\w.,=-])\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)? ?(?:ms|µs|us|ns|s|[GMK]i?B/s)\b")
+#: a figure with a unit of time or of throughput, or a measured ratio of speeds ("1.1-1.4x
+#: slower"), what a comment carrying a run's timing shows (not a link spec such as
+#: inter=10Gbit/s,20us, whose latency follows a comma)
+TIMING = re.compile(r"(?<![\w.,=-])\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)? ?(?:ms|µs|us|ns|s|[GMK]i?B/s)\b"
+                    r"|(?<![\w.])\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)? ?[x×] (?:slower|faster|the time)")
 TIMING_CAP = 10
 
 
@@ -92,8 +94,9 @@ def timing_lines(source: str) -> list[int]:
 
 def test_timing_lines_finds_comments_and_docstrings():
     source = ('"""Module.\n\nTook 9 us on 2 ranks."""\nx = 1  # 3.4-3.6 ms a call\ny = "5 ms"  # a reason\n'
-              'z = 2  # e.g. inter=10Gbit/s,20us\n')
-    assert timing_lines(source) == [3, 4]
+              'z = 2  # e.g. inter=10Gbit/s,20us\nw = 3  # ran 1.11-1.37x slower\nv = 4  # a 3×3 kernel\n'
+              'def f():\n    """Takes 1.10-1.15× the time of MKL\'s."""\n')
+    assert timing_lines(source) == [3, 4, 7, 10]
 
 
 def test_few_comments_carry_timings():

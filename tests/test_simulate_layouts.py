@@ -482,7 +482,41 @@ def test_fp8_gemms_at_the_fp8_peak():
     assert rows[1]["compute_gemm_s"] < 0.51 * rows[0]["compute_gemm_s"]
     assert rows[1]["compute_attention_s"] == rows[0]["compute_attention_s"]
     assert 1 < rows[0]["step_s"] / rows[1]["step_s"] < 2
-    for gpu in ("h200", "b200"):
+    for gpu, peak in (("h200", "1979 TFLOP/s FP8 peak"), ("b200", "4500 TFLOP/s FP8 peak")):
         out = _mpdl("--model-shape", "llama3-405b", "--gpu", gpu, "--tp", "8", "--pp", "8",
                     "--dp", "16", "--precision", "fp8")
         assert out.returncode == 0 and "fp8 GEMMs" in out.stdout, out.stderr
+        # the header names the peak the GEMMs run at
+        assert peak in out.stdout.splitlines()[0]
+
+
+def test_fp8_zero3_gathers_one_byte_a_parameter():
+    from mpdl.tuning import costmodel as cm
+    shape, h100, fp8 = L.SHAPES["gpt2-small"], L.GPUS["h100-80gb"], L.PRECISIONS["fp8"]
+    n = L.params_per_gpu(shape, L.Layout())
+
+    def ring(nbytes):  # one ring all-reduce over 16 ranks on 2 nodes
+        return cm.predict("allreduce", "ring", int(round(nbytes)), 16, 2, SELENE.params, "float16")
+
+    rows = {(p, z): L.step(shape, L.Layout(dp=16, zero=z, microbatches=2), L.PRECISIONS[p],
+                           h100, SELENE.params, 8) for p in ("bf16", "fp8") for z in (1, 3)}
+    # stage 3: the gradients' reduce-scatter in bf16, the two all-gathers of the parameters
+    # (before the forward, again for the backward) in FP8: half a ring all-reduce each
+    assert rows["bf16", 3]["dp_comm_s"] == pytest.approx(1.5 * ring(2 * n))
+    assert rows["fp8", 3]["dp_comm_s"] == pytest.approx(0.5 * ring(2 * n) + ring(n))
+    # stages 1 and 2 gather the bf16 parameters the optimizer updated, with or without FP8 GEMMs
+    assert rows["fp8", 1]["dp_comm_s"] == rows["bf16", 1]["dp_comm_s"] == pytest.approx(ring(2 * n))
+    # and a gathered layer is held in FP8 beside its bf16 gradient
+    unit = shape.layer_params
+    assert L.zero_working_bytes(unit, fp8, 3) == 3 * unit
+    assert L.zero_working_bytes(unit, fp8, 1) == L.zero_working_bytes(unit, MIXED, 1) == 0
+    assert L.zero_working_bytes(unit, MIXED, 3) == 4 * unit
+
+
+def test_dualpipe_bubble_rows():
+    rows = {r["name"]: r for r in P.rows(search=False)}
+    # (PP/2 − 1)(F&B + B − 3W) at F = W = 1, B = 2, F&B = 3, by hand: 3·2 and 7·2
+    for name, figure in (("DualPipeV bubble, 8 stages on 4 ranks, m=10", 6.0),
+                         ("DualPipeV bubble, 16 stages on 8 ranks, m=20", 14.0)):
+        assert rows[name]["published"] == figure
+        assert rows[name]["predicted"] == figure and rows[name]["ok"]

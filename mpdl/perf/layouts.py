@@ -225,8 +225,9 @@ SHAPES: dict[str, Shape] = {
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per parameter of parameters, gradients and optimizer state, and per activation, and
-    whether the weight GEMMs run in FP8."""
+    """Bytes per parameter of parameters, gradients and optimizer state, and per activation,
+    whether the weight GEMMs run in FP8, and the bytes per parameter ZeRO-3's all-gathers of
+    the parameters move (0: the parameters' own)."""
 
     name: str
     param: int
@@ -234,14 +235,21 @@ class Precision:
     optimizer: int
     activation: int
     fp8_gemms: bool = False
+    zero3_gather: float = 0
+
+    def gathered(self, zero: int) -> float:
+        """Bytes per parameter an all-gather of the parameters moves under ZeRO stage `zero`."""
+        return self.zero3_gather if zero == 3 and self.zero3_gather else self.param
 
 
 #: the words of `mpdl train --precision`, and fp8 (the simulator's only)
 PRECISIONS = {
     # Transformer Engine's recipe: FP8 GEMM operands with per-tensor scales; parameters,
-    # gradients, the optimizer and the activations kept between layers stay as bf16's
+    # gradients, the optimizer and the activations kept between layers stay as bf16's. ZeRO-3
+    # gathers the weights already cast to FP8 (torchao's float8 all-gather for FSDP2: one byte a
+    # parameter, one float32 scale a tensor)
     "fp8": Precision("fp8 GEMMs, otherwise bf16 with float32 master weights and Adam (K=12)",
-                     2, 2, 12, 2, True),
+                     2, 2, 12, 2, True, zero3_gather=1),
     "bf16": Precision("bf16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
     "fp16": Precision("fp16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
     "fp32": Precision("float32 Adam", 4, 4, 8, 4),
@@ -481,7 +489,7 @@ def zero_working_bytes(unit_params: float, precision: Precision, zero: int) -> f
     if zero == 2:
         return unit_params * precision.grad
     if zero == 3:
-        return unit_params * (precision.param + precision.grad)
+        return unit_params * (precision.gathered(zero) + precision.grad)
     return 0.0
 
 
@@ -650,22 +658,22 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     per_node_replicas = max(1, per_node // (layout.tp * layout.cp * layout.pp))
     dp_nodes = math.ceil(layout.dp / per_node_replicas)
     ranks = layout.dp * layout.cp
-    dense_bytes, expert_bytes = dense * precision.grad, experts * precision.grad
-    expert_ranks = ranks // layout.ep
-    expert_nodes = math.ceil(dp_nodes / layout.ep)
-    dp_s = _allreduce(dense_bytes, ranks, dp_nodes, params) \
-        + _allreduce(expert_bytes, expert_ranks, expert_nodes, params)
-    if layout.zero == 3:
+
+    def both(per_param: float, dense_ranks: int, nodes: int) -> float:
+        """A ring all-reduce of the dense and of the expert parameters at `per_param` bytes."""
+        return _allreduce(dense * per_param, dense_ranks, nodes, params) \
+            + _allreduce(experts * per_param, max(1, dense_ranks // layout.ep),
+                         math.ceil(nodes / layout.ep), params)
+
+    # ZeRO gathers the parameters after the optimizer step (stage 3: before the first forward),
+    # half a ring all-reduce of their bytes (FP8 ones under stage 3 with fp8), that no backward
+    # hides; the gradients' reduce-scatter is the other half of DDP's all-reduce
+    after = 0.5 * both(precision.gathered(layout.zero), ranks, dp_nodes) if layout.zero else 0.0
+    dp_s = (0.5 if layout.zero else 1.0) * both(precision.grad, ranks, dp_nodes) + after
+    if layout.zero == 3:  # the parameters gathered again for the backward, in the shard group
         group_nodes = math.ceil(layout.shard / layout.cp / per_node_replicas)
-        dp_s += 0.5 * (_allreduce(dense_bytes, layout.shard, group_nodes, params)
-                       + _allreduce(expert_bytes, max(1, layout.shard // layout.ep),
-                                    math.ceil(group_nodes / layout.ep), params))
+        dp_s += 0.5 * both(precision.gathered(3), layout.shard, group_nodes)
     window = (2 / 3) * compute_mb if (overlap and layout.pp == 1) else 0.0
-    # ZeRO gathers the parameters after the optimizer step (stage 3: before the first forward):
-    # half an all-reduce that no backward hides
-    after = 0.5 * (_allreduce(dense_bytes, ranks, dp_nodes, params)
-                   + _allreduce(expert_bytes, expert_ranks, expert_nodes, params)) \
-        if layout.zero else 0.0
     dp_exposed = after + max(0.0, dp_s - after - window)
     total = pipeline_s + dp_exposed
     global_batch = layout.dp * m * b

@@ -1,7 +1,7 @@
 """Pipeline parallelism: `schedule` (which op each stage runs when: plain data), `stage` (the
 model cut into stages, each rank's built), `executor` (the strategy and its step), `driver` (a
 rank's ops of the schedule and their messages), `state` (the whole model gathered, checkpoints),
-`recorder` (a step's figures) and `exact` (the deterministic pipeline: `mpdl train
+`meter` (a step's figures) and `exact` (the deterministic pipeline: `mpdl train
 --deterministic --pp`)."""
 
 from mpdl.parallel.pipeline.driver import Microbatches
