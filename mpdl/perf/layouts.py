@@ -267,22 +267,22 @@ GPUS = {
                      "(t, p) = (1, 1), 32 GPUs, 137 TFLOP/s"),
     "a100-40gb": Gpu("a100-40gb", 312e12, 40 * GB, 1555e9, 108, 0.7471,
                      "A100 SXM4 40GB data sheet: 1,555 GB/s HBM2; otherwise as a100-80gb"),
-    "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GB, 3350e9, 132, 0.7699,
+    "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GB, 3350e9, 132, 0.7269,
                      "H100 SXM5 data sheet: 989 TFLOP/s dense bf16 tensor cores, 3.35 TB/s HBM3, "
                      "132 SMs; eta from Megatron-LM's README, H100 model table: the 1.7B GPT, "
                      "(t, p, d) = (1, 1, 48), 408.8 TFLOP/s", fp8_flops=1979e12),
     # eta of the three below: H100's, assumed (no published one-GPU GEMM rate to source it from)
-    "h200": Gpu("h200", 989e12, 141 * GB, 4800e9, 132, 0.7699,
+    "h200": Gpu("h200", 989e12, 141 * GB, 4800e9, 132, 0.7269,
                       "H200 SXM data sheet (nvidia.com/h200): 1,979 TFLOP/s bf16 and 3,958 FP8 "
                       "with sparsity (989 and 1,979 dense), 141 GB HBM3e at 4.8 TB/s, NVLink 900 "
                       "GB/s both ways, 8 on an HGX board; the H100's die (132 SMs), eta as h100",
                       fp8_flops=1979e12, nvlink_domain=8),
-    "b200": Gpu("b200", 2250e12, 180 * GB, 8000e9, 148, 0.7699,
+    "b200": Gpu("b200", 2250e12, 180 * GB, 8000e9, 148, 0.7269,
                       "DGX B200 data sheet (nvidia.com/dgx-b200): 8 GPUs, 1,440 GB HBM3e at 64 "
                       "TB/s, 72 PFLOP/s FP8 training with sparsity (4.5 dense a GPU; bf16 half: "
                       "2.25), NVLink 14.4 TB/s (1.8 TB/s a GPU both ways); 148 SMs; eta of h100 "
                       "assumed", fp8_flops=4500e12, nvlink_domain=8),
-    "gb200": Gpu("gb200", 2500e12, 186 * GB, 8000e9, 148, 0.7699,
+    "gb200": Gpu("gb200", 2500e12, 186 * GB, 8000e9, 148, 0.7269,
                  "GB200 NVL72 data sheet (nvidia.com/gb200-nvl72): 72 Blackwell GPUs on one NVLink "
                  "domain, 360 PFLOP/s bf16 and 720 FP8 with sparsity (2.5 and 5 dense a GPU), up "
                  "to 13.4 TB HBM3e (186 GB a GPU) at 576 TB/s (8 TB/s a GPU), NVLink 130 TB/s "
@@ -315,6 +315,12 @@ class Layout:
     capacity_factor: float = 1.0
     #: interleaved pipeline: model chunks per GPU (Narayanan et al. 2021)
     virtual: int = 1
+    #: tensor-parallel collectives cut into chunks and pipelined with the GEMMs beside them
+    #: (Megatron-Core's --tp-comm-overlap, PyTorch's async TP)
+    tp_overlap: bool = False
+    #: ZeRO's parameter all-gather prefetched behind the forward (Megatron-Core's
+    #: --overlap-param-gather, FSDP's prefetch)
+    gather_overlap: bool = False
 
     @property
     def gpus(self) -> int:
@@ -339,6 +345,10 @@ class Layout:
             text += f" m{self.microbatches} {self.schedule}"
             if self.virtual > 1:
                 text += f" v{self.virtual}"
+        if self.tp_overlap and self.tp > 1:
+            text += " tp-overlap"
+        if self.gather_overlap and self.zero:
+            text += " gather-overlap"
         return text + ("" if self.recompute == "none" else f" recompute={self.recompute}")
 
 
@@ -643,12 +653,14 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     act = tokens_mb / layout.cp * d * precision.activation
     tp_calls = (6 if layout.recompute == "full" else 4) * layers
     tp_mb = tp_calls * _allreduce(act, layout.tp, 1, params)
+    # overlapped, a collective waits only for what its GEMMs leave uncovered
+    tp_exposed_mb = max(0.0, tp_mb - parts["gemm_s"]) if layout.tp_overlap else tp_mb
     inter_stage = layout.tp * layout.cp * layout.pp > per_node or layout.tp * layout.cp == per_node
     pp_mb = 2 * layout.virtual * _p2p(act / layout.tp, inter_stage, params) \
         if layout.pp > 1 else 0.0
     cp = context_parallel_time(shape, layout, precision, gpu, params, per_node)
     ep_mb = expert_time(shape, layout, precision, params, per_node)
-    slot = compute_mb + tp_mb + pp_mb + cp["cp_exposed_s"] + ep_mb
+    slot = compute_mb + tp_exposed_mb + pp_mb + cp["cp_exposed_s"] + ep_mb
     m = layout.microbatches
     share = bubble(layout.pp, m, layout.virtual, layout.schedule)
     # the bubble is idle time beside the m slots a stage works: m·slot / (1 − share) in all
@@ -674,13 +686,15 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
         group_nodes = math.ceil(layout.shard / layout.cp / per_node_replicas)
         dp_s += 0.5 * both(precision.gathered(3), layout.shard, group_nodes)
     window = (2 / 3) * compute_mb if (overlap and layout.pp == 1) else 0.0
-    dp_exposed = after + max(0.0, dp_s - after - window)
+    # prefetched, the all-gather runs under the first micro-batch's forward
+    gathered = max(0.0, after - compute_mb / 3) if layout.gather_overlap else after
+    dp_exposed = gathered + max(0.0, dp_s - after - window)
     total = pipeline_s + dp_exposed
     global_batch = layout.dp * m * b
     tokens_s = global_batch * s / total
     gpus = layout.gpus
     return {"compute_s": m * compute_mb, **{f"compute_{k}": m * v for k, v in parts.items()},
-            "tp_comm_s": m * tp_mb, "pp_comm_s": m * pp_mb,
+            "tp_comm_s": m * tp_mb, "tp_exposed_s": m * tp_exposed_mb, "pp_comm_s": m * pp_mb,
             "cp_comm_s": m * cp["cp_comm_s"], "cp_exposed_s": m * cp["cp_exposed_s"],
             "ep_comm_s": m * ep_mb, "bubble_s": pipeline_s - m * slot,
             "bubble_share": share,
@@ -724,7 +738,7 @@ def _divisors(n: int) -> list[int]:
 
 
 #: the parts of a step `why_slower` compares
-STEP_PARTS = ("compute_s", "tp_comm_s", "pp_comm_s", "cp_exposed_s", "ep_comm_s", "bubble_s",
+STEP_PARTS = ("compute_s", "tp_exposed_s", "pp_comm_s", "cp_exposed_s", "ep_comm_s", "bubble_s",
               "dp_exposed_s")
 
 
