@@ -2,10 +2,10 @@
 flat buffers of at most a given size. DDP all-reduces its buckets (`mpdl.parallel.ddp`); ZeRO
 stages 1-2 reduce-scatter them as units (`mpdl.parallel.zero`, `mpdl.parallel.shards`).
 
-As PyTorch DDP's Reducer draws it (Li et al., PyTorch Distributed, VLDB 2020, figure 2): a model
-registers w1 b1 w2 b2 w3 b3, and backward produces their gradients from the last layer back,
-b3 first. `by_size` walks that reverse order, and each bucket takes parameters until the next
-would take it past its cap:
+As PyTorch DDP's Reducer does it (Li et al., "PyTorch Distributed: Experiences on Accelerating
+Data Parallel Training", VLDB 2020): a model registers w1 b1 w2 b2 w3 b3, and backward produces
+their gradients from the last layer back, b3 first. `by_size` walks that reverse order, and each
+bucket takes parameters until the next would take it past its cap:
 
     registered      w1 b1 w2 b2 w3 b3
     backward        b3 w3 b2 w2 b1 w1
