@@ -420,7 +420,7 @@ def check_layout(shape: Shape, layout: Layout, per_node: int) -> None:
 
 
 # -- memory ----------------------------------------------------------------------------------------
-def stage_layers(shape: Shape, layout: Layout) -> int:
+def max_stage_layers(shape: Shape, layout: Layout) -> int:
     """Layers of the heaviest pipeline stage: ceil(L/pp) (Llama 3 ran 126 layers on 16 stages,
     the first and last one layer short)."""
     return math.ceil(shape.layers / layout.pp)
@@ -429,7 +429,7 @@ def stage_layers(shape: Shape, layout: Layout) -> int:
 def stage_params(shape: Shape, layout: Layout) -> tuple[float, float]:
     """(dense, expert) parameters one GPU holds before ZeRO: ceil(L/pp) layers and the embeddings split
     tp ways, and the experts of the stage's MoE blocks split ep × tp ways."""
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     moe = shape.moe_layers * layers / shape.layers
     dense = (layers * (shape.attention_params + shape.norm_params)
              + (layers - moe) * shape.mlp_params + moe * shape.hidden * shape.experts
@@ -518,7 +518,7 @@ def memory(shape: Shape, layout: Layout, precision: Precision) -> dict[str, floa
     out["zero_working_bytes"] = zero_working_bytes(shape.layer_params / layout.tp, precision,
                                                    layout.zero)
     out["model_state_bytes"] += out["zero_working_bytes"]
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     moe = shape.moe_layers * layers / shape.layers
     per_mb = ((layers - moe) * activation_bytes_per_layer(shape, layout, precision)
               + moe * activation_bytes_per_layer(shape, layout, precision, moe=bool(moe)))
@@ -577,7 +577,7 @@ def context_parallel_time(shape: Shape, layout: Layout, precision: Precision, gp
     cp = layout.cp
     if cp == 1:
         return {"cp_comm_s": 0.0, "cp_exposed_s": 0.0}
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     b, s, t = shape.microbatch, shape.seq / cp, layout.tp
     inter = layout.tp * cp > per_node
     passes = 4 if layout.recompute == "full" else 3  # forward, backward (2x), forward again
@@ -610,7 +610,7 @@ def expert_time(shape: Shape, layout: Layout, precision: Precision, params: cm.P
         * precision.activation
     inter = layout.tp * layout.cp * layout.ep > per_node
     calls = 6 if layout.recompute == "full" else 4
-    moe = shape.moe_layers * stage_layers(shape, layout) / shape.layers
+    moe = shape.moe_layers * max_stage_layers(shape, layout) / shape.layers
     return moe * calls * alltoall_time(sent, layout.ep, inter, params)
 
 
@@ -631,7 +631,7 @@ def compute_parts(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu
     the layers' weight GEMMs (`gemm_s`), attention cores (`attention_s`) and work between GEMMs
     (`elementwise_s`), and the embeddings' and logits' FLOPs outside the layers (`outside_s`,
     at η·peak, shared among the stages as the layers are)."""
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     moe = shape.moe_layers * layers / shape.layers
     dense = C.layer_seconds(layer_work(shape, layout, precision), gpu)
     routed = C.layer_seconds(layer_work(shape, layout, precision, moe=True), gpu) if moe \
@@ -651,7 +651,7 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     tokens_mb = b * s
     model_tok = shape.flops_per_token
     hw_tok = model_tok + shape.recompute_flops_per_token(layout.recompute)
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     parts = compute_parts(shape, layout, precision, gpu)
     compute_mb = sum(parts.values())
     act = tokens_mb / layout.cp * d * precision.activation
