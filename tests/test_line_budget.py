@@ -59,6 +59,24 @@ def test_docs_pages_short_but_the_journal():
     assert not long, f"docs pages over {PAGE_CAP} lines (measurements go to docs/results/): {long}"
 
 
+#: the concept pages, each the idea, a figure, the code path, the formula and the check: short
+#: enough to read in one sitting (the reference sections below them included)
+CONCEPT_PAGES = ("collectives", "autograd", "data_parallel", "zero", "pipeline", "context_parallel",
+                 "moe", "memory", "precision", "inference", "simulate")
+CONCEPT_CAP = 250
+TEACHING_PARTS = ("## The idea", "](figures/", "## The code path", "## The formula", "## The check")
+
+
+def test_concept_pages_teach_in_five_parts_and_stay_short():
+    wrong = []
+    for name in CONCEPT_PAGES:
+        text = (ROOT / "docs" / f"{name}.md").read_text()
+        wrong += [f"{name}.md lacks {part!r}" for part in TEACHING_PARTS if part not in text]
+        if (n := len(text.splitlines())) > CONCEPT_CAP:
+            wrong.append(f"{name}.md has {n} lines, over {CONCEPT_CAP}")
+    assert not wrong, "; ".join(wrong)
+
+
 def test_readme_results_section_short():
     readme = (ROOT / "README.md").read_text()
     heads = re.findall(r"^## .*[Rr]esults.*$", readme, flags=re.M)

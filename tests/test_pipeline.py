@@ -35,7 +35,7 @@ from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.pipeline import (
     PipelineStrategy,
     bubble_formula,
-    partition,
+    partition_by_weight,
     peak_in_flight,
     schedule_ops,
     slot_bubble,
@@ -215,11 +215,11 @@ def test_schedules_by_hand():
 
 
 def test_partition_balances_parameter_counts():
-    assert partition([1, 1, 1, 1], 2) == [0, 2, 4]
-    assert partition([10, 1, 1, 1, 1, 10], 3) == [0, 1, 5, 6]
-    assert partition([5], 1) == [0, 1]
+    assert partition_by_weight([1, 1, 1, 1], 2) == [0, 2, 4]
+    assert partition_by_weight([10, 1, 1, 1, 1, 10], 3) == [0, 1, 5, 6]
+    assert partition_by_weight([5], 1) == [0, 1]
     with pytest.raises(ValueError, match="pp: 3 stages"):
-        partition([1, 1], 3)
+        partition_by_weight([1, 1], 3)
 
 
 def test_grid_is_row_major_with_one_communicator_per_axis():

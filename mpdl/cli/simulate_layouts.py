@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ep", type=int, default=1, help="expert-parallel degree, carved out of dp "
                    "(default 1)")
     g.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (with --tp)")
+    g.add_argument("--tp-overlap", action="store_true",
+                   help="tensor-parallel collectives pipelined with their GEMMs (Megatron-Core's "
+                        "--tp-comm-overlap, PyTorch's async TP)")
+    g.add_argument("--gather-overlap", action="store_true",
+                   help="ZeRO's parameter all-gather prefetched behind the forward (Megatron-Core's "
+                        "--overlap-param-gather, FSDP)")
     g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="interleaved pipeline: model chunks per GPU (default 1)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0 (DDP), 1, 2 or 3 (default 0)")
@@ -335,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
     virtual = 2 if kind in V_KINDS and args.virtual_stages == 1 else args.virtual_stages
     layout = L.Layout(dp, args.pp, args.tp, args.zero, m or 1, kind,
                       args.recompute, args.zero_group, args.cp, args.ep, args.sp,
-                      args.cp_mode, args.moe_capacity_factor, virtual)
+                      args.cp_mode, args.moe_capacity_factor, virtual, args.tp_overlap,
+                      args.gather_overlap)
     try:
         L.check_layout(shape, layout, per_node)
     except ValueError as exc:
@@ -346,7 +353,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(head)
     print_rows([row], f"# {layout.gpus} GPUs; step: compute {row['compute_s']:.3f} s, tensor "
-                      f"parallel {row['tp_comm_s']:.3f} s, pipeline sends {row['pp_comm_s']:.3f} s, "
+                      f"parallel {row['tp_comm_s']:.3f} s ({row['tp_exposed_s']:.3f} s exposed), "
+                      f"pipeline sends {row['pp_comm_s']:.3f} s, "
                       f"context parallel {row['cp_comm_s']:.3f} s ({row['cp_exposed_s']:.3f} s "
                       f"exposed), experts' all-to-all {row['ep_comm_s']:.3f} s, bubble "
                       f"{row['bubble_s']:.3f} s, data parallel {row['dp_comm_s']:.3f} s "
@@ -365,4 +373,5 @@ def run(args: argparse.Namespace) -> int:
 def _layout_of(row: dict[str, Any]) -> L.Layout:
     return L.Layout(row["dp"], row["pp"], row["tp"], row["zero"], row["microbatches"],
                     row["schedule"], row["recompute"], row["zero_group"], row["cp"], row["ep"],
-                    row["sp"], row["cp_mode"], row["capacity_factor"], row["virtual"])
+                    row["sp"], row["cp_mode"], row["capacity_factor"], row["virtual"],
+                    row["tp_overlap"], row["gather_overlap"])

@@ -58,7 +58,8 @@ from mpdl.backend import get_array_module
 from mpdl.collectives import algorithms, allreduce, reduce_scatter
 from mpdl.comm import Communicator
 from mpdl.comm.handles import Handle, engine_for
-from mpdl.parallel import flat
+from mpdl.parallel import buckets, flat
+from mpdl.parallel.buckets import MB
 from mpdl.parallel.flat import broadcast_model
 from mpdl.parallel.shards import (
     Piece,
@@ -79,7 +80,6 @@ from mpdl.parallel.zero_params import (
 )
 from mpdl.tuning import allreduce_init, reduce_scatter_init
 
-MB = 1 << 20
 STAGES = (1, 2, 3)
 #: stages 2 and 3: reduce-scatters in flight before backward waits for the oldest
 MAX_IN_FLIGHT = 2
@@ -238,24 +238,12 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
             self.replica_comm = self.comm.sub([g[local] for g in groups])
 
     def _buckets(self, model: Any) -> list[list[Any]]:
-        """DDP's buckets: reverse parameter order, one dtype each, a small first one."""
-        buckets: list[list[Any]] = []
-        current: list[Any] = []
-        nbytes = 0
+        """DDP's buckets (`mpdl.parallel.buckets`), at most `bucket_mb` each, or by default at
+        most 1/UNITS_PER_MODEL of the model and DEFAULT_BUCKET_MB."""
         params = [p for p in model.parameters() if p.requires_grad]
         largest = (self.bucket_mb * MB if self.bucket_mb is not None else
                    min(DEFAULT_BUCKET_MB * MB, sum(p.data.nbytes for p in params) / UNITS_PER_MODEL))
-        for p in reversed(params):
-            if current:
-                cap = min(self.first_bucket_mb * MB, largest) if not buckets else largest
-                if p.data.dtype != current[0].data.dtype or nbytes + p.data.nbytes > cap:
-                    buckets.append(current)
-                    current, nbytes = [], 0
-            current.append(p)
-            nbytes += p.data.nbytes
-        if current:
-            buckets.append(current)
-        return buckets
+        return buckets.by_size(params, largest, min(self.first_bucket_mb * MB, largest))
 
     def _submit(self, work: Callable[[], Any]) -> Handle:
         """Run `work` on the communication thread (at once on one rank)."""
@@ -280,8 +268,7 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
             unit.grad = unit.xp.empty(unit.count, dtype=unit.dtype)
             memory.hold(unit.grad, "gradients")
             self.meter.hold(unit.nbytes)
-        i = unit.position[id(p)]
-        slot = unit.grad[unit.offsets[i]:unit.offsets[i] + p.data.size].reshape(p.shape)
+        slot = unit.slot(unit.grad, p)
         if p.grad is None:
             slot[...] = 0
         else:

@@ -310,7 +310,7 @@ GPUS = {
                      "(t, p) = (1, 1), 32 GPUs, 137 TFLOP/s"),
     "a100-40gb": Gpu("a100-40gb", 312e12, 40 * GB, 1555e9, 108, 0.7471,
                      "A100 SXM4 40GB data sheet: 1,555 GB/s HBM2; otherwise as a100-80gb"),
-    "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GB, 3350e9, 132, 0.7699,
+    "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GB, 3350e9, 132, 0.7269,
                      "H100 SXM5 data sheet: 989 TFLOP/s dense bf16 tensor cores, 3.35 TB/s HBM3, "
                      "132 SMs; eta from Megatron-LM's README, H100 model table: the 1.7B GPT, "
                      "(t, p, d) = (1, 1, 48), 408.8 TFLOP/s", fp8_flops=1979e12),
@@ -320,17 +320,17 @@ GPUS = {
                 "SMs) with NVLink cut to 400 GB/s both ways; eta as h100-80gb's (the same "
                 "tensor cores)", fp8_flops=1979e12, nvlink_domain=8),
     # eta of the three below: H100's, assumed (no published one-GPU GEMM rate to source it from)
-    "h200": Gpu("h200", 989e12, 141 * GB, 4800e9, 132, 0.7699,
+    "h200": Gpu("h200", 989e12, 141 * GB, 4800e9, 132, 0.7269,
                       "H200 SXM data sheet (nvidia.com/h200): 1,979 TFLOP/s bf16 and 3,958 FP8 "
                       "with sparsity (989 and 1,979 dense), 141 GB HBM3e at 4.8 TB/s, NVLink 900 "
                       "GB/s both ways, 8 on an HGX board; the H100's die (132 SMs), eta as h100",
                       fp8_flops=1979e12, nvlink_domain=8),
-    "b200": Gpu("b200", 2250e12, 180 * GB, 8000e9, 148, 0.7699,
+    "b200": Gpu("b200", 2250e12, 180 * GB, 8000e9, 148, 0.7269,
                       "DGX B200 data sheet (nvidia.com/dgx-b200): 8 GPUs, 1,440 GB HBM3e at 64 "
                       "TB/s, 72 PFLOP/s FP8 training with sparsity (4.5 dense a GPU; bf16 half: "
                       "2.25), NVLink 14.4 TB/s (1.8 TB/s a GPU both ways); 148 SMs; eta of h100 "
                       "assumed", fp8_flops=4500e12, nvlink_domain=8),
-    "gb200": Gpu("gb200", 2500e12, 186 * GB, 8000e9, 148, 0.7699,
+    "gb200": Gpu("gb200", 2500e12, 186 * GB, 8000e9, 148, 0.7269,
                  "GB200 NVL72 data sheet (nvidia.com/gb200-nvl72): 72 Blackwell GPUs on one NVLink "
                  "domain, 360 PFLOP/s bf16 and 720 FP8 with sparsity (2.5 and 5 dense a GPU), up "
                  "to 13.4 TB HBM3e (186 GB a GPU) at 576 TB/s (8 TB/s a GPU), NVLink 130 TB/s "
@@ -363,6 +363,12 @@ class Layout:
     capacity_factor: float = 1.0
     #: interleaved pipeline: model chunks per GPU (Narayanan et al. 2021)
     virtual: int = 1
+    #: tensor-parallel collectives cut into chunks and pipelined with the GEMMs beside them
+    #: (Megatron-Core's --tp-comm-overlap, PyTorch's async TP)
+    tp_overlap: bool = False
+    #: ZeRO's parameter all-gather prefetched behind the forward (Megatron-Core's
+    #: --overlap-param-gather, FSDP's prefetch)
+    gather_overlap: bool = False
 
     @property
     def gpus(self) -> int:
@@ -387,6 +393,10 @@ class Layout:
             text += f" m{self.microbatches} {self.schedule}"
             if self.virtual > 1:
                 text += f" v{self.virtual}"
+        if self.tp_overlap and self.tp > 1:
+            text += " tp-overlap"
+        if self.gather_overlap and self.zero:
+            text += " gather-overlap"
         return text + ("" if self.recompute == "none" else f" recompute={self.recompute}")
 
 
@@ -454,7 +464,7 @@ def check_layout(shape: Shape, layout: Layout, per_node: int) -> None:
 
 
 # -- memory ----------------------------------------------------------------------------------------
-def stage_layers(shape: Shape, layout: Layout) -> int:
+def max_stage_layers(shape: Shape, layout: Layout) -> int:
     """Layers of the heaviest pipeline stage: ceil(L/pp) (Llama 3 ran 126 layers on 16 stages,
     the first and last one layer short)."""
     return math.ceil(shape.layers / layout.pp)
@@ -463,7 +473,7 @@ def stage_layers(shape: Shape, layout: Layout) -> int:
 def stage_params(shape: Shape, layout: Layout) -> tuple[float, float]:
     """(dense, expert) parameters one GPU holds before ZeRO: ceil(L/pp) layers and the embeddings split
     tp ways, and the experts of the stage's MoE blocks split ep × tp ways."""
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     moe = shape.moe_layers * layers / shape.layers
     dense = (layers * (shape.attention_params + shape.norm_params)
              + (layers - moe) * shape.dense_mlp_params
@@ -553,7 +563,7 @@ def memory(shape: Shape, layout: Layout, precision: Precision) -> dict[str, floa
     out["zero_working_bytes"] = zero_working_bytes(shape.layer_params / layout.tp, precision,
                                                    layout.zero)
     out["model_state_bytes"] += out["zero_working_bytes"]
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     moe = shape.moe_layers * layers / shape.layers
     per_mb = ((layers - moe) * activation_bytes_per_layer(shape, layout, precision)
               + moe * activation_bytes_per_layer(shape, layout, precision, moe=bool(moe)))
@@ -613,7 +623,7 @@ def context_parallel_time(shape: Shape, layout: Layout, precision: Precision, gp
     cp = layout.cp
     if cp == 1:
         return {"cp_comm_s": 0.0, "cp_exposed_s": 0.0}
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     b, s, t = shape.microbatch, shape.seq / cp, layout.tp
     inter = layout.tp * cp > per_node
     passes = 4 if layout.recompute == "full" else 3  # forward, backward (2x), forward again
@@ -646,7 +656,7 @@ def expert_time(shape: Shape, layout: Layout, precision: Precision, params: cm.P
         * precision.activation
     inter = layout.tp * layout.cp * layout.ep > per_node
     calls = 6 if layout.recompute == "full" else 4
-    moe = shape.moe_layers * stage_layers(shape, layout) / shape.layers
+    moe = shape.moe_layers * max_stage_layers(shape, layout) / shape.layers
     return moe * calls * alltoall_time(sent, layout.ep, inter, params)
 
 
@@ -667,7 +677,7 @@ def compute_parts(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu
     the layers' weight GEMMs (`gemm_s`), attention cores (`attention_s`) and work between GEMMs
     (`elementwise_s`), and the embeddings' and logits' FLOPs outside the layers (`outside_s`,
     at η·peak, shared among the stages as the layers are)."""
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     moe = shape.moe_layers * layers / shape.layers
     dense = C.layer_seconds(layer_work(shape, layout, precision), gpu)
     routed = C.layer_seconds(layer_work(shape, layout, precision, moe=True), gpu) if moe \
@@ -687,12 +697,14 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     tokens_mb = b * s
     model_tok = shape.flops_per_token
     hw_tok = model_tok + shape.recompute_flops_per_token(layout.recompute)
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     parts = compute_parts(shape, layout, precision, gpu)
     compute_mb = sum(parts.values())
     act = tokens_mb / layout.cp * d * precision.activation
     tp_calls = (6 if layout.recompute == "full" else 4) * layers
     tp_mb = tp_calls * _allreduce(act, layout.tp, 1, params)
+    # overlapped, a collective waits only for what its GEMMs leave uncovered
+    tp_exposed_mb = max(0.0, tp_mb - parts["gemm_s"]) if layout.tp_overlap else tp_mb
     inter_stage = layout.tp * layout.cp * layout.pp > per_node or layout.tp * layout.cp == per_node
     pp_mb = 2 * layout.virtual * _p2p(act / layout.tp, inter_stage, params) \
         if layout.pp > 1 else 0.0
@@ -701,9 +713,9 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     if layout.pp > 1 and layout.schedule == "dualpipev":
         # DualPipe runs one chunk's experts' all-to-all and pipeline sends beside the other
         # chunk's compute (DeepSeek-V3 report, §3.2.1): a slot is the longer of the two
-        slot = max(compute_mb, pp_mb + ep_mb) + tp_mb + cp["cp_exposed_s"]
+        slot = max(compute_mb, pp_mb + ep_mb) + tp_exposed_mb + cp["cp_exposed_s"]
     else:
-        slot = compute_mb + tp_mb + pp_mb + cp["cp_exposed_s"] + ep_mb
+        slot = compute_mb + tp_exposed_mb + pp_mb + cp["cp_exposed_s"] + ep_mb
     m = layout.microbatches
     share = bubble(layout.pp, m, layout.virtual, layout.schedule)
     # the bubble is idle time beside the m slots a stage works: m·slot / (1 − share) in all
@@ -729,13 +741,15 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
         group_nodes = math.ceil(layout.shard / layout.cp / per_node_replicas)
         dp_s += 0.5 * both(precision.gathered(3), layout.shard, group_nodes)
     window = (2 / 3) * compute_mb if (overlap and layout.pp == 1) else 0.0
-    dp_exposed = after + max(0.0, dp_s - after - window)
+    # prefetched, the all-gather runs under the first micro-batch's forward
+    gathered = max(0.0, after - compute_mb / 3) if layout.gather_overlap else after
+    dp_exposed = gathered + max(0.0, dp_s - after - window)
     total = pipeline_s + dp_exposed
     global_batch = layout.dp * m * b
     tokens_s = global_batch * s / total
     gpus = layout.gpus
     return {"compute_s": m * compute_mb, **{f"compute_{k}": m * v for k, v in parts.items()},
-            "tp_comm_s": m * tp_mb, "pp_comm_s": m * pp_mb,
+            "tp_comm_s": m * tp_mb, "tp_exposed_s": m * tp_exposed_mb, "pp_comm_s": m * pp_mb,
             "cp_comm_s": m * cp["cp_comm_s"], "cp_exposed_s": m * cp["cp_exposed_s"],
             "ep_comm_s": m * ep_mb, "bubble_s": pipeline_s - m * slot,
             "bubble_share": share,
@@ -779,7 +793,7 @@ def _divisors(n: int) -> list[int]:
 
 
 #: the parts of a step `why_slower` compares
-STEP_PARTS = ("compute_s", "tp_comm_s", "pp_comm_s", "cp_exposed_s", "ep_comm_s", "bubble_s",
+STEP_PARTS = ("compute_s", "tp_exposed_s", "pp_comm_s", "cp_exposed_s", "ep_comm_s", "bubble_s",
               "dp_exposed_s")
 
 

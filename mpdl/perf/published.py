@@ -94,13 +94,38 @@ def megatron_flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> 
     return 72 * layers * hidden ** 2 * (1 + seq / (6 * hidden)) + 6 * vocab * hidden
 
 
-#: Megatron-LM's README (NVIDIA/Megatron-LM, "Training Speed and Scalability", the model table of
-#: commit 937571c, "new scaling figures on H100 GPUs"): the 1.7B GPT (24 layers, d 2048, 16
-#: heads, sequence 4096, vocabulary 131,072) on 48 H100, (t, p, d) = (1, 1, 48), batch 192,
-#: distributed optimizer, 408.8 TFLOP/s a GPU (41% MFU). Megatron-Core runs attention through
-#: FlashAttention, so the shape takes the llama family's kernels (scores kept on chip); one
-#: sequence a micro-batch is assumed (the table does not state it)
-MCORE_1_7B = L.Shape(24, 2048, 16, 4096, 131072, 1, "mcore-1.7b", family="llama")
+#: Megatron-LM's README (github.com/NVIDIA/Megatron-LM, README.md, "Performance Benchmarking",
+#: images/model_table.png, added in f2e5db4 "New scaling figures on H100 GPUs"; Megatron-Core
+#: r0.8.0): GPTs of vocabulary 131,072 and sequence 4096 on H100, distributed optimizer with
+#: --overlap-grad-reduce --overlap-param-gather, --tp-comm-overlap (which needs sequence
+#: parallelism): (size, heads, hidden, layers, t, p, d, batch, TFLOP/s per GPU in Megatron's
+#: count). The first row calibrates the H100's η; the others are checked
+MCORE_TABLE = (("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
+               ("7.1B", 32, 4096, 30, 2, 1, 48, 192, 465.9),
+               ("16B", 48, 6144, 32, 4, 1, 48, 192, 489.1),
+               ("32B", 56, 7168, 48, 8, 1, 48, 192, 459.6),
+               ("70B", 64, 8192, 84, 8, 2, 48, 384, 419.7),
+               ("119B", 80, 10240, 92, 8, 4, 48, 768, 420.5),
+               ("177B", 96, 12288, 96, 8, 6, 48, 1152, 432.8),
+               ("314B", 128, 16384, 96, 8, 8, 48, 1536, 474.4),
+               ("462B", 144, 18432, 112, 8, 16, 48, 3072, 459.9))
+
+
+def mcore_run(size: str) -> tuple[L.Shape, L.Layout, float]:
+    """A row of `MCORE_TABLE` as the model takes it: the shape with FlashAttention's kernels (the
+    llama family's, and the attention core recomputed in backward: selective recomputation),
+    one sequence a micro-batch and no interleaving (the README states neither), and the
+    published TFLOP/s per GPU."""
+    _, heads, hidden, layers, tp, pp, dp, batch, figure = next(
+        r for r in MCORE_TABLE if r[0] == size)
+    shape = L.Shape(layers, hidden, heads, 4096, 131072, 1, f"mcore-{size.lower()}",
+                    family="llama")
+    layout = L.Layout(dp=dp, pp=pp, tp=tp, zero=1, microbatches=batch // dp,
+                      recompute="selective", sp=tp > 1, tp_overlap=True, gather_overlap=True)
+    return shape, layout, figure
+
+
+MCORE_1_7B, MCORE_1_7B_LAYOUT, _ = mcore_run("1.7B")
 
 #: the published runs each GPU's η (`mpdl.perf.compute`) is derived from, none of them a row the
 #: model is checked against: (shape, layout, network, stated FLOP/s per GPU counted with
@@ -112,9 +137,10 @@ CALIBRATION: dict[str, tuple[L.Shape, L.Layout, str, float, str]] = {
     "v100": (L.Shape(40, 1536, 16, 1024, 51200, 8, "megatron-1.2b"), L.Layout(recompute="full"),
              "dgx2h", 39e12, "Shoeybi et al. 2019, §5.1: the 1.2B model on one GPU, 39 TFLOP/s"),
     # the README's 408.8 TFLOP/s in Megatron's count, as tokens/s, times the model's own count
-    "h100": (MCORE_1_7B, L.Layout(dp=48, zero=1, microbatches=4), "grand-teton",
+    # with FlashAttention's recomputation
+    "h100": (MCORE_1_7B, MCORE_1_7B_LAYOUT, "grand-teton",
              408.8e12 / megatron_flops_per_token(24, 2048, 4096, 131072)
-             * MCORE_1_7B.flops_per_token,
+             * (MCORE_1_7B.flops_per_token + MCORE_1_7B.recompute_flops_per_token("selective")),
              "Megatron-LM README, H100 model table: 1.7B, (t, p, d) = (1, 1, 48), batch 192, "
              "408.8 TFLOP/s a GPU"),
 }
@@ -219,6 +245,7 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
                             source="Goyal et al. 2017, abstract: ~90% scaling efficiency when "
                                    "moving from 8 to 256 GPUs"))
     out += five_axis_rows()
+    out += mcore_rows()
     out += deepseek_rows()
     out.append(llama3_goodput_row())
     # Mikami et al.'s cluster and all-reduce, MXNet's V100 rate, 40 images per GPU
@@ -328,6 +355,25 @@ def llama3_goodput_row() -> dict[str, Any]:
                 source="Dubey et al. 2024 (Llama 3), section 3.3.4: 419 unexpected "
                        "interruptions in a 54-day snapshot on 16,384 H100, \"higher than 90% "
                        "effective training time\"; restart 600 s assumed (not stated)")
+
+
+def mcore_rows() -> list[dict[str, Any]]:
+    """Megatron-Core's weak scaling on H100, every row of `MCORE_TABLE` but the one η comes
+    from, in TFLOP/s per GPU as Megatron counts them."""
+    net, gpu = NETWORKS["grand-teton"], L.GPUS["h100-80gb"]
+    out = []
+    for size, *_ in MCORE_TABLE[1:]:
+        shape, layout, figure = mcore_run(size)
+        r = L.evaluate(shape, layout, L.PRECISIONS["bf16"], gpu, net.params, net.per_node)
+        count = megatron_flops_per_token(shape.layers, shape.hidden, shape.seq, shape.vocab)
+        out.append(_row(f"Megatron-Core {size} on {layout.gpus} H100", figure,
+                        r["tokens_per_s"] * count / layout.gpus / 1e12,
+                        "TFLOP/s per GPU (Megatron's count)", BAND, layout=layout.label(),
+                        fits=r["fits"],
+                        source="Megatron-LM README (github.com/NVIDIA/Megatron-LM), "
+                               "\"Performance Benchmarking\", model table "
+                               "(images/model_table.png): per-GPU teraFLOP/s"))
+    return out
 
 
 #: DeepSeek-V3 on 2,048 H800 (DeepSeek-V3 report, arXiv 2412.19437, §3.1-3.3): pp 16 with

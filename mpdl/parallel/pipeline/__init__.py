@@ -14,7 +14,7 @@ from mpdl.parallel.pipeline.schedule import (
     slot_bubble,
     timed_bubble,
 )
-from mpdl.parallel.pipeline.stage import model_pieces, partition
+from mpdl.parallel.pipeline.stage import model_pieces, partition_by_weight
 
 __all__ = ["SCHEDULES", "Microbatches", "PipelineStrategy", "bubble_formula", "model_pieces",
-           "partition", "peak_in_flight", "schedule_ops", "slot_bubble", "timed_bubble"]
+           "partition_by_weight", "peak_in_flight", "schedule_ops", "slot_bubble", "timed_bubble"]
