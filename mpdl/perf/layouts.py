@@ -247,7 +247,7 @@ MLA_PARAMS = (7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512
               + 512 * 128 * (128 + 128) + 128 * 128 * 7168)
 
 #: shapes of published models (Megatron-LM 2019 Table 1; Narayanan et al. 2021 Table 1;
-#: Korthikanti et al. 2022 Table 3; Llama 3 405B, Dubey et al. 2024 Table 3; Mixtral 8x7B's
+#: Korthikanti et al. 2022 Table 3; Llama 3 8B, 70B and 405B, Dubey et al. 2024 Table 3; Mixtral 8x7B's
 #: released configuration)
 SHAPES: dict[str, Shape] = {
     "gpt2-small": Shape(12, 768, 12, 1024, 50257, 8, "gpt2-small"),
@@ -256,6 +256,10 @@ SHAPES: dict[str, Shape] = {
     "ptdp-1.7b": Shape(24, 2304, 24, 2048, 51200, 1, "ptdp-1.7b"),
     "gpt3-175b": Shape(96, 12288, 96, 2048, 51200, 1, "gpt3-175b"),
     "mt-nlg-530b": Shape(105, 20480, 128, 2048, 51200, 1, "mt-nlg-530b"),
+    "llama3-8b": Shape(32, 4096, 32, 8192, 128256, 1, "llama3-8b", ffn=14336, kv_heads=8,
+                       gated=True, family="llama"),
+    "llama3-70b": Shape(80, 8192, 64, 8192, 128256, 1, "llama3-70b", ffn=28672, kv_heads=8,
+                        gated=True, family="llama"),
     "llama3-405b": Shape(126, 16384, 128, 8192, 128256, 1, "llama3-405b", ffn=53248, kv_heads=8,
                          gated=True, family="llama"),
     "mixtral-8x7b": Shape(32, 4096, 32, 4096, 32000, 1, "mixtral-8x7b", ffn=14336, kv_heads=8,

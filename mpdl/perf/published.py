@@ -246,6 +246,7 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
                                    "moving from 8 to 256 GPUs"))
     out += five_axis_rows()
     out += mcore_rows()
+    out += torchtitan_rows()
     out += deepseek_rows()
     out.append(llama3_goodput_row())
     # Mikami et al.'s cluster and all-reduce, MXNet's V100 rate, 40 images per GPU
@@ -401,4 +402,49 @@ def deepseek_rows() -> list[dict[str, Any]]:
                     "million GPU-hours", BAND, layout=DEEPSEEK_V3.label(),
                     source="DeepSeek-V3 report (arXiv 2412.19437), Table 1 and §1: 2,664K H800 "
                            "GPU-hours for pre-training on 14.8T tokens (180K a trillion)"))
+    return out
+
+
+#: TorchTitan's Llama 3 runs on 64 A100 80GB with FSDP2 (ZeRO 3, its all-gathers prefetched),
+#: one sequence of 8192 a GPU (github.com/pytorch/torchtitan, docs/performance.md at 4d88a8a,
+#: "Llama 3 performance numbers"): (shape, recomputation, tokens/s a GPU). The cluster's network
+#: is not stated: DGX A100's 200 Gbit/s a GPU (selene) assumed; "selective op" recomputation
+#: (matmul outputs kept) taken as selective
+TORCHTITAN_A100 = (("llama3-8b", "selective", 2973.0), ("llama3-70b", "full", 331.0))
+#: TorchTitan's Llama 3.1 405B on 512 H100 (FSDP 8, TP 8 with async TP, PP 8, Float8, full
+#: recomputation, 32 sequences a data-parallel rank), 1F1B against Interleaved 1F1B: MFU from
+#: pytorch/torchtitan issue #773 (the runs of benchmarks/llama3_h100_202412_torchtitan.md,
+#: Table 5); 8 micro-batches (the pipeline degree) and 2 stages a rank in the interleaved one
+#: are torchtitan's defaults at the commit the benchmark names (9dec370,
+#: torchtitan/parallelisms/pipelining_utils.py)
+TORCHTITAN_405B_MFU = {1: 0.2652, 2: 0.3388}
+
+
+def torchtitan_rows() -> list[dict[str, Any]]:
+    """TorchTitan's Llama 3 runs: tokens/s a GPU on 64 A100, and the 405B's gain from an
+    interleaved pipeline on 512 H100 (a ratio of two runs on the same GPUs, Float8 and network,
+    so what the model does not know of those cancels)."""
+    out = []
+    net, gpu = NETWORKS["selene"], L.GPUS["a100-80gb"]
+    for name, recompute, figure in TORCHTITAN_A100:
+        shape = L.SHAPES[name]
+        layout = L.Layout(dp=64, zero=3, recompute=recompute, gather_overlap=True)
+        r = L.evaluate(shape, layout, L.PRECISIONS["bf16"], gpu, net.params, net.per_node)
+        out.append(_row(f"TorchTitan {name} on 64 A100", figure, r["tokens_per_s"] / 64,
+                        "tokens/s per GPU", BAND, layout=layout.label(), fits=r["fits"],
+                        source="TorchTitan docs/performance.md (4d88a8a), \"Llama 3 performance "
+                               "numbers\": FSDP on 64 A100, local batch 1, WPS"))
+    net, gpu = NETWORKS["grand-teton"], L.GPUS["h100-80gb"]
+    shape = L.replace(L.SHAPES["llama3-405b"], microbatch=4)
+    rate = {}
+    for virtual in TORCHTITAN_405B_MFU:
+        layout = L.Layout(dp=8, pp=8, tp=8, zero=3, microbatches=8, recompute="full", sp=True,
+                          virtual=virtual, tp_overlap=True, gather_overlap=True)
+        rate[virtual] = L.evaluate(shape, layout, L.PRECISIONS["fp8"], gpu, net.params,
+                                   net.per_node)["tokens_per_s"]
+    out.append(_row("TorchTitan 405B on 512 H100: interleaved over 1F1B",
+                    TORCHTITAN_405B_MFU[2] / TORCHTITAN_405B_MFU[1], rate[2] / rate[1],
+                    "ratio of throughputs", BAND, layout=layout.label(),
+                    source="pytorch/torchtitan issue #773: 512 H100, 1F1B 26.52% MFU, "
+                           "Interleaved1F1B 33.88%"))
     return out
