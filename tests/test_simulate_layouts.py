@@ -522,6 +522,40 @@ def test_dualpipe_bubble_rows():
         assert rows[name]["predicted"] == figure and rows[name]["ok"]
 
 
+def test_deepseek_v3_parameters_by_hand():
+    shape = L.SHAPES["deepseek-v3"]
+    d, mla = 7168, 187_107_328  # MLA: 7168·1536 + 1536 + 1536·24576 + 7168·576 + 512 + 512·32768 + 16384·7168
+    assert L.MLA_PARAMS == mla
+    expert, norms, router = 3 * d * 2048, 2 * d, d * 256
+    dense_block = mla + norms + 3 * d * 18432
+    moe_block = mla + norms + (256 + 1) * expert + router
+    embeddings = 2 * 129280 * d + d
+    assert shape.moe_layers == 58
+    assert shape.params == 3 * dense_block + 58 * moe_block + embeddings
+    assert shape.active_params == 3 * dense_block + 58 * (moe_block - 248 * expert) + embeddings
+    # the attention core at MLA's head widths: 128 heads of (192 + 128)/2
+    assert shape.flops_per_token == 6 * shape.active_params + 12 * 61 * 128 * 160 * 4096
+
+
+def test_dualpipe_hides_the_all_to_all_behind_the_other_chunk():
+    shape, net = L.SHAPES["deepseek-v3"], P.NETWORKS["h800-cluster"]
+    fp8, h800 = L.PRECISIONS["fp8"], L.GPUS["h800"]
+    dual = L.step(shape, P.DEEPSEEK_V3, fp8, h800, net.params, 8)
+    apart = L.step(shape, replace(P.DEEPSEEK_V3, schedule="zb-v"), fp8, h800, net.params, 8)
+    m = P.DEEPSEEK_V3.microbatches
+    slot = max(dual["compute_s"], dual["ep_comm_s"] + dual["pp_comm_s"]) / m
+    assert dual["step_s"] == pytest.approx(m * slot / (1 - dual["bubble_share"])
+                                           + dual["dp_exposed_s"])
+    assert apart["step_s"] > dual["step_s"]
+    # the bubble of the overlapped pairs: 2(p − 1) units of 6m + 2(p − 1)
+    assert dual["bubble_share"] == pytest.approx(30 / (6 * m + 30))
+    rows = {r["name"]: r for r in P.rows(search=False)}
+    for name, figure in (("DeepSeek-V3 parameters", 671.0),
+                         ("DeepSeek-V3 active parameters per token", 37.0),
+                         ("DeepSeek-V3 pre-training on 2048 H800", 2.664)):
+        assert rows[name]["published"] == figure and rows[name]["ok"], rows[name]["ratio"]
+
+
 def test_megatron_core_weak_scaling_rows():
     # Megatron-LM README, model table: per-GPU teraFLOP/s of the runs past the 1.7B (η's own)
     figures = {"7.1B on 96": 465.9, "16B on 192": 489.1, "32B on 384": 459.6,

@@ -206,7 +206,7 @@ def test_ddp_holds_each_gradient_once():
 
 def sent(p: int, make) -> tuple[list[int], list]:
     """Bytes each rank sent in two steps, counted from the recorded message schedule."""
-    out, _ = run_world(p, lambda comm: measure(comm, make), record=True)
+    out, _ = run_world(p, lambda comm: measure(comm, make), message_log=True)
     return [n for _, _, n in out], [s for _, s, _ in out]
 
 

@@ -3,7 +3,7 @@
 Per message size, the algorithms take turns in rounds (A A A B B B C C C, A A A B B B ...), so a
 noisy machine that drifts treats them alike, while each call follows a call of the same algorithm,
 as in nccl-tests' loops: a call that follows another algorithm's runs slower (its buffers and
-messages left the caches and the scheduler in another state; docs/benchmarks.md). Each
+messages left the caches and the scheduler in another state; docs/results/collectives.md). Each
 turn starts with one untimed call. One iteration is: MPI barrier, start the clock, call, stop the
 clock; with `loop` > 1 (`mpdl bench --loop`), the clock runs over that many calls back to back
 with no barrier between them, OSU-style, and the time is per call (the output array is then

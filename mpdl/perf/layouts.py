@@ -106,6 +106,16 @@ class Shape:
     experts: int = 0
     top_k: int = 1
     moe_every: int = 1
+    #: the first blocks that stay dense (DeepSeek-V3: 3), their MLP width (default ffn), and the
+    #: experts every token passes through in a MoE block beside its top-k (shared experts)
+    first_dense: int = 0
+    dense_ffn: int | None = None
+    shared_experts: int = 0
+    #: attention parameters per block when they are not Q, K, V and the projection (MLA's
+    #: low-rank projections), and the attention core's width, heads × the mean of the query-key
+    #: and value head widths (default hidden)
+    attention: int | None = None
+    core: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "seq", "vocab", "microbatch", "top_k",
@@ -122,11 +132,19 @@ class Shape:
                              f"{self.family!r}")
         if self.experts < 0 or (self.experts and self.top_k > self.experts):
             raise ValueError(f"top_k: {self.top_k} must not exceed the experts ({self.experts})")
+        if not 0 <= self.first_dense < self.layers or self.shared_experts < 0:
+            raise ValueError(f"first_dense: {self.first_dense} must lie in [0, layers) and "
+                             f"shared_experts ({self.shared_experts}) be >= 0")
 
     @property
     def d_ff(self) -> int:
         """The MLP's hidden width f."""
         return self.ffn or 4 * self.hidden
+
+    @property
+    def core_width(self) -> int:
+        """The attention core's width: hidden unless the heads are wider (MLA)."""
+        return self.core or self.hidden
 
     @property
     def d_kv(self) -> int:
@@ -140,6 +158,8 @@ class Shape:
     @property
     def attention_params(self) -> int:
         """Q, K, V and the output projection (with their biases in the gpt family)."""
+        if self.attention is not None:
+            return self.attention
         d, kv = self.hidden, self.d_kv
         return d * (d + 2 * kv) + d * d + self._bias * (2 * d + 2 * kv)
 
@@ -148,25 +168,39 @@ class Shape:
         """A block's two norms: LayerNorm scale and shift (gpt), RMSNorm scale (llama)."""
         return 2 * self.hidden * (2 if self.family == "gpt" else 1)
 
-    @property
-    def mlp_params(self) -> int:
-        """One MLP (one expert): two matrices, three when gated."""
-        d, f = self.hidden, self.d_ff
+    def _mlp(self, f: int) -> int:
+        d = self.hidden
         return (3 if self.gated else 2) * d * f + self._bias * ((2 if self.gated else 1) * f + d)
 
     @property
+    def mlp_params(self) -> int:
+        """One MLP (one expert): two matrices, three when gated."""
+        return self._mlp(self.d_ff)
+
+    @property
+    def dense_ffn_width(self) -> int:
+        """The MLP width of a dense block."""
+        return self.dense_ffn or self.d_ff
+
+    @property
     def moe_layers(self) -> int:
-        """The MoE blocks: every moe_every-th block (none for a dense model)."""
-        return self.layers // self.moe_every if self.experts else 0
+        """The MoE blocks: every moe_every-th block after the first_dense ones (none for a dense
+        model)."""
+        return (self.layers - self.first_dense) // self.moe_every if self.experts else 0
+
+    @property
+    def dense_mlp_params(self) -> int:
+        """The MLP of a dense block."""
+        return self._mlp(self.dense_ffn_width)
 
     @property
     def layer_params(self) -> int:
         """Parameters of one dense block (the GPT's: 12d² + 13d)."""
-        return self.attention_params + self.norm_params + self.mlp_params
+        return self.attention_params + self.norm_params + self.dense_mlp_params
 
     def _moe_params(self, experts: int) -> int:
-        return self.attention_params + self.norm_params + experts * self.mlp_params \
-            + self.hidden * self.experts
+        return self.attention_params + self.norm_params \
+            + (experts + self.shared_experts) * self.mlp_params + self.hidden * self.experts
 
     @property
     def embedding_params(self) -> int:
@@ -195,16 +229,22 @@ class Shape:
         """Model FLOPs per token, as `GPT.flops_per_token()`: 6·(N_active − T·d) + 12·L·d·T."""
         d, t = self.hidden, self.seq
         positions = t * d if self.family == "gpt" else 0
-        return 6 * (self.active_params - positions) + 12 * self.layers * d * t
+        return 6 * (self.active_params - positions) + 12 * self.layers * self.core_width * t
 
     def recompute_flops_per_token(self, mode: str = "full") -> int:
         """Extra FLOPs per token of recomputation: full, the layers' forward again; selective,
         the attention core's forward (QKᵀ and the weighted sum of V)."""
-        core = 4 * self.layers * self.hidden * self.seq
+        core = 4 * self.layers * self.core_width * self.seq
         if mode == "full":
             return 2 * (self.active_params - self.embedding_params) + core
         return core if mode == "selective" else 0
 
+
+#: DeepSeek-V3's multi-head latent attention per block (its released configuration: 128 heads,
+#: query rank 1536, key-value rank 512, query-key head width 128 + 64 rotary, value 128): the
+#: down- and up-projections of Q and of the shared K-V latent, their norms, the output projection
+MLA_PARAMS = (7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512
+              + 512 * 128 * (128 + 128) + 128 * 128 * 7168)
 
 #: shapes of published models (Megatron-LM 2019 Table 1; Narayanan et al. 2021 Table 1;
 #: Korthikanti et al. 2022 Table 3; Llama 3 8B, 70B and 405B, Dubey et al. 2024 Table 3; Mixtral 8x7B's
@@ -224,6 +264,9 @@ SHAPES: dict[str, Shape] = {
                          gated=True, family="llama"),
     "mixtral-8x7b": Shape(32, 4096, 32, 4096, 32000, 1, "mixtral-8x7b", ffn=14336, kv_heads=8,
                           gated=True, family="llama", experts=8, top_k=2),
+    "deepseek-v3": Shape(61, 7168, 128, 4096, 129280, 1, "deepseek-v3", ffn=2048, gated=True,
+                         family="llama", experts=256, top_k=8, first_dense=3, dense_ffn=18432,
+                         shared_experts=1, attention=MLA_PARAMS, core=128 * (192 + 128) // 2),
 }
 
 
@@ -275,6 +318,11 @@ GPUS = {
                      "H100 SXM5 data sheet: 989 TFLOP/s dense bf16 tensor cores, 3.35 TB/s HBM3, "
                      "132 SMs; eta from Megatron-LM's README, H100 model table: the 1.7B GPT, "
                      "(t, p, d) = (1, 1, 48), 408.8 TFLOP/s", fp8_flops=1979e12),
+    "h800": Gpu("h800", 989e12, 80 * GB, 3350e9, 132, 0.7699,
+                "H800 SXM5 data sheet (nvidia.com, H800 Tensor Core GPU): the H100 SXM5's die and "
+                "tensor cores (989 TFLOP/s dense bf16, 1,979 FP8, 80 GB HBM3 at 3.35 TB/s, 132 "
+                "SMs) with NVLink cut to 400 GB/s both ways; eta as h100-80gb's (the same "
+                "tensor cores)", fp8_flops=1979e12, nvlink_domain=8),
     # eta of the three below: H100's, assumed (no published one-GPU GEMM rate to source it from)
     "h200": Gpu("h200", 989e12, 141 * GB, 4800e9, 132, 0.7269,
                       "H200 SXM data sheet (nvidia.com/h200): 1,979 TFLOP/s bf16 and 3,958 FP8 "
@@ -432,7 +480,8 @@ def stage_params(shape: Shape, layout: Layout) -> tuple[float, float]:
     layers = max_stage_layers(shape, layout)
     moe = shape.moe_layers * layers / shape.layers
     dense = (layers * (shape.attention_params + shape.norm_params)
-             + (layers - moe) * shape.mlp_params + moe * shape.hidden * shape.experts
+             + (layers - moe) * shape.dense_mlp_params
+             + moe * (shape.hidden * shape.experts + shape.shared_experts * shape.mlp_params)
              + shape.embedding_params) / layout.tp
     experts = moe * shape.experts * shape.mlp_params / (layout.ep * layout.tp)
     return dense, experts
@@ -454,8 +503,8 @@ def activation_bytes_per_layer(shape: Shape, layout: Layout, precision: Precisio
     scale = precision.activation / 2
     if mode == "full":
         return 2 * sbd * scale / (t if sp else 1)
-    routed = shape.top_k * (layout.capacity_factor or 1.0) if moe else 1.0
-    mlp_hidden = (8 if shape.gated else 4) * shape.d_ff / d
+    routed = shape.top_k * (layout.capacity_factor or 1.0) + shape.shared_experts if moe else 1.0
+    mlp_hidden = (8 if shape.gated else 4) * (shape.d_ff if moe else shape.dense_ffn_width) / d
     # replicated without sp: the QKV input (2), the attention output's dropout mask (1), two norm
     # inputs (4), the MLP's input (2, at every expert it reaches) and dropout mask (1)
     replicated = 7 + 1 + 2 * routed
@@ -534,11 +583,12 @@ def memory(shape: Shape, layout: Layout, precision: Precision) -> dict[str, floa
 def bubble(pp: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
     """The pipeline bubble's share of a step, from the schedule generator
     (`mpdl.parallel.pipeline.schedule.schedule_bubble`): (p − 1)/(v·m + p − 1) for afab, 1f1b and
-    interleaved, (p − 1)/(3m + p − 1) for zb-h1, the unit-clock replay for zb-v and dualpipev."""
+    interleaved, (p − 1)/(3m + p − 1) for zb-h1, the unit-clock replay for zb-v and dualpipev
+    (its forward-backward pairs overlapped, as DualPipe runs them)."""
     if pp == 1:
         return 0.0
     kind = "interleaved" if schedule == "1f1b" and virtual > 1 else schedule
-    return S.schedule_bubble(kind, pp, microbatches, virtual)
+    return S.schedule_bubble(kind, pp, microbatches, virtual, overlap=kind == "dualpipev")
 
 
 # -- time ------------------------------------------------------------------------------------------
@@ -619,10 +669,10 @@ def layer_work(shape: Shape, layout: Layout, precision: Precision, moe: bool = F
     """What one layer of the shape asks of one GPU of the layout for one micro-batch (a MoE
     block's with `moe`)."""
     return C.Layer(shape.microbatch, shape.seq / layout.cp, shape.seq, shape.hidden, shape.heads,
-                   shape.d_kv, shape.d_ff, shape.gated, shape.family, layout.tp, layout.sp,
-                   layout.recompute, precision.activation,
+                   shape.d_kv, shape.d_ff if moe else shape.dense_ffn_width, shape.gated,
+                   shape.family, layout.tp, layout.sp, layout.recompute, precision.activation,
                    shape.experts if moe else 0, shape.top_k, layout.capacity_factor, layout.ep,
-                   precision.fp8_gemms)
+                   precision.fp8_gemms, shape.shared_experts if moe else 0, shape.core_width)
 
 
 def compute_parts(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu
@@ -664,7 +714,12 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
         if layout.pp > 1 else 0.0
     cp = context_parallel_time(shape, layout, precision, gpu, params, per_node)
     ep_mb = expert_time(shape, layout, precision, params, per_node)
-    slot = compute_mb + tp_exposed_mb + pp_mb + cp["cp_exposed_s"] + ep_mb
+    if layout.pp > 1 and layout.schedule == "dualpipev":
+        # DualPipe runs one chunk's experts' all-to-all and pipeline sends beside the other
+        # chunk's compute (DeepSeek-V3 report, §3.2.1): a slot is the longer of the two
+        slot = max(compute_mb, pp_mb + ep_mb) + tp_exposed_mb + cp["cp_exposed_s"]
+    else:
+        slot = compute_mb + tp_exposed_mb + pp_mb + cp["cp_exposed_s"] + ep_mb
     m = layout.microbatches
     share = bubble(layout.pp, m, layout.virtual, layout.schedule)
     # the bubble is idle time beside the m slots a stage works: m·slot / (1 − share) in all

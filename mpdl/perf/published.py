@@ -46,10 +46,16 @@ NETWORKS: dict[str, S.Network] = {
         source="GB200 NVL72 (nvidia.com/gb200-nvl72): 72 GPUs on one NVLink 5 domain (1.8 TB/s "
                "a GPU both directions: 900 GB/s each way), 400 Gbit/s a GPU between racks "
                "(assumed, as HGX); latencies assumed"),
+    "h800-cluster": S.network(
+        "h800-cluster", 200e9, 5e-6, 50e9, 5e-6, per_node=8, gamma=0.0,
+        source="DeepSeek-V3 report (arXiv 2412.19437), sections 3.1 and 3.2.2: 8 H800 a node on "
+               "NVLink and NVSwitch (400 GB/s both directions on the data sheet: 200 GB/s each "
+               "way), InfiniBand between nodes at 50 GB/s a GPU; latencies assumed"),
 }
 
 #: the network `mpdl simulate --gpu` runs on unless --network says otherwise
-GPU_NETWORK = {"h200": "hgx-h200", "b200": "hgx-b200", "gb200": "gb200-nvl72"}
+GPU_NETWORK = {"h200": "hgx-h200", "b200": "hgx-b200", "gb200": "gb200-nvl72",
+               "h800": "h800-cluster"}
 
 MEGATRON = (L.SHAPES["megatron-8.3b"], L.Layout(dp=64, pp=1, tp=8, microbatches=1,
                                                 recompute="full"), "dgx2h", "v100-32gb")
@@ -241,6 +247,7 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
     out += five_axis_rows()
     out += mcore_rows()
     out += torchtitan_rows()
+    out += deepseek_rows()
     out.append(llama3_goodput_row())
     # Mikami et al.'s cluster and all-reduce, MXNet's V100 rate, 40 images per GPU
     r = S.predict_published(YAMAZAKI)
@@ -368,6 +375,34 @@ def mcore_rows() -> list[dict[str, Any]]:
                         source="https://github.com/NVIDIA/Megatron-LM/blob/main/README.md"
                                "#performance-benchmarking, the model table "
                                "(images/model_table.png): per-GPU teraFLOP/s"))
+    return out
+
+
+#: DeepSeek-V3 on 2,048 H800 (DeepSeek-V3 report, arXiv 2412.19437, §3.1-3.3): pp 16 with
+#: DualPipe, ep 64 over 8 nodes, ZeRO-1 data parallelism over the rest (dp 128), no tensor
+#: parallelism, FP8 GEMMs, dropless routing, 4K sequences at the final batch of 15,360 (the ramp
+#: from 3,072 over the first 469B tokens left out), one sequence a micro-batch assumed
+DEEPSEEK_V3 = L.Layout(dp=128, pp=16, tp=1, zero=1, microbatches=15360 // 128,
+                       schedule="dualpipev", ep=64, capacity_factor=0, virtual=2)
+
+
+def deepseek_rows() -> list[dict[str, Any]]:
+    """DeepSeek-V3's parameters (671B, 37B active) and its pre-training GPU-hours."""
+    shape = L.SHAPES["deepseek-v3"]
+    src = ("DeepSeek-V3 report (arXiv 2412.19437), §1 and §4.2: 671B total parameters, 37B "
+           "activated per token (61 layers, d 7168, the first 3 dense of width 18432, then 256 "
+           "routed experts of width 2048, top-8, and 1 shared; MLA's parameters counted whole)")
+    out = [_row("DeepSeek-V3 parameters", 671.0, shape.params / 1e9, "billion", BAND,
+                source=src),
+           _row("DeepSeek-V3 active parameters per token", 37.0, shape.active_params / 1e9,
+                "billion", BAND, source=src)]
+    net = NETWORKS["h800-cluster"]
+    r = L.evaluate(shape, DEEPSEEK_V3, L.PRECISIONS["fp8"], L.GPUS["h800"], net.params,
+                   net.per_node, tokens=14.8e12)
+    out.append(_row("DeepSeek-V3 pre-training on 2048 H800", 2.664, r["gpu_hours"] / 1e6,
+                    "million GPU-hours", BAND, layout=DEEPSEEK_V3.label(),
+                    source="DeepSeek-V3 report (arXiv 2412.19437), Table 1 and §1: 2,664K H800 "
+                           "GPU-hours for pre-training on 14.8T tokens (180K a trillion)"))
     return out
 
 

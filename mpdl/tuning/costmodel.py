@@ -756,7 +756,7 @@ def _schedule(collective: str, algorithm: str, p: int, ranks_per_node: int, coun
         else:
             run(comm, x, "sum", 0)
 
-    _, schedule = run_world(p, call, ranks_per_node=ranks_per_node, record=True)
+    _, schedule = run_world(p, call, ranks_per_node=ranks_per_node, message_log=True)
     return tuple(sorted((src, dst, nbytes) for _, _, src, dst, nbytes in schedule))
 
 
