@@ -353,7 +353,8 @@ def llama3_goodput_row() -> dict[str, Any]:
     return _row(f"Llama 3 effective training time on {G.LLAMA3_GPUS} H100", 0.90,
                 got["goodput"], "share of wall time", 1 / 0.90 - 1, lower_bound=True,
                 mtbf_h=got["mtbf_s"] / 3600, checkpoint_interval_s=got["checkpoint_interval_s"],
-                source="Dubey et al. 2024 (Llama 3), section 3.3.4: 419 unexpected "
+                source="Dubey et al. 2024 (Llama 3, https://arxiv.org/abs/2407.21783), "
+                       "section 3.3.4: 419 unexpected "
                        "interruptions in a 54-day snapshot on 16,384 H100, \"higher than 90% "
                        "effective training time\"; restart 600 s assumed (not stated)")
 
@@ -371,8 +372,8 @@ def mcore_rows() -> list[dict[str, Any]]:
                         r["tokens_per_s"] * count / layout.gpus / 1e12,
                         "TFLOP/s per GPU (Megatron's count)", BAND, layout=layout.label(),
                         fits=r["fits"],
-                        source="Megatron-LM README (github.com/NVIDIA/Megatron-LM), "
-                               "\"Performance Benchmarking\", model table "
+                        source="https://github.com/NVIDIA/Megatron-LM/blob/main/README.md"
+                               "#performance-benchmarking, the model table "
                                "(images/model_table.png): per-GPU teraFLOP/s"))
     return out
 
@@ -432,8 +433,9 @@ def torchtitan_rows() -> list[dict[str, Any]]:
         r = L.evaluate(shape, layout, L.PRECISIONS["bf16"], gpu, net.params, net.per_node)
         out.append(_row(f"TorchTitan {name} on 64 A100", figure, r["tokens_per_s"] / 64,
                         "tokens/s per GPU", BAND, layout=layout.label(), fits=r["fits"],
-                        source="TorchTitan docs/performance.md (4d88a8a), \"Llama 3 performance "
-                               "numbers\": FSDP on 64 A100, local batch 1, WPS"))
+                        source="https://github.com/pytorch/torchtitan/blob/4d88a8a/docs/"
+                               "performance.md, \"Llama 3 performance numbers\": FSDP on 64 "
+                               "A100, local batch 1, WPS"))
     net, gpu = NETWORKS["grand-teton"], L.GPUS["h100-80gb"]
     shape = L.replace(L.SHAPES["llama3-405b"], microbatch=4)
     rate = {}
@@ -445,6 +447,6 @@ def torchtitan_rows() -> list[dict[str, Any]]:
     out.append(_row("TorchTitan 405B on 512 H100: interleaved over 1F1B",
                     TORCHTITAN_405B_MFU[2] / TORCHTITAN_405B_MFU[1], rate[2] / rate[1],
                     "ratio of throughputs", BAND, layout=layout.label(),
-                    source="pytorch/torchtitan issue #773: 512 H100, 1F1B 26.52% MFU, "
-                           "Interleaved1F1B 33.88%"))
+                    source="https://github.com/pytorch/torchtitan/issues/773: 512 H100, 1F1B "
+                           "26.52% MFU, Interleaved1F1B 33.88%"))
     return out
