@@ -79,7 +79,7 @@ class FlightPlan:
             entry.end, entry.state = time(), "failed"
             raise
         entry.end, entry.state = time(), "done"
-        return plan._result()
+        return plan.result if plan._finish is None else plan._finish()
 
     def start(self, x: Any = None) -> FlightPlan:
         """Start the collective (hand-written algorithms run to the end here); returns the plan."""
