@@ -80,13 +80,13 @@ def main() -> None:
     xtr, ytr, xte, yte = load_digits(seed=0)
     runs = [Run(name, args.hidden, comm, args) for name in COMPRESSORS]
     sampler = DistributedSampler(len(xtr), args.batch, rank=rank, num_replicas=p, seed=0)
-    comm.recorder = []
+    comm.message_log = []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         batches = list(sampler)
         for run in runs:
             for idx, global_batch in batches:
-                comm.recorder.clear()
+                comm.message_log.clear()
                 world.Barrier()
                 start = time.perf_counter()
                 run.ddp.set_local_batch(len(idx), global_batch)
@@ -96,8 +96,8 @@ def main() -> None:
                 run.opt.step()
                 run.opt.zero_grad()
                 run.times.append(time.perf_counter() - start)
-                run.bytes.append(sum(m[4] for m in comm.recorder))
-    comm.recorder = None
+                run.bytes.append(sum(m[4] for m in comm.message_log))
+    comm.message_log = None
     rows = []
     for run in runs:
         slowest = np.max(world.allgather(np.array(run.times)), axis=0)

@@ -36,7 +36,7 @@ import numpy as np
 from mpdl import memory
 from mpdl.autograd import functional as F
 from mpdl.models.gpt import GPT
-from mpdl.parallel.pipeline import model_pieces, partition
+from mpdl.parallel.pipeline import model_pieces, partition_by_weight
 from mpdl.training import precision
 from mpdl.training.activation_memory import korthikanti_layer_bytes, model_activation_bytes
 
@@ -67,11 +67,11 @@ def train(ranks: int, flags: list[str], out: Path) -> dict:
     return next(row for row in rows if "memory_peak_bytes" in row)  # the first epoch's
 
 
-def stage_layers(args: argparse.Namespace) -> list[tuple[int, bool, bool]]:
+def stage_contents(args: argparse.Namespace) -> list[tuple[int, bool, bool]]:
     """(blocks, has the embedding, has the head) of each of 2 pipeline stages, as mpdl cuts."""
     gpt = GPT(len(VOCAB), args.block, args.layers, args.heads, args.width, seed=0)
     pieces = model_pieces(gpt)
-    bounds = partition([w for _, w in pieces], 2)
+    bounds = partition_by_weight([w for _, w in pieces], 2)
     last = len(pieces) - 1
     return [(sum(1 for i in range(a, b) if 0 < i < last), a == 0, b == last + 1)
             for a, b in zip(bounds, bounds[1:], strict=False)]
@@ -84,7 +84,7 @@ def formula(args: argparse.Namespace, layout: str, mode: str, name: str) -> int:
         return model_activation_bytes(b=args.batch, layers=args.layers, t=2, **common)
     if layout == "pp 2":
         return max(model_activation_bytes(b=args.batch, layers=n, embedding=e, head=h, **common)
-                   for n, e, h in stage_layers(args))
+                   for n, e, h in stage_contents(args))
     ranks = 4 if layout == "zero 3" else 1
     return model_activation_bytes(b=args.batch // ranks, layers=args.layers, **common)
 

@@ -7,7 +7,7 @@ copy of the same model (Adam, float32, the same global batch) with the same coll
 (ring); they take turns (four rounds of A A A B B B ..., one untimed step first in each turn). A
 step's time is the slowest rank's; the table shows the median, the ratio to DDP, the model state
 per rank (max over ranks; DDP: parameters, gradients, buckets and Adam's moments it holds), the
-bytes each rank sends per step (counted by the communicator's recorder), and for stage 3 the
+bytes each rank sends per step (counted by the communicator's message log), and for stage 3 the
 share of all-gather time hidden behind compute (1 - main-thread wait for gathers / all-gather
 time, at least 0; the wait also covers reduce-scatters queued before a gather; median over steps,
 smallest over ranks).
@@ -63,16 +63,16 @@ def ddp_state_bytes(strategy) -> int:
 
 
 def counted_step(strategy, batch: Batch) -> int:
-    """Bytes this rank sends in one more step of strategy, from the communicator's recorder."""
+    """Bytes this rank sends in one more step of strategy, from the communicator's message log."""
     comm = strategy.comm
-    own = comm.recorder is None
+    own = comm.message_log is None
     if own:
-        comm.recorder = []
-    first = len(comm.recorder)
+        comm.message_log = []
+    first = len(comm.message_log)
     strategy.step(batch)
-    sent = sum(e[4] for e in comm.recorder[first:] if e[1] != "barrier")
+    sent = sum(e[4] for e in comm.message_log[first:] if e[1] != "barrier")
     if own:
-        comm.recorder = None
+        comm.message_log = None
     return sent
 
 

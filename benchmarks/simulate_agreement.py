@@ -247,18 +247,18 @@ def pure_compute(p: int, env: dict, tmp_path: Path, round_: int) -> float:
 def stage_times(model: str, shape: str, microbatch: int, pp: int, repeats: int = 60,
                 seed: int = 0) -> dict:
     """Per stage of `model` cut as `mpdl train --pp` cuts it (`pipeline.model_pieces`, balanced by
-    `pipeline.partition`): the median seconds of forward (the last stage with its loss), backward
-    and the SGD step (momentum 0.9, as mpdl train) of one microbatch, and the bytes of each
-    stage's output and gradient."""
+    `pipeline.partition_by_weight`): the median seconds of forward (the last stage with its loss),
+    backward and the SGD step (momentum 0.9, as mpdl train) of one microbatch, and the bytes of
+    each stage's output and gradient."""
     from mpdl.autograd import functional as F
     from mpdl.autograd import optim
     from mpdl.autograd.tensor import Tensor
     from mpdl.models.zoo import build_model
-    from mpdl.parallel.pipeline import model_pieces, partition
+    from mpdl.parallel.pipeline import model_pieces, partition_by_weight
 
     net = build_model(model, S.INPUT_SHAPES[shape], 10, seed=seed)
     pieces = model_pieces(net)
-    bounds = partition([w for _, w in pieces], pp)
+    bounds = partition_by_weight([w for _, w in pieces], pp)
     stages = [[piece for piece, _ in pieces[bounds[s]:bounds[s + 1]]] for s in range(pp)]
     params = [[q for piece in st for q in piece.parameters()] for st in stages]
     opts = [optim.SGD(ps, lr=0.01, momentum=0.9) for ps in params]

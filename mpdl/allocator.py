@@ -3,11 +3,10 @@
 By default glibc maps every allocation above a moving threshold (128 KiB at start) with mmap and
 trims the heap top whenever more than twice that threshold is free. A training step allocates and
 frees megabytes of activations and im2col columns, so each step can page-fault its memory in
-afresh: on LeNet at batch 32 that was a third of the step. `keep_heap` fixes the mmap threshold
-and turns trimming off, so the memory freed by one step is reused by the next: the heap keeps its
-high-water mark, which every step reaches again. (A trim threshold of twice the mmap threshold,
-64 MiB, still re-faulted 17,000 pages a step, 6 % of it, in a GPT train step at 6 layers × 384,
-T 256, batch 4, whose backward frees about 200 MiB at once.)
+afresh. `keep_heap` fixes the mmap threshold and turns trimming off, so the memory freed by one
+step is reused by the next: the heap keeps its high-water mark, which every step reaches again.
+A trim threshold, even of 64 MiB, still re-faults pages every step, since a GPT's backward frees
+hundreds of MiB at once (docs/results/gpt.md#attention-in-cache-sized-chunks).
 """
 
 from __future__ import annotations

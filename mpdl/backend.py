@@ -120,7 +120,7 @@ PAGE = 4096
 def empty_like_page_offset(x: Any) -> Any:
     """An empty C-contiguous array of x's shape and dtype. For NumPy arrays of a page or more it
     starts at the same offset within a 4 KiB page as x: copying x into it then never writes a few
-    bytes behind the loads, which on some CPUs (4K aliasing) makes a copy ten times slower. Heap
+    bytes behind the loads, which on some CPUs (4K aliasing) makes a copy several times slower. Heap
     arrays allocated one after another are 16 bytes apart modulo 4 KiB, which is that case.
     Below a page the slowdown is at most a microsecond or two, less than placing the array costs."""
     xp = get_array_module(x)

@@ -1,13 +1,13 @@
 """The float32 matrix product of the layers on the CPU: MKL's ``cblas_sgemm`` where the optional
 ``mkl`` package is installed (``pip install "mpdl[mkl]"``), NumPy's own BLAS otherwise.
 
-NumPy's wheels carry OpenBLAS; on one core its single-precision GEMM takes 1.10-1.15× the time of
-MKL's (which PyTorch's CPU build uses) at a GPT train step's shapes, and those products are most
-of the step. ``matmul(a, b)`` is ``a @ b`` for 2-D float32 NumPy arrays, computed by the chosen
-library through its 64-bit-integer CBLAS entry point, called with ctypes on the operands in place
-(a transposed view is passed as a transposed operand, as NumPy does); anything else (other
-dtypes, other array types, more dimensions, strides BLAS cannot take, empty products) is
-``a @ b``.
+NumPy's wheels carry OpenBLAS, whose single-precision GEMM on one core is slower than MKL's
+(which PyTorch's CPU build uses) at a GPT train step's shapes, and those products are most of the
+step (docs/results/gpt.md#gpt-train-step-against-pytorch-cpu). ``matmul(a, b)`` is ``a @ b``
+for 2-D float32 NumPy arrays, computed by the chosen library through its 64-bit-integer CBLAS
+entry point, called with ctypes on the operands in place (a transposed view is passed as a
+transposed operand, as NumPy does); anything else (other dtypes, other array types, more
+dimensions, strides BLAS cannot take, empty products) is ``a @ b``.
 
 ``MPDL_BLAS`` chooses: ``auto`` (default: MKL where it is installed and NumPy's BLAS runs one
 thread, as under ``mpiexec`` where the ranks fill the cores), ``mkl`` (an error where it is not

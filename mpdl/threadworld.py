@@ -1,8 +1,8 @@
 """An in-process world of p ranks, one thread each, with queues instead of MPI.
 
 The same collective code that runs over mpi4py runs here, so tests can check every algorithm for
-p = 1..32 in seconds, notebooks can run and draw an algorithm without mpiexec, and the recorder
-captures each message (collective, step, source, destination, bytes) for the cost model.
+p = 1..32 in seconds, notebooks can run and draw an algorithm without mpiexec, and the message
+log holds each message (collective, step, source, destination, bytes) for the cost model.
 It is a test and teaching double: every algorithm is also tested over real MPI.
 """
 
@@ -22,13 +22,13 @@ from mpdl.comm import Communicator, Request
 class ThreadWorld:
     """The shared state of p in-process ranks: one mailbox per (source, destination) pair."""
 
-    def __init__(self, size: int, ranks_per_node: int | None = None, record: bool = False):
+    def __init__(self, size: int, ranks_per_node: int | None = None, message_log: bool = False):
         if size < 1:
             raise ValueError(f"size: expected at least 1 rank, got {size}")
         self.size = size
         self.ranks_per_node = ranks_per_node or size
         self.mailboxes = {(s, d): queue.SimpleQueue() for s in range(size) for d in range(size)}
-        self.schedule: list[tuple] | None = [] if record else None
+        self.message_log: list[tuple] | None = [] if message_log else None
         self._lock = threading.Lock()
         self._segments: dict[tuple, list[np.ndarray]] = {}
         self._barriers: dict[tuple, threading.Barrier] = {}
@@ -74,7 +74,7 @@ class ThreadComm(Communicator):
         self.rank = rank
         self.size = world.size
         self._own_calls = 0
-        self.recorder = world.schedule
+        self.message_log = world.message_log
 
     def _isend(self, buf: Any, dest: int, step: Any) -> Request:
         if not 0 <= dest < self.size:
@@ -144,9 +144,9 @@ class ThreadComm(Communicator):
 
 
 def run_world(size: int, fn: Callable[[ThreadComm], Any], ranks_per_node: int | None = None,
-              record: bool = False) -> list[Any] | tuple[list[Any], list[tuple]]:
-    """Run fn(comm) on an in-process world of `size` ranks; with record=True also return the
-    message schedule as (collective, step, src, dst, nbytes) tuples."""
-    world = ThreadWorld(size, ranks_per_node, record)
+              message_log: bool = False) -> list[Any] | tuple[list[Any], list[tuple]]:
+    """Run fn(comm) on an in-process world of `size` ranks; with message_log=True also return the
+    message log, the messages sent as (collective, step, src, dst, nbytes) tuples."""
+    world = ThreadWorld(size, ranks_per_node, message_log)
     results = world.run(fn)
-    return (results, world.schedule) if record else results
+    return (results, world.message_log) if message_log else results

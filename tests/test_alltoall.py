@@ -265,14 +265,14 @@ def test_hierarchical_sends_one_message_per_node_pair_across_nodes():
     p, per_node = 8, 2
     x = np.ones((p, 16), np.float32)
     _, schedule = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm="hierarchical"),
-                            ranks_per_node=per_node, record=True)
+                            ranks_per_node=per_node, message_log=True)
     across = [(src, dst, n) for _, _, src, dst, n in schedule
               if src // per_node != dst // per_node]
     nodes = p // per_node
     assert len(across) == nodes * (nodes - 1)
     assert {n for _, _, n in across} == {per_node * per_node * 16 * 4}
     _, direct = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm="pairwise"),
-                          ranks_per_node=per_node, record=True)
+                          ranks_per_node=per_node, message_log=True)
     assert sum(src // 2 != dst // 2 for _, _, src, dst, _ in direct) == p * (p - per_node)
 
 
@@ -280,7 +280,7 @@ def test_hierarchical_sends_one_message_per_node_pair_across_nodes():
 def test_bruck_takes_ceil_lg_p_steps_of_about_half_the_blocks(p):
     block = 4
     x = np.ones((p, block), np.float64)
-    _, schedule = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm="bruck"), record=True)
+    _, schedule = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm="bruck"), message_log=True)
     steps = (p - 1).bit_length()
     for rank in range(p):
         sent = [m for m in schedule if m[2] == rank]
@@ -356,7 +356,8 @@ def test_latency_terms_count_the_messages_of_the_recorded_schedule(algorithm, p)
     recorded schedule for the algorithms that wait for each one (pairwise, Bruck); one per batch
     plus POST_SHARE for each other message for scattered."""
     x = np.ones((p, 8), np.float32)
-    _, schedule = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm=algorithm), record=True)
+    _, schedule = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm=algorithm),
+                            message_log=True)
     sent = max(Counter(src for _, _, src, _, _ in schedule).values())
     alpha_only = cm.predict("alltoall", algorithm, x.nbytes, p, 1,
                             cm.Params(alpha=1.0, beta=0.0, copy=0.0, copy_cached=0.0, call=0.0))

@@ -624,7 +624,7 @@ def test_every_candidate_contends_in_a_reduce_scatter_or_allgather_plan(tmp_path
                                                                           nodes=1))
     model = auto.model_for(comm)
     for collective in ("reduce_scatter", "allgather"):
-        assert collective in verify.COLLECTIVES
+        assert collective in verify.VERIFIED
         predicted = {name: cm.predict(collective, name, 1 << 24, 4, 1, model.params)
                      for name in cm.candidates(collective, True)}
         assert max(predicted.values()) > verify.FIELD * min(predicted.values()), predicted

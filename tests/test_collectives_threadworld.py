@@ -84,7 +84,8 @@ def test_other_collectives_every_p(collective):
 def test_ring_schedule_is_the_textbook_one():
     p, n = 4, 4000
     xs = data(p, n, np.float32)
-    _, schedule = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm="ring", comm=c), record=True)
+    _, schedule = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm="ring", comm=c),
+                            message_log=True)
     for rank in range(p):
         sent = [m for m in schedule if m[2] == rank]
         assert {m[3] for m in sent} == {(rank + 1) % p}, "a ring rank only talks to its right"
@@ -103,7 +104,7 @@ def test_allreduce_in_small_pipeline_segments(monkeypatch, algorithm):
             for r in results:
                 np.testing.assert_allclose(r, np.sum(xs, axis=0), rtol=1e-12, atol=1e-12)
     _, schedule = run_world(3, lambda c: C.allreduce(np.ones(97), algorithm="ring", comm=c),
-                            record=True)
+                            message_log=True)
     # blocks of 33, 32 and 32 elements: 7 segments per reduce-scatter step, whole blocks after
     assert len(schedule) == 3 * (2 * 7 + 2) and max(m[4] for m in schedule) == 33 * 8
     assert sum(m[4] == 40 for m in schedule) == 3 * 2 * 6
@@ -124,7 +125,7 @@ def test_recursive_doubling_sends_lg_p_whole_buffers():
     p, n = 8, 100
     xs = data(p, n)
     _, schedule = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm="recursive_doubling", comm=c),
-                            record=True)
+                            message_log=True)
     assert len(schedule) == p * 3 and all(m[4] == n * 8 for m in schedule)
 
 

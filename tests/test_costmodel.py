@@ -61,7 +61,8 @@ def test_latency_terms_count_the_messages_of_the_recorded_schedule(algorithm, p)
     """With α = 1 and nothing else, the prediction is the number of messages on the critical
     path; for these algorithms that is what the busiest rank sends in the recorded schedule."""
     x = np.ones(64, np.float32)
-    _, schedule = run_world(p, lambda c: C.allreduce(x, algorithm=algorithm, comm=c), record=True)
+    _, schedule = run_world(p, lambda c: C.allreduce(x, algorithm=algorithm, comm=c),
+                            message_log=True)
     sent = Counter(src for _, _, src, _, _ in schedule)
     alpha_only = cm.predict("allreduce", algorithm, x.nbytes, p, 1, replace(ZERO, alpha=1.0))
     if algorithm == "tree":  # rank 0 receives lg p messages and sends lg p
@@ -170,7 +171,7 @@ def test_bench_sizes_and_bus_factors():
 
 
 def test_bench_reads_its_names_from_the_registry():
-    assert bench.COLLECTIVES == tuple(registry.REGISTRY)
+    assert registry.COLLECTIVES == tuple(registry.REGISTRY)
     for collective in registry.REGISTRY:
         assert bench.algorithm_names(collective) == [*registry.algorithms(collective), "auto"]
     assert bench.algorithm_names("allreduce", ["tree", "auto", "tree"]) == ["tree", "auto", "mpi"]
@@ -276,7 +277,7 @@ def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
     def chain(c):
         measuring.ring_chain(c, ((c.rank + 1) % c.size, (c.rank - 1) % c.size), 64, 4)()
 
-    _, schedule = run_world(3, chain, record=True)
+    _, schedule = run_world(3, chain, message_log=True)
     for rank in range(3):
         sent = [m for m in schedule if m[2] == rank]
         assert [(m[3], m[4]) for m in sent] == [((rank + 1) % 3, 64)] * 4
@@ -288,7 +289,7 @@ def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
     monkeypatch.setattr(measuring, "exchange_buffers",
                         lambda n: allocated.append(n) or real_buffers(n))
     _, schedule = run_world(3, lambda c: measuring.ring_chain(
-        c, ((c.rank + 1) % 3, (c.rank - 1) % 3), 64, 10)(), record=True)
+        c, ((c.rank + 1) % 3, (c.rank - 1) % 3), 64, 10)(), message_log=True)
     assert len(schedule) == 3 * 10 and allocated == [4 * 64] * 3
 
 
@@ -354,7 +355,7 @@ def test_calibrated_reducing_ring_chain_adds_each_block_it_receives(nbytes, monk
                                     reduce=True)
         run()
 
-    _, schedule = run_world(3, chain, record=True)
+    _, schedule = run_world(3, chain, message_log=True)
     blocks = [b[0].view(np.float32).reshape(5, 16) for b in buffers if b[0].nbytes == 5 * 64]
     assert len(blocks) == 3 and all((b[4] == 5).all() and (b[0] == 1).all() for b in blocks)
     for rank in range(3):

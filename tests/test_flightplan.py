@@ -1,6 +1,6 @@
 """Plans and the flight recorder on the in-process world: a plan runs bare unless its communicator
 keeps a recorder; wrapped, it writes the entries a one-shot call writes, skips the call MPDL_FAULT
-names, and sends the same messages as the bare plan."""
+names, and sends the same messages as the bare plan (the message log)."""
 
 from __future__ import annotations
 
@@ -130,10 +130,10 @@ def test_wrapped_and_bare_plans_send_the_same_messages():
             plans_made = [T.allreduce_init(x, algorithm=a, comm=c, out=np.empty_like(x))
                           for a in ("ring", "recursive_doubling", "tree")]
             plans_made.append(T.alltoall_init(np.ones((3, 4)), comm=c, algorithm="bruck"))
-            c.recorder = []
+            c.message_log = []
             results = [h().copy() for h in plans_made]
-            sent[kind] = (c.recorder, [type(h) for h in plans_made], results)
-            c.recorder = None
+            sent[kind] = (c.message_log, [type(h) for h in plans_made], results)
+            c.message_log = None
         return sent
 
     for sent in run_world(3, body):

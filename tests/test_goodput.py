@@ -59,3 +59,16 @@ def test_search_rows_take_the_failure_model():
     assert none and all(r["goodput"] == 1.0 for r in none)
     some = L.search_report(shape, 64, 64, L.PRECISIONS["bf16"], gpu, net.params, 8)["rows"]
     assert all(0 < r["goodput"] < 1 for r in some)
+
+
+def test_published_row_checks_llama3_floor():
+    row = {r["name"]: r for r in P.rows(search=False)}[
+        "Llama 3 effective training time on 16384 H100"]
+    # Dubey et al. 2024, section 3.3.4: "higher than 90% effective training time"
+    assert row["published"] == 0.90 and row["bound"] == "lower" and row["ok"]
+    assert 0.90 <= row["predicted"] <= 1.0
+    assert row["mtbf_h"] == pytest.approx(3.09, rel=0.01)
+    # a floor: 0.85 lies within 15% of 0.90 but below it, 0.95 above it passes, 1.01 cannot be
+    assert not P._row("x", 0.90, 0.85, "", 1 / 0.9 - 1, lower_bound=True)["ok"]
+    assert P._row("x", 0.90, 0.95, "", 1 / 0.9 - 1, lower_bound=True)["ok"]
+    assert not P._row("x", 0.90, 1.01, "", 1 / 0.9 - 1, lower_bound=True)["ok"]

@@ -36,7 +36,7 @@ def calls(c) -> list[bytes]:
 
 def run(p: int) -> tuple[list, Counter]:
     plans.clear_cache()
-    results, schedule = run_world(p, calls, record=True)
+    results, schedule = run_world(p, calls, message_log=True)
     return results, Counter(schedule)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from mpdl.autograd import no_grad
 from mpdl.inference.inference import Decoder
-from mpdl.inference.serving import check_layout, generate_replica, serve, stage_layers, summary
+from mpdl.inference.serving import blocks_by_count, check_layout, generate_replica, serve, summary
 from mpdl.models.gpt import GPT
 from mpdl.threadworld import run_world
 
@@ -150,4 +150,4 @@ def test_layout_checks_name_the_flag():
                           ((4, 6, 3, None, 0, 1), "--pp: expected a positive number")]:
         with pytest.raises(ValueError, match=message.replace("×", ".")):
             check_layout(*args)
-    assert [list(stage_layers(5, 3, s)) for s in range(3)] == [[0, 1], [2, 3], [4]]
+    assert [list(blocks_by_count(5, 3, s)) for s in range(3)] == [[0, 1], [2, 3], [4]]

@@ -8,9 +8,11 @@ import ast
 import graphlib
 from pathlib import Path
 
-# The line budget (docs/design.md) and the docs' limits run with the layer check, which every
-# change runs before it lands.
+# The line budget (docs/design.md), the docs' limits and the code the docs name run with the layer
+# check, which every change runs before it lands.
+from test_docs_paths import test_docs_name_only_code_that_exists  # noqa: F401
 from test_line_budget import (  # noqa: F401
+    test_concept_pages_teach_in_five_parts_and_stay_short,
     test_core_files_within_their_caps,
     test_docs_pages_short_but_the_journal,
     test_few_comments_carry_timings,

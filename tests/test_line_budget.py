@@ -59,6 +59,24 @@ def test_docs_pages_short_but_the_journal():
     assert not long, f"docs pages over {PAGE_CAP} lines (measurements go to docs/results/): {long}"
 
 
+#: the concept pages, each the idea, a figure, the code path, the formula and the check: short
+#: enough to read in one sitting (the reference sections below them included)
+CONCEPT_PAGES = ("collectives", "autograd", "data_parallel", "zero", "pipeline", "context_parallel",
+                 "moe", "memory", "precision", "inference", "simulate")
+CONCEPT_CAP = 250
+TEACHING_PARTS = ("## The idea", "](figures/", "## The code path", "## The formula", "## The check")
+
+
+def test_concept_pages_teach_in_five_parts_and_stay_short():
+    wrong = []
+    for name in CONCEPT_PAGES:
+        text = (ROOT / "docs" / f"{name}.md").read_text()
+        wrong += [f"{name}.md lacks {part!r}" for part in TEACHING_PARTS if part not in text]
+        if (n := len(text.splitlines())) > CONCEPT_CAP:
+            wrong.append(f"{name}.md has {n} lines, over {CONCEPT_CAP}")
+    assert not wrong, "; ".join(wrong)
+
+
 def test_readme_results_section_short():
     readme = (ROOT / "README.md").read_text()
     heads = re.findall(r"^## .*[Rr]esults.*$", readme, flags=re.M)
@@ -68,9 +86,11 @@ def test_readme_results_section_short():
     assert n <= RESULTS_CAP, f"README's results section has {n} lines, over {RESULTS_CAP}"
 
 
-#: a figure with a unit of time or of throughput, what a comment carrying a run's timing shows
-#: (not a link spec such as inter=10Gbit/s,20us, whose latency follows a comma)
-TIMING = re.compile(r"(?<![\w.,=-])\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)? ?(?:ms|µs|us|ns|s|[GMK]i?B/s)\b")
+#: a figure with a unit of time or of throughput, or a measured ratio of speeds ("1.1-1.4x
+#: slower"), what a comment carrying a run's timing shows (not a link spec such as
+#: inter=10Gbit/s,20us, whose latency follows a comma)
+TIMING = re.compile(r"(?<![\w.,=-])\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)? ?(?:ms|µs|us|ns|s|[GMK]i?B/s)\b"
+                    r"|(?<![\w.])\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)? ?[x×] (?:slower|faster|the time)")
 TIMING_CAP = 10
 
 
@@ -92,8 +112,9 @@ def timing_lines(source: str) -> list[int]:
 
 def test_timing_lines_finds_comments_and_docstrings():
     source = ('"""Module.\n\nTook 9 us on 2 ranks."""\nx = 1  # 3.4-3.6 ms a call\ny = "5 ms"  # a reason\n'
-              'z = 2  # e.g. inter=10Gbit/s,20us\n')
-    assert timing_lines(source) == [3, 4]
+              'z = 2  # e.g. inter=10Gbit/s,20us\nw = 3  # ran 1.11-1.37x slower\nv = 4  # a 3×3 kernel\n'
+              'def f():\n    """Takes 1.10-1.15× the time of MKL\'s."""\n')
+    assert timing_lines(source) == [3, 4, 7, 10]
 
 
 def test_few_comments_carry_timings():

@@ -96,7 +96,7 @@ def test_a_sub_communicator_maps_its_ranks_and_the_recorder_sees_each_start():
             sub.waitall([r.start()])
         return buf
 
-    results, schedule = run_world(3, body, record=True)
+    results, schedule = run_world(3, body, message_log=True)
     assert results[0].tolist() == [2.0] * 5
     assert [(src, dst, n) for _, _, src, dst, n in schedule] == [(2, 0, 40)] * 3
 

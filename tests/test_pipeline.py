@@ -35,7 +35,7 @@ from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.pipeline import (
     PipelineStrategy,
     bubble_formula,
-    partition,
+    partition_by_weight,
     peak_in_flight,
     schedule_ops,
     slot_bubble,
@@ -149,7 +149,7 @@ def test_tensor_parallel_float64_and_whole_model():
 def test_tensor_parallel_all_reduces_twice_per_block_each_way(no_verification):
     """Megatron: per block, 2 all-reduces forward (g) and 2 backward (f), over tp."""
     out, recorded = run_world(2, lambda c: pipeline_losses(c, "gpt", "float32", 1, 1, 1, "afab",
-                                                           2)[2], record=True)
+                                                           2)[2], message_log=True)
     # (gathered() at the end also agrees on two float64 memory figures: 16 bytes, left out)
     calls = [r for r in recorded if r[0].startswith("allreduce") and r[4] != 16]
     # n_layer = 2 blocks, 4 all-reduces each per step; 2 ranks: one message per rank each
@@ -172,7 +172,7 @@ def test_one_f_one_b_idle_slots_and_peaks_follow_the_formulas(no_verification):
     held = {}
     for schedule in ("afab", "1f1b"):
         out, recorded = run_world(pp, lambda c, s=schedule: pipeline_losses(
-            c, "mlp", "float32", 1, pp, m, s)[2], record=True)
+            c, "mlp", "float32", 1, pp, m, s)[2], message_log=True)
         orders = [s.last_order for s in out]
         length, idle = slot_bubble(orders)
         assert length == 2 * (m + pp - 1)
@@ -215,11 +215,11 @@ def test_schedules_by_hand():
 
 
 def test_partition_balances_parameter_counts():
-    assert partition([1, 1, 1, 1], 2) == [0, 2, 4]
-    assert partition([10, 1, 1, 1, 1, 10], 3) == [0, 1, 5, 6]
-    assert partition([5], 1) == [0, 1]
+    assert partition_by_weight([1, 1, 1, 1], 2) == [0, 2, 4]
+    assert partition_by_weight([10, 1, 1, 1, 1, 10], 3) == [0, 1, 5, 6]
+    assert partition_by_weight([5], 1) == [0, 1]
     with pytest.raises(ValueError, match="pp: 3 stages"):
-        partition([1, 1], 3)
+        partition_by_weight([1, 1], 3)
 
 
 def test_grid_is_row_major_with_one_communicator_per_axis():

@@ -11,7 +11,7 @@ import pytest
 
 from mpdl.autograd import nn
 from mpdl.models.zoo import build_model
-from mpdl.parallel.pipeline import PipelineStrategy, model_pieces, partition
+from mpdl.parallel.pipeline import PipelineStrategy, model_pieces, partition_by_weight
 from mpdl.parallel.pipeline.stage import _is_placeholder
 from mpdl.threadworld import run_world
 
@@ -39,7 +39,7 @@ def held(model) -> dict[str, np.ndarray]:
 def test_a_stage_holds_its_parameters_equal_to_the_whole_models(name, pp):
     whole = MODELS[name]()
     pieces = model_pieces(whole)
-    bounds = partition([w for _, w in pieces], pp)
+    bounds = partition_by_weight([w for _, w in pieces], pp)
     names = {id(p): n for n, p in whole.named_parameters()}
     expected = []
     for s in range(pp):

@@ -144,3 +144,25 @@ def test_fill_drain_runs_any_count_on_each_placement():
                 schedule = fill_drain(kind, p, m, v)
                 assert schedule.stages_of(0) == generate(kind, p, p * 2, v).stages_of(0)
                 assert check(schedule).peaks == [m * v] * p
+
+
+def test_dualpipev_overlapped_pairs_give_deepseeks_bubble():
+    """DeepSeek-V3's Table 2 (and DualPipe's README): DualPipeV's bubble is
+    (PP/2 − 1)(F&B + B − 3W) for PP stages on PP/2 ranks, B a full backward; on the unit clock
+    F = W = 1, B = 2 and a pair run overlapped F&B = F + B = 3: 2(p − 1) on p ranks. Run one after
+    the other (as mpdl's executor does), a rank need not wait for both inputs: p − 1."""
+    for p, m in ((2, 4), (3, 7), (4, 10), (5, 12)):
+        schedule = generate("dualpipev", p, m)
+        apart, paired = check(schedule), check(schedule, overlap=True)
+        assert max(paired.idle) == (p - 1) * (3 + 2 - 3)
+        assert max(apart.idle) == p - 1
+        # the pairs lengthen the step by their waits only: the work is the same 6m units
+        assert paired.length - max(paired.idle) == apart.length - max(apart.idle) == 6 * m
+        assert schedule_bubble("dualpipev", p, m, 2, overlap=True) == paired.bubble
+        # the last rank runs its first forward and backward of the steady state (after its 2p
+        # warm-up forwards) apart, the next two overlapped
+        assert 2 * p not in schedule.pairs[p - 1] and 2 * p + 2 in schedule.pairs[p - 1]
+        assert 2 * p + 3 in schedule.pairs[p - 2]  # 2 + 2(p − 1) + 3 ops before its steady state
+    # a schedule without pairs replays the same either way
+    zbv = generate("zb-v", 4, 8)
+    assert check(zbv, overlap=True).length == check(zbv).length

@@ -136,4 +136,4 @@ def test_interleaved_chunks_may_hold_only_the_embedding_or_the_output():
     L.check_layout(shape, L.Layout(pp=16, virtual=8, microbatches=16), 8)
     with pytest.raises(ValueError, match="--pp"):
         L.check_layout(shape, L.Layout(pp=16, virtual=9, microbatches=16), 8)
-    assert L.stage_layers(shape, L.Layout(pp=16, virtual=8)) == 8
+    assert L.max_stage_layers(shape, L.Layout(pp=16, virtual=8)) == 8

@@ -160,14 +160,14 @@ def measure(comm, make):
     x, y = data("mlp", "float32")
     strategy = make(comm)
     strategy.setup(m, OPTIMIZERS["adam"])
-    recorder = comm.recorder if comm.recorder is not None else []
+    log = comm.message_log if comm.message_log is not None else []
     comm.barrier()
-    first = len(recorder)
+    first = len(log)
     for step in range(2):
         lo = step * 8 + comm.rank * 2
         strategy.step(Batch(x[lo:lo + 2], y[lo:lo + 2], 2 * comm.size, 1e-3))
     comm.barrier()
-    sent = sum(e[4] for e in recorder[first:] if e[2] == comm.rank and e[1] != "barrier")
+    sent = sum(e[4] for e in log[first:] if e[2] == comm.rank and e[1] != "barrier")
     with strategy.gathered():
         pass
     return sum(p.data.size for p in m.parameters()), strategy, sent
@@ -206,7 +206,7 @@ def test_ddp_holds_each_gradient_once():
 
 def sent(p: int, make) -> tuple[list[int], list]:
     """Bytes each rank sent in two steps, counted from the recorded message schedule."""
-    out, _ = run_world(p, lambda comm: measure(comm, make), record=True)
+    out, _ = run_world(p, lambda comm: measure(comm, make), message_log=True)
     return [n for _, _, n in out], [s for _, s, _ in out]
 
 

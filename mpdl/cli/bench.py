@@ -17,7 +17,7 @@ from tqdm import tqdm
 from mpdl import backend, emulation, settings
 from mpdl.cli import UsageError
 from mpdl.cli.output import is_rank0, write_json_lines
-from mpdl.collectives import REGISTRY
+from mpdl.collectives import COLLECTIVES, REGISTRY
 from mpdl.collectives.ops import OPS
 from mpdl.comm import as_communicator
 from mpdl.fileio import atomic_open
@@ -28,7 +28,7 @@ from mpdl.perf.units import parse_size
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("collective", nargs="?", default="allreduce",
-                        help=f"the collective to measure: {', '.join(bench.COLLECTIVES)} "
+                        help=f"the collective to measure: {', '.join(COLLECTIVES)} "
                              f"(default allreduce)")
     parser.add_argument("-b", "--min-bytes", default="8", metavar="SIZE",
                         help="smallest message (default 8; accepts 8, 1K, 64M)")
@@ -75,8 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- validation: every rank reaches the same verdict from the same argv, before any message -------
 def validate(args: argparse.Namespace) -> bench.Config:
     """The checked configuration; UsageError with a one-line message otherwise."""
-    if args.collective not in bench.COLLECTIVES:
-        raise UsageError(f"collective: expected one of {', '.join(bench.COLLECTIVES)}, "
+    if args.collective not in COLLECTIVES:
+        raise UsageError(f"collective: expected one of {', '.join(COLLECTIVES)}, "
                          f"got {args.collective!r}")
     if args.device not in ("cpu", "gpu"):
         raise UsageError(f"--device: expected cpu or gpu, got {args.device!r}")

@@ -41,6 +41,7 @@ from mpdl.collectives.tree import (
 )
 from mpdl.collectives.vandegeijn import reduce_scatter_gather_reduce, scatter_allgather_broadcast
 
+#: the collectives, in the order of the table below and of `mpdl bench`'s help
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall")
 
 

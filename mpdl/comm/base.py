@@ -2,8 +2,9 @@
 
 An implementation provides four transport methods (`_isend`, `_irecv`, `_wait_all`, `_test`), the
 node layout (`node_of_rank`) and `allgather_object`; shared memory (`shared_segments`) is optional.
-This base adds recording, `waitall`/`waitany`/`test`, blocking helpers, persistent sends and
-receives (`send_init`/`recv_init`), a barrier, sub-communicators and reusable buffers.
+This base adds the message log, flight recording, `waitall`/`waitany`/`test`, blocking helpers,
+persistent sends and receives (`send_init`/`recv_init`), a barrier, sub-communicators and reusable
+buffers.
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ class PersistentRequest(Request):
             raise RuntimeError(f"persistent {self.kind} {where} rank {comm.world_rank(self.peer)} "
                                f"(step {self.step}) started again before a wait saw it complete; "
                                f"wait for it (comm.waitall) before starting it again")
-        if self.kind == "send" and comm.recorder is not None:
-            comm.recorder.append((comm.collective, self.step, comm.world_rank(comm.rank),
+        if self.kind == "send" and comm.message_log is not None:
+            comm.message_log.append((comm.collective, self.step, comm.world_rank(comm.rank),
                                   comm.world_rank(self.peer), self.buf.nbytes))
         comm._start(self)
         self.active = True
@@ -152,16 +153,16 @@ class Communicator:
     Subclasses provide `_isend`, `_irecv`, `_wait_all`, `_test`, `node_of_rank` and
     `allgather_object` (and `shared_segments` where the ranks of a node share memory); this base
     adds the message
-    recorder, blocking helpers, a barrier, sub-communicators and reusable work buffers. It holds the
+    log, blocking helpers, a barrier, sub-communicators and reusable work buffers. It holds the
     settings it was built with (`settings`: timeout, argument checks, staging, nodes, links).
     """
 
     rank: int
     size: int
-    #: the collective now running, for error messages and the recorder (set by mpdl.collectives)
+    #: the collective now running, for error messages and the message log (set by mpdl.collectives)
     collective: str = "p2p"
     #: when a list, every message sent is appended as (collective, step, src, dst, nbytes)
-    recorder: list | None = None
+    message_log: list | None = None
     #: the flight recorder of this process (mpdl.comm.flight), or None
     flight: Any = None
     #: the communication thread of mpdl.comm.handles (started on first asynchronous call)
@@ -209,8 +210,8 @@ class Communicator:
     # -- point to point ------------------------------------------------------------------------
     def isend(self, buf: Any, dest: int, step: Any = None) -> Request:
         """Start sending the contiguous array buf to rank dest."""
-        if self.recorder is not None:
-            self.recorder.append((self.collective, step, self.world_rank(self.rank),
+        if self.message_log is not None:
+            self.message_log.append((self.collective, step, self.world_rank(self.rank),
                                   self.world_rank(dest), buf.nbytes))
         request = self._isend(buf, dest, step)
         if self.flight is not None and self.collective == "p2p":
@@ -383,7 +384,7 @@ class Communicator:
 
     # -- structure -------------------------------------------------------------------------------
     def world_rank(self, rank: int) -> int:
-        """The rank in the outermost communicator (for messages and the recorder)."""
+        """The rank in the outermost communicator (for messages and the message log)."""
         return rank
 
     def sub(self, ranks: Sequence[int]) -> SubComm:
@@ -463,8 +464,8 @@ class SubComm(Communicator):
         self.parent.collective = name
 
     @property
-    def recorder(self) -> list | None:  # type: ignore[override]
-        return self.parent.recorder
+    def message_log(self) -> list | None:  # type: ignore[override]
+        return self.parent.message_log
 
     @property
     def flight(self) -> Any:  # type: ignore[override]

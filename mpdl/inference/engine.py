@@ -41,7 +41,7 @@ from mpdl.backend import to_host
 from mpdl.comm import MPIComm
 from mpdl.inference.inference import Decoder
 from mpdl.inference.paged import OutOfPages, PagePool, forward, last_positions, prefix_key
-from mpdl.inference.serving import stage_layers, tp_communicator
+from mpdl.inference.serving import blocks_by_count, tp_communicator
 from mpdl.models.gpt import _sample
 from mpdl.parallel.grid import ProcessGrid
 
@@ -302,11 +302,11 @@ def next_token(logits: np.ndarray, params: Params, rng: np.random.Generator) -> 
 def replica_engine(comm: Any, gpt: Any, vocab: str, dp: int, pp: int, tp: int, page_size: int,
                    pages: int, **options: Any) -> tuple[Engine, Any, Any]:
     """This rank's engine on the (dp, pp, tp) grid over `comm` (collective): stage p of its
-    replica holds the blocks `stage_layers(n_layer, pp, p)` and their pages, a tp rank its heads.
+    replica holds the blocks `blocks_by_count(n_layer, pp, p)` and their pages, a tp rank its heads.
     Returns the engine, the replica's mpi4py communicator (the first rank's commands go over it;
     None for a replica of one rank) and the grid."""
     grid = ProcessGrid(comm, dp, pp, tp)
-    decoder = Decoder(gpt, stage_layers(gpt.n_layer, pp, grid.p),
+    decoder = Decoder(gpt, blocks_by_count(gpt.n_layer, pp, grid.p),
                       tp_communicator(comm, grid) if tp > 1 else None,
                       embed=grid.p == 0, head=grid.p == pp - 1)
     pool = PagePool(len(decoder.layers), decoder.heads, decoder.head_dim, pages, page_size,

@@ -4,7 +4,7 @@
 
 **Data parallel:** the prompts are cut into dp contiguous parts, one per replica (a replica may
 get none). **Pipeline:** a replica's prompts are cut into micro-batches; stage s runs the blocks
-`stage_layers(n_layer, pp, s)` of every micro-batch in turn and sends its hidden states to stage
+`blocks_by_count(n_layer, pp, s)` of every micro-batch in turn and sends its hidden states to stage
 s+1, the last stage samples the next tokens and sends them back to stage 0, which embeds them at
 the next step. While the last stage samples micro-batch j, stage 0 already runs micro-batch j+1:
 with m ≥ pp micro-batches every stage has work at every step. **Tensor parallel:** every stage's
@@ -107,9 +107,10 @@ def check_layout(world: int, n_head: int, n_layer: int, dp: int | None, pp: int,
     return dp, pp, tp
 
 
-def stage_layers(n_layer: int, pp: int, stage: int) -> range:
-    """The blocks of pipeline stage `stage`: contiguous, as even as can be (earlier stages one
-    more)."""
+def blocks_by_count(n_layer: int, pp: int, stage: int) -> range:
+    """The blocks of pipeline stage `stage`, cut by count: contiguous, as even as can be (earlier
+    stages one more), so the stages hold even shares of the KV cache (training's pipeline cuts by
+    parameter count instead: `pipeline.partition_by_weight`)."""
     base, extra = divmod(n_layer, pp)
     start = stage * base + min(stage, extra)
     return range(start, start + base + (stage < extra))
@@ -227,7 +228,7 @@ def serve(comm: Communicator, gpt: Any, prompts: list[list[int]], max_new_tokens
     holds the whole `gpt` and takes its part of it). Micro-batches per replica: default pp.
     Returns every sequence in prompt order and every rank's figures, on every rank."""
     grid = ProcessGrid(comm, dp, pp, tp)
-    decoder = Decoder(gpt, stage_layers(gpt.n_layer, pp, grid.p),
+    decoder = Decoder(gpt, blocks_by_count(gpt.n_layer, pp, grid.p),
                       tp_communicator(comm, grid) if tp > 1 else None, algorithm,
                       embed=grid.p == 0, head=grid.p == pp - 1)
     part = np.array_split(np.arange(len(prompts)), dp)[grid.d]

@@ -1,15 +1,15 @@
 """Data-parallel training: every rank holds a replica, gradients are averaged by all-reduce.
 
 `DistributedDataParallel` follows PyTorch's Reducer. Parameters are packed, in reverse
-registration order (roughly the order backward produces their gradients), into flat buckets: a
-small first bucket, then buckets of about `bucket_mb`. Each parameter's grad-ready hook copies its
-gradient into its bucket slot; when every slot of a bucket is filled, the bucket's all-reduce is
-handed to the communicator's communication thread and runs while backward goes on. `finish()`
-waits for the buckets in order and reduces the last one (full only when backward ends) itself, on
-the calling thread, which has nothing else to do; each `p.grad` is then a view of its slot, which
-holds the averaged gradient (so a gradient is held once, as with PyTorch's
-gradient_as_bucket_view, and the bucket is overwritten by the next step's backward); call it
-between `loss.backward()` and `optimizer.step()`.
+registration order (roughly the order backward produces their gradients), into flat buckets
+(`mpdl.parallel.buckets`): a small first bucket, then buckets of about `bucket_mb`. Each
+parameter's grad-ready hook copies its gradient into its bucket slot; when every slot of a bucket
+is filled, the bucket's all-reduce is handed to the communicator's communication thread and runs
+while backward goes on. `finish()` waits for the buckets in order and reduces the last one (full
+only when backward ends) itself, on the calling thread, which has nothing else to do; each
+`p.grad` is then a view of its slot, which holds the averaged gradient (so a gradient is held
+once, as with PyTorch's gradient_as_bucket_view, and the bucket is overwritten by the next step's
+backward); call it between `loss.backward()` and `optimizer.step()`.
 
 Each bucket's buffer is made once, with a persistent all-reduce plan of it
 (`mpdl.tuning.allreduce_init`, in place), which every step runs. On one node the buffers lie
@@ -46,29 +46,25 @@ from mpdl.collectives.checks import pick
 from mpdl.collectives.registry import resolve
 from mpdl.comm import Communicator, as_communicator
 from mpdl.comm.handles import Handle, engine_for, run_in_order
-from mpdl.parallel import flat
+from mpdl.parallel import buckets, flat
+from mpdl.parallel.buckets import MB, Layout
 from mpdl.parallel.compression import GradientCompression, make_compression
 from mpdl.tuning import Plan, allreduce_init
 
-MB = 1 << 20
 
+class Bucket(Layout):
+    """A flat gradient buffer for a run of parameters of one dtype and array module (a bucket of
+    `mpdl.parallel.buckets.by_size`)."""
 
-class Bucket:
-    """A flat gradient buffer for a run of parameters of one dtype and array module."""
-
-    def __init__(self, index: int, params: list[Any], xp: Any, dtype: np.dtype,
-                 shared_on: Communicator | None = None) -> None:
+    def __init__(self, index: int, params: list[Any], shared_on: Communicator | None = None
+                 ) -> None:
         """With `shared_on`, the buffer lies in shared memory of that communicator's node
         (`mpdl.collectives.shm.shared_array`; collective)."""
+        super().__init__(params)
         self.index = index
-        self.params = params
-        self.slots: dict[int, tuple[int, int]] = {}
-        offset = 0
-        for p in params:
-            self.slots[id(p)] = (offset, p.size)
-            offset += p.size
-        self.buffer = xp.zeros(offset, dtype=dtype) if shared_on is None else \
-            shm.shared_array(shared_on, offset, dtype)
+        first = params[0].data
+        self.buffer = get_array_module(first).zeros(self.count, dtype=first.dtype) \
+            if shared_on is None else shm.shared_array(shared_on, self.count, first.dtype)
         memory.hold(self.buffer, "gradients")
         self.nbytes = int(self.buffer.nbytes)
         self.ready: set[int] = set()
@@ -82,8 +78,7 @@ class Bucket:
         self.ready_at = 0.0
 
     def view(self, p: Any) -> Any:
-        offset, size = self.slots[id(p)]
-        return self.buffer[offset:offset + size].reshape(p.shape)
+        return self.slot(self.buffer, p)
 
     @property
     def full(self) -> bool:
@@ -159,31 +154,10 @@ class DistributedDataParallel:
                         f"{_describe(a)} on rank 0 but {_describe(b)} on rank {rank}")
 
     def _make_buckets(self) -> list[Bucket]:
-        buckets: list[Bucket] = []
-        current: list[Any] = []
-        nbytes = 0
-        shared = self._shares_buckets()
-
-        def close() -> None:
-            nonlocal current, nbytes
-            if current:
-                first = current[0].data
-                xp = get_array_module(first)
-                buckets.append(Bucket(len(buckets), current, xp, first.dtype,
-                                      self.comm if shared and xp is np else None))
-            current, nbytes = [], 0
-
-        for p in reversed(self.params):
-            if current:
-                same_kind = (get_array_module(p.data) is get_array_module(current[0].data)
-                             and p.data.dtype == current[0].data.dtype)
-                cap = (self.first_bucket_mb if not buckets else self.bucket_mb) * MB
-                if not same_kind or nbytes + p.data.nbytes > cap:
-                    close()
-            current.append(p)
-            nbytes += p.data.nbytes
-        close()
-        return buckets
+        shared = self.comm if self._shares_buckets() else None
+        groups = buckets.by_size(self.params, self.bucket_mb * MB, self.first_bucket_mb * MB)
+        return [Bucket(i, ps, shared if get_array_module(ps[0].data) is np else None)
+                for i, ps in enumerate(groups)]
 
     def _shares_buckets(self) -> bool:
         """Whether the buckets lie in shared memory (made collectively): one node, no

@@ -13,6 +13,7 @@ from typing import Any
 
 from mpdl.backend import get_array_module
 from mpdl.collectives import broadcast
+from mpdl.parallel.buckets import Layout
 
 
 def by_kind(tensors: Iterable[Any]) -> list[list[Any]]:
@@ -32,11 +33,7 @@ def pack(arrays: Sequence[Any]) -> Any:
 
 def unpack(flat: Any, tensors: Sequence[Any]) -> list[Any]:
     """Views of `flat` shaped like each tensor's `.data`: the inverse of `pack`."""
-    pieces, offset = [], 0
-    for t in tensors:
-        pieces.append(flat[offset:offset + t.data.size].reshape(t.data.shape))
-        offset += t.data.size
-    return pieces
+    return Layout(tensors).views(flat)
 
 
 def broadcast_model(model: Any, comm: Any) -> None:

@@ -27,6 +27,7 @@ from mpdl.collectives import allgather, allreduce
 from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator
 from mpdl.comm.handles import Handle
+from mpdl.parallel.buckets import Layout
 from mpdl.tuning import Plan
 
 
@@ -43,24 +44,17 @@ def placeholder(p: Any) -> Any:
     return xp.broadcast_to(xp.full((), np.nan, dtype=p.data.dtype), p.shape)
 
 
-class Unit:
+class Unit(Layout):
     """A run of parameters of one dtype, flattened and split over `size` ranks; this rank owns
     elements [lo, hi) of the flat buffer."""
 
     def __init__(self, index: int, params: list[Any], rank: int, size: int,
                  module: Any = None) -> None:
-        self.index, self.params, self.module = index, params, module
+        super().__init__(params)
+        self.index, self.module = index, module
         self.xp = get_array_module(params[0].data)
         self.dtype = params[0].data.dtype
-        self.offsets: list[int] = []
-        self.position: dict[int, int] = {}
-        count = 0
-        for i, p in enumerate(params):
-            self.offsets.append(count)
-            self.position[id(p)] = i
-            count += p.data.size
-        self.count = count
-        self.bounds = block_bounds(count, size)
+        self.bounds = block_bounds(self.count, size)
         self.lo, self.hi = self.bounds[rank], self.bounds[rank + 1]
         self.itemsize = int(self.dtype.itemsize)
         self.full: Any = None         # the whole flat parameters while this rank holds them
@@ -83,11 +77,6 @@ class Unit:
     @property
     def shard_nbytes(self) -> int:
         return (self.hi - self.lo) * self.itemsize
-
-    def views(self, buf: Any) -> list[Any]:
-        """Each parameter's part of a full flat buffer, shaped like the parameter."""
-        return [buf[o:o + p.data.size].reshape(p.shape) for o, p in zip(self.offsets, self.params,
-                                                                        strict=True)]
 
 
 @dataclasses.dataclass(eq=False)
@@ -222,7 +211,7 @@ class ZeroCheckpoint:
         """Within the block every rank holds the whole model (stage 3 gathers it; values
         written into it are kept); with `optimizer_state`, `state_dict()` gives the whole
         optimizer state. Collective over comm; also agrees on the accounting figures."""
-        figures = allreduce(np.array([self.step_peak_bytes, self.record.sent_bytes_per_step()],
+        figures = allreduce(np.array([self.step_peak_bytes, self.meter.sent_bytes_per_step()],
                                      dtype=np.float64), op="max", comm=self.comm)
         self.model_state_bytes, self.sent_bytes_per_step = int(figures[0]), float(figures[1])
         self._full_state = self.gather_optimizer_state() if optimizer_state else None

@@ -23,7 +23,7 @@ The stage is chosen once, at setup: how the parameters are held (`zero_params`: 
 rank for stages 1-2, sharded for stage 3) and whether the full-size gradient buffers are kept
 (stage 1); the step below is the same for every stage. The shard layout (`Unit`, `Piece`) and the
 gather of the whole optimizer state live in `mpdl.parallel.shards`; the step's timings and
-counters in `mpdl.parallel.zero_recorder`.
+counters in `mpdl.parallel.zero_meter`.
 
 Collectives on buffers kept between steps (stage 1's gradient buffers, stages 1-2's flat
 parameters) run through persistent plans made once per unit (`mpdl.tuning.plan`; with
@@ -58,7 +58,8 @@ from mpdl.backend import get_array_module
 from mpdl.collectives import algorithms, allreduce, reduce_scatter
 from mpdl.comm import Communicator
 from mpdl.comm.handles import Handle, engine_for
-from mpdl.parallel import flat
+from mpdl.parallel import buckets, flat
+from mpdl.parallel.buckets import MB
 from mpdl.parallel.flat import broadcast_model
 from mpdl.parallel.shards import (
     Piece,
@@ -69,6 +70,7 @@ from mpdl.parallel.shards import (
     state_dtype,
 )
 from mpdl.parallel.strategy import Batch, MakeOptimizer, StepResult, Strategy
+from mpdl.parallel.zero_meter import ZeroMeter
 from mpdl.parallel.zero_params import (
     UNITS_PER_MODEL,
     ReplicatedParameters,
@@ -76,10 +78,8 @@ from mpdl.parallel.zero_params import (
     UnitParameters,
     module_units,
 )
-from mpdl.parallel.zero_recorder import ZeroRecorder
 from mpdl.tuning import allreduce_init, reduce_scatter_init
 
-MB = 1 << 20
 STAGES = (1, 2, 3)
 #: stages 2 and 3: reduce-scatters in flight before backward waits for the oldest
 MAX_IN_FLIGHT = 2
@@ -139,25 +139,25 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
         self.weight = 1.0 / comm.size
         self._next = 0
         #: the step's timings and counters: bytes held, waits, collectives, bytes sent
-        self.record = ZeroRecorder(comm)
+        self.meter = ZeroMeter(comm)
         self.model_state_bytes = 0
         self.sent_bytes_per_step = 0.0
 
     @property
     def step_peak_bytes(self) -> int:
         """The most model-state bytes held within a step so far."""
-        return self.record.step_peak_bytes
+        return self.meter.step_peak_bytes
 
     @property
     def last_gather_s(self) -> float:
         """Seconds of the last step's all-gathers (communication thread)."""
-        return self.record.gather_s
+        return self.meter.gather_s
 
     @property
     def last_gather_wait_s(self) -> float:
         """Seconds the last step's main thread waited for stage 3's gathers: 1 - wait / gather
         is the share prefetch hid."""
-        return self.record.gather_wait_s
+        return self.meter.gather_wait_s
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
@@ -167,7 +167,7 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
         self.units = self._make_units(model)
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         held = dict(units=self.units, comm=self.shard_comm, algorithm=self.algorithm,
-                    submit=self._submit, record=self.record)
+                    submit=self._submit, meter=self.meter)
         self.parameters = (ShardedParameters(**held, prefetch=self.prefetch) if self.stage == 3
                            else ReplicatedParameters(**held))
         for u in self.units:
@@ -201,11 +201,11 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
             u.grad = u.xp.zeros(u.count, dtype=u.dtype)
             u.grad_shard = u.grad[u.lo:u.hi]
             memory.hold(u.grad, "gradients")
-            self.record.hold(u.nbytes)
+            self.meter.hold(u.nbytes)
         else:
             u.grad_shard = u.xp.zeros(u.hi - u.lo, dtype=u.dtype)
             memory.hold(u.grad_shard, "gradients")
-            self.record.hold(u.shard_nbytes)
+            self.meter.hold(u.shard_nbytes)
 
     def _plan_units(self) -> None:
         """Persistent plans of the collectives whose arrays are the same every step, made in unit
@@ -238,24 +238,12 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
             self.replica_comm = self.comm.sub([g[local] for g in groups])
 
     def _buckets(self, model: Any) -> list[list[Any]]:
-        """DDP's buckets: reverse parameter order, one dtype each, a small first one."""
-        buckets: list[list[Any]] = []
-        current: list[Any] = []
-        nbytes = 0
+        """DDP's buckets (`mpdl.parallel.buckets`), at most `bucket_mb` each, or by default at
+        most 1/UNITS_PER_MODEL of the model and DEFAULT_BUCKET_MB."""
         params = [p for p in model.parameters() if p.requires_grad]
         largest = (self.bucket_mb * MB if self.bucket_mb is not None else
                    min(DEFAULT_BUCKET_MB * MB, sum(p.data.nbytes for p in params) / UNITS_PER_MODEL))
-        for p in reversed(params):
-            if current:
-                cap = min(self.first_bucket_mb * MB, largest) if not buckets else largest
-                if p.data.dtype != current[0].data.dtype or nbytes + p.data.nbytes > cap:
-                    buckets.append(current)
-                    current, nbytes = [], 0
-            current.append(p)
-            nbytes += p.data.nbytes
-        if current:
-            buckets.append(current)
-        return buckets
+        return buckets.by_size(params, largest, min(self.first_bucket_mb * MB, largest))
 
     def _submit(self, work: Callable[[], Any]) -> Handle:
         """Run `work` on the communication thread (at once on one rank)."""
@@ -279,9 +267,8 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
             self._limit()
             unit.grad = unit.xp.empty(unit.count, dtype=unit.dtype)
             memory.hold(unit.grad, "gradients")
-            self.record.hold(unit.nbytes)
-        i = unit.position[id(p)]
-        slot = unit.grad[unit.offsets[i]:unit.offsets[i] + p.data.size].reshape(p.shape)
+            self.meter.hold(unit.nbytes)
+        slot = unit.slot(unit.grad, p)
         if p.grad is None:
             slot[...] = 0
         else:
@@ -295,7 +282,7 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
         running = [u for u in self._order[:self._next] if u.reduce is not None
                    and not u.reduce.test()]
         while len(running) >= MAX_IN_FLIGHT:
-            with self.record.waiting():
+            with self.meter.waiting():
                 running.pop(0).reduce.wait()
 
     def _launch_ready(self) -> None:
@@ -310,7 +297,7 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
         buf = unit.grad
 
         def work() -> None:
-            with self.record.communicating(unit, "reduce-scatter"):
+            with self.meter.communicating(unit, "reduce-scatter"):
                 if unit.reduce_plan is not None:  # stage 1: the kept buffer's persistent plans
                     mine = unit.reduce_plan()
                     if unit.replica_plan is not None:  # hybrid: sum the shard over the nodes
@@ -324,7 +311,7 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
                 if not self.keeps_gradient_buffers:  # keep the shard; the full buffer goes
                     unit.xp.copyto(unit.grad_shard, mine)
                     unit.grad = None
-                    self.record.release(unit.nbytes)
+                    self.meter.release(unit.nbytes)
 
         unit.reduce = self._submit(work)
 
@@ -335,7 +322,7 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
                 if id(p) not in unit.ready:
                     self._fill(unit, p)
         self._launch_ready()
-        with self.record.waiting():
+        with self.meter.waiting():
             for unit in self._order:
                 unit.reduce.wait()
                 unit.reduce = None
@@ -361,25 +348,25 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
         self.optimizer.lr = batch.lr
         self.weight = len(batch.y) / batch.global_size
         result = StepResult()
-        self.record.begin()
+        self.meter.begin()
         self.parameters.before_forward()  # stage 3: gather the root unit, kept for the step
         if len(batch.y) or not self.parameters.gathers_in_forward:
             backward_end = self.forward_backward(batch, result)
         else:  # a rank without samples still takes part in every gather: one zero sample
             backward_end = self.forward_backward(_ghost(batch), StepResult())
-        with self.record.phase("finish (wait for reduce-scatter)", cat="wait", start=backward_end):
+        with self.meter.phase("finish (wait for reduce-scatter)", cat="wait", start=backward_end):
             self._finish_gradients()
             self.parameters.after_backward()  # stage 3: free every unit
-        with self.record.phase("optimizer step"):
+        with self.meter.phase("optimizer step"):
             for piece in self.pieces:
                 piece.tensor.grad = piece.unit.grad_shard[piece.in_shard]
             self.optimizer.step()
             self._count_optimizer_state()
         self.parameters.after_optimizer_step()  # stages 1-2: all-gather the updated shards
-        return self.record.finish(result, self.units)
+        return self.meter.finish(result, self.units)
 
     def _count_optimizer_state(self) -> None:
-        self.record.optimizer_state(optimizer_state_nbytes(self.optimizer))
+        self.meter.optimizer_state(optimizer_state_nbytes(self.optimizer))
 
     def _all_finite(self, finite: bool) -> bool:
         """Whether every rank's gradient shard is finite (one tiny all-reduce)."""

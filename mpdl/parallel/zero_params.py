@@ -35,7 +35,7 @@ from mpdl.comm import Communicator
 from mpdl.comm.handles import Handle
 from mpdl.parallel import flat
 from mpdl.parallel.shards import Unit, placeholder
-from mpdl.parallel.zero_recorder import ZeroRecorder
+from mpdl.parallel.zero_meter import ZeroMeter
 from mpdl.tuning import allgather_init
 
 #: stage 3 by default: a unit holds at most 1/UNITS_PER_MODEL of the model (a module larger than
@@ -49,7 +49,7 @@ Submit = Callable[[Callable[[], Any]], Handle]
 class UnitParameters:
     """The units' parameters as a ZeRO stage holds them, and what it does with them at each point
     of a step (here: nothing; the stages below say otherwise). Collectives run over `comm` (the
-    shard group) with `algorithm`, on the communication thread through `submit`; `record` counts
+    shard group) with `algorithm`, on the communication thread through `submit`; `meter` counts
     the bytes held and times the waits."""
 
     #: whether a unit's forward gathers its parameters (a collective: then a rank without samples
@@ -57,9 +57,9 @@ class UnitParameters:
     gathers_in_forward = False
 
     def __init__(self, units: list[Unit], comm: Communicator, algorithm: str, submit: Submit,
-                 record: ZeroRecorder) -> None:
+                 meter: ZeroMeter) -> None:
         self.units, self.comm, self.algorithm = units, comm, algorithm
-        self.submit, self.record = submit, record
+        self.submit, self.meter = submit, meter
 
     def place(self, unit: Unit) -> None:
         """Set up the unit's parameter storage (its parameters become views or placeholders)."""
@@ -100,7 +100,7 @@ class ReplicatedParameters(UnitParameters):
         memory.hold(whole, "parameters")
         for p, view in zip(unit.params, unit.views(whole), strict=True):
             p.data = view
-        self.record.hold(unit.nbytes)
+        self.meter.hold(unit.nbytes)
 
     def plan(self, unit: Unit) -> None:
         unit.gather_plan = allgather_init(unit.shard, algorithm=self.algorithm, comm=self.comm,
@@ -109,13 +109,13 @@ class ReplicatedParameters(UnitParameters):
     def after_optimizer_step(self) -> None:
         """All-gather every unit's updated shard into its flat buffer, and wait."""
         handles = [self.submit(self._gather_in_place(u)) for u in self.units]
-        with self.record.waiting():
+        with self.meter.waiting():
             for h in handles:
                 h.wait()
 
     def _gather_in_place(self, unit: Unit) -> Callable[[], None]:
         def work() -> None:
-            with self.record.communicating(unit, "all-gather"):
+            with self.meter.communicating(unit, "all-gather"):
                 unit.gather_plan()
         return work
 
@@ -127,8 +127,8 @@ class ShardedParameters(UnitParameters):
     gathers_in_forward = True
 
     def __init__(self, units: list[Unit], comm: Communicator, algorithm: str, submit: Submit,
-                 record: ZeroRecorder, prefetch: bool = True) -> None:
-        super().__init__(units, comm, algorithm, submit, record)
+                 meter: ZeroMeter, prefetch: bool = True) -> None:
+        super().__init__(units, comm, algorithm, submit, meter)
         self.prefetch = prefetch
         #: False inside `whole()`: every unit is held and the forwards run as they are
         self.sharded = True
@@ -143,7 +143,7 @@ class ShardedParameters(UnitParameters):
         memory.hold(unit.shard, "parameters")
         for p in unit.params:
             p.data = placeholder(p)
-        self.record.hold(unit.shard_nbytes)
+        self.meter.hold(unit.shard_nbytes)
         if unit.module is not None:
             self._wrap(unit)
 
@@ -188,10 +188,10 @@ class ShardedParameters(UnitParameters):
             return
         full = unit.xp.empty(unit.count, dtype=unit.dtype)
         memory.hold(full, "parameters")
-        self.record.hold(unit.nbytes)
+        self.meter.hold(unit.nbytes)
 
         def work() -> Any:
-            with self.record.communicating(unit, "all-gather"):
+            with self.meter.communicating(unit, "all-gather"):
                 allgather(unit.shard, algorithm=self.algorithm, comm=self.comm, count=unit.count,
                           out=full)
             return full
@@ -202,7 +202,7 @@ class ShardedParameters(UnitParameters):
         """Wait until unit's parameters are here and point them at the gathered buffer."""
         if unit.full is None:
             self.gather(unit)
-            with self.record.waiting(gather=unit):
+            with self.meter.waiting(gather=unit):
                 unit.full = self._gathering[unit.index].wait()
             del self._gathering[unit.index]
             for p, view in zip(unit.params, unit.views(unit.full), strict=True):
@@ -216,7 +216,7 @@ class ShardedParameters(UnitParameters):
         unit.full = None
         for p in unit.params:
             p.data = placeholder(p)
-        self.record.release(unit.nbytes)
+        self.meter.release(unit.nbytes)
 
     def _wrap(self, unit: Unit) -> None:
         original = unit.module.forward

@@ -2,8 +2,8 @@
 
 Per message size, the algorithms take turns in rounds (A A A B B B C C C, A A A B B B ...), so a
 noisy machine that drifts treats them alike, while each call follows a call of the same algorithm,
-as in nccl-tests' loops: a call that follows another algorithm's (whose buffers and messages left
-the caches and the scheduler in another state) ran 1.11-1.37x slower at p=3 and 4 on 2 cores. Each
+as in nccl-tests' loops: a call that follows another algorithm's runs slower (its buffers and
+messages left the caches and the scheduler in another state; docs/results/collectives.md). Each
 turn starts with one untimed call. One iteration is: MPI barrier, start the clock, call, stop the
 clock; with `loop` > 1 (`mpdl bench --loop`), the clock runs over that many calls back to back
 with no barrier between them, OSU-style, and the time is per call (the output array is then
@@ -28,14 +28,11 @@ import numpy as np
 from mpdl import backend
 from mpdl import collectives as C
 from mpdl import emulation as _emulation
-from mpdl.collectives import registry
 from mpdl.comm import polling
 from mpdl.emulation import Emulation
 from mpdl.perf import mpi_variants
 from mpdl.tuning import auto, costmodel, verify
 
-#: the collectives bench can time: those of the algorithm registry
-COLLECTIVES = tuple(registry.REGISTRY)
 #: the fields of a row, in the order of the CSV columns
 FIELDS = ["collective", "algorithm", "chosen", "ranks", "nodes", "bytes", "count", "dtype", "op",
           "time_us", "time_us_min", "time_us_max", "algbw_gbs", "busbw_gbs", "wrong",
@@ -346,7 +343,7 @@ def measure_size(config: Config, comm: Any, size: int, xp: Any, params: costmode
             result = _turn(case, timed, None)
             if config.check:  # keep results only when they are compared
                 case.result = result
-    if "auto" in names and config.loop > 1 and collective in verify.COLLECTIVES:
+    if "auto" in names and config.loop > 1 and collective in verify.VERIFIED:
         # what auto ran: repeated calls with out= run through a plan, which may have verified
         chosen["auto"] = auto.plan_choice(collective, nbytes, comm).name
     slowest = np.empty_like(times)

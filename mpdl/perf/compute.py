@@ -100,6 +100,10 @@ class Layer:
     ep: int = 1
     #: the weight GEMMs in FP8 (one-byte operands at the GPU's FP8 peak), the rest as act_bytes
     fp8: bool = False
+    #: a MoE block's shared experts (every token passes through them), and the attention core's
+    #: width, heads × head width (0: hidden)
+    shared: int = 0
+    core: int = 0
 
     @property
     def tokens(self) -> float:
@@ -110,6 +114,11 @@ class Layer:
     def routed(self) -> float:
         """Copies of a token in the MLP: k·cf in a MoE block, else 1."""
         return self.top_k * (self.capacity_factor or 1.0) if self.experts else 1.0
+
+    @property
+    def mlps(self) -> float:
+        """Copies of a token through an MLP's width: routed and shared."""
+        return self.routed + (self.shared if self.experts else 0)
 
 
 def gemm_seconds(m: float, n: float, k: float, gpu: Gpu, nbytes: float = 2.0,
@@ -158,6 +167,9 @@ def linear_seconds(layer: Layer, gpu: Gpu) -> tuple[float, float]:
         experts = layer.experts / layer.ep
         per_expert = layer.tokens * layer.routed * layer.ep / layer.experts
         mlp = [(per_expert, up, d, experts), (per_expert, d, layer.d_ff / t, experts)]
+        if layer.shared:  # the shared experts: one dense MLP of their summed width
+            width = layer.shared * layer.d_ff / t
+            mlp += [(layer.tokens, width * up * t / layer.d_ff, d, 1), (layer.tokens, d, width, 1)]
     else:
         mlp = [(layer.tokens, up, d, 1), (layer.tokens, d, layer.d_ff / t, 1)]
     gemms = [(layer.tokens, (d + 2 * layer.d_kv) / t, d, 1), (layer.tokens, d, d / t, 1), *mlp]
@@ -171,7 +183,7 @@ def linear_seconds(layer: Layer, gpu: Gpu) -> tuple[float, float]:
 def attention_seconds(layer: Layer, gpu: Gpu) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core: QKᵀ and the weighted sum of V for the
     GPU's heads and queries against all T keys."""
-    head = layer.hidden / layer.heads
+    head = (layer.core or layer.hidden) / layer.heads
     batch = layer.microbatch * layer.heads / layer.tp
     qk = _with_backward(layer.queries, layer.keys, head, gpu, layer.act_bytes, batch,
                         write_result=layer.family == "gpt")
@@ -186,11 +198,11 @@ def elementwise_bytes(layer: Layer) -> tuple[float, float]:
     if layer.family == "gpt":
         replicated = 4 * h * bb + 2 * (3 * h * bb + h)
         core = 2 * layer.heads * layer.keys * bb / t + layer.heads * layer.keys * (2 * bb + 1) / t
-        split = core + 2 * f * bb / t * layer.routed
+        split = core + 2 * f * bb / t * layer.mlps
     else:
         replicated = 4 * h * bb + 6 * h * bb
         core = 0.0
-        split = 3 * f * bb / t * layer.routed + 2 * (h + layer.d_kv) * bb / t
+        split = 3 * f * bb / t * layer.mlps + 2 * (h + layer.d_kv) * bb / t
     if layer.experts:
         split += 4 * layer.routed * h * bb / t
     per_token = (replicated / t if layer.sp else replicated) + split

@@ -106,6 +106,16 @@ class Shape:
     experts: int = 0
     top_k: int = 1
     moe_every: int = 1
+    #: the first blocks that stay dense (DeepSeek-V3: 3), their MLP width (default ffn), and the
+    #: experts every token passes through in a MoE block beside its top-k (shared experts)
+    first_dense: int = 0
+    dense_ffn: int | None = None
+    shared_experts: int = 0
+    #: attention parameters per block when they are not Q, K, V and the projection (MLA's
+    #: low-rank projections), and the attention core's width, heads × the mean of the query-key
+    #: and value head widths (default hidden)
+    attention: int | None = None
+    core: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "seq", "vocab", "microbatch", "top_k",
@@ -122,11 +132,19 @@ class Shape:
                              f"{self.family!r}")
         if self.experts < 0 or (self.experts and self.top_k > self.experts):
             raise ValueError(f"top_k: {self.top_k} must not exceed the experts ({self.experts})")
+        if not 0 <= self.first_dense < self.layers or self.shared_experts < 0:
+            raise ValueError(f"first_dense: {self.first_dense} must lie in [0, layers) and "
+                             f"shared_experts ({self.shared_experts}) be >= 0")
 
     @property
     def d_ff(self) -> int:
         """The MLP's hidden width f."""
         return self.ffn or 4 * self.hidden
+
+    @property
+    def core_width(self) -> int:
+        """The attention core's width: hidden unless the heads are wider (MLA)."""
+        return self.core or self.hidden
 
     @property
     def d_kv(self) -> int:
@@ -140,6 +158,8 @@ class Shape:
     @property
     def attention_params(self) -> int:
         """Q, K, V and the output projection (with their biases in the gpt family)."""
+        if self.attention is not None:
+            return self.attention
         d, kv = self.hidden, self.d_kv
         return d * (d + 2 * kv) + d * d + self._bias * (2 * d + 2 * kv)
 
@@ -148,25 +168,39 @@ class Shape:
         """A block's two norms: LayerNorm scale and shift (gpt), RMSNorm scale (llama)."""
         return 2 * self.hidden * (2 if self.family == "gpt" else 1)
 
-    @property
-    def mlp_params(self) -> int:
-        """One MLP (one expert): two matrices, three when gated."""
-        d, f = self.hidden, self.d_ff
+    def _mlp(self, f: int) -> int:
+        d = self.hidden
         return (3 if self.gated else 2) * d * f + self._bias * ((2 if self.gated else 1) * f + d)
 
     @property
+    def mlp_params(self) -> int:
+        """One MLP (one expert): two matrices, three when gated."""
+        return self._mlp(self.d_ff)
+
+    @property
+    def dense_ffn_width(self) -> int:
+        """The MLP width of a dense block."""
+        return self.dense_ffn or self.d_ff
+
+    @property
     def moe_layers(self) -> int:
-        """The MoE blocks: every moe_every-th block (none for a dense model)."""
-        return self.layers // self.moe_every if self.experts else 0
+        """The MoE blocks: every moe_every-th block after the first_dense ones (none for a dense
+        model)."""
+        return (self.layers - self.first_dense) // self.moe_every if self.experts else 0
+
+    @property
+    def dense_mlp_params(self) -> int:
+        """The MLP of a dense block."""
+        return self._mlp(self.dense_ffn_width)
 
     @property
     def layer_params(self) -> int:
         """Parameters of one dense block (the GPT's: 12d² + 13d)."""
-        return self.attention_params + self.norm_params + self.mlp_params
+        return self.attention_params + self.norm_params + self.dense_mlp_params
 
     def _moe_params(self, experts: int) -> int:
-        return self.attention_params + self.norm_params + experts * self.mlp_params \
-            + self.hidden * self.experts
+        return self.attention_params + self.norm_params \
+            + (experts + self.shared_experts) * self.mlp_params + self.hidden * self.experts
 
     @property
     def embedding_params(self) -> int:
@@ -195,19 +229,25 @@ class Shape:
         """Model FLOPs per token, as `GPT.flops_per_token()`: 6·(N_active − T·d) + 12·L·d·T."""
         d, t = self.hidden, self.seq
         positions = t * d if self.family == "gpt" else 0
-        return 6 * (self.active_params - positions) + 12 * self.layers * d * t
+        return 6 * (self.active_params - positions) + 12 * self.layers * self.core_width * t
 
     def recompute_flops_per_token(self, mode: str = "full") -> int:
         """Extra FLOPs per token of recomputation: full, the layers' forward again; selective,
         the attention core's forward (QKᵀ and the weighted sum of V)."""
-        core = 4 * self.layers * self.hidden * self.seq
+        core = 4 * self.layers * self.core_width * self.seq
         if mode == "full":
             return 2 * (self.active_params - self.embedding_params) + core
         return core if mode == "selective" else 0
 
 
+#: DeepSeek-V3's multi-head latent attention per block (its released configuration: 128 heads,
+#: query rank 1536, key-value rank 512, query-key head width 128 + 64 rotary, value 128): the
+#: down- and up-projections of Q and of the shared K-V latent, their norms, the output projection
+MLA_PARAMS = (7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512
+              + 512 * 128 * (128 + 128) + 128 * 128 * 7168)
+
 #: shapes of published models (Megatron-LM 2019 Table 1; Narayanan et al. 2021 Table 1;
-#: Korthikanti et al. 2022 Table 3; Llama 3 405B, Dubey et al. 2024 Table 3; Mixtral 8x7B's
+#: Korthikanti et al. 2022 Table 3; Llama 3 8B, 70B and 405B, Dubey et al. 2024 Table 3; Mixtral 8x7B's
 #: released configuration)
 SHAPES: dict[str, Shape] = {
     "gpt2-small": Shape(12, 768, 12, 1024, 50257, 8, "gpt2-small"),
@@ -216,17 +256,25 @@ SHAPES: dict[str, Shape] = {
     "ptdp-1.7b": Shape(24, 2304, 24, 2048, 51200, 1, "ptdp-1.7b"),
     "gpt3-175b": Shape(96, 12288, 96, 2048, 51200, 1, "gpt3-175b"),
     "mt-nlg-530b": Shape(105, 20480, 128, 2048, 51200, 1, "mt-nlg-530b"),
+    "llama3-8b": Shape(32, 4096, 32, 8192, 128256, 1, "llama3-8b", ffn=14336, kv_heads=8,
+                       gated=True, family="llama"),
+    "llama3-70b": Shape(80, 8192, 64, 8192, 128256, 1, "llama3-70b", ffn=28672, kv_heads=8,
+                        gated=True, family="llama"),
     "llama3-405b": Shape(126, 16384, 128, 8192, 128256, 1, "llama3-405b", ffn=53248, kv_heads=8,
                          gated=True, family="llama"),
     "mixtral-8x7b": Shape(32, 4096, 32, 4096, 32000, 1, "mixtral-8x7b", ffn=14336, kv_heads=8,
                           gated=True, family="llama", experts=8, top_k=2),
+    "deepseek-v3": Shape(61, 7168, 128, 4096, 129280, 1, "deepseek-v3", ffn=2048, gated=True,
+                         family="llama", experts=256, top_k=8, first_dense=3, dense_ffn=18432,
+                         shared_experts=1, attention=MLA_PARAMS, core=128 * (192 + 128) // 2),
 }
 
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per parameter of parameters, gradients and optimizer state, and per activation, and
-    whether the weight GEMMs run in FP8."""
+    """Bytes per parameter of parameters, gradients and optimizer state, and per activation,
+    whether the weight GEMMs run in FP8, and the bytes per parameter ZeRO-3's all-gathers of
+    the parameters move (0: the parameters' own)."""
 
     name: str
     param: int
@@ -234,14 +282,21 @@ class Precision:
     optimizer: int
     activation: int
     fp8_gemms: bool = False
+    zero3_gather: float = 0
+
+    def gathered(self, zero: int) -> float:
+        """Bytes per parameter an all-gather of the parameters moves under ZeRO stage `zero`."""
+        return self.zero3_gather if zero == 3 and self.zero3_gather else self.param
 
 
 #: the words of `mpdl train --precision`, and fp8 (the simulator's only)
 PRECISIONS = {
     # Transformer Engine's recipe: FP8 GEMM operands with per-tensor scales; parameters,
-    # gradients, the optimizer and the activations kept between layers stay as bf16's
+    # gradients, the optimizer and the activations kept between layers stay as bf16's. ZeRO-3
+    # gathers the weights already cast to FP8 (torchao's float8 all-gather for FSDP2: one byte a
+    # parameter, one float32 scale a tensor)
     "fp8": Precision("fp8 GEMMs, otherwise bf16 with float32 master weights and Adam (K=12)",
-                     2, 2, 12, 2, True),
+                     2, 2, 12, 2, True, zero3_gather=1),
     "bf16": Precision("bf16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
     "fp16": Precision("fp16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
     "fp32": Precision("float32 Adam", 4, 4, 8, 4),
@@ -259,22 +314,27 @@ GPUS = {
                      "(t, p) = (1, 1), 32 GPUs, 137 TFLOP/s"),
     "a100-40gb": Gpu("a100-40gb", 312e12, 40 * GB, 1555e9, 108, 0.7471,
                      "A100 SXM4 40GB data sheet: 1,555 GB/s HBM2; otherwise as a100-80gb"),
-    "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GB, 3350e9, 132, 0.7699,
+    "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GB, 3350e9, 132, 0.7269,
                      "H100 SXM5 data sheet: 989 TFLOP/s dense bf16 tensor cores, 3.35 TB/s HBM3, "
                      "132 SMs; eta from Megatron-LM's README, H100 model table: the 1.7B GPT, "
                      "(t, p, d) = (1, 1, 48), 408.8 TFLOP/s", fp8_flops=1979e12),
+    "h800": Gpu("h800", 989e12, 80 * GB, 3350e9, 132, 0.7699,
+                "H800 SXM5 data sheet (nvidia.com, H800 Tensor Core GPU): the H100 SXM5's die and "
+                "tensor cores (989 TFLOP/s dense bf16, 1,979 FP8, 80 GB HBM3 at 3.35 TB/s, 132 "
+                "SMs) with NVLink cut to 400 GB/s both ways; eta as h100-80gb's (the same "
+                "tensor cores)", fp8_flops=1979e12, nvlink_domain=8),
     # eta of the three below: H100's, assumed (no published one-GPU GEMM rate to source it from)
-    "h200": Gpu("h200", 989e12, 141 * GB, 4800e9, 132, 0.7699,
+    "h200": Gpu("h200", 989e12, 141 * GB, 4800e9, 132, 0.7269,
                       "H200 SXM data sheet (nvidia.com/h200): 1,979 TFLOP/s bf16 and 3,958 FP8 "
                       "with sparsity (989 and 1,979 dense), 141 GB HBM3e at 4.8 TB/s, NVLink 900 "
                       "GB/s both ways, 8 on an HGX board; the H100's die (132 SMs), eta as h100",
                       fp8_flops=1979e12, nvlink_domain=8),
-    "b200": Gpu("b200", 2250e12, 180 * GB, 8000e9, 148, 0.7699,
+    "b200": Gpu("b200", 2250e12, 180 * GB, 8000e9, 148, 0.7269,
                       "DGX B200 data sheet (nvidia.com/dgx-b200): 8 GPUs, 1,440 GB HBM3e at 64 "
                       "TB/s, 72 PFLOP/s FP8 training with sparsity (4.5 dense a GPU; bf16 half: "
                       "2.25), NVLink 14.4 TB/s (1.8 TB/s a GPU both ways); 148 SMs; eta of h100 "
                       "assumed", fp8_flops=4500e12, nvlink_domain=8),
-    "gb200": Gpu("gb200", 2500e12, 186 * GB, 8000e9, 148, 0.7699,
+    "gb200": Gpu("gb200", 2500e12, 186 * GB, 8000e9, 148, 0.7269,
                  "GB200 NVL72 data sheet (nvidia.com/gb200-nvl72): 72 Blackwell GPUs on one NVLink "
                  "domain, 360 PFLOP/s bf16 and 720 FP8 with sparsity (2.5 and 5 dense a GPU), up "
                  "to 13.4 TB HBM3e (186 GB a GPU) at 576 TB/s (8 TB/s a GPU), NVLink 130 TB/s "
@@ -307,6 +367,12 @@ class Layout:
     capacity_factor: float = 1.0
     #: interleaved pipeline: model chunks per GPU (Narayanan et al. 2021)
     virtual: int = 1
+    #: tensor-parallel collectives cut into chunks and pipelined with the GEMMs beside them
+    #: (Megatron-Core's --tp-comm-overlap, PyTorch's async TP)
+    tp_overlap: bool = False
+    #: ZeRO's parameter all-gather prefetched behind the forward (Megatron-Core's
+    #: --overlap-param-gather, FSDP's prefetch)
+    gather_overlap: bool = False
 
     @property
     def gpus(self) -> int:
@@ -331,6 +397,10 @@ class Layout:
             text += f" m{self.microbatches} {self.schedule}"
             if self.virtual > 1:
                 text += f" v{self.virtual}"
+        if self.tp_overlap and self.tp > 1:
+            text += " tp-overlap"
+        if self.gather_overlap and self.zero:
+            text += " gather-overlap"
         return text + ("" if self.recompute == "none" else f" recompute={self.recompute}")
 
 
@@ -398,7 +468,7 @@ def check_layout(shape: Shape, layout: Layout, per_node: int) -> None:
 
 
 # -- memory ----------------------------------------------------------------------------------------
-def stage_layers(shape: Shape, layout: Layout) -> int:
+def max_stage_layers(shape: Shape, layout: Layout) -> int:
     """Layers of the heaviest pipeline stage: ceil(L/pp) (Llama 3 ran 126 layers on 16 stages,
     the first and last one layer short)."""
     return math.ceil(shape.layers / layout.pp)
@@ -407,10 +477,11 @@ def stage_layers(shape: Shape, layout: Layout) -> int:
 def stage_params(shape: Shape, layout: Layout) -> tuple[float, float]:
     """(dense, expert) parameters one GPU holds before ZeRO: ceil(L/pp) layers and the embeddings split
     tp ways, and the experts of the stage's MoE blocks split ep × tp ways."""
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     moe = shape.moe_layers * layers / shape.layers
     dense = (layers * (shape.attention_params + shape.norm_params)
-             + (layers - moe) * shape.mlp_params + moe * shape.hidden * shape.experts
+             + (layers - moe) * shape.dense_mlp_params
+             + moe * (shape.hidden * shape.experts + shape.shared_experts * shape.mlp_params)
              + shape.embedding_params) / layout.tp
     experts = moe * shape.experts * shape.mlp_params / (layout.ep * layout.tp)
     return dense, experts
@@ -432,8 +503,8 @@ def activation_bytes_per_layer(shape: Shape, layout: Layout, precision: Precisio
     scale = precision.activation / 2
     if mode == "full":
         return 2 * sbd * scale / (t if sp else 1)
-    routed = shape.top_k * (layout.capacity_factor or 1.0) if moe else 1.0
-    mlp_hidden = (8 if shape.gated else 4) * shape.d_ff / d
+    routed = shape.top_k * (layout.capacity_factor or 1.0) + shape.shared_experts if moe else 1.0
+    mlp_hidden = (8 if shape.gated else 4) * (shape.d_ff if moe else shape.dense_ffn_width) / d
     # replicated without sp: the QKV input (2), the attention output's dropout mask (1), two norm
     # inputs (4), the MLP's input (2, at every expert it reaches) and dropout mask (1)
     replicated = 7 + 1 + 2 * routed
@@ -481,7 +552,7 @@ def zero_working_bytes(unit_params: float, precision: Precision, zero: int) -> f
     if zero == 2:
         return unit_params * precision.grad
     if zero == 3:
-        return unit_params * (precision.param + precision.grad)
+        return unit_params * (precision.gathered(zero) + precision.grad)
     return 0.0
 
 
@@ -496,7 +567,7 @@ def memory(shape: Shape, layout: Layout, precision: Precision) -> dict[str, floa
     out["zero_working_bytes"] = zero_working_bytes(shape.layer_params / layout.tp, precision,
                                                    layout.zero)
     out["model_state_bytes"] += out["zero_working_bytes"]
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     moe = shape.moe_layers * layers / shape.layers
     per_mb = ((layers - moe) * activation_bytes_per_layer(shape, layout, precision)
               + moe * activation_bytes_per_layer(shape, layout, precision, moe=bool(moe)))
@@ -512,11 +583,12 @@ def memory(shape: Shape, layout: Layout, precision: Precision) -> dict[str, floa
 def bubble(pp: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
     """The pipeline bubble's share of a step, from the schedule generator
     (`mpdl.parallel.pipeline.schedule.schedule_bubble`): (p − 1)/(v·m + p − 1) for afab, 1f1b and
-    interleaved, (p − 1)/(3m + p − 1) for zb-h1, the unit-clock replay for zb-v and dualpipev."""
+    interleaved, (p − 1)/(3m + p − 1) for zb-h1, the unit-clock replay for zb-v and dualpipev
+    (its forward-backward pairs overlapped, as DualPipe runs them)."""
     if pp == 1:
         return 0.0
     kind = "interleaved" if schedule == "1f1b" and virtual > 1 else schedule
-    return S.schedule_bubble(kind, pp, microbatches, virtual)
+    return S.schedule_bubble(kind, pp, microbatches, virtual, overlap=kind == "dualpipev")
 
 
 # -- time ------------------------------------------------------------------------------------------
@@ -555,7 +627,7 @@ def context_parallel_time(shape: Shape, layout: Layout, precision: Precision, gp
     cp = layout.cp
     if cp == 1:
         return {"cp_comm_s": 0.0, "cp_exposed_s": 0.0}
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     b, s, t = shape.microbatch, shape.seq / cp, layout.tp
     inter = layout.tp * cp > per_node
     passes = 4 if layout.recompute == "full" else 3  # forward, backward (2x), forward again
@@ -588,7 +660,7 @@ def expert_time(shape: Shape, layout: Layout, precision: Precision, params: cm.P
         * precision.activation
     inter = layout.tp * layout.cp * layout.ep > per_node
     calls = 6 if layout.recompute == "full" else 4
-    moe = shape.moe_layers * stage_layers(shape, layout) / shape.layers
+    moe = shape.moe_layers * max_stage_layers(shape, layout) / shape.layers
     return moe * calls * alltoall_time(sent, layout.ep, inter, params)
 
 
@@ -597,10 +669,10 @@ def layer_work(shape: Shape, layout: Layout, precision: Precision, moe: bool = F
     """What one layer of the shape asks of one GPU of the layout for one micro-batch (a MoE
     block's with `moe`)."""
     return C.Layer(shape.microbatch, shape.seq / layout.cp, shape.seq, shape.hidden, shape.heads,
-                   shape.d_kv, shape.d_ff, shape.gated, shape.family, layout.tp, layout.sp,
-                   layout.recompute, precision.activation,
+                   shape.d_kv, shape.d_ff if moe else shape.dense_ffn_width, shape.gated,
+                   shape.family, layout.tp, layout.sp, layout.recompute, precision.activation,
                    shape.experts if moe else 0, shape.top_k, layout.capacity_factor, layout.ep,
-                   precision.fp8_gemms)
+                   precision.fp8_gemms, shape.shared_experts if moe else 0, shape.core_width)
 
 
 def compute_parts(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu
@@ -609,7 +681,7 @@ def compute_parts(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu
     the layers' weight GEMMs (`gemm_s`), attention cores (`attention_s`) and work between GEMMs
     (`elementwise_s`), and the embeddings' and logits' FLOPs outside the layers (`outside_s`,
     at η·peak, shared among the stages as the layers are)."""
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     moe = shape.moe_layers * layers / shape.layers
     dense = C.layer_seconds(layer_work(shape, layout, precision), gpu)
     routed = C.layer_seconds(layer_work(shape, layout, precision, moe=True), gpu) if moe \
@@ -629,18 +701,25 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     tokens_mb = b * s
     model_tok = shape.flops_per_token
     hw_tok = model_tok + shape.recompute_flops_per_token(layout.recompute)
-    layers = stage_layers(shape, layout)
+    layers = max_stage_layers(shape, layout)
     parts = compute_parts(shape, layout, precision, gpu)
     compute_mb = sum(parts.values())
     act = tokens_mb / layout.cp * d * precision.activation
     tp_calls = (6 if layout.recompute == "full" else 4) * layers
     tp_mb = tp_calls * _allreduce(act, layout.tp, 1, params)
+    # overlapped, a collective waits only for what its GEMMs leave uncovered
+    tp_exposed_mb = max(0.0, tp_mb - parts["gemm_s"]) if layout.tp_overlap else tp_mb
     inter_stage = layout.tp * layout.cp * layout.pp > per_node or layout.tp * layout.cp == per_node
     pp_mb = 2 * layout.virtual * _p2p(act / layout.tp, inter_stage, params) \
         if layout.pp > 1 else 0.0
     cp = context_parallel_time(shape, layout, precision, gpu, params, per_node)
     ep_mb = expert_time(shape, layout, precision, params, per_node)
-    slot = compute_mb + tp_mb + pp_mb + cp["cp_exposed_s"] + ep_mb
+    if layout.pp > 1 and layout.schedule == "dualpipev":
+        # DualPipe runs one chunk's experts' all-to-all and pipeline sends beside the other
+        # chunk's compute (DeepSeek-V3 report, §3.2.1): a slot is the longer of the two
+        slot = max(compute_mb, pp_mb + ep_mb) + tp_exposed_mb + cp["cp_exposed_s"]
+    else:
+        slot = compute_mb + tp_exposed_mb + pp_mb + cp["cp_exposed_s"] + ep_mb
     m = layout.microbatches
     share = bubble(layout.pp, m, layout.virtual, layout.schedule)
     # the bubble is idle time beside the m slots a stage works: m·slot / (1 − share) in all
@@ -650,29 +729,31 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     per_node_replicas = max(1, per_node // (layout.tp * layout.cp * layout.pp))
     dp_nodes = math.ceil(layout.dp / per_node_replicas)
     ranks = layout.dp * layout.cp
-    dense_bytes, expert_bytes = dense * precision.grad, experts * precision.grad
-    expert_ranks = ranks // layout.ep
-    expert_nodes = math.ceil(dp_nodes / layout.ep)
-    dp_s = _allreduce(dense_bytes, ranks, dp_nodes, params) \
-        + _allreduce(expert_bytes, expert_ranks, expert_nodes, params)
-    if layout.zero == 3:
+
+    def both(per_param: float, dense_ranks: int, nodes: int) -> float:
+        """A ring all-reduce of the dense and of the expert parameters at `per_param` bytes."""
+        return _allreduce(dense * per_param, dense_ranks, nodes, params) \
+            + _allreduce(experts * per_param, max(1, dense_ranks // layout.ep),
+                         math.ceil(nodes / layout.ep), params)
+
+    # ZeRO gathers the parameters after the optimizer step (stage 3: before the first forward),
+    # half a ring all-reduce of their bytes (FP8 ones under stage 3 with fp8), that no backward
+    # hides; the gradients' reduce-scatter is the other half of DDP's all-reduce
+    after = 0.5 * both(precision.gathered(layout.zero), ranks, dp_nodes) if layout.zero else 0.0
+    dp_s = (0.5 if layout.zero else 1.0) * both(precision.grad, ranks, dp_nodes) + after
+    if layout.zero == 3:  # the parameters gathered again for the backward, in the shard group
         group_nodes = math.ceil(layout.shard / layout.cp / per_node_replicas)
-        dp_s += 0.5 * (_allreduce(dense_bytes, layout.shard, group_nodes, params)
-                       + _allreduce(expert_bytes, max(1, layout.shard // layout.ep),
-                                    math.ceil(group_nodes / layout.ep), params))
+        dp_s += 0.5 * both(precision.gathered(3), layout.shard, group_nodes)
     window = (2 / 3) * compute_mb if (overlap and layout.pp == 1) else 0.0
-    # ZeRO gathers the parameters after the optimizer step (stage 3: before the first forward):
-    # half an all-reduce that no backward hides
-    after = 0.5 * (_allreduce(dense_bytes, ranks, dp_nodes, params)
-                   + _allreduce(expert_bytes, expert_ranks, expert_nodes, params)) \
-        if layout.zero else 0.0
-    dp_exposed = after + max(0.0, dp_s - after - window)
+    # prefetched, the all-gather runs under the first micro-batch's forward
+    gathered = max(0.0, after - compute_mb / 3) if layout.gather_overlap else after
+    dp_exposed = gathered + max(0.0, dp_s - after - window)
     total = pipeline_s + dp_exposed
     global_batch = layout.dp * m * b
     tokens_s = global_batch * s / total
     gpus = layout.gpus
     return {"compute_s": m * compute_mb, **{f"compute_{k}": m * v for k, v in parts.items()},
-            "tp_comm_s": m * tp_mb, "pp_comm_s": m * pp_mb,
+            "tp_comm_s": m * tp_mb, "tp_exposed_s": m * tp_exposed_mb, "pp_comm_s": m * pp_mb,
             "cp_comm_s": m * cp["cp_comm_s"], "cp_exposed_s": m * cp["cp_exposed_s"],
             "ep_comm_s": m * ep_mb, "bubble_s": pipeline_s - m * slot,
             "bubble_share": share,
@@ -716,7 +797,7 @@ def _divisors(n: int) -> list[int]:
 
 
 #: the parts of a step `why_slower` compares
-STEP_PARTS = ("compute_s", "tp_comm_s", "pp_comm_s", "cp_exposed_s", "ep_comm_s", "bubble_s",
+STEP_PARTS = ("compute_s", "tp_exposed_s", "pp_comm_s", "cp_exposed_s", "ep_comm_s", "bubble_s",
               "dp_exposed_s")
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from mpdl.parallel.pipeline import schedule_ops, timed_bubble
 from mpdl.parallel.pipeline.schedule import check, generate
+from mpdl.perf import goodput as G
 from mpdl.perf import layouts as L
 from mpdl.perf import simulate as S
 
@@ -45,10 +46,16 @@ NETWORKS: dict[str, S.Network] = {
         source="GB200 NVL72 (nvidia.com/gb200-nvl72): 72 GPUs on one NVLink 5 domain (1.8 TB/s "
                "a GPU both directions: 900 GB/s each way), 400 Gbit/s a GPU between racks "
                "(assumed, as HGX); latencies assumed"),
+    "h800-cluster": S.network(
+        "h800-cluster", 200e9, 5e-6, 50e9, 5e-6, per_node=8, gamma=0.0,
+        source="DeepSeek-V3 report (arXiv 2412.19437), sections 3.1 and 3.2.2: 8 H800 a node on "
+               "NVLink and NVSwitch (400 GB/s both directions on the data sheet: 200 GB/s each "
+               "way), InfiniBand between nodes at 50 GB/s a GPU; latencies assumed"),
 }
 
 #: the network `mpdl simulate --gpu` runs on unless --network says otherwise
-GPU_NETWORK = {"h200": "hgx-h200", "b200": "hgx-b200", "gb200": "gb200-nvl72"}
+GPU_NETWORK = {"h200": "hgx-h200", "b200": "hgx-b200", "gb200": "gb200-nvl72",
+               "h800": "h800-cluster"}
 
 MEGATRON = (L.SHAPES["megatron-8.3b"], L.Layout(dp=64, pp=1, tp=8, microbatches=1,
                                                 recompute="full"), "dgx2h", "v100-32gb")
@@ -87,13 +94,38 @@ def megatron_flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> 
     return 72 * layers * hidden ** 2 * (1 + seq / (6 * hidden)) + 6 * vocab * hidden
 
 
-#: Megatron-LM's README (NVIDIA/Megatron-LM, "Training Speed and Scalability", the model table of
-#: commit 937571c, "new scaling figures on H100 GPUs"): the 1.7B GPT (24 layers, d 2048, 16
-#: heads, sequence 4096, vocabulary 131,072) on 48 H100, (t, p, d) = (1, 1, 48), batch 192,
-#: distributed optimizer, 408.8 TFLOP/s a GPU (41% MFU). Megatron-Core runs attention through
-#: FlashAttention, so the shape takes the llama family's kernels (scores kept on chip); one
-#: sequence a micro-batch is assumed (the table does not state it)
-MCORE_1_7B = L.Shape(24, 2048, 16, 4096, 131072, 1, "mcore-1.7b", family="llama")
+#: Megatron-LM's README (github.com/NVIDIA/Megatron-LM, README.md, "Performance Benchmarking",
+#: images/model_table.png, added in f2e5db4 "New scaling figures on H100 GPUs"; Megatron-Core
+#: r0.8.0): GPTs of vocabulary 131,072 and sequence 4096 on H100, distributed optimizer with
+#: --overlap-grad-reduce --overlap-param-gather, --tp-comm-overlap (which needs sequence
+#: parallelism): (size, heads, hidden, layers, t, p, d, batch, TFLOP/s per GPU in Megatron's
+#: count). The first row calibrates the H100's η; the others are checked
+MCORE_TABLE = (("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
+               ("7.1B", 32, 4096, 30, 2, 1, 48, 192, 465.9),
+               ("16B", 48, 6144, 32, 4, 1, 48, 192, 489.1),
+               ("32B", 56, 7168, 48, 8, 1, 48, 192, 459.6),
+               ("70B", 64, 8192, 84, 8, 2, 48, 384, 419.7),
+               ("119B", 80, 10240, 92, 8, 4, 48, 768, 420.5),
+               ("177B", 96, 12288, 96, 8, 6, 48, 1152, 432.8),
+               ("314B", 128, 16384, 96, 8, 8, 48, 1536, 474.4),
+               ("462B", 144, 18432, 112, 8, 16, 48, 3072, 459.9))
+
+
+def mcore_run(size: str) -> tuple[L.Shape, L.Layout, float]:
+    """A row of `MCORE_TABLE` as the model takes it: the shape with FlashAttention's kernels (the
+    llama family's, and the attention core recomputed in backward: selective recomputation),
+    one sequence a micro-batch and no interleaving (the README states neither), and the
+    published TFLOP/s per GPU."""
+    _, heads, hidden, layers, tp, pp, dp, batch, figure = next(
+        r for r in MCORE_TABLE if r[0] == size)
+    shape = L.Shape(layers, hidden, heads, 4096, 131072, 1, f"mcore-{size.lower()}",
+                    family="llama")
+    layout = L.Layout(dp=dp, pp=pp, tp=tp, zero=1, microbatches=batch // dp,
+                      recompute="selective", sp=tp > 1, tp_overlap=True, gather_overlap=True)
+    return shape, layout, figure
+
+
+MCORE_1_7B, MCORE_1_7B_LAYOUT, _ = mcore_run("1.7B")
 
 #: the published runs each GPU's η (`mpdl.perf.compute`) is derived from, none of them a row the
 #: model is checked against: (shape, layout, network, stated FLOP/s per GPU counted with
@@ -105,9 +137,10 @@ CALIBRATION: dict[str, tuple[L.Shape, L.Layout, str, float, str]] = {
     "v100": (L.Shape(40, 1536, 16, 1024, 51200, 8, "megatron-1.2b"), L.Layout(recompute="full"),
              "dgx2h", 39e12, "Shoeybi et al. 2019, §5.1: the 1.2B model on one GPU, 39 TFLOP/s"),
     # the README's 408.8 TFLOP/s in Megatron's count, as tokens/s, times the model's own count
-    "h100": (MCORE_1_7B, L.Layout(dp=48, zero=1, microbatches=4), "grand-teton",
+    # with FlashAttention's recomputation
+    "h100": (MCORE_1_7B, MCORE_1_7B_LAYOUT, "grand-teton",
              408.8e12 / megatron_flops_per_token(24, 2048, 4096, 131072)
-             * MCORE_1_7B.flops_per_token,
+             * (MCORE_1_7B.flops_per_token + MCORE_1_7B.recompute_flops_per_token("selective")),
              "Megatron-LM README, H100 model table: 1.7B, (t, p, d) = (1, 1, 48), batch 192, "
              "408.8 TFLOP/s a GPU"),
 }
@@ -129,10 +162,14 @@ def calibrate_efficiency(gpu: L.Gpu, run: str) -> float:
 
 
 def _row(name: str, published: float, predicted: float, unit: str, band: float,
-         **extra: Any) -> dict[str, Any]:
+         lower_bound: bool = False, **extra: Any) -> dict[str, Any]:
+    """A row; with `lower_bound` the published figure is a floor ("over 90%"): ok when the
+    ratio lies in [1, 1 + band]."""
     ratio = predicted / published
+    low = 1 if lower_bound else 1 - band
     return {"name": name, "published": published, "predicted": predicted, "unit": unit,
-            "ratio": ratio, "band": band, "ok": abs(ratio - 1) <= band + 1e-12, **extra}
+            "ratio": ratio, "band": band, "ok": low - 1e-12 <= ratio <= 1 + band + 1e-12,
+            **({"bound": "lower"} if lower_bound else {}), **extra}
 
 
 def pipeline_schedule_bubble(pp: int, m: int, schedule: str) -> float:
@@ -197,6 +234,7 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
                         source="Qi et al. 2024 (Zero Bubble Pipeline Parallelism), ZB-H1: a "
                                "bubble of (p-1)(T_F+T_B-T_W), with T_F=T_B=T_W (p-1)/(3m+p-1), "
                                "against the generator's schedule replayed on a unit clock"))
+    out += dualpipe_rows()
     for run in S.PUBLISHED:
         r = S.predict_published(run)
         out.append(_row(run.name, run.seconds, r["predicted_s"], "s to train", BAND,
@@ -207,11 +245,40 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
                             source="Goyal et al. 2017, abstract: ~90% scaling efficiency when "
                                    "moving from 8 to 256 GPUs"))
     out += five_axis_rows()
+    out += mcore_rows()
+    out += torchtitan_rows()
+    out += deepseek_rows()
+    out.append(llama3_goodput_row())
     # Mikami et al.'s cluster and all-reduce, MXNet's V100 rate, 40 images per GPU
     r = S.predict_published(YAMAZAKI)
     out.append(_row("Yamazaki et al. 2019 throughput", 1.73e6,
                     YAMAZAKI.global_batch / r["step_s"], "images/s", BAND,
                     source=YAMAZAKI.result))
+    return out
+
+
+def dualpipe_formula(stages: int, b: float, w: float, fb: float) -> float:
+    """The bubble of DualPipe and DualPipeV (PP stages; on PP/2 ranks in a V) in the DeepSeek-V3
+    report's Table 2: (PP/2 − 1)(F&B + B − 3W), B a chunk's full backward, W its weight gradient,
+    F&B an overlapped forward and backward pair."""
+    return (stages / 2 - 1) * (fb + b - 3 * w)
+
+
+def dualpipe_rows() -> list[dict[str, Any]]:
+    """DualPipeV's bubble from the schedule generator, its pairs overlapped (`check(overlap=True)`),
+    on the unit clock (F = W = 1, B = 2, F&B = F + B: the overlap hides communication, the two
+    computations still take their time), against DeepSeek's formula: the README's example of 4
+    ranks (8 stages) and 10 micro-batches, and DeepSeek-V3's 16 stages on 8 ranks."""
+    src = ("DeepSeek-V3 technical report (arXiv 2412.19437), Table 2, and "
+           "github.com/deepseek-ai/DualPipe README: DualPipeV bubble (PP/2-1)(F&B+B-3W), at "
+           "F = W = 1, B = 2, F&B = 3, against the generator's schedule replayed with its pairs "
+           "overlapped")
+    out = []
+    for ranks, m in ((4, 10), (8, 20)):
+        replay = check(generate("dualpipev", ranks, m), overlap=True)
+        out.append(_row(f"DualPipeV bubble, {2 * ranks} stages on {ranks} ranks, m={m}",
+                        dualpipe_formula(2 * ranks, 2, 1, 3), max(replay.idle),
+                        "forward-chunk times idle", 1e-9, source=src))
     return out
 
 
@@ -273,4 +340,113 @@ def five_axis_rows() -> list[dict[str, Any]]:
                     source=src))
     out.append(_row("Mixtral 8x7B active parameters per token", 12.9,
                     mixtral.active_params / 1e9, "billion", BAND, source=src))
+    return out
+
+
+def llama3_goodput_row() -> dict[str, Any]:
+    """Llama 3's effective training time against the failure model (`mpdl.perf.goodput`) at its
+    interruption rate, storage and scale, with a checkpoint of bf16 weights and float32 Adam.
+    "Higher than 90%" is a floor: the row passes from 0.90 up to 1.0 (a band of 1/0.9 − 1)."""
+    shape = L.SHAPES["llama3-405b"]
+    bf16 = L.PRECISIONS["bf16"]
+    got = G.goodput(G.LLAMA3_GPUS, shape.params * (bf16.param + bf16.optimizer), G.LLAMA3)
+    return _row(f"Llama 3 effective training time on {G.LLAMA3_GPUS} H100", 0.90,
+                got["goodput"], "share of wall time", 1 / 0.90 - 1, lower_bound=True,
+                mtbf_h=got["mtbf_s"] / 3600, checkpoint_interval_s=got["checkpoint_interval_s"],
+                source="Dubey et al. 2024 (Llama 3, https://arxiv.org/abs/2407.21783), "
+                       "section 3.3.4: 419 unexpected "
+                       "interruptions in a 54-day snapshot on 16,384 H100, \"higher than 90% "
+                       "effective training time\"; restart 600 s assumed (not stated)")
+
+
+def mcore_rows() -> list[dict[str, Any]]:
+    """Megatron-Core's weak scaling on H100, every row of `MCORE_TABLE` but the one η comes
+    from, in TFLOP/s per GPU as Megatron counts them."""
+    net, gpu = NETWORKS["grand-teton"], L.GPUS["h100-80gb"]
+    out = []
+    for size, *_ in MCORE_TABLE[1:]:
+        shape, layout, figure = mcore_run(size)
+        r = L.evaluate(shape, layout, L.PRECISIONS["bf16"], gpu, net.params, net.per_node)
+        count = megatron_flops_per_token(shape.layers, shape.hidden, shape.seq, shape.vocab)
+        out.append(_row(f"Megatron-Core {size} on {layout.gpus} H100", figure,
+                        r["tokens_per_s"] * count / layout.gpus / 1e12,
+                        "TFLOP/s per GPU (Megatron's count)", BAND, layout=layout.label(),
+                        fits=r["fits"],
+                        source="https://github.com/NVIDIA/Megatron-LM/blob/main/README.md"
+                               "#performance-benchmarking, the model table "
+                               "(images/model_table.png): per-GPU teraFLOP/s"))
+    return out
+
+
+#: DeepSeek-V3 on 2,048 H800 (DeepSeek-V3 report, arXiv 2412.19437, §3.1-3.3): pp 16 with
+#: DualPipe, ep 64 over 8 nodes, ZeRO-1 data parallelism over the rest (dp 128), no tensor
+#: parallelism, FP8 GEMMs, dropless routing, 4K sequences at the final batch of 15,360 (the ramp
+#: from 3,072 over the first 469B tokens left out), one sequence a micro-batch assumed
+DEEPSEEK_V3 = L.Layout(dp=128, pp=16, tp=1, zero=1, microbatches=15360 // 128,
+                       schedule="dualpipev", ep=64, capacity_factor=0, virtual=2)
+
+
+def deepseek_rows() -> list[dict[str, Any]]:
+    """DeepSeek-V3's parameters (671B, 37B active) and its pre-training GPU-hours."""
+    shape = L.SHAPES["deepseek-v3"]
+    src = ("DeepSeek-V3 report (arXiv 2412.19437), §1 and §4.2: 671B total parameters, 37B "
+           "activated per token (61 layers, d 7168, the first 3 dense of width 18432, then 256 "
+           "routed experts of width 2048, top-8, and 1 shared; MLA's parameters counted whole)")
+    out = [_row("DeepSeek-V3 parameters", 671.0, shape.params / 1e9, "billion", BAND,
+                source=src),
+           _row("DeepSeek-V3 active parameters per token", 37.0, shape.active_params / 1e9,
+                "billion", BAND, source=src)]
+    net = NETWORKS["h800-cluster"]
+    r = L.evaluate(shape, DEEPSEEK_V3, L.PRECISIONS["fp8"], L.GPUS["h800"], net.params,
+                   net.per_node, tokens=14.8e12)
+    out.append(_row("DeepSeek-V3 pre-training on 2048 H800", 2.664, r["gpu_hours"] / 1e6,
+                    "million GPU-hours", BAND, layout=DEEPSEEK_V3.label(),
+                    source="DeepSeek-V3 report (arXiv 2412.19437), Table 1 and §1: 2,664K H800 "
+                           "GPU-hours for pre-training on 14.8T tokens (180K a trillion)"))
+    return out
+
+
+#: TorchTitan's Llama 3 runs on 64 A100 80GB with FSDP2 (ZeRO 3, its all-gathers prefetched),
+#: one sequence of 8192 a GPU (github.com/pytorch/torchtitan, docs/performance.md at 4d88a8a,
+#: "Llama 3 performance numbers"): (shape, recomputation, tokens/s a GPU). The cluster's network
+#: is not stated: DGX A100's 200 Gbit/s a GPU (selene) assumed; "selective op" recomputation
+#: (matmul outputs kept) taken as selective
+TORCHTITAN_A100 = (("llama3-8b", "selective", 2973.0), ("llama3-70b", "full", 331.0))
+#: TorchTitan's Llama 3.1 405B on 512 H100 (FSDP 8, TP 8 with async TP, PP 8, Float8, full
+#: recomputation, 32 sequences a data-parallel rank), 1F1B against Interleaved 1F1B: MFU from
+#: pytorch/torchtitan issue #773 (the runs of benchmarks/llama3_h100_202412_torchtitan.md,
+#: Table 5); 8 micro-batches (the pipeline degree) and 2 stages a rank in the interleaved one
+#: are torchtitan's defaults at the commit the benchmark names (9dec370,
+#: torchtitan/parallelisms/pipelining_utils.py)
+TORCHTITAN_405B_MFU = {1: 0.2652, 2: 0.3388}
+
+
+def torchtitan_rows() -> list[dict[str, Any]]:
+    """TorchTitan's Llama 3 runs: tokens/s a GPU on 64 A100, and the 405B's gain from an
+    interleaved pipeline on 512 H100 (a ratio of two runs on the same GPUs, Float8 and network,
+    so what the model does not know of those cancels)."""
+    out = []
+    net, gpu = NETWORKS["selene"], L.GPUS["a100-80gb"]
+    for name, recompute, figure in TORCHTITAN_A100:
+        shape = L.SHAPES[name]
+        layout = L.Layout(dp=64, zero=3, recompute=recompute, gather_overlap=True)
+        r = L.evaluate(shape, layout, L.PRECISIONS["bf16"], gpu, net.params, net.per_node)
+        out.append(_row(f"TorchTitan {name} on 64 A100", figure, r["tokens_per_s"] / 64,
+                        "tokens/s per GPU", BAND, layout=layout.label(), fits=r["fits"],
+                        source="https://github.com/pytorch/torchtitan/blob/4d88a8a/docs/"
+                               "performance.md, \"Llama 3 performance numbers\": FSDP on 64 "
+                               "A100, local batch 1, WPS"))
+    net, gpu = NETWORKS["grand-teton"], L.GPUS["h100-80gb"]
+    shape = L.replace(L.SHAPES["llama3-405b"], microbatch=4)
+    rate = {}
+    for virtual in TORCHTITAN_405B_MFU:
+        layout = L.Layout(dp=8, pp=8, tp=8, zero=3, microbatches=8, recompute="full", sp=True,
+                          virtual=virtual, tp_overlap=True, gather_overlap=True)
+        rate[virtual] = L.evaluate(shape, layout, L.PRECISIONS["fp8"], gpu, net.params,
+                                   net.per_node)["tokens_per_s"]
+    out.append(_row("TorchTitan 405B on 512 H100: interleaved over 1F1B",
+                    TORCHTITAN_405B_MFU[2] / TORCHTITAN_405B_MFU[1], rate[2] / rate[1],
+                    "ratio of throughputs", BAND, layout=layout.label(),
+                    source="https://github.com/pytorch/torchtitan/issues/773: 512 H100, 1F1B "
+                           "26.52% MFU, Interleaved1F1B 33.88%"))
     return out

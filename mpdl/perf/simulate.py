@@ -229,7 +229,7 @@ def allreduce_seconds(algorithm: str, nbytes: float, workers: int, nodes: int,
 
 # -- one step ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Step:
+class StepTime:
     """One step on one worker, in seconds."""
 
     compute: float
@@ -276,15 +276,15 @@ def comm_per_bucket(workload: Workload, strategy: GradientSync, workers: int, no
 
 def step_time(workload: Workload, strategy: GradientSync, workers: int, nodes: int,
               params: cm.Params, batch: float, bucket_s: float | None = None,
-              shared_inter: bool = False) -> Step:
+              shared_inter: bool = False) -> StepTime:
     """One step with `batch` samples per worker (bucket_s: a precomputed all-reduce time)."""
     k, size = buckets(workload, strategy)
     if workers <= 1:
-        return Step(workload.compute(batch), 0.0, 0.0, k, size)
+        return StepTime(workload.compute(batch), 0.0, 0.0, k, size)
     if bucket_s is None:
         bucket_s = comm_per_bucket(workload, strategy, workers, nodes, params, shared_inter)[2]
     exposed = exposed_seconds(bucket_s, k, workload.backward(batch), strategy.overlap)
-    return Step(workload.compute(batch), k * bucket_s, exposed, k, size)
+    return StepTime(workload.compute(batch), k * bucket_s, exposed, k, size)
 
 
 def pipeline_compute(stage_slots: Sequence[float], microbatches: int) -> float:
@@ -352,7 +352,7 @@ class Row:
         return row
 
 
-def _regime(workload: Workload, step: Step, workers: int, batch: float, job: Job,
+def _regime(workload: Workload, step: StepTime, workers: int, batch: float, job: Job,
             one_worker_rate: float) -> dict[str, float]:
     global_batch = batch * workers
     rate = global_batch / step.total

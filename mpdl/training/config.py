@@ -58,9 +58,8 @@ DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "lars": 2.0, "lamb": 1e-2}
 #: ... unless the model has its own: LeNet (no batch norm) diverges at sgd 0.2 and learns
 #: faster with adam at 3e-3
 MODEL_LR = {("lenet", "sgd"): 0.03, ("lenet", "adam"): 3e-3, ("gpt", "adam"): 3e-3}
-#: ... and a GPT with mixture-of-experts blocks: at 3e-3 the 2-layer GPT with 4 experts stalled
-#: on 3-digit addition with seed 0 (exact match 0.113 after 8 epochs, loss flat at 0.575), at 2e-3
-#: and 1.5e-3 it reaches 1.000 by epoch 3 (docs/moe.md)
+#: ... and a GPT with mixture-of-experts blocks, which stalled on 3-digit addition at 3e-3 and
+#: learns it at 2e-3 (docs/results/moe.md#figures)
 MOE_LR = {("gpt", "adam"): 2e-3}
 #: what a model's run gets by default where the option is not given: the GPT trains with Adam on
 #: batches of 128 sequences for 8 epochs (3,128 steps on the addition task; with 5 the cosine

@@ -1,6 +1,6 @@
 """The tuning engine: what chooses, measures or replays collectives.
 
-`plan` (persistent plans: a call's schedule recorded once, `recording`, and replayed; `flightplan`
+`plan` (persistent plans: a call's schedule captured once, `capture`, and replayed; `flightplan`
 notes their runs in the flight recorder), `auto` (the algorithm a call runs when the caller does
 not say), `costmodel` (the predictions `auto` ranks by),
 `measuring` and `firstuse` (the calibration of this machine), `verify` (a plan timing its

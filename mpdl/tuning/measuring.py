@@ -63,10 +63,9 @@ TUNE_REPS = (4, 1)
 BUSY_LOAD_PER_CORE = 0.5
 BUSY_SPREAD = 1.5
 #: ... or when a machine's measuring ranks had less than this share of the core time they have with
-#: it to themselves (`machine_share`). The load average lags a minute behind work that starts
-#: with the calibration: with a spinning process started just before, 2 ranks on 2 cores had
-#: 0.66-0.75 of a core each (quiet: 0.96-0.995), 4 ranks 0.74 of the 2 cores (quiet: 0.96), and
-#: the load figure read 0.0-0.2 per core
+#: it to themselves (`machine_share`): the load average lags a minute behind work that starts
+#: with the calibration, the share does not (docs/results/auto.md, "A poisoned calibration seen by
+#: the ranks' core time")
 BUSY_SHARE = 0.85
 #: a stretch shorter than this is not judged by its share
 SHARE_MIN_SECONDS = 0.5
@@ -117,8 +116,9 @@ def thorough(iters: int) -> Effort:
 def exchange_buffers(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
     """(send, receive) byte arrays at the same offset in a 4 KiB page. Heap arrays allocated one
     after another lie 16 bytes apart modulo 4 KiB; a copy from a peer's send buffer into this
-    rank's receive buffer then runs 3-4x slower (4K aliasing), and a calibration would measure
-    that instead of the link (the collectives place their buffers to avoid it)."""
+    rank's receive buffer then runs several times slower (4K aliasing,
+    docs/results/simulate.md#earlier-stages), and a calibration would measure that instead of
+    the link (the collectives place their buffers to avoid it)."""
     send = backend.empty_half_page_in(nbytes, np.uint8, np)
     send[:] = 1
     return send, backend.empty_half_page_in(nbytes, np.uint8, np)

@@ -41,7 +41,7 @@ from mpdl.collectives.scattered import THROTTLE
 from mpdl.comm import Communicator, Request, as_communicator, polling
 from mpdl.comm.mpi import MPIComm, free_before_finalize
 from mpdl.mpi_runtime import library_version
-from mpdl.tuning import recording, verify
+from mpdl.tuning import capture, verify
 from mpdl.tuning.flightplan import FlightPlan, watched
 
 #: plans the ordinary calls keep (oldest dropped first), and the largest array they plan for: above
@@ -174,14 +174,14 @@ class Plan:
             checks.agree(comm, *self.signature)
 
     def _run(self) -> None:
-        """Run the schedule once (the fast one, unless a message recorder or link emulation is
+        """Run the schedule once (the fast one, unless a message log or link emulation is
         installed), named for timeouts."""
         comm = self.comm
         previous, comm.collective = comm.collective, self._name
         try:
             go, fast, _ = self._schedule
             # (a fast schedule exists only on an MPIComm, which always has link_delay)
-            if fast is not None and comm.recorder is None and comm.link_delay is None:
+            if fast is not None and comm.message_log is None and comm.link_delay is None:
                 fast()
             else:
                 go()
@@ -441,17 +441,17 @@ def _fast_path_possible(comm, *arrays) -> bool:
             and all(backend.get_array_module(a) is np for a in arrays if a is not None))
 
 
-def _replay(comm, recorded: recording.Recording, arrays: dict[str, np.ndarray],
+def _replay(comm, captured: capture.CapturedSchedule, arrays: dict[str, np.ndarray],
             f: Callable) -> _Schedule:
-    """A recorded schedule (`mpdl.tuning.recording`) as persistent requests on the arrays its
-    spans name, each reduction f(a, b, out=o)."""
+    """A captured schedule (`mpdl.tuning.capture`) as persistent requests on the arrays its
+    regions name, each reduction f(a, b, out=o)."""
     s = _Schedule(comm)
-    for step in recorded.steps:
-        for m in step.messages:
-            (s.send if m.kind == "send" else s.recv)(m.span.view(arrays), m.peer, m.step)
-        if not step.reductions:
+    for r in captured.rounds:
+        for m in r.messages:
+            (s.send if m.kind == "send" else s.recv)(m.region.view(arrays), m.peer, m.step)
+        if not r.reductions:
             s.then()
-        for a, b, o in step.reductions:
+        for a, b, o in r.reductions:
             s.then(f, a.view(arrays), b.view(arrays), o.view(arrays))
     return s
 
@@ -464,19 +464,19 @@ _REPLAYED = {"recursive_doubling": lambda count, seg, p: count <= seg,
 
 def _replayed_allreduce(call: checks.Call, algorithm: Callable, f: Callable,
                         compiled_after: int = 0) -> tuple[Callable, list]:
-    """(run, requests): the recorded schedule of algorithm(comm, buf, reduce) on the call's
-    arrays, reducing with f; it reads x where the record reads out before writing it (no copy of
-    x into out), or runs after a copy where that cannot be done (`recording.reading_input`);
+    """(run, requests): the captured schedule of algorithm(comm, buf, reduce) on the call's
+    arrays, reducing with f; it reads x where the schedule reads out before writing it (no copy of
+    x into out), or runs after a copy where that cannot be done (`capture.reading_input`);
     waiting in compiled code from its `compiled_after`-th run (`_Schedule.runner`)."""
     c, x, out = call.comm, call.x, call.out
     flat, xflat = out.reshape(-1), x.reshape(-1)
-    recorded = recording.record(algorithm, c.rank, c.size, flat.size, flat.dtype)
-    reading = recording.reading_input(recorded) if out is not x else None
-    arrays = {recording.BUF: flat, recording.SRC: xflat}
-    for name, count in recorded.scratch.items():
+    captured = capture.capture(algorithm, c.rank, c.size, flat.size, flat.dtype)
+    reading = capture.reading_input(captured) if out is not x else None
+    arrays = {capture.BUF: flat, capture.SRC: xflat}
+    for name, count in captured.scratch.items():
         arrays[name] = np.empty(count, flat.dtype)
         memory.hold(arrays[name], "communication")
-    schedule = _replay(c, reading or recorded, arrays, f)
+    schedule = _replay(c, reading or captured, arrays, f)
     run = schedule.runner(compiled_after=compiled_after)
     if out is x or reading is not None:
         return run, schedule.requests
@@ -548,7 +548,7 @@ def _verifying(plan: Plan, names: tuple[str, ...],
 
     def runner(name: str):
         go, fast, _ = built[name]
-        return lambda: (fast if fast is not None and c.recorder is None
+        return lambda: (fast if fast is not None and c.message_log is None
                         and c.link_delay is None else go)()
 
     def settle(name: str) -> None:

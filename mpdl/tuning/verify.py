@@ -37,7 +37,7 @@ from mpdl import settings
 from mpdl.tuning import auto, measuring
 
 #: the collectives whose plans verify auto's choice
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+VERIFIED = ("allreduce", "reduce_scatter", "allgather")
 #: a contender replaces the choice when its fastest run is at most this fraction of the choice's
 SWITCH = 0.9
 #: the contenders: every candidate the cost model predicts within this factor of the choice's time
@@ -61,8 +61,8 @@ def serpentine(names: tuple[str, ...], rounds: int) -> list[str]:
     compute, then calls back to back), and a trial's runs fall on its places. With each
     algorithm's runs in a row, the choice took the first calls after the caller's barriers and
     the next algorithm the calls back to back (`mpdl bench --loop 4`: two single warm-up calls,
-    then groups of four): at 4 ranks on 2 cores the trials switched recursive doubling to ring at
-    5 of 9 sizes from 8 B to 2 KiB, which the sweep then timed at 1.4-2.8x. Back and forth, each
+    then groups of four), and the trials switched to algorithms the sweep then timed slower
+    (docs/results/auto.md#turns-of-two-runs). Back and forth, each
     algorithm's runs spread over the places of any short rhythm, and each also runs after
     itself, as the plan's runs will."""
     return [name for r in range(rounds) for name in (names if r % 2 == 0 else names[::-1])]

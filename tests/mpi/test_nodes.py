@@ -45,12 +45,12 @@ def test_shm_reduces_in_node_windows_and_sends_only_between_nodes():
     x = np.random.default_rng(RANK).standard_normal(3001)
     expected = np.empty_like(x)
     COMM.Allreduce(x, expected, op=MPI.SUM)
-    comm.recorder = []
+    comm.message_log = []
     try:
         result = C.allreduce(x, algorithm="shm")
-        messages = list(comm.recorder)
+        messages = list(comm.message_log)
     finally:
-        comm.recorder = None
+        comm.message_log = None
     np.testing.assert_allclose(result, expected, rtol=1e-12, atol=1e-12 * P)
     segments, _ = comm.shared_segments(x.nbytes)
     assert len(segments) == len(groups[node]), "the window spans more than this rank's node"

@@ -349,7 +349,7 @@ def test_plans_run_many_times_wait_in_compiled_code_bit_for_bit(algorithm, monke
 
     real = polling.compiled_wait
     monkeypatch.setattr(polling, "compiled_wait", counting)
-    # a communicator of its own: an earlier test's strategy may have left a message recorder on
+    # a communicator of its own: an earlier test's strategy may have left a message log on
     # the world's (ZeRO counts its bytes there), and plans do not run their schedules then
     comm = MPIComm(COMM.Dup())
     for count in (1, P + 1, 31):

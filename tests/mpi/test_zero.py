@@ -87,13 +87,13 @@ def test_each_stage_follows_ddp_on_one_rank(stage, name, opt, dtype):
 
 
 def test_a_step_leaves_no_message_recorder_on_the_communicator():
-    """ZeRO counts its bytes with a message recorder on the communicator during each step and
+    """ZeRO counts its bytes with a message log on the communicator during each step and
     removes it after (plans there would otherwise never run their schedules, and every later
     message would be kept)."""
     comm = MPIComm(COMM.Dup())
-    assert comm.recorder is None
+    assert comm.message_log is None
     train(comm, zero(3), "mlp", "adam", "float64")
-    assert comm.recorder is None
+    assert comm.message_log is None
 
 
 def run_trainer(comm, epochs: int, checkpoint: str | None, resume: bool = False, zero: int = 0):

@@ -16,7 +16,7 @@ import numpy as np
 from mpdl import memory
 from mpdl.autograd.tensor import Tensor
 from mpdl.models.moe import aux_loss_scale
-from mpdl.parallel.pipeline.recorder import PipelineRecorder
+from mpdl.parallel.pipeline.meter import PipelineMeter
 from mpdl.parallel.pipeline.schedule import Schedule
 from mpdl.parallel.strategy import Batch, StepResult
 
@@ -68,15 +68,15 @@ class ScheduleRunner:
     """The ops of one rank's stages and their messages, for `PipelineStrategy`: it supplies the
     grid, the stages' pieces (`all_pieces`, `bounds`, `rank_of`), the loss and the optimizer."""
 
-    def _run(self, mb: Microbatches, order: list[Any], record: PipelineRecorder) -> None:
+    def _run(self, mb: Microbatches, order: list[Any], meter: PipelineMeter) -> None:
         """This rank's ops of the step's schedule, in order."""
         for op in order:
             if op.kind == "F":
-                self._forward(mb, op.mb, op.stage, record)
+                self._forward(mb, op.mb, op.stage, meter)
             elif op.kind == "B":
-                self._backward(mb, op.mb, op.stage, record)
+                self._backward(mb, op.mb, op.stage, meter)
             else:
-                self._weights(mb, op.mb, op.stage, record)
+                self._weights(mb, op.mb, op.stage, meter)
 
     def _say(self, text: str) -> None:
         if self.verbose:
@@ -84,13 +84,13 @@ class ScheduleRunner:
                   file=sys.stderr, flush=True)
 
     def _send(self, buf: Any, s: int, what: str, j: int, mb: Microbatches,
-              record: PipelineRecorder) -> None:
+              meter: PipelineMeter) -> None:
         """Start sending microbatch j's activation (the output of stage s) or gradient (of stage
         s's input) to the rank of the next or previous stage (non-blocking: the request and its
         buffer are kept in `mb.sends` until the end of the step)."""
         rank = self.rank_of[s + 1 if what == "act" else s - 1]
         self._say(f"send {what} mb {j} of stage {s} -> rank {rank} ({buf.nbytes} bytes)")
-        record.send(what, j, rank, buf.nbytes)
+        meter.send(what, j, rank, buf.nbytes)
         mb.sends.append((self.grid.pp_comm.isend(buf, rank, step=(what, j, s)), buf))
 
     def _take(self, mb: Microbatches, what: str, j: int, s: int) -> Any:
@@ -128,26 +128,26 @@ class ScheduleRunner:
         self.grid.pp_comm.waitall([request.start()])
         return request.buf
 
-    def _forward(self, mb: Microbatches, j: int, s: int, record: PipelineRecorder) -> None:
+    def _forward(self, mb: Microbatches, j: int, s: int, meter: PipelineMeter) -> None:
         """Op F j s: microbatch j's input through stage s's pieces; the last stage takes the
         loss, the others hand the output to the next stage (a send unless this rank holds it)."""
-        record.op_begins()
+        meter.op_begins()
         h = self._stage_input(mb, j, s)
-        record.compute_begins()
+        meter.compute_begins()
         # as the loss (MoE layers), times fp16's loss scale
         with aux_loss_scale(mb.share(j) * getattr(self.optimizer, "loss_scale", 1.0)):
             for piece in self.all_pieces[self.bounds[s]:self.bounds[s + 1]]:
                 h = piece(h)
-        record.compute_ends()
+        meter.compute_ends()
         mb.outputs[(j, s)] = h
         if s == len(self.rank_of) - 1:
-            mb.outputs[(j, s)] = self._microbatch_loss(h, mb, j, record.result)
+            mb.outputs[(j, s)] = self._microbatch_loss(h, mb, j, meter.result)
         elif self.rank_of[s + 1] == self.stage:
             mb.handed[("act", j, s)] = h.data
         else:
-            self._send(self._message(h.data), s, "act", j, mb, record)
+            self._send(self._message(h.data), s, "act", j, mb, meter)
         received = s > 0 and self.rank_of[s - 1] != self.stage
-        record.forward_done(j, h.data.nbytes, self.rank_of[s - 1] if received else None,
+        meter.forward_done(j, h.data.nbytes, self.rank_of[s - 1] if received else None,
                             self._chunk(s))
 
     def _chunk(self, s: int) -> int | None:
@@ -181,7 +181,7 @@ class ScheduleRunner:
         result.samples += n
         return loss * (mb.share(j) * getattr(self.optimizer, "loss_scale", 1.0))
 
-    def _backward(self, mb: Microbatches, j: int, s: int, record: PipelineRecorder) -> None:
+    def _backward(self, mb: Microbatches, j: int, s: int, meter: PipelineMeter) -> None:
         """Op B j s: backward from microbatch j's output of stage s (the last stage's from its
         loss, the others' with the gradient from the next stage), then its input's gradient to
         the previous stage; where the schedule has a W for it, the weights' gradients wait."""
@@ -190,31 +190,31 @@ class ScheduleRunner:
         received = s < len(self.rank_of) - 1 and self.rank_of[s + 1] != self.stage
         grad = mb.seed
         if s < len(self.rank_of) - 1:
-            record.op_begins()
+            meter.op_begins()
             grad = self._take(mb, "grad", j, s + 1) if received else \
                 mb.handed.pop(("grad", j, s + 1))
             grad = grad.astype(out.data.dtype, copy=False)
-        record.compute_begins()
+        meter.compute_begins()
         if split:
             mb.later[(j, s)] = out.backward_split(grad, self._stage_weights(s))
         else:
             out.backward(grad)
-        record.compute_ends()
+        meter.compute_ends()
         if s > 0:
             g = mb.inputs.pop((j, s)).grad
             if self.rank_of[s - 1] == self.stage:
                 mb.handed[("grad", j, s)] = g
             else:
-                self._send(self._message(g), s, "grad", j, mb, record)
-        record.backward_done(j, self.rank_of[s + 1] if received else None, self._chunk(s),
+                self._send(self._message(g), s, "grad", j, mb, meter)
+        meter.backward_done(j, self.rank_of[s + 1] if received else None, self._chunk(s),
                              weights_later=split)
 
-    def _weights(self, mb: Microbatches, j: int, s: int, record: PipelineRecorder) -> None:
+    def _weights(self, mb: Microbatches, j: int, s: int, meter: PipelineMeter) -> None:
         """Op W j s: the weight gradients of microbatch j's backward through stage s."""
-        record.compute_begins()
+        meter.compute_begins()
         mb.later.pop((j, s)).run()
-        record.compute_ends()
-        record.weights_done(j, self._chunk(s))
+        meter.compute_ends()
+        meter.weights_done(j, self._chunk(s))
 
     def _stage_weights(self, s: int) -> list[Any]:
         """The parameters stage s's pieces use (the head its tied embedding too)."""

@@ -22,7 +22,7 @@ from mpdl.comm import Communicator
 from mpdl.parallel.deterministic import DEFAULT_ATOMS, exact_sum
 from mpdl.parallel.pipeline.driver import Microbatches
 from mpdl.parallel.pipeline.executor import PipelineStrategy
-from mpdl.parallel.pipeline.recorder import PipelineRecorder
+from mpdl.parallel.pipeline.meter import PipelineMeter
 from mpdl.parallel.strategy import Batch, StepResult, correct_predictions
 
 
@@ -60,8 +60,8 @@ class ExactPipeline(PipelineStrategy):
         result.samples += len(y)
         return loss
 
-    def _backward(self, mb: Microbatches, j: int, s: int, record: PipelineRecorder) -> None:
-        super()._backward(mb, j, s, record)
+    def _backward(self, mb: Microbatches, j: int, s: int, meter: PipelineMeter) -> None:
+        super()._backward(mb, j, s, meter)
         self.atom_grads.append(np.concatenate([
             np.zeros(p.size, dtype=p.data.dtype) if p.grad is None else p.grad.reshape(-1)
             for p in self.stage_params]))

@@ -20,12 +20,12 @@ sends stay ordinary sends of the arrays backward and forward made (a persistent 
 a copy into a kept buffer, which costs more than it saves from 64 KiB: benchmarks/bench_p2p.py).
 Gradients add up over the microbatches and are then all-reduced over the data-parallel axis
 (mpdl's all-reduce, any algorithm). Every message is an mpdl point-to-point message or
-collective, so the recorder, the flight recorder and the timeline see them; `verbose` prints each
-one (picotron's VERBOSE). The ops and their messages are run by `ScheduleRunner`
+collective, so the message log, the flight recorder and the timeline see them; `verbose` prints
+each one (picotron's VERBOSE). The ops and their messages are run by `ScheduleRunner`
 (`mpdl.parallel.pipeline.driver`: `_forward`: receive, run the stage, loss or send; `_backward`:
 receive, backward, send), which the strategy extends; the step's timeline spans, idle and compute
-seconds and peaks of activations held are kept by a `PipelineRecorder`
-(`mpdl.parallel.pipeline.recorder`).
+seconds and peaks of activations held are kept by a `PipelineMeter`
+(`mpdl.parallel.pipeline.meter`).
 
 With tp > 1, the pieces are those of `TensorParallelGPT` (each block split over the tp axis,
 `mpdl.parallel.tensor_parallel`): the tp ranks of a stage run the same schedule in lockstep, each
@@ -55,7 +55,7 @@ from mpdl.comm import Communicator, PersistentRequest
 from mpdl.parallel.context import shard_sequence
 from mpdl.parallel.grid import ProcessGrid
 from mpdl.parallel.pipeline.driver import Microbatches, ScheduleRunner
-from mpdl.parallel.pipeline.recorder import PipelineRecorder
+from mpdl.parallel.pipeline.meter import PipelineMeter
 from mpdl.parallel.pipeline.schedule import (
     SCHEDULES,
     Schedule,
@@ -201,27 +201,27 @@ class PipelineStrategy(ScheduleRunner, PipelineStage, PipelineState, Strategy):
 
     def step(self, batch: Batch) -> StepResult:
         """The schedule's ops over this step's microbatches, then the gradients' sums and the
-        optimizer step; a `PipelineRecorder` keeps the step's figures."""
-        record = PipelineRecorder()
+        optimizer step; a `PipelineMeter` keeps the step's figures."""
+        meter = PipelineMeter()
         self.optimizer.lr = batch.lr
         mb = self._microbatches(batch)
         order = list(mb.schedule.ranks[self.stage]) if mb.parts else []
-        self._run(mb, order, record)
-        self._update(mb, record)
-        self._share_metrics(record.result)
-        result = record.close()
+        self._run(mb, order, meter)
+        self._update(mb, meter)
+        self._share_metrics(meter.result)
+        result = meter.close()
         self.last_order = [(op.kind, op.mb) if self.v == 1 else (op.kind, op.mb, op.stage)
                            for op in order]
-        self.last_peak, self.last_peak_bytes = record.peak, record.peak_bytes
-        self.idle_s, self.step_s = record.idle_s, record.step_s
+        self.last_peak, self.last_peak_bytes = meter.peak, meter.peak_bytes
+        self.idle_s, self.step_s = meter.idle_s, meter.step_s
         if self.steps_seen:
-            self.busy_s += record.busy_s
-            self.ops_s += record.ops_s
-        self.peak_seen = max(self.peak_seen, record.peak)
-        self.peak_bytes_seen = max(self.peak_bytes_seen, record.peak_bytes)
+            self.busy_s += meter.busy_s
+            self.ops_s += meter.ops_s
+        self.peak_seen = max(self.peak_seen, meter.peak)
+        self.peak_bytes_seen = max(self.peak_bytes_seen, meter.peak_bytes)
         self.steps_seen += 1
-        self.messages += record.messages
-        self.bytes_sent += record.bytes_sent
+        self.messages += meter.messages
+        self.bytes_sent += meter.bytes_sent
         self._account()
         return result
 
@@ -249,15 +249,15 @@ class PipelineStrategy(ScheduleRunner, PipelineStage, PipelineState, Strategy):
         return [p for p in np.array_split(np.arange(len(batch.y)), self.microbatches)
                 if len(p) or self.lockstep_microbatches]
 
-    def _update(self, mb: Microbatches, record: PipelineRecorder) -> None:
+    def _update(self, mb: Microbatches, meter: PipelineMeter) -> None:
         """Wait for the step's sends, sum the gradients and take the optimizer step."""
-        record.synchronising()
+        meter.synchronising()
         self.grid.pp_comm.waitall([request for request, _ in mb.sends])
         self._synchronise()
-        record.optimizer_step()
+        meter.optimizer_step()
         self.optimizer.step()
         self.optimizer.zero_grad()
-        record.stepped("reduce-scatter, optimizer step, all-gather over dp" if self.zero
+        meter.stepped("reduce-scatter, optimizer step, all-gather over dp" if self.zero
                        else "optimizer step")
 
     def _synchronise(self) -> None:

@@ -82,6 +82,9 @@ class Schedule:
     m: int
     v: int
     ranks: tuple[tuple[Op, ...], ...]
+    #: per rank, the index of each op that DualPipe runs overlapped with the next one (a forward
+    #: of one chunk beside a backward of the other, `check(overlap=True)`)
+    pairs: tuple[frozenset[int], ...] = ()
 
     @property
     def stages(self) -> int:
@@ -184,8 +187,12 @@ def generate(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     why = allowed(kind, p, m, v)
     if why:
         raise ValueError(why)
+    if kind == "dualpipev":
+        orders = _dualpipev(p, m, v)
+        return Schedule(kind, p, m, v, tuple(tuple(o.ops) for o in orders),
+                        tuple(frozenset(o.pairs) for o in orders))
     make = {"afab": _afab, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": _zb_h1,
-            "zb-v": _zb_v, "dualpipev": _dualpipev}[kind]
+            "zb-v": _zb_v}[kind]
     return Schedule(kind, p, m, v, tuple(tuple(ops) for ops in make(p, m, v)))
 
 
@@ -291,12 +298,17 @@ def _zb_v(p: int, m: int, v: int) -> list[list[Op]]:
 
 class _Orders:
     """One rank's ops as DualPipeV builds them: the next forward or backward of a phase (chunk),
-    its W put off to a first-in first-out queue or not."""
+    its W put off to a first-in first-out queue or not, and the pairs it overlaps."""
 
     def __init__(self, chunks: tuple[int, int]) -> None:
         self.chunks, self.ops = chunks, []
         self.nf, self.nb = [0, 0], [0, 0]
         self.deferred: deque[Op] = deque()
+        self.pairs: list[int] = []
+
+    def pair(self) -> None:
+        """The last two ops (a forward, then a backward of the other chunk) overlap."""
+        self.pairs.append(len(self.ops) - 2)
 
     def f(self, phase: int) -> None:
         self.ops.append(Op("F", self.nf[phase], self.chunks[phase]))
@@ -312,7 +324,7 @@ class _Orders:
         self.ops.append(self.deferred.popleft())
 
 
-def _dualpipev(p: int, m: int, v: int) -> list[list[Op]]:
+def _dualpipev(p: int, m: int, v: int) -> list[_Orders]:
     """DeepSeek's DualPipeV order, its eight steps per rank."""
     out = []
     for r in range(p):
@@ -326,15 +338,19 @@ def _dualpipev(p: int, m: int, v: int) -> list[list[Op]]:
             o.b(1, split=True)
             o.w()
             o.f(1)
-        for _ in range(m - 2 * p + r + 1):  # 4: the steady state, a forward beside a backward
+        for i in range(m - 2 * p + r + 1):  # 4: the steady state, a forward beside a backward
             o.f(0)
             o.b(1)
+            if i or r < p - 1:  # the last rank's first two run apart (a smaller bubble)
+                o.pair()
             o.f(1)
             o.b(0)
+            o.pair()
         for _ in range(p - r - 1):  # 5: backward of phase 1, a forward of 1 beside a backward of 0
             o.b(1)
             o.f(1)
             o.b(0)
+            o.pair()
         split = False
         for i in range(r + 1):  # 6: backwards of both phases, their second half split
             if i == (r + 1) // 2 and r % 2 == 1:
@@ -348,7 +364,7 @@ def _dualpipev(p: int, m: int, v: int) -> list[list[Op]]:
             o.b(0, split=True)
         while o.deferred:  # 8: the remaining W's
             o.w()
-        out.append(o.ops)
+        out.append(o)
     return out
 
 
@@ -369,17 +385,18 @@ def peak_formula(kind: str, p: int, m: int, v: int, rank: int) -> int:
     return 2 * p + 1
 
 
-def schedule_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
+def schedule_bubble(kind: str, p: int, m: int, v: int = 1, overlap: bool = False) -> float:
     """The idle share of a step when a forward, an input gradient and a weight gradient each take
     the same time (a fused backward two of them): (p−1)/(m+p−1) for afab and 1f1b, v-fold less for
-    interleaved, (p−1)/(3m+p−1) for zb-h1; zb-v and dualpipev: their unit-clock replay."""
+    interleaved, (p−1)/(3m+p−1) for zb-h1; zb-v and dualpipev: their unit-clock replay (with
+    `overlap`, DualPipe's pairs overlapped, `check`)."""
     if kind in ("afab", "1f1b"):
         return (p - 1) / (m + p - 1)
     if kind == "interleaved":
         return (p - 1) / (v * m + p - 1)
     if kind == "zb-h1":
         return (p - 1) / (3 * m + p - 1)
-    return check(generate(kind, p, m, v)).bubble
+    return check(generate(kind, p, m, v), overlap).bubble
 
 
 # -- the checker -------------------------------------------------------------------------------
@@ -417,11 +434,13 @@ def unit_cost(schedule: Schedule, rank: int, op: Op) -> int:
     return 1 if op.kind in ("F", "B", "W") else 0
 
 
-def check(schedule: Schedule) -> Replay:
+def check(schedule: Schedule, overlap: bool = False) -> Replay:
     """Replay `schedule` as the ranks would run it (receives block on a first-in first-out channel
     per pair of ranks, sends do not): raise ValueError unless every F and B of every (microbatch,
     stage) runs once on the stage's rank, a W at most once after its B, every op after what it
-    needs, every message received, and nothing deadlocks."""
+    needs, every message received, and nothing deadlocks. With `overlap`, each of the schedule's
+    `pairs` runs as DualPipe runs it, the two ops overlapped on the GPU: the pair starts only when
+    the inputs of both have arrived."""
     p, m = schedule.p, schedule.m
     ops = [schedule.rank_ops(r) for r in range(p)]
     for r in range(p):
@@ -438,7 +457,7 @@ def check(schedule: Schedule) -> Replay:
     stash: dict[tuple[int, int], dict[tuple[str, int, int], float]] = {}
     done: dict[tuple[str, int, int], float] = {}
     pos, free, live, peaks = [0] * p, [0.0] * p, [0] * p, [0] * p
-    busy = [0.0] * p
+    busy, computed = [0.0] * p, [0] * p
     timeline: list[tuple[int, float, float, Op]] = []
     while any(pos[r] < len(ops[r]) for r in range(p)):
         progressed = False
@@ -464,7 +483,15 @@ def check(schedule: Schedule) -> Replay:
                             raise ValueError(f"rank {r} runs {op} before {Op(*local[0])}")
                         raise ValueError(f"rank {r} runs {op} before it has received "
                                          f"{Op(*missing[0])}")
-                    start = max([free[r], *(done[n] for n in needs(schedule, op))])
+                    partner: list[tuple[str, int, int]] = []
+                    if overlap and schedule.pairs and computed[r] in schedule.pairs[r]:
+                        nxt = schedule.ranks[r][computed[r] + 1]
+                        partner = [n for n in needs(schedule, nxt)
+                                   if n != (op.kind, op.mb, op.stage)]
+                        if any(n not in done for n in partner):
+                            break
+                    start = max([free[r], *(done[n] for n in needs(schedule, op) + partner)])
+                    computed[r] += 1
                     cost = unit_cost(schedule, r, op)
                     done[(op.kind, op.mb, op.stage)] = free[r] = start + cost
                     busy[r] += cost

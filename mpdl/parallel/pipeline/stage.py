@@ -2,9 +2,9 @@
 
 The model is a sequence of pieces (`model_pieces`): the children of an `nn.Sequential`, or for a
 GPT the embedding piece (token + position embedding), each block, and the head (final LayerNorm
-and the output projection, tied to the token embedding). `partition` cuts the pieces into `pp`
-contiguous stages **balanced by parameter count** (the head counts the tied matrix it multiplies
-by), minimising the largest stage.
+and the output projection, tied to the token embedding). `partition_by_weight` cuts the pieces
+into `pp` contiguous stages **balanced by parameter count** (the head counts the tied matrix it
+multiplies by), minimising the largest stage.
 
 Every rank builds only the parameters of its stage (`build`, through `mpdl.autograd.partial`: the
 constructor makes the whole model's draws from the same seed, so the values equal one rank's,
@@ -102,7 +102,7 @@ def model_pieces(model: Any) -> list[tuple[nn.Module, int]]:
                      f"{type(model).__name__}")
 
 
-def partition(weights: list[int], stages: int) -> list[int]:
+def partition_by_weight(weights: list[int], stages: int) -> list[int]:
     """Bounds b (len stages + 1) cutting `weights` into contiguous non-empty stages, stage s =
     weights[b[s]:b[s+1]], with the largest stage sum as small as possible (ties: the earliest
     cut)."""
@@ -243,12 +243,13 @@ class PipelineStage:
         self.rank_parameter_bytes, self.rank_state_bytes = params, params + grads + optim
 
     def _partition(self, weights: list[int]) -> list[int]:
-        """The bounds of the pp·v stages (`partition`), or a one-line error naming the flags."""
+        """The bounds of the pp·v stages (`partition_by_weight`), or a one-line error naming the
+        flags."""
         stages = len(self.rank_of)
         if self.v > 1 and len(weights) < stages:
             raise ValueError(f"virtual-stages: pp x {self.v} = {stages} stages need at least as "
                              f"many model pieces, the model has {len(weights)}")
-        return partition(weights, stages)
+        return partition_by_weight(weights, stages)
 
     def _rank_params(self, rank: int) -> list[Any]:
         """The parameters of the stages of `rank`, once each."""

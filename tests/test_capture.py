@@ -1,6 +1,6 @@
-"""Recorded schedules (mpdl.tuning.recording) against the live algorithms on the in-process
+"""Captured schedules (mpdl.tuning.capture) against the live algorithms on the in-process
 world: the same messages (peer, buffer, offset, length, step) and reductions, in the same order,
-and a replay of the record gives the live result bit for bit."""
+and a replay of the capture gives the live result bit for bit."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from mpdl import settings
 from mpdl.collectives.recursive import recursive_doubling_allreduce
 from mpdl.collectives.ring import ring_allreduce
 from mpdl.threadworld import run_world
-from mpdl.tuning import recording
-from mpdl.tuning.recording import BUF, SRC, Message, Recording, Span, Step
+from mpdl.tuning import capture
+from mpdl.tuning.capture import BUF, SRC, CapturedSchedule, Message, Region, Round
 
 ALGORITHMS = {"ring": ring_allreduce, "recursive_doubling": recursive_doubling_allreduce}
 
@@ -61,21 +61,21 @@ def live(algorithm, c, buf: np.ndarray) -> list[tuple]:
     return events
 
 
-def recorded(rec: Recording) -> list[tuple]:
-    """The recording's events in the form of `live`'s."""
-    def where(span: Span) -> tuple[str, int | None, int]:
-        return span.buffer, span.offset if span.size else None, span.size
+def captured(schedule: CapturedSchedule) -> list[tuple]:
+    """The captured schedule's events in the form of `live`'s."""
+    def where(region: Region) -> tuple[str, int | None, int]:
+        return region.buffer, region.offset if region.size else None, region.size
 
     events: list[tuple] = []
-    for step in rec.steps:
-        events += [(m.kind, m.peer, m.step, where(m.span)) for m in step.messages]
-        events += [("reduce", where(a), where(b), where(o)) for a, b, o in step.reductions]
+    for r in schedule.rounds:
+        events += [(m.kind, m.peer, m.step, where(m.region)) for m in r.messages]
+        events += [("reduce", where(a), where(b), where(o)) for a, b, o in r.reductions]
     return events
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
 @pytest.mark.parametrize("segment_bytes", [1 << 20, 12])
-def test_the_record_is_what_the_live_algorithm_sends_and_reduces(name, segment_bytes):
+def test_the_capture_is_what_the_live_algorithm_sends_and_reduces(name, segment_bytes):
     """Message for message (kind, peer, step, buffer, offset, length) and reduction for reduction,
     at p = 1..6 and awkward counts; 12-byte segments make the ring send blocks in pieces."""
     algorithm = ALGORITHMS[name]
@@ -85,24 +85,24 @@ def test_the_record_is_what_the_live_algorithm_sends_and_reduces(name, segment_b
             xs = data(p, n)
             events = run_world(p, lambda c, xs=xs: live(algorithm, c, xs[c.rank].copy()))
             for rank, seen in enumerate(events):
-                rec = recording.record(algorithm, rank, p, n, np.float32)
-                assert recorded(rec) == seen, f"{name} p={p} n={n} rank {rank}"
+                schedule = capture.capture(algorithm, rank, p, n, np.float32)
+                assert captured(schedule) == seen, f"{name} p={p} n={n} rank {rank}"
                 assert any(e[0] == "send" for e in seen) == (p > 1)
 
 
-def replay(c, rec: Recording, arrays: dict[str, np.ndarray]) -> None:
-    """Run a recording on the in-process world: each step's messages posted together and waited
-    for, then its reductions."""
-    for step in rec.steps:
-        c.waitall([(c.isend if m.kind == "send" else c.irecv)(m.span.view(arrays), m.peer, m.step)
-                   for m in step.messages])
-        for a, b, o in step.reductions:
+def replay(c, schedule: CapturedSchedule, arrays: dict[str, np.ndarray]) -> None:
+    """Run a captured schedule on the in-process world: each round's messages posted together and
+    waited for, then its reductions."""
+    for r in schedule.rounds:
+        c.waitall([(c.isend if m.kind == "send" else c.irecv)(m.region.view(arrays), m.peer,
+                                                               m.step) for m in r.messages])
+        for a, b, o in r.reductions:
             np.add(a.view(arrays), b.view(arrays), out=o.view(arrays))
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
-def test_a_replayed_record_gives_the_live_result_bit_for_bit(name):
-    """The record as it is (the input copied into the buffer first) and `reading_input`'s (the
+def test_a_replayed_capture_gives_the_live_result_bit_for_bit(name):
+    """The capture as it is (the input copied into the buffer first) and `reading_input`'s (the
     buffer starts as garbage and the input is read where it was not yet written)."""
     algorithm = ALGORITHMS[name]
     for p in range(1, 7):
@@ -113,11 +113,11 @@ def test_a_replayed_record_gives_the_live_result_bit_for_bit(name):
                 x = xs[c.rank]
                 expected = x.copy()
                 algorithm(c, expected, np.add)
-                rec = recording.record(algorithm, c.rank, c.size, n, x.dtype)
-                scratch = {k: np.full(size, np.nan, x.dtype) for k, size in rec.scratch.items()}
+                schedule = capture.capture(algorithm, c.rank, c.size, n, x.dtype)
+                scratch = {k: np.full(size, np.nan, x.dtype) for k, size in schedule.scratch.items()}
                 copied = x.copy()
-                replay(c, rec, {BUF: copied, **scratch})
-                reading = recording.reading_input(rec)
+                replay(c, schedule, {BUF: copied, **scratch})
+                reading = capture.reading_input(schedule)
                 if reading is None:
                     return expected, copied, None
                 fresh = np.full(n, np.nan, x.dtype)
@@ -135,19 +135,20 @@ def test_a_replayed_record_gives_the_live_result_bit_for_bit(name):
 
 def test_reading_input_refuses_what_it_cannot_serve_from_the_input():
     f32 = np.dtype(np.float32)
-    buf = Span(BUF, 0, 4, f32)
-    tmp = Span("tmp", 0, 4, f32)
-    unwritten = Recording(4, [Step([Message("send", 1, buf, 0)])], {})
-    assert recording.reading_input(unwritten) is None  # buf never written: it must hold x
-    partly = Recording(4, [Step([Message("recv", 1, buf[:2], 0)]),
-                           Step([Message("send", 1, buf, 1)], [(tmp, buf, buf)])], {"tmp": 4})
-    assert recording.reading_input(partly) is None  # a send of a part half written
-    whole = Recording(4, [Step([Message("send", 1, buf, 0), Message("recv", 1, tmp, 0)],
-                               [(tmp, buf[1:], buf[1:])]),
-                          Step([Message("recv", 1, buf[:1], 1)])], {"tmp": 4})
-    served = recording.reading_input(whole)
+    buf = Region(BUF, 0, 4, f32)
+    tmp = Region("tmp", 0, 4, f32)
+    unwritten = CapturedSchedule(4, [Round([Message("send", 1, buf, 0)])], {})
+    assert capture.reading_input(unwritten) is None  # buf never written: it must hold x
+    partly = CapturedSchedule(4, [Round([Message("recv", 1, buf[:2], 0)]),
+                                  Round([Message("send", 1, buf, 1)], [(tmp, buf, buf)])],
+                              {"tmp": 4})
+    assert capture.reading_input(partly) is None  # a send of a part half written
+    whole = CapturedSchedule(4, [Round([Message("send", 1, buf, 0), Message("recv", 1, tmp, 0)],
+                                       [(tmp, buf[1:], buf[1:])]),
+                                 Round([Message("recv", 1, buf[:1], 1)])], {"tmp": 4})
+    served = capture.reading_input(whole)
     assert served is not None
-    first = served.steps[0]
-    assert first.messages[0].span == Span(SRC, 0, 4, f32)
-    assert first.reductions == [(tmp, Span(SRC, 1, 3, f32), Span(BUF, 1, 3, f32))]
-    assert served.steps[1].messages[0].span == Span(BUF, 0, 1, f32)
+    first = served.rounds[0]
+    assert first.messages[0].region == Region(SRC, 0, 4, f32)
+    assert first.reductions == [(tmp, Region(SRC, 1, 3, f32), Region(BUF, 1, 3, f32))]
+    assert served.rounds[1].messages[0].region == Region(BUF, 0, 1, f32)

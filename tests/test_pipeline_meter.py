@@ -1,12 +1,12 @@
-"""The pipeline step's accounting (`PipelineRecorder`) on a scripted clock: which seconds count as
+"""The pipeline step's meter (`PipelineMeter`) on a scripted clock: which seconds count as
 idle, compute and exposed communication, the timeline's spans, and the activations held."""
 
 from __future__ import annotations
 
 import pytest
 
-from mpdl.parallel.pipeline import recorder as pipeline_recorder
-from mpdl.parallel.pipeline.recorder import PipelineRecorder
+from mpdl.parallel.pipeline import meter as pipeline_meter
+from mpdl.parallel.pipeline.meter import PipelineMeter
 
 
 class Clock:
@@ -29,11 +29,11 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(pipeline_recorder, "time", c)
+    monkeypatch.setattr(pipeline_meter, "time", c)
     return c
 
 
-def run_op(r: PipelineRecorder, clock: Clock, wait: float | None, compute: float,
+def run_op(r: PipelineMeter, clock: Clock, wait: float | None, compute: float,
            cpu: float) -> None:
     """An op's phases: `wait` seconds for its input (None: it has none to wait for), then
     `compute` seconds, `cpu` of them on the thread."""
@@ -46,7 +46,7 @@ def run_op(r: PipelineRecorder, clock: Clock, wait: float | None, compute: float
 
 
 def test_a_middle_stage_step_splits_into_idle_compute_and_exposed_seconds(clock):
-    r = PipelineRecorder()
+    r = PipelineMeter()
     # F 0: waits 1 s for stage 0's activation, computes 2 s, sends 64 bytes to stage 2
     run_op(r, clock, wait=1.0, compute=2.0, cpu=1.5)
     clock.run(0.5, cpu=0.25)
@@ -93,7 +93,7 @@ def test_a_middle_stage_step_splits_into_idle_compute_and_exposed_seconds(clock)
 
 
 def test_the_first_stage_waits_for_its_batch_slice_without_a_receive_span(clock):
-    r = PipelineRecorder()
+    r = PipelineMeter()
     run_op(r, clock, wait=0.25, compute=1.0, cpu=1.0)
     r.forward_done(0, 8, received_from=None)
     assert r.idle_s == 0.25

@@ -1,10 +1,10 @@
-"""What a step of ZeRO (`mpdl.parallel.zero`) records for its report, kept apart from the algorithm.
+"""ZeRO's step meter (`mpdl.parallel.zero`): what a step reports, kept apart from the algorithm.
 
-`ZeroRecorder` counts the model-state bytes the strategy holds (parameters, gradients, optimizer
+`ZeroMeter` counts the model-state bytes the strategy holds (parameters, gradients, optimizer
 state) and their peak within a step; it times the step's phases, the main thread's waits for the
 communication thread (the exposed communication) and the communication thread's collectives per
-unit; and it counts the bytes this rank sent, from the communicator's message recorder. At the
-end of a step, `finish` turns what it recorded into the `StepResult`'s times and timeline spans.
+unit; and it counts the bytes this rank sent, from the communicator's message log. At the end
+of a step, `finish` turns what it measured into the `StepResult`'s times and timeline spans.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Timed:
             self._done(self._start, time.perf_counter())
 
 
-class ZeroRecorder:
+class ZeroMeter:
     """The timings and counters of the steps of a strategy over `comm`."""
 
     def __init__(self, comm: Communicator) -> None:
@@ -135,20 +135,20 @@ class ZeroRecorder:
 
     # -- bytes sent --------------------------------------------------------------------------------
     def _message_log(self) -> tuple[list[Any], int]:
-        """The communicator's message recorder (installed if there is none) and its length."""
-        if self.comm.recorder is None:
+        """The communicator's message log (installed if there is none) and its length."""
+        if self.comm.message_log is None:
             try:
-                self.comm.recorder = []
+                self.comm.message_log = []
                 self._own_messages = True
-            except AttributeError:  # a sub-communicator: its parent's recorder
+            except AttributeError:  # a sub-communicator: its parent's log
                 return [], 0
-        return self.comm.recorder, len(self.comm.recorder)
+        return self.comm.message_log, len(self.comm.message_log)
 
     def _count_sent(self) -> None:
         me = self.comm.world_rank(self.comm.rank)
         sent = sum(entry[4] for entry in self._messages[self._first_message:] if entry[2] == me)
-        if self._own_messages:  # the recorder this step installed goes with it (the next step's
-            del self._messages[:]  # begin() installs it again): nothing else records after us
-            self.comm.recorder, self._own_messages = None, False
+        if self._own_messages:  # the log this step installed goes with it (the next step's
+            del self._messages[:]  # begin() installs it again): nothing else logs after us
+            self.comm.message_log, self._own_messages = None, False
         self._sent += sent
         self._steps += 1

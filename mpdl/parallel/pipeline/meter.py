@@ -1,4 +1,4 @@
-"""The accounting of one pipeline step on one stage, kept apart from the schedule's executor
+"""The meter of one pipeline step on one stage, kept apart from the schedule's executor
 (`mpdl.parallel.pipeline`): the timeline's spans, the seconds of compute and of waiting, the
 microbatches (and the bytes of their stage outputs) held for backward, the messages sent.
 
@@ -18,7 +18,7 @@ import time
 from mpdl.parallel.strategy import Span, StepResult
 
 
-class PipelineRecorder:
+class PipelineMeter:
     """One step's figures on one pipeline stage; `result` is the step's `StepResult` (the loss
     sums are the executor's to fill)."""
 

@@ -1,4 +1,4 @@
-"""ZeRO's step accounting (`ZeroRecorder`) on a scripted clock: the model-state bytes held and their
+"""ZeRO's step meter (`ZeroMeter`) on a scripted clock: the model-state bytes held and their
 peaks, which seconds count as exposed communication and as compute, the timeline's spans in
 order, and the bytes sent."""
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpdl.parallel import zero_recorder
+from mpdl.parallel import zero_meter
 from mpdl.parallel.strategy import StepResult
-from mpdl.parallel.zero_recorder import ZeroRecorder
+from mpdl.parallel.zero_meter import ZeroMeter
 
 
 class Clock:
@@ -27,11 +27,11 @@ class Clock:
 
 
 class Comm:
-    """A communicator's face as the recorder sees it: rank 1 of the world, a message log whose
+    """A communicator's face as the meter sees it: rank 1 of the world, a message log whose
     entries are (kind, step, source, dest, bytes) when installed."""
 
     rank = 1
-    recorder: list | None = None
+    message_log: list | None = None
 
     def world_rank(self, rank: int) -> int:
         return rank
@@ -40,7 +40,7 @@ class Comm:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(zero_recorder, "time", c)
+    monkeypatch.setattr(zero_meter, "time", c)
     return c
 
 
@@ -49,7 +49,7 @@ def unit(index: int, nbytes: int) -> SimpleNamespace:
 
 
 def test_bytes_held_peak_within_a_step_and_the_largest_step_peak_is_kept():
-    r = ZeroRecorder(Comm())
+    r = ZeroMeter(Comm())
     r.hold(100)
     r.optimizer_state(40)       # the optimizer state appears: 140
     r.begin()
@@ -66,7 +66,7 @@ def test_bytes_held_peak_within_a_step_and_the_largest_step_peak_is_kept():
 
 
 def test_a_step_splits_into_compute_and_exposed_seconds_with_its_spans_in_order(clock):
-    r = ZeroRecorder(Comm())
+    r = ZeroMeter(Comm())
     units = [unit(0, 64), unit(1, 32)]
     result = StepResult()
     r.begin()                                               # t = 0
@@ -95,23 +95,23 @@ def test_a_step_splits_into_compute_and_exposed_seconds_with_its_spans_in_order(
 
 def test_the_bytes_this_rank_sent_are_counted_per_step_from_its_own_message_log():
     comm = Comm()
-    r = ZeroRecorder(comm)
+    r = ZeroMeter(comm)
     r.begin()                                   # installs a log on the communicator
-    comm.recorder += [("send", 0, 1, 0, 100), ("send", 0, 0, 1, 7), ("send", 0, 1, 2, 20)]
+    comm.message_log += [("send", 0, 1, 0, 100), ("send", 0, 0, 1, 7), ("send", 0, 1, 2, 20)]
     r.finish(StepResult(), [])
-    assert comm.recorder is None                # its own log goes with each step
+    assert comm.message_log is None                # its own log goes with each step
     r.begin()
-    comm.recorder.append(("send", 1, 1, 0, 30))
+    comm.message_log.append(("send", 1, 1, 0, 30))
     r.finish(StepResult(), [])
     assert r.sent_bytes_per_step() == (120 + 30) / 2
 
 
 def test_a_log_installed_by_someone_else_is_read_from_where_the_step_began_and_kept():
     comm = Comm()
-    comm.recorder = [("send", 0, 1, 0, 1000)]   # before the step: not counted
-    r = ZeroRecorder(comm)
+    comm.message_log = [("send", 0, 1, 0, 1000)]   # before the step: not counted
+    r = ZeroMeter(comm)
     r.begin()
-    comm.recorder.append(("send", 1, 1, 0, 8))
+    comm.message_log.append(("send", 1, 1, 0, 8))
     r.finish(StepResult(), [])
     assert r.sent_bytes_per_step() == 8
-    assert len(comm.recorder) == 2
+    assert len(comm.message_log) == 2
