@@ -2,8 +2,9 @@
 
 An implementation provides four transport methods (`_isend`, `_irecv`, `_wait_all`, `_test`), the
 node layout (`node_of_rank`) and `allgather_object`; shared memory (`shared_segments`) is optional.
-This base adds recording, `waitall`/`waitany`/`test`, blocking helpers, persistent sends and
-receives (`send_init`/`recv_init`), a barrier, sub-communicators and reusable buffers.
+This base adds the message log, flight recording, `waitall`/`waitany`/`test`, blocking helpers,
+persistent sends and receives (`send_init`/`recv_init`), a barrier, sub-communicators and reusable
+buffers.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ world shape (a first-use calibration or `mpdl calibrate` times every candidate a
 otherwise, and for the other collectives, it follows the algorithm's code: the number
 of sequential message steps, the bytes each step carries, pipeline segments (MPDL_SEGMENT_BYTES),
 and which steps cross a node boundary (nodes are taken as p/nodes consecutive ranks). An algorithm
-without a formula here is estimated from its message schedule, recorded on the in-process world.
+without a formula here is estimated from its message schedule, logged on the in-process world.
 
 `fastest` returns the algorithm with the smallest prediction. It is a pure function of its
 arguments and the parameter file, which every rank reads itself, so all ranks pick the same one;
@@ -693,7 +693,7 @@ FORMULAS: dict[str, dict[str, Callable[[Setting], float]]] = {
 
 def _check_formulas() -> None:
     """Every formula belongs to a registered algorithm (an algorithm without one is estimated from
-    its recorded schedule)."""
+    its logged schedule)."""
     for collective, formulas in FORMULAS.items():
         unknown = set(formulas) - set(registry.REGISTRY.get(collective, ()))
         if unknown:
@@ -730,8 +730,8 @@ def predict(collective: str, algorithm: str, nbytes: int, p: int, nodes: int = 1
     return params.call + (0.0 if reads_input else params.copy_time(nbytes)) + body
 
 
-# -- estimates from a recorded schedule --------------------------------------------------------
-#: the largest array the in-process world runs to record a schedule; bigger ones are scaled
+# -- estimates from a logged schedule ----------------------------------------------------------
+#: the largest array the in-process world runs to log a schedule; bigger ones are scaled
 SCHEDULE_SAMPLE_BYTES = 1 << 16
 
 
@@ -763,7 +763,7 @@ def _schedule(collective: str, algorithm: str, p: int, ranks_per_node: int, coun
 def schedule_estimate(collective: str, algorithm: str, nbytes: int, p: int, nodes: int,
                       params: Params, dtype: str = "float32") -> float:
     """The busiest rank's messages (α + bytes·β each, γ on what it receives when reducing), from
-    the schedule recorded at min(nbytes, SCHEDULE_SAMPLE_BYTES) and scaled to nbytes."""
+    the schedule logged at min(nbytes, SCHEDULE_SAMPLE_BYTES) and scaled to nbytes."""
     if p == 1:
         return 0.0
     itemsize = np.dtype(dtype).itemsize
