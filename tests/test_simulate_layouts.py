@@ -616,3 +616,15 @@ def test_torchtitan_rows():
     # Llama 3's Table 3 shapes: 8.0B and 70.6B parameters
     assert L.SHAPES["llama3-8b"].params / 1e9 == pytest.approx(8.03, abs=0.01)
     assert L.SHAPES["llama3-70b"].params / 1e9 == pytest.approx(70.55, abs=0.01)
+
+
+def test_search_takes_the_overlaps():
+    shape, h100 = L.SHAPES["gpt3-175b"], L.GPUS["h100-80gb"]
+    plain = L.search(shape, 64, 64, MIXED, h100, SELENE.params, 8, top=1)[0]
+    hidden = L.search(shape, 64, 64, MIXED, h100, SELENE.params, 8, top=1, tp_overlap=True,
+                      gather_overlap=True)[0]
+    assert hidden["tp_overlap"] and hidden["gather_overlap"]
+    assert hidden["step_s"] < plain["step_s"]
+    out = _mpdl("--model-shape", "gpt3-175b", "--gpu", "h100-80gb", "--gpus", "64",
+                "--search", "--top", "1", "--tp-overlap")
+    assert out.returncode == 0 and "tp-overlap" in out.stdout, out.stderr
