@@ -37,15 +37,20 @@ def main() -> None:
         raise SystemExit("the flight recorder is off (MPDL_FLIGHT_RECORDS=0)")
     x = np.ones(parse_size(args.size) // 4, np.float32)
     out = np.empty_like(x)
-    if args.plan:
-        call = T.allreduce_init(x, algorithm=args.algorithm, comm=comm, out=out)
-    else:
-        def call() -> None:
-            C.allreduce(x, algorithm=args.algorithm, comm=comm, out=out)
+    calls = {}
+    for mode in ("off", "on"):  # a plan made while the recorder is off runs bare
+        comm.flight = recorder if mode == "on" else None
+        if args.plan:
+            calls[mode] = T.allreduce_init(x, algorithm=args.algorithm, comm=comm, out=out)
+        else:
+            def call() -> None:
+                C.allreduce(x, algorithm=args.algorithm, comm=comm, out=out)
+            calls[mode] = call
     times: dict[str, list[float]] = {"on": [], "off": []}
     for turn in range(args.rounds):
         for mode in (("on", "off") if turn % 2 == 0 else ("off", "on")):
             comm.flight = recorder if mode == "on" else None
+            call = calls[mode]
             comm.barrier()
             start = time.perf_counter()
             for _ in range(args.calls):

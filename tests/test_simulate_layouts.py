@@ -646,3 +646,15 @@ def test_cli_keeps_every_field_of_a_named_shape():
                 "--moe-capacity-factor", "0", "--precision", "mxfp8")
     assert out.returncode == 0, out.stderr
     assert "671.026B parameters" in out.stdout and "(37.552B active)" in out.stdout
+
+
+def test_search_takes_the_overlaps():
+    shape, h100 = L.SHAPES["gpt3-175b"], L.GPUS["h100-80gb"]
+    plain = L.search(shape, 64, 64, MIXED, h100, SELENE.params, 8, top=1)[0]
+    hidden = L.search(shape, 64, 64, MIXED, h100, SELENE.params, 8, top=1, tp_overlap=True,
+                      gather_overlap=True)[0]
+    assert hidden["tp_overlap"] and hidden["gather_overlap"]
+    assert hidden["step_s"] < plain["step_s"]
+    out = _mpdl("--model-shape", "gpt3-175b", "--gpu", "h100-80gb", "--gpus", "64",
+                "--search", "--top", "1", "--tp-overlap")
+    assert out.returncode == 0 and "tp-overlap" in out.stdout, out.stderr

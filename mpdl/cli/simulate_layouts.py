@@ -306,7 +306,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             report = L.search_report(shape, gpus, batch, precision, gpu, net.params, per_node,
                                      kinds, top=args.top, failures=failures, cp_mode=args.cp_mode,
-                                     capacity_factor=args.moe_capacity_factor)
+                                     capacity_factor=args.moe_capacity_factor,
+                                     tp_overlap=args.tp_overlap,
+                                     gather_overlap=args.gather_overlap)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         rows = report["rows"]

@@ -80,7 +80,8 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None
             plan = engine.cache.get((id(x), id(out), id(comm), op, algorithm))
         except TypeError:  # op or algorithm unhashable: the checks below say which
             plan = None
-        if plan is not None and x.dtype is plan._dtype and x.shape == plan._shape:
+        if plan is not None and x.dtype is plan._dtype and x.shape == plan._shape \
+                and plan.flight is plan.comm.flight:
             return plan()
         if type(op) is str and type(algorithm) is str:
             plan = engine.cached_allreduce(x, op, algorithm, comm, out)
@@ -251,7 +252,8 @@ def alltoall(x: Any, comm: Any = None, algorithm: str = "auto", out: Any = None)
             return result
     elif engine is not None and type(algorithm) is str:
         plan = engine.cache.get(("alltoall", id(x), id(out), id(comm), algorithm))
-        if plan is not None and x.dtype is plan._dtype and x.shape == plan._shape:
+        if plan is not None and x.dtype is plan._dtype and x.shape == plan._shape \
+                and plan.flight is plan.comm.flight:
             return plan()  # the plan cache's hit in line, as allreduce's (plan.cached_alltoall)
         plan = engine.cached_alltoall(x, algorithm, comm, out)
         if plan is not None:

@@ -14,7 +14,9 @@ The engine is any object with these methods (each may return None for "run the c
   comm, out)`: a plan of these arrays to run the call through;
 - `shaped_alltoall(x, comm, algorithm)`: the result of a one-shot all-to-all run by a plan kept
   for x's shape;
-and a dictionary `cache` of its plans by call, which the API looks up in line.
+and a dictionary `cache` of its plans by call, which the API looks up in line: a hit stands while
+x keeps the plan's dtype and shape and the plan notes its runs in its communicator's flight
+recorder (`plan.flight is plan.comm.flight`; None for both: a bare plan).
 """
 
 from __future__ import annotations

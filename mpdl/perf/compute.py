@@ -150,7 +150,7 @@ def _with_backward(m: float, n: float, k: float, gpu: Gpu, nbytes: float, batch:
 def fp8_view(gpu: Gpu) -> Gpu:
     """The GPU as its FP8 GEMMs see it: the FP8 peak at the GPU's own η (torchao's float8
     roofline takes one achievable share of peak a GPU for both; DeepGEMM's 1,550 TFLOP/s of FP8
-    GEMM on H800, 0.78 of the H100's 1,979, agrees with the H100's η of 0.77)."""
+    GEMM on H800, 0.78 of the H100's 1,979, lies within 7% of the H100's η)."""
     if not gpu.fp8_flops:
         raise ValueError(f"--precision: fp8 needs a GPU with FP8 tensor cores, {gpu.name} has none")
     return replace(gpu, peak_flops=gpu.fp8_flops)

@@ -858,13 +858,14 @@ def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
                schedule: str | tuple[str, ...] = "1f1b", zero_stages: tuple[int, ...] = (0, 1, 2, 3),
                cp_mode: str = "ring", capacity_factor: float = 1.0,
                recomputes: tuple[str, ...] = RECOMPUTE, context: bool = True,
-               sequence_parallel: bool = True, interleave: bool = True):
+               sequence_parallel: bool = True, interleave: bool = True,
+               tp_overlap: bool = False, gather_overlap: bool = False):
     """Every dp × pp × cp × tp × ep layout of `gpus` GPUs that can run the shape: tp dividing the
     heads and at most a node, pp the layers, cp the sequence, ep the experts and dp, dp the global
     batch in micro-batches; each ZeRO stage allowed, each of `recomputes`, with and without sp
     (unless `sequence_parallel` is false), cp > 1 only with `context`, and with `interleave`
     each interleaving depth of `virtual_stages`; `schedule` is one kind or a tuple of kinds to
-    try (`mpdl.parallel.pipeline.schedule.KINDS`)."""
+    try (`mpdl.parallel.pipeline.schedule.KINDS`); every layout with the overlaps asked for."""
     kinds = (schedule,) if isinstance(schedule, str) else tuple(schedule)
     for tp in _divisors(gpus):
         if tp > per_node or shape.heads % tp:
@@ -883,7 +884,8 @@ def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
                                 recomputes, (False, True) if tp > 1 and sequence_parallel
                                 else (False,), _pipelines(shape, pp, m, kinds, interleave)):
                             layout = Layout(dp, pp, tp, zero, m, kind, recompute, None, cp,
-                                            ep, sp, cp_mode, capacity_factor, virtual)
+                                            ep, sp, cp_mode, capacity_factor, virtual,
+                                            tp_overlap, gather_overlap)
                             try:
                                 check_layout(shape, layout, per_node)
                             except ValueError:

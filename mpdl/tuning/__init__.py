@@ -1,7 +1,8 @@
 """The tuning engine: what chooses, measures or replays collectives.
 
-`plan` (persistent plans: a call's schedule captured once, `capture`, and replayed), `auto` (the
-algorithm a call runs when the caller does not say), `costmodel` (the predictions `auto` ranks by),
+`plan` (persistent plans: a call's schedule captured once, `capture`, and replayed; `flightplan`
+notes their runs in the flight recorder), `auto` (the algorithm a call runs when the caller does
+not say), `costmodel` (the predictions `auto` ranks by),
 `measuring` and `firstuse` (the calibration of this machine), `verify` (a plan timing its
 candidates online). The collectives reach it only through `mpdl.collectives.hook`, where importing
 this package installs `ENGINE`.

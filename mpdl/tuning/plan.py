@@ -28,22 +28,21 @@ import threading
 import weakref
 from collections.abc import Callable
 from time import monotonic
-from time import time as _time
 from typing import Any
 
 import numpy as np
 
-from mpdl import backend, faults, memory, settings
+from mpdl import backend, memory, settings
 from mpdl.collectives import checks, registry, shm
 from mpdl.collectives.bruck import moving
 from mpdl.collectives.ops import reducer, segment_elements
 from mpdl.collectives.pairwise import partners
 from mpdl.collectives.scattered import THROTTLE
 from mpdl.comm import Communicator, Request, as_communicator, polling
-from mpdl.comm.flight import FlightEntry
 from mpdl.comm.mpi import MPIComm, free_before_finalize
 from mpdl.mpi_runtime import library_version
 from mpdl.tuning import capture, verify
+from mpdl.tuning.flightplan import FlightPlan, watched
 
 #: plans the ordinary calls keep (oldest dropped first), and the largest array they plan for: above
 #: it a call's Python overhead is lost in the transfer, and a plan would keep the array alive
@@ -60,47 +59,57 @@ ALLREDUCE_CACHE_MAX_BYTES = 64 << 20
 CACHE_BYTES = 1 << 30
 
 #: the plans of the ordinary calls, by signature (the allreduce key: `allreduce_key`)
-cache: dict[tuple, Plan] = {}
+cache: dict[tuple, Plan | FlightPlan] = {}
 
 
 class Plan:
-    """A collective prepared for fixed arrays: `start()`, then `wait()` for the result; `h()` does
-    both. `start(x)` / `h(x)` check that x is the array the plan was made for."""
+    """A collective prepared for fixed arrays: its schedule and its buffers. `start()`, then
+    `wait()` for the result; `h()` does both. `start(x)` / `h(x)` check that x is the array the
+    plan was made for. A plan whose communicator keeps a flight recorder comes wrapped in a
+    `FlightPlan` (`watched`), which notes its runs; a bare plan only runs."""
 
-    __slots__ = ("comm", "collective", "algorithm", "x", "result", "_name", "_signature", "_go",
-                 "_fast", "_finish", "_nbytes", "_dtype", "_op", "_shape", "_entry", "_started",
-                 "_rec", "_cell", "_slots", "_info", "_fault", "_requests", "_comm_arg", "_out",
-                 "trial", "__weakref__")
+    __slots__ = ("comm", "x", "result", "signature", "trial", "_name", "_schedule", "_finish",
+                 "_shape", "_dtype", "_started", "_held", "__weakref__")
 
-    def __init__(self, comm: Communicator, collective: str, algorithm: str, x: Any, result: Any,
-                 op: str | None, signature: tuple, go, finish, fast=None,
-                 requests: list | None = None, nbytes: int | None = None) -> None:
-        self.comm, self.collective, self.algorithm = comm, collective, algorithm
+    #: the flight recorder that notes the runs: none (`FlightPlan.flight` where one does)
+    flight = None
+
+    def __init__(self, comm: Communicator, x: Any, result: Any, signature: tuple, go, finish,
+                 fast=None, requests: list | None = None) -> None:
+        self.comm = comm
         #: the input array the plan was made for, and the array (or view) it returns
         self.x, self.result = x, result
-        self._name = f"{collective}/{algorithm}"
-        self._signature = signature
-        self._go, self._fast, self._finish = go, fast, finish
-        #: the bytes the flight recorder notes: those of the buffer the collective works on, as
-        #: for the one-shot call (all-gather: the whole result)
-        self._nbytes = x.nbytes if nbytes is None else nbytes
-        self._dtype, self._op, self._shape = x.dtype, op, x.shape
-        self._entry: list | None = None
+        #: the call it stands for (collective, algorithm, shape, dtype, op, root or count), which
+        #: the ranks compare under MPDL_CHECK
+        self.signature = signature
+        self._name = f"{signature[0]}/{signature[1]}"
+        #: (go, fast, requests): what a run does, the fast schedule where there is one, and the
+        #: persistent requests they hold
+        self._schedule = (go, fast, requests or [])
+        self._finish = finish
+        self._shape, self._dtype = x.shape, x.dtype
         self._started = False
-        self._rec: Any = None
-        self._cell: list[int] = [0]
-        self._slots: Any = None
-        self._info: tuple = ()
-        #: MPDL_FAULT is set: a planned call may be the one to skip
-        self._fault = comm.settings.fault is not None
-        self._requests = requests or []
-        #: the comm and out arguments of the ordinary call a cached plan stands for
-        self._comm_arg: Any = None
-        self._out: Any = None
+        #: the comm and out arguments of the ordinary call a cached plan stands for (kept alive:
+        #: the cache's key holds their ids)
+        self._held: tuple = (None, None)
         #: the verification of auto's choice on the first runs (mpdl.tuning.verify), if any
         self.trial: Any = None
-        if self._requests:
+        if requests:
             free_before_finalize(self)  # its persistent MPI requests
+
+    @property
+    def collective(self) -> str:
+        return self.signature[0]
+
+    @property
+    def algorithm(self) -> str:
+        return self.signature[1]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the buffer the collective works on, as for the one-shot call (all-gather:
+        the whole result)."""
+        return (self.result if self.collective == "allgather" else self.x).nbytes
 
     def __repr__(self) -> str:
         return (f"<Plan {self._name} of {self._shape} {self._dtype} over {self.comm.size} "
@@ -116,33 +125,6 @@ class Plan:
                              f"{self._shape} -> {x.shape}, {self._dtype} -> {x.dtype}); make a "
                              f"new plan")
 
-    def start(self, x: Any = None) -> Plan:
-        """Start the collective (hand-written algorithms run to the end here); returns the plan."""
-        if x is not None:
-            self._check_x(x)
-        if self._started:
-            raise RuntimeError(f"plan: {self._name} started again before wait()")
-        comm = self.comm
-        engine = comm._engine
-        if engine is not None and engine.busy() and threading.current_thread() is not engine.thread:
-            # asynchronous collectives are in flight: run behind them, in issue order
-            engine.submit(self._whole).wait()
-            self._entry = None
-        else:
-            self._begin()
-        self._started = True
-        return self
-
-    def wait(self) -> Any:
-        """Finish the collective started by `start()` and return its result."""
-        if not self._started:
-            raise RuntimeError(f"plan: {self._name} waited for before start()")
-        self._started = False
-        entry, self._entry = self._entry, None
-        if entry is not None:
-            entry.end, entry.state = _time(), "done"
-        return self.result if self._finish is None else self._finish()
-
     def __call__(self, x: Any = None) -> Any:
         """Run the collective once and return its result (`start` and `wait` in one)."""
         if x is not None and (x is not self.x or x.shape != self._shape):
@@ -152,108 +134,93 @@ class Plan:
         if self._started or comm.check or (engine is not None and engine._pending
                                            and threading.current_thread() is not engine.thread):
             return self.start().wait()
-        rec = comm.flight
-        if rec is None:
-            entry = None
-        else:
-            # the flight recorder's entry, written here rather than through rec.begin: a few
-            # stores instead of two calls
-            if rec is not self._rec:
-                self._bind(rec)
-            cell = self._cell
-            seq = cell[0]
-            if self._fault and faults.skips(comm.world_rank(comm.rank), seq):
-                return self.result if self._finish is None else self._finish()
-            cell[0] = seq + 1
-            entry = FlightEntry(seq, self._info, _time())
-            self._slots.append(entry)
-        self._run_noting(entry)
-        if entry is not None:
-            entry.end, entry.state = _time(), "done"
+        self._run()
         return self.result if self._finish is None else self._finish()
 
-    def _bind(self, rec: Any) -> None:
-        """Keep the recorder's counter of this communicator's group at hand."""
-        group = self.comm.flight_group()
-        self._rec, self._cell, self._slots = rec, rec.counter(group), rec.slots
-        self._info = (self.collective, self.algorithm, self._nbytes, self._dtype, self._op, group)
+    def start(self, x: Any = None) -> Plan:
+        """Start the collective (hand-written algorithms run to the end here); returns the plan."""
+        return self._start(x, self._begin)
 
-    def _whole(self) -> Any:
-        self._begin()
-        entry, self._entry = self._entry, None
-        if entry is not None:
-            entry.end, entry.state = _time(), "done"
+    def wait(self) -> Any:
+        """Finish the collective started by `start()` and return its result."""
+        if not self._started:
+            raise RuntimeError(f"plan: {self._name} waited for before start()")
+        self._started = False
+        return self._result()
+
+    def _start(self, x: Any, work: Callable[[], None]) -> Plan:
+        """`start`, running work (`_begin`, or a wrapper's around it): now, or behind the
+        asynchronous collectives in flight on the communicator, in issue order."""
+        if x is not None:
+            self._check_x(x)
+        if self._started:
+            raise RuntimeError(f"plan: {self._name} started again before wait()")
+        engine = self.comm._engine
+        if engine is not None and engine.busy() and threading.current_thread() is not engine.thread:
+            engine.submit(work).wait()
+        else:
+            work()
+        self._started = True
+        return self
 
     def _begin(self) -> None:
-        """Check (MPDL_CHECK), record and run the collective's body."""
+        self._agree()
+        self._run()
+
+    def _agree(self) -> None:
+        """Compare the call across the ranks first (MPDL_CHECK)."""
         comm = self.comm
         if comm.check:
-            checks.agree(comm, *self._signature)
-        rec, entry = comm.flight, None
-        if rec is not None:
-            if rec is not self._rec:
-                self._bind(rec)
-            if self._fault and faults.skips(comm.world_rank(comm.rank), self._cell[0]):
-                return
-            entry = rec.begin_counted(self._cell, self._info)
-        self._run_noting(entry)
-        self._entry = entry
+            checks.agree(comm, *self.signature)
 
-    def _run_noting(self, entry: FlightEntry | None) -> None:
-        """`_run_body`, marking the flight entry (if any) failed when it raises."""
-        try:
-            self._run_body()
-        except BaseException:
-            if entry is not None:
-                entry.end, entry.state = _time(), "failed"
-            raise
-
-    def _run_body(self) -> None:
+    def _run(self) -> None:
+        """Run the schedule once (the fast one, unless a message log or link emulation is
+        installed), named for timeouts."""
         comm = self.comm
         previous, comm.collective = comm.collective, self._name
         try:
-            fast = self._fast
+            go, fast, _ = self._schedule
             # (a fast schedule exists only on an MPIComm, which always has link_delay)
             if fast is not None and comm.message_log is None and comm.link_delay is None:
                 fast()
             else:
-                self._go()
+                go()
         finally:
             comm.collective = previous
+
+    def _result(self) -> Any:
+        return self.result if self._finish is None else self._finish()
 
     def schedule(self) -> tuple[Any, Any, list | None]:
         """(go, fast, requests): what a run does, the fast schedule where there is one, and the
         persistent requests they hold."""
-        return self._go, self._fast, self._requests
+        return self._schedule
 
     def switch(self, name: str, go: Callable[[], None], fast: Callable[[], None] | None) -> None:
         """Run the registered algorithm `name` from now on (`go`, or `fast` where it can):
         verification's verdict."""
-        self._go, self._fast = go, fast
-        self.algorithm, self._name = name, f"{self.collective}/{name}"
-        self._signature = (self.collective, name, *self._signature[2:])
-        self._rec = None  # the flight recorder's entries name the algorithm afresh
+        self._schedule = (go, fast, self._schedule[2])
+        self.signature = (self.signature[0], name, *self.signature[2:])
+        self._name = f"{self.collective}/{name}"
 
     def run_trial(self, trial: Any, requests: list) -> None:
         """Run `trial` (a `verify.Trial`) on the next runs, holding every contender's persistent
         `requests` until the plan is freed."""
-        self._go, self._fast, self.trial = trial.run, None, trial
-        if requests and not self._requests:
+        if requests and not self._schedule[2]:
             free_before_finalize(self)
-        self._requests = requests
+        self._schedule, self.trial = (trial.run, None, requests), trial
 
     def free(self) -> None:
         """Release the plan's persistent MPI requests (done at exit for plans still alive)."""
-        requests, self._requests = self._requests, []
-        self._fast = None
-        comm = self.comm
-        MPI = getattr(comm, "MPI", None)
+        requests = self._schedule[2]
+        self._schedule = (self._schedule[0], None, [])
+        MPI = getattr(self.comm, "MPI", None)
         if MPI is not None and not MPI.Is_finalized():
             for r in requests:
                 r.Free()
 
     def __del__(self) -> None:
-        if self._requests:
+        if self._schedule[2]:
             try:
                 self.free()
             except Exception:  # noqa: BLE001 - nothing to do about it at collection time
@@ -530,13 +497,13 @@ def _persistent_matches_blocking(MPI: Any) -> bool:
 
 
 def allreduce_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
-                   out: Any = None) -> Plan:
+                   out: Any = None) -> Plan | FlightPlan:
     """A plan of `allreduce(x, op, algorithm, comm, out)`: each run reduces x's current values
     into `plan.result` (out, or an array the plan allocates) and returns it. With algorithm
     "mpi" it is a persistent MPI_Allreduce_init, which every rank must plan and start alike, under
     MPICH; other libraries may reduce in another order in their persistent collectives than in
     MPI_Allreduce (Open MPI does, for float16), so there the plan makes the one-shot call."""
-    return _allreduce_plan(x, op, algorithm, comm, out, persistent=True)
+    return watched(_allreduce_plan(x, op, algorithm, comm, out, persistent=True))
 
 
 def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
@@ -560,8 +527,7 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
             return out
     else:
         finish = None
-    plan = Plan(c, "allreduce", algo.name, x, out, op, call.signature, go, finish, fast,
-                requests)
+    plan = Plan(c, x, out, call.signature, go, finish, fast, requests)
     if names is not None:
         _verifying(plan, names, lambda other: _allreduce_runner(call, other, persistent,
                                                                  TRIAL_COMPILED_AFTER), shared)
@@ -590,7 +556,7 @@ def _verifying(plan: Plan, names: tuple[str, ...],
         plan.switch(name, go, fast)
 
     # (the size auto chooses by: the whole array, or for all-gather the whole result)
-    trial = verify.Trial(c, collective, plan._nbytes, names, {n: runner(n) for n in names},
+    trial = verify.Trial(c, collective, plan.nbytes, names, {n: runner(n) for n in names},
                          settle, settings.current().verify_runs, shared)
     plan.run_trial(trial, requests)
 
@@ -633,11 +599,15 @@ def _allreduce_runner(call: checks.Call, algo: registry.Algorithm, persistent: b
 
 
 def reduce_scatter_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None,
-                        in_place: bool = False) -> Plan:
+                        in_place: bool = False) -> Plan | FlightPlan:
     """A plan of `reduce_scatter(x, op, algorithm, comm, in_place)`: each run returns this rank's
     block (a view of x with `in_place`, else a new array). With algorithm "auto" and the settings'
     verify_runs, the plan times auto's choice against every other candidate on its first runs
     (`mpdl.tuning.verify`)."""
+    return watched(_reduce_scatter_plan(x, op, algorithm, comm, in_place))
+
+
+def _reduce_scatter_plan(x: Any, op: str, algorithm: str, comm: Any, in_place: bool) -> Plan:
     call = checks.reduce_scatter_call(x, op, algorithm, comm, in_place, plan=True)
     c, algo, xp, bounds, dtype = call.comm, call.algorithm, call.xp, call.layout, x.dtype
     buf = x if in_place else backend.empty_half_page_in(max(x.size, 1), dtype, xp)[:x.size]
@@ -652,7 +622,7 @@ def reduce_scatter_init(x: Any, op: str = "sum", algorithm: str = "auto", comm: 
         return result
 
     go = _reduce_scatter_runner(call, algo, buf, in_place)[0]
-    plan = Plan(c, "reduce_scatter", algo.name, x, mine, op, call.signature, go, finish)
+    plan = Plan(c, x, mine, call.signature, go, finish)
     names = verify.candidates("reduce_scatter", x.nbytes, c) if algorithm == "auto" else None
     if names is not None:
         _verifying(plan, names, lambda other: _reduce_scatter_runner(call, other, buf, in_place))
@@ -676,15 +646,18 @@ def _reduce_scatter_runner(call: checks.Call, algo: registry.Algorithm, buf: Any
 
 
 def allgather_init(x: Any, algorithm: str = "auto", comm: Any = None, count: int | None = None,
-                   out: Any = None) -> Plan:
+                   out: Any = None) -> Plan | FlightPlan:
     """A plan of `allgather(x, algorithm, comm, count, out)`: each run gathers x's current values
     into `plan.result` (out, or an array the plan allocates) and returns it. With algorithm "auto"
     and the settings' verify_runs, the plan times auto's choice against every other candidate on
     its first runs (`mpdl.tuning.verify`)."""
+    return watched(_allgather_plan(x, algorithm, comm, count, out))
+
+
+def _allgather_plan(x: Any, algorithm: str, comm: Any, count: int | None, out: Any) -> Plan:
     call = checks.allgather_call(x, algorithm, comm, count, out, plan=True)
     c, algo, result = call.comm, call.algorithm, call.out
-    plan = Plan(c, "allgather", algo.name, x, result, None, call.signature,
-                _allgather_runner(call, algo)[0], None, nbytes=result.nbytes)
+    plan = Plan(c, x, result, call.signature, _allgather_runner(call, algo)[0], None)
     names = verify.candidates("allgather", result.nbytes, c) if algorithm == "auto" else None
     if names is not None:
         _verifying(plan, names, lambda other: _allgather_runner(call, other))
@@ -704,12 +677,13 @@ def _allgather_runner(call: checks.Call, algo: registry.Algorithm) -> tuple[Any,
     return go, None, None
 
 
-def alltoall_init(x: Any, comm: Any = None, algorithm: str = "auto", out: Any = None) -> Plan:
+def alltoall_init(x: Any, comm: Any = None, algorithm: str = "auto",
+                  out: Any = None) -> Plan | FlightPlan:
     """A plan of `alltoall(x, comm, algorithm, out)`: each run exchanges x's current blocks into
     `plan.result` (out, or an array the plan allocates; `out is x` in place) and returns it. With
     algorithm "mpi" it is a persistent MPI_Alltoall_init where the library has one (every rank
     must then plan and start it alike)."""
-    return _alltoall_plan(x, comm, algorithm, out, persistent=True)
+    return watched(_alltoall_plan(x, comm, algorithm, out, persistent=True))
 
 
 def _alltoall_plan(x: Any, comm: Any, algorithm: str, out: Any, persistent: bool) -> Plan:
@@ -742,8 +716,7 @@ def _alltoall_plan(x: Any, comm: Any, algorithm: str, out: Any, persistent: bool
             fast, requests = _bruck_alltoall_fast(c, flat, send, block)
         if fast is not None and refresh is not None:
             fast = _after(refresh, fast)
-    return Plan(c, "alltoall", algo.name, x, out, None, call.signature, go, None, fast,
-                requests)
+    return Plan(c, x, out, call.signature, go, None, fast, requests)
 
 
 def _after(first: Callable[[], Any], then: Callable[[], None]) -> Callable[[], None]:
@@ -858,8 +831,10 @@ def _cached(key: tuple, x: Any, out: Any, comm: Any, make: Callable, *arguments:
     one-shot call."""
     plan = cache.get(key)
     if plan is not None:
-        if plan.x is x and plan._out is out and plan._comm_arg is comm and \
+        if plan.x is x and plan._held[1] is out and plan._held[0] is comm and \
                 x.shape == plan._shape and x.dtype is plan._dtype:
+            if plan.flight is not plan.comm.flight:
+                plan = cache[key] = watched(plan)
             return plan
         cache.pop(key, None)
     limit = CACHE_MAX_BYTES if max_bytes is None else max_bytes
@@ -876,17 +851,17 @@ def _cached(key: tuple, x: Any, out: Any, comm: Any, make: Callable, *arguments:
         return None
     _seen.pop(key, None)
     plan = make(*arguments)
-    plan._comm_arg, plan._out = comm, out
+    plan._held = (comm, out)
     _evict(cache)
     _evict_bytes(cache, plan)
-    cache[key] = plan
+    plan = cache[key] = watched(plan)
     return plan
 
 
 def _kept_bytes(plans: list[Any]) -> int:
     """The bytes of the distinct arrays the plans keep alive (each one's x and out; plans of one
     x, as a sweep's over several algorithms, keep it once)."""
-    arrays = {id(a): a.nbytes for p in plans for a in (p.x, p._out) if a is not None}
+    arrays = {id(a): a.nbytes for p in plans for a in (p.x, p._held[1]) if a is not None}
     return sum(arrays.values())
 
 
@@ -921,26 +896,26 @@ def allreduce_key(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> tuple
     return (id(x), id(out), id(comm), op, algorithm)
 
 
-def cached_allreduce(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
+def cached_allreduce(x: Any, op: Any, algorithm: Any, comm: Any, out: Any) -> Plan | FlightPlan | None:
     """The cached plan of `allreduce(x, op, algorithm, comm, out)` (out given), or None."""
     return _cached(allreduce_key(x, op, algorithm, comm, out), x, out, comm, _allreduce_plan, x,
                    op, algorithm, comm, out, False, max_bytes=ALLREDUCE_CACHE_MAX_BYTES)
 
 
 def cached_reduce_scatter(x: Any, op: Any, algorithm: Any, comm: Any,
-                          in_place: bool) -> Plan | None:
+                          in_place: bool) -> Plan | FlightPlan | None:
     """The cached plan of `reduce_scatter(x, op, algorithm, comm, in_place)`, or None."""
     return _cached(("reduce_scatter", id(x), id(comm), op, algorithm, bool(in_place)), x, None,
-                   comm, reduce_scatter_init, x, op, algorithm, comm, in_place)
+                   comm, _reduce_scatter_plan, x, op, algorithm, comm, in_place)
 
 
-def cached_allgather(x: Any, algorithm: Any, comm: Any, count: Any, out: Any) -> Plan | None:
+def cached_allgather(x: Any, algorithm: Any, comm: Any, count: Any, out: Any) -> Plan | FlightPlan | None:
     """The cached plan of `allgather(x, algorithm, comm, count, out)` (out given), or None."""
     return _cached(("allgather", id(x), id(out), id(comm), algorithm, count), x, out, comm,
-                   allgather_init, x, algorithm, comm, count, out)
+                   _allgather_plan, x, algorithm, comm, count, out)
 
 
-def cached_alltoall(x: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
+def cached_alltoall(x: Any, algorithm: Any, comm: Any, out: Any) -> Plan | FlightPlan | None:
     """The cached plan of `alltoall(x, comm, algorithm, out)` (out given), or None."""
     return _cached(("alltoall", id(x), id(out), id(comm), algorithm), x, out, comm,
                    _alltoall_plan, x, comm, algorithm, out, False)
@@ -950,7 +925,7 @@ def cached_alltoall(x: Any, algorithm: Any, comm: Any, out: Any) -> Plan | None:
 #: each with its input array; shapes met once (a plan is made at the second call of a shape); and
 #: the largest input they are kept for: above it the copies in and out cost more than they save
 #: (docs/results/auto.md#one-shot-all-to-all-plans)
-shaped: dict[tuple, tuple[Plan, np.ndarray]] = {}
+shaped: dict[tuple, tuple[Plan | FlightPlan, np.ndarray]] = {}
 _shapes_seen: dict[tuple, None] = {}
 SHAPED_MAX_BYTES = 256 << 10
 
@@ -976,10 +951,13 @@ def shaped_alltoall(x: Any, comm: Any, algorithm: Any) -> Any:
             return None
         del _shapes_seen[key]
         source = np.empty(x.shape, x.dtype)
-        entry = _alltoall_plan(source, c, algorithm, np.empty_like(source), False), source
+        entry = watched(_alltoall_plan(source, c, algorithm, np.empty_like(source), False)), source
         _evict(shaped)
         shaped[key] = entry
     plan, source = entry
+    if plan.flight is not c.flight:
+        plan = watched(plan)
+        shaped[key] = plan, source
     np.copyto(source, x)
     return plan().copy()
 

@@ -11,6 +11,7 @@ from mpdl import collectives as C
 from mpdl import tuning as T
 from mpdl.comm import CollectiveTimeout, MPIComm, as_communicator
 from mpdl.tuning import plan as plans
+from mpdl.tuning.flightplan import FlightPlan
 
 pytestmark = pytest.mark.mpi
 
@@ -150,6 +151,37 @@ def test_the_flight_recorder_keeps_planned_calls():
         assert (r["collective"], r["algorithm"], r["bytes"], r["dtype"], r["op"], r["state"]) == \
             ("allreduce", "recursive_doubling", 24, "float32", "max", "done")
         assert r["peers"] == tuple(range(P)) and r["end"] >= r["start"]
+
+
+def test_one_shot_planned_and_cached_calls_write_the_same_entries():
+    """allreduce(out=) and alltoall: the one-shot call, then a plan made, then the cached plan
+    (FlightPlans over MPI's fast schedules); plans made while the recorder is off run bare."""
+    comm = as_communicator(None)
+    recorder = comm.flight
+    if recorder is None:
+        pytest.skip("the flight recorder is off")
+    group = comm.flight_group()
+    y, o, a = np.arange(7.0), np.empty(7), np.ones((P, 3), np.float32)
+    first = recorder.next_seq(group)
+    for _ in range(3):
+        C.allreduce(y, algorithm="ring", out=o)
+    for _ in range(3):
+        C.alltoall(a, algorithm="pairwise")
+    records = recorder.records()[-6:]
+    assert [r["seq"] for r in records] == list(range(first, first + 6))
+    assert [(r["collective"], r["algorithm"], r["bytes"], r["dtype"], r["op"], r["state"])
+            for r in records] == [("allreduce", "ring", 56, "float64", "sum", "done")] * 3 + \
+        [("alltoall", "pairwise", 12 * P, "float32", None, "done")] * 3
+    assert type(plans.cache[plans.allreduce_key(y, "sum", "ring", None, o)]) is FlightPlan
+    wrapped = T.allreduce_init(y, algorithm="recursive_doubling", out=np.empty_like(y))
+    comm.flight = None
+    try:
+        bare = T.allreduce_init(y, algorithm="recursive_doubling", out=np.empty_like(y))
+    finally:
+        comm.flight = recorder
+    assert type(wrapped) is FlightPlan and type(bare) is plans.Plan
+    assert wrapped().tobytes() == bare().tobytes() == (y * P).tobytes()
+    assert recorder.next_seq(group) == first + 7  # the bare plan's run took no number
 
 
 # -- persistent point-to-point requests --------------------------------------------------------
