@@ -11,7 +11,7 @@ import pytest
 from mpdl.autograd import nn, optim
 from mpdl.models.gpt import GPT
 from mpdl.parallel import DistributedDataParallel, buckets
-from mpdl.parallel.buckets import MB, Layout, by_size
+from mpdl.parallel.buckets import MB, FlatLayout, by_size
 from mpdl.parallel.zero import ZeroStrategy
 from mpdl.threadworld import run_world
 
@@ -19,7 +19,7 @@ DTYPES = (np.float16, np.float32, np.float64)
 
 
 class Param:
-    """A stand-in parameter: by_size and Layout read only `.data`."""
+    """A stand-in parameter: by_size and FlatLayout read only `.data`."""
 
     def __init__(self, shape: tuple[int, ...], dtype) -> None:
         self.data = np.zeros(shape, dtype=dtype)
@@ -87,7 +87,7 @@ def test_layout_lays_the_parameters_back_to_back(seed):
     for _ in range(50):
         dtype = DTYPES[rng.integers(3)]
         params = [p for p in random_params(rng) if p.data.dtype == dtype] or [Param((2,), dtype)]
-        layout = Layout(params)
+        layout = FlatLayout(params)
         sizes = [p.data.size for p in params]
         assert layout.offsets == [sum(sizes[:i]) for i in range(len(params))]
         assert layout.count == sum(sizes)

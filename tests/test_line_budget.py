@@ -59,8 +59,8 @@ def test_docs_pages_short_but_the_journal():
     assert not long, f"docs pages over {PAGE_CAP} lines (measurements go to docs/results/): {long}"
 
 
-#: the concept pages, each the idea, a figure, the code path, the formula and the check: short
-#: enough to read in one sitting (the reference sections below them included)
+#: the concept pages, each the idea, a figure, the code path (links into mpdl/), the formula and
+#: the check (links into tests/): short enough to read in one sitting
 CONCEPT_PAGES = ("collectives", "autograd", "data_parallel", "zero", "pipeline", "context_parallel",
                  "moe", "memory", "precision", "inference", "simulate")
 CONCEPT_CAP = 250
@@ -72,6 +72,10 @@ def test_concept_pages_teach_in_five_parts_and_stay_short():
     for name in CONCEPT_PAGES:
         text = (ROOT / "docs" / f"{name}.md").read_text()
         wrong += [f"{name}.md lacks {part!r}" for part in TEACHING_PARTS if part not in text]
+        for part, names in (("## The code path", "../mpdl/"), ("## The check", "../tests/")):
+            section = text.split(part + "\n", 1)[-1].split("\n## ", 1)[0]
+            if part in text and names not in section:
+                wrong.append(f"{name}.md: {part!r} links no file of {names[3:]}")
         if (n := len(text.splitlines())) > CONCEPT_CAP:
             wrong.append(f"{name}.md has {n} lines, over {CONCEPT_CAP}")
     assert not wrong, "; ".join(wrong)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpdl.inference.engine import Engine, Params
+from mpdl.inference.engine import Engine, SamplingParams
 from mpdl.inference.inference import Decoder
 from mpdl.inference.paged import PagePool, forward, last_positions
 from mpdl.inference.serving import generate_replica
@@ -59,10 +59,10 @@ def test_pages_are_shared_by_prefix_and_freed_by_reference_count(gpt):
     pool = pool_for(decoder, 12)
     engine = Engine(decoder, pool, VOCAB)
     prompt = [VOCAB.index(c) for c in "the cat sat on"]  # 14 tokens: 3 whole pages of 4
-    engine.add("a", prompt, Params(max_tokens=5, temperature=0))
+    engine.add("a", prompt, SamplingParams(max_tokens=5, temperature=0))
     engine.step()  # a's prompt computed and its pages registered
     assert pool.in_use == 4
-    engine.add("b", prompt[:13] + [VOCAB.index("x")], Params(max_tokens=2, temperature=0))
+    engine.add("b", prompt[:13] + [VOCAB.index("x")], SamplingParams(max_tokens=2, temperature=0))
     engine.step()
     b = next(s for s in engine.running if s.rid == "b")
     a = next(s for s in engine.running if s.rid == "a")
@@ -74,7 +74,7 @@ def test_pages_are_shared_by_prefix_and_freed_by_reference_count(gpt):
     assert pool.in_use == 0 and not pool.shared
 
 
-def texts_of_generate(gpt, prompts, params: Params) -> list[str]:
+def texts_of_generate(gpt, prompts, params: SamplingParams) -> list[str]:
     top_k = 1 if params.temperature == 0 else params.top_k
     out = []
     for p in prompts:  # one at a time: prompt 0's generator (seed, 0), as the engine's
@@ -87,8 +87,8 @@ def texts_of_generate(gpt, prompts, params: Params) -> list[str]:
 @pytest.mark.parametrize("mode", ["greedy", "sampled", "tight pool", "static", "contiguous"])
 def test_each_sequence_gets_generates_text_whatever_runs_beside_it(gpt, mode):
     prompts = ["the cat", "a", "on the mat sat a dog", "the cat sat", "zz top", "the"]
-    params = Params(max_tokens=30, temperature=0) if mode != "sampled" else \
-        Params(max_tokens=30, temperature=0.8, top_k=5, seed=4)
+    params = SamplingParams(max_tokens=30, temperature=0) if mode != "sampled" else \
+        SamplingParams(max_tokens=30, temperature=0.8, top_k=5, seed=4)
     want = texts_of_generate(gpt, prompts, params)
     decoder = Decoder(gpt)
     pages = 14 if mode == "tight pool" else 64
@@ -109,7 +109,7 @@ def test_each_sequence_gets_generates_text_whatever_runs_beside_it(gpt, mode):
 
 def test_a_sequence_preempted_when_pages_run_out_is_computed_again_to_the_same_text(gpt):
     prompts = ["the cat sat", "on the mat", "a dog"]
-    params = Params(max_tokens=12, temperature=0)
+    params = SamplingParams(max_tokens=12, temperature=0)
     want = texts_of_generate(gpt, prompts, params)
     decoder = Decoder(gpt)
     engine = Engine(decoder, pool_for(decoder, 30), VOCAB)

@@ -13,6 +13,7 @@ for the papers' figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from dataclasses import replace
 from typing import Any
@@ -135,8 +136,8 @@ def _shape(args: argparse.Namespace) -> L.Shape:
             raise UsageError(f"--model-shape: expected one of {', '.join(L.SHAPES)}, got "
                              f"{args.model_shape!r}")
         known = L.SHAPES[args.model_shape]
-        fields = {f: getattr(known, f) for f in (*SHAPE_FLAGS, *OPTIONAL_SHAPE_FLAGS.values(),
-                                                 "gated")}
+        fields = {f.name: getattr(known, f.name) for f in dataclasses.fields(known)
+                  if f.name != "name"}
         name = args.model_shape
     else:
         missing = [f"--{k}" for k in SHAPE_FLAGS if k not in given]

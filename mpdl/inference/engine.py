@@ -47,7 +47,7 @@ from mpdl.parallel.grid import ProcessGrid
 
 
 @dataclass
-class Params:
+class SamplingParams:
     """How a request samples: max_tokens new tokens at temperature (0: greedy), among the top_k
     most likely, within top_p of the probability; stop strings; a seed."""
 
@@ -66,7 +66,7 @@ class Seq:
 
     rid: Any
     prompt: list[int]
-    params: Params
+    params: SamplingParams
     tokens: list[int] = field(default_factory=list)
     table: list[int] = field(default_factory=list)
     computed: int = 0
@@ -125,7 +125,7 @@ class Engine:
         self.steps = 0
 
     # -- requests ------------------------------------------------------------------------------
-    def add(self, rid: Any, prompt: list[int], params: Params) -> None:
+    def add(self, rid: Any, prompt: list[int], params: SamplingParams) -> None:
         self.waiting.append(Seq(rid, prompt, params))
 
     def cancel(self, rid: Any) -> None:
@@ -278,7 +278,7 @@ class Engine:
         return s, piece
 
 
-def next_token(logits: np.ndarray, params: Params, rng: np.random.Generator) -> int:
+def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """One token from a row of logits: greedy at temperature 0 or top_k 1, else `mpdl generate`'s
     draw, restricted to the smallest set of tokens holding top_p of the probability when
     top_p < 1."""

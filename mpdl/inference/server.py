@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from mpdl.inference.engine import Engine, Params
+from mpdl.inference.engine import Engine, SamplingParams
 from mpdl.inference.generation import check_prompt
 
 _TAG = 52
@@ -42,7 +42,7 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def parse_request(body: Any, vocab: str, block_size: int) -> tuple[list[int], Params, bool]:
+def parse_request(body: Any, vocab: str, block_size: int) -> tuple[list[int], SamplingParams, bool]:
     """The prompt's token ids, the sampling parameters and whether to stream, from a
     /v1/completions body; BadRequest naming the first field that is wrong."""
     if not isinstance(body, dict):
@@ -89,7 +89,7 @@ def parse_request(body: Any, vocab: str, block_size: int) -> tuple[list[int], Pa
     if not isinstance(stream, bool):
         raise BadRequest("stream", f"stream: expected true or false, got {stream!r}")
     ids = [vocab.index(ch) for ch in prompt]
-    return ids, Params(max_tokens, temperature, top_k, top_p, tuple(stop), seed), stream
+    return ids, SamplingParams(max_tokens, temperature, top_k, top_p, tuple(stop), seed), stream
 
 
 class Metrics:
@@ -132,7 +132,7 @@ class Frontend:
         self.ids = itertools.count()
         self.running = True
 
-    def submit(self, prompt: list[int], params: Params, loop: asyncio.AbstractEventLoop
+    def submit(self, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop
                ) -> tuple[int, asyncio.Queue]:
         rid, events = next(self.ids), asyncio.Queue()
         self.streams[rid] = (loop, events, [time.perf_counter()])

@@ -17,7 +17,7 @@ bucket takes parameters until the next would take it past its cap:
 - The first bucket has its own cap, small, so that its collective starts early in backward.
 - A parameter is never split: one larger than the cap gets a bucket of its own.
 
-`Layout` says where each parameter lies in its bucket's flat buffer.
+`FlatLayout` says where each parameter lies in its bucket's flat buffer.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def by_size(params: Sequence[Any], cap: float, first_cap: float) -> list[list[An
     return buckets
 
 
-class Layout:
+class FlatLayout:
     """Where each of `params` lies in one flat buffer holding their elements back to back, in
     order: parameter i at elements [offsets[i], offsets[i] + its size), `count` in all."""
 

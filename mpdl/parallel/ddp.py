@@ -47,12 +47,12 @@ from mpdl.collectives.registry import resolve
 from mpdl.comm import Communicator, as_communicator
 from mpdl.comm.handles import Handle, engine_for, run_in_order
 from mpdl.parallel import buckets, flat
-from mpdl.parallel.buckets import MB, Layout
+from mpdl.parallel.buckets import MB, FlatLayout
 from mpdl.parallel.compression import GradientCompression, make_compression
 from mpdl.tuning import Plan, allreduce_init
 
 
-class Bucket(Layout):
+class Bucket(FlatLayout):
     """A flat gradient buffer for a run of parameters of one dtype and array module (a bucket of
     `mpdl.parallel.buckets.by_size`)."""
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from mpdl.backend import get_array_module
 from mpdl.collectives import broadcast
-from mpdl.parallel.buckets import Layout
+from mpdl.parallel.buckets import FlatLayout
 
 
 def by_kind(tensors: Iterable[Any]) -> list[list[Any]]:
@@ -33,7 +33,7 @@ def pack(arrays: Sequence[Any]) -> Any:
 
 def unpack(flat: Any, tensors: Sequence[Any]) -> list[Any]:
     """Views of `flat` shaped like each tensor's `.data`: the inverse of `pack`."""
-    return Layout(tensors).views(flat)
+    return FlatLayout(tensors).views(flat)
 
 
 def broadcast_model(model: Any, comm: Any) -> None:

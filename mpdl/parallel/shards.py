@@ -27,7 +27,7 @@ from mpdl.collectives import allgather, allreduce
 from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator
 from mpdl.comm.handles import Handle
-from mpdl.parallel.buckets import Layout
+from mpdl.parallel.buckets import FlatLayout
 from mpdl.tuning import Plan
 
 
@@ -44,7 +44,7 @@ def placeholder(p: Any) -> Any:
     return xp.broadcast_to(xp.full((), np.nan, dtype=p.data.dtype), p.shape)
 
 
-class Unit(Layout):
+class Unit(FlatLayout):
     """A run of parameters of one dtype, flattened and split over `size` ranks; this rank owns
     elements [lo, hi) of the flat buffer."""
 

@@ -104,6 +104,8 @@ class Layer:
     #: width, heads × head width (0: hidden)
     shared: int = 0
     core: int = 0
+    #: bytes a FP8 recipe moves per element of each weight GEMM's operand to scale and cast it
+    cast_bytes: float = 0.0
 
     @property
     def tokens(self) -> float:
@@ -145,16 +147,13 @@ def _with_backward(m: float, n: float, k: float, gpu: Gpu, nbytes: float, batch:
     return forward, backward
 
 
-#: η of FP8 GEMMs: DeepGEMM's README (2025-04-18) reports up to 1,550 TFLOP/s of FP8 GEMM on
-#: H800, whose tensor cores are the H100's (1,979 TFLOP/s dense FP8): a best case, not per shape
-FP8_EFFICIENCY = 1550 / 1979
-
-
 def fp8_view(gpu: Gpu) -> Gpu:
-    """The GPU as its FP8 GEMMs see it: the FP8 peak at `FP8_EFFICIENCY`."""
+    """The GPU as its FP8 GEMMs see it: the FP8 peak at the GPU's own η (torchao's float8
+    roofline takes one achievable share of peak a GPU for both; DeepGEMM's 1,550 TFLOP/s of FP8
+    GEMM on H800, 0.78 of the H100's 1,979, lies within 7% of the H100's η)."""
     if not gpu.fp8_flops:
         raise ValueError(f"--precision: fp8 needs a GPU with FP8 tensor cores, {gpu.name} has none")
-    return replace(gpu, peak_flops=gpu.fp8_flops, gemm_efficiency=FP8_EFFICIENCY)
+    return replace(gpu, peak_flops=gpu.fp8_flops)
 
 
 def linear_seconds(layer: Layer, gpu: Gpu) -> tuple[float, float]:
@@ -177,6 +176,9 @@ def linear_seconds(layer: Layer, gpu: Gpu) -> tuple[float, float]:
     for m, n, k, batch in gemms:
         f, b = _with_backward(m, n, k, gpu, nbytes, batch)
         fwd, bwd = fwd + f, bwd + b
+    if layer.fp8:  # the input, the weight and the output's gradient scaled and cast, each once
+        cast = sum(batch * (m * k + k * n + m * n) for m, n, k, batch in gemms)
+        bwd += layer.cast_bytes * cast / gpu.memory_bandwidth
     return fwd, bwd
 
 

@@ -283,6 +283,8 @@ class Precision:
     activation: int
     fp8_gemms: bool = False
     zero3_gather: float = 0
+    #: bytes moved per element of a weight GEMM's operand to scale and cast it to FP8
+    cast_bytes: float = 0
 
     def gathered(self, zero: int) -> float:
         """Bytes per parameter an all-gather of the parameters moves under ZeRO stage `zero`."""
@@ -295,13 +297,25 @@ PRECISIONS = {
     # gradients, the optimizer and the activations kept between layers stay as bf16's. ZeRO-3
     # gathers the weights already cast to FP8 (torchao's float8 all-gather for FSDP2: one byte a
     # parameter, one float32 scale a tensor)
+    # a cast reads the bf16 operand twice (its amax, then the cast) and writes it in FP8 along
+    # each of its two dimensions (torchao's float8 roofline, tensorwise: 2 + 2 + 2·1 bytes)
     "fp8": Precision("fp8 GEMMs, otherwise bf16 with float32 master weights and Adam (K=12)",
-                     2, 2, 12, 2, True, zero3_gather=1),
+                     2, 2, 12, 2, True, zero3_gather=1, cast_bytes=6),
+    # MXFP8 (OCP microscaling, one 1-byte scale a block of 32): two casts of an operand, each
+    # reading bf16 and writing FP8 and its scales (torchao's roofline of mxfp8_cublas); the
+    # collectives stay bf16 (TorchTitan's mxfp8.md)
+    "mxfp8": Precision("mxfp8 GEMMs, otherwise bf16 with float32 master weights and Adam (K=12)",
+                       2, 2, 12, 2, True, cast_bytes=2 * (2 + 1 + 1 / 32)),
     "bf16": Precision("bf16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
     "fp16": Precision("fp16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
     "fp32": Precision("float32 Adam", 4, 4, 8, 4),
 }
 
+
+#: η of Blackwell GPUs: torchao's float8 roofline (pytorch/ao,
+#: torchao/testing/training/roofline_utils.py) measured 0.82 of peak for GEMMs on a B300, whose
+#: bf16 and FP8 peaks are the B200's (its B200 entry copies the H100's, unmeasured)
+BLACKWELL_ETA = 0.82
 
 GPUS = {
     "v100-32gb": Gpu("v100-32gb", 125e12, 32 * GB, 900e9, 80, 0.3890,
@@ -318,27 +332,27 @@ GPUS = {
                      "H100 SXM5 data sheet: 989 TFLOP/s dense bf16 tensor cores, 3.35 TB/s HBM3, "
                      "132 SMs; eta from Megatron-LM's README, H100 model table: the 1.7B GPT, "
                      "(t, p, d) = (1, 1, 48), 408.8 TFLOP/s", fp8_flops=1979e12),
-    "h800": Gpu("h800", 989e12, 80 * GB, 3350e9, 132, 0.7699,
+    "h800": Gpu("h800", 989e12, 80 * GB, 3350e9, 132, 0.7269,
                 "H800 SXM5 data sheet (nvidia.com, H800 Tensor Core GPU): the H100 SXM5's die and "
                 "tensor cores (989 TFLOP/s dense bf16, 1,979 FP8, 80 GB HBM3 at 3.35 TB/s, 132 "
                 "SMs) with NVLink cut to 400 GB/s both ways; eta as h100-80gb's (the same "
                 "tensor cores)", fp8_flops=1979e12, nvlink_domain=8),
-    # eta of the three below: H100's, assumed (no published one-GPU GEMM rate to source it from)
+    # eta: H100's (the same die)
     "h200": Gpu("h200", 989e12, 141 * GB, 4800e9, 132, 0.7269,
                       "H200 SXM data sheet (nvidia.com/h200): 1,979 TFLOP/s bf16 and 3,958 FP8 "
                       "with sparsity (989 and 1,979 dense), 141 GB HBM3e at 4.8 TB/s, NVLink 900 "
                       "GB/s both ways, 8 on an HGX board; the H100's die (132 SMs), eta as h100",
                       fp8_flops=1979e12, nvlink_domain=8),
-    "b200": Gpu("b200", 2250e12, 180 * GB, 8000e9, 148, 0.7269,
+    "b200": Gpu("b200", 2250e12, 180 * GB, 8000e9, 148, BLACKWELL_ETA,
                       "DGX B200 data sheet (nvidia.com/dgx-b200): 8 GPUs, 1,440 GB HBM3e at 64 "
                       "TB/s, 72 PFLOP/s FP8 training with sparsity (4.5 dense a GPU; bf16 half: "
-                      "2.25), NVLink 14.4 TB/s (1.8 TB/s a GPU both ways); 148 SMs; eta of h100 "
-                      "assumed", fp8_flops=4500e12, nvlink_domain=8),
-    "gb200": Gpu("gb200", 2500e12, 186 * GB, 8000e9, 148, 0.7269,
+                      "2.25), NVLink 14.4 TB/s (1.8 TB/s a GPU both ways); 148 SMs; eta: "
+                      "torchao's measured B300 GEMM share (0.82)", fp8_flops=4500e12, nvlink_domain=8),
+    "gb200": Gpu("gb200", 2500e12, 186 * GB, 8000e9, 148, BLACKWELL_ETA,
                  "GB200 NVL72 data sheet (nvidia.com/gb200-nvl72): 72 Blackwell GPUs on one NVLink "
                  "domain, 360 PFLOP/s bf16 and 720 FP8 with sparsity (2.5 and 5 dense a GPU), up "
                  "to 13.4 TB HBM3e (186 GB a GPU) at 576 TB/s (8 TB/s a GPU), NVLink 130 TB/s "
-                 "(1.8 TB/s a GPU both ways); 148 SMs; eta of h100 assumed",
+                 "(1.8 TB/s a GPU both ways); 148 SMs; eta: torchao's measured B300 GEMM share (0.82)",
                  fp8_flops=5000e12, nvlink_domain=72),
 }
 
@@ -672,7 +686,8 @@ def layer_work(shape: Shape, layout: Layout, precision: Precision, moe: bool = F
                    shape.d_kv, shape.d_ff if moe else shape.dense_ffn_width, shape.gated,
                    shape.family, layout.tp, layout.sp, layout.recompute, precision.activation,
                    shape.experts if moe else 0, shape.top_k, layout.capacity_factor, layout.ep,
-                   precision.fp8_gemms, shape.shared_experts if moe else 0, shape.core_width)
+                   precision.fp8_gemms, shape.shared_experts if moe else 0, shape.core_width,
+                   precision.cast_bytes)
 
 
 def compute_parts(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu

@@ -248,6 +248,7 @@ def rows(search: bool = True) -> list[dict[str, Any]]:
     out += mcore_rows()
     out += torchtitan_rows()
     out += deepseek_rows()
+    out += fp8_rows()
     out.append(llama3_goodput_row())
     # Mikami et al.'s cluster and all-reduce, MXNet's V100 rate, 40 images per GPU
     r = S.predict_published(YAMAZAKI)
@@ -449,4 +450,34 @@ def torchtitan_rows() -> list[dict[str, Any]]:
                     "ratio of throughputs", BAND, layout=layout.label(),
                     source="https://github.com/pytorch/torchtitan/issues/773: 512 H100, 1F1B "
                            "26.52% MFU, Interleaved1F1B 33.88%"))
+    return out
+
+
+#: torchao's float8 and MXFP8 training benchmarks (pytorch/ao, docs/source/workflows/training.md,
+#: "e2e training benchmarks"; TorchTitan's mxfp8.md prints the B200 table): Llama3-8B on one node
+#: of 8 GPUs, FSDP2, one sequence of 8192 a GPU, per-op selective recomputation, torch.compile;
+#: (GPU, network, recipe, bf16 tokens/s, the recipe's tokens/s, what the row says)
+TORCHAO_FP8 = (("h100-80gb", "grand-teton", "fp8", 6150.0, 7689.5,
+                "H100: tensorwise float8 with float8 all-gather"),
+               ("b200", "hgx-b200", "fp8", 8307.5, 10417.0,
+                "power-limited B200: tensorwise float8 with float8 all-gather"),
+               ("b200", "hgx-b200", "mxfp8", 8307.5, 9969.0,
+                "power-limited B200: mxfp8_cublas"))
+
+
+def fp8_rows() -> list[dict[str, Any]]:
+    """FP8 and MXFP8 training's speedup over bf16 on one node: the ratio of two runs on the same
+    GPUs (the B200s' power limit, which the model does not know, slows both)."""
+    shape = L.SHAPES["llama3-8b"]
+    layout = L.Layout(dp=8, zero=3, recompute="selective", gather_overlap=True)
+    out = []
+    for gpu, net_name, recipe, bf16, figure, what in TORCHAO_FP8:
+        net = NETWORKS[net_name]
+        rate = {p: L.evaluate(shape, layout, L.PRECISIONS[p], L.GPUS[gpu], net.params,
+                              net.per_node)["tokens_per_s"] for p in ("bf16", recipe)}
+        out.append(_row(f"torchao Llama3-8B on 8 {gpu}: {recipe} over bf16", figure / bf16,
+                        rate[recipe] / rate["bf16"], "ratio of throughputs", BAND,
+                        layout=layout.label(),
+                        source=f"pytorch/ao docs/source/workflows/training.md, e2e training "
+                               f"benchmarks, {what}: {figure:g} against {bf16:g} tokens/s"))
     return out

@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from mpdl.comm import as_communicator
-from mpdl.inference.engine import Params, replica_engine
+from mpdl.inference.engine import SamplingParams, replica_engine
 from mpdl.inference.inference import Decoder
 from mpdl.inference.serving import generate_replica
 from mpdl.models.gpt import GPT
@@ -29,7 +29,8 @@ def test_engine_on_every_layout_gives_one_process_texts():
         p.data[...] = rng.normal(0, 1.0 if "embedding" in name else 0.3, p.shape)
     gpt.eval()
     prompts = ["the cat", "a", "on the mat sat", "dog", "zz"]
-    params = [Params(max_tokens=20, temperature=0), Params(max_tokens=9, temperature=0.7, seed=3)]
+    params = [SamplingParams(max_tokens=20, temperature=0),
+              SamplingParams(max_tokens=9, temperature=0.7, seed=3)]
     want = []
     for i, p in enumerate(prompts):
         q = params[i % 2]
