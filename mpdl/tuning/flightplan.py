@@ -35,6 +35,8 @@ class FlightPlan:
         self._bind(plan.comm.flight)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "plan":  # unset: an object being copied or unpickled
+            raise AttributeError(name)
         return getattr(self.plan, name)
 
     def __repr__(self) -> str:
