@@ -84,14 +84,18 @@ def test_a_layer_of_whole_tiles_takes_its_flops_at_eta_peak():
 
 def test_experts_gemms_by_hand():
     # 4 experts, top-2, cf 1, ep 2: each expert receives 256 * 2 * 2 / 4 = 256 tokens and a GPU
-    # holds 2 experts: its MLP GEMMs are twice a dense block's
+    # holds 2 experts: its MLP GEMMs are twice a dense block's; the router's (d, E) beside them
     dense = L.Shape(1, 256, 2, 256, 100)
     moe = replace(dense, experts=4, top_k=2)
     mlp = 2 * 256 * (256 * 1024 + 1024 * 256)
     attention = 2 * 256 * (256 * 768 + 256 * 256)
+    # the router's 4 columns fill one 256 x 128 tile (k = 256); backward: its input's gradient
+    # two tiles of k = 4, its weight's one of k = 256
+    tile = 2 * 256 * 128
+    router, router_bwd = tile * 256, 2 * tile * 4 + tile * 256
     fwd, bwd = C.linear_seconds(L.layer_work(moe, L.Layout(dp=2, ep=2), BF16, moe=True), EXACT)
-    assert fwd == pytest.approx((attention + 2 * mlp) / 0.5e12)
-    assert bwd == pytest.approx(2 * fwd)
+    assert fwd == pytest.approx((attention + 2 * mlp + router) / 0.5e12)
+    assert bwd == pytest.approx((2 * (attention + 2 * mlp) + router_bwd) / 0.5e12)
 
 
 def test_step_compute_is_the_sum_of_its_parts():

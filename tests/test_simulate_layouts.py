@@ -658,3 +658,55 @@ def test_search_takes_the_overlaps():
     out = _mpdl("--model-shape", "gpt3-175b", "--gpu", "h100-80gb", "--gpus", "64",
                 "--search", "--top", "1", "--tp-overlap")
     assert out.returncode == 0 and "tp-overlap" in out.stdout, out.stderr
+
+
+def test_node_limited_dispatch_by_hand():
+    # 16 experts on ep = 16 ranks, 4 a node (4 nodes); top-4, at most 2 nodes a token; the
+    # dispatch in 1 byte, the combine in 2
+    shape = L.Shape(2, 64, 4, 32, 100, experts=16, top_k=4, max_nodes_per_token=2)
+    precision = replace(MIXED, dispatch=1, combine=2)
+    params = P.NETWORKS["h800-cluster"].params
+    a_ib, b_ib = params.link(True)
+    a_nv, b_nv = params.link(False)
+    elements = 32 * 64  # one copy of the micro-batch's tokens
+    pair = 0.0
+    for nbytes in (1, 2):
+        # once to each of 2 of the 4 nodes (a quarter stays home), then 4 copies over NVLink
+        # to the node's 4 GPUs (a quarter stays on the GPU that received them)
+        scale_out = 3 * a_ib + 2 * elements * nbytes * 3 / 4 * b_ib
+        nvlink = 3 * a_nv + 4 * elements * nbytes * 3 / 4 * b_nv
+        pair += max(scale_out, nvlink)
+    layout = L.Layout(dp=16, ep=16)
+    # 2 MoE blocks, a dispatch and a combine in forward and in backward
+    assert L.expert_time(shape, layout, precision, params, 4) == pytest.approx(2 * 2 * pair)
+    # without the limit every copy crosses the scale-out network: 4 copies over 15 ranks
+    free = replace(shape, max_nodes_per_token=0)
+    plain = sum(15 * a_ib + 4 * elements * nbytes * 15 / 16 * b_ib for nbytes in (1, 2))
+    assert L.expert_time(free, layout, precision, params, 4) == pytest.approx(2 * 2 * plain)
+    # within one node the limit changes nothing
+    assert L.expert_time(shape, L.Layout(dp=4, ep=4), precision, params, 4) == \
+        pytest.approx(L.expert_time(free, L.Layout(dp=4, ep=4), precision, params, 4))
+
+
+def test_sms_kept_for_communication_slow_compute_in_proportion():
+    shape, h800 = L.SHAPES["llama3-8b"], L.GPUS["h800"]
+    plain = L.compute_parts(shape, L.Layout(), MIXED, h800)
+    kept = L.compute_parts(shape, L.Layout(comm_sms=20), MIXED, h800)
+    # 112 SMs at the same rate each: the 4096-token GEMMs fill whole waves either way only to
+    # within one wave, the outside FLOPs exactly
+    assert kept["outside_s"] == pytest.approx(plain["outside_s"] * 132 / 112)
+    assert kept["gemm_s"] == pytest.approx(plain["gemm_s"] * 132 / 112, rel=0.05)
+    assert kept["elementwise_s"] == plain["elementwise_s"]
+    with pytest.raises(ValueError, match="--comm-sms"):
+        L.compute_parts(shape, L.Layout(comm_sms=132), MIXED, h800)
+    out = _mpdl("--model-shape", "llama3-8b", "--gpu", "h800", "--comm-sms", "200")
+    assert out.returncode != 0 and "--comm-sms" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_list_names_every_choice_of_the_flags():
+    out = _mpdl("--list")
+    assert out.returncode == 0, out.stderr
+    names = {line.split()[1] for line in out.stdout.splitlines()}
+    for choices in (P.NETWORKS, L.GPUS, L.SHAPES, L.PRECISIONS):
+        assert set(choices) <= names
+    assert {"hgx-h200", "gb200-nvl72", "h800-cluster", "deepseek-v3", "h800"} <= names

@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-gain", type=float, default=0.05,
                    help="a doubling of N that adds less than this to the speedup does not help "
                         "(default 0.05)")
-    g.add_argument("--list", action="store_true", help="list profiles and networks and exit")
+    g.add_argument("--list", action="store_true",
+                   help="list profiles, networks, GPUs, model shapes and precisions and exit")
     g.add_argument("--json", metavar="PATH", help="one JSON line per (algorithm, N), then a summary")
     g.add_argument("--csv", metavar="PATH", help="the rows as CSV")
     g.add_argument("--plot", metavar="PATH", help="PNG of speedup against N per algorithm")
@@ -325,8 +326,7 @@ def run(args: argparse.Namespace) -> int:
         for name, w in S.PROFILES.items():
             print(f"profile {name:<20} {w.params / 1e6:.2f}M params, {w.sample_s * 1e3:.3f} "
                   f"ms/sample, network {S.PROFILE_NETWORK[name]}; {w.source}")
-        for name, n in S.NETWORKS.items():
-            print(f"network {name:<20} {n.per_node} per node; {n.source}")
+        layouts.print_list()
         return 0
     if args.max_workers < 1 or args.max_workers > MAX_WORKERS:
         raise UsageError(f"--max-workers: expected 1..{MAX_WORKERS}, got {args.max_workers}")

@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gather-overlap", action="store_true",
                    help="ZeRO's parameter all-gather prefetched behind the forward (Megatron-Core's "
                         "--overlap-param-gather, FSDP)")
+    g.add_argument("--comm-sms", type=int, default=0, metavar="N",
+                   help="SMs a GPU keeps for communication kernels, away from compute "
+                        "(DeepSeek-V3: 20 of the H800's 132; default 0)")
     g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="interleaved pipeline: model chunks per GPU (default 1)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0 (DDP), 1, 2 or 3 (default 0)")
@@ -87,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", default="bf16",
                    help="bf16 or fp16 (16-bit compute, float32 master weights and Adam, K=12; "
                         "default bf16) or fp32 (float32 Adam), as mpdl train --precision; or "
-                        "fp8: the weight GEMMs in FP8, the rest as bf16")
+                        "fp8: the weight GEMMs in FP8, the rest as bf16; mxfp8; deepseek-fp8: "
+                        "DeepSeek-V3's recipe (FP8 dispatch, bf16 combine and Adam moments)")
     g.add_argument("--gpu", default="a100-80gb", help=f"{', '.join(L.GPUS)} (default a100-80gb)")
     g.add_argument("--gpu-memory", metavar="SIZE",
                    help="memory per GPU, e.g. 40GB (default: the GPU's); layouts above it are "
@@ -251,6 +255,19 @@ def parse_memory(text: str) -> float:
     return size
 
 
+def print_list() -> None:
+    """Every network, GPU, model shape and precision the flags accept, with its source."""
+    for name, n in {**S.NETWORKS, **P.NETWORKS}.items():
+        print(f"network {name:<20} {n.per_node} per node; {n.source}")
+    for name, gpu in L.GPUS.items():
+        print(f"gpu     {name:<20} {gpu.memory / L.GB:.0f} GB, {gpu.sms} SMs; {gpu.source}")
+    for name, shape in L.SHAPES.items():
+        print(f"shape   {name:<20} {shape.params / 1e9:.3f}B parameters, L={shape.layers} "
+              f"d={shape.hidden} T={shape.seq}")
+    for name, precision in L.PRECISIONS.items():
+        print(f"precision {name:<18} {precision.name}")
+
+
 def run_published(args: argparse.Namespace) -> int:
     rows = P.rows()
     if not is_rank0():
@@ -309,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
                                      kinds, top=args.top, failures=failures, cp_mode=args.cp_mode,
                                      capacity_factor=args.moe_capacity_factor,
                                      tp_overlap=args.tp_overlap,
-                                     gather_overlap=args.gather_overlap)
+                                     gather_overlap=args.gather_overlap,
+                                     comm_sms=args.comm_sms)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         rows = report["rows"]
@@ -346,13 +364,13 @@ def run(args: argparse.Namespace) -> int:
     layout = L.Layout(dp, args.pp, args.tp, args.zero, m or 1, kind,
                       args.recompute, args.zero_group, args.cp, args.ep, args.sp,
                       args.cp_mode, args.moe_capacity_factor, virtual, args.tp_overlap,
-                      args.gather_overlap)
+                      args.gather_overlap, args.comm_sms)
     try:
         L.check_layout(shape, layout, per_node)
+        row = L.evaluate(shape, layout, precision, gpu, net.params, per_node, tokens,
+                         args.price_per_hour, failures=failures)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    row = L.evaluate(shape, layout, precision, gpu, net.params, per_node, tokens,
-                     args.price_per_hour, failures=failures)
     if not is_rank0():
         return 0
     print(head)
@@ -378,4 +396,4 @@ def _layout_of(row: dict[str, Any]) -> L.Layout:
     return L.Layout(row["dp"], row["pp"], row["tp"], row["zero"], row["microbatches"],
                     row["schedule"], row["recompute"], row["zero_group"], row["cp"], row["ep"],
                     row["sp"], row["cp_mode"], row["capacity_factor"], row["virtual"],
-                    row["tp_overlap"], row["gather_overlap"])
+                    row["tp_overlap"], row["gather_overlap"], row["comm_sms"])

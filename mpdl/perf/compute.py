@@ -20,7 +20,8 @@ Per layer and micro-batch on one GPU, with s = T/cp the tokens it holds, t tenso
     linear GEMMs    m = b·s tokens: QKV (k = d, n = (d + 2·d_kv)/t), the projection (d/t, d), the
                     MLP's up (d, f/t; 2f/t gated) and down (f/t, d) matrices; in a MoE block the
                     MLP's per expert, m = the tokens an expert receives (b·s·k·cf·ep/E), E/ep
-                    experts
+                    experts, and the router (d, E), in 16 bits under FP8; the SMs kept for
+                    communication (`with_reserved_sms`) do none of it
     attention core  per head (b·a/t of them), s queries against T keys: QKᵀ (m = s, n = T,
                     k = d/a) and the weighted sum of V (m = s, n = d/a, k = T); the gpt family
                     writes the scores to memory (the roofline's m·n), the llama family
@@ -156,9 +157,24 @@ def fp8_view(gpu: Gpu) -> Gpu:
     return replace(gpu, peak_flops=gpu.fp8_flops)
 
 
+def with_reserved_sms(gpu: Gpu, reserved: int) -> Gpu:
+    """The GPU as its compute sees it with `reserved` SMs kept for communication kernels: the
+    SMs left, each as fast as before (the peaks in proportion)."""
+    if not 0 <= reserved < gpu.sms:
+        raise ValueError(f"--comm-sms: expected 0 to {gpu.sms - 1} of {gpu.name}'s {gpu.sms} "
+                         f"SMs, got {reserved}")
+    left = (gpu.sms - reserved) / gpu.sms
+    return replace(gpu, sms=gpu.sms - reserved, peak_flops=gpu.peak_flops * left,
+                   fp8_flops=gpu.fp8_flops * left)
+
+
 def linear_seconds(layer: Layer, gpu: Gpu) -> tuple[float, float]:
-    """(forward, backward) seconds of the layer's weight GEMMs (in FP8 with `layer.fp8`)."""
+    """(forward, backward) seconds of the layer's weight GEMMs (in FP8 with `layer.fp8`) and a MoE
+    block's router (in 16 bits)."""
     t, d, nbytes = layer.tp, layer.hidden, layer.act_bytes
+    # the router's GEMM stays in 16 bits under FP8 recipes (DeepSeek-V3 report, §3.3)
+    router = _with_backward(layer.tokens, layer.experts, d, gpu, nbytes) if layer.experts \
+        else (0.0, 0.0)
     if layer.fp8:
         gpu, nbytes = fp8_view(gpu), 1
     up = (2 if layer.gated else 1) * layer.d_ff / t
@@ -172,7 +188,7 @@ def linear_seconds(layer: Layer, gpu: Gpu) -> tuple[float, float]:
     else:
         mlp = [(layer.tokens, up, d, 1), (layer.tokens, d, layer.d_ff / t, 1)]
     gemms = [(layer.tokens, (d + 2 * layer.d_kv) / t, d, 1), (layer.tokens, d, d / t, 1), *mlp]
-    fwd = bwd = 0.0
+    fwd, bwd = router
     for m, n, k, batch in gemms:
         f, b = _with_backward(m, n, k, gpu, nbytes, batch)
         fwd, bwd = fwd + f, bwd + b

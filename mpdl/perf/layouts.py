@@ -52,7 +52,9 @@ Step time (one step = m micro-batches on each of dp replicas):
                         ulysses: 4 all-to-alls of b·s·d/t over cp in forward, 4 in backward;
                         allgather: all-gather of K and V, reduce-scatter of their gradients
                       + experts, per MoE block: dispatch and combine all-to-alls over ep of
-                        b·s·k·cf·d/t bytes (2 in forward, 2 in backward)
+                        b·s·k·cf·d/t elements (2 in forward, 2 in backward, each at its
+                        precision's bytes); node-limited routing (M nodes a token): min(M, k·cf)
+                        copies over the scale-out network, k·cf over NVLink, the longer counts
                       (each forward's messages again under full recomputation)
     pipeline          (m + (pp − 1)/v) micro-batch slots: bubble share (pp − 1)/(v·m + pp − 1)
     data parallel     ring all-reduce of the dense gradients over dp × cp and of the experts'
@@ -116,6 +118,12 @@ class Shape:
     #: and value head widths (default hidden)
     attention: int | None = None
     core: int | None = None
+    #: node-limited routing: the most nodes a token's experts may lie on (DeepSeek-V3: 4; 0:
+    #: any), its dispatch then going once to each node and on over NVLink
+    max_nodes_per_token: int = 0
+    #: multi-token prediction modules trained beside the model (DeepSeek-V3: 1, §2.2), each a
+    #: block, a d × 2d projection and the shared output head for every token; not counted in N
+    mtp_depth: int = 0
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "seq", "vocab", "microbatch", "top_k",
@@ -132,6 +140,9 @@ class Shape:
                              f"{self.family!r}")
         if self.experts < 0 or (self.experts and self.top_k > self.experts):
             raise ValueError(f"top_k: {self.top_k} must not exceed the experts ({self.experts})")
+        for key in ("max_nodes_per_token", "mtp_depth"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key}: expected >= 0, got {getattr(self, key)}")
         if not 0 <= self.first_dense < self.layers or self.shared_experts < 0:
             raise ValueError(f"first_dense: {self.first_dense} must lie in [0, layers) and "
                              f"shared_experts ({self.shared_experts}) be >= 0")
@@ -285,6 +296,9 @@ class Precision:
     zero3_gather: float = 0
     #: bytes moved per element of a weight GEMM's operand to scale and cast it to FP8
     cast_bytes: float = 0
+    #: bytes per element of the experts' dispatch and combine all-to-alls (0: an activation's)
+    dispatch: float = 0
+    combine: float = 0
 
     def gathered(self, zero: int) -> float:
         """Bytes per parameter an all-gather of the parameters moves under ZeRO stage `zero`."""
@@ -306,6 +320,13 @@ PRECISIONS = {
     # collectives stay bf16 (TorchTitan's mxfp8.md)
     "mxfp8": Precision("mxfp8 GEMMs, otherwise bf16 with float32 master weights and Adam (K=12)",
                        2, 2, 12, 2, True, cast_bytes=2 * (2 + 1 + 1 / 32)),
+    # DeepSeek-V3's recipe (arXiv 2412.19437, §3.3): FP8 GEMMs with 1x128 and 128x128 block
+    # scales, each cast reading bf16 and writing FP8 in both directions (§3.5.2), as tensorwise;
+    # the experts' dispatch in FP8, their combine in bf16 (§3.3.2); float32 master weights and
+    # gradients, AdamW's two moments in bf16 (§3.3.3): 4 + 2 + 2 bytes of optimizer state
+    "deepseek-fp8": Precision("DeepSeek-V3's FP8: block-scaled FP8 GEMMs, FP8 dispatch, bf16 "
+                              "combine, float32 master weights and gradients, bf16 Adam moments",
+                              2, 4, 8, 2, True, cast_bytes=6, dispatch=1, combine=2),
     "bf16": Precision("bf16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
     "fp16": Precision("fp16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
     "fp32": Precision("float32 Adam", 4, 4, 8, 4),
@@ -387,6 +408,8 @@ class Layout:
     #: ZeRO's parameter all-gather prefetched behind the forward (Megatron-Core's
     #: --overlap-param-gather, FSDP's prefetch)
     gather_overlap: bool = False
+    #: SMs kept for communication kernels, away from compute (DeepSeek-V3: 20 of 132, §3.2.2)
+    comm_sms: int = 0
 
     @property
     def gpus(self) -> int:
@@ -415,6 +438,8 @@ class Layout:
             text += " tp-overlap"
         if self.gather_overlap and self.zero:
             text += " gather-overlap"
+        if self.comm_sms:
+            text += f" comm-sms{self.comm_sms}"
         return text + ("" if self.recompute == "none" else f" recompute={self.recompute}")
 
 
@@ -477,15 +502,18 @@ def check_layout(shape: Shape, layout: Layout, per_node: int) -> None:
     if layout.pp > 1 and layout.zero > 1:
         raise ValueError("--zero: stages 2 and 3 shard gradients or parameters that a pipeline "
                          "accumulates over micro-batches; use --zero 0 or 1 with --pp > 1")
+    if layout.comm_sms < 0:
+        raise ValueError(f"--comm-sms: expected >= 0, got {layout.comm_sms}")
     if layout.zero_group is not None and (layout.zero_group < 1 or layout.dp % layout.zero_group):
         raise ValueError(f"--zero-group: {layout.zero_group} must divide dp = {layout.dp}")
 
 
 # -- memory ----------------------------------------------------------------------------------------
 def max_stage_layers(shape: Shape, layout: Layout) -> int:
-    """Layers of the heaviest pipeline stage: ceil(L/pp) (Llama 3 ran 126 layers on 16 stages,
-    the first and last one layer short)."""
-    return math.ceil(shape.layers / layout.pp)
+    """Layers of the heaviest pipeline stage: ceil(L/pp), the multi-token prediction modules'
+    blocks counted as layers (Llama 3 ran 126 layers on 16 stages, the first and last one layer
+    short)."""
+    return math.ceil((shape.layers + shape.mtp_depth) / layout.pp)
 
 
 def stage_params(shape: Shape, layout: Layout) -> tuple[float, float]:
@@ -666,16 +694,31 @@ def context_parallel_time(shape: Shape, layout: Layout, precision: Precision, gp
 
 def expert_time(shape: Shape, layout: Layout, precision: Precision, params: cm.Params,
                 per_node: int) -> float:
-    """One micro-batch's dispatch and combine all-to-alls over the stage's MoE blocks."""
+    """One micro-batch's dispatch and combine all-to-alls over the stage's MoE blocks, each
+    at its precision's bytes. With node-limited routing (at most M nodes a token) over an
+    expert group that spans nodes, a token goes once to each of its nodes over the scale-out
+    network (to the GPU of the same in-node index), then over NVLink to its experts' GPUs, the
+    two pipelined (DeepSeek-V3 report, §3.2.2); otherwise each routed copy goes to its rank."""
     if not shape.moe_layers or layout.ep == 1:
         return 0.0
-    tokens = shape.microbatch * shape.seq / layout.cp
-    sent = tokens * shape.top_k * (layout.capacity_factor or 1.0) * shape.hidden / layout.tp \
-        * precision.activation
-    inter = layout.tp * layout.cp * layout.ep > per_node
-    calls = 6 if layout.recompute == "full" else 4
+    copy = shape.microbatch * shape.seq / layout.cp * shape.hidden / layout.tp
+    copies = shape.top_k * (layout.capacity_factor or 1.0)
+    nodes = math.ceil(layout.tp * layout.cp * layout.ep / per_node)
+    hops: list[tuple[float, int, bool]]  # (copies of the tokens sent, ranks, inter-node)
+    if shape.max_nodes_per_token and nodes > 1:
+        hops = [(min(shape.max_nodes_per_token, copies, nodes), nodes, True),
+                (copies, layout.ep // nodes, False)]
+    else:
+        hops = [(copies, layout.ep, nodes > 1)]
+    # dispatch, and the combine's gradient in backward, at the dispatch's bytes; the combine and
+    # the dispatch's gradient at the combine's
+    pair = sum(max(alltoall_time(sent * copy * nbytes, ranks, inter, params)
+                   for sent, ranks, inter in hops)
+               for nbytes in (precision.dispatch or precision.activation,
+                              precision.combine or precision.activation))
+    pairs = 3 if layout.recompute == "full" else 2
     moe = shape.moe_layers * max_stage_layers(shape, layout) / shape.layers
-    return moe * calls * alltoall_time(sent, layout.ep, inter, params)
+    return moe * pairs * pair
 
 
 def layer_work(shape: Shape, layout: Layout, precision: Precision, moe: bool = False
@@ -696,6 +739,7 @@ def compute_parts(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu
     the layers' weight GEMMs (`gemm_s`), attention cores (`attention_s`) and work between GEMMs
     (`elementwise_s`), and the embeddings' and logits' FLOPs outside the layers (`outside_s`,
     at η·peak, shared among the stages as the layers are)."""
+    gpu = C.with_reserved_sms(gpu, layout.comm_sms)
     layers = max_stage_layers(shape, layout)
     moe = shape.moe_layers * layers / shape.layers
     dense = C.layer_seconds(layer_work(shape, layout, precision), gpu)
@@ -704,7 +748,9 @@ def compute_parts(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu
     parts = {key[:-2] + "_s": (layers - moe) * dense[key] + moe * routed[key]
              for key in ("gemm_s", "attention_s", "elementwise_s")}
     positions = shape.seq * shape.hidden if shape.family == "gpt" else 0
-    outside = 6 * (shape.embedding_params - positions) * shape.microbatch * shape.seq
+    # each multi-token prediction module runs the output head and its projection once more
+    mtp = shape.mtp_depth * (shape.vocab * shape.hidden + 2 * shape.hidden ** 2)
+    outside = 6 * (shape.embedding_params - positions + mtp) * shape.microbatch * shape.seq
     parts["outside_s"] = outside * layers / shape.layers / (layout.tp * layout.cp) / C.rate(gpu)
     return parts
 
@@ -859,13 +905,14 @@ def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
                cp_mode: str = "ring", capacity_factor: float = 1.0,
                recomputes: tuple[str, ...] = RECOMPUTE, context: bool = True,
                sequence_parallel: bool = True, interleave: bool = True,
-               tp_overlap: bool = False, gather_overlap: bool = False):
+               tp_overlap: bool = False, gather_overlap: bool = False, comm_sms: int = 0):
     """Every dp × pp × cp × tp × ep layout of `gpus` GPUs that can run the shape: tp dividing the
     heads and at most a node, pp the layers, cp the sequence, ep the experts and dp, dp the global
     batch in micro-batches; each ZeRO stage allowed, each of `recomputes`, with and without sp
     (unless `sequence_parallel` is false), cp > 1 only with `context`, and with `interleave`
     each interleaving depth of `virtual_stages`; `schedule` is one kind or a tuple of kinds to
-    try (`mpdl.parallel.pipeline.schedule.KINDS`); every layout with the overlaps asked for."""
+    try (`mpdl.parallel.pipeline.schedule.KINDS`); every layout with the overlaps and the SMs
+    kept for communication asked for."""
     kinds = (schedule,) if isinstance(schedule, str) else tuple(schedule)
     for tp in _divisors(gpus):
         if tp > per_node or shape.heads % tp:
@@ -885,7 +932,7 @@ def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
                                 else (False,), _pipelines(shape, pp, m, kinds, interleave)):
                             layout = Layout(dp, pp, tp, zero, m, kind, recompute, None, cp,
                                             ep, sp, cp_mode, capacity_factor, virtual,
-                                            tp_overlap, gather_overlap)
+                                            tp_overlap, gather_overlap, comm_sms)
                             try:
                                 check_layout(shape, layout, per_node)
                             except ValueError:
