@@ -289,7 +289,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag}: expected a positive integer, got {value}")
     failures = _failures(args)
     gpus = args.gpus or (args.nodes or 1) * per_node
-    moe = (f", {shape.experts} experts top-{shape.top_k} ({shape.active_params / 1e9:.3f}B "
+    shared = f" + {shape.shared_experts} shared" if shape.shared_experts else ""
+    moe = (f", {shape.experts} experts top-{shape.top_k}{shared} ({shape.active_params / 1e9:.3f}B "
            f"active)" if shape.experts else "")
     head = (f"# mpdl simulate: {shape.name}, L={shape.layers} d={shape.hidden} a={shape.heads} "
             f"T={shape.seq} V={shape.vocab} b={shape.microbatch}: {shape.params / 1e9:.3f}B "
