@@ -97,7 +97,7 @@ class FlightPlan:
 
     def start(self, x: Any = None) -> FlightPlan:
         """Start the collective (hand-written algorithms run to the end here); returns the plan."""
-        self.plan._start(x, self._begin)
+        self.plan._start(x, self._begin, self._whole)
         return self
 
     def wait(self) -> Any:
@@ -106,6 +106,13 @@ class FlightPlan:
         if entry is not None:
             entry.end, entry.state = time(), "done"
         return self.plan.wait()
+
+    def _whole(self) -> None:
+        """`_begin`, its entry ended at once (run behind asynchronous collectives)."""
+        self._begin()
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            entry.end, entry.state = time(), "done"
 
     def _begin(self) -> None:
         plan, comm = self.plan, self.comm
