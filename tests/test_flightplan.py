@@ -4,6 +4,8 @@ names, and sends the same messages as the bare plan (the message log)."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -161,3 +163,26 @@ def test_a_recorder_switched_on_after_caching_notes_the_cached_plan(fresh_cache)
 
     for result in run_world(2, body):
         assert result == (plans.Plan, FlightPlan, True, True, [(0, "ring", "done")])
+
+
+def test_a_plan_started_behind_asynchronous_calls_is_noted_after_them():
+    """Started while an asynchronous all-reduce is in flight, the plan runs behind it on the
+    communication thread and takes the next number; its entry ends there, before wait()."""
+    def body(c):
+        c.flight = flight.FlightRecorder(50, c.rank, c.size)
+        x = np.ones(3)
+        h = T.allreduce_init(x, algorithm="ring", comm=c)
+        if c.rank != 0:
+            time.sleep(0.3)  # rank 0's asynchronous call is still waiting for this rank
+        handle = C.allreduce_async(np.ones(2), algorithm="ring", comm=c)
+        h.start()
+        states = [r["state"] for r in c.flight.records()]
+        handle.wait()
+        return states, entries(c), h.wait().copy()
+
+    results = run_world(2, body)
+    assert results[0][0] == ["done", "done"]  # rank 1's call may find the line empty again
+    for _, records, result in results:
+        assert records == [(0, "allreduce", "ring", 16, "float64", "sum", (0, 1), "done"),
+                           (1, "allreduce", "ring", 24, "float64", "sum", (0, 1), "done")]
+        np.testing.assert_array_equal(result, np.full(3, 2.0))

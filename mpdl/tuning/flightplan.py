@@ -19,11 +19,11 @@ from mpdl.comm.flight import FlightEntry
 
 
 class FlightPlan:
-    """`plan`, its runs noted by its communicator's flight recorder (`flight`); everything else is
-    the plan's."""
+    """`plan`, its runs noted by its communicator's flight recorder (`flight`); its arrays, trial,
+    algorithm and schedule are the plan's."""
 
-    __slots__ = ("plan", "comm", "flight", "_shape", "_dtype", "_signature", "_cell", "_info",
-                 "_fault", "_entry")
+    __slots__ = ("plan", "comm", "flight", "_shape", "_dtype", "_signature", "_cell", "_slots",
+                 "_info", "_fault", "_entry")
 
     def __init__(self, plan: Any) -> None:
         self.plan, self.comm = plan, plan.comm
@@ -34,10 +34,21 @@ class FlightPlan:
         self._entry: FlightEntry | None = None
         self._bind(plan.comm.flight)
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "plan":  # unset: an object being copied or unpickled
-            raise AttributeError(name)
-        return getattr(self.plan, name)
+    # the plan's, read through (a class with __getattr__ would make every lookup on it slower)
+    x = property(lambda self: self.plan.x)
+    result = property(lambda self: self.plan.result)
+    trial = property(lambda self: self.plan.trial)
+    signature = property(lambda self: self.plan.signature)
+    collective = property(lambda self: self.plan.collective)
+    algorithm = property(lambda self: self.plan.algorithm)
+    nbytes = property(lambda self: self.plan.nbytes)
+    _held = property(lambda self: self.plan._held)
+
+    def schedule(self) -> tuple[Any, Any, list | None]:
+        return self.plan.schedule()
+
+    def free(self) -> None:
+        self.plan.free()
 
     def __repr__(self) -> str:
         return f"<FlightPlan of {self.plan!r}>"
@@ -47,7 +58,8 @@ class FlightPlan:
         fields at hand (again after a verdict of verification switched the algorithm)."""
         plan = self.plan
         group = self.comm.flight_group()
-        self.flight, self._signature, self._cell = rec, plan.signature, rec.counter(group)
+        self.flight, self._signature = rec, plan.signature
+        self._cell, self._slots = rec.counter(group), rec.slots
         self._info = (plan.collective, plan.algorithm, plan.nbytes, plan._dtype,
                       plan.signature[4], group)
 
@@ -74,7 +86,7 @@ class FlightPlan:
         cell[0] = seq + 1
         # the entry written here rather than through rec.begin_counted: a few stores, no call
         entry = FlightEntry(seq, self._info, time())
-        rec.slots.append(entry)
+        self._slots.append(entry)
         try:
             plan._run()
         except BaseException:
@@ -85,7 +97,7 @@ class FlightPlan:
 
     def start(self, x: Any = None) -> FlightPlan:
         """Start the collective (hand-written algorithms run to the end here); returns the plan."""
-        self.plan._start(x, self._begin)
+        self.plan._start(x, self._begin, self._whole)
         return self
 
     def wait(self) -> Any:
@@ -94,6 +106,13 @@ class FlightPlan:
         if entry is not None:
             entry.end, entry.state = time(), "done"
         return self.plan.wait()
+
+    def _whole(self) -> None:
+        """`_begin`, its entry ended at once (run behind asynchronous collectives)."""
+        self._begin()
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            entry.end, entry.state = time(), "done"
 
     def _begin(self) -> None:
         plan, comm = self.plan, self.comm

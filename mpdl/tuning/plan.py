@@ -139,7 +139,7 @@ class Plan:
 
     def start(self, x: Any = None) -> Plan:
         """Start the collective (hand-written algorithms run to the end here); returns the plan."""
-        return self._start(x, self._begin)
+        return self._start(x, self._begin, self._begin)
 
     def wait(self) -> Any:
         """Finish the collective started by `start()` and return its result."""
@@ -148,18 +148,18 @@ class Plan:
         self._started = False
         return self._result()
 
-    def _start(self, x: Any, work: Callable[[], None]) -> Plan:
-        """`start`, running work (`_begin`, or a wrapper's around it): now, or behind the
-        asynchronous collectives in flight on the communicator, in issue order."""
+    def _start(self, x: Any, now: Callable[[], None], behind: Callable[[], None]) -> Plan:
+        """`start`, running `now` (`_begin`, or a wrapper's around it), or `behind` on the
+        communication thread after the asynchronous collectives in flight there (issue order)."""
         if x is not None:
             self._check_x(x)
         if self._started:
             raise RuntimeError(f"plan: {self._name} started again before wait()")
         engine = self.comm._engine
         if engine is not None and engine.busy() and threading.current_thread() is not engine.thread:
-            engine.submit(work).wait()
+            engine.submit(behind).wait()
         else:
-            work()
+            now()
         self._started = True
         return self
 
