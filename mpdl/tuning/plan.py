@@ -227,14 +227,15 @@ class Plan:
                 pass
 
 
-# -- schedules of persistent point-to-point requests (MPIComm, NumPy arrays) ---------------------
-class _Schedule:
-    """Steps of persistent sends and receives, each followed by an optional reduction
-    `f(a, b, out=o)`; runs them in order under the communicator's wait policy."""
+# -- rounds of persistent point-to-point requests (MPIComm, NumPy arrays) ------------------------
+class _PersistentRounds:
+    """Rounds of persistent sends and receives (a captured schedule's `capture.Round`s, or an
+    all-to-all's steps), each followed by an optional reduction `f(a, b, out=o)`; runs them in
+    order under the communicator's wait policy."""
 
     def __init__(self, comm) -> None:
         self.comm, self.mpi, self.MPI = comm, comm.mpi, comm.MPI
-        self.steps: list[tuple] = []
+        self.rounds: list[tuple] = []
         self.requests: list[Any] = []
         self._pending: list[tuple] = []
 
@@ -247,29 +248,29 @@ class _Schedule:
         self._pending.append((r, Request(r, source, step, "recv")))
 
     def then(self, f=None, a=None, b=None, o=None) -> None:
-        """Close the step: its messages complete, then f(a, b, out=o) when f is given."""
+        """Close the round: its messages complete, then f(a, b, out=o) when f is given."""
         if self._pending:
             reqs = [r for r, _ in self._pending]
             self.requests += reqs
-            self.steps.append((reqs, [w for _, w in self._pending], f, a, b, o))
+            self.rounds.append((reqs, [w for _, w in self._pending], f, a, b, o))
         elif f is not None:
-            self.steps.append(([], [], f, a, b, o))
+            self.rounds.append(([], [], f, a, b, o))
         self._pending = []
 
     def runner(self, copy: tuple[np.ndarray, np.ndarray] | None = None,
                compiled_after: int = 0) -> Callable[[], None]:
-        """run(): the steps in order under the communicator's wait policy; with `copy` = (dst,
+        """run(): the rounds in order under the communicator's wait policy; with `copy` = (dst,
         src), src is copied into dst between the first messages' start and their wait. From its
-        `compiled_after`-th run on (default COMPILED_AFTER), a step waits in compiled code
+        `compiled_after`-th run on (default COMPILED_AFTER), a round waits in compiled code
         (`mpdl.comm.polling`) where that is possible."""
         compiled_after = compiled_after or COMPILED_AFTER
-        steps, comm = self.steps, self.comm
+        rounds, comm = self.rounds, self.comm
         python = _finisher(comm, self.MPI.Request.Testall,
                            lambda handles, wrapped: comm._wait_all(wrapped))
-        if len(steps) == 1 and steps[0][0] and steps[0][2] is None:
-            return self._one_step_runner(python, copy, compiled_after)
+        if len(rounds) == 1 and rounds[0][0] and rounds[0][2] is None:
+            return self._one_round_runner(python, copy, compiled_after)
         during = None if copy is None else functools.partial(np.copyto, *copy)
-        finishes = [python] * len(steps)
+        finishes = [python] * len(rounds)
         startall = self.MPI.Prequest.Startall
         runs = 0
 
@@ -278,9 +279,9 @@ class _Schedule:
             runs += 1
             if runs == compiled_after:
                 finishes[:] = [_compiled_finisher(comm, reqs, python) if reqs else python
-                               for reqs, *_ in steps]
+                               for reqs, *_ in rounds]
             first = during
-            for (reqs, wrapped, f, a, b, o), finish in zip(steps, finishes, strict=True):
+            for (reqs, wrapped, f, a, b, o), finish in zip(rounds, finishes, strict=True):
                 if reqs:
                     startall(reqs)
                     if first is not None:
@@ -294,16 +295,16 @@ class _Schedule:
 
         return run
 
-    def _one_step_runner(self, python: Callable[[Any, list[Request]], None],
-                         copy: tuple[np.ndarray, np.ndarray] | None,
-                         compiled_after: int) -> Callable[[], None]:
-        """`runner()` of a schedule of one step of messages and nothing after (a scattered
+    def _one_round_runner(self, python: Callable[[Any, list[Request]], None],
+                          copy: tuple[np.ndarray, np.ndarray] | None,
+                          compiled_after: int) -> Callable[[], None]:
+        """`runner()` of one round of messages and nothing after (a scattered
         all-to-all): the same, with less Python a run; from the `compiled_after`-th run on the
         main thread (the second at the earliest), the start, the copy and the wait are one
         compiled call."""
         made_after = max(compiled_after - 1, 1)
         comm, startall = self.comm, self.MPI.Prequest.Startall
-        reqs, wrapped = self.steps[0][0], self.steps[0][1]
+        reqs, wrapped = self.rounds[0][0], self.rounds[0][1]
         during = None if copy is None else functools.partial(np.copyto, *copy)
         exchange, runs = None, 0
         polls, yield_every = _compiled_polls(comm)
@@ -442,10 +443,10 @@ def _fast_path_possible(comm, *arrays) -> bool:
 
 
 def _replay(comm, captured: capture.CapturedSchedule, arrays: dict[str, np.ndarray],
-            f: Callable) -> _Schedule:
+            f: Callable) -> _PersistentRounds:
     """A captured schedule (`mpdl.tuning.capture`) as persistent requests on the arrays its
     regions name, each reduction f(a, b, out=o)."""
-    s = _Schedule(comm)
+    s = _PersistentRounds(comm)
     for r in captured.rounds:
         for m in r.messages:
             (s.send if m.kind == "send" else s.recv)(m.region.view(arrays), m.peer, m.step)
@@ -467,7 +468,7 @@ def _replayed_allreduce(call: checks.Call, algorithm: Callable, f: Callable,
     """(run, requests): the captured schedule of algorithm(comm, buf, reduce) on the call's
     arrays, reducing with f; it reads x where the schedule reads out before writing it (no copy of
     x into out), or runs after a copy where that cannot be done (`capture.reading_input`);
-    waiting in compiled code from its `compiled_after`-th run (`_Schedule.runner`)."""
+    waiting in compiled code from its `compiled_after`-th run (`_PersistentRounds.runner`)."""
     c, x, out = call.comm, call.x, call.out
     flat, xflat = out.reshape(-1), x.reshape(-1)
     captured = capture.capture(algorithm, c.rank, c.size, flat.size, flat.dtype)
@@ -749,7 +750,7 @@ def _direct_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, layout, name: s
     p, r = c.size, c.rank
     in_place = send is flat
     source = np.empty_like(flat) if in_place else send
-    s = _Schedule(c)
+    s = _PersistentRounds(c)
     if name == "pairwise":
         batches = [[partners(r, p, step) + (step,)] for step in range(1, p)]
     else:
@@ -809,7 +810,7 @@ def _bruck_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, b: int):
 
         return run
 
-    s = _Schedule(c)
+    s = _PersistentRounds(c)
     s.then(rotate_and_pack)
     for k, (distance, _, outgoing, incoming) in enumerate(steps):
         s.recv(incoming, (r - distance) % p, distance)
