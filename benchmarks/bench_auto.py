@@ -65,7 +65,7 @@ def auto_vs_best(data: list[dict]) -> list[str]:
     node the noise of the run: the slowest of the algorithms that send the same messages (TWINS,
     TWINS_AT_2) over the fastest."""
     twins = ()
-    # with --loop the calls run through plans, where ring runs a recorded schedule and its twins
+    # with --loop the calls run through plans, where ring runs a captured schedule and its twins
     # a Python call each: their spread is that difference, not the run's noise
     if data and data[0]["nodes"] == 1 and data[0].get("loop", 1) == 1:
         twins = TWINS_AT_2 if data[0]["ranks"] == 2 else TWINS

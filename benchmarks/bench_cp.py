@@ -183,9 +183,9 @@ def sequence_parallel_rows(length: int = 64) -> list[dict]:
             for piece in s.pieces:
                 h = piece(h)
             return graph_bytes(h)
-        losses, schedule = run_world(2, body, message_log=True)
+        losses, log = run_world(2, body, message_log=True)
         kept = run_world(2, lambda comm, body=body: body(comm, measure=True))
-        sent = sum(m[4] for m in schedule if m[2] == 0)
+        sent = sum(m[4] for m in log if m[2] == 0)
         rows.append({"sp": sp, "bytes_sent_rank0": sent, "activations_rank0": kept[0],
                      "loss": losses[0]})
     return rows

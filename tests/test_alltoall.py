@@ -264,9 +264,9 @@ def test_hierarchical_nodes_need_not_be_consecutive_ranks(monkeypatch):
 def test_hierarchical_sends_one_message_per_node_pair_across_nodes():
     p, per_node = 8, 2
     x = np.ones((p, 16), np.float32)
-    _, schedule = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm="hierarchical"),
-                            ranks_per_node=per_node, message_log=True)
-    across = [(src, dst, n) for _, _, src, dst, n in schedule
+    _, log = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm="hierarchical"),
+                       ranks_per_node=per_node, message_log=True)
+    across = [(src, dst, n) for _, _, src, dst, n in log
               if src // per_node != dst // per_node]
     nodes = p // per_node
     assert len(across) == nodes * (nodes - 1)
@@ -280,10 +280,10 @@ def test_hierarchical_sends_one_message_per_node_pair_across_nodes():
 def test_bruck_takes_ceil_lg_p_steps_of_about_half_the_blocks(p):
     block = 4
     x = np.ones((p, block), np.float64)
-    _, schedule = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm="bruck"), message_log=True)
+    _, log = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm="bruck"), message_log=True)
     steps = (p - 1).bit_length()
     for rank in range(p):
-        sent = [m for m in schedule if m[2] == rank]
+        sent = [m for m in log if m[2] == rank]
         assert len(sent) == steps
         distances = sorted((dst - rank) % p for _, _, _, dst, _ in sent)
         assert distances == [1 << k for k in range(steps)]
@@ -351,14 +351,14 @@ def test_hierarchical_prediction_is_its_derived_formula():
 
 @pytest.mark.parametrize("algorithm", ["pairwise", "bruck", "scattered"])
 @pytest.mark.parametrize("p", [2, 4, 5, 8])
-def test_latency_terms_count_the_messages_of_the_recorded_schedule(algorithm, p):
+def test_latency_terms_count_the_messages_of_the_message_log(algorithm, p):
     """With α = 1 and nothing else the prediction counts messages: the busiest rank's in the
-    recorded schedule for the algorithms that wait for each one (pairwise, Bruck); one per batch
+    message log for the algorithms that wait for each one (pairwise, Bruck); one per batch
     plus POST_SHARE for each other message for scattered."""
     x = np.ones((p, 8), np.float32)
-    _, schedule = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm=algorithm),
-                            message_log=True)
-    sent = max(Counter(src for _, _, src, _, _ in schedule).values())
+    _, log = run_world(p, lambda c: C.alltoall(x, comm=c, algorithm=algorithm),
+                       message_log=True)
+    sent = max(Counter(src for _, _, src, _, _ in log).values())
     alpha_only = cm.predict("alltoall", algorithm, x.nbytes, p, 1,
                             cm.Params(alpha=1.0, beta=0.0, copy=0.0, copy_cached=0.0, call=0.0))
     if algorithm == "scattered":

@@ -1,4 +1,4 @@
-"""Every collective algorithm on the in-process world: p = 1..32, awkward counts, recorded schedules.
+"""Every collective algorithm on the in-process world: p = 1..32, awkward counts, message logs.
 
 The same algorithm code also runs over real MPI in tests/mpi.
 """
@@ -84,10 +84,10 @@ def test_other_collectives_every_p(collective):
 def test_ring_schedule_is_the_textbook_one():
     p, n = 4, 4000
     xs = data(p, n, np.float32)
-    _, schedule = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm="ring", comm=c),
-                            message_log=True)
+    _, log = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm="ring", comm=c),
+                       message_log=True)
     for rank in range(p):
-        sent = [m for m in schedule if m[2] == rank]
+        sent = [m for m in log if m[2] == rank]
         assert {m[3] for m in sent} == {(rank + 1) % p}, "a ring rank only talks to its right"
         assert sum(m[4] for m in sent) == 2 * (p - 1) * (n // p) * 4
 
@@ -103,11 +103,11 @@ def test_allreduce_in_small_pipeline_segments(monkeypatch, algorithm):
                                 ranks_per_node=2)
             for r in results:
                 np.testing.assert_allclose(r, np.sum(xs, axis=0), rtol=1e-12, atol=1e-12)
-    _, schedule = run_world(3, lambda c: C.allreduce(np.ones(97), algorithm="ring", comm=c),
-                            message_log=True)
+    _, log = run_world(3, lambda c: C.allreduce(np.ones(97), algorithm="ring", comm=c),
+                       message_log=True)
     # blocks of 33, 32 and 32 elements: 7 segments per reduce-scatter step, whole blocks after
-    assert len(schedule) == 3 * (2 * 7 + 2) and max(m[4] for m in schedule) == 33 * 8
-    assert sum(m[4] == 40 for m in schedule) == 3 * 2 * 6
+    assert len(log) == 3 * (2 * 7 + 2) and max(m[4] for m in log) == 33 * 8
+    assert sum(m[4] == 40 for m in log) == 3 * 2 * 6
 
 
 def test_segment_size_setting_is_validated(monkeypatch):
@@ -124,9 +124,9 @@ def test_segment_size_setting_is_validated(monkeypatch):
 def test_recursive_doubling_sends_lg_p_whole_buffers():
     p, n = 8, 100
     xs = data(p, n)
-    _, schedule = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm="recursive_doubling", comm=c),
-                            message_log=True)
-    assert len(schedule) == p * 3 and all(m[4] == n * 8 for m in schedule)
+    _, log = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm="recursive_doubling", comm=c),
+                       message_log=True)
+    assert len(log) == p * 3 and all(m[4] == n * 8 for m in log)
 
 
 def test_workspace_is_reused_across_calls():

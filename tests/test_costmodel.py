@@ -57,13 +57,13 @@ def test_ring_matches_the_textbook_formula():
 
 @pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "rabenseifner", "tree"])
 @pytest.mark.parametrize("p", [2, 4, 8])
-def test_latency_terms_count_the_messages_of_the_recorded_schedule(algorithm, p):
+def test_latency_terms_count_the_messages_of_the_message_log(algorithm, p):
     """With α = 1 and nothing else, the prediction is the number of messages on the critical
-    path; for these algorithms that is what the busiest rank sends in the recorded schedule."""
+    path; for these algorithms that is what the busiest rank sends in the message log."""
     x = np.ones(64, np.float32)
-    _, schedule = run_world(p, lambda c: C.allreduce(x, algorithm=algorithm, comm=c),
-                            message_log=True)
-    sent = Counter(src for _, _, src, _, _ in schedule)
+    _, log = run_world(p, lambda c: C.allreduce(x, algorithm=algorithm, comm=c),
+                       message_log=True)
+    sent = Counter(src for _, _, src, _, _ in log)
     alpha_only = cm.predict("allreduce", algorithm, x.nbytes, p, 1, replace(ZERO, alpha=1.0))
     if algorithm == "tree":  # rank 0 receives lg p messages and sends lg p
         assert alpha_only == 2 * math.log2(p)
@@ -71,11 +71,11 @@ def test_latency_terms_count_the_messages_of_the_recorded_schedule(algorithm, p)
         assert alpha_only == max(sent.values())
 
 
-def test_schedule_estimate_is_close_to_the_closed_form_for_ring():
+def test_logged_estimate_is_close_to_the_closed_form_for_ring():
     params = cm.Params()
     for n in (1 << 12, 1 << 20):
         closed = cm.predict("allreduce", "ring", n, 4, 1, params) - params.call - n * params.copy
-        recorded = cm.schedule_estimate("allreduce", "ring", n, 4, 1, params)
+        recorded = cm.logged_estimate("allreduce", "ring", n, 4, 1, params)
         assert 0.5 < recorded / closed < 2.0
 
 
@@ -277,9 +277,9 @@ def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
     def chain(c):
         measuring.ring_chain(c, ((c.rank + 1) % c.size, (c.rank - 1) % c.size), 64, 4)()
 
-    _, schedule = run_world(3, chain, message_log=True)
+    _, log = run_world(3, chain, message_log=True)
     for rank in range(3):
-        sent = [m for m in schedule if m[2] == rank]
+        sent = [m for m in log if m[2] == rank]
         assert [(m[3], m[4]) for m in sent] == [((rank + 1) % 3, 64)] * 4
 
     # large blocks are reused in turn: memory stays within CHAIN_BYTES however long the chain
@@ -288,9 +288,9 @@ def test_calibrated_ring_curve_is_per_step_of_a_chain(monkeypatch):
     real_buffers = measuring.exchange_buffers
     monkeypatch.setattr(measuring, "exchange_buffers",
                         lambda n: allocated.append(n) or real_buffers(n))
-    _, schedule = run_world(3, lambda c: measuring.ring_chain(
+    _, log = run_world(3, lambda c: measuring.ring_chain(
         c, ((c.rank + 1) % 3, (c.rank - 1) % 3), 64, 10)(), message_log=True)
-    assert len(schedule) == 3 * 10 and allocated == [4 * 64] * 3
+    assert len(log) == 3 * 10 and allocated == [4 * 64] * 3
 
 
 def test_ring_reduce_scatter_steps_use_the_reducing_ring_curve():
@@ -355,9 +355,9 @@ def test_calibrated_reducing_ring_chain_adds_each_block_it_receives(nbytes, monk
                                     reduce=True)
         run()
 
-    _, schedule = run_world(3, chain, message_log=True)
+    _, log = run_world(3, chain, message_log=True)
     blocks = [b[0].view(np.float32).reshape(5, 16) for b in buffers if b[0].nbytes == 5 * 64]
     assert len(blocks) == 3 and all((b[4] == 5).all() and (b[0] == 1).all() for b in blocks)
     for rank in range(3):
-        sent = [m for m in schedule if m[2] == rank]
+        sent = [m for m in log if m[2] == rank]
         assert [(m[3], m[4]) for m in sent] == [((rank + 1) % 3, 64)] * 4

@@ -69,60 +69,60 @@ def test_rooted_collectives_every_root(collective):
                         assert all(r is None for i, r in enumerate(res) if i != root)
 
 
-def sent(schedule, rank: int) -> list[tuple[int, int]]:
+def sent(log, rank: int) -> list[tuple[int, int]]:
     """(destination, bytes) of each message rank sent, in order."""
-    return [(m[3], m[4]) for m in schedule if m[2] == rank]
+    return [(m[3], m[4]) for m in log if m[2] == rank]
 
 
 def test_pat_allgather_goes_farthest_first_and_splits_at_the_segment():
     p, block = 8, 4
     xs = [np.full(block, r, np.float64) for r in range(p)]
-    _, schedule = run_world(p, lambda c: C.allgather(xs[c.rank], "pat", comm=c), message_log=True)
+    _, log = run_world(p, lambda c: C.allgather(xs[c.rank], "pat", comm=c), message_log=True)
     for r in range(p):  # lg p messages of 1, 2 and 4 blocks, to r-4, r-2, r-1
-        assert sent(schedule, r) == [((r - 4) % p, 32), ((r - 2) % p, 64), ((r - 1) % p, 128)]
+        assert sent(log, r) == [((r - 4) % p, 32), ((r - 2) % p, 64), ((r - 1) % p, 128)]
     settings.update(segment_bytes=block * 8)  # one block per message: 1 + 2 + 4 messages
-    _, schedule = run_world(p, lambda c: C.allgather(xs[c.rank], "pat", comm=c), message_log=True)
-    assert [d for d, _ in sent(schedule, 0)] == [4, 6, 6, 7, 7, 7, 7]
+    _, log = run_world(p, lambda c: C.allgather(xs[c.rank], "pat", comm=c), message_log=True)
+    assert [d for d, _ in sent(log, 0)] == [4, 6, 6, 7, 7, 7, 7]
 
 
 def test_pat_reduce_scatter_is_the_allgather_backwards():
     p = 8
     xs = [np.ones(8 * p) for _ in range(p)]
-    _, schedule = run_world(p, lambda c: C.reduce_scatter(xs[c.rank], algorithm="pat", comm=c),
-                            message_log=True)
+    _, log = run_world(p, lambda c: C.reduce_scatter(xs[c.rank], algorithm="pat", comm=c),
+                       message_log=True)
     for r in range(p):  # 4, 2 and 1 partial blocks of 8 float64, to r+1, r+2, r+4
-        assert sent(schedule, r) == [((r + 1) % p, 256), ((r + 2) % p, 128), ((r + 4) % p, 64)]
+        assert sent(log, r) == [((r + 1) % p, 256), ((r + 2) % p, 128), ((r + 4) % p, 64)]
 
 
 @pytest.mark.parametrize("algorithm,p,messages", [("bruck", 6, 3), ("recursive_doubling", 8, 3),
                                                   ("ring", 6, 5)])
 def test_allgather_message_counts(algorithm, p, messages):
     xs = [np.ones(5) for _ in range(p)]
-    _, schedule = run_world(p, lambda c: C.allgather(xs[c.rank], algorithm, comm=c),
-                            message_log=True)
+    _, log = run_world(p, lambda c: C.allgather(xs[c.rank], algorithm, comm=c),
+                       message_log=True)
     for r in range(p):
-        assert len(sent(schedule, r)) == messages
-        assert sum(b for _, b in sent(schedule, r)) == (p - 1) * 5 * 8
+        assert len(sent(log, r)) == messages
+        assert sum(b for _, b in sent(log, r)) == (p - 1) * 5 * 8
 
 
 def test_pairwise_reduce_scatter_sends_each_block_to_its_owner():
     p = 5
     xs = [np.ones(p * 3) for _ in range(p)]
-    _, schedule = run_world(p, lambda c: C.reduce_scatter(xs[c.rank], algorithm="pairwise", comm=c),
-                            message_log=True)
+    _, log = run_world(p, lambda c: C.reduce_scatter(xs[c.rank], algorithm="pairwise", comm=c),
+                       message_log=True)
     for r in range(p):
-        assert sent(schedule, r) == [((r + i) % p, 24) for i in range(1, p)]
+        assert sent(log, r) == [((r + i) % p, 24) for i in range(1, p)]
 
 
 def test_scatter_allgather_broadcast_unloads_the_root():
     p, n, root = 8, 8000, 3
-    _, schedule = run_world(p, lambda c: C.broadcast(np.ones(n), root, "scatter_allgather",
-                                                     comm=c), message_log=True)
+    _, log = run_world(p, lambda c: C.broadcast(np.ones(n), root, "scatter_allgather",
+                                                comm=c), message_log=True)
     block = n // p * 8
     # the root scatters 4 + 2 + 1 blocks, then passes 7 on the ring: 2n(p-1)/p, not n·lg p
-    assert sum(b for _, b in sent(schedule, root)) == 14 * block
-    assert max(sum(b for _, b in sent(schedule, r)) for r in range(p)) == 14 * block
-    _, schedule = run_world(p, lambda c: C.broadcast(np.ones(n), root, "binomial", comm=c),
-                            message_log=True)
-    assert sent(schedule, root) == [((root + 4) % p, n * 8), ((root + 2) % p, n * 8),
+    assert sum(b for _, b in sent(log, root)) == 14 * block
+    assert max(sum(b for _, b in sent(log, r)) for r in range(p)) == 14 * block
+    _, log = run_world(p, lambda c: C.broadcast(np.ones(n), root, "binomial", comm=c),
+                       message_log=True)
+    assert sent(log, root) == [((root + 4) % p, n * 8), ((root + 2) % p, n * 8),
                                     ((root + 1) % p, n * 8)]

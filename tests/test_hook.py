@@ -36,8 +36,8 @@ def calls(c) -> list[bytes]:
 
 def run(p: int) -> tuple[list, Counter]:
     plans.clear_cache()
-    results, schedule = run_world(p, calls, message_log=True)
-    return results, Counter(schedule)
+    results, log = run_world(p, calls, message_log=True)
+    return results, Counter(log)
 
 
 def test_the_tuner_is_installed_by_importing_mpdl():

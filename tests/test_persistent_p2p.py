@@ -96,9 +96,9 @@ def test_a_sub_communicator_maps_its_ranks_and_the_recorder_sees_each_start():
             sub.waitall([r.start()])
         return buf
 
-    results, schedule = run_world(3, body, message_log=True)
+    results, log = run_world(3, body, message_log=True)
     assert results[0].tolist() == [2.0] * 5
-    assert [(src, dst, n) for _, _, src, dst, n in schedule] == [(2, 0, 40)] * 3
+    assert [(src, dst, n) for _, _, src, dst, n in log] == [(2, 0, 40)] * 3
 
 
 def test_a_receive_whose_sender_never_comes_times_out(monkeypatch):

@@ -1,6 +1,6 @@
 """ZeRO stages 1-3 on the in-process world (p up to 8): each stage must follow the trajectory of
 DDP on one rank with the same global batch (the independent oracle), hold the model state the ZeRO
-formulas give, and send the bytes counted from the message schedule."""
+formulas give, and send the bytes counted from the message log."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def deep_mlp(width: int = 16, layers: int = 48) -> nn.Module:
 
 
 def measure(comm, make):
-    """(Ψ, strategy, bytes this rank sent in its two steps, from the recorded schedule if any)."""
+    """(Ψ, strategy, bytes this rank sent in its two steps, from the message log if any)."""
     m = deep_mlp()
     x, y = data("mlp", "float32")
     strategy = make(comm)
@@ -205,14 +205,14 @@ def test_ddp_holds_each_gradient_once():
 
 
 def sent(p: int, make) -> tuple[list[int], list]:
-    """Bytes each rank sent in two steps, counted from the recorded message schedule."""
+    """Bytes each rank sent in two steps, counted from the message log."""
     out, _ = run_world(p, lambda comm: measure(comm, make), message_log=True)
     return [n for _, _, n in out], [s for _, s, _ in out]
 
 
 def test_sent_bytes():
     """Stages 1 and 2 send what ring DDP sends (reduce-scatter + all-gather = all-reduce),
-    stage 3 about 1.5 times that; the strategy's own count agrees with the schedule."""
+    stage 3 about 1.5 times that; the strategy's own count agrees with the message log."""
     p = 4
     ddp, _ = sent(p, lambda c: AllReduceStrategy(c, algorithm="ring", first_bucket_mb=1e-3,
                                                  bucket_mb=2e-3))

@@ -12,7 +12,7 @@ world shape (a first-use calibration or `mpdl calibrate` times every candidate a
 otherwise, and for the other collectives, it follows the algorithm's code: the number
 of sequential message steps, the bytes each step carries, pipeline segments (MPDL_SEGMENT_BYTES),
 and which steps cross a node boundary (nodes are taken as p/nodes consecutive ranks). An algorithm
-without a formula here is estimated from its message schedule, logged on the in-process world.
+without a formula here is estimated from its message log on the in-process world.
 
 `fastest` returns the algorithm with the smallest prediction. It is a pure function of its
 arguments and the parameter file, which every rank reads itself, so all ranks pick the same one;
@@ -693,7 +693,7 @@ FORMULAS: dict[str, dict[str, Callable[[Setting], float]]] = {
 
 def _check_formulas() -> None:
     """Every formula belongs to a registered algorithm (an algorithm without one is estimated from
-    its logged schedule)."""
+    its message log)."""
     for collective, formulas in FORMULAS.items():
         unknown = set(formulas) - set(registry.REGISTRY.get(collective, ()))
         if unknown:
@@ -722,7 +722,7 @@ def predict(collective: str, algorithm: str, nbytes: int, p: int, nodes: int = 1
         return params.call + measured
     if formula is None:
         registry.resolve(collective, algorithm)  # ValueError for unknown names
-        body = schedule_estimate(collective, algorithm, nbytes, s.p, s.nodes, params, dtype)
+        body = logged_estimate(collective, algorithm, nbytes, s.p, s.nodes, params, dtype)
     else:
         body = formula(s) if s.p > 1 else 0.0
     # the API copies the input into the result first, unless the algorithm reads it directly
@@ -730,14 +730,14 @@ def predict(collective: str, algorithm: str, nbytes: int, p: int, nodes: int = 1
     return params.call + (0.0 if reads_input else params.copy_time(nbytes)) + body
 
 
-# -- estimates from a logged schedule ----------------------------------------------------------
-#: the largest array the in-process world runs to log a schedule; bigger ones are scaled
-SCHEDULE_SAMPLE_BYTES = 1 << 16
+# -- estimates from a message log ---------------------------------------------------------------
+#: the largest array the in-process world runs to log its messages; bigger ones are scaled
+LOG_SAMPLE_BYTES = 1 << 16
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule(collective: str, algorithm: str, p: int, ranks_per_node: int, count: int,
-              dtype: str) -> tuple[tuple[int, int, int], ...]:
+def _logged_messages(collective: str, algorithm: str, p: int, ranks_per_node: int, count: int,
+                     dtype: str) -> tuple[tuple[int, int, int], ...]:
     """The (src, dst, bytes) of every message, sorted, from one run of the registered algorithm on
     the in-process world (the messages the public call sends: it checks, copies, then runs it)."""
     run = registry.REGISTRY[collective][algorithm].run
@@ -756,20 +756,20 @@ def _schedule(collective: str, algorithm: str, p: int, ranks_per_node: int, coun
         else:
             run(comm, x, "sum", 0)
 
-    _, schedule = run_world(p, call, ranks_per_node=ranks_per_node, message_log=True)
-    return tuple(sorted((src, dst, nbytes) for _, _, src, dst, nbytes in schedule))
+    _, log = run_world(p, call, ranks_per_node=ranks_per_node, message_log=True)
+    return tuple(sorted((src, dst, nbytes) for _, _, src, dst, nbytes in log))
 
 
-def schedule_estimate(collective: str, algorithm: str, nbytes: int, p: int, nodes: int,
-                      params: Params, dtype: str = "float32") -> float:
+def logged_estimate(collective: str, algorithm: str, nbytes: int, p: int, nodes: int,
+                    params: Params, dtype: str = "float32") -> float:
     """The busiest rank's messages (α + bytes·β each, γ on what it receives when reducing), from
-    the schedule logged at min(nbytes, SCHEDULE_SAMPLE_BYTES) and scaled to nbytes."""
+    the message log of a run at min(nbytes, LOG_SAMPLE_BYTES) and scaled to nbytes."""
     if p == 1:
         return 0.0
     itemsize = np.dtype(dtype).itemsize
-    sample = max(itemsize * p, min(nbytes, SCHEDULE_SAMPLE_BYTES))
+    sample = max(itemsize * p, min(nbytes, LOG_SAMPLE_BYTES))
     g = max(1, -(-p // max(1, nodes)))
-    rows = _schedule(collective, algorithm, p, g, sample // itemsize, np.dtype(dtype).name)
+    rows = _logged_messages(collective, algorithm, p, g, sample // itemsize, np.dtype(dtype).name)
     scale = nbytes / sample
     gamma = params.gamma_for(dtype) if collective in _REDUCING else 0.0
     busy = [0.0] * p

@@ -75,7 +75,7 @@ def run_trial(plan, names: tuple[str, ...], one_shot) -> list[str]:
 def test_a_trial_times_each_algorithm_waiting_as_its_later_runs_will(world, monkeypatch):
     """A plan that verifies is run many times, so its trial's runs wait in compiled code from the
     first, as the runs after the trial do: with compiled waits otherwise put off for good, the
-    trial makes them for the algorithms with a recorded schedule, and every run gives the
+    trial makes them for the algorithms with a captured schedule, and every run gives the
     one-shot call's bits."""
     if P == 1:
         pytest.skip("one rank: there is no algorithm to verify (auto runs nothing)")
@@ -88,7 +88,7 @@ def test_a_trial_times_each_algorithm_waiting_as_its_later_runs_will(world, monk
     names = verify.candidates("allreduce", x.nbytes, world)
     scheduled = [n for n in names if plans._REPLAYED.get(n) is not None
                  and plans._REPLAYED[n](COUNT, plans.segment_elements(4), P)]
-    assert scheduled, f"no contender with a recorded schedule among {names}"
+    assert scheduled, f"no contender with a captured schedule among {names}"
     monkeypatch.setattr(plans, "COMPILED_AFTER", 10**6)  # plans outside a trial: never compiled
     plan = T.allreduce_init(x, algorithm="auto", comm=world)
     for _ in range(len(plan.trial.order)):
