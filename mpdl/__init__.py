@@ -2,5 +2,5 @@
 
 __version__ = "0.1.0"
 
-# the collectives' tuning engine (mpdl.tuning) sits above them and joins them through their hook
+# the collectives' tuning layer (mpdl.tuning) sits above them and joins them through their hook
 import mpdl.tuning  # noqa: E402,F401

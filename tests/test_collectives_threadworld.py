@@ -17,7 +17,7 @@ from mpdl import settings
 from mpdl.backend import bfloat16, standin
 from mpdl.comm import CollectiveTimeout
 from mpdl.comm.base import background_is_awaited
-from mpdl.comm.handles import Engine
+from mpdl.comm.handles import CommThread
 from mpdl.threadworld import run_world
 
 OURS = [a for a in C.algorithms("allreduce") if a != "mpi"]
@@ -187,7 +187,7 @@ def test_async_handles_complete_in_order():
 def test_a_thread_blocked_in_wait_is_seen_by_the_communication_thread():
     """While a caller waits on a handle, background waits know it (and so need not pause to leave
     the GIL to it); before and after, they do not."""
-    engine = Engine()
+    thread = CommThread()
     release = threading.Event()
 
     def work():
@@ -197,12 +197,12 @@ def test_a_thread_blocked_in_wait_is_seen_by_the_communication_thread():
             time.sleep(1e-3)
         return background_is_awaited()
 
-    handle = engine.submit(work)
+    handle = thread.submit(work)
     before = background_is_awaited()
     release.set()
     assert handle.wait() is True
     assert before is False and background_is_awaited() is False
-    done = engine.submit(lambda: 7)
+    done = thread.submit(lambda: 7)
     while not done.test():
         time.sleep(1e-3)
     assert done.wait() == 7 and background_is_awaited() is False  # a finished handle: no wait

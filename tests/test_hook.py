@@ -1,4 +1,4 @@
-"""The collectives' one hook into the tuning engine (`mpdl.collectives.hook`): with the engine
+"""The collectives' one hook into the tuning layer (`mpdl.collectives.hook`): with the tuner
 switched off, every call sends the same messages and gives the same bytes, and "auto" takes the
 size rule."""
 
@@ -40,25 +40,25 @@ def run(p: int) -> tuple[list, Counter]:
     return results, Counter(schedule)
 
 
-def test_the_engine_is_installed_by_importing_mpdl():
-    assert hook.engine is tuning.ENGINE
+def test_the_tuner_is_installed_by_importing_mpdl():
+    assert hook.tuner is tuning.TUNER
 
 
-def test_the_same_messages_and_bytes_with_the_engine_on_and_off():
+def test_the_same_messages_and_bytes_with_the_tuner_on_and_off():
     for p in (2, 3, 4):
         on, sent_on = run(p)
-        assert plans.cache, "with the engine on, the repeated calls run through cached plans"
+        assert plans.cache, "with the tuner on, the repeated calls run through cached plans"
         with hook.off():
-            assert hook.engine is None
+            assert hook.tuner is None
             off, sent_off = run(p)
-            assert not plans.cache, "with the engine off, no plan is made"
-        assert hook.engine is tuning.ENGINE
+            assert not plans.cache, "with the tuner off, no plan is made"
+        assert hook.tuner is tuning.TUNER
         assert on == off, f"p={p}"
         assert sent_on == sent_off, f"p={p}"
         assert sum(sent_on.values()) > 0
 
 
-def test_auto_takes_the_size_rule_without_the_engine():
+def test_auto_takes_the_size_rule_without_the_tuner():
     def body(c):
         return [pick("allreduce", "auto", c, n).name for n in (8, 1 << 20)] + \
             [pick("alltoall", "auto", c, 1 << 20).name]

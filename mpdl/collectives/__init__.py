@@ -3,7 +3,7 @@
 Public calls take NumPy or CuPy arrays and return the same kind. `comm` is an mpi4py communicator
 (default MPI.COMM_WORLD) or an mpdl Communicator (for example one rank of the in-process world).
 `alltoall` and `alltoallv` exchange blocks between every pair of ranks.
-Persistent plans (`allreduce_init` and the others) are the tuning engine's: `mpdl.tuning`.
+Persistent plans (`allreduce_init` and the others) are the tuning layer's: `mpdl.tuning`.
 """
 
 from mpdl.collectives.api import (

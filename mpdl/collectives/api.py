@@ -22,7 +22,7 @@ from mpdl.collectives.checks import agree as _agree
 from mpdl.collectives.checks import pick as _pick
 from mpdl.collectives.ops import check_array, check_op
 from mpdl.comm import Communicator, as_communicator
-from mpdl.comm.handles import Handle, engine_for, run_in_order
+from mpdl.comm.handles import Handle, comm_thread_for, run_in_order
 
 
 def _check_root(root: Any, comm: Communicator) -> int:
@@ -74,17 +74,17 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None
     x is left untouched unless `out is x`. Results are bit-identical on every rank. With `out`,
     the call runs through a cached plan (`mpdl.tuning.plan`, through `hook`) of these arrays.
     """
-    engine = _hook.engine
-    if out is not None and engine is not None:
+    tuner = _hook.tuner
+    if out is not None and tuner is not None:
         try:  # the plan cache's hit, in line (plan.allreduce_key): cheaper than a call
-            plan = engine.cache.get((id(x), id(out), id(comm), op, algorithm))
+            plan = tuner.cache.get((id(x), id(out), id(comm), op, algorithm))
         except TypeError:  # op or algorithm unhashable: the checks below say which
             plan = None
         if plan is not None and x.dtype is plan._dtype and x.shape == plan._shape \
                 and plan.flight is plan.comm.flight:
             return plan()
         if type(op) is str and type(algorithm) is str:
-            plan = engine.cached_allreduce(x, op, algorithm, comm, out)
+            plan = tuner.cached_allreduce(x, op, algorithm, comm, out)
             if plan is not None:
                 return plan()
     return _prepare_allreduce(x, op, algorithm, comm, out)[1]()
@@ -96,7 +96,7 @@ def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any 
     `.wait()` gives the result and `.test()` says whether it is done. Handles complete in the
     order issued; x must not change until the handle is done."""
     c, work = _prepare_allreduce(x, op, algorithm, comm, out)
-    return engine_for(c).submit(work)
+    return comm_thread_for(c).submit(work)
 
 
 def _prepare_allreduce(x: Any, op: str, algorithm: str, comm: Any, out: Any):
@@ -127,9 +127,9 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any =
     (the rest of x is left undefined); otherwise x is untouched and the result a new array.
     Runs through a cached plan (`mpdl.tuning.plan`, through `hook`) of x.
     """
-    engine = _hook.engine
-    if engine is not None and type(op) is str and type(algorithm) is str:
-        plan = engine.cached_reduce_scatter(x, op, algorithm, comm, in_place)
+    tuner = _hook.tuner
+    if tuner is not None and type(op) is str and type(algorithm) is str:
+        plan = tuner.cached_reduce_scatter(x, op, algorithm, comm, in_place)
         if plan is not None:
             return plan()
     return _prepare_reduce_scatter(x, op, algorithm, comm, in_place)[1]()
@@ -140,7 +140,7 @@ def reduce_scatter_async(x: Any, op: str = "sum", algorithm: str = "auto", comm:
     """`reduce_scatter` on the communicator's communication thread (see `allreduce_async`): the
     handle's `.wait()` gives this rank's block; x must not change until the handle is done."""
     c, work = _prepare_reduce_scatter(x, op, algorithm, comm, in_place)
-    return engine_for(c).submit(work)
+    return comm_thread_for(c).submit(work)
 
 
 def _prepare_reduce_scatter(x: Any, op: str, algorithm: str, comm: Any, in_place: bool):
@@ -174,10 +174,10 @@ def allgather(x: Any, algorithm: str = "auto", comm: Any = None, count: int | No
     dtype) receives the result; this rank's block may already be in place (x a view of it).
     With `out`, the call runs through a cached plan (`mpdl.tuning.plan`, through `hook`) of these arrays.
     """
-    engine = _hook.engine
-    if (engine is not None and out is not None and type(algorithm) is str
+    tuner = _hook.tuner
+    if (tuner is not None and out is not None and type(algorithm) is str
             and (count is None or type(count) is int)):
-        plan = engine.cached_allgather(x, algorithm, comm, count, out)
+        plan = tuner.cached_allgather(x, algorithm, comm, count, out)
         if plan is not None:
             return plan()
     return _prepare_allgather(x, algorithm, comm, count, out)[1]()
@@ -187,7 +187,7 @@ def allgather_async(x: Any, algorithm: str = "auto", comm: Any = None, count: in
                     out: Any = None) -> Handle:
     """`allgather` on the communicator's communication thread (see `allreduce_async`)."""
     c, work = _prepare_allgather(x, algorithm, comm, count, out)
-    return engine_for(c).submit(work)
+    return comm_thread_for(c).submit(work)
 
 
 def _prepare_allgather(x: Any, algorithm: str, comm: Any, count: int | None, out: Any):
@@ -245,17 +245,17 @@ def alltoall(x: Any, comm: Any = None, algorithm: str = "auto", out: Any = None)
     and `out is x` exchanges in place. x is left untouched otherwise. With `out`, the call runs
     through a cached plan (`mpdl.tuning.plan`, through `hook`) of these arrays; without, small NumPy inputs
     run through a plan kept for their shape (`plan.shaped_alltoall`)."""
-    engine = _hook.engine
-    if engine is not None and out is None:
-        result = engine.shaped_alltoall(x, comm, algorithm)
+    tuner = _hook.tuner
+    if tuner is not None and out is None:
+        result = tuner.shaped_alltoall(x, comm, algorithm)
         if result is not None:
             return result
-    elif engine is not None and type(algorithm) is str:
-        plan = engine.cache.get(("alltoall", id(x), id(out), id(comm), algorithm))
+    elif tuner is not None and type(algorithm) is str:
+        plan = tuner.cache.get(("alltoall", id(x), id(out), id(comm), algorithm))
         if plan is not None and x.dtype is plan._dtype and x.shape == plan._shape \
                 and plan.flight is plan.comm.flight:
             return plan()  # the plan cache's hit in line, as allreduce's (plan.cached_alltoall)
-        plan = engine.cached_alltoall(x, algorithm, comm, out)
+        plan = tuner.cached_alltoall(x, algorithm, comm, out)
         if plan is not None:
             return plan()
     return _prepare_alltoall(x, comm, algorithm, out)[1]()
@@ -265,7 +265,7 @@ def alltoall_async(x: Any, comm: Any = None, algorithm: str = "auto", out: Any =
     """`alltoall` on the communicator's communication thread (see `allreduce_async`): the
     handle's `.wait()` gives the result; x must not change until the handle is done."""
     c, work = _prepare_alltoall(x, comm, algorithm, out)
-    return engine_for(c).submit(work)
+    return comm_thread_for(c).submit(work)
 
 
 def _prepare_alltoall(x: Any, comm: Any, algorithm: str, out: Any):

@@ -42,7 +42,7 @@ class Call:
 def allreduce_call(x: Any, op: Any, algorithm: Any, comm: Any, out: Any,
                    plan: bool = False, shared: bool = False) -> Call:
     """The checked `allreduce(x, op, algorithm, comm, out)`; out is made when None. For a
-    persistent plan (`plan`), "auto" is the tuning engine's (`hook.choose`): what a plan of
+    persistent plan (`plan`), "auto" is the tuner's (`hook.choose`): what a plan of
     this size (of an array in shared memory with `shared`) verified."""
     c = as_communicator(comm)
     xp, dtype = check_array(x)
@@ -62,7 +62,7 @@ def allreduce_call(x: Any, op: Any, algorithm: Any, comm: Any, out: Any,
 def reduce_scatter_call(x: Any, op: Any, algorithm: Any, comm: Any, in_place: bool,
                         plan: bool = False) -> Call:
     """The checked `reduce_scatter(x, op, algorithm, comm, in_place)`; for a persistent plan
-    (`plan`), "auto" is the tuning engine's (`hook.choose`)."""
+    (`plan`), "auto" is the tuner's (`hook.choose`)."""
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     check_op(op, dtype)
@@ -79,7 +79,7 @@ def reduce_scatter_call(x: Any, op: Any, algorithm: Any, comm: Any, in_place: bo
 def allgather_call(x: Any, algorithm: Any, comm: Any, count: Any, out: Any,
                    plan: bool = False) -> Call:
     """The checked `allgather(x, algorithm, comm, count, out)`; out is made when None; for a
-    persistent plan (`plan`), "auto" is the tuning engine's (`hook.choose`)."""
+    persistent plan (`plan`), "auto" is the tuner's (`hook.choose`)."""
     c = as_communicator(comm)
     xp, dtype = check_array(x)
     bounds, total = allgather_bounds(x, c, count)
@@ -113,7 +113,7 @@ def alltoall_call(x: Any, algorithm: Any, comm: Any, out: Any) -> Call:
 def pick(collective: str, algorithm: str, comm: Communicator, nbytes: int,
          plan: bool = False, shared: bool = False) -> registry.Algorithm:
     """The registered algorithm of the call: by name, or auto's (for a persistent plan with
-    `plan`: the tuning engine's (`hook.choose`), what a plan of the size, of an array in shared memory with
+    `plan`: the tuner's (`hook.choose`), what a plan of the size, of an array in shared memory with
     `shared`, verified)."""
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm: expected a name, got {type(algorithm).__name__}")

@@ -1,12 +1,12 @@
-"""The one hook through which the collectives reach the tuning engine (`mpdl.tuning`, the layer
+"""The one hook through which the collectives reach the tuning layer (`mpdl.tuning`, the layer
 above them): which algorithm an "auto" call runs, and the persistent plan a call may run through.
 
-`import mpdl` installs the engine (`mpdl.tuning.ENGINE`). Without one (`install(None)`, or inside
+`import mpdl` installs its tuner (`mpdl.tuning.TUNER`). Without one (`install(None)`, or inside
 `off()`) "auto" takes the size rule `simple_choice` and every call runs its algorithm
 directly; a call that names its algorithm sends the same messages either way, since a plan
 replays the messages of its algorithm.
 
-The engine is any object with these methods (each may return None for "run the call directly"):
+The tuner is any object with these methods (each may return None for "run the call directly"):
 - `algorithm_for(collective, nbytes, comm)` and `plan_choice(collective, nbytes, comm, shared)`:
   the registered algorithm of an "auto" call, of a one-shot call and of a persistent plan;
 - `cached_allreduce(x, op, algorithm, comm, out)`, `cached_reduce_scatter(x, op, algorithm, comm,
@@ -27,8 +27,8 @@ from typing import Any
 
 from mpdl.collectives import registry
 
-#: the installed engine; None: none
-engine: Any = None
+#: the installed tuner; None: none
+tuner: Any = None
 
 #: below this size, allreduce is latency-bound and the size rule takes recursive doubling
 AUTO_SMALL_BYTES = 32 * 1024
@@ -40,7 +40,7 @@ MPICH_ALLTOALL_MEDIUM_BYTES = 32768
 
 
 def simple_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memory: bool) -> str:
-    """The size rule "auto" takes when no cost model is usable (or no tuning engine installed)."""
+    """The size rule "auto" takes when no cost model is usable (or no tuner installed)."""
     if collective == "alltoall":  # MPICH's rule, by bytes per destination
         per_destination = nbytes / max(1, p)
         if per_destination <= MPICH_ALLTOALL_SHORT_BYTES and p >= 8:
@@ -56,15 +56,15 @@ def simple_choice(collective: str, nbytes: int, p: int, nodes: int, shared_memor
 
 
 def install(new: Any) -> Any:
-    """Make `new` the engine the collectives ask (None: none); returns the one it replaces."""
-    global engine
-    previous, engine = engine, new
+    """Make `new` the tuner the collectives ask (None: none); returns the one it replaces."""
+    global tuner
+    previous, tuner = tuner, new
     return previous
 
 
 @contextmanager
 def off() -> Iterator[None]:
-    """The collectives without the tuning engine inside the block (on every rank alike)."""
+    """The collectives without the tuner inside the block (on every rank alike)."""
     previous = install(None)
     try:
         yield
@@ -74,13 +74,13 @@ def off() -> Iterator[None]:
 
 def choose(collective: str, nbytes: int, comm: Any, plan: bool = False,
            shared: bool = False) -> registry.Algorithm:
-    """The registered algorithm an "auto" call of nbytes on comm runs: the engine's (for a
+    """The registered algorithm an "auto" call of nbytes on comm runs: the tuner's (for a
     persistent plan with `plan`, of an array in shared memory with `shared`), else the size
     rule's."""
-    if engine is None:
+    if tuner is None:
         nodes = len(comm.node_groups()) if comm.size > 1 else 1
         return registry.resolve(collective, simple_choice(
             collective, nbytes, comm.size, nodes, comm.has_shared_memory))
     if plan:
-        return engine.plan_choice(collective, nbytes, comm, shared)
-    return engine.algorithm_for(collective, nbytes, comm)
+        return tuner.plan_choice(collective, nbytes, comm, shared)
+    return tuner.algorithm_for(collective, nbytes, comm)

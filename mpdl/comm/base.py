@@ -166,7 +166,7 @@ class Communicator:
     #: the flight recorder of this process (mpdl.comm.flight), or None
     flight: Any = None
     #: the communication thread of mpdl.comm.handles (started on first asynchronous call)
-    _engine: Any = None
+    _comm_thread: Any = None
 
     def __init__(self) -> None:
         self._workspace: dict[Any, Any] = {}

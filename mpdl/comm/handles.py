@@ -43,7 +43,7 @@ class Handle:
         self._done.set()
 
 
-class Engine:
+class CommThread:
     """A daemon thread that runs submitted work items one at a time, in submission order."""
 
     def __init__(self) -> None:
@@ -88,19 +88,20 @@ def _counting(work: Callable[[], Any], ledger: memory.Ledger) -> Callable[[], An
     return run
 
 
-def engine_for(comm: Any) -> Engine:
+def comm_thread_for(comm: Any) -> CommThread:
     """The communication thread of comm (started on first use)."""
-    engine = getattr(comm, "_engine", None)
-    if engine is None:
-        engine = comm._engine = Engine()
-    return engine
+    comm_thread = getattr(comm, "_comm_thread", None)
+    if comm_thread is None:
+        comm_thread = comm._comm_thread = CommThread()
+    return comm_thread
 
 
 def run_in_order(comm: Any, work: Callable[[], Any]) -> Any:
     """Run work now, unless asynchronous collectives are still in flight on comm: then queue it
     behind them, so that every rank issues its messages in the same order."""
-    engine = getattr(comm, "_engine", None)
-    if engine is None or threading.current_thread() is engine.thread or not engine.busy():
+    comm_thread = getattr(comm, "_comm_thread", None)
+    if (comm_thread is None or threading.current_thread() is comm_thread.thread
+            or not comm_thread.busy()):
         return work()
-    return engine.submit(work).wait()
+    return comm_thread.submit(work).wait()
 

@@ -43,7 +43,7 @@ from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
 from mpdl.collectives import allgather, alltoall, reduce_scatter
 from mpdl.comm import Communicator
-from mpdl.comm.handles import Handle, engine_for
+from mpdl.comm.handles import Handle, comm_thread_for
 
 CP_MODES = ("ring", "allgather", "ulysses")
 CP_BALANCES = ("zigzag", "contiguous")
@@ -207,7 +207,7 @@ def _shift(comm: Communicator, block: Any, step: Any) -> tuple[Any, Handle]:
     xp = get_array_module(block)
     incoming = xp.empty_like(block)
     cp, r = comm.size, comm.rank
-    handle = engine_for(comm).submit(
+    handle = comm_thread_for(comm).submit(
         lambda: comm.sendrecv(block, (r + 1) % cp, incoming, (r - 1) % cp, step))
     return incoming, handle
 

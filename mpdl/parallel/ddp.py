@@ -45,7 +45,7 @@ from mpdl.collectives import shm
 from mpdl.collectives.checks import pick
 from mpdl.collectives.registry import resolve
 from mpdl.comm import Communicator, as_communicator
-from mpdl.comm.handles import Handle, engine_for, run_in_order
+from mpdl.comm.handles import Handle, comm_thread_for, run_in_order
 from mpdl.parallel import buckets, flat
 from mpdl.parallel.buckets import MB, FlatLayout
 from mpdl.parallel.compression import GradientCompression, make_compression
@@ -267,7 +267,7 @@ class DistributedDataParallel:
             self._reduce(bucket)
             bucket.handle._finish()
         else:
-            bucket.handle = engine_for(self.comm).submit(lambda: self._reduce(bucket))
+            bucket.handle = comm_thread_for(self.comm).submit(lambda: self._reduce(bucket))
 
     def _reduce(self, bucket: Bucket) -> None:
         """Sum the bucket over the ranks, in place (its plan), and note when that ran."""

@@ -57,7 +57,7 @@ from mpdl import memory
 from mpdl.backend import get_array_module
 from mpdl.collectives import algorithms, allreduce, reduce_scatter
 from mpdl.comm import Communicator
-from mpdl.comm.handles import Handle, engine_for
+from mpdl.comm.handles import Handle, comm_thread_for
 from mpdl.parallel import buckets, flat
 from mpdl.parallel.buckets import MB
 from mpdl.parallel.flat import broadcast_model
@@ -251,7 +251,7 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
             handle = Handle()
             handle._finish(work())
             return handle
-        return engine_for(self.comm).submit(work)
+        return comm_thread_for(self.comm).submit(work)
 
     # -- gradients ---------------------------------------------------------------------------------
     def _on_grad(self, p: Any) -> None:

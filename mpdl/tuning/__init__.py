@@ -1,11 +1,11 @@
-"""The tuning engine: what chooses, measures or replays collectives.
+"""The tuning layer: what chooses, measures or replays collectives.
 
 `plan` (persistent plans: a call's schedule captured once, `capture`, and replayed; `flightplan`
 notes their runs in the flight recorder), `auto` (the algorithm a call runs when the caller does
 not say), `costmodel` (the predictions `auto` ranks by),
 `measuring` and `firstuse` (the calibration of this machine), `verify` (a plan timing its
 candidates online). The collectives reach it only through `mpdl.collectives.hook`, where importing
-this package installs `ENGINE`.
+this package installs the tuner, `TUNER`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from mpdl.tuning import auto, plan
 from mpdl.tuning.plan import Plan, allgather_init, allreduce_init, alltoall_init, reduce_scatter_init
 
 
-class Engine:
+class Tuner:
     """What `mpdl.collectives.hook` asks: `auto`'s choices and the plan cache of `plan` (looked up
     at each call, so that the modules' functions stay the ones that run)."""
 
@@ -46,8 +46,8 @@ class Engine:
         return plan.shaped_alltoall(x, comm, algorithm)
 
 
-ENGINE = Engine()
-hook.install(ENGINE)
+TUNER = Tuner()
+hook.install(TUNER)
 
-__all__ = ["ENGINE", "Engine", "Plan", "allreduce_init", "reduce_scatter_init", "allgather_init",
+__all__ = ["TUNER", "Tuner", "Plan", "allreduce_init", "reduce_scatter_init", "allgather_init",
            "alltoall_init"]

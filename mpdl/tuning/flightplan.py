@@ -69,9 +69,9 @@ class FlightPlan:
         if x is not None and (x is not plan.x or x.shape != self._shape):
             plan._check_x(x)
         comm = self.comm
-        engine = comm._engine
-        if plan._started or comm.check or (engine is not None and engine._pending
-                                           and threading.current_thread() is not engine.thread):
+        thread = comm._comm_thread
+        if plan._started or comm.check or (thread is not None and thread._pending
+                                           and threading.current_thread() is not thread.thread):
             return self.start().wait()
         rec = comm.flight
         if rec is None:  # switched off meanwhile (as around a first-use calibration)

@@ -130,9 +130,9 @@ class Plan:
         if x is not None and (x is not self.x or x.shape != self._shape):
             self._check_x(x)
         comm = self.comm
-        engine = comm._engine
-        if self._started or comm.check or (engine is not None and engine._pending
-                                           and threading.current_thread() is not engine.thread):
+        thread = comm._comm_thread
+        if self._started or comm.check or (thread is not None and thread._pending
+                                           and threading.current_thread() is not thread.thread):
             return self.start().wait()
         self._run()
         return self.result if self._finish is None else self._finish()
@@ -155,9 +155,9 @@ class Plan:
             self._check_x(x)
         if self._started:
             raise RuntimeError(f"plan: {self._name} started again before wait()")
-        engine = self.comm._engine
-        if engine is not None and engine.busy() and threading.current_thread() is not engine.thread:
-            engine.submit(behind).wait()
+        thread = self.comm._comm_thread
+        if thread is not None and thread.busy() and threading.current_thread() is not thread.thread:
+            thread.submit(behind).wait()
         else:
             now()
         self._started = True
