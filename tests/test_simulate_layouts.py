@@ -725,3 +725,9 @@ def test_deepseek_v3_fits_and_is_bound_by_compute():
                          L.PRECISIONS["bf16"], net.params, 8)
     ours = L.expert_time(shape, P.DEEPSEEK_V3, L.PRECISIONS["deepseek-fp8"], net.params, 8)
     assert ours < bf16 * (4 * 1 + 4 * 2) / (2 * 8 * 2)
+    out = _mpdl("--model-shape", "deepseek-v3", "--gpu", "h800", "--pp", "16", "--dp", "128",
+                "--ep", "64", "--zero", "1", "--schedule", "dualpipev", "--microbatches", "120",
+                "--moe-capacity-factor", "0", "--precision", "deepseek-fp8", "--recompute",
+                "selective", "--recompute-up", "--comm-sms", "20")
+    assert out.returncode == 0, out.stderr
+    assert f"{P.DEEPSEEK_V3.label()} " in out.stdout and f"{row['step_s']:.3f}" in out.stdout
