@@ -141,3 +141,37 @@ def test_interleaved_chunks_may_hold_only_the_embedding_or_the_output():
     with pytest.raises(ValueError, match="--pp"):
         L.check_layout(shape, L.Layout(pp=16, virtual=9, microbatches=16), 8)
     assert L.max_stage_layers(shape, L.Layout(pp=16, virtual=8)) == 8
+
+
+def test_attention_gemms_of_its_own_and_their_up_projections_recomputed():
+    # a latent attention: the hidden state down to 256, up to 512, out of 256 wide heads; every
+    # GEMM a whole number of 256 x 128 tiles on one SM
+    shape = L.Shape(1, 256, 2, 256, 100, attention_gemms=((256, 256, "in"), (256, 512, "up"),
+                                                          (256, 256, "out")))
+    fwd, bwd = C.linear_seconds(L.layer_work(shape, L.Layout(), BF16), EXACT)
+    attention = 2 * 256 * (256 * 256 + 256 * 512 + 256 * 256)
+    mlp = 2 * 256 * (256 * 1024 + 1024 * 256)
+    assert fwd == pytest.approx((attention + mlp) / 0.5e12)
+    # the up-projection's forward again, and the two norms' 4·d·2 bytes a token
+    plain = C.layer_seconds(L.layer_work(shape, L.Layout(), BF16), EXACT)
+    up = C.layer_seconds(L.layer_work(shape, L.Layout(recompute_up=True), BF16), EXACT)
+    assert up["gemm_s"] - plain["gemm_s"] == pytest.approx(2 * 256 * 256 * 512 / 0.5e12)
+    slow = replace(EXACT, memory_bandwidth=1e9)
+    plain = C.layer_seconds(L.layer_work(shape, L.Layout(), BF16), slow)
+    up = C.layer_seconds(L.layer_work(shape, L.Layout(recompute_up=True), BF16), slow)
+    assert up["elementwise_s"] - plain["elementwise_s"] == pytest.approx(256 * 4 * 256 * 2 / 1e9)
+
+
+def test_latent_activations_with_recomputation_and_fp8_caching_by_hand():
+    shape = L.Shape(1, 256, 2, 256, 100, attention_gemms=((256, 256, "in"), (256, 512, "up"),
+                                                          (256, 256, "out")))
+    sbd = 256 * 256
+    # bf16: QKV input 2, masks 2, norm inputs 4, MLP input 2; the latent 2·256/d, Q K V
+    # 2·512/d, the projection's input 2·256/d; the SwiGLU-less MLP's hidden 4·1024/d
+    plain = L.activation_bytes_per_layer(shape, L.Layout(recompute="selective"), BF16)
+    assert plain == pytest.approx(sbd * (2 + 2 + 4 + 2 + 2 + 4 + 2 + 16))
+    # the norms and the up-projection recomputed: no QKV input, no Q K V; the projection's
+    # input in one byte (DeepSeek's caching)
+    deepseek = L.activation_bytes_per_layer(
+        shape, L.Layout(recompute="selective", recompute_up=True), L.PRECISIONS["deepseek-fp8"])
+    assert deepseek == pytest.approx(sbd * (2 + 4 + 2 + 2 + 1 + 16))

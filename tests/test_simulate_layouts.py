@@ -710,3 +710,24 @@ def test_list_names_every_choice_of_the_flags():
     for choices in (P.NETWORKS, L.GPUS, L.SHAPES, L.PRECISIONS):
         assert set(choices) <= names
     assert {"hgx-h200", "gb200-nvl72", "h800-cluster", "deepseek-v3", "h800"} <= names
+
+
+def test_deepseek_v3_fits_and_is_bound_by_compute():
+    shape, net = L.SHAPES["deepseek-v3"], P.NETWORKS["h800-cluster"]
+    row = L.evaluate(shape, P.DEEPSEEK_V3, L.PRECISIONS["deepseek-fp8"], L.GPUS["h800"],
+                     net.params, net.per_node)
+    assert row["fits"], row["total_bytes"] / 1e9
+    # DualPipe's slot is the longer of compute and the all-to-all plus sends: here compute
+    assert row["compute_s"] > row["ep_comm_s"] + row["pp_comm_s"]
+    # FP8 dispatch and bf16 combine to at most 4 of 8 nodes: 4 copies a token at 1 + 2 bytes
+    # where 8 went at 2 + 2
+    bf16 = L.expert_time(replace(shape, max_nodes_per_token=0), P.DEEPSEEK_V3,
+                         L.PRECISIONS["bf16"], net.params, 8)
+    ours = L.expert_time(shape, P.DEEPSEEK_V3, L.PRECISIONS["deepseek-fp8"], net.params, 8)
+    assert ours < bf16 * (4 * 1 + 4 * 2) / (2 * 8 * 2)
+    out = _mpdl("--model-shape", "deepseek-v3", "--gpu", "h800", "--pp", "16", "--dp", "128",
+                "--ep", "64", "--zero", "1", "--schedule", "dualpipev", "--microbatches", "120",
+                "--moe-capacity-factor", "0", "--precision", "deepseek-fp8", "--recompute",
+                "selective", "--recompute-up", "--comm-sms", "20")
+    assert out.returncode == 0, out.stderr
+    assert f"{P.DEEPSEEK_V3.label()} " in out.stdout and f"{row['step_s']:.3f}" in out.stdout

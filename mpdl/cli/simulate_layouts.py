@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--comm-sms", type=int, default=0, metavar="N",
                    help="SMs a GPU keeps for communication kernels, away from compute "
                         "(DeepSeek-V3: 20 of the H800's 132; default 0)")
+    g.add_argument("--recompute-up", action="store_true",
+                   help="recompute the norms and the attention's up-projections in backward, "
+                        "keeping only their inputs (DeepSeek-V3)")
     g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="interleaved pipeline: model chunks per GPU (default 1)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0 (DDP), 1, 2 or 3 (default 0)")
@@ -327,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
                                      capacity_factor=args.moe_capacity_factor,
                                      tp_overlap=args.tp_overlap,
                                      gather_overlap=args.gather_overlap,
-                                     comm_sms=args.comm_sms)
+                                     comm_sms=args.comm_sms, recompute_up=args.recompute_up)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         rows = report["rows"]
@@ -364,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     layout = L.Layout(dp, args.pp, args.tp, args.zero, m or 1, kind,
                       args.recompute, args.zero_group, args.cp, args.ep, args.sp,
                       args.cp_mode, args.moe_capacity_factor, virtual, args.tp_overlap,
-                      args.gather_overlap, args.comm_sms)
+                      args.gather_overlap, args.comm_sms, args.recompute_up)
     try:
         L.check_layout(shape, layout, per_node)
         row = L.evaluate(shape, layout, precision, gpu, net.params, per_node, tokens,
@@ -396,4 +399,5 @@ def _layout_of(row: dict[str, Any]) -> L.Layout:
     return L.Layout(row["dp"], row["pp"], row["tp"], row["zero"], row["microbatches"],
                     row["schedule"], row["recompute"], row["zero_group"], row["cp"], row["ep"],
                     row["sp"], row["cp_mode"], row["capacity_factor"], row["virtual"],
-                    row["tp_overlap"], row["gather_overlap"], row["comm_sms"])
+                    row["tp_overlap"], row["gather_overlap"], row["comm_sms"],
+                    row["recompute_up"])

@@ -17,7 +17,8 @@ of the rows the model is checked against.
 
 Per layer and micro-batch on one GPU, with s = T/cp the tokens it holds, t tensor-parallel ranks:
 
-    linear GEMMs    m = b·s tokens: QKV (k = d, n = (d + 2·d_kv)/t), the projection (d/t, d), the
+    linear GEMMs    m = b·s tokens: QKV (k = d, n = (d + 2·d_kv)/t), the projection (d/t, d) (or
+                    the attention's own GEMMs, MLA's down- and up-projections, n/t each), the
                     MLP's up (d, f/t; 2f/t gated) and down (f/t, d) matrices; in a MoE block the
                     MLP's per expert, m = the tokens an expert receives (b·s·k·cf·ep/E), E/ep
                     experts, and the router (d, E), in 16 bits under FP8; the SMs kept for
@@ -40,7 +41,9 @@ Per layer and micro-batch on one GPU, with s = T/cp the tokens it holds, t tenso
                     block's MLP terms times k·cf, and its dispatch and combine copies
                     4·k·cf·h·B/t
     recomputation   full: the forward again (GEMMs and elementwise); selective: the attention
-                    core's forward again (with its softmax and dropout)
+                    core's forward again (with its softmax and dropout); besides either but
+                    full, the up-projections and the two norms again (`recompute_up`), and a
+                    MoE block's SwiGLU again from its cached input (DeepSeek-V3, §3.2.3, §3.3.2)
 
 Pure functions of a `Layer` (what one layer asks of one GPU; `mpdl.perf.layouts.layer_work`
 builds it from a shape and a layout) and a `Gpu`.
@@ -107,6 +110,12 @@ class Layer:
     core: int = 0
     #: bytes a FP8 recipe moves per element of each weight GEMM's operand to scale and cast it
     cast_bytes: float = 0.0
+    #: the attention's own GEMMs (k, n, role; `layouts.Shape.attention_gemms`), their
+    #: up-projections and the norms recomputed in backward, and the SwiGLU's output recomputed
+    #: from its cached input
+    attention_gemms: tuple[tuple[int, int, str], ...] = ()
+    recompute_up: bool = False
+    recompute_swiglu: bool = False
 
     @property
     def tokens(self) -> float:
@@ -168,6 +177,17 @@ def with_reserved_sms(gpu: Gpu, reserved: int) -> Gpu:
                    fp8_flops=gpu.fp8_flops * left)
 
 
+def attention_gemms(layer: Layer, role: str = "") -> list[tuple[float, float, float, float]]:
+    """(m, n, k, batch) of the attention's weight GEMMs (those of `role` only, if given): Q, K, V
+    and the projection, or the layer's own (outputs split t ways)."""
+    if layer.attention_gemms:
+        return [(layer.tokens, n / layer.tp, k, 1) for k, n, kind in layer.attention_gemms
+                if kind == role or not role]
+    d = layer.hidden
+    return [] if role else [(layer.tokens, (d + 2 * layer.d_kv) / layer.tp, d, 1),
+                            (layer.tokens, d, d / layer.tp, 1)]
+
+
 def linear_seconds(layer: Layer, gpu: Gpu) -> tuple[float, float]:
     """(forward, backward) seconds of the layer's weight GEMMs (in FP8 with `layer.fp8`) and a MoE
     block's router (in 16 bits)."""
@@ -187,7 +207,7 @@ def linear_seconds(layer: Layer, gpu: Gpu) -> tuple[float, float]:
             mlp += [(layer.tokens, width * up * t / layer.d_ff, d, 1), (layer.tokens, d, width, 1)]
     else:
         mlp = [(layer.tokens, up, d, 1), (layer.tokens, d, layer.d_ff / t, 1)]
-    gemms = [(layer.tokens, (d + 2 * layer.d_kv) / t, d, 1), (layer.tokens, d, d / t, 1), *mlp]
+    gemms = [*attention_gemms(layer), *mlp]
     fwd, bwd = router
     for m, n, k, batch in gemms:
         f, b = _with_backward(m, n, k, gpu, nbytes, batch)
@@ -239,9 +259,29 @@ def layer_seconds(layer: Layer, gpu: Gpu) -> dict[str, float]:
         gemm, attention, moved = gemm + lin_f, attention + att_f, moved + fwd_bytes
     elif layer.recompute == "selective":
         attention, moved = attention + att_f, moved + core_bytes
+    if layer.recompute != "full":
+        gemm, moved = gemm + _recomputed_up(layer, gpu), moved + _recomputed_bytes(layer)
     elementwise = moved / gpu.memory_bandwidth
     return {"gemm_s": gemm, "attention_s": attention, "elementwise_s": elementwise,
             "total_s": gemm + attention + elementwise}
+
+
+def _recomputed_up(layer: Layer, gpu: Gpu) -> float:
+    """Seconds of the attention's up-projections run again in backward (`recompute_up`)."""
+    if not layer.recompute_up:
+        return 0.0
+    gpu, nbytes = (fp8_view(gpu), 1) if layer.fp8 else (gpu, layer.act_bytes)
+    return sum(gemm_seconds(m, n, k, gpu, nbytes, batch)
+               for m, n, k, batch in attention_gemms(layer, "up"))
+
+
+def _recomputed_bytes(layer: Layer) -> float:
+    """Bytes of the norms (`recompute_up`) and the SwiGLU (`recompute_swiglu`) run again."""
+    bb, norms = layer.act_bytes, 4 * layer.hidden * layer.act_bytes
+    per_token = (norms / layer.tp if layer.sp else norms) if layer.recompute_up else 0.0
+    if layer.recompute_swiglu:
+        per_token += 3 * layer.d_ff * bb / layer.tp * layer.mlps
+    return layer.tokens * per_token
 
 
 def rate(gpu: Gpu) -> float:

@@ -12,7 +12,8 @@ embedding); ``llama`` has no biases, RMSNorms, rotary positions and an untied ou
     model FLOPs     6·(N_active − T·d) + 12·L·d·T per token (PaLM appendix B; N_active counts k
                     experts of E)
     recomputation   full: each layer's forward again, 2·(N_active − embeddings) + 4·L·d·T;
-                    selective (the attention core only): 4·L·d·T
+                    selective (the attention core only): 4·L·d·T; either may add the norms
+                    and the attention's up-projections (`recompute_up`, DeepSeek-V3)
 
 Memory per GPU (bytes; `Precision`): parameters, gradients and optimizer state per parameter are
 2 / 2 / 12 for bf16 or fp16 training with Adam (K = 12, the ZeRO paper: fp32 master copy, momentum
@@ -124,6 +125,9 @@ class Shape:
     #: multi-token prediction modules trained beside the model (DeepSeek-V3: 1, §2.2), each a
     #: block, a d × 2d projection and the shared output head for every token; not counted in N
     mtp_depth: int = 0
+    #: the attention's weight GEMMs (k, n, role) when they are not Q, K, V and the projection:
+    #: role "in" reads the hidden state, "up" a low-rank latent, "out" writes the hidden state
+    attention_gemms: tuple[tuple[int, int, str], ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "seq", "vocab", "microbatch", "top_k",
@@ -253,9 +257,11 @@ class Shape:
 
 #: DeepSeek-V3's multi-head latent attention per block (its released configuration: 128 heads,
 #: query rank 1536, key-value rank 512, query-key head width 128 + 64 rotary, value 128): the
-#: down- and up-projections of Q and of the shared K-V latent, their norms, the output projection
-MLA_PARAMS = (7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512
-              + 512 * 128 * (128 + 128) + 128 * 128 * 7168)
+#: down- and up-projections of Q and of the shared K-V latent, the output projection
+MLA_GEMMS = ((7168, 1536, "in"), (1536, 128 * 192, "up"), (7168, 512 + 64, "in"),
+             (512, 128 * (128 + 128), "up"), (128 * 128, 7168, "out"))
+#: and the latents' two norms
+MLA_PARAMS = sum(k * n for k, n, _ in MLA_GEMMS) + 1536 + 512
 
 #: shapes of published models (Megatron-LM 2019 Table 1; Narayanan et al. 2021 Table 1;
 #: Korthikanti et al. 2022 Table 3; Llama 3 8B, 70B and 405B, Dubey et al. 2024 Table 3; Mixtral 8x7B's
@@ -277,7 +283,8 @@ SHAPES: dict[str, Shape] = {
                           gated=True, family="llama", experts=8, top_k=2),
     "deepseek-v3": Shape(61, 7168, 128, 4096, 129280, 1, "deepseek-v3", ffn=2048, gated=True,
                          family="llama", experts=256, top_k=8, first_dense=3, dense_ffn=18432,
-                         shared_experts=1, attention=MLA_PARAMS, core=128 * (192 + 128) // 2),
+                         shared_experts=1, attention=MLA_PARAMS, core=128 * (192 + 128) // 2,
+                         attention_gemms=MLA_GEMMS, max_nodes_per_token=4, mtp_depth=1),
 }
 
 
@@ -299,6 +306,9 @@ class Precision:
     #: bytes per element of the experts' dispatch and combine all-to-alls (0: an activation's)
     dispatch: float = 0
     combine: float = 0
+    #: DeepSeek-V3's FP8 caching (§3.3.2): the attention output and, in MoE blocks, the experts'
+    #: inputs and SwiGLU inputs kept for backward in one byte, the SwiGLU output recomputed
+    fp8_cache: bool = False
 
     def gathered(self, zero: int) -> float:
         """Bytes per parameter an all-gather of the parameters moves under ZeRO stage `zero`."""
@@ -326,7 +336,8 @@ PRECISIONS = {
     # gradients, AdamW's two moments in bf16 (§3.3.3): 4 + 2 + 2 bytes of optimizer state
     "deepseek-fp8": Precision("DeepSeek-V3's FP8: block-scaled FP8 GEMMs, FP8 dispatch, bf16 "
                               "combine, float32 master weights and gradients, bf16 Adam moments",
-                              2, 4, 8, 2, True, cast_bytes=6, dispatch=1, combine=2),
+                              2, 4, 8, 2, True, cast_bytes=6, dispatch=1, combine=2,
+                              fp8_cache=True),
     "bf16": Precision("bf16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
     "fp16": Precision("fp16 with float32 master weights and Adam (K=12)", 2, 2, 12, 2),
     "fp32": Precision("float32 Adam", 4, 4, 8, 4),
@@ -410,6 +421,9 @@ class Layout:
     gather_overlap: bool = False
     #: SMs kept for communication kernels, away from compute (DeepSeek-V3: 20 of 132, §3.2.2)
     comm_sms: int = 0
+    #: the norms and the attention's up-projections recomputed in backward, their outputs not
+    #: kept (DeepSeek-V3, §3.2.3)
+    recompute_up: bool = False
 
     @property
     def gpus(self) -> int:
@@ -440,6 +454,8 @@ class Layout:
             text += " gather-overlap"
         if self.comm_sms:
             text += f" comm-sms{self.comm_sms}"
+        if self.recompute_up:
+            text += " recompute-up"
         return text + ("" if self.recompute == "none" else f" recompute={self.recompute}")
 
 
@@ -547,11 +563,26 @@ def activation_bytes_per_layer(shape: Shape, layout: Layout, precision: Precisio
         return 2 * sbd * scale / (t if sp else 1)
     routed = shape.top_k * (layout.capacity_factor or 1.0) + shape.shared_experts if moe else 1.0
     mlp_hidden = (8 if shape.gated else 4) * (shape.d_ff if moe else shape.dense_ffn_width) / d
-    # replicated without sp: the QKV input (2), the attention output's dropout mask (1), two norm
-    # inputs (4), the MLP's input (2, at every expert it reaches) and dropout mask (1)
-    replicated = 7 + 1 + 2 * routed
-    # split t ways: Q, K, V (2 + 4·kv/d), the projection's input (2), the MLP's hidden (2·4f/d)
-    split = 4 + 4 * shape.d_kv / d + mlp_hidden * routed
+    fp8 = precision.fp8_cache and moe  # one byte where two were
+    if fp8:  # the SwiGLU's two inputs, f wide each, in one byte
+        mlp_hidden = 2 * shape.d_ff / d
+    # replicated without sp: the QKV input (2, unless its norm is recomputed), the attention
+    # output's dropout mask (1), two norm inputs (4), the MLP's input (2, at every expert it
+    # reaches) and dropout mask (1)
+    replicated = (5 if layout.recompute_up else 7) + 1 + (1 if fp8 else 2) * routed
+    # split t ways: Q, K, V (2 + 4·kv/d), the projection's input (2), the MLP's hidden (2·4f/d);
+    # with its own GEMMs the attention keeps its latents, its Q, K and V (the up-projections'
+    # outputs, unless recomputed) and the output projection's input
+    out = 1 if precision.fp8_cache else 2
+    if shape.attention_gemms:
+        kept = [k for k, _, role in shape.attention_gemms if role == "up"]
+        if not layout.recompute_up:
+            kept += [n for _, n, role in shape.attention_gemms if role == "up"]
+        attention = (2 * sum(kept) + out * sum(k for k, _, role in shape.attention_gemms
+                                               if role == "out")) / d
+    else:
+        attention = 2 + 4 * shape.d_kv / d + out
+    split = attention + mlp_hidden * routed
     per_token = (replicated + split) / t if sp else replicated + split / t
     if mode == "none":
         per_token += 5 * a * shape.seq / (d * t)
@@ -730,7 +761,8 @@ def layer_work(shape: Shape, layout: Layout, precision: Precision, moe: bool = F
                    shape.family, layout.tp, layout.sp, layout.recompute, precision.activation,
                    shape.experts if moe else 0, shape.top_k, layout.capacity_factor, layout.ep,
                    precision.fp8_gemms, shape.shared_experts if moe else 0, shape.core_width,
-                   precision.cast_bytes)
+                   precision.cast_bytes, shape.attention_gemms, layout.recompute_up,
+                   precision.fp8_cache and moe)
 
 
 def compute_parts(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu
@@ -905,7 +937,8 @@ def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
                cp_mode: str = "ring", capacity_factor: float = 1.0,
                recomputes: tuple[str, ...] = RECOMPUTE, context: bool = True,
                sequence_parallel: bool = True, interleave: bool = True,
-               tp_overlap: bool = False, gather_overlap: bool = False, comm_sms: int = 0):
+               tp_overlap: bool = False, gather_overlap: bool = False, comm_sms: int = 0,
+               recompute_up: bool = False):
     """Every dp × pp × cp × tp × ep layout of `gpus` GPUs that can run the shape: tp dividing the
     heads and at most a node, pp the layers, cp the sequence, ep the experts and dp, dp the global
     batch in micro-batches; each ZeRO stage allowed, each of `recomputes`, with and without sp
@@ -932,7 +965,8 @@ def candidates(shape: Shape, gpus: int, global_batch: int, per_node: int,
                                 else (False,), _pipelines(shape, pp, m, kinds, interleave)):
                             layout = Layout(dp, pp, tp, zero, m, kind, recompute, None, cp,
                                             ep, sp, cp_mode, capacity_factor, virtual,
-                                            tp_overlap, gather_overlap, comm_sms)
+                                            tp_overlap, gather_overlap, comm_sms,
+                                            recompute_up)
                             try:
                                 check_layout(shape, layout, per_node)
                             except ValueError:

@@ -381,10 +381,14 @@ def mcore_rows() -> list[dict[str, Any]]:
 
 #: DeepSeek-V3 on 2,048 H800 (DeepSeek-V3 report, arXiv 2412.19437, §3.1-3.3): pp 16 with
 #: DualPipe, ep 64 over 8 nodes, ZeRO-1 data parallelism over the rest (dp 128), no tensor
-#: parallelism, FP8 GEMMs, dropless routing, 4K sequences at the final batch of 15,360 (the ramp
-#: from 3,072 over the first 469B tokens left out), one sequence a micro-batch assumed
+#: parallelism, its FP8 recipe, dropless routing, 20 of the 132 SMs kept for communication
+#: (§3.2.2), the norms and MLA's up-projections recomputed in backward (§3.2.3), the attention
+#: core too (FlashAttention's, as the Llama 3 rows take it), 4K sequences at the final batch of
+#: 15,360 (the ramp from 3,072 over the first 469B tokens left out), one sequence a micro-batch
+#: assumed
 DEEPSEEK_V3 = L.Layout(dp=128, pp=16, tp=1, zero=1, microbatches=15360 // 128,
-                       schedule="dualpipev", ep=64, capacity_factor=0, virtual=2)
+                       schedule="dualpipev", recompute="selective", ep=64, capacity_factor=0,
+                       virtual=2, comm_sms=20, recompute_up=True)
 
 
 def deepseek_rows() -> list[dict[str, Any]]:
@@ -398,10 +402,10 @@ def deepseek_rows() -> list[dict[str, Any]]:
            _row("DeepSeek-V3 active parameters per token", 37.0, shape.active_params / 1e9,
                 "billion", BAND, source=src)]
     net = NETWORKS["h800-cluster"]
-    r = L.evaluate(shape, DEEPSEEK_V3, L.PRECISIONS["fp8"], L.GPUS["h800"], net.params,
-                   net.per_node, tokens=14.8e12)
+    r = L.evaluate(shape, DEEPSEEK_V3, L.PRECISIONS["deepseek-fp8"], L.GPUS["h800"],
+                   net.params, net.per_node, tokens=14.8e12)
     out.append(_row("DeepSeek-V3 pre-training on 2048 H800", 2.664, r["gpu_hours"] / 1e6,
-                    "million GPU-hours", BAND, layout=DEEPSEEK_V3.label(),
+                    "million GPU-hours", BAND, layout=DEEPSEEK_V3.label(), fits=r["fits"],
                     source="DeepSeek-V3 report (arXiv 2412.19437), Table 1 and §1: 2,664K H800 "
                            "GPU-hours for pre-training on 14.8T tokens (180K a trillion)"))
     return out
