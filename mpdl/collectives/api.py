@@ -80,7 +80,7 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", comm: Any = None
             plan = tuner.cache.get((id(x), id(out), id(comm), op, algorithm))
         except TypeError:  # op or algorithm unhashable: the checks below say which
             plan = None
-        if plan is not None and x.dtype is plan._dtype and x.shape == plan._shape \
+        if plan is not None and x.dtype is plan.dtype and x.shape == plan.shape \
                 and plan.flight is plan.comm.flight:
             return plan()
         if type(op) is str and type(algorithm) is str:
@@ -252,7 +252,7 @@ def alltoall(x: Any, comm: Any = None, algorithm: str = "auto", out: Any = None)
             return result
     elif tuner is not None and type(algorithm) is str:
         plan = tuner.cache.get(("alltoall", id(x), id(out), id(comm), algorithm))
-        if plan is not None and x.dtype is plan._dtype and x.shape == plan._shape \
+        if plan is not None and x.dtype is plan.dtype and x.shape == plan.shape \
                 and plan.flight is plan.comm.flight:
             return plan()  # the plan cache's hit in line, as allreduce's (plan.cached_alltoall)
         plan = tuner.cached_alltoall(x, algorithm, comm, out)

@@ -15,7 +15,7 @@ The tuner is any object with these methods (each may return None for "run the ca
 - `shaped_alltoall(x, comm, algorithm)`: the result of a one-shot all-to-all run by a plan kept
   for x's shape;
 and a dictionary `cache` of its plans by call, which the API looks up in line: a hit stands while
-x keeps the plan's dtype and shape and the plan notes its runs in its communicator's flight
+x keeps the plan's `dtype` and `shape` and the plan notes its runs in its communicator's flight
 recorder (`plan.flight is plan.comm.flight`; None for both: a bare plan).
 """
 

@@ -22,13 +22,13 @@ class FlightPlan:
     """`plan`, its runs noted by its communicator's flight recorder (`flight`); its arrays, trial,
     algorithm and schedule are the plan's."""
 
-    __slots__ = ("plan", "comm", "flight", "_shape", "_dtype", "_signature", "_cell", "_slots",
+    __slots__ = ("plan", "comm", "flight", "shape", "dtype", "_signature", "_cell", "_slots",
                  "_info", "_fault", "_entry")
 
     def __init__(self, plan: Any) -> None:
         self.plan, self.comm = plan, plan.comm
         #: the plan's array's shape and dtype (a cache hit compares them)
-        self._shape, self._dtype = plan._shape, plan._dtype
+        self.shape, self.dtype = plan.shape, plan.dtype
         #: MPDL_FAULT is set: a run may be the one to skip
         self._fault = plan.comm.settings.fault is not None
         self._entry: FlightEntry | None = None
@@ -60,13 +60,13 @@ class FlightPlan:
         group = self.comm.flight_group()
         self.flight, self._signature = rec, plan.signature
         self._cell, self._slots = rec.counter(group), rec.slots
-        self._info = (plan.collective, plan.algorithm, plan.nbytes, plan._dtype,
+        self._info = (plan.collective, plan.algorithm, plan.nbytes, plan.dtype,
                       plan.signature[4], group)
 
     def __call__(self, x: Any = None) -> Any:
         """Run the collective once and return its result (`start` and `wait` in one)."""
         plan = self.plan
-        if x is not None and (x is not plan.x or x.shape != self._shape):
+        if x is not None and (x is not plan.x or x.shape != self.shape):
             plan._check_x(x)
         comm = self.comm
         thread = comm._comm_thread

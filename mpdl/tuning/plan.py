@@ -69,7 +69,7 @@ class Plan:
     `FlightPlan` (`watched`), which notes its runs; a bare plan only runs."""
 
     __slots__ = ("comm", "x", "result", "signature", "trial", "_name", "_schedule", "_finish",
-                 "_shape", "_dtype", "_started", "_held", "__weakref__")
+                 "shape", "dtype", "_started", "_held", "__weakref__")
 
     #: the flight recorder that notes the runs: none (`FlightPlan.flight` where one does)
     flight = None
@@ -87,7 +87,8 @@ class Plan:
         #: persistent requests they hold
         self._schedule = (go, fast, requests or [])
         self._finish = finish
-        self._shape, self._dtype = x.shape, x.dtype
+        #: x's shape and dtype, plain attributes: the API's cache hit compares them in line
+        self.shape, self.dtype = x.shape, x.dtype
         self._started = False
         #: the comm and out arguments of the ordinary call a cached plan stands for (kept alive:
         #: the cache's key holds their ids)
@@ -112,22 +113,22 @@ class Plan:
         return (self.result if self.collective == "allgather" else self.x).nbytes
 
     def __repr__(self) -> str:
-        return (f"<Plan {self._name} of {self._shape} {self._dtype} over {self.comm.size} "
+        return (f"<Plan {self._name} of {self.shape} {self.dtype} over {self.comm.size} "
                 f"ranks>")
 
     def _check_x(self, x: Any) -> None:
         if x is not self.x:
             raise ValueError(f"x: this {self.collective} plan was made for another array (shape "
-                             f"{self._shape}, {self._dtype}); make a plan for this one "
+                             f"{self.shape}, {self.dtype}); make a plan for this one "
                              f"({self.collective}_init)")
-        if x.shape != self._shape or x.dtype != self._dtype:
+        if x.shape != self.shape or x.dtype != self.dtype:
             raise ValueError(f"x: the plan's array changed since the plan was made (shape "
-                             f"{self._shape} -> {x.shape}, {self._dtype} -> {x.dtype}); make a "
+                             f"{self.shape} -> {x.shape}, {self.dtype} -> {x.dtype}); make a "
                              f"new plan")
 
     def __call__(self, x: Any = None) -> Any:
         """Run the collective once and return its result (`start` and `wait` in one)."""
-        if x is not None and (x is not self.x or x.shape != self._shape):
+        if x is not None and (x is not self.x or x.shape != self.shape):
             self._check_x(x)
         comm = self.comm
         thread = comm._comm_thread
@@ -833,7 +834,7 @@ def _cached(key: tuple, x: Any, out: Any, comm: Any, make: Callable, *arguments:
     plan = cache.get(key)
     if plan is not None:
         if plan.x is x and plan._held[1] is out and plan._held[0] is comm and \
-                x.shape == plan._shape and x.dtype is plan._dtype:
+                x.shape == plan.shape and x.dtype is plan.dtype:
             if plan.flight is not plan.comm.flight:
                 plan = cache[key] = watched(plan)
             return plan
