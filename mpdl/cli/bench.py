@@ -1,6 +1,6 @@
 """`mpdl bench`: time collective algorithms side by side, in the style of nccl-tests.
 
-The timing engine is `mpdl.perf.bench` (how the algorithms take turns, what a row holds, busbw);
+The timing loop is `mpdl.perf.bench` (how the algorithms take turns, what a row holds, busbw);
 this verb checks the flags and prints the table, the CSV, the JSON lines and the plot.
 Beside each measurement is the cost model's prediction (`mpdl calibrate` sets its parameters).
 """

@@ -1,4 +1,4 @@
-"""The timing engine of `mpdl bench`: collective algorithms side by side, in the style of nccl-tests.
+"""The timing loop of `mpdl bench`: collective algorithms side by side, in the style of nccl-tests.
 
 Per message size, the algorithms take turns in rounds (A A A B B B C C C, A A A B B B ...), so a
 noisy machine that drifts treats them alike, while each call follows a call of the same algorithm,
