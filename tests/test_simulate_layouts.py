@@ -703,6 +703,16 @@ def test_sms_kept_for_communication_slow_compute_in_proportion():
     assert out.returncode != 0 and "--comm-sms" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("sms", ["-1", "132"])
+def test_cli_search_refuses_bad_comm_sms(sms):
+    # a search drops the layouts check_layout refuses: the flag is checked before it
+    out = _mpdl("--model-shape", "llama3-8b", "--gpu", "h800", "--gpus", "8", "--search",
+                "--comm-sms", sms)
+    assert out.returncode == 2, out.stdout
+    assert out.stderr.strip().splitlines() == [
+        f"mpdl simulate: error: --comm-sms: expected 0 to 131 of h800's 132 SMs, got {sms}"]
+
+
 def test_list_names_every_choice_of_the_flags():
     out = _mpdl("--list")
     assert out.returncode == 0, out.stderr

@@ -307,6 +307,10 @@ def run(args: argparse.Namespace) -> int:
                         ("--top", args.top)):
         if value is not None and value < 1:
             raise UsageError(f"{flag}: expected a positive integer, got {value}")
+    try:  # here, not per layout: a search drops the layouts check_layout refuses, silently
+        C.with_reserved_sms(gpu, args.comm_sms)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     failures = _failures(args)
     gpus = args.gpus or (args.nodes or 1) * per_node
     shared = f" + {shape.shared_experts} shared" if shape.shared_experts else ""
