@@ -686,6 +686,12 @@ def test_node_limited_dispatch_by_hand():
     # within one node the limit changes nothing
     assert L.expert_time(shape, L.Layout(dp=4, ep=4), precision, params, 4) == \
         pytest.approx(L.expert_time(free, L.Layout(dp=4, ep=4), precision, params, 4))
+    # tp·cp = 8 fills two nodes of 4: the 2 expert ranks lie on 2 nodes, one each, so a
+    # token's copies cross once to the other node (half stay home) and none go on over NVLink
+    wide = L.Layout(dp=2, ep=2, tp=2, cp=4)
+    tokens = 32 / 4 * 64 / 2  # a GPU's share of one copy: s/cp tokens, d/t wide
+    spread = sum(a_ib + 2 * tokens * nbytes / 2 * b_ib for nbytes in (1, 2))
+    assert L.expert_time(shape, wide, precision, params, 4) == pytest.approx(2 * 2 * spread)
 
 
 def test_sms_kept_for_communication_slow_compute_in_proportion():
