@@ -747,3 +747,11 @@ def test_deepseek_v3_fits_and_is_bound_by_compute():
                 "selective", "--recompute-up", "--comm-sms", "20")
     assert out.returncode == 0, out.stderr
     assert f"{P.DEEPSEEK_V3.label()} " in out.stdout and f"{row['step_s']:.3f}" in out.stdout
+
+
+def test_cli_fp8_recipes_need_fp8_tensor_cores():
+    out = _mpdl("--model-shape", "llama3-8b", "--gpu", "a100-80gb", "--precision", "deepseek-fp8")
+    assert out.returncode == 2, out.stdout
+    assert out.stderr.strip().splitlines() == [
+        "mpdl simulate: error: --precision: deepseek-fp8 needs a GPU with FP8 tensor cores "
+        "(h100-80gb, h800, h200, b200, gb200), got a100-80gb"]

@@ -179,8 +179,9 @@ def _setup(args: argparse.Namespace):
     net = networks[name]
     per_node = args.per_node or net.per_node
     if L.PRECISIONS[args.precision].fp8_gemms and not gpu.fp8_flops:
-        raise UsageError(f"--precision: fp8 needs a GPU with FP8 tensor cores (h100-80gb, h200, "
-                         f"b200, gb200), got {gpu.name}")
+        fp8_gpus = ", ".join(name for name, g in L.GPUS.items() if g.fp8_flops)
+        raise UsageError(f"--precision: {args.precision} needs a GPU with FP8 tensor cores "
+                         f"({fp8_gpus}), got {gpu.name}")
     return L.PRECISIONS[args.precision], gpu, net, per_node
 
 
