@@ -96,6 +96,15 @@ def test_experts_gemms_by_hand():
     fwd, bwd = C.linear_seconds(L.layer_work(moe, L.Layout(dp=2, ep=2), BF16, moe=True), EXACT)
     assert fwd == pytest.approx((attention + 2 * mlp + router) / 0.5e12)
     assert bwd == pytest.approx((2 * (attention + 2 * mlp) + router_bwd) / 0.5e12)
+    # 2 shared experts beside them: every one of the 256 tokens through an MLP twice as wide
+    # (256 x 2048 up, 2048 x 256 down), with tp 2 half of it on this GPU
+    shared = C.linear_seconds(L.layer_work(replace(moe, shared_experts=2),
+                                           L.Layout(dp=2, ep=2), BF16, moe=True), EXACT)
+    assert shared[0] - fwd == pytest.approx(2 * 256 * (256 * 2048 + 2048 * 256) / 0.5e12)
+    halved = C.linear_seconds(L.layer_work(replace(moe, shared_experts=2),
+                                           L.Layout(tp=2), BF16, moe=True), EXACT)
+    plain = C.linear_seconds(L.layer_work(moe, L.Layout(tp=2), BF16, moe=True), EXACT)
+    assert halved[0] - plain[0] == pytest.approx(256 * (256 * 2048 + 2048 * 256) / 0.5e12)
 
 
 def test_step_compute_is_the_sum_of_its_parts():

@@ -686,6 +686,12 @@ def test_node_limited_dispatch_by_hand():
     # within one node the limit changes nothing
     assert L.expert_time(shape, L.Layout(dp=4, ep=4), precision, params, 4) == \
         pytest.approx(L.expert_time(free, L.Layout(dp=4, ep=4), precision, params, 4))
+    # tp·cp = 8 fills two nodes of 4: the 2 expert ranks lie on 2 nodes, one each, so a
+    # token's copies cross once to the other node (half stay home) and none go on over NVLink
+    wide = L.Layout(dp=2, ep=2, tp=2, cp=4)
+    tokens = 32 / 4 * 64 / 2  # a GPU's share of one copy: s/cp tokens, d/t wide
+    spread = sum(a_ib + 2 * tokens * nbytes / 2 * b_ib for nbytes in (1, 2))
+    assert L.expert_time(shape, wide, precision, params, 4) == pytest.approx(2 * 2 * spread)
 
 
 def test_sms_kept_for_communication_slow_compute_in_proportion():
@@ -701,6 +707,16 @@ def test_sms_kept_for_communication_slow_compute_in_proportion():
         L.compute_parts(shape, L.Layout(comm_sms=132), MIXED, h800)
     out = _mpdl("--model-shape", "llama3-8b", "--gpu", "h800", "--comm-sms", "200")
     assert out.returncode != 0 and "--comm-sms" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("sms", ["-1", "132"])
+def test_cli_search_refuses_bad_comm_sms(sms):
+    # a search drops the layouts check_layout refuses: the flag is checked before it
+    out = _mpdl("--model-shape", "llama3-8b", "--gpu", "h800", "--gpus", "8", "--search",
+                "--comm-sms", sms)
+    assert out.returncode == 2, out.stdout
+    assert out.stderr.strip().splitlines() == [
+        f"mpdl simulate: error: --comm-sms: expected 0 to 131 of h800's 132 SMs, got {sms}"]
 
 
 def test_list_names_every_choice_of_the_flags():
@@ -731,3 +747,11 @@ def test_deepseek_v3_fits_and_is_bound_by_compute():
                 "selective", "--recompute-up", "--comm-sms", "20")
     assert out.returncode == 0, out.stderr
     assert f"{P.DEEPSEEK_V3.label()} " in out.stdout and f"{row['step_s']:.3f}" in out.stdout
+
+
+def test_cli_fp8_recipes_need_fp8_tensor_cores():
+    out = _mpdl("--model-shape", "llama3-8b", "--gpu", "a100-80gb", "--precision", "deepseek-fp8")
+    assert out.returncode == 2, out.stdout
+    assert out.stderr.strip().splitlines() == [
+        "mpdl simulate: error: --precision: deepseek-fp8 needs a GPU with FP8 tensor cores "
+        "(h100-80gb, h800, h200, b200, gb200), got a100-80gb"]

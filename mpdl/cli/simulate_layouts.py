@@ -179,8 +179,9 @@ def _setup(args: argparse.Namespace):
     net = networks[name]
     per_node = args.per_node or net.per_node
     if L.PRECISIONS[args.precision].fp8_gemms and not gpu.fp8_flops:
-        raise UsageError(f"--precision: fp8 needs a GPU with FP8 tensor cores (h100-80gb, h200, "
-                         f"b200, gb200), got {gpu.name}")
+        fp8_gpus = ", ".join(name for name, g in L.GPUS.items() if g.fp8_flops)
+        raise UsageError(f"--precision: {args.precision} needs a GPU with FP8 tensor cores "
+                         f"({fp8_gpus}), got {gpu.name}")
     return L.PRECISIONS[args.precision], gpu, net, per_node
 
 
@@ -307,6 +308,10 @@ def run(args: argparse.Namespace) -> int:
                         ("--top", args.top)):
         if value is not None and value < 1:
             raise UsageError(f"{flag}: expected a positive integer, got {value}")
+    try:  # here, not per layout: a search drops the layouts check_layout refuses, silently
+        C.with_reserved_sms(gpu, args.comm_sms)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     failures = _failures(args)
     gpus = args.gpus or (args.nodes or 1) * per_node
     shared = f" + {shape.shared_experts} shared" if shape.shared_experts else ""

@@ -203,8 +203,8 @@ def linear_seconds(layer: Layer, gpu: Gpu) -> tuple[float, float]:
         per_expert = layer.tokens * layer.routed * layer.ep / layer.experts
         mlp = [(per_expert, up, d, experts), (per_expert, d, layer.d_ff / t, experts)]
         if layer.shared:  # the shared experts: one dense MLP of their summed width
-            width = layer.shared * layer.d_ff / t
-            mlp += [(layer.tokens, width * up * t / layer.d_ff, d, 1), (layer.tokens, d, width, 1)]
+            mlp += [(layer.tokens, layer.shared * up, d, 1),
+                    (layer.tokens, d, layer.shared * layer.d_ff / t, 1)]
     else:
         mlp = [(layer.tokens, up, d, 1), (layer.tokens, d, layer.d_ff / t, 1)]
     gemms = [*attention_gemms(layer), *mlp]

@@ -734,7 +734,8 @@ def expert_time(shape: Shape, layout: Layout, precision: Precision, params: cm.P
         return 0.0
     copy = shape.microbatch * shape.seq / layout.cp * shape.hidden / layout.tp
     copies = shape.top_k * (layout.capacity_factor or 1.0)
-    nodes = math.ceil(layout.tp * layout.cp * layout.ep / per_node)
+    # the nodes the expert group spans: its ranks lie tp·cp apart, so at most ep
+    nodes = min(layout.ep, math.ceil(layout.tp * layout.cp * layout.ep / per_node))
     hops: list[tuple[float, int, bool]]  # (copies of the tokens sent, ranks, inter-node)
     if shape.max_nodes_per_token and nodes > 1:
         hops = [(min(shape.max_nodes_per_token, copies, nodes), nodes, True),
