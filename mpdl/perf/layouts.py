@@ -824,7 +824,7 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     dp_nodes = math.ceil(layout.dp / per_node_replicas)
     ranks = layout.dp * layout.cp
 
-    def both(per_param: float, dense_ranks: int, nodes: int) -> float:
+    def dense_and_experts(per_param: float, dense_ranks: int, nodes: int) -> float:
         """A ring all-reduce of the dense and of the expert parameters at `per_param` bytes."""
         return _allreduce(dense * per_param, dense_ranks, nodes, params) \
             + _allreduce(experts * per_param, max(1, dense_ranks // layout.ep),
@@ -833,11 +833,13 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     # ZeRO gathers the parameters after the optimizer step (stage 3: before the first forward),
     # half a ring all-reduce of their bytes (FP8 ones under stage 3 with fp8), that no backward
     # hides; the gradients' reduce-scatter is the other half of DDP's all-reduce
-    after = 0.5 * both(precision.gathered(layout.zero), ranks, dp_nodes) if layout.zero else 0.0
-    dp_s = (0.5 if layout.zero else 1.0) * both(precision.grad, ranks, dp_nodes) + after
+    after = 0.5 * dense_and_experts(precision.gathered(layout.zero), ranks, dp_nodes) \
+        if layout.zero else 0.0
+    dp_s = (0.5 if layout.zero else 1.0) * dense_and_experts(precision.grad, ranks, dp_nodes) \
+        + after
     if layout.zero == 3:  # the parameters gathered again for the backward, in the shard group
         group_nodes = math.ceil(layout.shard / layout.cp / per_node_replicas)
-        dp_s += 0.5 * both(precision.gathered(3), layout.shard, group_nodes)
+        dp_s += 0.5 * dense_and_experts(precision.gathered(3), layout.shard, group_nodes)
     window = (2 / 3) * compute_mb if (overlap and layout.pp == 1) else 0.0
     # prefetched, the all-gather runs under the first micro-batch's forward
     gathered = max(0.0, after - compute_mb / 3) if layout.gather_overlap else after
