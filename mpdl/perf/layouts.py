@@ -144,12 +144,12 @@ class Shape:
                              f"{self.family!r}")
         if self.experts < 0 or (self.experts and self.top_k > self.experts):
             raise ValueError(f"top_k: {self.top_k} must not exceed the experts ({self.experts})")
-        for key in ("max_nodes_per_token", "mtp_depth"):
+        for key in ("max_nodes_per_token", "mtp_depth", "first_dense", "shared_experts"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: expected >= 0, got {getattr(self, key)}")
-        if not 0 <= self.first_dense < self.layers or self.shared_experts < 0:
-            raise ValueError(f"first_dense: {self.first_dense} must lie in [0, layers) and "
-                             f"shared_experts ({self.shared_experts}) be >= 0")
+        if self.first_dense >= self.layers:  # named by the flag that can change it
+            raise ValueError(f"layers: expected more than the {self.first_dense} dense blocks "
+                             f"the shape starts with, got {self.layers}")
 
     @property
     def d_ff(self) -> int:
