@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--iters", type=int, default=20,
                         help="repetitions per measurement (default 20; the median is kept)")
     parser.add_argument("-o", "--output", metavar="PATH",
-                        help="where to save (default: $MPDL_COST_MODEL or ~/.cache/mpdl/costmodel.json)")
+                        help="where to save (default: $MPDL_COST_MODEL, else costmodel.json in "
+                             "$XDG_CACHE_HOME/mpdl, i.e. ~/.cache/mpdl)")
     parser.add_argument("--json", action="store_true", help="print the parameters as JSON on rank 0")
 
 
