@@ -122,7 +122,8 @@ MODELS = {"gpt": lambda: GPT(14, 11, 2, 4, 64, rng=np.random.default_rng(0)),
                          [(25.0, 1.0), (0.001, 0.001), (0.05, 0.002), (0.0625, 0.0005),
                           (math.inf, 0.01)])
 def test_ddp_and_zero_build_their_buckets_here(model, bucket_mb, first_bucket_mb, monkeypatch):
-    """DDP's buckets and ZeRO stage 1-2's units are by_size's, called once by each."""
+    """DDP's buckets and ZeRO stage 1-2's units are the oracle's, through by_size, called once by
+    each."""
     calls = []
 
     def spy(params, cap, first_cap):
@@ -133,8 +134,10 @@ def test_ddp_and_zero_build_their_buckets_here(model, bucket_mb, first_bucket_mb
 
     def build(comm):
         m = MODELS[model]()
-        expected = by_size([p for p in m.parameters() if p.requires_grad],
-                           bucket_mb * MB, first_bucket_mb * MB)
+        params = [p for p in m.parameters() if p.requires_grad]
+        expected = [[params[i] for i in b] for b in oracle(
+            [p.data.nbytes for p in params], [p.data.dtype for p in params],
+            bucket_mb * MB, first_bucket_mb * MB)]
         ddp = DistributedDataParallel(m, comm=comm, algorithm="ring", bucket_mb=bucket_mb,
                                       first_bucket_mb=first_bucket_mb)
         ddp.remove_hooks()

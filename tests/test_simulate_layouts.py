@@ -755,3 +755,14 @@ def test_cli_fp8_recipes_need_fp8_tensor_cores():
     assert out.stderr.strip().splitlines() == [
         "mpdl simulate: error: --precision: deepseek-fp8 needs a GPU with FP8 tensor cores "
         "(h100-80gb, h800, h200, b200, gb200), got a100-80gb"]
+
+
+def test_cli_layers_of_a_shape_with_dense_first_blocks():
+    out = _mpdl("--model-shape", "deepseek-v3", "--gpu", "h800", "--layers", "3")
+    assert out.returncode == 2, out.stdout
+    assert out.stderr.strip().splitlines() == [
+        "mpdl simulate: error: --layers: expected more than the 3 dense blocks the shape starts "
+        "with, got 3"]
+    for field in ("first_dense", "shared_experts", "mtp_depth", "max_nodes_per_token"):
+        with pytest.raises(ValueError, match=f"^{field}: expected >= 0, got -1$"):
+            L.Shape(4, 64, 4, 32, 100, **{field: -1})

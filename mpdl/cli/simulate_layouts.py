@@ -155,9 +155,10 @@ def _shape(args: argparse.Namespace) -> L.Shape:
     try:
         return L.Shape(**fields, name=name)
     except ValueError as exc:
-        key = str(exc).split(":")[0].split(" ")[0]
+        message = str(exc)
+        key = message.split(":")[0].split(" ")[0]
         flag = SHAPE_FIELD_FLAGS.get(key, f"--{key}")
-        raise UsageError(f"{flag}: {exc}") from None
+        raise UsageError(f"{flag}: {message.removeprefix(f'{key}: ')}") from None
 
 
 def _setup(args: argparse.Namespace):

@@ -144,12 +144,12 @@ class Shape:
                              f"{self.family!r}")
         if self.experts < 0 or (self.experts and self.top_k > self.experts):
             raise ValueError(f"top_k: {self.top_k} must not exceed the experts ({self.experts})")
-        for key in ("max_nodes_per_token", "mtp_depth"):
+        for key in ("max_nodes_per_token", "mtp_depth", "first_dense", "shared_experts"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: expected >= 0, got {getattr(self, key)}")
-        if not 0 <= self.first_dense < self.layers or self.shared_experts < 0:
-            raise ValueError(f"first_dense: {self.first_dense} must lie in [0, layers) and "
-                             f"shared_experts ({self.shared_experts}) be >= 0")
+        if self.first_dense >= self.layers:  # named by the flag that can change it
+            raise ValueError(f"layers: expected more than the {self.first_dense} dense blocks "
+                             f"the shape starts with, got {self.layers}")
 
     @property
     def d_ff(self) -> int:
@@ -824,7 +824,7 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     dp_nodes = math.ceil(layout.dp / per_node_replicas)
     ranks = layout.dp * layout.cp
 
-    def both(per_param: float, dense_ranks: int, nodes: int) -> float:
+    def dense_and_experts(per_param: float, dense_ranks: int, nodes: int) -> float:
         """A ring all-reduce of the dense and of the expert parameters at `per_param` bytes."""
         return _allreduce(dense * per_param, dense_ranks, nodes, params) \
             + _allreduce(experts * per_param, max(1, dense_ranks // layout.ep),
@@ -833,11 +833,13 @@ def step(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu, params: c
     # ZeRO gathers the parameters after the optimizer step (stage 3: before the first forward),
     # half a ring all-reduce of their bytes (FP8 ones under stage 3 with fp8), that no backward
     # hides; the gradients' reduce-scatter is the other half of DDP's all-reduce
-    after = 0.5 * both(precision.gathered(layout.zero), ranks, dp_nodes) if layout.zero else 0.0
-    dp_s = (0.5 if layout.zero else 1.0) * both(precision.grad, ranks, dp_nodes) + after
+    after = 0.5 * dense_and_experts(precision.gathered(layout.zero), ranks, dp_nodes) \
+        if layout.zero else 0.0
+    dp_s = (0.5 if layout.zero else 1.0) * dense_and_experts(precision.grad, ranks, dp_nodes) \
+        + after
     if layout.zero == 3:  # the parameters gathered again for the backward, in the shard group
         group_nodes = math.ceil(layout.shard / layout.cp / per_node_replicas)
-        dp_s += 0.5 * both(precision.gathered(3), layout.shard, group_nodes)
+        dp_s += 0.5 * dense_and_experts(precision.gathered(3), layout.shard, group_nodes)
     window = (2 / 3) * compute_mb if (overlap and layout.pp == 1) else 0.0
     # prefetched, the all-gather runs under the first micro-batch's forward
     gathered = max(0.0, after - compute_mb / 3) if layout.gather_overlap else after
