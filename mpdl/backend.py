@@ -55,16 +55,23 @@ def _dtype(dtype: Any) -> np.dtype:
     return ml_dtype(dtype) if isinstance(dtype, str) and dtype in ML_FLOATS else np.dtype(dtype)
 
 
+#: is_ml_float's answers by dtype: NumPy computes a dtype's name in Python on every read, and
+#: every message asks
+_ML_FLOAT: dict[np.dtype, bool] = {}
+
+
 def is_ml_float(dt: np.dtype) -> bool:
     """Whether dt is one of ml_dtypes' floats (`ML_FLOATS`); told by name without importing
     ml_dtypes for NumPy's own types."""
-    return dt.name in ML_FLOATS and dt == ml_dtype(dt.name)
+    known = _ML_FLOAT.get(dt)
+    if known is None:
+        known = _ML_FLOAT[dt] = dt.name in ML_FLOATS and dt == ml_dtype(dt.name)
+    return known
 
 
 def is_bfloat16(dt: np.dtype) -> bool:
-    """Whether dt is bfloat16 (its kind is "V": a dtype of another kind is not, and is told
-    without importing ml_dtypes)."""
-    return dt.name == "bfloat16" and dt == bfloat16_dtype()
+    """Whether dt is bfloat16 (told without importing ml_dtypes for NumPy's own types)."""
+    return is_ml_float(dt) and dt.name == "bfloat16"
 
 
 @functools.lru_cache(maxsize=1)

@@ -44,3 +44,21 @@ def test_ml_dtypes_is_imported_at_the_first_bfloat16_only():
     out = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_ml_float_answers_stay_right_when_asked_again():
+    import ml_dtypes
+    import numpy as np
+
+    from mpdl import backend
+
+    ml = [np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn),
+          np.dtype(ml_dtypes.float8_e5m2)]
+    plain = [np.dtype(d) for d in ("float16", "float32", "int8", "uint16", "bool", "V2")]
+    plain.append(np.dtype([("bfloat16", "u2")]))  # a structured type: a name is not a type
+    for _ in range(2):  # the second round reads the remembered answers
+        assert [backend.is_ml_float(d) for d in ml] == [True, True, True]
+        assert not any(backend.is_ml_float(d) for d in plain)
+        assert [backend.is_bfloat16(d) for d in ml + plain] == [True] + [False] * 9
+        assert [backend.as_bytes(np.zeros(2, d)).dtype for d in ml] == [np.uint16, np.uint8,
+                                                                        np.uint8]
