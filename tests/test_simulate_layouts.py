@@ -766,3 +766,14 @@ def test_cli_layers_of_a_shape_with_dense_first_blocks():
     for field in ("first_dense", "shared_experts", "mtp_depth", "max_nodes_per_token"):
         with pytest.raises(ValueError, match=f"^{field}: expected >= 0, got -1$"):
             L.Shape(4, 64, 4, 32, 100, **{field: -1})
+
+
+def test_cli_tp_overlap_needs_sequence_parallelism():
+    out = _mpdl("--model-shape", "gpt3-175b", "--gpu", "h100-80gb", "--tp", "8", "--dp", "2",
+                "--tp-overlap")
+    assert out.returncode == 2, out.stdout
+    assert out.stderr.strip().splitlines() == [
+        "mpdl simulate: error: --tp-overlap: it pipelines sequence parallelism's all-gathers and "
+        "reduce-scatters with their GEMMs (Megatron-Core requires --sp); add --sp"]
+    # with one tensor-parallel rank there is nothing to overlap, and nothing to refuse
+    L.check_layout(L.SHAPES["gpt3-175b"], L.Layout(tp_overlap=True), 8)

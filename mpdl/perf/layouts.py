@@ -518,6 +518,9 @@ def check_layout(shape: Shape, layout: Layout, per_node: int) -> None:
     if layout.pp > 1 and layout.zero > 1:
         raise ValueError("--zero: stages 2 and 3 shard gradients or parameters that a pipeline "
                          "accumulates over micro-batches; use --zero 0 or 1 with --pp > 1")
+    if layout.tp_overlap and layout.tp > 1 and not layout.sp:
+        raise ValueError("--tp-overlap: it pipelines sequence parallelism's all-gathers and "
+                         "reduce-scatters with their GEMMs (Megatron-Core requires --sp); add --sp")
     if layout.comm_sms < 0:
         raise ValueError(f"--comm-sms: expected >= 0, got {layout.comm_sms}")
     if layout.zero_group is not None and (layout.zero_group < 1 or layout.dp % layout.zero_group):
