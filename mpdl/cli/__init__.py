@@ -19,9 +19,11 @@ from mpdl.mpi_runtime import MPIUnavailable, abort_on_uncaught_exception, wait_f
 VERBS = {
     "info": "versions, MPI library, world size, nodes, GPU and CUDA-awareness",
     "bench": "measure collective algorithms side by side (nccl-tests style), with predictions",
-    "train": "data-parallel training of a zoo model (default: an MLP on the shipped digits)",
+    "train": "train a zoo model or the GPT: data, ZeRO, pipeline, tensor, context or expert "
+             "parallelism (default: an MLP on the shipped digits, data-parallel)",
     "calibrate": "measure this machine's α, β, γ for the cost model that drives algorithm='auto'",
-    "simulate": "predict step time, speedup against N (up to 65,536), time and cost to train",
+    "simulate": "predict step time, memory, speedup against N (up to 65,536), time and cost to "
+                "train; search layouts of large models",
     "generate": "sample text from a GPT checkpoint of `mpdl train --model gpt`",
     "serve": "serve a GPT checkpoint over HTTP (OpenAI API) with continuous batching over a "
              "paged KV cache",
@@ -67,8 +69,9 @@ def _verb_in(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `mpdl` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = _Parser(prog="mpdl", description="mpdl: transparent MPI data-parallel "
-                                     "deep learning. Launch with mpiexec -n P mpdl VERB ...")
+    parser = _Parser(prog="mpdl", description="mpdl: a from-scratch distributed deep-"
+                                     "learning runtime over MPI. Launch with mpiexec -n P mpdl "
+                                     "VERB ...")
     parser.add_argument("--version", action="version", version=f"mpdl {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     wanted = _verb_in(argv)

@@ -1,4 +1,5 @@
-"""`mpdl train`: data-parallel training of a zoo model (default: an MLP on the shipped UCI digits).
+"""`mpdl train`: train a zoo model or the GPT on data, ZeRO, pipeline, tensor, context or expert
+parallelism (default: an MLP on the shipped UCI digits, data-parallel).
 
     mpiexec -n P mpdl train [--model mlp|lenet|resnet8] [--dataset digits|mnist|synthetic] ...
     mpiexec -n P mpdl train --model gpt [--dataset addition|text --data FILE] [--n-layer L] ...
