@@ -168,7 +168,7 @@ def attention_rows(comm: Any, lengths: list[int], reps: int) -> list[dict]:
 
 def sequence_parallel_rows(length: int = 64) -> list[dict]:
     """Bytes sent per rank and activation bytes per rank of one GPT step at tp = 2, with and
-    without sequence parallelism, from the in-process world's message record."""
+    without sequence parallelism, from the in-process world's message log."""
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 50, (4, length)), rng.integers(0, 50, (4, length))
     rows = []
