@@ -709,16 +709,6 @@ def test_sms_kept_for_communication_slow_compute_in_proportion():
     assert out.returncode != 0 and "--comm-sms" in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("sms", ["-1", "132"])
-def test_cli_search_refuses_bad_comm_sms(sms):
-    # a search drops the layouts check_layout refuses: the flag is checked before it
-    out = _mpdl("--model-shape", "llama3-8b", "--gpu", "h800", "--gpus", "8", "--search",
-                "--comm-sms", sms)
-    assert out.returncode == 2, out.stdout
-    assert out.stderr.strip().splitlines() == [
-        f"mpdl simulate: error: --comm-sms: expected 0 to 131 of h800's 132 SMs, got {sms}"]
-
-
 def test_list_names_every_choice_of_the_flags():
     out = _mpdl("--list")
     assert out.returncode == 0, out.stderr
@@ -749,31 +739,42 @@ def test_deepseek_v3_fits_and_is_bound_by_compute():
     assert f"{P.DEEPSEEK_V3.label()} " in out.stdout and f"{row['step_s']:.3f}" in out.stdout
 
 
-def test_cli_fp8_recipes_need_fp8_tensor_cores():
-    out = _mpdl("--model-shape", "llama3-8b", "--gpu", "a100-80gb", "--precision", "deepseek-fp8")
-    assert out.returncode == 2, out.stdout
-    assert out.stderr.strip().splitlines() == [
-        "mpdl simulate: error: --precision: deepseek-fp8 needs a GPU with FP8 tensor cores "
-        "(h100-80gb, h800, h200, b200, gb200), got a100-80gb"]
+#: the new flags' bad values and combinations: (arguments, the one line of the error)
+REFUSED = {
+    # a search drops the layouts check_layout refuses: --comm-sms is checked before it
+    "comm-sms below 0": (("--model-shape", "llama3-8b", "--gpu", "h800", "--gpus", "8",
+                          "--search", "--comm-sms", "-1"),
+                         "--comm-sms: expected 0 to 131 of h800's 132 SMs, got -1"),
+    "comm-sms every SM": (("--model-shape", "llama3-8b", "--gpu", "h800", "--gpus", "8",
+                           "--search", "--comm-sms", "132"),
+                          "--comm-sms: expected 0 to 131 of h800's 132 SMs, got 132"),
+    "fp8 recipe on a100": (("--model-shape", "llama3-8b", "--gpu", "a100-80gb", "--precision",
+                            "deepseek-fp8"),
+                           "--precision: deepseek-fp8 needs a GPU with FP8 tensor cores "
+                           "(h100-80gb, h800, h200, b200, gb200), got a100-80gb"),
+    "layers under first_dense": (("--model-shape", "deepseek-v3", "--gpu", "h800", "--layers",
+                                  "3"),
+                                 "--layers: expected more than the 3 dense blocks the shape "
+                                 "starts with, got 3"),
+    "tp-overlap without sp": (("--model-shape", "gpt3-175b", "--gpu", "h100-80gb", "--tp", "8",
+                               "--dp", "2", "--tp-overlap"),
+                              "--tp-overlap: it pipelines sequence parallelism's all-gathers and "
+                              "reduce-scatters with their GEMMs (Megatron-Core requires --sp); "
+                              "add --sp"),
+}
 
 
-def test_cli_layers_of_a_shape_with_dense_first_blocks():
-    out = _mpdl("--model-shape", "deepseek-v3", "--gpu", "h800", "--layers", "3")
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_cli_refuses_in_one_line(case):
+    args, line = REFUSED[case]
+    out = _mpdl(*args)
     assert out.returncode == 2, out.stdout
-    assert out.stderr.strip().splitlines() == [
-        "mpdl simulate: error: --layers: expected more than the 3 dense blocks the shape starts "
-        "with, got 3"]
+    assert out.stderr.strip().splitlines() == [f"mpdl simulate: error: {line}"]
+
+
+def test_new_shape_fields_and_tp_overlap_checked_alone():
     for field in ("first_dense", "shared_experts", "mtp_depth", "max_nodes_per_token"):
         with pytest.raises(ValueError, match=f"^{field}: expected >= 0, got -1$"):
             L.Shape(4, 64, 4, 32, 100, **{field: -1})
-
-
-def test_cli_tp_overlap_needs_sequence_parallelism():
-    out = _mpdl("--model-shape", "gpt3-175b", "--gpu", "h100-80gb", "--tp", "8", "--dp", "2",
-                "--tp-overlap")
-    assert out.returncode == 2, out.stdout
-    assert out.stderr.strip().splitlines() == [
-        "mpdl simulate: error: --tp-overlap: it pipelines sequence parallelism's all-gathers and "
-        "reduce-scatters with their GEMMs (Megatron-Core requires --sp); add --sp"]
     # with one tensor-parallel rank there is nothing to overlap, and nothing to refuse
     L.check_layout(L.SHAPES["gpt3-175b"], L.Layout(tp_overlap=True), 8)
