@@ -564,7 +564,7 @@ def activation_bytes_per_layer(shape: Shape, layout: Layout, precision: Precisio
     scale = precision.activation / 2
     if mode == "full":
         return 2 * sbd * scale / (t if sp else 1)
-    routed = shape.top_k * (layout.capacity_factor or 1.0) + shape.shared_experts if moe else 1.0
+    mlps = layer_work(shape, layout, precision, moe).mlps  # a token's copies: routed and shared
     mlp_hidden = (8 if shape.gated else 4) * (shape.d_ff if moe else shape.dense_ffn_width) / d
     fp8 = precision.fp8_cache and moe  # one byte where two were
     if fp8:  # the SwiGLU's two inputs, f wide each, in one byte
@@ -572,7 +572,7 @@ def activation_bytes_per_layer(shape: Shape, layout: Layout, precision: Precisio
     # replicated without sp: the QKV input (2, unless its norm is recomputed), the attention
     # output's dropout mask (1), two norm inputs (4), the MLP's input (2, at every expert it
     # reaches) and dropout mask (1)
-    replicated = (5 if layout.recompute_up else 7) + 1 + (1 if fp8 else 2) * routed
+    replicated = (5 if layout.recompute_up else 7) + 1 + (1 if fp8 else 2) * mlps
     # split t ways: Q, K, V (2 + 4·kv/d), the projection's input (2), the MLP's hidden (2·4f/d);
     # with its own GEMMs the attention keeps its latents, its Q, K and V (the up-projections'
     # outputs, unless recomputed) and the output projection's input
@@ -585,7 +585,7 @@ def activation_bytes_per_layer(shape: Shape, layout: Layout, precision: Precisio
                                                if role == "out")) / d
     else:
         attention = 2 + 4 * shape.d_kv / d + out
-    split = attention + mlp_hidden * routed
+    split = attention + mlp_hidden * mlps
     per_token = (replicated + split) / t if sp else replicated + split / t
     if mode == "none":
         per_token += 5 * a * shape.seq / (d * t)
@@ -736,7 +736,7 @@ def expert_time(shape: Shape, layout: Layout, precision: Precision, params: cm.P
     if not shape.moe_layers or layout.ep == 1:
         return 0.0
     copy = shape.microbatch * shape.seq / layout.cp * shape.hidden / layout.tp
-    copies = shape.top_k * (layout.capacity_factor or 1.0)
+    copies = layer_work(shape, layout, precision, moe=True).routed
     # the nodes the expert group spans: its ranks lie tp·cp apart, so at most ep
     nodes = min(layout.ep, math.ceil(layout.tp * layout.cp * layout.ep / per_node))
     hops: list[tuple[float, int, bool]]  # (copies of the tokens sent, ranks, inter-node)
