@@ -186,3 +186,24 @@ def test_a_plan_started_behind_asynchronous_calls_is_noted_after_them():
         assert records == [(0, "allreduce", "ring", 16, "float64", "sum", (0, 1), "done"),
                            (1, "allreduce", "ring", 24, "float64", "sum", (0, 1), "done")]
         np.testing.assert_array_equal(result, np.full(3, 2.0))
+
+
+def test_entries_name_the_algorithm_a_verdict_switched_to():
+    """A verdict of verification switches the bare plan's algorithm (`Plan.switch`): the wrapper's
+    next entries name the new one, in start-and-wait as in a call."""
+    def body(c):
+        c.flight = flight.FlightRecorder(50, c.rank, c.size)
+        x = np.arange(6.0) + c.rank
+        h = T.allreduce_init(x, algorithm="ring", comm=c)
+        h()
+        go, fast, _ = T.allreduce_init(x, algorithm="recursive_doubling", comm=c,
+                                       out=h.result).schedule()
+        h.plan.switch("recursive_doubling", go, fast)
+        result = h().copy()
+        h.start().wait()
+        return [(r["seq"], r["algorithm"], r["state"]) for r in c.flight.records()], result
+
+    for records, result in run_world(3, body):
+        assert records == [(0, "ring", "done"), (1, "recursive_doubling", "done"),
+                           (2, "recursive_doubling", "done")]
+        np.testing.assert_array_equal(result, 3 * np.arange(6.0) + 3)
