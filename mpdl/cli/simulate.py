@@ -27,6 +27,7 @@ from mpdl.cli.simulate_layouts import duration as _duration
 from mpdl.fileio import atomic_open
 from mpdl.models.zoo import IMAGE_MODELS
 from mpdl.mpi_runtime import load_mpi, oversubscribed
+from mpdl.perf import published as P
 from mpdl.perf import simulate as S
 from mpdl.perf.units import parse_count, parse_size
 from mpdl.tuning import costmodel
@@ -62,7 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the sweep goes 1, 2, 4, ... up to this (default 65536)")
     g.add_argument("--network", metavar="NAME",
                    help=f"{', '.join(S.NETWORKS)}, or calibrated (this machine, after mpdl "
-                        f"calibrate); default: the profile's, calibrated with --measure")
+                        f"calibrate); default: the profile's, calibrated with --measure; with "
+                        f"--model-shape also {', '.join(P.NETWORKS)} (default: the --gpu's, "
+                        f"else selene)")
     g.add_argument("--intra", metavar="BW,LAT", help="intra-node link, e.g. 25GB/s,5us")
     g.add_argument("--inter", metavar="BW,LAT", help="inter-node link, e.g. 100Gbit/s,5us")
     g = parser.add_argument_group("the job")
