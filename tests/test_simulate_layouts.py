@@ -761,6 +761,14 @@ REFUSED = {
                               "--tp-overlap: it pipelines sequence parallelism's all-gathers and "
                               "reduce-scatters with their GEMMs (Megatron-Core requires --sp); "
                               "add --sp"),
+    "gather-overlap without zero": (("--model-shape", "gpt2-small", "--dp", "8",
+                                     "--gather-overlap"),
+                                    "--gather-overlap: it hides ZeRO's parameter all-gather; add "
+                                    "--zero 1, 2 or 3"),
+    "recompute-up under full": (("--model-shape", "gpt2-small", "--recompute", "full",
+                                 "--recompute-up"),
+                                "--recompute-up: --recompute full recomputes the whole forward "
+                                "already"),
 }
 
 

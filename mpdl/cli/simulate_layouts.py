@@ -368,6 +368,12 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--global-batch: {args.global_batch} is not a multiple of dp × "
                              f"micro-batch = {dp * shape.microbatch}")
         m = args.global_batch // (dp * shape.microbatch)
+    # flags one layout cannot use (a search takes each where it applies)
+    if args.gather_overlap and not args.zero:
+        raise UsageError("--gather-overlap: it hides ZeRO's parameter all-gather; add --zero 1, "
+                         "2 or 3")
+    if args.recompute_up and args.recompute == "full":
+        raise UsageError("--recompute-up: --recompute full recomputes the whole forward already")
     kind = args.schedule.lower()
     virtual = 2 if kind in V_KINDS and args.virtual_stages == 1 else args.virtual_stages
     layout = L.Layout(dp, args.pp, args.tp, args.zero, m or 1, kind,
