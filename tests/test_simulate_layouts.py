@@ -643,7 +643,7 @@ def test_fp8_and_mxfp8_rows():
 def test_cli_keeps_every_field_of_a_named_shape():
     out = _mpdl("--model-shape", "deepseek-v3", "--gpu", "h800", "--pp", "16", "--dp", "128",
                 "--ep", "64", "--zero", "1", "--schedule", "dualpipev", "--microbatches", "120",
-                "--moe-capacity-factor", "0", "--precision", "mxfp8")
+                "--moe-capacity-factor", "0", "--precision", "fp8")
     assert out.returncode == 0, out.stderr
     assert "671.026B parameters" in out.stdout and "(37.552B active)" in out.stdout
 
@@ -752,6 +752,10 @@ REFUSED = {
                             "deepseek-fp8"),
                            "--precision: deepseek-fp8 needs a GPU with FP8 tensor cores "
                            "(h100-80gb, h800, h200, b200, gb200), got a100-80gb"),
+    "mxfp8 on hopper": (("--model-shape", "llama3-8b", "--gpu", "h100-80gb", "--precision",
+                         "mxfp8"),
+                        "--precision: mxfp8 needs a GPU with MXFP8 tensor cores (b200, gb200), "
+                        "got h100-80gb"),
     "layers under first_dense": (("--model-shape", "deepseek-v3", "--gpu", "h800", "--layers",
                                   "3"),
                                  "--layers: expected more than the 3 dense blocks the shape "
@@ -786,3 +790,11 @@ def test_new_shape_fields_and_tp_overlap_checked_alone():
             L.Shape(4, 64, 4, 32, 100, **{field: -1})
     # with one tensor-parallel rank there is nothing to overlap, and nothing to refuse
     L.check_layout(L.SHAPES["gpt3-175b"], L.Layout(tp_overlap=True), 8)
+
+
+def test_the_model_itself_refuses_gemms_the_gpu_cannot_run():
+    shape, layout = L.SHAPES["llama3-8b"], L.Layout(dp=8)
+    for word, gpu in (("mxfp8", "h800"), ("fp8", "a100-80gb")):
+        with pytest.raises(ValueError, match=f"--precision: {word} needs"):
+            L.compute_parts(shape, layout, L.PRECISIONS[word], L.GPUS[gpu])
+    assert L.compute_parts(shape, layout, L.PRECISIONS["mxfp8"], L.GPUS["b200"])["gemm_s"] > 0

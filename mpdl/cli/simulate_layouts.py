@@ -179,10 +179,10 @@ def _setup(args: argparse.Namespace):
         raise UsageError(f"--network: expected one of {', '.join(networks)}, got {name!r}")
     net = networks[name]
     per_node = args.per_node or net.per_node
-    if L.PRECISIONS[args.precision].fp8_gemms and not gpu.fp8_flops:
-        fp8_gpus = ", ".join(name for name, g in L.GPUS.items() if g.fp8_flops)
-        raise UsageError(f"--precision: {args.precision} needs a GPU with FP8 tensor cores "
-                         f"({fp8_gpus}), got {gpu.name}")
+    try:
+        L.check_precision(L.PRECISIONS[args.precision], gpu)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return L.PRECISIONS[args.precision], gpu, net, per_node
 
 

@@ -75,6 +75,8 @@ class Gpu:
     fp8_flops: float = 0.0
     #: GPUs on one NVLink domain (HGX: 8; GB200 NVL72: 72)
     nvlink_domain: int = 8
+    #: block-scaled (OCP microscaling) FP8 tensor cores: MXFP8 GEMMs run on Blackwell, not Hopper
+    microscaling: bool = False
 
 
 @dataclass(frozen=True)

@@ -309,6 +309,8 @@ class Precision:
     #: DeepSeek-V3's FP8 caching (§3.3.2): the attention output and, in MoE blocks, the experts'
     #: inputs and SwiGLU inputs kept for backward in one byte, the SwiGLU output recomputed
     fp8_cache: bool = False
+    #: the GEMMs need block-scaled (microscaling) tensor cores
+    microscaled: bool = False
 
     def gathered(self, zero: int) -> float:
         """Bytes per parameter an all-gather of the parameters moves under ZeRO stage `zero`."""
@@ -329,7 +331,7 @@ PRECISIONS = {
     # reading bf16 and writing FP8 and its scales (torchao's roofline of mxfp8_cublas); the
     # collectives stay bf16 (TorchTitan's mxfp8.md)
     "mxfp8": Precision("mxfp8 GEMMs, otherwise bf16 with float32 master weights and Adam (K=12)",
-                       2, 2, 12, 2, True, cast_bytes=2 * (2 + 1 + 1 / 32)),
+                       2, 2, 12, 2, True, cast_bytes=2 * (2 + 1 + 1 / 32), microscaled=True),
     # DeepSeek-V3's recipe (arXiv 2412.19437, §3.3): FP8 GEMMs with 1x128 and 128x128 block
     # scales, each cast reading bf16 and writing FP8 in both directions (§3.5.2), as tensorwise;
     # the experts' dispatch in FP8, their combine in bf16 (§3.3.2); float32 master weights and
@@ -379,13 +381,14 @@ GPUS = {
                       "DGX B200 data sheet (nvidia.com/dgx-b200): 8 GPUs, 1,440 GB HBM3e at 64 "
                       "TB/s, 72 PFLOP/s FP8 training with sparsity (4.5 dense a GPU; bf16 half: "
                       "2.25), NVLink 14.4 TB/s (1.8 TB/s a GPU both ways); 148 SMs; eta: "
-                      "torchao's measured B300 GEMM share (0.82)", fp8_flops=4500e12, nvlink_domain=8),
+                      "torchao's measured B300 GEMM share (0.82)", fp8_flops=4500e12, nvlink_domain=8,
+                      microscaling=True),
     "gb200": Gpu("gb200", 2500e12, 186 * GB, 8000e9, 148, BLACKWELL_ETA,
                  "GB200 NVL72 data sheet (nvidia.com/gb200-nvl72): 72 Blackwell GPUs on one NVLink "
                  "domain, 360 PFLOP/s bf16 and 720 FP8 with sparsity (2.5 and 5 dense a GPU), up "
                  "to 13.4 TB HBM3e (186 GB a GPU) at 576 TB/s (8 TB/s a GPU), NVLink 130 TB/s "
                  "(1.8 TB/s a GPU both ways); 148 SMs; eta: torchao's measured B300 GEMM share (0.82)",
-                 fp8_flops=5000e12, nvlink_domain=72),
+                 fp8_flops=5000e12, nvlink_domain=72, microscaling=True),
 }
 
 
@@ -769,12 +772,26 @@ def layer_work(shape: Shape, layout: Layout, precision: Precision, moe: bool = F
                    precision.fp8_cache and moe)
 
 
+def check_precision(precision: Precision, gpu: Gpu) -> None:
+    """ValueError naming --precision when the GPU's tensor cores cannot run its GEMMs."""
+    if not precision.fp8_gemms:
+        return
+    kind = "MXFP8" if precision.microscaled else "FP8"
+    runs = (lambda g: g.microscaling) if precision.microscaled else (lambda g: g.fp8_flops > 0)
+    if not runs(gpu):
+        word = next((k for k, v in PRECISIONS.items() if v is precision), kind.lower())
+        able = ", ".join(name for name, g in GPUS.items() if runs(g))
+        raise ValueError(f"--precision: {word} needs a GPU with {kind} tensor cores ({able}), "
+                         f"got {gpu.name}")
+
+
 def compute_parts(shape: Shape, layout: Layout, precision: Precision, gpu: Gpu
                   ) -> dict[str, float]:
     """One micro-batch's compute on a GPU of the heaviest stage (`mpdl.perf.compute`), by part:
     the layers' weight GEMMs (`gemm_s`), attention cores (`attention_s`) and work between GEMMs
     (`elementwise_s`), and the embeddings' and logits' FLOPs outside the layers (`outside_s`,
     at η·peak, shared among the stages as the layers are)."""
+    check_precision(precision, gpu)
     gpu = C.with_reserved_sms(gpu, layout.comm_sms)
     layers = max_stage_layers(shape, layout)
     moe = shape.moe_layers * layers / shape.layers
