@@ -10,7 +10,6 @@ A bare plan does neither, and the plans of a communicator without a recorder sta
 
 from __future__ import annotations
 
-import threading
 from time import time
 from typing import Any
 
@@ -66,13 +65,9 @@ class FlightPlan:
     def __call__(self, x: Any = None) -> Any:
         """Run the collective once and return its result (`start` and `wait` in one)."""
         plan = self.plan
-        if x is not None and (x is not plan.x or x.shape != self.shape):
-            plan._check_x(x)
-        comm = self.comm
-        thread = comm._comm_thread
-        if plan._started or comm.check or (thread is not None and thread._pending
-                                           and threading.current_thread() is not thread.thread):
+        if not plan._runs_inline(x):
             return self.start().wait()
+        comm = self.comm
         rec = comm.flight
         if rec is None:  # switched off meanwhile (as around a first-use calibration)
             plan._run()

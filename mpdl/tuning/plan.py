@@ -126,14 +126,20 @@ class Plan:
                              f"{self.shape} -> {x.shape}, {self.dtype} -> {x.dtype}); make a "
                              f"new plan")
 
-    def __call__(self, x: Any = None) -> Any:
-        """Run the collective once and return its result (`start` and `wait` in one)."""
+    def _runs_inline(self, x: Any) -> bool:
+        """Check x; whether a call may run at once here rather than through `start` and `wait`
+        (the plan not started, no argument checks, the communication thread idle or this one)."""
         if x is not None and (x is not self.x or x.shape != self.shape):
             self._check_x(x)
         comm = self.comm
         thread = comm._comm_thread
-        if self._started or comm.check or (thread is not None and thread._pending
-                                           and threading.current_thread() is not thread.thread):
+        return not (self._started or comm.check or (
+            thread is not None and thread._pending
+            and threading.current_thread() is not thread.thread))
+
+    def __call__(self, x: Any = None) -> Any:
+        """Run the collective once and return its result (`start` and `wait` in one)."""
+        if not self._runs_inline(x):
             return self.start().wait()
         self._run()
         return self.result if self._finish is None else self._finish()
