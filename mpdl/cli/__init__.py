@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Iterable
+from typing import Any
 
 from mpdl import __version__, blas, settings
 from mpdl.allocator import keep_heap
@@ -37,6 +39,12 @@ VERBS = {
 
 class UsageError(Exception):
     """Bad flags or an inconsistent configuration: exit code 2 with a one-line message."""
+
+
+def check_choice(flag: str, value: Any, choices: Iterable[str]) -> None:
+    """UsageError naming flag unless value is one of choices."""
+    if value not in choices:
+        raise UsageError(f"{flag}: expected one of {', '.join(choices)}, got {value!r}")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -15,7 +15,7 @@ from typing import Any
 from tqdm import tqdm
 
 from mpdl import backend, emulation, settings
-from mpdl.cli import UsageError
+from mpdl.cli import UsageError, check_choice
 from mpdl.cli.output import is_rank0, write_json_lines
 from mpdl.collectives import COLLECTIVES, REGISTRY
 from mpdl.collectives.ops import OPS
@@ -75,9 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- validation: every rank reaches the same verdict from the same argv, before any message -------
 def validate(args: argparse.Namespace) -> bench.Config:
     """The checked configuration; UsageError with a one-line message otherwise."""
-    if args.collective not in COLLECTIVES:
-        raise UsageError(f"collective: expected one of {', '.join(COLLECTIVES)}, "
-                         f"got {args.collective!r}")
+    check_choice("collective", args.collective, COLLECTIVES)
     if args.device not in ("cpu", "gpu"):
         raise UsageError(f"--device: expected cpu or gpu, got {args.device!r}")
     try:
@@ -97,12 +95,10 @@ def validate(args: argparse.Namespace) -> bench.Config:
         raise UsageError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and "
                          f"{args.warmup}")
     dtypes = {d.name: d for d in backend.SUPPORTED_DTYPES}
-    if args.dtype not in dtypes:
-        raise UsageError(f"--dtype: expected one of {', '.join(dtypes)}, got {args.dtype!r}")
+    check_choice("--dtype", args.dtype, dtypes)
     dtype = dtypes[args.dtype]
     reducing = args.collective in ("allreduce", "reduce_scatter", "reduce")
-    if args.op not in OPS:
-        raise UsageError(f"--op: expected one of {', '.join(OPS)}, got {args.op!r}")
+    check_choice("--op", args.op, OPS)
     if reducing and args.op == "prod" and dtype.kind == "b":
         raise UsageError("--op prod is not defined for bool; use min (logical and)")
     if args.op == "avg" and not backend.is_floating(dtype):

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from mpdl import emulation
-from mpdl.cli import UsageError
+from mpdl.cli import UsageError, check_choice
 from mpdl.cli import simulate_layouts as layouts
 from mpdl.cli.output import is_rank0, world_size, write_json_lines
 from mpdl.cli.simulate_layouts import duration as _duration
@@ -206,23 +206,16 @@ def choose_workload(args: argparse.Namespace):
         workload = S.Workload("custom", int(count), args.sample_ms / 1e3, source="given")
         default_net = "ethernet-10g"
     elif args.measure:
-        if args.measure not in IMAGE_MODELS:
-            raise UsageError(f"--measure: expected one of {', '.join(IMAGE_MODELS)}, got "
-                             f"{args.measure!r}")
-        if args.measure_input not in S.INPUT_SHAPES:
-            raise UsageError(f"--measure-input: expected one of {', '.join(S.INPUT_SHAPES)}, "
-                             f"got {args.measure_input!r}")
-        if args.measure_optimizer not in S.MEASURE_OPTIMIZERS:
-            raise UsageError(f"--measure-optimizer: expected one of "
-                             f"{', '.join(S.MEASURE_OPTIMIZERS)}, got {args.measure_optimizer!r}")
+        check_choice("--measure", args.measure, IMAGE_MODELS)
+        check_choice("--measure-input", args.measure_input, S.INPUT_SHAPES)
+        check_choice("--measure-optimizer", args.measure_optimizer, S.MEASURE_OPTIMIZERS)
         batch = max(1, int(args.batch_per_worker or 32))
         workload = measure_on_every_rank(args.measure, args.measure_input, batch,
                                          args.measure_optimizer)
         default_net = "calibrated"
     else:
         name = args.profile or "resnet50-v100"
-        if name not in S.PROFILES:
-            raise UsageError(f"--profile: expected one of {', '.join(S.PROFILES)}, got {name!r}")
+        check_choice("--profile", name, S.PROFILES)
         workload, default_net = S.PROFILES[name], S.PROFILE_NETWORK[name]
     changes: dict[str, Any] = {"step_s": workload.step_s + args.step_ms / 1e3}
     if args.bytes_per_param:

@@ -18,7 +18,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from mpdl.cli import UsageError
+from mpdl.cli import UsageError, check_choice
 from mpdl.cli.output import is_rank0, write_json_lines
 from mpdl.parallel.pipeline.schedule import KINDS, V_KINDS
 from mpdl.perf import compute as C
@@ -139,9 +139,7 @@ def _shape(args: argparse.Namespace) -> L.Shape:
     if args.gated:
         given["gated"] = True
     if args.model_shape:
-        if args.model_shape not in L.SHAPES:
-            raise UsageError(f"--model-shape: expected one of {', '.join(L.SHAPES)}, got "
-                             f"{args.model_shape!r}")
+        check_choice("--model-shape", args.model_shape, L.SHAPES)
         known = L.SHAPES[args.model_shape]
         fields = {f.name: getattr(known, f.name) for f in dataclasses.fields(known)
                   if f.name != "name"}
@@ -162,21 +160,15 @@ def _shape(args: argparse.Namespace) -> L.Shape:
 
 
 def _setup(args: argparse.Namespace):
-    if args.recompute not in L.RECOMPUTE:
-        raise UsageError(f"--recompute: expected one of {', '.join(L.RECOMPUTE)}, got "
-                         f"{args.recompute!r}")
-    if args.precision not in L.PRECISIONS:
-        raise UsageError(f"--precision: expected one of {', '.join(L.PRECISIONS)}, got "
-                         f"{args.precision!r}")
-    if args.gpu not in L.GPUS:
-        raise UsageError(f"--gpu: expected one of {', '.join(L.GPUS)}, got {args.gpu!r}")
+    check_choice("--recompute", args.recompute, L.RECOMPUTE)
+    check_choice("--precision", args.precision, L.PRECISIONS)
+    check_choice("--gpu", args.gpu, L.GPUS)
     gpu = L.GPUS[args.gpu]
     if args.gpu_memory is not None:
         gpu = replace(gpu, memory=parse_memory(args.gpu_memory))
     networks = {**S.NETWORKS, **P.NETWORKS}
     name = args.network or P.GPU_NETWORK.get(args.gpu, "selene")
-    if name not in networks:
-        raise UsageError(f"--network: expected one of {', '.join(networks)}, got {name!r}")
+    check_choice("--network", name, networks)
     net = networks[name]
     per_node = args.per_node or net.per_node
     try:
@@ -326,9 +318,7 @@ def run(args: argparse.Namespace) -> int:
             f"{gpu.memory_bandwidth / 1e9:.0f} GB/s); network {net.name}, {per_node} per node")
     if args.search:
         batch = args.global_batch or gpus * shape.microbatch
-        if args.cp_mode not in L.CP_MODES:
-            raise UsageError(f"--cp-mode: expected one of {', '.join(L.CP_MODES)}, got "
-                             f"{args.cp_mode!r}")
+        check_choice("--cp-mode", args.cp_mode, L.CP_MODES)
         kinds = _schedules(args.schedule)
         try:
             report = L.search_report(shape, gpus, batch, precision, gpu, net.params, per_node,
