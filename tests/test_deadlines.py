@@ -26,14 +26,16 @@ JOBS = {
         x = np.ones(1000, np.float32)
         allreduce(x, algorithm="mpi") if rank == 0 else allgather(x, algorithm="mpi")
     """,
+    # the rank that never joins sleeps rather than waits in mpdl, so that its own deadline cannot
+    # end the job first on a loaded machine
     "a node lookup one rank never joins": """
         comm = as_communicator(None)
-        comm.node_of_rank() if rank == 0 else comm.recv(np.empty(1), 0, step="never")
+        comm.node_of_rank() if rank == 0 else time.sleep(80)
     """,
     "a shared-memory setup one rank never joins": """
         comm = as_communicator(None)
         comm.node_of_rank()
-        comm.shared_segments(64) if rank == 0 else comm.recv(np.empty(1), 0, step="never")
+        comm.shared_segments(64) if rank == 0 else time.sleep(80)
     """,
 }
 
@@ -49,7 +51,7 @@ def _open_mpi() -> bool:
 
 def _run(code: str, timeout_s: int, check: bool = False) -> tuple[subprocess.CompletedProcess, float]:
     program = "\n".join([
-        "import numpy as np", "from mpi4py import MPI",
+        "import time", "import numpy as np", "from mpi4py import MPI",
         "from mpdl.collectives import allgather, allreduce",
         "from mpdl.comm import as_communicator", "rank = MPI.COMM_WORLD.Get_rank()",
         textwrap.dedent(code)])
