@@ -9,8 +9,12 @@ It is a test and teaching double: every algorithm is also tested over real MPI.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
+import time
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,7 +45,9 @@ class ThreadWorld:
     def run(self, fn: Callable[[ThreadComm], Any], timeout: float = 60.0) -> list[Any]:
         """Run fn(comm) on every rank in its own thread; return the results in rank order.
 
-        The first exception raised by any rank is re-raised here.
+        The first exception raised by any rank is re-raised here, also when the other ranks are
+        left waiting for it; ranks still running after `timeout` seconds raise TimeoutError
+        naming where each one waits.
         """
         results: list[Any] = [None] * self.size
         errors: list[BaseException | None] = [None] * self.size
@@ -55,14 +61,28 @@ class ThreadWorld:
         threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.size)]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + timeout
         for t in threads:
-            t.join(timeout)
-            if t.is_alive():
-                raise TimeoutError(f"in-process world: a rank did not finish within {timeout} s")
+            t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+        failed = [exc for exc in errors if exc is not None]
+        if stuck and failed:
+            failed[0].add_note(f"in-process world: ranks {stuck} were left waiting")
+        elif stuck:
+            frames = sys._current_frames()
+            where = "; ".join(f"rank {r} in {_where(frames.get(threads[r].ident))}" for r in stuck)
+            raise TimeoutError(f"in-process world: ranks {stuck} did not finish within {timeout} s "
+                               f"({where})")
         for exc in errors:
             if exc is not None:
                 raise exc
         return results
+
+
+def _where(frame: Any) -> str:
+    """The innermost calls of a thread's stack, as 'file:line function' from the outside in."""
+    calls = traceback.extract_stack(frame)[-4:] if frame is not None else []
+    return " > ".join(f"{Path(c.filename).name}:{c.lineno} {c.name}" for c in calls) or "?"
 
 
 class ThreadComm(Communicator):

@@ -18,7 +18,7 @@ from mpdl.backend import bfloat16, standin
 from mpdl.comm import CollectiveTimeout
 from mpdl.comm.base import background_is_awaited
 from mpdl.comm.handles import CommThread
-from mpdl.threadworld import run_world
+from mpdl.threadworld import ThreadWorld, run_world
 
 OURS = [a for a in C.algorithms("allreduce") if a != "mpi"]
 SIZES = list(range(1, 17)) + [24, 31, 32]
@@ -348,3 +348,27 @@ def test_an_array_in_shared_memory_is_summed_where_it_lies(p, monkeypatch):
     monkeypatch.setattr(shm, "_allreduce_chunk", lambda *a: (calls.append(a), real(*a)))
     assert run_world(p, lambda c: in_place(c, True), ranks_per_node=p) == expected
     assert calls == []
+
+
+def test_a_failing_rank_is_what_the_world_reports_not_the_ranks_left_waiting():
+    world = ThreadWorld(3)
+
+    def body(comm):
+        if comm.rank == 1:
+            raise ValueError("rank 1 fails")
+        comm.recv(np.empty(1), 1, step="never")  # waits for rank 1, which never sends
+
+    with pytest.raises(ValueError, match="rank 1 fails") as caught:
+        world.run(body, timeout=1.0)
+    assert "ranks [0, 2] were left waiting" in caught.value.__notes__[0]
+
+
+def test_a_hung_world_says_where_each_rank_waits():
+    def body(comm):
+        if comm.rank == 0:
+            comm.recv(np.empty(1), 1, step="never")
+
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish within 1.0 s "
+                                           r"\(rank 0 in test_collectives_threadworld.py:\d+ body > "
+                                           r"base.py:\d+ recv > "):
+        ThreadWorld(2).run(body, timeout=1.0)
