@@ -73,9 +73,8 @@ class ThreadWorld:
             where = "; ".join(f"rank {r} in {_where(frames.get(threads[r].ident))}" for r in stuck)
             raise TimeoutError(f"in-process world: ranks {stuck} did not finish within {timeout} s "
                                f"({where})")
-        for exc in errors:
-            if exc is not None:
-                raise exc
+        if failed:
+            raise failed[0]
         return results
 
 
