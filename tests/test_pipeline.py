@@ -349,7 +349,8 @@ def test_a_stage_that_raises_ends_the_mpi_job(tmp_path):
     start = time.monotonic()
     out = subprocess.run(["timeout", "-k", "5", "60", str(binary / "mpiexec"), "-n", "2",
                           sys.executable, "-m", "mpi4py", str(script)], capture_output=True,
-                         text=True, timeout=75, env={**os.environ, "MPDL_TIMEOUT": "10"})
+                         text=True, timeout=75, env={**os.environ, "MPDL_TIMEOUT": "10"},
+                         cwd=tmp_path)  # its flight records land there, not in the checkout
     assert out.returncode not in (0, 124), (out.stdout, out.stderr)
     assert "stage 1 fails" in out.stderr
     assert time.monotonic() - start < 40
