@@ -54,6 +54,7 @@ class _Parser(argparse.ArgumentParser):
         if is_rank0():
             print(f"{self.prog}: error: {message} ({self.prog} --help lists the options)",
                   file=sys.stderr, flush=True)
+        wait_for_peers()  # else Open MPI may end the job before rank 0's line is out
         sys.exit(2)
 
 
