@@ -179,7 +179,7 @@ def numpy_openblas() -> CBLAS | None:
 def numpy_blas_threads() -> int:
     """The threads NumPy's own BLAS may run a product on now (threadpoolctl's view of the BLAS
     libraries loaded, MKL aside; 1 where it sees none)."""
-    from threadpoolctl import threadpool_info  # noqa: PLC0415 (a few tens of ms, once)
+    from threadpoolctl import threadpool_info  # noqa: PLC0415 (imported on first need: its import is slow)
 
     return max((int(pool["num_threads"]) for pool in threadpool_info()
                 if pool.get("user_api") == "blas" and pool.get("internal_api") != "mkl"),
