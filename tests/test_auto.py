@@ -118,20 +118,101 @@ def test_the_provisional_flag_round_trips_and_never_replaces_a_quiet_calibration
     assert not cm.save(model, replace(busy, ranks=2)) and cm.read_file(model)[2].provisional == ""
 
 
-def test_a_provisional_cache_is_used_but_measured_again_by_the_next_run(tmp_path, monkeypatch):
-    """look() hands back a provisional model with the file to measure into; the next model_for
-    measures, and a quiet measurement replaces the file; `mpdl info`'s line says provisional."""
+def test_a_provisional_cache_is_kept_and_never_measured_again_at_start_up(tmp_path, monkeypatch):
+    """A calibration taken on a busy machine is the model of every later run, marked with its
+    reason (the load it saw) in `mpdl info`'s line: no run measures it again."""
     settings.update(auto_cache=str(tmp_path), cost_model=str(tmp_path / "none.json"))
     comm = FakeComm(2)
     key = firstuse.cache_key(comm)
     path = firstuse.cache_path(str(tmp_path), key)
-    firstuse.write(path, key, replace(MEASURED, provisional="busy machine: spread 2.00x"))
-    model, again = auto.look(comm)
-    assert again == path and model.provisional == "busy machine: spread 2.00x"
-    assert model.describe().startswith("provisional (busy machine: spread 2.00x)")
-    monkeypatch.setattr(firstuse, "measure_quick", lambda comm: MEASURED)
-    assert auto.model_for(comm).origin == "measured"
-    assert firstuse.read(path, key) == MEASURED and auto.look(comm)[1] == ""
+    busy = replace(MEASURED, provisional="busy machine: load 2.40 per core")
+    firstuse.write(path, key, busy)
+    model, measure_into = auto.look(comm)
+    assert measure_into == "" and model.origin == "cache" and model.params == busy
+    monkeypatch.setattr(firstuse, "measure_quick", lambda comm: pytest.fail("measured again"))
+    for _ in range(3):  # three later runs
+        auto.forget()
+        model = auto.model_for(FakeComm(2))
+        assert model.origin == "cache" and model.provisional == busy.provisional
+        assert model.describe().startswith("provisional (busy machine: load 2.40 per core)")
+    assert firstuse.read(path, key) == busy
+
+
+class FakeSub(FakeComm):
+    """Rank 0 of a part of two ranks of a FakeComm world of four (a process grid's group)."""
+
+    def __init__(self, world: FakeComm) -> None:
+        super().__init__(2)
+        self.parent = world
+
+
+def test_a_sub_communicator_derives_its_model_from_the_worlds_calibration(tmp_path,
+                                                                           monkeypatch):
+    """With the world's first-use calibration cached, a part of the world measures nothing: it
+    takes the world's links (the table of the world's own shape stays unused for its shape),
+    saves them in its own file, and later runs read that file; its plans' verdicts go there."""
+    world = FakeComm(4)
+    world_params = replace(MEASURED, ranks=4, nodes=1, provisional="busy machine: load 2.00",
+                           allreduce_times=(("ring", ((8.0, 1.0),)),))
+    world_key = firstuse.cache_key(world)
+    firstuse.write(firstuse.cache_path(settings.current().auto_cache, world_key), world_key,
+                   world_params)
+    monkeypatch.setattr(firstuse, "measure_quick", lambda comm: pytest.fail("a part measured"))
+    sub = FakeSub(world)
+    model = auto.model_for(sub)
+    assert model.origin == "derived" and model.calibrated and "-sub2-" in model.path
+    assert model.params.alpha == MEASURED.alpha and model.params.provisional == "busy machine: load 2.00"
+    assert model.params.source.startswith("derived from the world's fake first-use")
+    assert "derived from the world's first-use calibration" in model.describe()
+    # the world's table is for 4 ranks: the part's 2 ranks get the formula
+    assert cm.predict("allreduce", "ring", 8, 2, 1, model.params) == cm.predict(
+        "allreduce", "ring", 8, 2, 1, replace(model.params, allreduce_times=()))
+    auto.learn(sub, "allreduce", 4096, "ring")
+    assert firstuse.read_verified(model.path, firstuse.cache_key(sub)) == {"allreduce:4096": "ring"}
+    auto.forget()
+    again = auto.model_for(FakeSub(world))  # the next run: its own file
+    assert again.origin == "cache" and again.params == model.params
+    assert again.verified == {"allreduce:4096": "ring"}
+
+
+def test_a_sub_communicator_without_a_world_calibration_measures_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(firstuse, "measure_quick", lambda comm: calls.append(comm) or MEASURED)
+    world = FakeComm(4)
+    assert auto.model_for(FakeSub(world)).origin == "measured" and len(calls) == 1
+    auto.forget()
+    assert auto.model_for(FakeSub(world)).origin == "cache" and len(calls) == 1
+
+
+def test_the_table_stops_where_the_next_size_would_end_past_the_time_given(monkeypatch):
+    """With `seconds`, the sizes stop (the same on every rank) where the next would end past
+    them; the table is partial, and beyond its last size the formula predicts."""
+    monkeypatch.setattr(measuring, "TUNE_SIZES", (8, 1 << 10, 1 << 13, 1 << 15))
+    monkeypatch.setattr(measuring, "next_size_seconds",
+                        lambda last, last_bytes, nbytes: 1e3 if nbytes >= 1 << 13 else 0.0)
+    tables = run_world(2, lambda c: measuring.allreduce_table(c, seconds=100.0))
+    assert tables[0] == tables[1] and tables[0].partial
+    for _, rows in tables[0].rows:
+        assert [b for b, _ in rows] == [8.0, 1024.0]
+    whole = run_world(2, lambda c: measuring.allreduce_table(c))[0]  # no limit: every size
+    assert not whole.partial and [b for b, _ in whole.rows[0][1]] == [8.0, 1024.0, 8192.0, 32768.0]
+    params = replace(MEASURED, allreduce_times=tables[0].rows, allreduce_times_partial=True,
+                     nodes=1)
+    formula = replace(params, allreduce_times=())
+    assert cm.predict("allreduce", "ring", 1 << 20, 2, 1, params) == cm.predict(
+        "allreduce", "ring", 1 << 20, 2, 1, formula)
+    assert cm.predict("allreduce", "ring", 512, 2, 1, params) != cm.predict(
+        "allreduce", "ring", 512, 2, 1, formula)
+    assert cm.Params.from_json(json.loads(json.dumps(params.to_json()))) == params
+
+
+def test_the_next_sizes_time_follows_the_bytes_from_one_mib():
+    """Below 1 MiB the last size's time (latency and time slices); from it in proportion to the
+    bytes; 3/4 of that at the first size of half the rounds (16 MiB took 5.9 s, 64 MiB 16.1 s at
+    3 ranks on 2 busy cores)."""
+    assert measuring.next_size_seconds(2.0, 8, 1 << 10) == 2.0
+    assert measuring.next_size_seconds(3.0, 8 << 20, 16 << 20) == 6.0
+    assert measuring.next_size_seconds(5.9, 16 << 20, 64 << 20) == pytest.approx(17.7)
 
 
 def test_busy_check_names_the_load_and_the_spread(monkeypatch):
@@ -375,7 +456,7 @@ def test_the_allreduce_table_keeps_the_fastest_round_so_a_slow_spell_cannot_pois
     assert measuring.TUNE_ROUNDS == 4
     quiet, spell, tree = 10e-6, 300e-6, 20e-6
 
-    def times(comm, crowded_node):
+    def times(comm, crowded_node, seconds=None):
         def rounds(name):
             if name == "recursive_doubling":
                 return [[spell] * 4, [quiet] * 4, [spell] * 4, [quiet] * 4]
@@ -536,7 +617,7 @@ def test_with_more_ranks_than_cores_the_allreduce_table_keeps_the_median_round(m
 
     barriers = []
 
-    def times(comm, crowded_node):
+    def times(comm, crowded_node, seconds=None):
         barriers.append(crowded_node)  # every rank times after the same barriers
         return {name: [[[t] * 4 for t in lucky.get(name, [1e-3] * 4)] for _ in measuring.TUNE_SIZES]
                 for name in cm.candidates("allreduce", True)}

@@ -10,10 +10,13 @@ model's parameters (`model_for(comm)`), in this order:
    its entry for the nearest world size; a broken file means no model (the size rule);
 3. otherwise the first-use calibration of this machine and world shape (`mpdl.tuning.firstuse`):
    read from the settings' `auto_cache` folder (MPDL_AUTO_CACHE), or measured now by every rank of
-   the communicator (about a second) and saved there; a cache file that cannot be read is ignored
-   with a warning and measured again. A calibration taken on a busy machine is provisional: it is
-   used, and measured again on the next run's first `auto` call, which replaces it (a
-   provisional one never replaces one taken on a quiet machine);
+   the communicator (at most `firstuse.SECONDS`) and saved there, once: a calibration taken on a
+   busy machine is kept, marked provisional with the load it saw, and never taken again at
+   start-up (the plans' verification refines the choices that matter online; `mpdl calibrate`
+   measures anew). A part of the world (a sub-communicator) derives its model from the world's
+   calibration where there is one (the cost model predicts its shape from the world's links),
+   and measures itself, once, only where there is none. A cache file that cannot be read is
+   ignored with a warning and measured again;
 4. the defaults where there is nothing to measure (`MPDL_AUTO_CACHE=off`, one rank, the in-process
    world).
 
@@ -55,7 +58,8 @@ class Model:
     """The parameters `auto` chooses with, and where they come from.
 
     origin: "off" (no model: the size rule), "defaults", "file" (`mpdl calibrate`'s), "cache" (a
-    first-use calibration read back) or "measured" (a first-use calibration made in this run);
+    first-use calibration read back), "measured" (a first-use calibration made in this run) or
+    "derived" (a part of the world's, from the world's first-use calibration, noted in `path`);
     `path` is the file read or written, `note` says why when it matters; `verified` holds the
     choices plans verified online ("collective:bytes" -> algorithm), `unsettled` why those
     verified on a busy machine are provisional, and `recheck` those of them (read from the cache)
@@ -73,7 +77,7 @@ class Model:
 
     @property
     def calibrated(self) -> bool:
-        return self.origin in ("file", "cache", "measured")
+        return self.origin in ("file", "cache", "measured", "derived")
 
     @property
     def provisional(self) -> str:
@@ -86,7 +90,9 @@ class Model:
                 "defaults": "defaults (not calibrated)",
                 "file": f"calibrated by `mpdl calibrate`: {self.path}",
                 "cache": f"calibrated on first use: {self.path}",
-                "measured": f"calibrated on first use, now: saved to {self.path}"}[self.origin]
+                "measured": f"calibrated on first use, now: saved to {self.path}",
+                "derived": f"derived from the world's first-use calibration: saved to "
+                           f"{self.path}"}[self.origin]
         if self.params is not None and self.calibrated:
             text += f" ({self.params.source})"
         if self.provisional:
@@ -149,8 +155,10 @@ def _measurable(comm) -> bool:
 
 
 def look(comm) -> tuple[Model | None, str]:
-    """What this rank finds without measuring: (the model, ""), or (None or a provisional model,
-    the cache file to measure into). No communication."""
+    """What this rank finds without measuring: (the model, ""), or (None, the cache file to
+    measure into). A calibration in the cache is the model, provisional or not; a part of the
+    world with none of its own derives one from the world's (origin "derived", to be saved in its
+    own file). No communication."""
     static = static_model(comm.size)
     if static.origin != "defaults" or static.note != "no calibration file":
         return static, ""
@@ -168,11 +176,20 @@ def look(comm) -> tuple[Model | None, str]:
         warnings.warn(f"mpdl auto: ignoring {exc}; measuring again", RuntimeWarning, stacklevel=2)
         return None, path
     if params is None:
-        return None, path
+        world = firstuse.root_of(comm)
+        if world is comm:
+            return None, path
+        world_key = firstuse.cache_key(world)
+        try:
+            params = firstuse.read(firstuse.cache_path(folder, world_key), world_key)
+        except costmodel.ModelUnavailable:
+            params = None  # the world's own first use warns of it
+        if params is None:
+            return None, path
+        return Model(firstuse.derived(params), "derived", path), ""
     unsettled = firstuse.read_unsettled(path, key)
-    model = Model(params, "cache", path, verified=firstuse.read_verified(path, key),
-                  unsettled=unsettled, recheck=set(unsettled))
-    return model, path if params.provisional else ""
+    return Model(params, "cache", path, verified=firstuse.read_verified(path, key),
+                 unsettled=unsettled, recheck=set(unsettled)), ""
 
 
 def _agree(comm) -> Model:
@@ -184,26 +201,31 @@ def _agree(comm) -> Model:
     firstuse.root_of(comm).node_groups()
     mine = look(comm) if comm.rank == 0 else None
     found, path = comm.allgather_object(mine)[0]
-    if found is not None and not path:  # a model of this process (its serial keys its cache)
-        return Model(found.params, found.origin, found.path, found.note, dict(found.verified),
-                     dict(found.unsettled), set(found.recheck))
+    if found is not None:  # a model of this process (its serial keys its cache)
+        note = ""
+        if found.origin == "derived" and comm.rank == 0:
+            note = _save(found.path, comm, found.params)
+        return Model(found.params, found.origin, found.path, found.note or note,
+                     dict(found.verified), dict(found.unsettled), set(found.recheck))
     if comm.rank == 0:  # the user never waits silently
-        what = "the last calibration was on a busy machine, calibrating again" if found else \
-            "first use, calibrating"
-        print(f"mpdl: {what}: the collectives for `auto` on {comm.size} ranks (seconds, longer on "
-              f"a busy machine), cached in {path}; to skip: MPDL_AUTO_CACHE=off, or `mpdl "
-              f"calibrate` once", file=sys.stderr, flush=True)
-    params = firstuse.measure_quick(comm)  # none yet, or a provisional one: measure again
-    verified = dict(found.verified) if found is not None else {}  # the file keeps them too
-    unsettled = dict(found.unsettled) if found is not None else {}
-    note = ""
-    if comm.rank == 0:
-        try:
-            firstuse.write(path, firstuse.cache_key(comm), params)
-        except OSError as exc:
-            note = f"could not save it ({exc}); set MPDL_AUTO_CACHE to a writable folder"
-            warnings.warn(f"mpdl auto: first-use calibration {note}", RuntimeWarning, stacklevel=2)
-    return Model(params, "measured", path, note, verified, unsettled, set(unsettled))
+        print(f"mpdl: first use, calibrating: the collectives for `auto` on {comm.size} ranks (at "
+              f"most about {firstuse.SECONDS:g} s, once for this machine and rank count), cached "
+              f"in {path}; to skip: MPDL_AUTO_CACHE=off, or `mpdl calibrate` once",
+              file=sys.stderr, flush=True)
+    params = firstuse.measure_quick(comm)
+    note = _save(path, comm, params) if comm.rank == 0 else ""
+    return Model(params, "measured", path, note)
+
+
+def _save(path: str, comm, params: costmodel.Params) -> str:
+    """Write comm's first-use calibration to path; "" or, when it could not, why (warned)."""
+    try:
+        firstuse.write(path, firstuse.cache_key(comm), params)
+    except OSError as exc:
+        note = f"could not save it ({exc}); set MPDL_AUTO_CACHE to a writable folder"
+        warnings.warn(f"mpdl auto: first-use calibration {note}", RuntimeWarning, stacklevel=3)
+        return note
+    return ""
 
 
 def model_for(comm) -> Model:
@@ -333,7 +355,7 @@ def learn(comm, collective: str, nbytes: int, algorithm: str, shared: bool = Fal
         model.unsettled[entry] = provisional
     _cache[:] = None, {}
     _epoch[0] += 1
-    if comm.rank == 0 and model.origin in ("cache", "measured"):
+    if comm.rank == 0 and model.origin in ("cache", "measured", "derived"):
         try:
             firstuse.remember(model.path, firstuse.cache_key(comm), entry, algorithm,
                               provisional)

@@ -106,6 +106,9 @@ class Params:
     #: call's fixed cost) at a few sizes, on `ranks` ranks over `nodes` nodes, when a first-use
     #: calibration timed them: `predict` interpolates these for that world shape, not the formula
     allreduce_times: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = field(default=())
+    #: the first-use calibration's time ran out before the table's last size: beyond its last
+    #: size the formula predicts (a small size's time per byte says nothing of large ones)
+    allreduce_times_partial: bool = False
     #: the node count the parameters were measured over (0: not recorded)
     nodes: int = 0
     #: float32 FLOP/s of one core on a 512×512 GEMM, the best rank's (0: not measured); the peak
@@ -163,7 +166,8 @@ class Params:
     def measured_time(self, algorithm: str, nbytes: float, p: int, nodes: int) -> float | None:
         """The all-reduce algorithm's body time from `allreduce_times` (linear between measured
         sizes, the smallest size's time below them, the last size's time per byte beyond them),
-        when they were measured for this world shape; None otherwise. Beyond the last size each
+        when they were measured for this world shape and size; None otherwise (beyond the last
+        size of a partial table too). Beyond the last size each
         algorithm keeps the rate measured there, so their ranking there holds (the slope of the
         last two sizes, a difference of two noisy times, ranked them wrongly:
         docs/results/auto.md#beyond-the-last-measured-size)."""
@@ -174,6 +178,8 @@ class Params:
             return None
         sizes = [b for b, _ in table]
         times = [t for _, t in table]
+        if nbytes > sizes[-1] and self.allreduce_times_partial:
+            return None
         if nbytes <= sizes[0] or len(sizes) == 1:
             return times[0]
         if nbytes >= sizes[-1]:

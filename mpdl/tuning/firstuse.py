@@ -8,9 +8,13 @@ GEMM peak or MPI-library latency (`mpdl calibrate` measures thoroughly with the 
 it times every all-reduce algorithm `auto` may pick at ten sizes from 8 B to 64 MiB
 (`measuring.allreduce_table`): the cost model interpolates these for this world shape instead of
 its formulas, which miss effects such as caches and cores shared by more ranks than they can run.
-Every rank fits the same parameters from the same numbers. How long it takes:
+The whole takes at most about SECONDS: on a busy machine the table stops at the size where its
+time runs out, and the formulas predict beyond it (`Params.allreduce_times_partial`). Every rank
+fits the same parameters from the same numbers. How long it takes:
 docs/results/auto.md#the-first-use-calibrations-length. A calibration taken on a busy machine
-(`measuring.Busy`) is provisional: `Params.provisional` says why.
+(`measuring.Busy`) is marked provisional (`Params.provisional` says why, the load among it) and
+kept: no run measures it again (`mpdl calibrate` measures anew). A part of the world derives its
+parameters from the world's calibration (`derived`).
 
 The result is kept in one JSON file per key (`cache_key`: host, MPI library, world size, ranks per
 node, and the communicator's own shape when it is a part of the world) in the settings' `auto_cache`
@@ -28,6 +32,7 @@ import os
 import re
 import socket
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -42,6 +47,10 @@ from mpdl.tuning.costmodel import ModelUnavailable, Params
 from mpdl.tuning.measuring import QUICK, fit, monotone
 
 FORMAT_VERSION = 1
+#: the most a first-use calibration takes, its start-up and links included: the table's sizes
+#: stop (from the smallest up) where the next would end past it, which on a quiet machine it never
+#: does for 2 or 4 ranks (docs/results/auto.md#the-first-use-calibrations-length)
+SECONDS = 8.0
 
 
 def root_of(comm: Any) -> Any:
@@ -94,7 +103,7 @@ def measure_quick(comm: Any) -> Params:
         comm.barrier()
         rates = measuring.rates(QUICK)
         rates["call"] = _call_overhead()
-        table = measuring.allreduce_table(comm)
+        table = measuring.allreduce_table(comm, SECONDS - (time.perf_counter() - t_start))
         busy = measuring.busy_check(comm, load_before, measuring.load_per_core(here), table.spread,
                                     measuring.core_share(since))
         stamp = (socket.gethostname(), time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -118,11 +127,21 @@ def measure_quick(comm: Any) -> Params:
                   gammas=gammas, ranks=comm.size,
                   exchange=monotone(QUICK.sizes, intra) if have_pairs else (),
                   ring_exchange=monotone(QUICK.sizes, curves["ring"]) if curves["ring"] else (),
-                  allreduce_times=table.rows, nodes=len(groups),
+                  allreduce_times=table.rows, allreduce_times_partial=table.partial,
+                  nodes=len(groups),
                   source=f"first-use calibration on {host}, {comm.size} ranks, {len(groups)} "
                          f"node(s), {when}, {seconds:.2f} s"
-                         + (", median rounds (more ranks than cores)" if table.crowded else ""),
+                         + (", median rounds (more ranks than cores)" if table.crowded else "")
+                         + (f", table to {int(table.rows[0][1][-1][0])} B ({SECONDS:g} s spent)"
+                            if table.partial and table.rows else ""),
                   provisional=busy.why)
+
+
+def derived(world: Params) -> Params:
+    """A part of the world's parameters, from the world's first-use calibration: the same links
+    and rates (the cost model predicts the part's shape from them; the world's table of measured
+    all-reduce times holds for the world's own shape only)."""
+    return replace(world, source=f"derived from the world's {world.source}")
 
 
 # -- the cache ---------------------------------------------------------------------------------

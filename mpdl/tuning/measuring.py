@@ -315,7 +315,16 @@ def rates(effort: Effort) -> dict[str, float]:
 
 
 # -- the all-reduce candidates -----------------------------------------------------------------
-def _allreduce_times(comm: Any, crowded_node: bool = False) -> dict[str, list[list[list[float]]]]:
+def next_size_seconds(last_seconds: float, last_bytes: int, nbytes: int) -> float:
+    """What timing the table's next size, nbytes, will take, from the last size's time: the
+    same below 1 MiB (latency and time slices set it), in proportion to the bytes from 1 MiB, and
+    three quarters of that at the first size of half the rounds (TUNE_HUGE)."""
+    seconds = last_seconds * (nbytes / last_bytes if last_bytes >= (1 << 20) else 1.0)
+    return seconds * (0.75 if nbytes >= TUNE_HUGE > last_bytes else 1.0)
+
+
+def _allreduce_times(comm: Any, crowded_node: bool = False,
+                     seconds: float | None = None) -> dict[str, list[list[list[float]]]]:
     """Per all-reduce candidate `auto` may pick, per size of TUNE_SIZES, per round: this rank's
     times of its calls (TUNE_ROUNDS turns of TUNE_REPS calls, each after a barrier, the
     algorithms taking turns as in `mpdl bench`), each call into a new result array with the input
@@ -325,12 +334,23 @@ def _allreduce_times(comm: Any, crowded_node: bool = False) -> dict[str, list[li
 
     Where a node runs more ranks than cores (`crowded_node`, every rank's view combined), the
     barrier is MPI_Barrier, as `mpdl bench` times calls; elsewhere mpdl's own barrier, which did
-    better there (docs/results/auto.md#new-arrays-and-the-barrier-of-the-table)."""
+    better there (docs/results/auto.md#new-arrays-and-the-barrier-of-the-table).
+
+    With `seconds`, the sizes stop (from the smallest up, the first always timed) where rank 0
+    expects the next to end past that many seconds from the start (`next_size_seconds`): each
+    candidate's list then holds the sizes timed, the same on every rank."""
     names = candidates("allreduce", comm.has_shared_memory)
     out: dict[str, list[list[list[float]]]] = {name: [] for name in names}
     # (a part of the world, which has no MPI communicator of its own, keeps mpdl's barrier)
     mpi_barrier = crowded_node and getattr(comm, "mpi", None) is not None
-    for nbytes in TUNE_SIZES:
+    start = last_start = time.perf_counter()
+    for i, nbytes in enumerate(TUNE_SIZES):
+        if seconds is not None and i > 0:
+            now = time.perf_counter()
+            expected = now - start + next_size_seconds(now - last_start, TUNE_SIZES[i - 1], nbytes)
+            if comm.allgather_object(expected > seconds)[0]:  # rank 0 decides for all
+                break
+            last_start = now
         x = np.ones(max(1, nbytes // 4), np.float32)
         calls = {}
         for name in names:
@@ -377,32 +397,36 @@ def typical(times: list[float], crowded_node: bool) -> float:
 class Table:
     """`Params.allreduce_times` (every candidate's (bytes, seconds) per size: the typical round's
     median of the slowest rank's time, non-decreasing in size), `spread`: the median over
-    candidates and sizes of the median round over the fastest (1 on a quiet machine), and
-    whether a node ran more ranks than cores (then the median round counts, else the fastest)."""
+    candidates and sizes of the median round over the fastest (1 on a quiet machine), whether a
+    node ran more ranks than cores (then the median round counts, else the fastest), and whether
+    the time given ran out before the last of TUNE_SIZES (`partial`)."""
 
     rows: tuple[tuple[str, tuple[tuple[float, float], ...]], ...]
     spread: float
     crowded: bool = False
+    partial: bool = False
 
 
-def allreduce_table(comm: Any) -> Table:
+def allreduce_table(comm: Any, seconds: float | None = None) -> Table:
     """Every all-reduce candidate timed at TUNE_SIZES, the algorithms taking turns. Per candidate
     and size, the fastest round counts, or the median round where a node runs more ranks than
     cores (`typical`), where the fastest round is a lucky one
-    (docs/results/auto.md#the-fastest-round-or-the-median). Collective over comm; the same table
-    on every rank."""
+    (docs/results/auto.md#the-fastest-round-or-the-median). With `seconds`, the sizes that
+    would end past that many seconds are left out (`_allreduce_times`). Collective over comm; the
+    same table on every rank."""
     crowded_node = any(comm.allgather_object(crowded(comm)))
-    everyone = comm.allgather_object(_allreduce_times(comm, crowded_node))
+    everyone = comm.allgather_object(_allreduce_times(comm, crowded_node, seconds))
     rows, ratios = [], []
+    sizes = TUNE_SIZES[:min(len(timed) for timed in everyone[0].values())]
     for name in everyone[0]:
         times = []
-        for i in range(len(TUNE_SIZES)):
+        for i in range(len(sizes)):
             rounds = sorted(slowest([r[name][i][k] for r in everyone])
                             for k in range(len(everyone[0][name][i])))
             times.append(typical(rounds, crowded_node))
             ratios.append(float(np.median(rounds)) / max(rounds[0], 1e-12))
-        rows.append((name, monotone(TUNE_SIZES, times)))
-    return Table(tuple(rows), float(np.median(ratios)), crowded_node)
+        rows.append((name, monotone(sizes, times)))
+    return Table(tuple(rows), float(np.median(ratios)), crowded_node, len(sizes) < len(TUNE_SIZES))
 
 
 # -- was the machine quiet? --------------------------------------------------------------------

@@ -55,7 +55,7 @@ def stand_in_probes(monkeypatch):
     monkeypatch.setattr(measuring, "link_curves", lambda comm, effort: {
         "intra": [1e-6 * (1 + n / 1e6) for n in sizes], "ring": None, "ring_reduce": None,
         "inter": None})
-    monkeypatch.setattr(measuring, "allreduce_table", lambda comm: measuring.Table((), 1.0))
+    monkeypatch.setattr(measuring, "allreduce_table", lambda comm, seconds=None: measuring.Table((), 1.0))
 
 
 def fresh() -> MPIComm:
@@ -133,7 +133,7 @@ def test_a_corrupt_cache_is_ignored_with_a_warning_on_rank_0_and_measured_again(
     assert files(cache) == [name]
 
 
-def test_a_sub_communicator_calibrates_for_its_own_shape(cache):
+def test_a_sub_communicator_calibrates_for_its_own_shape_only_without_a_world_calibration(cache):
     if P < 3:
         pytest.skip("needs a part of the world of at least two ranks")
     world = fresh()
@@ -148,6 +148,35 @@ def test_a_sub_communicator_calibrates_for_its_own_shape(cache):
         agree(sub, model)
     written = files(cache)
     assert len(written) == 1 and f"-sub{P - 1}-" in written[0]
+
+
+def test_a_sub_communicator_derives_from_the_worlds_calibration_without_measuring(
+        cache, stand_in_probes, monkeypatch, capsys):
+    """Once the world has calibrated, its parts (a pipeline's or a grid's groups, of any size)
+    measure nothing and say nothing: each takes the world's parameters, the same on its every
+    rank, and its rank 0 saves them in the part's own file."""
+    if P < 3:
+        pytest.skip("needs a part of the world of at least two ranks")
+    world = fresh()
+    world_model = auto.model_for(world)
+    assert world_model.origin == "measured"
+    capsys.readouterr()
+    monkeypatch.setattr(firstuse, "measure_quick", lambda comm: pytest.fail("a part measured"))
+    halves = [list(range(0, P // 2 + 1)), list(range(P // 2 + 1, P))]
+    mine = next(h for h in halves if RANK in h)
+    sub = world.sub(mine)
+    x = np.full(10, RANK, np.float64)
+    np.testing.assert_array_equal(C.allreduce(x, comm=sub), sum(mine))
+    model = auto.model_for(sub)
+    if len(mine) > 1:
+        assert model.origin == "derived" and model.params.alpha == world_model.params.alpha
+        assert model.params.ranks == P and model.params.source.startswith("derived from")
+        agree(sub, model)
+    assert capsys.readouterr().err == ""
+    written = files(cache)
+    parts = {f"-sub{len(h)}-" for h in halves if len(h) > 1}
+    assert len(written) == 1 + len(parts), written
+    assert all(any(part in name for name in written) for part in parts), written
 
 
 def test_first_use_behind_asynchronous_work_runs_in_order(cache):
@@ -196,11 +225,11 @@ def test_a_calibration_whose_ranks_lost_core_time_is_provisional_on_every_rank(
                            "they have alone") == cached
 
 
-def test_a_calibration_under_load_is_provisional_on_every_rank_until_a_quiet_one_replaces_it(
-        cache, stand_in_probes, monkeypatch):
+def test_a_calibration_under_load_is_provisional_on_every_rank_and_kept(
+        cache, stand_in_probes, monkeypatch, capsys):
     """The last rank alone sees a loaded machine: every rank takes the calibration as provisional
-    (the largest load over ranks decides); the next look measures again, and a calibration on a
-    quiet machine replaces it in the cache and is then the final word."""
+    (the largest load over ranks decides), with the load in the cache; the next run, on a quiet
+    machine, measures nothing, says nothing and keeps it (`mpdl calibrate` measures anew)."""
     loaded = RANK == P - 1
     monkeypatch.setattr(measuring, "load_per_core", lambda ranks_here: 3.0 if loaded else 0.0)
     calibrated = first_use_verdicts(cache)
@@ -211,14 +240,14 @@ def test_a_calibration_under_load_is_provisional_on_every_rank_until_a_quiet_one
     assert "provisional (busy machine" in model.describe()
     key = firstuse.cache_key(comm)
     [name] = files(cache)
+    capsys.readouterr()
 
     monkeypatch.setattr(measuring, "load_per_core", lambda ranks_here: 0.0)
-    auto.forget()
-    again = auto.model_for(fresh())
-    assert again.origin == "measured" and again.provisional == ""
-    assert files(cache) == [name]  # (a barrier: rank 0 has written it)
-    assert firstuse.read(os.path.join(cache, name), key).provisional == ""
-    auto.forget()
     measured = []
     monkeypatch.setattr(firstuse, "measure_quick", lambda c: measured.append(c))
-    assert auto.model_for(fresh()).origin == "cache" and measured == []
+    auto.forget()
+    again = auto.model_for(fresh())
+    assert again.origin == "cache" and again.provisional == verdicts[0] and measured == []
+    assert capsys.readouterr().err == ""
+    assert files(cache) == [name]
+    assert firstuse.read(os.path.join(cache, name), key).provisional == verdicts[0]

@@ -224,7 +224,7 @@ def _first_use_world(tmp_path_factory, monkeypatch, name: str, rows: tuple, **op
     monkeypatch.setattr(measuring, "link_curves", lambda comm, effort: {
         "intra": [1e-6 * (1 + n / 1e6) for n in sizes], "ring": None, "ring_reduce": None,
         "inter": None})
-    monkeypatch.setattr(measuring, "allreduce_table", lambda comm: measuring.Table(rows, 1.0))
+    monkeypatch.setattr(measuring, "allreduce_table", lambda comm, seconds=None: measuring.Table(rows, 1.0))
     auto.forget()
     yield MPIComm(COMM.Dup())
     settings.use(previous)
