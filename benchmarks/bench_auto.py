@@ -74,6 +74,7 @@ def auto_vs_best(data: list[dict]) -> list[str]:
              + (f" {'noise':>6}" if twins else "")]
     worst = 0.0
     within = 0
+    ratios = []
     for size, best in sorted(fastest(data).items()):
         mine = {r["algorithm"]: r for r in data if r["bytes"] == size}
         auto = mine["auto"]
@@ -82,6 +83,7 @@ def auto_vs_best(data: list[dict]) -> list[str]:
         ratio = mine[auto["chosen"]]["time_us"] / best["time_us"]
         worst = max(worst, ratio)
         within += ratio <= 1.10
+        ratios.append(ratio)
         line = (f"{size:>10} {best['algorithm']:>20} {best['time_us']:>10.1f} "
                 f"{auto['chosen']:>20} {auto['time_us']:>10.1f} {ratio:>9.2f} "
                 f"{auto['time_us'] / best['time_us']:>9.2f} {mine['mpi']['time_us']:>10.1f}")
@@ -90,7 +92,7 @@ def auto_vs_best(data: list[dict]) -> list[str]:
             line += f" {max(same) / min(same):>6.2f}"
         lines.append(line)
     lines.append(f"auto within 10% of the best at {within}/{len(lines) - 1} sizes; worst ratio "
-                 f"{worst:.2f}")
+                 f"{worst:.2f}; mean ratio {sum(ratios) / max(len(ratios), 1):.3f}")
     return lines
 
 

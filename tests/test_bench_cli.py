@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -140,3 +141,29 @@ def test_a_bad_flag_reaches_stderr_once_under_every_mpi():
     """Under any launcher (Open MPI's adds a paragraph of its own), rank 0's line is there, once."""
     out = run(3, ["train", "--lr", "abc"])
     assert out.returncode != 0 and out.stderr.count(BAD_LR) == 1, out.stderr
+
+
+def test_rows_reach_a_pipe_as_each_size_is_measured(tmp_path):
+    """Through a pipe (not a terminal), the header and the first size's rows arrive while the
+    later sizes are still being timed: the job is ended on reading the first row, and what was
+    printed by then holds no summary (which follows the last size)."""
+    job = subprocess.Popen(["timeout", "-k", "5", "120", MPIEXEC, "-n", "2", MPDL, "bench",
+                            "-b", "8", "-e", "64M", "-f", "8", "-n", "20", "-w", "1",
+                            "--algorithms", "ring,tree,recursive_doubling"],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                           start_new_session=True,
+                           env={**os.environ, "MPDL_AUTO_CACHE": "off",
+                                "MPDL_COST_MODEL": str(tmp_path / "none.json")})
+    try:
+        seen = []
+        for line in job.stdout:
+            seen.append(line)
+            if line.split()[:1] == ["8"]:  # the first row of the first size
+                break
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        rest = job.stdout.read()
+        job.wait()
+    assert seen and seen[0].startswith("# mpdl bench allreduce: 2 ranks"), seen
+    assert seen[-1].split()[:5] == ["8", "2", "float32", "sum", "ring"], seen
+    assert "# summary" not in rest and "16777216" not in rest, rest

@@ -151,12 +151,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     load_mpi()
     comm = as_communicator(None)
-    bar = None
+    bar = table = None
     if comm.rank == 0:
         bar = tqdm(total=len(config.sizes), file=sys.stderr, unit="size", desc="mpdl bench",
                    leave=False, disable=None)
+        table = Table(args, config.emulation.describe() if config.emulation else "")
+
+        def progress(measured: bench.Result) -> None:
+            table.add(measured)
+            bar.update(1)
     try:
-        result = bench.run(config, comm, progress=None if bar is None else lambda: bar.update(1))
+        result = bench.run(config, comm, progress=None if table is None else progress)
     except bench.Unusable as exc:
         raise UsageError(f"--{exc}") from None
     except mpi_variants.Unavailable as exc:
@@ -166,46 +171,65 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
     if comm.rank != 0:
         return 0
-    if result.note is not None:
-        print(f"# cost model unavailable ({result.note}); predictions use the defaults",
-              file=sys.stderr)
-    emulated = config.emulation.describe() if config.emulation else ""
-    print_table(result.rows, args, result.ranks, result.nodes, emulated, result.params,
-                result.model)
+    if not config.sizes:
+        table.add(result)  # the header alone
+    print_summary(result.rows, table.emulated, table.width)
     if args.json:
         write_json_lines(args.json, result.rows)
     if args.csv:
         write_csv(args.csv, result.rows)
     if args.plot:
-        plot(args.plot, result.rows, args.collective, result.ranks, emulated)
+        plot(args.plot, result.rows, args.collective, result.ranks, table.emulated)
     return 0
 
 
 # -- output ------------------------------------------------------------------------------------
-def print_table(rows, args, p, nodes, emulated, params, model: str = "") -> None:
-    rounds = len(bench.turns(args.iters))
-    each = (f"each {args.loop} calls back to back (time per call)" if args.loop > 1
-            else "each one call after a barrier")
-    print(f"# mpdl bench {args.collective}: {p} ranks, {nodes} node(s), {args.iters} iterations "
-          f"({args.warmup} warm-up) {each}, algorithms taking turns in {rounds} rounds; "
-          f"time = slowest rank, median (min-max)")
-    print(f"# predictions: {params.source}")
-    if model:
-        print(f"# auto's cost model: {model}")
-    if emulated:
-        print(f"# EMULATED links: {emulated} (nodes from MPDL_RANKS_PER_NODE); the mpi baseline "
-              f"bypasses mpdl's sends and is not slowed")
-    width = max(len("algorithm"), *(len(_label(r)) for r in rows)) if rows else 9
-    header = (f"{'size(B)':>12} {'count':>10} {'type':>8} {'op':>5} {'algorithm':<{width}} "
+class Table:
+    """The table on stdout, each size's rows printed (and flushed) as soon as they are measured,
+    so that a pipe or a file shows them during a long run; the header before the first."""
+
+    def __init__(self, args: argparse.Namespace, emulated: str) -> None:
+        self.args, self.emulated = args, emulated
+        self.width = 0  # set by the header
+
+    def add(self, measured: bench.Result) -> None:
+        """Print measured's rows, after the header the first time."""
+        if not self.width:
+            self.width = max(len("algorithm"), *map(len, measured.labels),
+                             *(len(_label(r)) for r in measured.rows))
+            self._header(measured)
+        for r in measured.rows:
+            wrong = "N/A" if r["wrong"] is None else str(r["wrong"])
+            tqdm.write(f"{r['bytes']:>12} {r['count']:>10} {r['dtype']:>8} {r['op']:>5} "
+                       f"{_label(r):<{self.width}} {r['time_us']:>10.1f} "
+                       f"{r['time_us_min']:>10.1f} {r['time_us_max']:>10.1f} "
+                       f"{r['algbw_gbs']:>7.3f} {r['busbw_gbs']:>7.3f} {wrong:>6} "
+                       f"{r['predicted_us']:>10.1f}", file=sys.stdout)
+        sys.stdout.flush()
+
+    def _header(self, measured: bench.Result) -> None:
+        args = self.args
+        if measured.note is not None:
+            print(f"# cost model unavailable ({measured.note}); predictions use the defaults",
+                  file=sys.stderr)
+        rounds = len(bench.turns(args.iters))
+        each = (f"each {args.loop} calls back to back (time per call)" if args.loop > 1
+                else "each one call after a barrier")
+        print(f"# mpdl bench {args.collective}: {measured.ranks} ranks, {measured.nodes} node(s), "
+              f"{args.iters} iterations ({args.warmup} warm-up) {each}, algorithms taking turns "
+              f"in {rounds} rounds; time = slowest rank, median (min-max)")
+        print(f"# predictions: {measured.params.source}")
+        if measured.model:
+            print(f"# auto's cost model: {measured.model}")
+        if self.emulated:
+            print(f"# EMULATED links: {self.emulated} (nodes from MPDL_RANKS_PER_NODE); the mpi "
+                  f"baseline bypasses mpdl's sends and is not slowed")
+        print(f"{'size(B)':>12} {'count':>10} {'type':>8} {'op':>5} {'algorithm':<{self.width}} "
               f"{'time(us)':>10} {'min(us)':>10} {'max(us)':>10} {'algbw':>7} {'busbw':>7} "
               f"{'#wrong':>6} {'pred(us)':>10}")
-    print(header)
-    for r in rows:
-        wrong = "N/A" if r["wrong"] is None else str(r["wrong"])
-        print(f"{r['bytes']:>12} {r['count']:>10} {r['dtype']:>8} {r['op']:>5} "
-              f"{_label(r):<{width}} {r['time_us']:>10.1f} {r['time_us_min']:>10.1f} "
-              f"{r['time_us_max']:>10.1f} {r['algbw_gbs']:>7.3f} {r['busbw_gbs']:>7.3f} "
-              f"{wrong:>6} {r['predicted_us']:>10.1f}")
+
+
+def print_summary(rows, emulated: str, width: int) -> None:
     print()
     print("# summary per size: fastest of mpdl's algorithms, its time / mpi's, and auto's time / "
           "the fastest's" + (" [EMULATED]" if emulated else ""))

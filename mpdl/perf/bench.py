@@ -130,6 +130,9 @@ class Result:
     note: str | None = None
     #: where auto's model comes from (`auto.Model.describe`)
     model: str = ""
+    #: every algorithm label a row of the run may have (auto's as `auto→NAME`, each NAME it may
+    #: choose), for the table's column width
+    labels: tuple[str, ...] = ()
 
 
 # -- the measurement ---------------------------------------------------------------------------
@@ -235,10 +238,11 @@ def array_module(comm: Any, device: str) -> Any:
     return cupy
 
 
-def run(config: Config, comm: Any, progress: Callable[[], None] | None = None) -> Result:
+def run(config: Config, comm: Any, progress: Callable[[Result], None] | None = None) -> Result:
     """Time config's algorithms at each of its sizes on comm (an MPIComm; collective). For the
     run, comm's links and `auto`'s cost model are those of config.emulation; both are restored
-    after. `progress` is called after each size."""
+    after. `progress` is called after each size with a Result of that size's rows (complete on
+    rank 0, empty elsewhere), so that they can be shown as they are measured."""
     p = comm.size
     if not 0 <= config.root < p:
         raise Unusable(f"root: expected a rank in [0, {p}), got {config.root}")
@@ -250,7 +254,7 @@ def run(config: Config, comm: Any, progress: Callable[[], None] | None = None) -
         restore()
 
 
-def _measure_all(config: Config, comm: Any, xp: Any, progress: Callable[[], None] | None
+def _measure_all(config: Config, comm: Any, xp: Any, progress: Callable[[Result], None] | None
                  ) -> Result:
     p, rank = comm.size, comm.rank
     nodes = len(comm.node_groups())
@@ -261,6 +265,11 @@ def _measure_all(config: Config, comm: Any, xp: Any, progress: Callable[[], None
     params = (model.params or costmodel.Params()).emulated(config.emulation)
 
     found = mpi_variants.variants(comm, config.collective) if config.mpi_variants else []
+    described = model.describe()
+    labels = tuple(name for name in config.algorithms if name != "auto") \
+        + tuple(v.name for v in found) \
+        + (tuple(f"auto→{name}" for name in C.algorithms(config.collective))
+           if "auto" in config.algorithms else ())
     rows: list[dict[str, Any]] = []
     chosen_everywhere: list[tuple[int, str]] = []
     for size in config.sizes:
@@ -270,13 +279,13 @@ def _measure_all(config: Config, comm: Any, xp: Any, progress: Callable[[], None
         if auto_choice is not None:
             chosen_everywhere.append((size, auto_choice))
         if progress is not None:
-            progress()
+            progress(Result(size_rows, p, nodes, params, note, described, labels))
 
     # auto must pick the same algorithm on every rank: check it, loudly.
     everyone = comm.allgather_object(chosen_everywhere)
     if any(c != everyone[0] for c in everyone):
         raise RuntimeError(f"auto chose differently on different ranks: {everyone}")
-    return Result(rows if rank == 0 else [], p, nodes, params, note, model.describe())
+    return Result(rows if rank == 0 else [], p, nodes, params, note, described, labels)
 
 
 def _applicable(comm: Any, case: Case) -> bool:
