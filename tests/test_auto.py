@@ -204,6 +204,12 @@ def test_the_table_stops_where_the_next_size_would_end_past_the_time_given(monke
     assert cm.predict("allreduce", "ring", 512, 2, 1, params) != cm.predict(
         "allreduce", "ring", 512, 2, 1, formula)
     assert cm.Params.from_json(json.loads(json.dumps(params.to_json()))) == params
+    # a partial table that reached 1 MiB keeps its last rate beyond, as a whole table does
+    mib = float(cm.PARTIAL_RATE_BYTES)
+    reached = replace(params, allreduce_times=tuple(
+        (name, ((8.0, 1e-5), (mib, 1e-3))) for name, _ in tables[0].rows))
+    assert cm.predict("allreduce", "ring", 4 << 20, 2, 1, reached) == pytest.approx(
+        MEASURED.call + 4e-3)
 
 
 def test_the_next_sizes_time_follows_the_bytes_from_one_mib():

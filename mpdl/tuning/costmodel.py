@@ -56,6 +56,11 @@ class ModelUnavailable(RuntimeError):
     """The parameter file exists but cannot be used (or MPDL_COST_MODEL=off)."""
 
 
+#: the smallest last size of a partial table of measured all-reduce times whose time per byte
+#: predicts the sizes beyond it (`Params.allreduce_times_partial`)
+PARTIAL_RATE_BYTES = 1 << 20
+
+
 @dataclass(frozen=True)
 class Params:
     """Machine parameters in seconds (per message, per byte). `*_inter` default to the intra values."""
@@ -107,7 +112,8 @@ class Params:
     #: calibration timed them: `predict` interpolates these for that world shape, not the formula
     allreduce_times: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = field(default=())
     #: the first-use calibration's time ran out before the table's last size: beyond its last
-    #: size the formula predicts (a small size's time per byte says nothing of large ones)
+    #: size the formula predicts where that size is below PARTIAL_RATE_BYTES (a small size's time
+    #: per byte says nothing of large ones; from 1 MiB the rate holds, as beyond a whole table)
     allreduce_times_partial: bool = False
     #: the node count the parameters were measured over (0: not recorded)
     nodes: int = 0
@@ -178,7 +184,7 @@ class Params:
             return None
         sizes = [b for b, _ in table]
         times = [t for _, t in table]
-        if nbytes > sizes[-1] and self.allreduce_times_partial:
+        if nbytes > sizes[-1] and self.allreduce_times_partial and sizes[-1] < PARTIAL_RATE_BYTES:
             return None
         if nbytes <= sizes[0] or len(sizes) == 1:
             return times[0]
