@@ -47,9 +47,9 @@ from mpdl.tuning.costmodel import ModelUnavailable, Params
 from mpdl.tuning.measuring import QUICK, fit, monotone
 
 FORMAT_VERSION = 1
-#: the most a first-use calibration takes, its start-up and links included: the table's sizes
-#: stop (from the smallest up) where the next would end past it, which on a quiet machine it never
-#: does for 2 or 4 ranks (docs/results/auto.md#the-first-use-calibrations-length)
+#: the most a first-use calibration takes, its links and rates included: the table's sizes stop
+#: (from the smallest up) where the next would end past it; a quiet 2-core machine times the whole
+#: table within it at 2 and 4 ranks (docs/results/auto.md#the-first-use-calibrations-length)
 SECONDS = 8.0
 
 
