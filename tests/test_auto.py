@@ -184,16 +184,24 @@ def test_a_sub_communicator_without_a_world_calibration_measures_once(monkeypatc
     assert auto.model_for(FakeSub(world)).origin == "cache" and len(calls) == 1
 
 
-def test_the_table_stops_where_the_next_size_would_end_past_the_time_given(monkeypatch):
-    """With `seconds`, the sizes stop (the same on every rank) where the next would end past
-    them; the table is partial, and beyond its last size the formula predicts."""
+def test_the_table_leaves_out_the_sizes_its_time_would_not_cover(monkeypatch):
+    """With `seconds`, the sizes are timed coarse to fine, and those expected to end past the time
+    given are left out (the same on every rank): the table is partial, and beyond its last size
+    (below 1 MiB) the formula predicts."""
     monkeypatch.setattr(measuring, "TUNE_SIZES", (8, 1 << 10, 1 << 13, 1 << 15))
-    monkeypatch.setattr(measuring, "next_size_seconds",
-                        lambda last, last_bytes, nbytes: 1e3 if nbytes >= 1 << 13 else 0.0)
+    asked = []
+
+    def expected(last, last_bytes, nbytes):
+        asked.append(nbytes)
+        return 1e3 if nbytes == 1 << 13 else 0.0
+
+    monkeypatch.setattr(measuring, "next_size_seconds", expected)
     tables = run_world(2, lambda c: measuring.allreduce_table(c, seconds=100.0))
     assert tables[0] == tables[1] and tables[0].partial
     for _, rows in tables[0].rows:
-        assert [b for b, _ in rows] == [8.0, 1024.0]
+        assert [b for b, _ in rows] == [8.0, 1024.0, 32768.0]
+    # coarse to fine: after 8 B, 32 KiB (TUNE_ORDER begins 0, 3), then 8 KiB (left out), 1 KiB
+    assert list(dict.fromkeys(asked)) == [32768, 8192, 1024], asked
     whole = run_world(2, lambda c: measuring.allreduce_table(c))[0]  # no limit: every size
     assert not whole.partial and [b for b, _ in whole.rows[0][1]] == [8.0, 1024.0, 8192.0, 32768.0]
     params = replace(MEASURED, allreduce_times=tables[0].rows, allreduce_times_partial=True,
@@ -201,8 +209,8 @@ def test_the_table_stops_where_the_next_size_would_end_past_the_time_given(monke
     formula = replace(params, allreduce_times=())
     assert cm.predict("allreduce", "ring", 1 << 20, 2, 1, params) == cm.predict(
         "allreduce", "ring", 1 << 20, 2, 1, formula)
-    assert cm.predict("allreduce", "ring", 512, 2, 1, params) != cm.predict(
-        "allreduce", "ring", 512, 2, 1, formula)
+    assert cm.predict("allreduce", "ring", 4096, 2, 1, params) != cm.predict(
+        "allreduce", "ring", 4096, 2, 1, formula)
     assert cm.Params.from_json(json.loads(json.dumps(params.to_json()))) == params
     # a partial table that reached 1 MiB keeps its last rate beyond, as a whole table does
     mib = float(cm.PARTIAL_RATE_BYTES)
@@ -214,11 +222,14 @@ def test_the_table_stops_where_the_next_size_would_end_past_the_time_given(monke
 
 def test_the_next_sizes_time_follows_the_bytes_from_one_mib():
     """Below 1 MiB the last size's time (latency and time slices); from it in proportion to the
-    bytes; 3/4 of that at the first size of half the rounds (16 MiB took 5.9 s, 64 MiB 16.1 s at
-    3 ranks on 2 busy cores)."""
+    bytes; 3/4 of that in half the rounds (16 MiB took 5.9 s, 64 MiB 16.1 s at 3 ranks on 2 busy
+    cores); the same rule from a larger size down to a smaller one."""
     assert measuring.next_size_seconds(2.0, 8, 1 << 10) == 2.0
     assert measuring.next_size_seconds(3.0, 8 << 20, 16 << 20) == 6.0
     assert measuring.next_size_seconds(5.9, 16 << 20, 64 << 20) == pytest.approx(17.7)
+    assert measuring.next_size_seconds(17.7, 64 << 20, 16 << 20) == pytest.approx(5.9)
+    assert measuring.next_size_seconds(4.0, 2 << 20, 1 << 15) == 2.0
+    assert sorted(measuring.TUNE_ORDER) == list(range(len(measuring.TUNE_SIZES)))
 
 
 def test_busy_check_names_the_load_and_the_spread(monkeypatch):

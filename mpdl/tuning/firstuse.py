@@ -8,8 +8,10 @@ GEMM peak or MPI-library latency (`mpdl calibrate` measures thoroughly with the 
 it times every all-reduce algorithm `auto` may pick at ten sizes from 8 B to 64 MiB
 (`measuring.allreduce_table`): the cost model interpolates these for this world shape instead of
 its formulas, which miss effects such as caches and cores shared by more ranks than they can run.
-The whole takes at most about SECONDS: on a busy machine the table stops at the size where its
-time runs out, and the formulas predict beyond it (`Params.allreduce_times_partial`). Every rank
+The whole takes at most about SECONDS: on a busy machine the table times its sizes coarse to fine
+and leaves out those its time would not cover (`measuring.TUNE_ORDER`); the model interpolates
+between the sizes timed, and beyond the last the formulas predict where it lies below 1 MiB
+(`Params.allreduce_times_partial`). Every rank
 fits the same parameters from the same numbers. How long it takes:
 docs/results/auto.md#the-first-use-calibrations-length. A calibration taken on a busy machine
 (`measuring.Busy`) is marked provisional (`Params.provisional` says why, the load among it) and
@@ -132,7 +134,8 @@ def measure_quick(comm: Any) -> Params:
                   source=f"first-use calibration on {host}, {comm.size} ranks, {len(groups)} "
                          f"node(s), {when}, {seconds:.2f} s"
                          + (", median rounds (more ranks than cores)" if table.crowded else "")
-                         + (f", table to {int(table.rows[0][1][-1][0])} B ({SECONDS:g} s spent)"
+                         + (f", table of {len(table.rows[0][1])} of {len(measuring.TUNE_SIZES)} "
+                            f"sizes, to {int(table.rows[0][1][-1][0])} B ({SECONDS:g} s spent)"
                             if table.partial and table.rows else ""),
                   provisional=busy.why)
 

@@ -48,6 +48,9 @@ CHAIN_BYTES = 64 << 20
 #: byte measured there. The last three lie beyond a core's caches, 64 MiB beyond the machine's
 #: (docs/results/auto.md#the-calibration-tables-sizes)
 TUNE_SIZES = (8, 1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 23, 1 << 24, 1 << 26)
+#: the order (indices into TUNE_SIZES) in which a calibration with a time limit times them: coarse
+#: (8 B, 32 KiB, 2 MiB, 64 MiB) then fine, so that a table the limit cuts still spans the sizes
+TUNE_ORDER = (0, 3, 6, 9, 5, 2, 8, 1, 4, 7)
 #: from this size a candidate is timed in TUNE_ROUNDS // 2 rounds of one call, with an untimed
 #: call before it in the first round only (its workspace's first use): a call takes milliseconds
 TUNE_HUGE = 1 << 25
@@ -315,12 +318,15 @@ def rates(effort: Effort) -> dict[str, float]:
 
 
 # -- the all-reduce candidates -----------------------------------------------------------------
+def _turns_growth(nbytes: int) -> float:
+    """A size's timing relative to 8 B's: the same below 1 MiB (latency and time slices set it),
+    in proportion to the bytes from 1 MiB, three quarters of that in half the rounds (TUNE_HUGE)."""
+    return max(1.0, nbytes / (1 << 20)) * (0.75 if nbytes >= TUNE_HUGE else 1.0)
+
+
 def next_size_seconds(last_seconds: float, last_bytes: int, nbytes: int) -> float:
-    """What timing the table's next size, nbytes, will take, from the last size's time: the
-    same below 1 MiB (latency and time slices set it), in proportion to the bytes from 1 MiB, and
-    three quarters of that at the first size of half the rounds (TUNE_HUGE)."""
-    seconds = last_seconds * (nbytes / last_bytes if last_bytes >= (1 << 20) else 1.0)
-    return seconds * (0.75 if nbytes >= TUNE_HUGE > last_bytes else 1.0)
+    """What timing the table's size nbytes will take, from the last size timed (`_turns_growth`)."""
+    return last_seconds * _turns_growth(nbytes) / _turns_growth(last_bytes)
 
 
 def _allreduce_times(comm: Any, crowded_node: bool = False,
@@ -336,21 +342,25 @@ def _allreduce_times(comm: Any, crowded_node: bool = False,
     barrier is MPI_Barrier, as `mpdl bench` times calls; elsewhere mpdl's own barrier, which did
     better there (docs/results/auto.md#new-arrays-and-the-barrier-of-the-table).
 
-    With `seconds`, the sizes stop (from the smallest up, the first always timed) where rank 0
-    expects the next to end past that many seconds from the start (`next_size_seconds`): each
-    candidate's list then holds the sizes timed, the same on every rank."""
+    With `seconds`, the sizes are timed coarse to fine (TUNE_ORDER, the first always), and rank 0
+    leaves out each size it expects to end past that many seconds from the start
+    (`next_size_seconds`), telling every rank: a size left out has no rounds ([]), the same on
+    every rank."""
     names = candidates("allreduce", comm.has_shared_memory)
-    out: dict[str, list[list[list[float]]]] = {name: [] for name in names}
+    out: dict[str, list[list[list[float]]]] = {name: [[] for _ in TUNE_SIZES] for name in names}
     # (a part of the world, which has no MPI communicator of its own, keeps mpdl's barrier)
     mpi_barrier = crowded_node and getattr(comm, "mpi", None) is not None
-    start = last_start = time.perf_counter()
-    for i, nbytes in enumerate(TUNE_SIZES):
-        if seconds is not None and i > 0:
-            now = time.perf_counter()
-            expected = now - start + next_size_seconds(now - last_start, TUNE_SIZES[i - 1], nbytes)
+    start = time.perf_counter()
+    last: tuple[float, int] | None = None  # the last size timed: its seconds and bytes
+    every = range(len(TUNE_SIZES))
+    order = [i for i in TUNE_ORDER if i in every] + [i for i in every if i not in TUNE_ORDER]
+    for i in (order if seconds is not None else every):
+        nbytes = TUNE_SIZES[i]
+        began = time.perf_counter()
+        if seconds is not None and last is not None:
+            expected = began - start + next_size_seconds(*last, nbytes)
             if comm.allgather_object(expected > seconds)[0]:  # rank 0 decides for all
-                break
-            last_start = now
+                continue
         x = np.ones(max(1, nbytes // 4), np.float32)
         calls = {}
         for name in names:
@@ -365,15 +375,15 @@ def _allreduce_times(comm: Any, crowded_node: bool = False,
                     algo.run(comm, work, "sum")
 
             calls[name] = call
-            out[name].append([])
         huge = nbytes >= TUNE_HUGE
         for k in range(TUNE_ROUNDS // 2 if huge else TUNE_ROUNDS):
             for name, call in calls.items():
                 comm.barrier()
                 if k == 0 or not huge:
                     call()  # untimed: each turn starts as bench's turns do
-                out[name][-1].append(timed(comm, call, TUNE_REPS[nbytes >= (1 << 20)],
-                                           mpi_barrier=mpi_barrier))
+                out[name][i].append(timed(comm, call, TUNE_REPS[nbytes >= (1 << 20)],
+                                          mpi_barrier=mpi_barrier))
+        last = time.perf_counter() - began, nbytes
     return out
 
 
@@ -412,15 +422,16 @@ def allreduce_table(comm: Any, seconds: float | None = None) -> Table:
     and size, the fastest round counts, or the median round where a node runs more ranks than
     cores (`typical`), where the fastest round is a lucky one
     (docs/results/auto.md#the-fastest-round-or-the-median). With `seconds`, the sizes that
-    would end past that many seconds are left out (`_allreduce_times`). Collective over comm; the
-    same table on every rank."""
+    would end past that many seconds are left out (`_allreduce_times`): the table interpolates
+    between those timed. Collective over comm; the same table on every rank."""
     crowded_node = any(comm.allgather_object(crowded(comm)))
     everyone = comm.allgather_object(_allreduce_times(comm, crowded_node, seconds))
     rows, ratios = [], []
-    sizes = TUNE_SIZES[:min(len(timed) for timed in everyone[0].values())]
+    kept = [i for i in range(len(TUNE_SIZES)) if all(t[i] for t in everyone[0].values())]
+    sizes = tuple(TUNE_SIZES[i] for i in kept)
     for name in everyone[0]:
         times = []
-        for i in range(len(sizes)):
+        for i in kept:
             rounds = sorted(slowest([r[name][i][k] for r in everyone])
                             for k in range(len(everyone[0][name][i])))
             times.append(typical(rounds, crowded_node))
