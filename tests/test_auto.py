@@ -759,3 +759,24 @@ def test_a_provisional_verdict_is_used_verified_again_by_the_next_run_and_shown(
     assert verify.candidates("allreduce", 8192, comm) is None
     assert auto.plan_choice("allreduce", 8192, comm).name == "recursive_doubling"
     assert firstuse.read_unsettled(path, key) == {} and "choices provisional" not in model.describe()
+
+
+def test_a_second_run_does_not_calibrate(tmp_path):
+    """Two runs under real mpiexec from an empty cache: the first says it calibrates and writes
+    one file, the second says nothing and leaves the file as it was (busy or not)."""
+    bin_dir = os.path.dirname(sys.executable)
+    env = {**os.environ, "MPDL_AUTO_CACHE": str(tmp_path / "cache"),
+           "MPDL_COST_MODEL": str(tmp_path / "none.json")}
+    said, contents = [], []
+    for _ in range(2):
+        run = subprocess.run(["timeout", "-k", "5", "120", os.path.join(bin_dir, "mpiexec"), "-n",
+                              "2", os.path.join(bin_dir, "mpdl"), "bench", "allreduce", "-b", "8",
+                              "-e", "8", "-n", "1", "-w", "0", "--algorithms", "auto"],
+                             capture_output=True, text=True, env=env, timeout=130)
+        assert run.returncode == 0, run.stderr
+        said.append([line for line in run.stderr.splitlines() if "calibrating" in line])
+        files = os.listdir(tmp_path / "cache")
+        assert len(files) == 1, files
+        contents.append((tmp_path / "cache" / files[0]).read_text())
+    assert len(said[0]) == 1 and said[0][0].startswith("mpdl: first use, calibrating"), said
+    assert said[1] == [] and contents[1] == contents[0]
