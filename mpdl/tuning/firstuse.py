@@ -11,8 +11,8 @@ its formulas, which miss effects such as caches and cores shared by more ranks t
 The whole takes at most about SECONDS: on a busy machine the table times its sizes coarse to fine
 and leaves out those its time would not cover (`measuring.TUNE_ORDER`); the model interpolates
 between the sizes timed, and beyond the last the formulas predict where it lies below 1 MiB
-(`Params.allreduce_times_partial`). Every rank
-fits the same parameters from the same numbers. How long it takes:
+(`Params.allreduce_times_partial`). Every rank fits the same parameters from the same numbers.
+How long it takes:
 docs/results/auto.md#the-first-use-calibrations-length. A calibration taken on a busy machine
 (`measuring.Busy`) is marked provisional (`Params.provisional` says why, the load among it) and
 kept: no run measures it again (`mpdl calibrate` measures anew). A part of the world derives its
@@ -49,8 +49,8 @@ from mpdl.tuning.costmodel import ModelUnavailable, Params
 from mpdl.tuning.measuring import QUICK, fit, monotone
 
 FORMAT_VERSION = 1
-#: the most a first-use calibration takes, its links and rates included: the table's sizes stop
-#: (from the smallest up) where the next would end past it; a quiet 2-core machine times the whole
+#: the most a first-use calibration takes, its links and rates included: the table leaves out the
+#: sizes that would end past it (`measuring.TUNE_ORDER`); a quiet 2-core machine times the whole
 #: table within it at 2 and 4 ranks (docs/results/auto.md#the-first-use-calibrations-length)
 SECONDS = 8.0
 
