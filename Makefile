@@ -47,7 +47,6 @@ USER_EXTRAS := serve,hf,plot,$(MPI)
 $(VENV)/.installed: pyproject.toml
 	@echo "== make install: mpdl and the extras $(USER_EXTRAS) into $(VENV) (the test tools come with make test)"
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -e ".[$(USER_EXTRAS)]"
 	touch $@
 
