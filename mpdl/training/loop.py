@@ -391,7 +391,7 @@ class Trainer:
     def _print_header(self) -> None:
         c = self.config
         what = describe_run(c, describe_model(c.model.name, self.model), self.task,
-                            self.strategy.roles(), self.strategy.describe(),
+                            self.strategy.roles(), self.size, self.strategy.describe(),
                             emulation.describe_active(self.comm))
         notes = [*self.task.notes(), self.initialized,
                  self.peak and throughput.note(self.model, self.task.seq_len, self.peak, self.size),
