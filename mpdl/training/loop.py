@@ -275,7 +275,7 @@ class Trainer:
                 check_every_call(False)
             self.guard.after_step(self.step, r.loss, r.samples, self.model.parameters(),
                                   getattr(self.optimizer, "scaler", None),
-                                  self.config.base_lr())
+                                  self.config.base_lr(), batch.x)
             faults.after_step(self.rank, self.step, self.resumed_at, self.model.parameters())
             if every and self.step % every == 0 and self.sampler.position < self.steps_per_epoch:
                 self._save_within(epoch, sums)
