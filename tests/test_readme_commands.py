@@ -53,6 +53,8 @@ RUNS = {
     "make test": DRY + "test",
     "make notebooks": DRY + "notebooks",
     "make notebook N=01": DRY + "notebook N=01",
+    # JupyterLab serves until it is stopped: the commands it would run
+    "make lab": DRY + "lab",
     "make docs": DRY + "docs",
     "make lint": DRY + "lint",
     "mpiexec -n 3 mpdl info": "mpiexec -n 3 mpdl info",
