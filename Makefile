@@ -41,22 +41,31 @@ PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider --time
 
 .PHONY: install test test-unit test-mpi test-multinode bench-multinode lint train train-gpt bench clean
 
+# What a user needs to train, serve, export and plot; pip prints each package as it comes.
+USER_EXTRAS := serve,hf,plot,$(MPI)
+
 $(VENV)/.installed: pyproject.toml
+	@echo "== make install: mpdl and the extras $(USER_EXTRAS) into $(VENV) (the test tools come with make test)"
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,serve,hf,$(MPI)]"
+	$(PY) -m pip install -e ".[$(USER_EXTRAS)]"
 	touch $@
 
 install: $(VENV)/.installed
 
+# The test tools (pytest, ruff, PyTorch and transformers as oracles, the OpenAI client), once.
+$(VENV)/.test-tools: $(VENV)/.installed
+	@echo "== installing the test tools into $(VENV) (pytest, ruff, PyTorch, transformers, openai: several minutes the first time)"
+	$(PY) -m pip install -e ".[test]"
+	touch $@
+
 test: test-unit test-mpi
 
-test-unit: install
+test-unit: $(VENV)/.test-tools
 	$(PY) -m pytest -q $(UNIT_TESTS) --ignore=tests/mpi --ignore=tests/test_notebooks.py -p no:cacheprovider --timeout=300 $(UNIT_SELECT)
 
 # Each world size runs under `timeout`, and `python -m mpi4py` aborts the whole job when a rank
 # raises, so a deadlock or a crash fails the run instead of hanging it.
-test-mpi: install
+test-mpi: $(VENV)/.test-tools
 	@for n in $(MPI_SIZES); do \
 	  echo "== MPI tests, mpiexec -n $$n"; \
 	  timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PYTEST_MPI) tests/mpi || exit 1; \
@@ -75,7 +84,7 @@ test-mpi: install
 
 # Real MPI nodes on one machine (tools/multinode.sh, MPICH's launcher through tools/fake-ssh):
 # each host a network namespace where root and `ip netns` allow it, else the loopback (it says so).
-test-multinode: install
+test-multinode: $(VENV)/.test-tools
 	VENV=$(VENV) MPI_TIMEOUT=$(MPI_TIMEOUT) tools/multinode.sh test
 
 # All-reduce over a tc-shaped link between 2 nodes of 2 ranks (MN_RATE: 1gbit by default).
@@ -97,7 +106,11 @@ bench: install
 	$(MPIEXEC) -n 2 $(PY) benchmarks/bench_allreduce.py
 	$(MPIEXEC) -n 4 $(PY) benchmarks/bench_allreduce.py
 
-lint: install
+$(VENV)/.lint: $(VENV)/.installed
+	$(PY) -m pip install -e ".[lint]"
+	touch $@
+
+lint: $(VENV)/.lint
 	$(VENV)/bin/ruff check mpdl tests benchmarks tools
 
 clean:
@@ -106,7 +119,6 @@ clean:
 # The concept pages' figures (docs/figures/concept_*.svg), drawn from the formulas they teach.
 .PHONY: docs-figures
 docs-figures: install
-	$(PY) -m pip install -q -e ".[plot]"
 	$(PY) docs/figures/concepts.py
 
 # The teaching notebooks, executed top to bottom (nbclient) by their test, with the notebooks
@@ -117,29 +129,33 @@ NOTEBOOK_TEST = NOTEBOOK_OUT=build/notebooks $(PY) -m pytest -q tests/test_noteb
   -p no:cacheprovider --timeout=600
 
 $(VENV)/.notebooks: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[notebooks]"
+	$(PY) -m pip install -e ".[notebooks]"
 	$(PY) -c "import nbclient, nbformat, ipykernel"
 	touch $@
 
-.PHONY: notebooks notebook
-notebooks: $(VENV)/.notebooks
+.PHONY: notebooks notebook lab
+notebooks: $(VENV)/.notebooks $(VENV)/.test-tools
 	$(NOTEBOOK_TEST)
 
 # One notebook: make notebook N=01
-notebook: $(VENV)/.notebooks
+notebook: $(VENV)/.notebooks $(VENV)/.test-tools
 	@test -n "$(N)" || { echo "make notebook: give N, the notebook's number (N=01)"; exit 2; }
 	$(NOTEBOOK_TEST) -k "$(N)_"
 
 # A notebook edited since it was last executed runs again (make notebooks keeps them current).
-build/notebooks/%.ipynb: notebooks/%.ipynb | $(VENV)/.notebooks
+build/notebooks/%.ipynb: notebooks/%.ipynb | $(VENV)/.notebooks $(VENV)/.test-tools
 	$(NOTEBOOK_TEST) -k "$*"
+
+# The notebooks in JupyterLab, to read, run and change (the notebooks extra brings it).
+lab: $(VENV)/.notebooks
+	$(VENV)/bin/jupyter lab notebooks
 
 # The docs site (mkdocs.yml): README, docs/, the notebooks with what they print and draw (their
 # executed copies) and the API reference from the docstrings, built into site/ with --strict, so
 # a broken link or a missing page fails; every notebook's page must show a figure.
 .PHONY: docs
 $(VENV)/.docs: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[docs]"
+	$(PY) -m pip install -e ".[docs]"
 	touch $@
 
 docs: $(VENV)/.docs $(EXECUTED)

@@ -123,8 +123,28 @@ def _images_and_labels(path: Path, arrays: dict, split: str) -> tuple[np.ndarray
     if x.ndim != 4 or y.ndim != 1 or len(x) != len(y) or len(x) == 0:
         raise DatasetError(f"{path}: {split} images of shape {x.shape} and labels of shape "
                            f"{y.shape} do not form a dataset (expected (N, 28, 28) and (N,))")
+    _check_labels(path, f"y_{split}", y)
+    if x.dtype.kind == "f" and not np.isfinite(x).all():
+        bad = np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))
+        raise DatasetError(f"{path}: x_{split} holds NaN or inf in {len(bad)} image"
+                           f"{'s' * (len(bad) > 1)}, the first at index {bad[0]}; images must be "
+                           f"finite")
     scale = np.float32(255.0) if x.dtype.kind in "ui" or x.max() > 1.0 else np.float32(1.0)
     return x.astype(np.float32) / scale, y.astype(np.int64)
+
+
+def _check_labels(path: Path, name: str, y: np.ndarray) -> None:
+    """DatasetError naming the file, the array, the first bad label and its index unless every
+    label is a class number: an integer from 0 (the classes are 0 to the largest label)."""
+    if y.dtype.kind not in "uifb":
+        raise DatasetError(f"{path}: {name} holds {y.dtype} values; labels are class numbers, "
+                           f"integers from 0")
+    with np.errstate(invalid="ignore"):
+        bad = np.flatnonzero(~(y >= 0) | (y != np.floor(y)))
+    if len(bad):
+        largest = y[np.isfinite(y) & (y >= 0)].max(initial=0)
+        raise DatasetError(f"{path}: {name} holds the label {y[bad[0]].item()!r} at index {bad[0]}; "
+                           f"labels are class numbers, integers from 0 to {largest:g} here")
 
 
 #: image shapes of the synthetic datasets

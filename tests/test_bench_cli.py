@@ -137,6 +137,14 @@ def test_a_bad_flag_is_reported_with_one_line_from_rank_0_alone():
     assert out.stderr == BAD_LR
 
 
+def test_a_mistyped_flag_points_to_the_verbs_own_help():
+    for verb, flag in (("train", "--epochz"), ("simulate", "--nodez")):
+        out = run(2, [verb, flag, "2"])
+        assert out.returncode == 2 and out.stdout == ""
+        assert out.stderr == (f"mpdl {verb}: error: unrecognized arguments: {flag} 2 "
+                              f"(mpdl {verb} --help lists the options)\n")
+
+
 def test_a_bad_flag_reaches_stderr_once_under_every_mpi():
     """Under any launcher (Open MPI's adds a paragraph of its own), rank 0's line is there, once."""
     out = run(3, ["train", "--lr", "abc"])

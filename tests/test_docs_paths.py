@@ -7,6 +7,7 @@ every `module.name` or `Class.member` of mpdl's and every test named by its func
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from functools import cache
 from pathlib import Path
@@ -168,3 +169,11 @@ def test_checks_find_what_is_missing(tmp_path):
 def test_docs_name_only_code_that_exists():
     wrong = [w for page in PAGES for w in missing_in(page)]
     assert not wrong, "the docs name code that does not exist:\n" + "\n".join(wrong)
+
+
+def test_the_quoted_one_f_one_b_is_the_codes_own():
+    """docs/pipeline.md quotes the 1F1B generator beside its prose: the quote follows the code."""
+    from mpdl.parallel.pipeline import schedule  # noqa: PLC0415
+
+    source = inspect.getsource(schedule._one_f_one_b)
+    assert f"```python\n{source}```" in (ROOT / "docs" / "pipeline.md").read_text()

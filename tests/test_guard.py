@@ -136,6 +136,18 @@ def test_guard_counts_bad_steps_in_a_row_and_a_finite_step_resets_them():
         g.after_step(4, 2.0, 4, [Param(np.nan)], None, 0.1)
 
 
+def test_a_nan_in_the_batch_is_named_as_the_data_not_the_learning_rate():
+    g = guard.Guard(as_communicator(None), 1, "fp32")
+    inputs = np.ones((2, 3), np.float32)
+    with pytest.raises(guard.NonFiniteStop, match=r"try a lower --lr \(now 0.1\)"):
+        g.after_step(1, float("nan"), 4, [Param(1.0)], None, 0.1, inputs)
+    inputs[1, 2] = np.nan
+    with pytest.raises(guard.NonFiniteStop) as caught:
+        g.after_step(2, float("nan"), 4, [Param(1.0)], None, 0.1, inputs)
+    assert str(caught.value).endswith("the batch's inputs hold NaN or inf: check the data "
+                                      "first, no --lr fixes that")
+
+
 def test_fp16_counts_a_nan_loss_only_at_the_scale_floor():
     g = guard.Guard(as_communicator(None), 1, "fp16")
     scaler = amp.LossScaler(2.0)

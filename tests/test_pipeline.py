@@ -266,24 +266,30 @@ def test_train_pipeline_follows_one_rank():
             "optim.optimizer": "adam", "output.progress": False, "optim.epochs": 1}
 
     def run(config, comm):
-        trainer = Trainer(config, comm=comm, out=io.StringIO())
+        out = io.StringIO()
+        trainer = Trainer(config, comm=comm, out=out)
         trainer.setup()
         rows = trainer.run()
         with trainer.strategy.gathered():  # a stage holds only its own parameters
-            return np.concatenate([p.data.ravel() for p in trainer.model.parameters()]), rows
+            params = np.concatenate([p.data.ravel() for p in trainer.model.parameters()])
+        return params, rows, out.getvalue().split("\n", 1)[0]
 
-    ref, ref_rows = run_world(1, lambda c: run(TrainConfig.from_keys(tiny), c))[0]
-    for kw in (dict(pp=2, microbatches=3), dict(pp=2, dp=2, schedule="afab", microbatches=2),
-               dict(pp=2, dp=2, zero=1, microbatches=2)):
+    ref, ref_rows, _ = run_world(1, lambda c: run(TrainConfig.from_keys(tiny), c))[0]
+    for kw, ranks in [(dict(pp=2, microbatches=3), "2 ranks (1 replica of 2 ranks), global "
+                                                   "batch 12 (12 per replica)"),
+                      (dict(pp=2, dp=2, schedule="afab", microbatches=2),
+                       "4 ranks (2 replicas of 2 ranks), global batch 12 (6 per replica)"),
+                      (dict(pp=2, dp=2, zero=1, microbatches=2), "4 ranks (2 replicas of 2")]:
         p = kw.get("dp", 1) * kw["pp"]
-        for params, rows in run_world(p, lambda c, kw=kw: run(
-                TrainConfig.from_keys({**tiny, **grid(kw)}), c)):
+        results = run_world(p, lambda c, kw=kw: run(TrainConfig.from_keys({**tiny, **grid(kw)}), c))
+        assert ranks in results[0][2], results[0][2]
+        for params, rows, _ in results:
             np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
             assert rows[0]["loss"] == pytest.approx(ref_rows[0]["loss"], abs=1e-5)
             assert rows[-1]["mode"] == "pipeline" and rows[-1]["pp"] == kw["pp"]
     tiny["model.n_head"] = 2
     for kw in (dict(tp=2, pp=2), dict(tp=2, dp=2, zero=1)):
-        for params, rows in run_world(4, lambda c, kw=kw: run(
+        for params, rows, _ in run_world(4, lambda c, kw=kw: run(
                 TrainConfig.from_keys({**tiny, **grid(kw)}), c)):
             np.testing.assert_allclose(params, ref, rtol=0, atol=1e-5)
             assert rows[-1]["zero_stage"] == kw.get("zero", 0)

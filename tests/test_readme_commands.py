@@ -38,8 +38,12 @@ RUNS = {
     "mpdl train --print-config > run.toml; mpiexec -n 2 mpdl train --config run.toml --epochs 5":
         "mpdl train --print-config > run.toml; mpiexec -n 2 mpdl train --config run.toml "
         "--epochs 1",
-    "mpdl generate --checkpoint DIR --prompt TEXT":
-        "mpdl generate --checkpoint gpt-ckpt --prompt 'the '",
+    # 8 epochs of 3-digit addition take minutes: one of 1-digit addition, a 1-digit problem
+    "mpiexec -n 2 mpdl train --model gpt --dataset addition --checkpoint ckpt-gpt":
+        "mpiexec -n 2 mpdl train --model gpt --dataset addition --checkpoint ckpt-gpt --digits 1 "
+        "--epochs 1 --no-progress",
+    'mpdl generate --checkpoint ckpt-gpt --prompt "123+456="':
+        'mpdl generate --checkpoint ckpt-gpt --prompt "3+4="',
     "mpiexec -n 4 mpdl train --zero 3": "mpiexec -n 4 mpdl train --zero 3 --epochs 1",
     "mpiexec -n 2 mpdl train --model gpt --n-layer 4 --pp 2 --microbatches 8 --schedule zb-h1":
         f"mpiexec -n 2 mpdl train --model gpt --n-layer 4 --pp 2 --microbatches 8 --schedule zb-h1 "
@@ -49,6 +53,8 @@ RUNS = {
     "make test": DRY + "test",
     "make notebooks": DRY + "notebooks",
     "make notebook N=01": DRY + "notebook N=01",
+    # JupyterLab serves until it is stopped: the commands it would run
+    "make lab": DRY + "lab",
     "make docs": DRY + "docs",
     "make lint": DRY + "lint",
     "mpiexec -n 3 mpdl info": "mpiexec -n 3 mpdl info",
@@ -81,9 +87,9 @@ RUNS = {
     "mpiexec -n 4 python benchmarks/bench_alltoall_overhead.py":
         "mpiexec -n 4 python benchmarks/bench_alltoall_overhead.py --sizes 8 --reps 3",
     "mpdl simulate --model-shape llama3-405b --seq 131072 --tp 8 --cp 16 --pp 16 --dp 8 --sp "
-    "--recompute selective --gpu h100-80gb":
+    "--recompute selective --gpu h100-80gb --microbatches 16 --virtual-stages 8 --zero 1":
         "mpdl simulate --model-shape llama3-405b --seq 131072 --tp 8 --cp 16 --pp 16 --dp 8 --sp "
-        "--recompute selective --gpu h100-80gb",
+        "--recompute selective --gpu h100-80gb --microbatches 16 --virtual-stages 8 --zero 1",
     "mpiexec -n 4 mpdl generate --checkpoint DIR --prompts FILE --tp 2 --pp 2 --json out.jsonl":
         "mpiexec -n 4 mpdl generate --checkpoint gpt-ckpt --prompts prompts.txt --tp 2 --pp 2 "
         "--json out.jsonl",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -183,6 +184,31 @@ def test_malformed_data_gets_a_clear_error(tmp_path):
         load_mnist(tmp_path / "empty")
     out = train(2, "--dataset", "mnist", "--data", str(tmp_path / "junk"), timeout=60)
     assert out.returncode == 2 and "not a readable .npz" in out.stderr
+
+
+def test_bad_labels_or_images_in_an_npz_are_named_up_front(tmp_path):
+    arrays = fake_mnist(tmp_path / "mnist", compress=False)
+    arrays["y_train"] = arrays["y_train"].astype(np.int64)
+    arrays["y_train"][[5, 7]] = -1
+    np.savez(tmp_path / "m.npz", **arrays)
+    expected = (f"{tmp_path}/m.npz: y_train holds the label -1 at index 5; labels are class "
+                f"numbers, integers from 0 to {arrays['y_train'].max()} here")
+    with pytest.raises(DatasetError) as caught:
+        load_mnist(tmp_path / "m.npz")
+    assert str(caught.value) == expected
+    out = train(2, "--dataset", "mnist", "--data", str(tmp_path / "m.npz"), "--model", "lenet",
+                timeout=60)
+    assert out.returncode == 2 and out.stderr == f"mpdl train: error: {expected}\n", out.stderr
+    y_test = arrays["y_test"].astype(np.float64)
+    y_test[3] = 2.5
+    images = arrays["x_train"] / np.float32(255)
+    images[4, 1, 2] = np.nan
+    for changed, message in [({"y_test": y_test}, "y_test holds the label 2.5 at index 3"),
+                             ({"x_train": images}, "x_train holds NaN or inf in 1 image, the "
+                                                   "first at index 4; images must be finite")]:
+        np.savez(tmp_path / "bad.npz", **{**fake_mnist(tmp_path / "again", False), **changed})
+        with pytest.raises(DatasetError, match=f"^{tmp_path}/bad.npz: {re.escape(message)}"):
+            load_mnist(tmp_path / "bad.npz")
 
 
 @pytest.mark.same_under_every_mpi

@@ -77,6 +77,18 @@ def test_print_config_reads_back_into_the_same_run(tmp_path):
     assert out.returncode == 0 and out.stdout == path.read_text(), out.stderr
 
 
+def test_print_config_gives_the_learning_rate_used_when_unset(tmp_path):
+    for flags, lr in [((), "0.2"), (("--model", "gpt"), "0.003"),
+                      (("--optimizer", "adam"), "0.001")]:
+        text = config_toml(configured(*flags))
+        optim = text.split("[optim]\n", 1)[1]
+        assert optim.startswith(f"# lr = {lr}  # unset: "), text
+        path = tmp_path / "run.toml"
+        path.write_text(text)
+        assert "optim.lr" not in read_config_file(path)
+    assert "# lr" not in config_toml(configured("--lr", "0.01"))
+
+
 def test_a_small_file_keeps_the_defaults_and_the_model_defaults(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[model]\nname = "gpt"\n\n[optim]\nlr = 1\n')

@@ -84,13 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"mpdl {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     wanted = _verb_in(argv)
-    module = None
+    module, verb_parser = None, parser
     for verb, help_text in VERBS.items():
         sub = verbs.add_parser(verb, help=help_text, description=help_text)
         if verb == wanted:
-            module = importlib.import_module(f"mpdl.cli.{verb}")
+            module, verb_parser = importlib.import_module(f"mpdl.cli.{verb}"), sub
             module.add_arguments(sub)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the verb's parser, whose --help lists the options it takes
+        verb_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
 
     try:
         abort_on_uncaught_exception()

@@ -10,8 +10,9 @@ pipeline parallel streams micro-batches of them through the stages, tensor paral
 block's heads and MLP. The checkpoint may come from any training layout. Rank 0 prints each
 prompt's text on a line of its own; with --prompts or --metrics, then a table of time to first
 token, per-token latency and tokens/s per rank and in total; --json OUT writes one JSON line per
-prompt and a last line of the run's figures. An addition model writes its answers reversed
-(123+456= then 9750).
+prompt and a last line of the run's figures. An addition model reads a problem (123+456=,
+shorter operands zero-padded to its digits), stops after the answer and prints it beside the
+reversed sum it writes: 123+456=9750 then "# = 579".
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ from mpdl.cli import UsageError
 from mpdl.cli.output import write_json_lines
 from mpdl.cli.train import limit_blas_threads
 from mpdl.comm import as_communicator
-from mpdl.inference.generation import check_prompt, default_prompt, load_gpt
+from mpdl.inference.generation import (
+    addition_answer,
+    addition_digits,
+    addition_example,
+    addition_prompt,
+    check_prompt,
+    default_prompt,
+    load_gpt,
+)
 from mpdl.inference.serving import check_layout, serve, summary
 from mpdl.training.checkpoint import CheckpointError
 
@@ -39,13 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what = p.add_mutually_exclusive_group()
     what.add_argument("--prompt", metavar="TEXT",
                       help="the text to continue, in the model's vocabulary (default: a newline, "
-                           "or the vocabulary's first character when it has none)")
+                           "or the vocabulary's first character when it has none); for an "
+                           "addition model a problem such as 123+456=")
     what.add_argument("--prompts", metavar="FILE",
                       help="a file of prompts, one per line, generated as one batch")
     p.add_argument("--max-new-tokens", type=int, metavar="N",
                    help="characters to generate after each prompt (default: the model's block "
                         "size, the characters it sees at once: past them it no longer sees the "
-                        "prompt)")
+                        "prompt; for an addition model the answer's digits + 1)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",
                    help="divides the logits: below 1 sharper, above 1 flatter (default: "
                         "%(default)s)")
@@ -83,9 +93,10 @@ def ready_to_serve(comm: Any, model: Any, args: argparse.Namespace) -> tuple[int
     return layout
 
 
-def read_prompts(path: str, vocab: str) -> list[str]:
-    """The prompts of a file, one per line; ValueError naming --prompts for a file that cannot be
-    read or is empty, an empty line or a character outside the vocabulary."""
+def read_prompts(path: str, vocab: str, digits: int | None = None) -> list[str]:
+    """The prompts of a file, one per line (for an addition model of `digits`, its problems
+    zero-padded); ValueError naming --prompts for a file that cannot be read or is empty, an
+    empty line, a character outside the vocabulary or a line that is not a problem."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -95,11 +106,18 @@ def read_prompts(path: str, vocab: str) -> list[str]:
         raise ValueError(f"--prompts: {path} holds no prompts (expected one per line)")
     for n, line in enumerate(lines, 1):
         try:
-            check_prompt(vocab, line)
+            lines[n - 1] = model_prompt(vocab, line, digits)
         except ValueError as exc:
             raise ValueError(f"--prompts: {path} line {n}: {str(exc).removeprefix('prompt: ')}"
                              ) from None
     return lines
+
+
+def model_prompt(vocab: str, prompt: str, digits: int | None) -> str:
+    """`prompt` as the model reads it (an addition problem zero-padded); ValueError naming the
+    prompt when `check_prompt` or `addition_prompt` refuses it."""
+    check_prompt(vocab, prompt)
+    return prompt if digits is None else addition_prompt(prompt, digits)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,15 +133,18 @@ def run(args: argparse.Namespace) -> int:
         model, info = load_gpt(args.checkpoint)
     except CheckpointError as exc:
         raise UsageError(f"--checkpoint: {exc}") from None
-    vocab = info["vocab"]
+    vocab, digits = info["vocab"], addition_digits(info)
     if args.max_new_tokens is None:
-        args.max_new_tokens = info["block_size"]
+        args.max_new_tokens = info["block_size"] if digits is None else digits + 1
     try:
         if args.prompts is not None:
-            texts = read_prompts(args.prompts, vocab)
+            texts = read_prompts(args.prompts, vocab, digits)
+        elif args.prompt is None and digits is not None:
+            raise ValueError(f"prompt: give the problem this addition model answers: "
+                             f"{addition_example(digits)}")
         else:
-            texts = [default_prompt(vocab) if args.prompt is None else args.prompt]
-            check_prompt(vocab, texts[0])
+            texts = [model_prompt(vocab, default_prompt(vocab) if args.prompt is None
+                                  else args.prompt, digits)]
     except ValueError as exc:
         message = str(exc)
         raise UsageError(message if message.startswith("--") else f"--{message}") from None
@@ -135,13 +156,15 @@ def run(args: argparse.Namespace) -> int:
     if comm.rank != 0:
         return 0
     for s in sequences:
-        print("".join(vocab[i] for i in s.tokens))
+        text = "".join(vocab[i] for i in s.tokens)
+        print(text if digits is None else f"{text}  {answer_note(text, texts[s.index], digits)}")
     totals = summary(sequences, figures)
     layout = {"dp": dp, "pp": pp, "tp": tp, "microbatches": args.microbatches or pp}
     if args.prompts is not None or args.metrics:
         print(metrics_table(totals, figures, layout, args.max_new_tokens), end="", flush=True)
     if args.json:
-        rows: list[dict[str, Any]] = [prompt_row(s, texts[s.index], vocab) for s in sequences]
+        rows: list[dict[str, Any]] = [prompt_row(s, texts[s.index], vocab, digits)
+                                      for s in sequences]
         rows.append({"summary": True, **layout, **totals,
                      "ranks": [{"rank": f.rank, "dpt": list(f.coords), "prompts": f.prompts,
                                 "new_tokens": f.new_tokens, "wall_s": f.wall_s,
@@ -150,14 +173,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def prompt_row(s: Any, prompt: str, vocab: str) -> dict[str, Any]:
-    """One prompt's JSON line."""
+def answer_note(text: str, prompt: str, digits: int) -> str:
+    """What an addition model's text says: the sum it wrote reversed, read the usual way."""
+    answer = addition_answer(text[len(prompt):], digits)
+    if answer is None:
+        return f"# no answer: the {digits + 1} characters after '=' are not all digits"
+    return f"# = {answer} (the sum is written reversed, least significant digit first)"
+
+
+def prompt_row(s: Any, prompt: str, vocab: str, digits: int | None = None) -> dict[str, Any]:
+    """One prompt's JSON line (with an addition model's `answer`, read the usual way)."""
     gaps = s.latencies_s
     p50, p99 = (float(v) for v in np.percentile(gaps, [50, 99])) if gaps else (None, None)
-    return {"index": s.index, "prompt": prompt, "text": "".join(vocab[i] for i in s.tokens),
-            "tokens": s.new_tokens, "new_tokens": len(s.new_tokens),
-            "ttft_s": s.ttft_s if s.token_times else None, "tokens_per_s": s.tokens_per_s,
-            "latency_p50_s": p50, "latency_p99_s": p99}
+    text = "".join(vocab[i] for i in s.tokens)
+    row = {"index": s.index, "prompt": prompt, "text": text,
+           "tokens": s.new_tokens, "new_tokens": len(s.new_tokens),
+           "ttft_s": s.ttft_s if s.token_times else None, "tokens_per_s": s.tokens_per_s,
+           "latency_p50_s": p50, "latency_p99_s": p99}
+    if digits is not None:
+        row["answer"] = addition_answer(text[len(prompt):], digits)
+    return row
 
 
 def metrics_table(totals: dict[str, Any], figures: list[Any], layout: dict[str, int],

@@ -107,7 +107,8 @@ class Strategy:
 
     def roles(self) -> list[tuple[str, int]]:
         """(role, ranks) of the job, the role that trains first, e.g. [("worker", 2),
-        ("server", 1)]; [("rank", p)] when every rank does the same."""
+        ("server", 1)]; [("rank", p)] when every rank does the same; a single role of fewer
+        than p members when each spans several ranks ([("replica", dp)] of pp × tp ranks)."""
         return [("rank", self.comm.size)]
 
     def build(self, make_model: Callable[[], Any]) -> Any:

@@ -1,7 +1,7 @@
 """A `TrainConfig` as TOML: the file of `mpdl train --config run.toml` and `--print-config`.
 
 A table per section, its options by name; an option left out keeps its default (an option whose
-value is None, such as an unset learning rate, is left out):
+value is None is left out; an unset learning rate is a comment giving the default it gets):
 
     [model]
     name = "gpt"
@@ -20,7 +20,15 @@ from typing import Any
 
 import tomli_w
 
-from mpdl.training.config import OPTIONS, SECTIONS, ConfigError, TrainConfig, literal, option_type
+from mpdl.training.config import (
+    OPTIONS,
+    SECTIONS,
+    ConfigError,
+    TrainConfig,
+    default_lr,
+    literal,
+    option_type,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -76,7 +84,16 @@ def _typed(path: str | Path, key: str, value: Any) -> Any:
 
 
 def config_toml(config: TrainConfig) -> str:
-    """The configuration as TOML that `read_config_file` reads back into the same one."""
-    return tomli_w.dumps({section: {name: value for name, value in values.items()
+    """The configuration as TOML that `read_config_file` reads back into the same one; an unset
+    learning rate is a comment that gives the default the run uses."""
+    text = tomli_w.dumps({section: {name: value for name, value in values.items()
                                     if value is not None}
                           for section, values in dataclasses.asdict(config).items()})
+    if config.optim.lr is not None:
+        return text
+    c = config
+    lr = default_lr(c.model.name, c.optim.optimizer, c.communication.compression,
+                    experts=bool(c.model.moe_experts))
+    unset = (f"# lr = {lr!r}  # unset: {c.model.name} with {c.optim.optimizer} uses this "
+             f"default; set lr to choose another\n")
+    return text.replace("[optim]\n", "[optim]\n" + unset, 1)

@@ -57,10 +57,11 @@ class Guard:
         self.bad_steps = 0
 
     def after_step(self, step: int, loss: float, samples: int, params: Iterable[Any],
-                   scaler: Any, lr: float) -> None:
+                   scaler: Any, lr: float, inputs: Any = None) -> None:
         """Check step `step` (collective over the ranks that train): this rank's summed loss over
         `samples`, its parameters (and their gradients) after the update; NonFiniteStop after
-        `patience` bad steps in a row."""
+        `patience` bad steps in a row, naming the data when the batch's `inputs` hold a NaN or
+        inf on some rank."""
         # a pipeline stage's or shard's placeholders of parameters other ranks hold are NaN
         params = [p for p in params if _held(p.data)]
         grads = 0.0 if scaler is not None else sum(_sum32(p.grad) for p in params)
@@ -83,9 +84,12 @@ class Guard:
         if scaler is not None:
             what += f", loss scale {scaler.scale:g}" + (" (its floor)" if scaler.at_floor else "")
         n = self.bad_steps
+        inputs_sum = allreduce(np.array([_sum32(inputs)]), op="sum", comm=self.comm)[0]
+        hint = (_hint(lr, self.precision) if math.isfinite(inputs_sum) else
+                "the batch's inputs hold NaN or inf: check the data first, no --lr fixes that")
         raise NonFiniteStop(f"stopped at step {step}: {what} ({n} step{'s' * (n > 1)} in a row, "
                             f"--nan-patience {self.patience}); no checkpoint of it was written; "
-                            f"{_hint(lr, self.precision)}")
+                            f"{hint}")
 
 
 def nonfinite_arrays(named: Iterable[tuple[str, Any]]) -> list[str]:

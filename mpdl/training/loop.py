@@ -275,7 +275,7 @@ class Trainer:
                 check_every_call(False)
             self.guard.after_step(self.step, r.loss, r.samples, self.model.parameters(),
                                   getattr(self.optimizer, "scaler", None),
-                                  self.config.base_lr())
+                                  self.config.base_lr(), batch.x)
             faults.after_step(self.rank, self.step, self.resumed_at, self.model.parameters())
             if every and self.step % every == 0 and self.sampler.position < self.steps_per_epoch:
                 self._save_within(epoch, sums)
@@ -391,7 +391,7 @@ class Trainer:
     def _print_header(self) -> None:
         c = self.config
         what = describe_run(c, describe_model(c.model.name, self.model), self.task,
-                            self.strategy.roles(), self.strategy.describe(),
+                            self.strategy.roles(), self.size, self.strategy.describe(),
                             emulation.describe_active(self.comm))
         notes = [*self.task.notes(), self.initialized,
                  self.peak and throughput.note(self.model, self.task.seq_len, self.peak, self.size),

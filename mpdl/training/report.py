@@ -45,27 +45,30 @@ def write_json_lines(path: str, rows: list[dict[str, Any]]) -> None:
     write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
-def ranks_text(roles: list[tuple[str, int]], global_batch_size: int) -> tuple[str, str]:
-    """('3 ranks (2 workers, 1 server)', '32 per worker') for the roles of a strategy, the first
-    of which trains on the data."""
+def ranks_text(roles: list[tuple[str, int]], ranks: int, global_batch_size: int
+               ) -> tuple[str, str]:
+    """('3 ranks (2 workers, 1 server)', '32 per worker') for the roles of a strategy over
+    `ranks` ranks, the first of which trains on the data; a single role of fewer members than
+    ranks spans several ranks each ('4 ranks (2 replicas of 2 ranks)', '64 per replica')."""
     def count(role: str, n: int) -> str:
         return f"{n} {role}{'s' if n > 1 else ''}"
 
-    total = sum(n for _, n in roles)
     role, trainers = roles[0]
-    ranks = count("rank", total)
+    text = count("rank", ranks)
     if len(roles) > 1:
-        ranks += f" ({', '.join(count(r, n) for r, n in roles)})"
-    return ranks, f"{global_batch_size / trainers:g} per {role}"
+        text += f" ({', '.join(count(r, n) for r, n in roles)})"
+    elif trainers != ranks:
+        text += f" ({count(role, trainers)} of {count('rank', ranks // trainers)})"
+    return text, f"{global_batch_size / trainers:g} per {role}"
 
 
-def describe_run(config: Any, model: str, task: Any, roles: list[tuple[str, int]],
+def describe_run(config: Any, model: str, task: Any, roles: list[tuple[str, int]], ranks: int,
                  strategy: str, emulated: str) -> str:
     """The header's description of a run: model, data, ranks, batch, optimizer, strategy."""
     o = config.optim
-    ranks, per_rank = ranks_text(roles, o.global_batch_size)
+    ranks_part, per_rank = ranks_text(roles, ranks, o.global_batch_size)
     return (f"{model} on {config.data.dataset} ({len(task.xtr)} train / {len(task.xte)} test), "
-            f"{ranks}, global batch {o.global_batch_size} ({per_rank}), {o.optimizer} "
+            f"{ranks_part}, global batch {o.global_batch_size} ({per_rank}), {o.optimizer} "
             f"lr {config.base_lr():g}, {strategy}"
             + (f", EMULATED links {emulated}" if emulated else ""))
 

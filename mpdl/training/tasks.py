@@ -166,6 +166,9 @@ class AdditionTask(SequenceTask):
                 "val_loss": sums[0] / sums[1] if sums[1] else nan,
                 "exact_match": sums[3] / sums[4] if sums[4] else nan}
 
+    def model_info(self) -> dict[str, Any]:
+        return {**super().model_info(), "digits": self.data.digits}
+
     def notes(self) -> list[str]:
         d = self.data
         return [f"# addition: {d.digits}-digit operands, written like "

@@ -139,7 +139,7 @@ class PipelineStrategy(ScheduleRunner, PipelineStage, PipelineState, Strategy):
 
     def roles(self) -> list[tuple[str, int]]:
         dp = self.grid.dp
-        return [("replica lead", dp), ("replica rank", self.comm.size - dp)]
+        return [("replica", dp)]
 
 
     def _message(self, a: Any) -> Any:
