@@ -129,6 +129,8 @@ RUNS = {
     "mpiexec -n 4 mpdl train --model mlp --epochs 2 --seed 4 --deterministic --zero 1 --json "
     "run.jsonl": "mpiexec -n 4 mpdl train --model mlp --epochs 1 --seed 4 --deterministic --zero 1 "
                  "--no-progress --json run.jsonl",
+    "mpiexec -n 4 mpdl train --diloco --sync-every 10 --epochs 5 --json run.jsonl":
+        "mpiexec -n 4 mpdl train --diloco --sync-every 10 --epochs 1 --json run.jsonl",
 }
 #: a row whose command needs an optional extra: the module it needs, and the extra that the
 #: command's one-line error must name when that module is missing

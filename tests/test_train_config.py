@@ -25,6 +25,14 @@ from mpdl.training.loop import Trainer
     ({"communication.sync_every": 0}, "--sync-every"),
     ({"communication.post_local_warmup": 5}, "--post-local-warmup needs --sync-every"),
     ({"communication.sync_every": 4, "communication.compression": "fp16"}, "cannot be combined"),
+    ({"communication.outer_lr": 1.0}, "--outer-lr needs --diloco"),
+    ({"communication.outer_compress": "int4"}, "--outer-compress needs --diloco"),
+    ({"communication.diloco": True, "communication.outer_compress": "int2"},
+     "--outer-compress: expected one of none, fp16, int8, int4"),
+    ({"communication.diloco": True, "communication.outer_momentum": 1.0}, "--outer-momentum"),
+    ({"communication.diloco": True, "parallel.zero": 1}, "--diloco cannot be combined with --zero"),
+    ({"communication.diloco": True, "communication.compression": "fp16"},
+     "--diloco cannot be combined with --compression"),
 ])
 def test_train_rejects_bad_communication_flags(changes, message):
     with pytest.raises(UsageError, match=message):

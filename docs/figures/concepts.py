@@ -217,6 +217,29 @@ def inference() -> None:
     save(fig, "inference")
 
 
+def diloco() -> None:
+    """Which steps send what: DDP every step, DiLoCo every H steps, Streaming DiLoCo one of F
+    fragments every H/F steps, its all-reduce overlapping the next step (H = 8, F = 4)."""
+    h, f, steps = 8, 4, 24
+    fig, ax = plt.subplots(figsize=(7, 2.4))
+    rows = {"DDP": [(s, 1.0, 0) for s in range(steps)],
+            "DiLoCo": [(s, 1.0, 0) for s in range(h - 1, steps, h)],
+            "Streaming": [(s, 1 / f, (s + 1) // (h // f) % f) for s in range(steps)
+                          if (s + 1) % (h // f) == 0]}
+    for y, (name, sends) in enumerate(rows.items()):
+        ax.barh(2 - y + 0.25, steps, left=0, height=0.12, color="0.85")
+        for s, share, frag in sends:
+            ax.add_patch(plt.Rectangle((s + (1 if name == "Streaming" else 0.6), 2 - y - 0.1),
+                                       0.9 if name == "Streaming" else 0.35, 0.7 * share + 0.05,
+                                       color=COLORS[frag + 1 if name == "Streaming" else 0]))
+        ax.text(-0.5, 2 - y + 0.1, name, ha="right", va="center")
+    ax.set_title("bytes sent after each inner step (height ∝ bytes), H = 8, F = 4: a colour a "
+                 "fragment, sent during the next step", fontsize=8)
+    ax.set(xlim=(-4, steps + 1), ylim=(-0.3, 2.9), xlabel="inner step"); ax.set_yticks([])
+    ax.spines["left"].set_visible(False)
+    save(fig, "diloco")
+
+
 def simulate() -> None:
     """Speedup of data parallelism with the ring's cost: compute falls as 1/N, communication does not."""
     params, sample_s, batch = 25.6e6 * 4, 2.7e-3, 32 * 1024   # ResNet-50, fixed global batch
@@ -232,5 +255,6 @@ def simulate() -> None:
 
 
 if __name__ == "__main__":
-    for draw in (ring, autograd, ddp, zero, pipeline, context, moe, memory, precision, inference, simulate):
+    for draw in (ring, autograd, ddp, zero, pipeline, context, moe, memory, precision, inference, simulate,
+                 diloco):
         draw()

@@ -10,6 +10,7 @@ from mpdl.autograd import optim
 from mpdl.comm import Communicator
 from mpdl.parallel.compression import GradientCompression
 from mpdl.parallel.ddp import DistributedDataParallel
+from mpdl.parallel.diloco import DiLoCo, allreduce_bytes
 from mpdl.parallel.localsgd import LocalSGD
 from mpdl.parallel.ps import ParameterServer, format_histogram
 from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, microbatches
@@ -30,6 +31,8 @@ class AllReduceStrategy(Strategy):
         self.grad_accum = grad_accum
         self.bucket_mb, self.first_bucket_mb = bucket_mb, first_bucket_mb
         self.ddp: Any = None
+        #: the bytes this rank sent in all-reduces (mpdl.parallel.diloco.allreduce_bytes)
+        self.allreduce_bytes = 0
 
     def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
         self.model = model
@@ -54,6 +57,7 @@ class AllReduceStrategy(Strategy):
                 self.forward_backward(part, result, share, by_count)
         backward_end = self.forward_backward(parts[-1][0], result, parts[-1][1], by_count)
         self.ddp.finish()
+        self._count_bytes()
         waited = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -65,6 +69,15 @@ class AllReduceStrategy(Strategy):
         result.spans += [Span(f"all-reduce bucket {b.index}", *b.span, cat="communication",
                               thread="comm", args={"bytes": b.nbytes}) for b in self.ddp.buckets]
         return result
+
+    def _count_bytes(self) -> None:
+        """Add this step's all-reduces to `allreduce_bytes` (a compressor's payload instead of
+        the buckets' when compressing)."""
+        if self.compression is not None:
+            payload = self.compression.last_wire_bytes
+        else:
+            payload = sum(b.nbytes for b in self.ddp.buckets)
+        self.allreduce_bytes += allreduce_bytes(payload, self.comm.size)
 
     def describe(self, final: bool = False) -> str:
         if final:
@@ -78,8 +91,12 @@ class AllReduceStrategy(Strategy):
         if final:
             buckets = [b.nbytes for b in self.ddp.buckets]
             fields.update(bucket_algorithms=self.ddp.bucket_algorithms(), buckets=len(buckets),
-                          bucket_bytes=buckets)
+                          bucket_bytes=buckets, allreduce_bytes=self.total_allreduce_bytes())
         return fields
+
+    def total_allreduce_bytes(self) -> int:
+        """The bytes this rank sent in all-reduces so far."""
+        return self.allreduce_bytes
 
 
 class LocalSGDStrategy(AllReduceStrategy):
@@ -119,6 +136,63 @@ class LocalSGDStrategy(AllReduceStrategy):
             result.comm_s = result.exposed_s = end - stepped
             result.spans.append(Span("average parameters", stepped, end, cat="communication"))
         return result
+
+    def total_allreduce_bytes(self) -> int:
+        return self.allreduce_bytes + allreduce_bytes(self.local_sgd.bytes_reduced, self.comm.size)
+
+
+class DiLoCoStrategy(AllReduceStrategy):
+    """DiLoCo (mpdl.parallel.diloco): every rank a worker taking inner steps on its own
+    gradients; an outer Nesterov step on the averaged parameter change every `sync_every` steps,
+    in `fragments` staggered fragments (Streaming DiLoCo, overlapped with the next step)."""
+
+    mode = "diloco"
+
+    def __init__(self, comm: Communicator, sync_every: int, outer_lr: float,
+                 outer_momentum: float, fragments: int = 1, compress: str = "none",
+                 **all_reduce: Any) -> None:
+        super().__init__(comm, **all_reduce)
+        self.outer = dict(sync_every=sync_every, outer_lr=outer_lr,
+                          outer_momentum=outer_momentum, n_fragments=fragments, compress=compress)
+        self.diloco: Any = None
+
+    def setup(self, model: Any, make_optimizer: MakeOptimizer) -> None:
+        super().setup(model, make_optimizer)  # DDP's construction broadcasts rank 0's model
+        self.diloco = DiLoCo(model, comm=self.comm, algorithm=self.algorithm, **self.outer)
+
+    def step(self, batch: Batch) -> StepResult:
+        self.optimizer.lr = batch.lr
+        result = StepResult()
+        start = time.perf_counter()
+        with self.ddp.no_sync():
+            backward_end = self.forward_backward(batch, result)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        stepped = time.perf_counter()
+        syncs = self.diloco.syncs
+        self.diloco.step()
+        end = time.perf_counter()
+        result.compute_s = stepped - start
+        result.spans.append(Span("optimizer step", backward_end, stepped))
+        if self.diloco.syncs > syncs or self.diloco.overlap:
+            result.comm_s = result.exposed_s = end - stepped
+            result.spans.append(Span("outer step", stepped, end, cat="communication"))
+        return result
+
+    def finish(self) -> bool:
+        self.diloco.finish()
+        return True
+
+    def describe(self, final: bool = False) -> str:
+        if final:
+            return f"{self.diloco.syncs} outer steps, {self.total_allreduce_bytes()} bytes sent"
+        d = self.diloco
+        return (f"DiLoCo every {d.sync_every} steps, outer lr {d.outer_lr} momentum "
+                f"{d.outer_momentum}, {len(d.fragments)} fragment(s), outer gradients "
+                f"{d.compress}")
+
+    def total_allreduce_bytes(self) -> int:
+        return self.allreduce_bytes + self.diloco.allreduce_bytes
 
 
 class ParameterServerStrategy(Strategy):

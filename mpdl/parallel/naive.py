@@ -5,7 +5,12 @@ backward on its slice of the batch, and after backward all-reduces every gradien
 parameter. DDP sends the same sums in a few buckets and starts each while backward still runs.
 
 `NaiveZero`, before `zero.py`: ZeRO stage 1 as the paper draws it, each rank stepping the
-optimizer on its block of the parameters only."""
+optimizer on its block of the parameters only.
+
+`NaiveDiLoCo`, before `diloco.py`: every H inner steps, one all-reduce per parameter of the
+change since the last outer step, then an outer Nesterov step. `diloco.DiLoCo` packs the
+parameters, cuts them into fragments synchronised at staggered steps, overlaps each fragment's
+all-reduce with the next inner step and can compress the outer gradients."""
 
 from __future__ import annotations
 
@@ -79,3 +84,32 @@ class NaiveZero:
             for p, piece in zip(group, flat.unpack(whole, group), strict=True):
                 p.data[...] = piece
                 p.grad = None
+
+
+class NaiveDiLoCo:
+    """DiLoCo as its paper draws it: call `step()` after each inner optimizer step; every
+    `sync_every` steps the workers average their outer gradient Δ = θ_global − θ_local and take
+    an outer Nesterov step (`outer_lr`, `outer_momentum`) from θ_global, which every rank then
+    continues from."""
+
+    def __init__(self, module: Any, comm: Any = None, sync_every: int = 50, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, algorithm: str = "auto") -> None:
+        self.comm, self.algorithm = as_communicator(comm), algorithm
+        self.sync_every, self.outer_lr, self.mu = sync_every, outer_lr, outer_momentum
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        broadcast_model(module, self.comm)
+        self.global_ = [p.data.copy() for p in self.params]
+        self.momentum = [get_array_module(p.data).zeros_like(p.data) for p in self.params]
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps % self.sync_every:
+            return
+        for p, g, m in zip(self.params, self.global_, self.momentum, strict=True):
+            delta = allreduce(g - p.data, op="sum", algorithm=self.algorithm, comm=self.comm)
+            delta /= delta.dtype.type(self.comm.size)
+            m *= self.mu
+            m += delta
+            g -= self.outer_lr * (delta + self.mu * m)
+            p.data[...] = g

@@ -39,6 +39,7 @@ from mpdl.models.moe import MoESettings
 from mpdl.models.zoo import MODELS
 from mpdl.parallel.compression import COMPRESSORS, make_compression
 from mpdl.parallel.context import CP_BALANCES, CP_MODES
+from mpdl.parallel.diloco import OUTER_COMPRESSORS
 from mpdl.parallel.pipeline.schedule import KINDS as PIPELINE_SCHEDULES
 from mpdl.parallel.pipeline.schedule import allowed as schedule_allowed
 from mpdl.parallel.ps import check_config
@@ -393,6 +394,19 @@ class CommunicationConfig:
                                     metavar="STEPS",
                                     check=expect(lambda v: _integer(v) and v >= 0,
                                                  "expected a number of steps >= 0"))
+    diloco: bool = option(False, "DiLoCo: every rank takes inner steps on its own gradients and an "
+                          "outer Nesterov step on the averaged parameter change every "
+                          "--sync-every H steps")
+    outer_lr: float = option(0.7, "DiLoCo: the outer learning rate", check=POSITIVE)
+    outer_momentum: float = option(0.9, "DiLoCo: the outer Nesterov momentum",
+                                   check=expect(lambda v: _number(v) and 0 <= v < 1,
+                                                "expected a number in [0, 1)"))
+    diloco_fragments: int = option(1, "Streaming DiLoCo: sync the model in F fragments at "
+                                   "staggered steps, each overlapped with the next step",
+                                   metavar="F", check=POSITIVE_INT)
+    outer_compress: str = option("none", "DiLoCo: the outer gradients' encoding on the wire "
+                                 "(int8 and int4 with error feedback)",
+                                 choices=OUTER_COMPRESSORS)
     emulate: str | None = option(None, "emulate slower links, e.g. inter=10Gbit/s,20us (nodes from "
                                  "MPDL_RANKS_PER_NODE), or off (default: MPDL_EMULATE)",
                                  check=_emulation_problem, metavar="SPEC")
@@ -761,6 +775,35 @@ def validate_sequence(config: TrainConfig) -> None:
         raise ConfigError("{data.dataset} text needs {data.path} FILE (a UTF-8 text file)")
 
 
+def validate_diloco(config: TrainConfig) -> None:
+    """DiLoCo's options: only with --diloco, and a worker is one data-parallel rank."""
+    c, p = config.communication, config.parallel
+    outer = {"communication.outer_lr": c.outer_lr != 0.7,
+             "communication.outer_momentum": c.outer_momentum != 0.9,
+             "communication.diloco_fragments": c.diloco_fragments != 1,
+             "communication.outer_compress": c.outer_compress != "none"}
+    if not c.diloco:
+        given = [key for key, changed in outer.items() if changed]
+        if given:
+            raise ConfigError(f"{{{given[0]}}} needs {{communication.diloco}}")
+        return
+    for key, conflict in (("communication.compression", c.compression != "none"),
+                          ("communication.post_local_warmup", c.post_local_warmup > 0),
+                          ("parallel.zero", bool(p.zero)), ("parallel.tp", p.tp > 1),
+                          ("parallel.pp", p.pp > 1), ("parallel.cp", p.cp > 1),
+                          ("model.moe_experts", bool(config.model.moe_experts)),
+                          ("optim.grad_accum", config.optim.grad_accum > 1),
+                          ("optim.precision", config.optim.precision == "fp16"),
+                          ("optim.deterministic", config.optim.deterministic),
+                          ("parallel.mode", p.mode != "allreduce"),
+                          ("checkpoint.every", config.checkpoint.every > 0),
+                          ("checkpoint.resume", config.checkpoint.resume)):
+        if conflict:
+            raise ConfigError(f"{{communication.diloco}} cannot be combined with {{{key}}} (a "
+                              f"worker is one data-parallel rank taking its own steps, and the "
+                              f"outer state is not checkpointed)")
+
+
 def validate_communication(config: TrainConfig, world_size: int) -> None:
     """The compression, local SGD and parameter-server options, and their combinations."""
     c, p = config.communication, config.parallel
@@ -768,6 +811,7 @@ def validate_communication(config: TrainConfig, world_size: int) -> None:
     if c.post_local_warmup and c.sync_every == 1:
         raise ConfigError("{communication.post_local_warmup} needs {communication.sync_every} "
                           "H > 1 (local SGD)")
+    validate_diloco(config)
     if c.sync_every > 1 and c.compression != "none":
         raise ConfigError("{communication.sync_every} (local SGD averages parameters) and "
                           "{communication.compression} (compresses gradients) cannot be combined")

@@ -8,7 +8,12 @@ from typing import Any
 from mpdl.autograd import optim
 from mpdl.comm import Communicator
 from mpdl.parallel.compression import make_compression
-from mpdl.parallel.data_parallel import AllReduceStrategy, LocalSGDStrategy, ParameterServerStrategy
+from mpdl.parallel.data_parallel import (
+    AllReduceStrategy,
+    DiLoCoStrategy,
+    LocalSGDStrategy,
+    ParameterServerStrategy,
+)
 from mpdl.parallel.deterministic import DeterministicStrategy
 from mpdl.parallel.expert import ExpertParallelStrategy
 from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
@@ -50,6 +55,10 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
         return ZeroStrategy(comm, stage=p.zero, prefetch=p.prefetch, hybrid=p.zero_hybrid,
                             bucket_mb=c.bucket_mb, **common)
     common["bucket_mb"] = c.bucket_mb if c.bucket_mb is not None else DDP_BUCKET_MB
+    if c.diloco:
+        return DiLoCoStrategy(comm, sync_every=c.sync_every, outer_lr=c.outer_lr,
+                              outer_momentum=c.outer_momentum, fragments=c.diloco_fragments,
+                              compress=c.outer_compress, **common)
     if c.sync_every > 1:
         return LocalSGDStrategy(comm, sync_every=c.sync_every, warmup_steps=c.post_local_warmup,
                                 **common)
