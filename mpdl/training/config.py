@@ -82,7 +82,7 @@ BASE_BATCH = 256
 RESUME_KEYS = ("model.name", "data.dataset", "data.synthetic_shape", "data.synthetic_samples",
                "optim.global_batch_size", "optim.seed", "model.dtype", "model.n_layer",
                "model.n_head", "model.n_embd", "model.block_size", "data.digits",
-               "model.moe_experts", "model.moe_every", "model.moe_top_k")
+               "model.moe_experts", "model.moe_every", "model.moe_top_k", "data.batch_sampling")
 #: the pipeline pieces of the zoo's models (the GPT: n_layer + 2)
 PIPELINE_PIECES = {"mlp": 2, "lenet": 5}
 
