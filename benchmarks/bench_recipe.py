@@ -31,7 +31,6 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-
 from mpdl import datasets  # noqa: E402
 from mpdl.models.zoo import build_model  # noqa: E402
 from mpdl.parallel.sampler import random_batch  # noqa: E402

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mpdl.parallel.sampler import RandomBatchSampler
-from mpdl.threadworld import run_world
+from mpdl.threadworld import ThreadWorld, run_world
 from mpdl.training.config import ConfigError, TrainConfig, validate
 from mpdl.training.loop import Trainer
 from mpdl.training.tasks import load_task, validation_indices
@@ -111,7 +111,6 @@ def run(keys: dict, comm=None) -> tuple[Trainer, list[dict], str]:
 
 
 def events(keys: dict, p: int) -> list[dict]:
-    from mpdl.threadworld import ThreadWorld
     if p == 1:
         return [e for _, e in run(keys, ThreadWorld(1).comm(0))[1]]
     return [e for _, e in run_world(p, lambda c: run(keys, c))[0][1]]
@@ -136,6 +135,19 @@ def test_evaluations_and_logs_follow_one_rank(p):
         for key in ("val_loss", "loss", "lr"):
             if key in one:
                 assert mine[key] == pytest.approx(one[key], rel=0, abs=1e-9), (key, mine, one)
+
+
+def test_deterministic_random_batches_give_the_same_bits_on_any_number_of_ranks():
+    keys = {**TINY, "model.dtype": "float32", "optim.deterministic": True}
+
+    def digest(comm) -> str:
+        trainer = Trainer(TrainConfig.from_keys(keys), comm=comm, out=io.StringIO())
+        trainer.setup()
+        return trainer.run()[-1]["param_sha256"]
+
+    one = digest(ThreadWorld(1).comm(0))
+    for p in (2, 3):
+        assert run_world(p, digest) == [one] * p
 
 
 def test_the_step_0_evaluation_is_the_mean_cross_entropy_on_the_fixed_windows():
