@@ -12,7 +12,8 @@ validation loss at each evaluation step, the median ms/step of the 10-step means
 judged differences, a sample from each model, and the machine's load average.
 
     python benchmarks/bench_recipe.py [--config examples/shakespeare.toml] [--data DIR]
-                                      [--ranks 1 2] [--max-steps N] [--out DIR]
+                                      [--ranks 1 2] [--max-steps N] [--eval-steps K] [--out DIR]
+                                      [--together] [--timing-rounds R] [--timing-steps S]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
@@ -159,6 +161,7 @@ def main() -> None:
                         "data cache, fetched at first use)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--max-steps", type=int, help="fewer steps than the recipe's (a trial)")
+    parser.add_argument("--eval-steps", type=int, help="fewer validation batches (a trial)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/recipe"))
     parser.add_argument("--together", action="store_true", help="run mpdl's and PyTorch's "
                         "trainings at once (for the losses on a busy machine; the timing rounds "
@@ -167,11 +170,16 @@ def main() -> None:
                         "then PyTorch, --timing-steps steps each without evaluations")
     parser.add_argument("--timing-steps", type=int, default=100)
     args = parser.parse_args()
+    if importlib.util.find_spec("torch") is None:
+        raise SystemExit("bench_recipe.py: needs PyTorch, from the bench extra: "
+                         "pip install -e '.[bench]'")
     values = read_config_file(args.config)
     if args.data:
         values["data.path"] = args.data
     if args.max_steps:
         values["optim.max_steps"] = args.max_steps
+    if args.eval_steps:
+        values["output.eval_steps"] = args.eval_steps
     config = resolve(values)
     o, B, T = config.optim, config.optim.global_batch_size, config.model.block_size
     data = datasets.text(datasets.shakespeare(config.data.path), T)
@@ -180,7 +188,8 @@ def main() -> None:
           f"width {config.model.n_embd}, block {T}, batch {B}, {o.max_steps} steps; corpus "
           f"{len(data.train) + len(data.val):,} characters; load {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
-    flags = ["--config", str(args.config), *(["--data", args.data] if args.data else [])]
+    flags = ["--config", str(args.config), *(["--data", args.data] if args.data else []),
+             *(["--eval-steps", str(args.eval_steps)] if args.eval_steps else [])]
     runs, started = {}, {}
     for ranks in args.ranks:
         name = f"mpdl {ranks} rank{'s' if ranks > 1 else ''}"
