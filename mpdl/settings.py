@@ -313,6 +313,11 @@ def default_auto_cache(env: Mapping[str, str] | None = None) -> str:
     return _cache_home(env)
 
 
+def default_data_cache(env: Mapping[str, str] | None = None) -> str:
+    """Where datasets fetched at first use are kept: $XDG_CACHE_HOME/mpdl/datasets."""
+    return os.path.join(_cache_home(env), "datasets")
+
+
 _current: list[Settings] = []
 
 

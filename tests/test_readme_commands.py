@@ -44,6 +44,13 @@ RUNS = {
         "--epochs 1 --no-progress",
     'mpdl generate --checkpoint ckpt-gpt --prompt "123+456="':
         'mpdl generate --checkpoint ckpt-gpt --prompt "3+4="',
+    # 2,000 steps as written: a few steps on the excerpt the scratch cache holds as the corpus
+    "mpiexec -n 2 mpdl train --config examples/shakespeare.toml --checkpoint ckpt-shakespeare":
+        "mpiexec -n 2 mpdl train --config examples/shakespeare.toml --checkpoint ckpt-shakespeare "
+        "--max-steps 4 --eval-interval 2 --eval-steps 2 --no-progress",
+    "mpdl generate --checkpoint ckpt-shakespeare": "mpdl generate --checkpoint ckpt-shakespeare",
+    # its runs train 2,000 steps three times, for an hour: the options it takes
+    "python benchmarks/bench_recipe.py --together": "python benchmarks/bench_recipe.py --help",
     "mpiexec -n 4 mpdl train --zero 3": "mpiexec -n 4 mpdl train --zero 3 --epochs 1",
     "mpiexec -n 2 mpdl train --model gpt --n-layer 4 --pp 2 --microbatches 8 --schedule zb-h1":
         f"mpiexec -n 2 mpdl train --model gpt --n-layer 4 --pp 2 --microbatches 8 --schedule zb-h1 "
@@ -185,12 +192,17 @@ def serve_and_ask(line: str, env: dict, cwd: Path) -> subprocess.CompletedProces
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     """A folder to run the commands in, with what their placeholders name, and the shell's
-    environment: the venv's bin first on PATH, a cache of its own (calibrate writes there)."""
+    environment: the venv's bin first on PATH, a cache of its own (calibrate writes there; the
+    Shakespeare excerpt stands in its corpus)."""
     folder = tmp_path_factory.mktemp("readme")
     words = "the quick brown fox jumps over the lazy dog and runs far away. ".split()
     (folder / "tiny.txt").write_text(" ".join(words[i % len(words)] for i in range(400)) + "\n")
     (folder / "prompts.txt").write_text("the \nfox\n")
     (folder / "benchmarks").symlink_to(ROOT / "benchmarks")
+    (folder / "examples").symlink_to(ROOT / "examples")
+    corpus = folder / ".cache" / "mpdl" / "datasets" / "shakespeare.txt"
+    corpus.parent.mkdir(parents=True)
+    corpus.write_bytes((ROOT / "tests" / "data" / "shakespeare_excerpt.txt").read_bytes())
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
            "VIRTUAL_ENV": str(BIN.parent), "XDG_CACHE_HOME": str(folder / ".cache"),
            "MPDL_COST_MODEL": str(folder / ".cache" / "costmodel.json"),

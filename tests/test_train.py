@@ -87,7 +87,8 @@ def test_output_json_and_timeline(tmp_path):
     (["--model", "gpt", "--n-head", "5"], "--n-embd 64 must be divisible by --n-head 5"),
     (["--model", "gpt", "--n-layer", "0"], "--n-layer: expected a positive number, got 0"),
     (["--model", "gpt", "--block-size", "8"], "--block-size 8 is shorter than the sequences"),
-    (["--model", "gpt", "--dataset", "digits"], "--model gpt trains on --dataset addition or text"),
+    (["--model", "gpt", "--dataset", "digits"],
+     "--model gpt trains on --dataset addition, text or shakespeare"),
     (["--model", "gpt", "--dataset", "text"], "--dataset text needs --data FILE"),
     (["--dataset", "addition"], "--dataset addition is a token sequence task: it needs --model gpt"),
 ])

@@ -116,7 +116,7 @@ def test_the_table_adds_the_gpt_columns_only():
      r"model\.block_size 4 is shorter than the sequences of data\.dataset addition"),
     ({"data.digits": 10}, r"data\.digits: expected 1 to 9 digits"),
     ({"data.dataset": "digits"},
-     r"model\.name gpt trains on data\.dataset addition or text, not digits"),
+     r"model\.name gpt trains on data\.dataset addition, text or shakespeare, not digits"),
     ({"data.dataset": "text"}, r"data\.dataset text needs data\.path FILE"),
     ({"model.name": "mlp"},
      r"data\.dataset addition is a token sequence task: it needs model\.name gpt"),

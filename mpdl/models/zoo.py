@@ -107,15 +107,15 @@ class ResNet8(nn.Module):
 
 
 def build_model(name: str, input_shape: tuple[int, ...], classes: int, seed: int = 0,
-                dtype: Any = np.float32, moe: MoESettings | None = None,
+                dtype: Any = np.float32, moe: MoESettings | None = None, dropout: float = 0.0,
                 **shape: int) -> nn.Module:
     """A zoo model, initialised from a generator seeded with `seed`. For gpt, input_shape is
-    (block_size,), classes the vocabulary size, `shape` gives n_layer, n_head and n_embd and
-    `moe` its mixture-of-experts layers."""
+    (block_size,), classes the vocabulary size, `shape` gives n_layer, n_head and n_embd, `moe`
+    its mixture-of-experts layers and `dropout` its dropout probability."""
     rng = np.random.default_rng(seed)
     if name == "gpt":
         return GPT(classes, input_shape[0], shape["n_layer"], shape["n_head"], shape["n_embd"],
-                   rng=rng, dtype=dtype, moe=moe)
+                   dropout, rng=rng, dtype=dtype, moe=moe)
     if name == "mlp":
         return mlp(input_shape, classes, rng, dtype=dtype)
     if name == "lenet":

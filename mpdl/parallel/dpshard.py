@@ -19,6 +19,7 @@ checkpoint that every rank writes its own part of.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -85,6 +86,17 @@ class ShardedOptimizer:
     def scaler(self) -> Any:
         """The inner optimizer's loss scaler (mixed precision in fp16), else None."""
         return getattr(self.optimizer, "scaler", None)
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The inner optimizer's last global gradient norm before clipping."""
+        return getattr(self.optimizer, "grad_norm", None)
+
+    def global_norm(self, total: Callable[[list[Any], list[float]], float]) -> None:
+        """`Optimizer.global_norm` for `params`: `total` sees the parameter of each piece."""
+        param_of = {id(piece.tensor): piece.param for piece in self.entries}
+        self.optimizer.global_norm(lambda pieces, sums: total([param_of[id(t)] for t in pieces],
+                                                              sums))
 
     def zero_grad(self) -> None:
         for p in self.params:

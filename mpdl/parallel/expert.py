@@ -72,7 +72,16 @@ from mpdl.parallel import flat
 from mpdl.parallel.ddp import DistributedDataParallel
 from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.shards import placeholder as _placeholder
-from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, microbatches
+from mpdl.parallel.strategy import (
+    Batch,
+    MakeOptimizer,
+    Span,
+    StepResult,
+    Strategy,
+    counted_once,
+    grad_norm,
+    microbatches,
+)
 
 
 class AllToAll(Function):
@@ -432,6 +441,9 @@ class ExpertParallelStrategy(Strategy):
             self.trained = [p for _, p in named if id(p) in self.groups.owned_ids
                             or id(p) not in self.groups.expert_ids]
             self.optimizer = make_optimizer(self.trained)
+            owned = self.groups.owned_ids  # an expert counts on its first replica, the rest on rank 0
+            self.optimizer.global_norm(counted_once(self.comm, lambda p: (
+                self.replica_comm.rank if id(p) in owned else self.comm.rank) == 0))
             if hasattr(self.optimizer, "agree"):  # mixed precision: skip on every rank alike
                 self.optimizer.agree = self._all_finite
         self.groups.release()
@@ -468,6 +480,7 @@ class ExpertParallelStrategy(Strategy):
             self.expert_ddp.finish()
             waited = time.perf_counter()
         self.optimizer.step()
+        result.grad_norm = grad_norm(self.optimizer)
         self.optimizer.zero_grad()
         end = time.perf_counter()
         exchanges = self.groups.take_spans()

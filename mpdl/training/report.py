@@ -98,6 +98,8 @@ class Report:
                  first: dict[str, Any] | None = None) -> None:
         self.out, self.json_path, self.enabled, self.first = out, json_path, enabled, first
         self.columns: tuple[tuple, ...] = ()
+        #: the lines within epochs (steps' logs, evaluations): (epoch rows before it, JSON line)
+        self.events: list[tuple[int, dict[str, Any]]] = []
 
     def print(self, line: str) -> None:
         if self.enabled:
@@ -141,9 +143,25 @@ class Report:
                    f"over ranks; exposed = communication not hidden behind backward")
         self.write([*rows, s])
 
+    def event(self, line: str, fields: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        """A line within an epoch (a step's log, an evaluation) after the epoch rows so far, and
+        its JSON line."""
+        self.print(line)
+        if self.enabled:
+            self.events.append((len(rows), fields))
+            self.write(rows)
+
     def write(self, rows: list[dict[str, Any]]) -> None:
-        if self.enabled and self.json_path:
-            write_json_lines(self.json_path, [self.first, *rows] if self.first else rows)
+        """The JSON lines: the first line, then the rows with the events between them."""
+        if not (self.enabled and self.json_path):
+            return
+        lines, k = [self.first] if self.first else [], 0
+        for index, row in enumerate(rows):
+            while k < len(self.events) and self.events[k][0] <= index:
+                lines.append(self.events[k][1])
+                k += 1
+            lines.append(row)
+        write_json_lines(self.json_path, lines + [fields for _, fields in self.events[k:]])
 
 
 def write_timeline(comm: Any, timeline: Timeline, path: str) -> None:

@@ -7,11 +7,14 @@ held-out part (as sums, so that ranks add theirs up) and turns those sums into t
   answer written reversed; next-token loss on the answer positions only. Held out: 1,000
   problems never seen in training (fewer for 1 and 2 digits), scored by token accuracy,
   validation loss and exact match of the greedily decoded answer.
-- `TextTask` (text): a UTF-8 file as characters, cut into windows of block_size (the last 10%
-  is the validation part); validation loss and bits per character, next to the unigram entropy of
-  the file (the bits per character of a model that ignores context).
+- `TextTask` (text, shakespeare): a UTF-8 file as characters, cut into windows of block_size (the
+  last 10% is the validation part); validation loss and bits per character, next to the unigram
+  entropy of the file (the bits per character of a model that ignores context). Under
+  --batch-sampling random the training samples are the windows at every offset.
 
 A sequence task's "test_acc" is the next-token accuracy on the positions that have a target.
+Its `validation_pool` holds the sequences --eval-interval's batches are drawn from
+(`validation_indices`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ from mpdl import datasets
 from mpdl.autograd import functional as F
 from mpdl.autograd.tensor import Tensor, no_grad
 from mpdl.backend import to_host
-from mpdl.training.config import TEXT_BLOCK_SIZE, ConfigError, TrainConfig, literal
+from mpdl.training.config import (
+    TEXT_BLOCK_SIZE,
+    TEXT_DATASETS,
+    ConfigError,
+    TrainConfig,
+    literal,
+)
 
 #: the fields of a sequence task's last row that its summary repeats
 SUMMARY_FIELDS = ("val_loss", "exact_match", "bits_per_char", "unigram_bits_per_char",
@@ -51,6 +60,10 @@ class Task:
     def eval_size(self) -> int:
         """The number of held-out items the ranks split among them."""
         return len(self.xte)
+
+    def epoch_samples(self) -> int:
+        """The samples an epoch stands for (under random batches too)."""
+        return len(self.xtr)
 
     def evaluate(self, model: Any, lo: int, hi: int, device: Callable[[Any], Any]) -> list[float]:
         """Sums over held-out items lo..hi-1 (the model in eval mode, no graph)."""
@@ -130,6 +143,24 @@ class SequenceTask(Task):
                 sums[2] += float((to_host(logits.data.argmax(axis=-1)) == y)[counted].sum())
         return sums
 
+    def validation_pool(self) -> tuple[np.ndarray, np.ndarray]:
+        """The held-out (inputs, targets) sequences that --eval-interval's batches come from."""
+        return self.xte, self.yte
+
+    def loss_sums(self, model: Any, indices: np.ndarray, device: Callable[[Any], Any]
+                  ) -> list[float]:
+        """[summed loss, positions with a target] over the validation pool's `indices`."""
+        x, y = self.validation_pool()
+        sums = [0.0, 0.0]
+        with no_grad():
+            for start in range(0, len(indices), EVAL_BATCH):
+                part = indices[start:start + EVAL_BATCH]
+                targets = y[part]
+                logits = model(device(x[part]))
+                sums[0] += float(F.cross_entropy(logits, device(targets), reduction="sum").item())
+                sums[1] += float((targets >= 0).sum())
+        return sums
+
     def model_info(self) -> dict[str, Any]:
         c = self.config
         return {"name": "gpt", "vocab": self.vocab, "block_size": self.shape[0][0],
@@ -186,12 +217,25 @@ class TextTask(SequenceTask):
     def __init__(self, config: TrainConfig) -> None:
         block = config.model.block_size or TEXT_BLOCK_SIZE
         try:
-            self.data = datasets.text(config.data.path, block)
+            self.path = (datasets.shakespeare(config.data.path)
+                         if config.data.dataset == "shakespeare" else config.data.path)
+            self.data = datasets.text(self.path, block)
         except datasets.DatasetError as exc:
-            raise ConfigError(f"{{data.path}} {literal(str(exc))}") from None
+            where = "{data.dataset} shakespeare:" if config.data.dataset == "shakespeare" \
+                else "{data.path}"
+            raise ConfigError(f"{where} {literal(str(exc))}") from None
         d = self.data
         self.unigram = datasets.unigram_bits_per_char(np.concatenate([d.train, d.val]))
-        super().__init__(config, d.vocab, *windows(d.train, block), *windows(d.val, block), block)
+        self.random = config.data.batch_sampling == "random"
+        train = offsets(d.train, block) if self.random else windows(d.train, block)
+        super().__init__(config, d.vocab, *train, *windows(d.val, block), block)
+        self.windows_per_epoch = len(windows(d.train, block)[0])
+
+    def epoch_samples(self) -> int:
+        return self.windows_per_epoch
+
+    def validation_pool(self) -> tuple[np.ndarray, np.ndarray]:
+        return offsets(self.data.val, self.seq_len) if self.random else (self.xte, self.yte)
 
     def evaluate(self, model: Any, lo: int, hi: int, device: Callable[[Any], Any]) -> list[float]:
         return self.token_sums(model, lo, hi, device)
@@ -204,9 +248,12 @@ class TextTask(SequenceTask):
 
     def notes(self) -> list[str]:
         d = self.data
-        return [f"# text {self.config.data.path}: {len(d.train) + len(d.val)} characters, vocabulary "
-                f"of {len(d.vocab)}, {len(self.xtr)} train / {len(self.xte)} validation windows "
-                f"of {self.seq_len}; unigram entropy {self.unigram:.3f} bits per character"]
+        sampled = (f"windows of {self.seq_len} at {len(self.xtr)} offsets drawn at random; an "
+                   f"epoch is {self.windows_per_epoch} windows" if self.random else
+                   f"{len(self.xtr)} train windows of {self.seq_len}")
+        return [f"# {self.config.data.dataset} {self.path}: {len(d.train) + len(d.val)} "
+                f"characters, vocabulary of {len(d.vocab)}, {sampled}, {len(self.xte)} "
+                f"validation windows; unigram entropy {self.unigram:.3f} bits per character"]
 
 
 def windows(ids: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -216,10 +263,37 @@ def windows(ids: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
     return ids[idx], ids[idx + 1]
 
 
+def offsets(ids: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """The windows of `length` tokens at every offset that has a next-token target for each
+    position (nanoGPT's len(data) - block_size of them) and their targets, as read-only views."""
+    view = np.lib.stride_tricks.sliding_window_view
+    return view(ids[:-1], length), view(ids[1:], length)
+
+
+def validation_indices(pool_size: int, batches: int, batch_size: int, seed: int,
+                       random: bool) -> np.ndarray:
+    """The pool indices of --eval-steps `batches` validation batches of `batch_size`, batch after
+    batch: at random with replacement (random), or distinct (a permutation's first ones)."""
+    rng = np.random.default_rng([seed, 2])
+    if random:
+        return rng.integers(0, pool_size, batches * batch_size)
+    return rng.permutation(pool_size)[:batches * batch_size]
+
+
+def fetch_data(config: TrainConfig) -> None:
+    """Fetch what the dataset needs at first use (the Shakespeare corpus); ConfigError when it
+    cannot be had."""
+    if config.data.dataset == "shakespeare":
+        try:
+            datasets.shakespeare(config.data.path)
+        except datasets.DatasetError as exc:
+            raise ConfigError(f"{{data.dataset}} shakespeare: {literal(str(exc))}") from None
+
+
 def load_task(config: TrainConfig) -> Task:
     """The task of a (valid) configuration, its data loaded."""
     if config.data.dataset == "addition":
         return AdditionTask(config)
-    if config.data.dataset == "text":
+    if config.data.dataset in TEXT_DATASETS:
         return TextTask(config)
     return ImageTask(config)
