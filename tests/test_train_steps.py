@@ -101,9 +101,9 @@ def test_grad_clip_reports_the_norm_before_clipping():
     ({"optim.lr_schedule": "constant", "optim.lr_decay_steps": 10},
      "optim.lr_decay_steps needs optim.lr_schedule cosine, not constant",
      "--lr-decay-steps needs --lr-schedule cosine, not constant"),
-    ({"communication.sync_every": 2, "optim.grad_clip": 1.0},
-     "optim.grad_clip cannot be combined with communication.sync_every > 1",
-     "--grad-clip cannot be combined with --sync-every > 1"),
+    ({"optim.deterministic": True, "optim.grad_clip": 1.0},
+     "optim.grad_clip cannot be combined with optim.deterministic",
+     "--grad-clip cannot be combined with --deterministic"),
 ])
 def test_bad_steps_and_clipping_are_refused(changes, library, flags):
     with pytest.raises(ConfigError) as caught:

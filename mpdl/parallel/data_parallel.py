@@ -175,7 +175,8 @@ class DiLoCoStrategy(AllReduceStrategy):
         start = time.perf_counter()
         with self.ddp.no_sync():
             backward_end = self.forward_backward(batch, result)
-        self.optimizer.step()
+        self.optimizer.step()  # a worker clips its own gradient
+        result.grad_norm = grad_norm(self.optimizer)
         self.optimizer.zero_grad()
         stepped = time.perf_counter()
         syncs = self.diloco.syncs

@@ -684,9 +684,8 @@ def validate_steps(config: TrainConfig) -> None:
                               f"{o.optimizer}")
     if o.grad_clip is None:
         return
+    # under local SGD and DiLoCo each worker clips the gradient it steps on, its own
     cannot = ("{parallel.mode} ps (the servers update as pushes come)" if p.mode == "ps" else
-              "{communication.sync_every} > 1 (each replica steps on its own gradient)"
-              if config.communication.sync_every > 1 else
               "{optim.deterministic} (its sums are exact, a norm is not)" if o.deterministic else
               "{model.moe_experts} and {parallel.zero} (two sharded optimizers) yet"
               if config.model.moe_experts and p.zero else None)
