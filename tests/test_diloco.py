@@ -4,6 +4,8 @@ the inner optimizer alone), fragments, overlap and the compressed encodings."""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,8 @@ from mpdl.parallel.diloco import (
 from mpdl.parallel.localsgd import LocalSGD
 from mpdl.parallel.naive import NaiveDiLoCo
 from mpdl.threadworld import run_world
+from mpdl.training.config import TrainConfig
+from mpdl.training.loop import Trainer
 
 
 def make_model(seed: int = 0):
@@ -215,3 +219,30 @@ def test_bad_arguments():
         DiLoCo(model, compress="int2")
     with pytest.raises(ValueError, match="sync_every"):
         DiLoCo(model, sync_every=0)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_allreduce_bytes_of_a_run_ddp_and_diloco(p):
+    """The summary's allreduce_bytes: DDP sends 2(p-1)/p of the model's bytes each step, DiLoCo
+    that once every H steps (8 steps of a tiny GPT, H = 4)."""
+    tiny = {"model.name": "gpt", "data.dataset": "addition", "data.digits": 1,
+            "model.n_layer": 1, "model.n_head": 2, "model.n_embd": 8,
+            "optim.global_batch_size": 12, "optim.max_steps": 8, "optim.optimizer": "adamw",
+            "output.progress": False}
+
+    def sent(changes):
+        def fn(comm):
+            trainer = Trainer(TrainConfig.from_keys({**tiny, **changes}), comm=comm,
+                              out=io.StringIO())
+            trainer.setup()
+            trainer.run()
+            model_bytes = sum(q.data.nbytes for q in trainer.strategy.model.parameters())
+            return trainer.strategy.report(final=True)["allreduce_bytes"], model_bytes
+        return run_world(p, fn)
+
+    ddp = sent({})
+    diloco = sent({"communication.diloco": True, "communication.sync_every": 4})
+    for (ddp_bytes, model_bytes), (diloco_bytes, _) in zip(ddp, diloco, strict=True):
+        per_allreduce = 2 * (p - 1) * model_bytes // p
+        assert ddp_bytes == 8 * per_allreduce
+        assert diloco_bytes == 2 * per_allreduce
