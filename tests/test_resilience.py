@@ -154,6 +154,50 @@ def test_launch_without_restarts_gives_up_and_says_why(tmp_path):
     assert "giving up after 1 failed attempt(s) (--max-restarts 0)" in out.stderr
 
 
+def _rank_process(rank: int, module: str) -> int | None:
+    """The pid of the process running `python -m module` with PMI_RANK=rank."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and \
+                    (entry / "cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", module.encode()] \
+                    and f"PMI_RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
+def test_launch_restarts_a_rank_killed_in_its_start_up(tmp_path):
+    """Rank 1 SIGKILLed 2.5 s after `mpdl launch` started (in its start-up, where MPICH's launcher
+    waits on the others for ever): the supervisor stops the job and restarts it, which finishes;
+    `mpdl doctor` on the checkpoint's flight folder names rank 1."""
+    ckpt = tmp_path / "ckpt"
+    start = time.monotonic()
+    job = subprocess.Popen([MPDL, "launch", "-n", "4", "--max-restarts", "3", "--", "train",
+                            *COMMON, "--epochs", "1", "--checkpoint", str(ckpt)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, **SURVIVORS_GIVE_UP})
+    try:
+        victim = None
+        while victim is None and time.monotonic() - start < 60:
+            time.sleep(0.1)
+            victim = _rank_process(1, "mpdl.cli")
+        assert victim is not None, "rank 1 never started"
+        time.sleep(max(0.0, start + 2.5 - time.monotonic()))
+        os.kill(victim, 9)
+        stdout, stderr = job.communicate(timeout=240)
+    finally:
+        job.kill()
+    assert job.returncode == 0, stderr
+    assert re.search(r"attempt 1 failed \(exit status \d+\): rank 1 was killed by signal 9", stderr), \
+        stderr
+    assert "the job finished after 1 restart(s)" in stderr
+    doctor = run([MPDL, "doctor", str(ckpt / "flight")], timeout=60)
+    assert doctor.returncode == 1, doctor.stdout
+    assert "rank 1 was killed by signal 9 (SIGKILL)" in doctor.stdout
+    assert doctor.stdout.strip().endswith("look first at: rank 1"), doctor.stdout
+
+
 def test_a_step_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
     """Killed on 2 ranks after step 23, resumed on 3 from step 20 (8 steps into epoch 2): the same
     parameters as one rank's uninterrupted run, up to round-off (the sums' order differs)."""
