@@ -1,5 +1,6 @@
 """Checkpoints of a training run: DIR/model.npz, DIR/optimizer.npz and DIR/state.json, or, for a
 strategy that shards the model (ZeRO), one DIR/shard-RRRRR.npz per shard and DIR/state.json.
+
 model.npz holds parameters and buffers by name; optimizer.npz the optimizer's per-parameter arrays
 (`state/<index>/<name>`) and, as JSON in `meta`, its parameter groups and scalar state; state.json
 the epoch, step, sampler and RNG state, the run's configuration, the SHA-256 of the two archives
