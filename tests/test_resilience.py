@@ -89,17 +89,54 @@ def test_an_object_all_gather_waiting_for_a_silent_rank_times_out(tmp_path):
     assert "CollectiveTimeout" in out.stderr and "object size" in out.stderr, out.stderr
 
 
-def test_doctor_without_records_says_nothing_went_wrong(tmp_path):
-    """A run that went well writes no records: its flight folder (or CHECKPOINT/flight, never
-    made) gets one line saying so and exit 0; a folder that is nowhere is an error (exit 2)."""
-    (tmp_path / "ckpt").mkdir()
-    for folder in (tmp_path, tmp_path / "ckpt" / "flight"):
+def test_doctor_says_nothing_went_wrong_only_for_a_checkpoint_without_records(tmp_path):
+    """A run that went well writes no records: its checkpoint, or CHECKPOINT/flight never made,
+    gets one line saying so and exit 0. Any other path without records (missing, a file, a
+    folder of something else) is not a flight folder: one line, exit 2."""
+    from mpdl.training.checkpoint import save_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(ckpt, {"w": np.ones(3)}, {"state": {}, "param_groups": []},
+                    {"epoch": 1, "step": 1, "sampler": {}})
+    for folder in (ckpt, ckpt / "flight"):
         out = run([MPDL, "doctor", str(folder)], timeout=60)
         assert out.returncode == 0 and out.stderr == "", out.stderr
-        assert out.stdout == f"{folder}: no flight records: nothing went wrong (ranks write them " \
-                             f"only when a run fails, stalls or is sent SIGUSR1)\n"
-    out = run([MPDL, "doctor", str(tmp_path / "nowhere" / "flight")], timeout=60)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "no such folder" in out.stderr
+        assert out.stdout == f"{ckpt / 'flight'}: no flight records: nothing went wrong (ranks " \
+                             f"write them only when a run fails, stalls or is sent SIGUSR1)\n"
+    (tmp_path / "README.md").write_text("# a project\n")
+    (tmp_path / "empty").mkdir()
+    for path, why in ((tmp_path / "nowhere", "no such folder"),
+                      (tmp_path / "nowhere" / "flight", "no such folder"),
+                      (tmp_path / "README.md", "a file, not a flight folder"),
+                      (tmp_path / "empty", "no flight records (rank-R.json) in this folder")):
+        out = run([MPDL, "doctor", str(path)], timeout=60)
+        assert out.returncode == 2 and out.stdout == "", (path, out.stdout)
+        assert out.stderr == f"mpdl doctor: error: FLIGHT: {path}: {why} (expected the flight " \
+                             f"folder of a run: CHECKPOINT/flight, $MPDL_FLIGHT_DIR or " \
+                             f"./mpdl-flight)\n", out.stderr
+
+
+def test_doctor_names_the_rank_that_skipped_a_call_after_the_checked_steps(tmp_path):
+    """Rank 1 of a 2-rank `mpdl train` skips its collective #30, long after the checked steps:
+    rank 0's receive fails in MPI (its record the only fatal one), yet doctor names rank 1, which
+    left the calls every step repeats, and says what each rank called in one line."""
+    ckpt = tmp_path / "ckpt"
+    out = run([MPIEXEC, "-n", "2", MPDL, "train", "--no-progress", "--epochs", "1",
+               "--checkpoint", str(ckpt)], timeout=120,
+              env={"MPDL_TIMEOUT": "10", "MPDL_FAULT": "skip:1:30"})
+    assert out.returncode != 0
+    records = {r: json.loads((ckpt / "flight" / f"rank-{r}.json").read_text()) for r in (0, 1)}
+    calls = {r: [(x["collective"], x["bytes"]) for x in d["records"] if x["seq"] == 30]
+             for r, d in records.items()}
+    assert calls[0] != calls[1], calls
+    doctor = run([MPDL, "doctor", str(ckpt)], timeout=60)
+    assert doctor.returncode == 1
+    lines = doctor.stdout.splitlines()
+    difference = [line for line in lines if line.startswith("first difference")]
+    assert len(difference) == 1 and "rank 0: allreduce/" in difference[0] and \
+        "rank 1: allreduce/" in difference[0], doctor.stdout
+    assert any(line.startswith("rank 1 skipped #30 allreduce/") for line in lines), doctor.stdout
+    assert lines[-1].startswith("look first at: rank 1"), doctor.stdout
 
 
 COMMON = ["--no-progress", "--dtype", "float64", "--epochs", "2", "--global-batch-size", "128",

@@ -194,12 +194,12 @@ class Trainer:
         ck = self.config.checkpoint
         model_state, optim_state, state = checkpoint.load_checkpoint(ck.dir, ck.accept_unchecked)
         checkpoint.check_keys(ck.dir, state)
-        if ck.accept_unchecked and self.rank == 0 and checkpoint.add_checksum(ck.dir):
-            self.report.print(f"# {ck.dir}/state.json had no checksum: accepted once, its "
-                              f"checksum written")
         mismatch = resume_mismatch(self.config, state.get("config", {}))
         if mismatch:
             raise ConfigError(mismatch)
+        if ck.accept_unchecked and self.rank == 0 and checkpoint.add_checksum(ck.dir):
+            self.report.print(f"# {ck.dir}/state.json had no checksum: accepted once, its "
+                              f"checksum written")
         with self.strategy.gathered():
             self.model.load_state_dict(model_state)
         self.strategy.load_state_dict(optim_state)
