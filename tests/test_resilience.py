@@ -170,7 +170,8 @@ def test_launch_restarts_a_killed_rank_and_ends_as_an_uninterrupted_run(tmp_path
     assert "attempt 1 failed" in out.stderr
     assert re.search(r"attempt 1 failed \(exit status \d+\): rank 1 was killed by signal 9 "
                      r"\(SIGKILL\)", out.stderr), out.stderr
-    assert "restart 1 of 2 on 3 ranks, resuming from" in out.stderr
+    assert f"restart 1 of 2 on 3 ranks, resuming from {ckpt} at step 5 (in epoch 1, 5 of its 12 " \
+           f"steps done)" in out.stderr
     assert "the job finished after 1 restart(s)" in out.stderr
     repeated = kill_at - _resumed_step(out.stdout)
     assert 0 < repeated <= every
