@@ -190,6 +190,10 @@ def test_launch_without_restarts_gives_up_and_says_why(tmp_path):
     assert re.search(r"attempt 1 failed \(exit status \d+\): rank 2 was killed by signal 9 "
                      r"\(SIGKILL\)", out.stderr), out.stderr
     assert "giving up after 1 failed attempt(s) (--max-restarts 0)" in out.stderr
+    doctor = run([MPDL, "doctor", str(tmp_path / "ckpt")], timeout=60)
+    assert doctor.returncode == 1 and "rank 2 was killed by signal 9 (SIGKILL)" in doctor.stdout
+    assert doctor.stdout.strip().splitlines()[-1].startswith("look first at: rank 2"), \
+        doctor.stdout
 
 
 def _rank_process(rank: int, module: str) -> int | None:
