@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -218,7 +219,7 @@ def test_launch_restarts_a_rank_killed_in_its_start_up(tmp_path):
     job = subprocess.Popen([MPDL, "launch", "-n", "4", "--max-restarts", "3", "--", "train",
                             *COMMON, "--epochs", "1", "--checkpoint", str(ckpt)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, **SURVIVORS_GIVE_UP})
+                           env={**os.environ, **SURVIVORS_GIVE_UP}, start_new_session=True)
     try:
         victim = None
         while victim is None and time.monotonic() - start < 60:
@@ -229,7 +230,9 @@ def test_launch_restarts_a_rank_killed_in_its_start_up(tmp_path):
         os.kill(victim, 9)
         stdout, stderr = job.communicate(timeout=240)
     finally:
-        job.kill()
+        if job.poll() is None:  # the launcher and mpiexec share its group; mpiexec ends the ranks
+            os.killpg(job.pid, signal.SIGTERM)
+            job.wait(30)
     assert job.returncode == 0, stderr
     assert re.search(r"attempt 1 failed \(exit status \d+\): rank 1 was killed by signal 9", stderr), \
         stderr
