@@ -156,7 +156,7 @@ def test_serve_refuses_unknown_fields_non_finite_numbers_and_other_models_and_ca
     """One rank. NaN and Infinity (which Python's JSON reader takes), an unknown field, max_tokens
     above --max-tokens: 400 naming the field; another model: 404 model_not_found. A client that
     leaves a non-streamed request is cancelled while tokens keep coming: nothing runs and no
-    token is made 5 s later, and its pages are free."""
+    token is made 5 s later, and its pages are free; so is one that leaves a stream."""
     checkpoint(tmp_path / "ckpt")
     port = free_port()
     server = subprocess.Popen([str(BIN / "mpdl"), "serve", "--checkpoint", str(tmp_path / "ckpt"),
@@ -203,6 +203,18 @@ def test_serve_refuses_unknown_fields_non_finite_numbers_and_other_models_and_ca
         assert (m["running"], m["waiting"], m["cancelled"], m["kv_pages_in_use"]) == (0, 0, 1, 0), m
         time.sleep(1)
         assert get(base + "/metrics")["tokens"] == m["tokens"]
+        raw = json.dumps({"prompt": "a", "max_tokens": 100000, "temperature": 0, "stream": True})
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+            client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                           f"application/json\r\nContent-Length: {len(raw)}\r\n\r\n{raw}".encode())
+            got = b""
+            while b"data: " not in got:  # the stream has begun (the socket's timeout bounds it)
+                chunk = client.recv(4096)
+                assert chunk, got
+                got += chunk
+        time.sleep(5)
+        m = get(base + "/metrics")
+        assert (m["running"], m["cancelled"], m["kv_pages_in_use"]) == (0, 2, 0), m
         assert server.poll() is None
     finally:
         os.killpg(server.pid, signal.SIGTERM)
