@@ -318,6 +318,49 @@ def test_failure_reports_of_each_launcher_are_read():
     abort = "Abort(1) on node 0 (rank 0 in comm 0): application called MPI_Abort\n"
     assert parse_failure(abort, 1, {}).rank == 0
     assert parse_failure("", 1, {}).describe().startswith("a rank (the launcher did not say")
+    # a watcher killed itself: the supervisor saw rank 1's processes end without a status
+    f = parse_failure(hydra, 9, {4242: 3}, vanished=1)
+    assert f.rank == 1 and "rank 1's watcher ended without a status" in f.describe()
+    assert parse_failure(watched, 9, {4242: 3}, vanished=2).rank == 1  # the watcher's line wins
+
+
+def _records(rank: int, calls: list[tuple[str, int]], reason: str, size: int = 3) -> dict:
+    return {"rank": rank, "size": size, "reason": reason, "time": 100.0 + rank, "records": [
+        {"seq": seq, "collective": "allreduce", "algorithm": algorithm, "bytes": nbytes,
+         "dtype": "float32", "op": "sum", "peers": list(range(size)), "start": float(seq),
+         "end": float(seq) + 0.5, "state": "done", "waiting_for": None}
+        for seq, (algorithm, nbytes) in enumerate(calls)]}
+
+
+def test_doctor_tells_the_rank_that_left_the_repeated_calls_from_the_one_that_failed(tmp_path):
+    """Steps of two calls (a bucket, then 32 bytes of sums): rank 2 skips #7, the sums; rank 0
+    fails there in MPI. The pattern expects the sums at #7, which ranks 0 and 1 made: rank 2
+    departed, by a skip (its #7 is the call after). Without a repeated pattern, no such claim."""
+    from mpdl.tools.doctor import diagnose
+
+    step = [("ring", 4096), ("recursive_doubling", 32)]
+    calls = step * 5
+    records = {0: _records(0, calls[:8], "fatal: Exception: See the MPI_ERROR field"),
+               1: _records(1, calls[:8], "peer failed: rank 0"),
+               2: _records(2, calls[:7] + calls[8:9], "peer failed: rank 0")}
+    for rank, data in records.items():
+        (tmp_path / f"rank-{rank}.json").write_text(json.dumps(data))
+    found = diagnose(tmp_path)
+    assert found.departed == [(2, 7, ("allreduce", "recursive_doubling", 32, "float32", "sum"),
+                               True)]
+    assert found.culprits()[:2] == [2, 0]
+    lines = found.lines()
+    assert "first difference among ranks 0-2: #7: ranks 0, 1: allreduce/recursive_doubling 32 B " \
+           "float32 sum; rank 2: allreduce/ring 4096 B float32 sum" in lines
+    assert "rank 2 skipped #7 allreduce/recursive_doubling 32 B float32 sum, the call the steps " \
+           "before repeat (it made the next one instead)" in lines
+    assert lines[-1] == "look first at: rank 2, then rank 0"
+    odd = [("ring", 8 * (i + 1)) for i in range(8)]  # no two calls alike: no pattern
+    for rank in (0, 1, 2):
+        mine = odd if rank != 2 else odd[:7] + [("ring", 999)]
+        (tmp_path / f"rank-{rank}.json").write_text(json.dumps(_records(rank, mine, "x")))
+    found = diagnose(tmp_path)
+    assert found.departed == [] and found.mismatches and found.culprits() == [2]
 
 
 def test_hostfiles_of_hydra_and_open_mpi(tmp_path):
