@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -89,17 +90,54 @@ def test_an_object_all_gather_waiting_for_a_silent_rank_times_out(tmp_path):
     assert "CollectiveTimeout" in out.stderr and "object size" in out.stderr, out.stderr
 
 
-def test_doctor_without_records_says_nothing_went_wrong(tmp_path):
-    """A run that went well writes no records: its flight folder (or CHECKPOINT/flight, never
-    made) gets one line saying so and exit 0; a folder that is nowhere is an error (exit 2)."""
-    (tmp_path / "ckpt").mkdir()
-    for folder in (tmp_path, tmp_path / "ckpt" / "flight"):
+def test_doctor_says_nothing_went_wrong_only_for_a_checkpoint_without_records(tmp_path):
+    """A run that went well writes no records: its checkpoint, or CHECKPOINT/flight never made,
+    gets one line saying so and exit 0. Any other path without records (missing, a file, a
+    folder of something else) is not a flight folder: one line, exit 2."""
+    from mpdl.training.checkpoint import save_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(ckpt, {"w": np.ones(3)}, {"state": {}, "param_groups": []},
+                    {"epoch": 1, "step": 1, "sampler": {}})
+    for folder in (ckpt, ckpt / "flight"):
         out = run([MPDL, "doctor", str(folder)], timeout=60)
         assert out.returncode == 0 and out.stderr == "", out.stderr
-        assert out.stdout == f"{folder}: no flight records: nothing went wrong (ranks write them " \
-                             f"only when a run fails, stalls or is sent SIGUSR1)\n"
-    out = run([MPDL, "doctor", str(tmp_path / "nowhere" / "flight")], timeout=60)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "no such folder" in out.stderr
+        assert out.stdout == f"{ckpt / 'flight'}: no flight records: nothing went wrong (ranks " \
+                             f"write them only when a run fails, stalls or is sent SIGUSR1)\n"
+    (tmp_path / "README.md").write_text("# a project\n")
+    (tmp_path / "empty").mkdir()
+    for path, why in ((tmp_path / "nowhere", "no such folder"),
+                      (tmp_path / "nowhere" / "flight", "no such folder"),
+                      (tmp_path / "README.md", "a file, not a flight folder"),
+                      (tmp_path / "empty", "no flight records (rank-R.json) in this folder")):
+        out = run([MPDL, "doctor", str(path)], timeout=60)
+        assert out.returncode == 2 and out.stdout == "", (path, out.stdout)
+        assert out.stderr == f"mpdl doctor: error: FLIGHT: {path}: {why} (expected the flight " \
+                             f"folder of a run: CHECKPOINT/flight, $MPDL_FLIGHT_DIR or " \
+                             f"./mpdl-flight)\n", out.stderr
+
+
+def test_doctor_names_the_rank_that_skipped_a_call_after_the_checked_steps(tmp_path):
+    """Rank 1 of a 2-rank `mpdl train` skips its collective #30, long after the checked steps:
+    rank 0's receive fails in MPI (its record the only fatal one), yet doctor names rank 1, which
+    left the calls every step repeats, and says what each rank called in one line."""
+    ckpt = tmp_path / "ckpt"
+    out = run([MPIEXEC, "-n", "2", MPDL, "train", "--no-progress", "--epochs", "1",
+               "--checkpoint", str(ckpt)], timeout=120,
+              env={"MPDL_TIMEOUT": "10", "MPDL_FAULT": "skip:1:30"})
+    assert out.returncode != 0
+    records = {r: json.loads((ckpt / "flight" / f"rank-{r}.json").read_text()) for r in (0, 1)}
+    calls = {r: [(x["collective"], x["bytes"]) for x in d["records"] if x["seq"] == 30]
+             for r, d in records.items()}
+    assert calls[0] != calls[1], calls
+    doctor = run([MPDL, "doctor", str(ckpt)], timeout=60)
+    assert doctor.returncode == 1
+    lines = doctor.stdout.splitlines()
+    difference = [line for line in lines if line.startswith("first difference")]
+    assert len(difference) == 1 and "rank 0: allreduce/" in difference[0] and \
+        "rank 1: allreduce/" in difference[0], doctor.stdout
+    assert any(line.startswith("rank 1 skipped #30 allreduce/") for line in lines), doctor.stdout
+    assert lines[-1].startswith("look first at: rank 1"), doctor.stdout
 
 
 COMMON = ["--no-progress", "--dtype", "float64", "--epochs", "2", "--global-batch-size", "128",
@@ -133,7 +171,8 @@ def test_launch_restarts_a_killed_rank_and_ends_as_an_uninterrupted_run(tmp_path
     assert "attempt 1 failed" in out.stderr
     assert re.search(r"attempt 1 failed \(exit status \d+\): rank 1 was killed by signal 9 "
                      r"\(SIGKILL\)", out.stderr), out.stderr
-    assert "restart 1 of 2 on 3 ranks, resuming from" in out.stderr
+    assert f"restart 1 of 2 on 3 ranks, resuming from {ckpt} at step 5 (in epoch 1, 5 of its 12 " \
+           f"steps done)" in out.stderr
     assert "the job finished after 1 restart(s)" in out.stderr
     repeated = kill_at - _resumed_step(out.stdout)
     assert 0 < repeated <= every
@@ -152,6 +191,56 @@ def test_launch_without_restarts_gives_up_and_says_why(tmp_path):
     assert re.search(r"attempt 1 failed \(exit status \d+\): rank 2 was killed by signal 9 "
                      r"\(SIGKILL\)", out.stderr), out.stderr
     assert "giving up after 1 failed attempt(s) (--max-restarts 0)" in out.stderr
+    doctor = run([MPDL, "doctor", str(tmp_path / "ckpt")], timeout=60)
+    assert doctor.returncode == 1 and "rank 2 was killed by signal 9 (SIGKILL)" in doctor.stdout
+    assert doctor.stdout.strip().splitlines()[-1].startswith("look first at: rank 2"), \
+        doctor.stdout
+
+
+def _rank_process(rank: int, module: str) -> int | None:
+    """The pid of the process running `python -m module` with PMI_RANK=rank."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and \
+                    (entry / "cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", module.encode()] \
+                    and f"PMI_RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
+def test_launch_restarts_a_rank_killed_in_its_start_up(tmp_path):
+    """Rank 1 SIGKILLed 2.5 s after `mpdl launch` started (in its start-up, where MPICH's launcher
+    waits on the others for ever): the supervisor stops the job and restarts it, which finishes;
+    `mpdl doctor` on the checkpoint's flight folder names rank 1."""
+    ckpt = tmp_path / "ckpt"
+    start = time.monotonic()
+    job = subprocess.Popen([MPDL, "launch", "-n", "4", "--max-restarts", "3", "--", "train",
+                            *COMMON, "--epochs", "1", "--checkpoint", str(ckpt)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, **SURVIVORS_GIVE_UP}, start_new_session=True)
+    try:
+        victim = None
+        while victim is None and time.monotonic() - start < 60:
+            time.sleep(0.1)
+            victim = _rank_process(1, "mpdl.cli")
+        assert victim is not None, "rank 1 never started"
+        time.sleep(max(0.0, start + 2.5 - time.monotonic()))
+        os.kill(victim, 9)
+        stdout, stderr = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:  # the launcher and mpiexec share its group; mpiexec ends the ranks
+            os.killpg(job.pid, signal.SIGTERM)
+            job.wait(30)
+    assert job.returncode == 0, stderr
+    assert re.search(r"attempt 1 failed \(exit status \d+\): rank 1 was killed by signal 9", stderr), \
+        stderr
+    assert "the job finished after 1 restart(s)" in stderr
+    doctor = run([MPDL, "doctor", str(ckpt / "flight")], timeout=60)
+    assert doctor.returncode == 1, doctor.stdout
+    assert "rank 1 was killed by signal 9 (SIGKILL)" in doctor.stdout
+    assert doctor.stdout.strip().endswith("look first at: rank 1"), doctor.stdout
 
 
 def test_a_step_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
@@ -229,6 +318,49 @@ def test_failure_reports_of_each_launcher_are_read():
     abort = "Abort(1) on node 0 (rank 0 in comm 0): application called MPI_Abort\n"
     assert parse_failure(abort, 1, {}).rank == 0
     assert parse_failure("", 1, {}).describe().startswith("a rank (the launcher did not say")
+    # a watcher killed itself: the supervisor saw rank 1's processes end without a status
+    f = parse_failure(hydra, 9, {4242: 3}, vanished=1)
+    assert f.rank == 1 and "rank 1's watcher ended without a status" in f.describe()
+    assert parse_failure(watched, 9, {4242: 3}, vanished=2).rank == 1  # the watcher's line wins
+
+
+def _records(rank: int, calls: list[tuple[str, int]], reason: str, size: int = 3) -> dict:
+    return {"rank": rank, "size": size, "reason": reason, "time": 100.0 + rank, "records": [
+        {"seq": seq, "collective": "allreduce", "algorithm": algorithm, "bytes": nbytes,
+         "dtype": "float32", "op": "sum", "peers": list(range(size)), "start": float(seq),
+         "end": float(seq) + 0.5, "state": "done", "waiting_for": None}
+        for seq, (algorithm, nbytes) in enumerate(calls)]}
+
+
+def test_doctor_tells_the_rank_that_left_the_repeated_calls_from_the_one_that_failed(tmp_path):
+    """Steps of two calls (a bucket, then 32 bytes of sums): rank 2 skips #7, the sums; rank 0
+    fails there in MPI. The pattern expects the sums at #7, which ranks 0 and 1 made: rank 2
+    departed, by a skip (its #7 is the call after). Without a repeated pattern, no such claim."""
+    from mpdl.tools.doctor import diagnose
+
+    step = [("ring", 4096), ("recursive_doubling", 32)]
+    calls = step * 5
+    records = {0: _records(0, calls[:8], "fatal: Exception: See the MPI_ERROR field"),
+               1: _records(1, calls[:8], "peer failed: rank 0"),
+               2: _records(2, calls[:7] + calls[8:9], "peer failed: rank 0")}
+    for rank, data in records.items():
+        (tmp_path / f"rank-{rank}.json").write_text(json.dumps(data))
+    found = diagnose(tmp_path)
+    assert found.departed == [(2, 7, ("allreduce", "recursive_doubling", 32, "float32", "sum"),
+                               True)]
+    assert found.culprits()[:2] == [2, 0]
+    lines = found.lines()
+    assert "first difference among ranks 0-2: #7: ranks 0, 1: allreduce/recursive_doubling 32 B " \
+           "float32 sum; rank 2: allreduce/ring 4096 B float32 sum" in lines
+    assert "rank 2 skipped #7 allreduce/recursive_doubling 32 B float32 sum, the call the steps " \
+           "before repeat (it made the next one instead)" in lines
+    assert lines[-1] == "look first at: rank 2, then rank 0"
+    odd = [("ring", 8 * (i + 1)) for i in range(8)]  # no two calls alike: no pattern
+    for rank in (0, 1, 2):
+        mine = odd if rank != 2 else odd[:7] + [("ring", 999)]
+        (tmp_path / f"rank-{rank}.json").write_text(json.dumps(_records(rank, mine, "x")))
+    found = diagnose(tmp_path)
+    assert found.departed == [] and found.mismatches and found.culprits() == [2]
 
 
 def test_hostfiles_of_hydra_and_open_mpi(tmp_path):

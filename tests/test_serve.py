@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -110,7 +111,7 @@ def test_serve_over_tp_2_answers_the_openai_client(tmp_path):
             with pytest.raises(openai.BadRequestError) as err:
                 client.completions.create(**{"model": "ckpt", "prompt": "a", **kwargs})
             assert err.value.status_code == 400 and err.value.body["param"] == param
-        stream = client.completions.create(model="ckpt", prompt="a", max_tokens=10_000,
+        stream = client.completions.create(model="ckpt", prompt="a", max_tokens=4000,
                                            temperature=0, stream=True)
         next(iter(stream))
         stream.close()  # the client goes away mid-stream
@@ -139,3 +140,85 @@ def test_serve_refuses_bad_flags_in_one_line(tmp_path):
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert message in out.stderr, out.stderr
+
+
+def _post(base: str, raw: str) -> tuple[int, dict]:
+    request = urllib.request.Request(base + "/v1/completions", data=raw.encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_serve_refuses_unknown_fields_non_finite_numbers_and_other_models_and_cancels_a_client_that_leaves(tmp_path):  # noqa: E501
+    """One rank. NaN and Infinity (which Python's JSON reader takes), an unknown field, max_tokens
+    above --max-tokens: 400 naming the field; another model: 404 model_not_found. A client that
+    leaves a non-streamed request is cancelled while tokens keep coming: nothing runs and no
+    token is made 5 s later, and its pages are free; so is one that leaves a stream."""
+    checkpoint(tmp_path / "ckpt")
+    port = free_port()
+    server = subprocess.Popen([str(BIN / "mpdl"), "serve", "--checkpoint", str(tmp_path / "ckpt"),
+                               "--port", str(port), "--page-size", "4", "--max-tokens", "100000"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            try:
+                if get(base + "/health")["status"] == "ok":
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not come up in 120 s"
+                time.sleep(0.5)
+        for raw, status, param, words in [
+                ('{"prompt": "a", "temperature": NaN}', 400, "temperature", "NaN or Infinity"),
+                ('{"prompt": "a", "top_p": Infinity}', 400, "top_p", "NaN or Infinity"),
+                ('{"prompt": "a", "stop": ["x"], "max_tokens": 3, "seed": -Infinity}', 400, "seed",
+                 "NaN or Infinity"),
+                ('{"prompt": "a", "max_token": 5}', 400, "max_token",
+                 "Unrecognized request argument supplied: max_token"),
+                ('{"prompt": "a", "max_tokens": 100001}', 400, "max_tokens", "<= 100000"),
+                ('{"model": "gpt-4", "prompt": "a"}', 404, "model", "`gpt-4` does not exist")]:
+            code, body = _post(base, raw)
+            assert code == status and body["error"]["param"] == param, (raw, code, body)
+            assert words in body["error"]["message"], body
+        assert _post(base, '{"model": "gpt-4", "prompt": "a"}')[1]["error"]["code"] == \
+            "model_not_found"
+        code, body = _post(base, '{"model": "ckpt", "prompt": "a", "max_tokens": 3}')
+        assert code == 200 and body["choices"][0]["finish_reason"] == "length"
+        raw = json.dumps({"prompt": "a", "max_tokens": 100000, "temperature": 0})
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+            client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                           f"application/json\r\nContent-Length: {len(raw)}\r\n\r\n{raw}".encode())
+            while (m := get(base + "/metrics"))["tokens"] < 50:
+                assert time.monotonic() < deadline + 60, m
+                time.sleep(0.1)
+            assert m["running"] == 1, m
+        time.sleep(5)
+        m = get(base + "/metrics")
+        assert (m["running"], m["waiting"], m["cancelled"], m["kv_pages_in_use"]) == (0, 0, 1, 0), m
+        time.sleep(1)
+        assert get(base + "/metrics")["tokens"] == m["tokens"]
+        raw = json.dumps({"prompt": "a", "max_tokens": 100000, "temperature": 0, "stream": True})
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+            client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                           f"application/json\r\nContent-Length: {len(raw)}\r\n\r\n{raw}".encode())
+            got = b""
+            while b"data: " not in got:  # the stream has begun (the socket's timeout bounds it)
+                chunk = client.recv(4096)
+                assert chunk, got
+                got += chunk
+        time.sleep(5)
+        m = get(base + "/metrics")
+        assert (m["running"], m["cancelled"], m["kv_pages_in_use"]) == (0, 2, 0), m
+        assert server.poll() is None
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)

@@ -186,6 +186,9 @@ def test_checkpoints_and_json_record_the_sections_and_old_checkpoints_still_resu
     state["config"] = {**OLD, "checkpoint": str(ckpt)}
     del state["checksum"]
     (ckpt / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ConfigError, match=r"state\.json: it has no checksum"):
+        _run(TrainConfig.from_keys({**keys, "optim.epochs": 2, "checkpoint.resume": True}))
+    keys["checkpoint.accept_unchecked"] = True  # once, for a checkpoint written before checksums
     with pytest.raises(ConfigError, match=r"written with optim\.epochs=1, this run has 2"):
         _run(TrainConfig.from_keys({**keys, "optim.epochs": 2, "checkpoint.resume": True}))
     out = io.StringIO()

@@ -4,9 +4,10 @@
 
 Says which ranks wrote records and why, where each stopped, the first collective whose signature
 differs between ranks, the ranks that never arrived, and which ranks to look at first.
-Exit status 0 when the records show no problem, or when there are none (ranks write them only
-when a run fails, stalls or is sent SIGUSR1: a run that went well leaves none), 1 when they show
-one, 2 when neither FLIGHT nor the folder holding it exists.
+A checkpoint folder stands for its flight folder. Exit status 0 when the records show no
+problem, or when a checkpoint has no flight folder (ranks write records only when a run fails,
+stalls or is sent SIGUSR1: a run that went well leaves none), 1 when they show one, 2 when FLIGHT
+is not a flight folder (missing, a file, or a folder without rank-R.json records).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from mpdl.cli import UsageError
 from mpdl.tools.doctor import FlightError, diagnose
+from mpdl.training.checkpoint import has_checkpoint
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,15 +29,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     folder = Path(args.flight)
-    if not folder.is_dir() and not folder.absolute().parent.is_dir():
-        raise UsageError(f"FLIGHT: {args.flight}: no such folder (expected the flight folder of a "
-                         f"run: CHECKPOINT/flight, $MPDL_FLIGHT_DIR or ./mpdl-flight)")
-    if not any(folder.glob("rank-*.json")):
-        print(f"{args.flight}: no flight records: nothing went wrong (ranks write them only when a "
+    if has_checkpoint(folder) or (folder / "flight").is_dir():
+        folder = folder / "flight"
+    expected = ("expected the flight folder of a run: CHECKPOINT/flight, $MPDL_FLIGHT_DIR or "
+                "./mpdl-flight")
+    if not folder.is_dir() and folder.name == "flight" and has_checkpoint(folder.parent):
+        print(f"{folder}: no flight records: nothing went wrong (ranks write them only when a "
               f"run fails, stalls or is sent SIGUSR1)")
         return 0
+    if not folder.exists():
+        raise UsageError(f"FLIGHT: {args.flight}: no such folder ({expected})")
+    if not folder.is_dir():
+        raise UsageError(f"FLIGHT: {args.flight}: a file, not a flight folder ({expected})")
+    if not any(folder.glob("rank-*.json")):
+        raise UsageError(f"FLIGHT: {args.flight}: no flight records (rank-R.json) in this folder "
+                         f"({expected})")
     try:
-        found = diagnose(args.flight)
+        found = diagnose(folder)
     except FlightError as exc:
         raise UsageError(f"FLIGHT: {exc}") from None
     if args.json:
@@ -48,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
                           "never_arrived": [{"rank": r, "group": list(g), "seq": s,
                                              "collective": c, "last_seq": last}
                                             for r, g, s, c, last in found.absent],
+                          "departed": [{"rank": r, "seq": s, "expected": list(k), "skipped": skip}
+                                       for r, s, k, skip in found.departed],
                           "waits": {str(k): v for k, v in found.waits.items()},
                           "culprits": found.culprits()}))
     else:

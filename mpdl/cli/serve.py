@@ -1,7 +1,7 @@
 """`mpdl serve`: a GPT checkpoint of `mpdl train --model gpt` behind an OpenAI-compatible HTTP API.
 
     mpiexec -n P mpdl serve --checkpoint DIR [--tp T] [--pp S] [--dp D] [--host 127.0.0.1] --port P
-                 [--page-size N] [--kv-pages N] [--max-batch N] [--token-budget N]
+                 [--page-size N] [--kv-pages N] [--max-batch N] [--token-budget N] [--max-tokens N]
 
 The ranks form dp replicas of pp stages of tp ranks (`mpdl.inference.serving`'s grid); the first
 rank of replica d listens on port P + d (`mpdl.inference.server`) and every rank of the replica
@@ -22,6 +22,7 @@ from mpdl.cli.generate import ready_to_serve
 from mpdl.comm import as_communicator
 from mpdl.inference.engine import replica_engine
 from mpdl.inference.generation import load_gpt
+from mpdl.inference.server import MAX_TOKENS
 from mpdl.training.checkpoint import CheckpointError
 
 
@@ -47,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-budget", type=int, default=512, metavar="N",
                    help="tokens one step runs: a decode token per running sequence, the rest for "
                         "prompts (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, metavar="N",
+                   help="the most tokens one request may ask for (max_tokens); above it, 400 "
+                        "(default: %(default)s)")
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="static: admit only into an empty batch (a baseline to measure against)")
     p.add_argument("--kv", choices=("paged", "contiguous"), default="paged",
@@ -55,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag in ("page_size", "kv_pages", "max_batch", "token_budget"):
+    for flag in ("page_size", "kv_pages", "max_batch", "token_budget", "max_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: expected a positive number, got {value}")
@@ -90,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     frontend = http = failed = None
     port = args.port + grid.d
     if grid.t == 0 and grid.p == 0:
-        frontend = server.Frontend(engine, Path(args.checkpoint).resolve().name)
+        frontend = server.Frontend(engine, Path(args.checkpoint).resolve().name,
+                                   args.max_tokens)
         try:
             http = server.start_http(frontend, args.host, port)
         except RuntimeError as exc:

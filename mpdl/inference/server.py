@@ -11,8 +11,9 @@ starlette is small and its `StreamingResponse` gives server-sent events without 
 around it; uvicorn is the reference ASGI server. The handlers check a request and put it in the
 `Frontend`'s inbox; the main thread runs the engine loop (`run_replica`) on every rank of the
 replica and hands each new piece of text back to the handler's event loop. A bad request gets
-400 with an OpenAI-style error naming the field; a client that goes away is cancelled in the
-engine, which frees its pages.
+400 with an OpenAI-style error naming the field (an unknown field, NaN or Infinity anywhere,
+`max_tokens` above the server's cap), a model it does not serve 404 `model_not_found`; a client
+that goes away is cancelled in the engine before its next token, which frees its pages.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import queue
 import threading
 import time
@@ -32,21 +34,50 @@ from mpdl.inference.engine import Engine, SamplingParams
 from mpdl.inference.generation import check_prompt
 
 _TAG = 52
+#: the /v1/completions fields the server reads; any other is refused, as OpenAI's API does
+FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed",
+                    "n", "stop", "stream", "user"})
+#: the default of `mpdl serve --max-tokens`: the most tokens one request may ask for
+MAX_TOKENS = 4096
 
 
 class BadRequest(ValueError):
-    """A request field that is missing or out of range."""
+    """A request field that is missing, unknown or out of range (`status` 400), or a model the
+    server does not serve (404, `code` model_not_found)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str | None, message: str, status: int = 400,
+                 code: str | None = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.status, self.code = param, status, code
 
 
-def parse_request(body: Any, vocab: str, block_size: int) -> tuple[list[int], SamplingParams, bool]:
+def _non_finite(value: Any) -> bool:
+    """Whether value holds a NaN or an infinity (at any depth)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_non_finite(v) for v in value)
+    return False
+
+
+def parse_request(body: Any, vocab: str, block_size: int, model: str | None = None,
+                  max_tokens_cap: int = MAX_TOKENS) -> tuple[list[int], SamplingParams, bool]:
     """The prompt's token ids, the sampling parameters and whether to stream, from a
-    /v1/completions body; BadRequest naming the first field that is wrong."""
+    /v1/completions body; BadRequest naming the first field that is wrong (or the model, when
+    `model` is given and the body names another)."""
     if not isinstance(body, dict):
         raise BadRequest("body", "expected a JSON object")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise BadRequest(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}")
+    for name, value in body.items():
+        if _non_finite(value):
+            raise BadRequest(name, f"{name}: expected finite numbers, got NaN or Infinity")
+    if model is not None and body.get("model") is not None and body["model"] != model:
+        raise BadRequest("model", f"The model `{body['model']}` does not exist (this server "
+                                  f"serves `{model}`)", 404, "model_not_found")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
@@ -74,7 +105,7 @@ def parse_request(body: Any, vocab: str, block_size: int) -> tuple[list[int], Sa
                                    f"{'' if high == float('inf') else f' and <= {high}'}, got {value}")
         return kind(value)
 
-    max_tokens = number("max_tokens", 16, int, 1)
+    max_tokens = number("max_tokens", 16, int, 1, max_tokens_cap)
     temperature = number("temperature", 1.0, float, 0.0, 2.0)
     top_k = number("top_k", None, int, 1)
     top_p = number("top_p", 1.0, float, 0.0, 1.0, low_open=True)
@@ -124,8 +155,8 @@ class Frontend:
     """The replica's first rank's side of the engine: the inbox of commands, the handlers'
     queues, the metrics."""
 
-    def __init__(self, engine: Engine, model: str) -> None:
-        self.engine, self.model = engine, model
+    def __init__(self, engine: Engine, model: str, max_tokens: int = MAX_TOKENS) -> None:
+        self.engine, self.model, self.max_tokens = engine, model, max_tokens
         self.inbox: queue.Queue = queue.Queue()
         self.streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue, list[float]]] = {}
         self.metrics = Metrics()
@@ -205,12 +236,18 @@ def run_replica(engine: Engine, group: Any, frontend: Frontend | None,
                 frontend.deliver(out)
 
 
-def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error"
-           ) -> Any:
+def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error",
+           code: str | None = None) -> Any:
     from starlette.responses import JSONResponse  # noqa: PLC0415
 
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": None}}, status_code=status)
+                                   "code": code}}, status_code=status)
+
+
+async def _disconnected(request: Any) -> None:
+    """Return when the client of request (whose body was read) goes away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def make_app(frontend: Frontend) -> Any:
@@ -238,10 +275,11 @@ def make_app(frontend: Frontend) -> Any:
             frontend.metrics.rejected += 1
             return _error(400, "the body is not JSON", "body")
         try:
-            prompt, params, stream = parse_request(body, engine.vocab, engine.decoder.block_size)
+            prompt, params, stream = parse_request(body, engine.vocab, engine.decoder.block_size,
+                                                   frontend.model, frontend.max_tokens)
         except BadRequest as exc:
             frontend.metrics.rejected += 1
-            return _error(400, str(exc), exc.param)
+            return _error(exc.status, str(exc), exc.param, code=exc.code)
         rid, events = frontend.submit(prompt, params, asyncio.get_running_loop())
 
         def usage(new: int) -> dict:
@@ -263,15 +301,19 @@ def make_app(frontend: Frontend) -> Any:
 
             return StreamingResponse(sse(), media_type="text/event-stream")
         text, finish, new = [], None, 0
-        while finish is None:
-            try:
-                piece, finish, new = await asyncio.wait_for(events.get(), 0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            while finish is None:
+                token = asyncio.ensure_future(events.get())
+                await asyncio.wait((token, gone), return_when=asyncio.FIRST_COMPLETED)
+                if gone.done():  # looked at before every token the engine hands over
+                    token.cancel()
                     frontend.cancel(rid)
                     return JSONResponse({}, status_code=499)
-                continue
-            text.append(piece)
+                piece, finish, new = token.result()
+                text.append(piece)
+        finally:
+            gone.cancel()
         return JSONResponse(completion(rid, "".join(text), finish, usage(new)))
 
     async def models(request: Request) -> Any:

@@ -4,7 +4,11 @@ Operations are compared per group of ranks by sequence number (mpdl.comm.flight 
 that the same number is the same call on every rank of a group). The diagnosis, in one screen:
 which ranks wrote records and why, where each rank stopped, the first collective whose signature
 (collective, algorithm, bytes, dtype, op) differs between ranks, the ranks that never arrived at
-an operation the others started, and whom the waiting ranks waited for.
+an operation the others started, and whom the waiting ranks waited for. Where the calls before a
+difference repeat (a training step's), the call the pattern expected there tells the rank that
+left it from the ranks that followed it (an error raised by the others comes after), and a rank
+whose call is the one after the expected one skipped it. A rank killed under `mpdl launch` gets
+its record from its watcher (`mpdl.tools.rankwatch`).
 """
 
 from __future__ import annotations
@@ -35,10 +39,13 @@ class Diagnosis:
     absent: list[tuple[int, tuple[int, ...], int, str, int | None]] = field(default_factory=list)
     #: waiting rank -> the ranks it still waited for
     waits: dict[int, list[int]] = field(default_factory=dict)
+    #: (rank, seq, the call the repeated pattern expected there, whether the rank's call was the
+    #: one after it: a skip) for the ranks that left the pattern at a first difference
+    departed: list[tuple[int, int, tuple, bool]] = field(default_factory=list)
 
     def culprits(self) -> list[int]:
         """The ranks the evidence points at, most likely first."""
-        found = self.failed()
+        found = [r for r, *_ in self.departed] + self.failed()
         for _, _, signatures in self.mismatches:
             groups = sorted(signatures.values(), key=len)
             if len(groups) > 1:
@@ -51,7 +58,7 @@ class Diagnosis:
 
     def failed(self) -> list[int]:
         """Ranks ended by an error of their own (not a timeout waiting for another rank)."""
-        return [r for r, d in sorted(self.ranks.items())
+        return [r for r, d in sorted(self.ranks.items(), key=lambda kv: kv[1].get("time", 0.0))
                 if d.get("reason", "").startswith("fatal:")
                 and "CollectiveTimeout" not in d["reason"]]
 
@@ -74,16 +81,20 @@ class Diagnosis:
             out.append(f"  rank {rank}: {where}")
             out.append(f"          why written: {_short(data.get('reason', '?'))}")
         for group, seq, signatures in self.mismatches:
-            out.append(f"first difference among {_ranks(group)}: #{seq}")
-            for signature, ranks in sorted(signatures.items(), key=lambda kv: -len(kv[1])):
-                out.append(f"  {_ranks(ranks)}: {_signature(signature)}")
+            calls = sorted(signatures.items(), key=lambda kv: (-len(kv[1]), kv[1]))
+            out.append(f"first difference among {_ranks(group)}: #{seq}: " + "; ".join(
+                f"{_ranks(ranks)}: {_signature(signature)}" for signature, ranks in calls))
+        for rank, seq, expected, skipped in self.departed:
+            what = "skipped" if skipped else "did not make"
+            out.append(f"rank {rank} {what} #{seq} {_signature(expected)}, the call the steps "
+                       f"before repeat" + (" (it made the next one instead)" if skipped else ""))
         for rank, group, seq, collective, last in self.absent:
             had = f"its last was #{last}" if last is not None else "it recorded none"
             out.append(f"never arrived: rank {rank} at #{seq} {collective} of {_ranks(group)} "
                        f"({had})")
         culprits = self.culprits()
         if culprits:
-            out.append(f"look first at: {_ranks(culprits)}")
+            out.append("look first at: " + ", then ".join(f"rank {r}" for r in culprits))
         elif not self.missing:
             out.append("every rank agrees and nobody waits: the records show no hang")
         return out
@@ -131,6 +142,7 @@ def diagnose(folder: str | Path) -> Diagnosis:
                     signatures.setdefault(_key(per_rank[r][seq]), []).append(r)
             if len(signatures) > 1:
                 found.mismatches.append((group, seq, signatures))
+                found.departed += _departed(per_rank, present, first, seq, signatures)
                 break
         started = next(per_rank[r][top] for r in present if top in per_rank[r])
         for r in group:
@@ -139,6 +151,25 @@ def diagnose(folder: str | Path) -> Diagnosis:
             elif r in present and max(per_rank[r]) < top:
                 found.absent.append((r, group, top, started["collective"], max(per_rank[r])))
     return found
+
+
+def _departed(per_rank: dict[int, dict[int, dict]], present: list[int], first: int, seq: int,
+              signatures: dict[tuple, list[int]]) -> list[tuple[int, int, tuple, bool]]:
+    """The ranks whose call at seq (the group's first difference) is not the one the calls before
+    it repeat, when some rank's is: (rank, seq, the expected call, whether the rank's call is the
+    one after it)."""
+    history = [_key(per_rank[present[0]][t]) for t in range(first, seq)
+               if t in per_rank[present[0]]]
+    period = next((n for n in range(1, len(history) // 2 + 1)
+                   if history[-n:] == history[-2 * n:-n]), None)
+    if period is None:
+        return []
+    expected = history[-period]
+    following = history[-period + 1] if period > 1 else None
+    if expected not in signatures:
+        return []
+    return [(r, seq, expected, key == following)
+            for key, ranks in signatures.items() if key != expected for r in ranks]
 
 
 def _key(rec: dict) -> tuple:

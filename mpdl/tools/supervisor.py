@@ -11,13 +11,18 @@ that ended, and the supervisor maps the PID to its rank through the PMI_RANK /
 OMPI_COMM_WORLD_RANK / SLURM_PROCID of the processes it saw running (on this host, through /proc);
 MPI_Abort's "rank R in comm 0" line, mpdl's own "rank R failed" line, Open MPI's "process rank R
 with PID ... exited on signal S" and srun's "task R: Killed" name the rank themselves. It then
-restarts with --resume from the newest whole checkpoint, up to `max_restarts` times. With a
+restarts with --resume from the newest whole checkpoint, up to `max_restarts` times. A rank may die
+before the launcher can end the others (in their start-up, MPICH's launcher waits on them for
+ever): when the launcher has not ended the job `GRACE_S` seconds after a rank ended badly (its
+watcher's line, its status file, or, on this host, its processes gone without a status), the
+supervisor stops the launcher and every process under it. With a
 hostfile, it first asks every host to start one process; hosts that fail are left out, and the job
 goes on with fewer ranks (the slots of the hosts that answered, at least `min_ranks`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -40,7 +45,15 @@ from mpdl.training.guard import NonFiniteStop
 #: variables in which launchers give a process its rank
 RANK_VARIABLES = (b"PMI_RANK", b"OMPI_COMM_WORLD_RANK", b"SLURM_PROCID")
 #: every rank runs `mpdl` under a watcher that reports how it ended
-WATCH = (sys.executable, "-m", "mpdl.tools.rankwatch", sys.executable, "-m", "mpdl.cli")
+WATCHER = (sys.executable, "-m", "mpdl.tools.rankwatch")
+PROGRAM = (sys.executable, "-m", "mpdl.cli")
+#: what a watcher prints when its rank ended badly
+WATCHER_LINE = re.compile(r"mpdl launch: rank (\d+) \(pid \d+ on \S+\) (?:was killed by signal "
+                          r"(\d+)|exited with status (\d+))")
+#: seconds the launcher has to end the job after a rank ended badly before the supervisor does
+GRACE_S = 10.0
+#: seconds between the supervisor's looks at the job
+POLL_S = 0.5
 #: mpdl's exit status for bad flags or an inconsistent configuration (not worth a restart)
 USAGE_STATUS = 2
 #: `mpdl train`'s exit statuses that a restart would only repeat, and why
@@ -159,15 +172,19 @@ def _signal_name(number: int) -> str:
         return "unknown"
 
 
-def parse_failure(output: str, returncode: int, ranks_by_pid: dict[int, int]) -> Failure:
+def parse_failure(output: str, returncode: int, ranks_by_pid: dict[int, int],
+                  vanished: int | None = None) -> Failure:
     """What the output says about the failure. First the watcher's line (mpdl.tools.rankwatch:
-    the first rank whose program ended badly, and how), then the launcher's own reports: Hydra
-    names one PID, not always the first to end (it may be one it killed itself while cleaning
-    up), mapped to its rank through `ranks_by_pid`."""
+    the first rank whose program ended badly, and how), then `vanished` (a rank whose watcher
+    the supervisor saw end on this host without a status: killed itself), then the launcher's
+    own reports: Hydra names one PID, not always the first to end (it may be one it killed itself
+    while cleaning up), mapped to its rank through `ranks_by_pid`."""
     failure = Failure(returncode)
     found = []
-    m = re.search(r"mpdl launch: rank (\d+) \(pid \d+ on \S+\) (?:was killed by signal (\d+)|"
-                  r"exited with status (\d+))", output)
+    if vanished is not None and not WATCHER_LINE.search(output):
+        failure.rank = vanished
+        found.append(f"the supervisor: rank {vanished}'s watcher ended without a status (killed)")
+    m = WATCHER_LINE.search(output)
     if m:
         failure.rank = int(m.group(1))
         if m.group(2):
@@ -228,11 +245,11 @@ def parse_failure(output: str, returncode: int, ranks_by_pid: dict[int, int]) ->
     return failure
 
 
-def _ranks_of_children(root: int) -> dict[int, int]:
-    """{pid: rank} of root's descendants that a launcher gave a rank (Linux /proc; {} elsewhere)."""
+def _descendants(root: int) -> list[int]:
+    """The pids of root's descendants (Linux /proc; [] elsewhere)."""
     proc = Path("/proc")
     if not proc.is_dir():
-        return {}
+        return []
     children: dict[int, list[int]] = {}
     for entry in proc.iterdir():
         if entry.name.isdigit():
@@ -241,53 +258,115 @@ def _ranks_of_children(root: int) -> dict[int, int]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
-    ranks, stack = {}, [root]
+    found, stack = [], [root]
     while stack:
         for pid in children.get(stack.pop(), []):
             stack.append(pid)
-            try:
-                env = (proc / str(pid) / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for item in env:
-                name, _, value = item.partition(b"=")
-                if name in RANK_VARIABLES and value.isdigit():
-                    ranks[pid] = int(value)
-                    break
+            found.append(pid)
+    return found
+
+
+def _ranks_of_children(root: int) -> dict[int, int]:
+    """{pid: rank} of root's descendants that a launcher gave a rank (Linux /proc; {} elsewhere)."""
+    ranks = {}
+    for pid in _descendants(root):
+        try:
+            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in env:
+            name, _, value = item.partition(b"=")
+            if name in RANK_VARIABLES and value.isdigit():
+                ranks[pid] = int(value)
+                break
     return ranks
 
 
-def _pump(source: IO[str], sink: IO[str], tail: deque) -> None:
+def _pump(source: IO[str], sink: IO[str], tail: deque, failed: list[int]) -> None:
     for line in source:
         sink.write(line)
         sink.flush()
         tail.append(line)
+        m = WATCHER_LINE.search(line)
+        if m:
+            failed.append(int(m.group(1)))
 
 
 @dataclass
 class Run:
-    """What one run of the job left: its exit status, the tail of its output, and {pid: rank}
-    of the rank processes seen on this host."""
+    """What one run of the job left: its exit status, the tail of its output, {pid: rank} of the
+    rank processes seen on this host, and the rank whose watcher ended without a status."""
 
     returncode: int
     output: str
     ranks_by_pid: dict[int, int]
+    vanished: int | None = None
 
 
-def run_once(cmd: list[str], say: Callable[[str], None]) -> Run:
-    """Run cmd, passing its output through (and keeping its tail)."""
+def _statuses(folder: str) -> dict[int, int]:
+    """{rank: exit status} of the watchers on this host that have written theirs to folder."""
+    found = {}
+    for path in Path(folder).glob("rank-*"):
+        with contextlib.suppress(OSError, ValueError):
+            found[int(path.name[5:])] = int(path.read_text())
+    return found
+
+
+def _stop(job: subprocess.Popen) -> None:
+    """End the launcher and every process under it on this host: SIGTERM (the launcher passes it
+    on), then SIGKILL to what is left."""
+    tree = _descendants(job.pid)
+    job.terminate()
+    try:
+        job.wait(5)
+    except subprocess.TimeoutExpired:
+        job.kill()
+    for pid in tree:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    job.wait()
+
+
+def run_once(cmd: list[str], say: Callable[[str], None], status_folder: str,
+             grace: float = GRACE_S) -> Run:
+    """Run cmd, passing its output through (and keeping its tail); stop it when a rank ended
+    badly (a watcher's line or status in status_folder, or a rank's processes gone without a
+    status) and the launcher has not ended the job `grace` seconds later."""
     tail: deque = deque(maxlen=400)
+    failed: list[int] = []
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            bufsize=1, errors="replace")
-    pumps = [threading.Thread(target=_pump, args=(job.stdout, sys.stdout, tail), daemon=True),
-             threading.Thread(target=_pump, args=(job.stderr, sys.stderr, tail), daemon=True)]
+    pumps = [threading.Thread(target=_pump, args=(job.stdout, sys.stdout, tail, failed),
+                              daemon=True),
+             threading.Thread(target=_pump, args=(job.stderr, sys.stderr, tail, failed),
+                              daemon=True)]
     for p in pumps:
         p.start()
     ranks: dict[int, int] = {}
+    gone: dict[int, float] = {}  # rank -> when its processes were first seen gone
+    vanished, noticed = None, None
     try:
         while job.poll() is None:
-            ranks.update(_ranks_of_children(job.pid))
-            time.sleep(0.5)
+            now = time.monotonic()
+            alive = _ranks_of_children(job.pid)
+            ranks.update(alive)
+            for rank in set(ranks.values()) - set(alive.values()):
+                gone.setdefault(rank, now)
+            statuses = _statuses(status_folder)
+            unreported = [r for r, since in gone.items()
+                          if r not in statuses and now - since > 2 * POLL_S]
+            if noticed is None:
+                bad = [r for r, code in statuses.items() if code] + failed + unreported
+                if bad:
+                    noticed = now
+                    if not failed and not any(statuses.get(r) for r in bad):
+                        vanished = bad[0]
+            if noticed is not None and now - noticed > grace and job.poll() is None:
+                say(f"a rank ended {grace:g} s ago and the launcher has not ended the others: "
+                    f"stopping the job")
+                _stop(job)
+                break
+            time.sleep(POLL_S)
     except KeyboardInterrupt:
         say("interrupted: stopping the job")
         job.send_signal(signal.SIGINT)
@@ -295,7 +374,7 @@ def run_once(cmd: list[str], say: Callable[[str], None]) -> Run:
         raise
     for p in pumps:
         p.join(5)
-    return Run(job.returncode, "".join(tail), ranks)
+    return Run(job.returncode, "".join(tail), ranks, vanished)
 
 
 @dataclass
@@ -381,21 +460,26 @@ def supervise(plan: LaunchPlan, launcher: Launcher | None = None,
     launcher = launcher or find_launcher()
     ranks, hostfile = plan.ranks, plan.hostfile
     hosts = read_hostfile(hostfile) if hostfile else None
-    program = [*WATCH, *plan.train_args]
     directory = checkpoint_dir(plan.train_args)
+    flight = os.path.abspath(os.path.join(directory, "flight") if directory else "mpdl-flight")
+    train_args = plan.train_args
     failures: list[Failure] = []
     scratch = tempfile.mkdtemp(prefix="mpdl-launch-")
     try:
         for attempt in range(plan.max_restarts + 1):
-            cmd = launcher.command(ranks, hostfile, program)
+            statuses = os.path.join(scratch, f"status-{attempt + 1}")
+            os.mkdir(statuses)
+            cmd = launcher.command(ranks, hostfile, [*WATCHER, "--status", statuses, "--flight",
+                                                     flight, *PROGRAM, *train_args])
             say(f"attempt {attempt + 1} of {plan.max_restarts + 1}: {' '.join(cmd)}")
-            result = run_once(cmd, say)
+            result = run_once(cmd, say, statuses)
             returncode = result.returncode
             if returncode == 0:
                 restarts = f" after {attempt} restart(s)" if attempt else ""
                 say(f"the job finished{restarts}")
                 return 0
-            failure = parse_failure(result.output, returncode, result.ranks_by_pid)
+            failure = parse_failure(result.output, returncode, result.ranks_by_pid,
+                                    result.vanished)
             failures.append(failure)
             say(f"attempt {attempt + 1} failed (exit status {returncode}): {failure.describe()}")
             if failure.status in FINAL_STATUSES and failure.signal is None:
@@ -416,7 +500,7 @@ def supervise(plan: LaunchPlan, launcher: Launcher | None = None,
                 Path(hostfile).write_text("".join(f"{h}:{s}\n" for h, s in hosts))
             say(f"restart {attempt + 1} of {plan.max_restarts} on {ranks} ranks, "
                 f"{_resume_point(directory)}")
-            program = [*WATCH, *_with_resume(plan.train_args)]
+            train_args = _with_resume(plan.train_args)
         say(f"giving up after {len(failures)} failed attempt(s) (--max-restarts "
             f"{plan.max_restarts}); last: {failures[-1].describe()}")
         return _give_up_status(failures)
@@ -434,13 +518,18 @@ def _with_resume(train_args: list[str]) -> list[str]:
 
 
 def _resume_point(directory: str | None) -> str:
-    """Where a restart resumes: the newest whole checkpoint's step and epoch."""
+    """Where a restart resumes: the newest whole checkpoint's step, and how far into its epoch."""
     if directory is None or not checkpoint.has_checkpoint(directory):
         return "from the start (no checkpoint yet)"
     try:
         state: Any = checkpoint.load_checkpoint(directory)[2]
     except checkpoint.CheckpointError as exc:
         return f"from the start ({exc})"
-    return (f"resuming from {directory} at step {state.get('step')} (epoch "
-            f"{int(state.get('epoch', 0)) + 1}, {state.get('sampler', {}).get('position', 0)} "
-            f"steps into it)")
+    sampler = state.get("sampler", {})
+    done, position = int(state.get("epoch", 0)), int(sampler.get("position", 0))
+    size, batch = int(sampler.get("dataset_size", 0)), int(sampler.get("global_batch_size", 0))
+    steps = (size // batch if sampler.get("drop_last") else -(-size // batch)) if batch else 0
+    where = f"at the end of epoch {done}" if done else "at the start of epoch 1"
+    if 0 < position < steps:
+        where = f"in epoch {done + 1}, {position} of its {steps} steps done"
+    return f"resuming from {directory} at step {state.get('step')} ({where})"

@@ -1,16 +1,17 @@
 """Checkpoints of a training run: DIR/model.npz, DIR/optimizer.npz and DIR/state.json, or, for a
 strategy that shards the model (ZeRO), one DIR/shard-RRRRR.npz per shard and DIR/state.json.
 
-model.npz holds parameters and buffers by name; optimizer.npz the optimizer's per-parameter
-arrays (`state/<index>/<name>`) and, as JSON in `meta`, its parameter groups and scalar state;
-state.json the epoch, step, sampler and RNG state, the run's configuration, the SHA-256 of the
-two archives and, under "checksum", the SHA-256 of its own canonical form (`canonical_sha256`), so
-that a state.json changed by hand or by a bad disk is refused (one written before checksums, with
-none, is read as it is). A save writes all three files into DIR/.staging first (each to a temporary name,
-then renamed), then moves them into DIR, state.json last. A crash at any moment leaves one whole
-checkpoint: while the staging files are written, DIR still holds the previous one; while they are
-moved, the staging files that are left, over those of DIR, make up the new one. `load_checkpoint`
-takes the newest whole set and reports a checkpoint that has none.
+model.npz holds parameters and buffers by name; optimizer.npz the optimizer's per-parameter arrays
+(`state/<index>/<name>`) and, as JSON in `meta`, its parameter groups and scalar state; state.json
+the epoch, step, sampler and RNG state, the run's configuration, the SHA-256 of the two archives
+and, under "checksum", the SHA-256 of its own canonical form (`canonical_sha256`), so that a
+state.json changed by hand or by a bad disk is refused, and so is one without a checksum (written
+before checksums, or with its key deleted) unless the caller accepts it once (`accept_unchecked`;
+`add_checksum` then writes the checksum in). A save writes all three files into DIR/.staging first
+(each to a temporary name, then renamed), then moves them into DIR, state.json last. A crash at any
+moment leaves one whole checkpoint: while the staging files are written, DIR still holds the
+previous one; while they are moved, the staging files that are left, over those of DIR, make up the
+new one. `load_checkpoint` takes the newest whole set and reports a checkpoint that has none.
 
 With `keep` > 0 a save also leaves a copy of the checkpoint it wrote in DIR/history/step-NNNNNNNN
 (hard links where the filesystem allows), and deletes all but the newest `keep` of those.
@@ -51,6 +52,8 @@ HISTORY = "history"
 
 #: the key of state.json that holds the SHA-256 of the rest of it
 CHECKSUM = "checksum"
+#: the train flag that accepts a state.json without a checksum once
+ACCEPT_UNCHECKED = "--accept-unchecked-checkpoint"
 
 
 class CheckpointError(ValueError):
@@ -301,7 +304,7 @@ def check_keys(directory: str | Path, state: dict[str, Any]) -> None:
                               f"cannot resume from it")
 
 
-def _read_set(state_path: Path, locate: Callable[[str], Path]
+def _read_set(state_path: Path, locate: Callable[[str], Path], accept_unchecked: bool
               ) -> tuple[dict[str, Any], dict[str, bytes]] | str:
     """(state, archive bytes) of the set whose state.json is at state_path (its archives are the
     files state.json has a SHA-256 of, found by `locate`), or why it is not a whole checkpoint."""
@@ -312,6 +315,11 @@ def _read_set(state_path: Path, locate: Callable[[str], Path]
         state = json.loads(state_path.read_text())
         if not isinstance(state, dict):
             return f"{state_path}: expected a JSON object"
+        if CHECKSUM not in state and not accept_unchecked:
+            return (f"{state_path}: it has no checksum (written before checksums, or its "
+                    f"{CHECKSUM!r} key deleted); if it is an older checkpoint you trust, resume "
+                    f"from it once with mpdl train --resume {ACCEPT_UNCHECKED} (that writes its "
+                    f"checksum)")
         if CHECKSUM in state and state[CHECKSUM] != canonical_sha256(state):
             return (f"{state_path}: changed since it was written (its checksum does not match "
                     f"its contents: edited by hand or a bad disk)")
@@ -328,11 +336,11 @@ def _read_set(state_path: Path, locate: Callable[[str], Path]
     return state, blobs
 
 
-def load_checkpoint(directory: str | Path
+def load_checkpoint(directory: str | Path, accept_unchecked: bool = False
                     ) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, Any]]:
     """(model state, optimizer state_dict, run state) from directory: the newest whole set of
     files (see the module docstring), whole tensors also from a sharded one; CheckpointError when
-    there is none."""
+    there is none, or when its state.json has no checksum (unless `accept_unchecked`)."""
     directory = Path(directory)
     staging = directory / STAGING
 
@@ -344,14 +352,15 @@ def load_checkpoint(directory: str | Path
         sets.insert(0, (staging / "state.json", moving))
     reasons = []
     for state_path, locate in sets:
-        found = _read_set(state_path, locate)
+        found = _read_set(state_path, locate, accept_unchecked)
         if not isinstance(found, str):
             break
         reasons.append(found)
     else:
         if all(r.startswith("missing") for r in reasons):
             raise CheckpointError(f"{directory}: not a checkpoint ({reasons[-1]})")
-        changed = [r for r in reasons if "changed since it was written" in r]
+        changed = [r for r in reasons if "changed since it was written" in r
+                   or "it has no checksum" in r]
         if changed:
             raise CheckpointError(f"refusing {changed[-1]}")
         raise CheckpointError(f"{directory}: no whole checkpoint ({'; '.join(reasons)})")
@@ -364,6 +373,17 @@ def load_checkpoint(directory: str | Path
     with np.load(io.BytesIO(blobs["optimizer.npz"]), allow_pickle=False) as archive:
         optim = optimizer_state({k: _typed(archive[k]) for k in archive.files})
     return model, optim, state
+
+
+def add_checksum(directory: str | Path) -> bool:
+    """Write the checksum into directory's state.json when it has none (one accepted with
+    `accept_unchecked`); whether it had none."""
+    path = Path(directory) / "state.json"
+    state = json.loads(path.read_text())
+    if CHECKSUM in state:
+        return False
+    write_atomic(path, state_bytes(state), durable=True)
+    return True
 
 
 def _typed(a: np.ndarray) -> np.ndarray:

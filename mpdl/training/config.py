@@ -471,8 +471,12 @@ class CheckpointConfig:
                        check=COUNT, metavar="N")
     resume: bool = option(False, "continue from the checkpoint in --checkpoint DIR (any number of "
                           "ranks; starts fresh when DIR holds none yet)")
-    force: bool = option(False, "--resume: start over even though DIR holds the arrays of a "
-                         "checkpoint whose state.json is gone (they are overwritten)")
+    force: bool = option(False, "start over even though DIR holds another run's checkpoint, or "
+                         "(with --resume) the arrays of one whose state.json is gone: they are "
+                         "overwritten")
+    accept_unchecked: bool = option(False, "--resume: accept, once, a state.json without a "
+                                    "checksum (written before checksums); the checksum is then "
+                                    "written into it", flag="--accept-unchecked-checkpoint")
     init_from: str | None = option(None, "start a GPT from the weights of a safetensors file "
                                    "under nanoGPT's names (`mpdl export` writes one) or of a "
                                    "transformers directory (`mpdl export --format hf`); a "

@@ -146,6 +146,8 @@ class Trainer:
             else:
                 agreed(self.comm, self._check_no_orphans)
                 self.report.print(f"# no checkpoint in {ck.dir} yet: starting from epoch 1")
+        elif ck.dir and not ck.force:
+            agreed(self.comm, self._check_not_overwriting)
 
     def _init_from(self) -> None:
         """Load the weights of the --init-from file or directory (`mpdl export`) into the GPT."""
@@ -175,12 +177,27 @@ class Trainer:
                               f"start over and overwrite them (restore state.json, or give "
                               f"{{checkpoint.force}} to start over)")
 
+    def _check_not_overwriting(self) -> None:
+        """ConfigError when DIR holds a checkpoint (or its arrays) and the run neither resumes
+        it nor was told to overwrite it."""
+        ck = self.config.checkpoint
+        found = checkpoint.has_checkpoint(ck.dir) or checkpoint.orphan_arrays(ck.dir)
+        if found:
+            raise ConfigError(f"{{checkpoint.dir}} {literal(ck.dir)} holds the checkpoint of "
+                              f"another run; refusing to overwrite it (give {{checkpoint.resume}} "
+                              f"to continue it, {{checkpoint.force}} to start over in its place, "
+                              f"or another DIR)")
+
     def _resume(self) -> None:
-        model_state, optim_state, state = checkpoint.load_checkpoint(self.config.checkpoint.dir)
-        checkpoint.check_keys(self.config.checkpoint.dir, state)
+        ck = self.config.checkpoint
+        model_state, optim_state, state = checkpoint.load_checkpoint(ck.dir, ck.accept_unchecked)
+        checkpoint.check_keys(ck.dir, state)
         mismatch = resume_mismatch(self.config, state.get("config", {}))
         if mismatch:
             raise ConfigError(mismatch)
+        if ck.accept_unchecked and self.rank == 0 and checkpoint.add_checksum(ck.dir):
+            self.report.print(f"# {ck.dir}/state.json had no checksum: accepted once, its "
+                              f"checksum written")
         with self.strategy.gathered():
             self.model.load_state_dict(model_state)
         self.strategy.load_state_dict(optim_state)
@@ -348,7 +365,9 @@ class Trainer:
                                   data_comm.size, peaks)
             self.intervals.end(self)
             final = None
-            if strategy.finish():
+            # a run resumed at its end trained nothing: its closing line evaluates the loaded
+            # weights, not the saved history
+            if strategy.finish() or self.start_epoch >= c.optim.epochs:
                 with strategy.gathered():
                     final = allreduce(np.array(self.evaluate(), dtype=np.float64), op="sum",
                                       comm=data_comm)
