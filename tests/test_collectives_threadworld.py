@@ -316,6 +316,29 @@ def test_sixteen_bit_sums_keep_what_per_hop_rounding_loses(algorithm, p):
         np.testing.assert_array_equal(r.astype(np.float32), np.full(5, 1 + 2.0**-7, np.float32))
 
 
+@pytest.mark.parametrize("round_per_hop", [False, True])
+def test_a_sixteen_bit_ring_sends_float32_partials_unless_rounding_per_hop(monkeypatch,
+                                                                          round_per_hop):
+    """Rounded once, a bfloat16 ring all-reduce of n elements moves a float32 one's bytes,
+    2(p-1)·n·4 over p ranks; MPDL_ROUND_PER_HOP=1 moves half of that and loses the half-ulps
+    that a hop at a time round away (a binomial tree adds 1 + 2^-8 first: a tie, to 1)."""
+    monkeypatch.setenv("MPDL_ROUND_PER_HOP", "1" if round_per_hop else "0")
+    settings.use(None)
+    try:
+        p, n = 4, 100
+        _, log = run_world(p, lambda c: C.allreduce(np.ones(n, bfloat16), algorithm="ring",
+                                                    comm=c), message_log=True)
+        assert sum(m[4] for m in log) == 2 * (p - 1) * n * (2 if round_per_hop else 4)
+        xs = [np.full(5, v, dtype=bfloat16) for v in (1.0, 2.0**-8, 2.0**-8, 0.0)]
+        res = run_world(p, lambda c: C.allreduce(xs[c.rank], algorithm="tree", comm=c))
+        expected = 1.0 if round_per_hop else 1 + 2.0**-7
+        for r in res:
+            np.testing.assert_array_equal(r.astype(np.float32), np.full(5, expected, np.float32))
+    finally:
+        monkeypatch.delenv("MPDL_ROUND_PER_HOP")
+        settings.use(None)
+
+
 def test_stand_in_device_arrays_reduce_bfloat16():
     xs = exactly_reducible(3, 40, "bfloat16", "sum")
 

@@ -3,9 +3,10 @@
 A sum, average or product of float16, bfloat16 or an 8-bit float is the float32 result rounded
 once, whatever the algorithm (`reduces_wide`): the public calls reduce a float32 copy, so the
 partial results that travel between ranks are float32 (twice a 16-bit message's bytes, four
-times an 8-bit one's), and round it into the narrow dtype at the end. Their max and min are
-exact in any dtype and move as they are. Integers wrap around as NumPy's do; bool's sum is
-logical or, its max and min logical or and and (its prod is refused: say min).
+times an 8-bit one's), and round it into the narrow dtype at the end; MPDL_ROUND_PER_HOP=1 opts
+out (narrow messages, each combination rounded). Their max and min are exact in any dtype and
+move as they are. Integers wrap around as NumPy's do; bool's sum is logical or, its max and min
+logical or and and (its prod is refused: say min).
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ WIDENED_OPS = ("sum", "avg", "prod")
 
 def reduces_wide(dtype: np.dtype, op: str) -> bool:
     """Whether op on dtype reduces a float32 copy and rounds the result once: sum, avg and prod
-    of float16, bfloat16 and the 8-bit floats."""
-    return op in WIDENED_OPS and backend.accumulates_wide(dtype)
+    of float16, bfloat16 and the 8-bit floats, unless the settings' round_per_hop
+    (MPDL_ROUND_PER_HOP=1) asks for narrow messages rounded at every hop."""
+    return (op in WIDENED_OPS and backend.accumulates_wide(dtype)
+            and not settings.current().round_per_hop)
 
 
 def in_float32(comm, source: Any, xp: Any, op: str, reduce_wide) -> Any:
