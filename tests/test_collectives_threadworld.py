@@ -316,6 +316,22 @@ def test_sixteen_bit_sums_keep_what_per_hop_rounding_loses(algorithm, p):
         np.testing.assert_array_equal(r.astype(np.float32), np.full(5, 1 + 2.0**-7, np.float32))
 
 
+def test_narrow_sums_in_flight_keep_their_own_float32_buffers():
+    """Asynchronous 16-bit sums queued on the communication thread, then a blocking one: each
+    is its own float32 sum rounded once."""
+    p, n = 3, 4099
+    batches = [exactly_reducible(p, n + i, "bfloat16", "sum") for i in range(5)]
+
+    def body(c):
+        handles = [C.allreduce_async(xs[c.rank], algorithm="ring", comm=c) for xs in batches[:4]]
+        blocking = C.allreduce(batches[4][c.rank], algorithm="tree", comm=c)
+        return [h.wait() for h in handles] + [blocking]
+
+    for results in run_world(p, body):
+        for got, xs in zip(results, batches, strict=True):
+            np.testing.assert_array_equal(words(got), words(rounded_once(xs, "sum")))
+
+
 @pytest.mark.parametrize("round_per_hop", [False, True])
 def test_a_sixteen_bit_ring_sends_float32_partials_unless_rounding_per_hop(monkeypatch,
                                                                           round_per_hop):

@@ -52,12 +52,15 @@ def reduces_wide(dtype: np.dtype, op: str) -> bool:
             and not settings.current().round_per_hop)
 
 
-def in_float32(comm, source: Any, xp: Any, op: str, reduce_wide) -> Any:
-    """source (a flat float16, bfloat16 or 8-bit float array) copied into a float32 work buffer of
-    comm, reduced there by `reduce_wide(buffer)` and divided by p for avg: the float32 result, for
-    the caller to round once into the narrow dtype."""
-    wide = comm.workspace("api.float32", source.size, np.float32, xp)
-    wide[...] = source
+def in_float32(comm, source: Any, xp: Any, op: str, reduce_wide, wide: Any = None) -> Any:
+    """source (a flat float16, bfloat16 or 8-bit float array) copied into float32 (into `wide`
+    where given, else a new array: calls queued on a communication thread each need their own),
+    reduced there by `reduce_wide(buffer)` and divided by p for avg: the float32 result, for the
+    caller to round once into the narrow dtype."""
+    if wide is None:
+        wide = source.astype(np.float32)
+    else:
+        wide[...] = source
     reduce_wide(wide)
     if op == "avg":
         xp.true_divide(wide, comm.size, out=wide)

@@ -588,8 +588,11 @@ def _allreduce_runner(call: checks.Call, algo: registry.Algorithm, persistent: b
         run(c, flat, how, **source)
 
     if reduces_wide(x.dtype, op):  # float32 partials, rounded once: no persistent schedule
+        wide = xp.empty(x.size, np.float32)
+        memory.hold(wide, "communication")
+
         def rounded_once() -> None:
-            flat[...] = in_float32(c, xflat, xp, op, lambda wide: run(c, wide, how))
+            flat[...] = in_float32(c, xflat, xp, op, lambda w: run(c, w, how), wide)
 
         return rounded_once, None, None
     fast, requests = None, None
@@ -651,10 +654,12 @@ def _reduce_scatter_runner(call: checks.Call, algo: registry.Algorithm, buf: Any
     run, how = (inner, reducer(call.op, xp)) if inner is not None else (algo.run, call.op)
 
     if reduces_wide(xflat.dtype, call.op):  # float32 partials, this rank's block rounded once
-        mine = slice(bounds[c.rank], bounds[c.rank + 1])
+        mine, wide = slice(bounds[c.rank], bounds[c.rank + 1]), xp.empty(xflat.size, np.float32)
+        memory.hold(wide, "communication")
 
         def go() -> None:
-            buf[mine] = in_float32(c, xflat, xp, call.op, lambda w: run(c, w, how, bounds))[mine]
+            buf[mine] = in_float32(c, xflat, xp, call.op, lambda w: run(c, w, how, bounds),
+                                   wide)[mine]
     else:
         def go() -> None:
             if not in_place:
