@@ -20,7 +20,7 @@ from mpdl.collectives import hook as _hook
 from mpdl.collectives import registry
 from mpdl.collectives.checks import agree as _agree
 from mpdl.collectives.checks import pick as _pick
-from mpdl.collectives.ops import check_array, check_op, in_float32, reduces_wide
+from mpdl.collectives.ops import check_array, check_op, in_float32, reduced_bytes, reduces_wide
 from mpdl.comm import Communicator, as_communicator
 from mpdl.comm.handles import Handle, comm_thread_for, run_in_order
 
@@ -244,7 +244,7 @@ def reduce(x: Any, root: int = 0, op: str = "sum", algorithm: str = "auto",
     xp, dtype = check_array(x)
     check_op(op, dtype)
     root = _check_root(root, c)
-    algo = _pick("reduce", algorithm, c, x.nbytes)
+    algo = _pick("reduce", algorithm, c, reduced_bytes(x, op))
     _agree(c, "reduce", algo.name, x.shape, dtype, op, root)
     if reduces_wide(dtype, op):
         wide = in_float32(c, x.reshape(-1), xp, op,

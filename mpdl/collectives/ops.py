@@ -52,6 +52,12 @@ def reduces_wide(dtype: np.dtype, op: str) -> bool:
             and not settings.current().round_per_hop)
 
 
+def reduced_bytes(x: Any, op: str) -> int:
+    """The bytes of x as its reduction moves them (what `auto` chooses by): 4 per element where
+    `reduces_wide`, else x's own."""
+    return 4 * x.size if reduces_wide(x.dtype, op) else x.nbytes
+
+
 def in_float32(comm, source: Any, xp: Any, op: str, reduce_wide, wide: Any = None) -> Any:
     """source (a flat float16, bfloat16 or 8-bit float array) copied into float32 (into `wide`
     where given, else a new array: calls queued on a communication thread each need their own),

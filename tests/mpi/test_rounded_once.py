@@ -67,7 +67,7 @@ def test_every_allreduce_algorithm_sums_100003_normal_values_rounded_once(name):
     x = np.random.default_rng(7000 + RANK).standard_normal(100_003).astype(
         backend.check_dtype(name))
     expected = rounded_once(x, "sum")
-    for algorithm in C.algorithms("allreduce"):
+    for algorithm in [*C.algorithms("allreduce"), "auto"]:
         assert_same_bytes(C.allreduce(x, algorithm=algorithm), expected, algorithm)
 
 
@@ -79,16 +79,16 @@ def test_every_reducing_algorithm_rounds_once_at_awkward_counts(name, op):
         before = x.copy()
         expected = rounded_once(x, op)
         mine = np.array_split(expected, P)[RANK]
-        for algorithm in C.algorithms("allreduce"):
+        for algorithm in [*C.algorithms("allreduce"), "auto"]:
             assert_same_bytes(C.allreduce(x, op=op, algorithm=algorithm), expected,
                               ("allreduce", algorithm, count))
             out = np.empty_like(x)
             assert_same_bytes(C.allreduce(x, op=op, algorithm=algorithm, out=out), expected,
                               ("allreduce out=", algorithm, count))
-        for algorithm in C.algorithms("reduce_scatter"):
+        for algorithm in [*C.algorithms("reduce_scatter"), "auto"]:
             assert_same_bytes(C.reduce_scatter(x, op=op, algorithm=algorithm), mine,
                               ("reduce_scatter", algorithm, count))
-        for algorithm in C.algorithms("reduce"):
+        for algorithm in [*C.algorithms("reduce"), "auto"]:
             result = C.reduce(x, root=P - 1, op=op, algorithm=algorithm)
             if RANK == P - 1:
                 assert_same_bytes(result, expected, ("reduce", algorithm, count))
