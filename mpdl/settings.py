@@ -19,6 +19,7 @@ from ``current()`` (or from the communicator that was built with it).
 | MPDL_VERIFY_RUNS | verify_runs | runs of `auto`'s choice and its runner-up that a plan times (3; 0: off) |
 | MPDL_CUDA_AWARE | cuda_aware | 0 or 1: whether MPI takes GPU buffers (detected) |
 | MPDL_NO_CUPY | no_cupy | 1: act as if CuPy were not installed (0) |
+| MPDL_ROUND_PER_HOP | round_per_hop | 1: 16- and 8-bit sums travel narrow, rounded at every hop (0) |
 | MPDL_MALLOC | malloc | ``default``: keep glibc's malloc settings (tuned) |
 | MPDL_BLAS | blas | the layers' float32 products: ``auto`` (MKL where installed), ``mkl`` or
   ``numpy`` (auto) |
@@ -152,6 +153,9 @@ class Settings:
     verify_runs: int = 3
     cuda_aware: bool | None = None
     no_cupy: bool = False
+    #: 16- and 8-bit sums, averages and products reduced in their own dtype, rounded at every
+    #: hop (fewer bytes), instead of in float32 and rounded once (mpdl.collectives.ops)
+    round_per_hop: bool = False
     malloc: str = "tuned"
     #: the BLAS of the layers' float32 products (mpdl.blas): "auto", "mkl" or "numpy"
     blas: str = "auto"
@@ -229,6 +233,7 @@ class Settings:
                 raise ValueError(f"MPDL_CUDA_AWARE: expected 0 or 1, got {raw!r}")
             fields["cuda_aware"] = raw == "1"
         fields["no_cupy"] = env.get("MPDL_NO_CUPY", "").strip() == "1"
+        fields["round_per_hop"] = env.get("MPDL_ROUND_PER_HOP", "").strip() == "1"
         if env.get("MPDL_MALLOC", "").strip().lower() == "default":
             fields["malloc"] = "default"
         raw = env.get("MPDL_BLAS", "").strip().lower()

@@ -93,6 +93,8 @@ RUNS = {
         "mpiexec -n 4 mpdl bench alltoall --check -b 8 -e 64 -n 2 -w 1",
     "mpiexec -n 4 python benchmarks/bench_alltoall_overhead.py":
         "mpiexec -n 4 python benchmarks/bench_alltoall_overhead.py --sizes 8 --reps 3",
+    "mpiexec -n 4 python benchmarks/bench_narrow_sum.py --counts 1K,256K,4M":
+        "mpiexec -n 4 python benchmarks/bench_narrow_sum.py --counts 1K --reps 2",
     "mpdl simulate --model-shape llama3-405b --seq 131072 --tp 8 --cp 16 --pp 16 --dp 8 --sp "
     "--recompute selective --gpu h100-80gb --microbatches 16 --virtual-stages 8 --zero 1":
         "mpdl simulate --model-shape llama3-405b --seq 131072 --tp 8 --cp 16 --pp 16 --dp 8 --sp "

@@ -20,7 +20,7 @@ from mpdl.collectives import hook as _hook
 from mpdl.collectives import registry
 from mpdl.collectives.checks import agree as _agree
 from mpdl.collectives.checks import pick as _pick
-from mpdl.collectives.ops import check_array, check_op
+from mpdl.collectives.ops import check_array, check_op, in_float32, reduced_bytes, reduces_wide
 from mpdl.comm import Communicator, as_communicator
 from mpdl.comm.handles import Handle, comm_thread_for, run_in_order
 
@@ -38,9 +38,11 @@ def _flat_copy(x: Any, xp: Any, into: Any) -> Any:
     return flat
 
 
-def _run(comm, algorithm: registry.Algorithm, collective: str, buf: Any, *args, **kwargs) -> None:
+def _run(comm, algorithm: registry.Algorithm, collective: str, buf: Any, *args,
+         called: Any = None, **kwargs) -> None:
     """Run the algorithm in issue order, named for timeouts and recorded by the flight recorder
-    (one entry: sequence number, collective, algorithm, bytes, dtype, op, ranks, times, state)."""
+    (one entry: sequence number, collective, algorithm, bytes, dtype, op, ranks, times, state;
+    the bytes and dtype of `called`, the caller's array, where buf is its float32 copy)."""
     def work() -> None:
         previous, comm.collective = comm.collective, f"{collective}/{algorithm.name}"
         flight, entry = comm.flight, None
@@ -51,7 +53,8 @@ def _run(comm, algorithm: registry.Algorithm, collective: str, buf: Any, *args, 
                 comm.collective = previous
                 return
             op = args[0] if args and isinstance(args[0], str) else None
-            entry = flight.begin(group, collective, algorithm.name, buf.nbytes, buf.dtype, op,
+            named = buf if called is None else called
+            entry = flight.begin(group, collective, algorithm.name, named.nbytes, named.dtype, op,
                                  group)
         try:
             algorithm.run(comm, buf, *args, **kwargs)
@@ -104,6 +107,14 @@ def _prepare_allreduce(x: Any, op: str, algorithm: str, comm: Any, out: Any):
     work() runs the all-reduce and returns the result array."""
     call = _checks.allreduce_call(x, op, algorithm, comm, out)
     c, algo, xp, out = call.comm, call.algorithm, call.xp, call.out
+    if reduces_wide(x.dtype, op):
+        def rounded_once() -> Any:
+            wide = in_float32(c, x.reshape(-1), xp, op,
+                              lambda w: _run(c, algo, "allreduce", w, op, called=x))
+            out.reshape(-1)[...] = wide
+            return out
+
+        return c, rounded_once
     if algo.reads_input and out is not x:
         flat, source = out.reshape(-1), {"src": x.reshape(-1)}
     else:
@@ -148,6 +159,15 @@ def _prepare_reduce_scatter(x: Any, op: str, algorithm: str, comm: Any, in_place
     c, algo, xp, bounds, dtype = call.comm, call.algorithm, call.xp, call.layout, x.dtype
 
     def work() -> Any:
+        if reduces_wide(dtype, op):
+            wide = in_float32(c, x.reshape(-1), xp, op,
+                              lambda w: _run(c, algo, "reduce_scatter", w, op, bounds,
+                                               called=x))
+            mine = wide[bounds[c.rank]:bounds[c.rank + 1]]
+            if not in_place:
+                return mine.astype(dtype)
+            x[bounds[c.rank]:bounds[c.rank + 1]] = mine
+            return x[bounds[c.rank]:bounds[c.rank + 1]]
         if in_place:
             buf = x
         else:
@@ -224,8 +244,12 @@ def reduce(x: Any, root: int = 0, op: str = "sum", algorithm: str = "auto",
     xp, dtype = check_array(x)
     check_op(op, dtype)
     root = _check_root(root, c)
-    algo = _pick("reduce", algorithm, c, x.nbytes)
+    algo = _pick("reduce", algorithm, c, reduced_bytes(x, op))
     _agree(c, "reduce", algo.name, x.shape, dtype, op, root)
+    if reduces_wide(dtype, op):
+        wide = in_float32(c, x.reshape(-1), xp, op,
+                          lambda w: _run(c, algo, "reduce", w, op, root, called=x))
+        return wide.reshape(x.shape).astype(dtype) if c.rank == root else None
     if c.rank == root:
         result = xp.empty(x.shape, dtype=dtype)
         flat = result.reshape(-1)

@@ -15,7 +15,7 @@ import numpy as np
 
 from mpdl import backend
 from mpdl.collectives import blocks, hook, registry
-from mpdl.collectives.ops import block_bounds, check_array, check_op
+from mpdl.collectives.ops import block_bounds, check_array, check_op, reduced_bytes
 from mpdl.comm import CollectiveMismatch, Communicator, as_communicator
 
 
@@ -49,7 +49,7 @@ def allreduce_call(x: Any, op: Any, algorithm: Any, comm: Any, out: Any,
     check_op(op, dtype)
     if plan:  # once per plan, always, and before auto's choice (which may set up groups)
         agree(c, "allreduce plan", algorithm, x.shape, dtype, op, None, always=True)
-    algo = pick("allreduce", algorithm, c, x.nbytes, plan, shared)
+    algo = pick("allreduce", algorithm, c, reduced_bytes(x, op), plan, shared)
     if out is None:
         out = backend.empty_like_page_offset(x)
     else:
@@ -70,7 +70,7 @@ def reduce_scatter_call(x: Any, op: Any, algorithm: Any, comm: Any, in_place: bo
         raise ValueError("x: in_place needs a 1-D C-contiguous array")
     if plan:
         agree(c, "reduce_scatter plan", algorithm, x.shape, dtype, op, None, always=True)
-    algo = pick("reduce_scatter", algorithm, c, x.nbytes, plan)
+    algo = pick("reduce_scatter", algorithm, c, reduced_bytes(x, op), plan)
     signature = ("reduce_scatter", algo.name, x.shape, dtype, op, None)
     agree(c, *signature)
     return Call(c, algo, signature, xp, x, None, op, block_bounds(x.size, c.size))

@@ -8,8 +8,9 @@ MPICH 5.0.2, and Python's buffer protocol cannot describe ml_dtypes' floats): su
 upcast to float32, reduced by the library in float32 and rounded back once. The result is the same
 on every rank and at least as accurate as one in the narrow dtype; it moves more bytes. Arrays
 that are only moved (all-gather, broadcast) travel as raw words. float16 goes to the library as it
-is (mpi4py hands it over as MPI_FLOAT16_T). MPI_SUM is not defined on MPI_C_BOOL: bool reduces
-as bytes with MPI_MAX (sum and max: logical or) or MPI_MIN (logical and).
+is (mpi4py hands it over as MPI_FLOAT16_T); the public calls hand every 16- and 8-bit sum, avg
+and prod to it already in float32 (`ops.reduces_wide`). MPI_SUM is not defined on MPI_C_BOOL:
+bool reduces as bytes with MPI_MAX (sum and max: logical or) or MPI_MIN (logical and).
 
 Each call is the library's nonblocking form (MPI_Iallreduce ...) waited for under the
 communicator's wait policy, so that a peer that never comes (or calls another collective) ends the

@@ -1,11 +1,11 @@
 """Reduction operators and the argument checks every collective shares.
 
-float16, bfloat16 and the 8-bit floats reduce like any dtype: each elementwise result of two
-operands is computed in float32 and rounded once (NumPy's float16 loops and ml_dtypes' loops do
-so). Where a rank adds several incoming arrays into one chunk (a tree node's children, a node's
-shared-memory peers), it accumulates them in float32 and rounds once at the end (`accumulator`,
-`settle`). The partial sums that travel between ranks stay in the narrow dtype: that is what
-saves the bytes. Integers wrap around as NumPy's do; bool's sum is logical or, its max and min
+A sum, average or product of float16, bfloat16 or an 8-bit float is the float32 result rounded
+once, whatever the algorithm (`reduces_wide`): the public calls reduce a float32 copy, so the
+partial results that travel between ranks are float32 (twice a 16-bit message's bytes, four
+times an 8-bit one's), and round it into the narrow dtype at the end; MPDL_ROUND_PER_HOP=1 opts
+out (narrow messages, each combination rounded). Their max and min are exact in any dtype and
+move as they are. Integers wrap around as NumPy's do; bool's sum is logical or, its max and min
 logical or and and (its prod is refused: say min).
 """
 
@@ -40,19 +40,37 @@ def reducer(op: str, xp: Any):
     return getattr(xp, OPS[op])
 
 
-def accumulator(part: Any, operands: int) -> Any:
-    """Where `operands` arrays will be reduced into `part` one after another: part itself, or a
-    float32 copy of it when part is float16, bfloat16 or an 8-bit float and more than one operand
-    comes (reduce into the copy, then `settle`)."""
-    if operands > 1 and backend.accumulates_wide(part.dtype):
-        return part.astype(np.float32)
-    return part
+#: the ops whose 16- and 8-bit results are computed in float32 and rounded once
+WIDENED_OPS = ("sum", "avg", "prod")
 
 
-def settle(part: Any, acc: Any) -> None:
-    """Round the float32 accumulator of `accumulator` back into part (nothing if acc is part)."""
-    if acc is not part:
-        part[...] = acc
+def reduces_wide(dtype: np.dtype, op: str) -> bool:
+    """Whether op on dtype reduces a float32 copy and rounds the result once: sum, avg and prod
+    of float16, bfloat16 and the 8-bit floats, unless the settings' round_per_hop
+    (MPDL_ROUND_PER_HOP=1) asks for narrow messages rounded at every hop."""
+    return (op in WIDENED_OPS and backend.accumulates_wide(dtype)
+            and not settings.current().round_per_hop)
+
+
+def reduced_bytes(x: Any, op: str) -> int:
+    """The bytes of x as its reduction moves them (what `auto` chooses by): 4 per element where
+    `reduces_wide`, else x's own."""
+    return 4 * x.size if reduces_wide(x.dtype, op) else x.nbytes
+
+
+def in_float32(comm, source: Any, xp: Any, op: str, reduce_wide, wide: Any = None) -> Any:
+    """source (a flat float16, bfloat16 or 8-bit float array) copied into float32 (into `wide`
+    where given, else a new array: calls queued on a communication thread each need their own),
+    reduced there by `reduce_wide(buffer)` and divided by p for avg: the float32 result, for the
+    caller to round once into the narrow dtype."""
+    if wide is None:
+        wide = source.astype(np.float32)
+    else:
+        wide[...] = source
+    reduce_wide(wide)
+    if op == "avg":
+        xp.true_divide(wide, comm.size, out=wide)
+    return wide
 
 
 def check_array(x: Any, argument: str = "x") -> tuple[Any, np.dtype]:

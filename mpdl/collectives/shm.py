@@ -24,7 +24,7 @@ import numpy as np
 
 from mpdl import backend
 from mpdl.collectives.hierarchical import inter_node_allreduce
-from mpdl.collectives.ops import accumulator, block_bounds, settle
+from mpdl.collectives.ops import block_bounds
 
 #: bytes per rank that go through the window at once: small enough to stay in cache
 WINDOW_BYTES = 1 << 20
@@ -117,10 +117,8 @@ def _allreduce_in_place(rank: int, views: list[np.ndarray], node_barrier, reduce
     for lo in range(bounds[rank], bounds[rank + 1], block):
         hi = min(lo + block, bounds[rank + 1])
         result = views[0][lo:hi]
-        acc = accumulator(result, len(views) - 1)
         for v in views[1:]:
-            reduce(acc, v[lo:hi], out=acc)
-        settle(result, acc)
+            reduce(result, v[lo:hi], out=result)
         for v in views[1:]:
             np.copyto(v[lo:hi], result)
     node_barrier()  # every slice is summed into every rank's array
@@ -145,10 +143,8 @@ def _allreduce_chunk(comm, src, part, reduce, xp, segments, half, node_barrier) 
     bounds = block_bounds(n, g)
     lo, hi = bounds[local_rank], bounds[local_rank + 1]
     result = views[0]
-    acc = accumulator(result[lo:hi], g - 1)
     for v in views[1:]:
-        reduce(acc, v[lo:hi], out=acc)
-    settle(result[lo:hi], acc)
+        reduce(result[lo:hi], v[lo:hi], out=result[lo:hi])
     equal_nodes = len({len(grp) for grp in groups}) == 1
     if len(groups) > 1 and equal_nodes:
         inter_node_allreduce(comm.sub([grp[local_rank] for grp in groups]), result[lo:hi], reduce)

@@ -4,7 +4,7 @@ trees. Segments flow through the tree one after another, so large messages pipel
 from __future__ import annotations
 
 from mpdl.backend import get_array_module
-from mpdl.collectives.ops import accumulator, segment_elements, settle
+from mpdl.collectives.ops import segment_elements
 
 
 def binomial_parent_children(rel: int, p: int) -> tuple[int | None, list[int]]:
@@ -65,11 +65,9 @@ def binomial_reduce(comm, buf, reduce, root: int = 0) -> None:
         return
     parent, children = binomial_parent_children((comm.rank - root) % p, p)
     incoming = comm.workspace("binomial.incoming", buf.size, buf.dtype, get_array_module(buf))
-    acc = accumulator(buf, len(children))
     for child in children:  # children hold higher ranks: own data first keeps the order canonical
         comm.recv(incoming, (child + root) % p, "reduce")
-        reduce(acc, incoming, out=acc)
-    settle(buf, acc)
+        reduce(buf, incoming, out=buf)
     if parent is not None:
         comm.send(buf, (parent + root) % p, "reduce")
 
@@ -90,11 +88,9 @@ def _pipelined_reduce(comm, buf, reduce, parent, children, root) -> None:
     for step, (a, b) in enumerate(_segments(buf)):
         part = buf[a:b]
         incoming = tmp[: b - a]
-        acc = accumulator(part, len(real))
         for child in real:  # children hold higher ranks: own data first keeps the order canonical
             comm.recv(incoming, child, ("reduce", step))
-            reduce(acc, incoming, out=acc)
-        settle(part, acc)
+            reduce(part, incoming, out=part)
         if parent is not None:
             sends.append(comm.isend(part, (parent + root) % p, ("reduce", step)))
     comm.waitall(sends)
@@ -191,15 +187,13 @@ def double_tree_allreduce(comm, buf, reduce) -> None:
         live = [(t, halves[t][a:b], *trees[t][comm.rank])
                 for t in (0, 1) if step < len(segs[t]) for a, b in [segs[t][step]]]
         for t, part, parent, children in live:
-            acc = accumulator(part, len(children))
             for child in sorted(children):
                 incoming = tmp[:part.size]
                 comm.recv(incoming, child, ("up", t, step))
                 if child < comm.rank:
-                    reduce(incoming, acc, out=acc)
+                    reduce(incoming, part, out=part)
                 else:
-                    reduce(acc, incoming, out=acc)
-            settle(part, acc)
+                    reduce(part, incoming, out=part)
             if parent is not None:
                 up_sends[t].append(comm.isend(part, parent, ("up", t, step)))
         for t, part, parent, children in live:

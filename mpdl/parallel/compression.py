@@ -84,7 +84,9 @@ class NoCompression(Compressor):
 
 
 class FP16Compressor(Compressor):
-    """A cast to float16 (half the bytes of float32); the sum runs in float16."""
+    """A cast to float16. Its sum travels as float32 partials rounded once unless
+    MPDL_ROUND_PER_HOP=1 keeps it float16, half the bytes of float32, which is what `wire_bytes`
+    counts (`mpdl.collectives.ops.reduces_wide`)."""
 
     name = "fp16"
 

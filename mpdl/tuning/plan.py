@@ -35,7 +35,7 @@ import numpy as np
 from mpdl import backend, memory, settings
 from mpdl.collectives import checks, registry, shm
 from mpdl.collectives.bruck import moving
-from mpdl.collectives.ops import reducer, segment_elements
+from mpdl.collectives.ops import in_float32, reducer, reduces_wide, segment_elements
 from mpdl.collectives.pairwise import partners
 from mpdl.collectives.scattered import THROTTLE
 from mpdl.comm import Communicator, Request, as_communicator, polling
@@ -527,7 +527,7 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
     names = verify.candidates("allreduce", x.nbytes, c, shared) if algorithm == "auto" else None
     go, fast, requests = _allreduce_runner(call, algo, persistent,
                                            TRIAL_COMPILED_AFTER if names is not None else 0)
-    if op == "avg":
+    if op == "avg" and not reduces_wide(x.dtype, op):  # (a widened avg is divided in float32)
         flat, size = out.reshape(-1), c.size
 
         def finish() -> Any:
@@ -587,6 +587,14 @@ def _allreduce_runner(call: checks.Call, algo: registry.Algorithm, persistent: b
             xp.copyto(flat, xflat)
         run(c, flat, how, **source)
 
+    if reduces_wide(x.dtype, op):  # float32 partials, rounded once: no persistent schedule
+        wide = xp.empty(x.size, np.float32)
+        memory.hold(wide, "communication")
+
+        def rounded_once() -> None:
+            flat[...] = in_float32(c, xflat, xp, op, lambda w: run(c, w, how), wide)
+
+        return rounded_once, None, None
     fast, requests = None, None
     if c.size > 1 and _fast_path_possible(c, x, out):
         MPI = c.MPI
@@ -625,7 +633,7 @@ def _reduce_scatter_plan(x: Any, op: str, algorithm: str, comm: Any, in_place: b
 
     def finish() -> Any:
         result = mine if in_place else mine.copy()
-        if op == "avg":
+        if op == "avg" and not reduces_wide(dtype, op):  # (a widened avg is divided in float32)
             xp.true_divide(result, size, out=result)
         return result
 
@@ -645,10 +653,18 @@ def _reduce_scatter_runner(call: checks.Call, algo: registry.Algorithm, buf: Any
     inner = getattr(algo.run, "__wrapped__", None)
     run, how = (inner, reducer(call.op, xp)) if inner is not None else (algo.run, call.op)
 
-    def go() -> None:
-        if not in_place:
-            xp.copyto(buf, xflat)
-        run(c, buf, how, bounds)
+    if reduces_wide(xflat.dtype, call.op):  # float32 partials, this rank's block rounded once
+        mine, wide = slice(bounds[c.rank], bounds[c.rank + 1]), xp.empty(xflat.size, np.float32)
+        memory.hold(wide, "communication")
+
+        def go() -> None:
+            buf[mine] = in_float32(c, xflat, xp, call.op, lambda w: run(c, w, how, bounds),
+                                   wide)[mine]
+    else:
+        def go() -> None:
+            if not in_place:
+                xp.copyto(buf, xflat)
+            run(c, buf, how, bounds)
 
     return go, None, None
 
