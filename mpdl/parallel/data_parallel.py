@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from mpdl.autograd import optim
+from mpdl.collectives.ops import reduced_bytes
 from mpdl.comm import Communicator
 from mpdl.parallel.compression import GradientCompression
 from mpdl.parallel.ddp import DistributedDataParallel
@@ -85,7 +86,7 @@ class AllReduceStrategy(Strategy):
         if self.compression is not None:
             payload = self.compression.last_wire_bytes
         else:
-            payload = sum(b.nbytes for b in self.ddp.buckets)
+            payload = sum(reduced_bytes(b.buffer, "sum") for b in self.ddp.buckets)
         self.allreduce_bytes += allreduce_bytes(payload, self.comm.size)
 
     def describe(self, final: bool = False) -> str:

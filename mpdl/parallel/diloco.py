@@ -16,7 +16,8 @@ Read `mpdl.parallel.naive.NaiveDiLoCo` first: one all-reduce per parameter, ever
 - **Overlap.** A fragment's all-reduce starts in the background (`allreduce_async`) and its
   outer step is applied at the next step, after one more inner step. The late update is merged
   by keeping that step's progress: θ_local ← θ_global + (θ_local − θ_local at the sync).
-- **Compressed outer gradients** (`compress`): fp16 (all-reduced in 16 bits), int8 or int4
+- **Compressed outer gradients** (`compress`): fp16 (rounded to 16 bits; the sum travels as
+  float32 partials unless MPDL_ROUND_PER_HOP=1, mpdl's rule for 16-bit sums), int8 or int4
   (absmax-scaled blocks of 256 values, all-gathered and summed in rank order), each with error
   feedback: what the quantisation lost is added to the next outer gradient.
 
@@ -32,6 +33,7 @@ import numpy as np
 
 from mpdl.backend import get_array_module
 from mpdl.collectives import allgather, allreduce, allreduce_async
+from mpdl.collectives.ops import reduced_bytes
 from mpdl.comm import as_communicator
 from mpdl.parallel import flat
 
@@ -188,7 +190,7 @@ class DiLoCo:
             if self.compress == "fp16":
                 wire = delta.astype(np.float16)
                 e[...] = delta - wire.astype(delta.dtype)
-                self.allreduce_bytes += allreduce_bytes(wire.nbytes, p)
+                self.allreduce_bytes += allreduce_bytes(reduced_bytes(wire, "sum"), p)
                 frag.pending.append(self._reduce(wire))
                 continue
             bits = 8 if self.compress == "int8" else 4
