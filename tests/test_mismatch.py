@@ -113,3 +113,32 @@ def test_a_library_users_failure_ends_the_job_with_a_line_on_every_rank(tmp_path
     assert failed == ["mpdl: rank 1 failed; aborting the job"], out.stderr[-3000:]
     assert "ValueError: the data ran out" in out.stderr  # its traceback: not one of mpdl's errors
     assert len(other) == 1 and "rank 1 failed: ValueError: the data ran out" in other[0], other
+
+
+SIGNATURES = {
+    "call": ("allreduce", "ring", (1000,), "float32", "sum", None),
+    "op": ("allreduce", "ring", (1000,), "float32", "max", None),
+    "count": ("allreduce", "ring", (2000,), "float32", "sum", None),
+    "dtype of the same bytes": ("allreduce", "ring", (500,), "float64", "sum", None),
+    "algorithm": ("allreduce", "recursive_doubling", (1000,), "float32", "sum", None),
+    "collective": ("allgather", "ring", (1000,), "float32", None, None),
+    "root": ("broadcast", "ring", (1000,), "float32", None, 1),
+}
+
+
+def _tags_in_a_new_process(seed: str) -> list[int]:
+    """The tags of SIGNATURES (dtypes as NumPy's) in a fresh interpreter with PYTHONHASHSEED=seed:
+    what another rank computes."""
+    code = ("import numpy as np; from mpdl.comm.calls import call_name\n"
+            f"signatures = {list(SIGNATURES.values())!r}\n"
+            "print([call_name((*s[:3], np.dtype(s[3]), *s[4:])).tag for s in signatures])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONHASHSEED": seed}, check=True)
+    return [int(t) for t in out.stdout.strip().strip("[]").split(",")]
+
+
+def test_a_signature_gives_the_same_tag_in_every_process_and_each_mismatch_another():
+    first, second = _tags_in_a_new_process("1"), _tags_in_a_new_process("2")
+    assert first == second
+    assert len(set(first)) == len(SIGNATURES)
+    assert all(8192 <= tag <= 32767 for tag in first)  # above mpdl's own tags, under MPI's least TAG_UB
