@@ -104,7 +104,7 @@ def abort_on_uncaught_exception() -> None:
     peers: the rank says one line (mpdl's own errors that name what happened, marked
     `one_line`, without a traceback), tells the other ranks (`before_abort`), then aborts.
     Installed once per process (by the `mpdl` command, and by the first MPI communicator)."""
-    if any(getattr(h, "_mpdl_abort", False) for h in _hooks(sys.excepthook)):
+    if aborts_the_job(sys.excepthook):
         return
     previous = sys.excepthook
 
@@ -115,7 +115,7 @@ def abort_on_uncaught_exception() -> None:
             rank = MPI.COMM_WORLD.Get_rank()
             reason = f"{kind.__name__}: {value}"
             if getattr(value, "one_line", False):
-                say(f"mpdl: rank {rank}: {value}")
+                say(f"mpdl: rank {rank} failed: {reason}")
             elif say(f"mpdl: rank {rank} failed; aborting the job"):
                 traceback.print_exception(kind, value, tb)
                 sys.stderr.flush()
@@ -131,6 +131,12 @@ def abort_on_uncaught_exception() -> None:
     hook._mpdl_abort = True  # type: ignore[attr-defined]
     hook._mpdl_previous = previous  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def aborts_the_job(hook) -> bool:
+    """Whether the excepthook `hook` is, or wraps, the one `abort_on_uncaught_exception`
+    installs."""
+    return any(getattr(h, "_mpdl_abort", False) for h in _hooks(hook))
 
 
 def _hooks(hook) -> list:

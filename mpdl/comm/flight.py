@@ -205,7 +205,8 @@ def _install_hooks() -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb) -> None:
-        fatal(f"{kind.__name__}: {value}")
+        if not mpi_runtime.aborts_the_job(previous):  # else it does this after its own line
+            fatal(f"{kind.__name__}: {value}")
         previous(kind, value, tb)
 
     hook._mpdl_previous = previous  # type: ignore[attr-defined]

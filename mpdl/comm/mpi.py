@@ -131,8 +131,7 @@ class MPIComm(Communicator, DeviceStaging):
                 size = self._notice_status.Get_count(self.MPI.BYTE)
                 reason = bytes(self._notice_buf[:size]).decode(errors="replace")
                 mpi_runtime.say(f"mpdl: rank {self.rank}: ending because rank {source} failed"
-                                f"{': ' + reason if reason else ''} (this rank was in "
-                                f"{self._where()})")
+                                f"{': ' + reason if reason else ''} ({self._where()})")
                 flight.dump(f"peer failed: rank {source}", once=True)
                 self.mpi.Send([np.ones(1, np.uint8), self.MPI.BYTE], source, NOTICE_ACK_TAG)
                 return
@@ -314,11 +313,13 @@ class MPIComm(Communicator, DeviceStaging):
         return entry.info[5], entry.seq, "in", name.tag, name.describe()
 
     def _where(self) -> str:
-        """The call this rank is in, in words (for a line on its way out)."""
+        """Where this rank is, in words (for a line on its way out)."""
         now = self._current_call()
-        if now is None:
-            return str(self.collective)
-        return f"{now[4]} #{now[1]}"
+        if now is not None:
+            return f"this rank was in {now[4]} #{now[1]}"
+        if self.collective == "p2p":
+            return "this rank was in no collective"
+        return f"this rank was in {self.collective}"
 
     def _announce(self) -> bool:
         """Tell every other rank which call this rank waits in; whether it could say."""
