@@ -123,6 +123,7 @@ SIGNATURES = {
     "algorithm": ("allreduce", "recursive_doubling", (1000,), "float32", "sum", None),
     "collective": ("allgather", "ring", (1000,), "float32", None, None),
     "root": ("broadcast", "ring", (1000,), "float32", None, 1),
+    "the call's count in another shape": ("allreduce", "ring", (10, 100), "float32", "sum", None),
 }
 
 
@@ -140,5 +141,6 @@ def _tags_in_a_new_process(seed: str) -> list[int]:
 def test_a_signature_gives_the_same_tag_in_every_process_and_each_mismatch_another():
     first, second = _tags_in_a_new_process("1"), _tags_in_a_new_process("2")
     assert first == second
-    assert len(set(first)) == len(SIGNATURES)
+    assert first[-1] == first[0]  # arrays of one size in two shapes make the same call
+    assert len(set(first[:-1])) == len(SIGNATURES) - 1
     assert all(8192 <= tag <= 32767 for tag in first)  # above mpdl's own tags, under MPI's least TAG_UB

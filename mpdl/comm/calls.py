@@ -6,11 +6,10 @@ makes for itself. `call_state.tag` is the tag this thread's messages travel with
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import zlib
 from collections.abc import Iterator
-
-import numpy as np
 
 #: the tag of messages outside a collective (and of every message where calls carry no tag)
 P2P_TAG = 7331
@@ -69,12 +68,16 @@ _call_names: dict[tuple, CallName] = {}
 
 def call_name(signature: tuple) -> CallName:
     """The `CallName` of a call's signature (collective, algorithm, shape, dtype, op, root):
-    the same name and tag on every rank for the same signature (cached)."""
+    the same name and tag on every rank for the same call (cached); the shape counts by its
+    number of elements."""
     name = _call_names.get(signature)
     if name is None:
         name = CallName(f"{signature[0]}/{signature[1]}")
         name.signature = signature
-        text = repr(tuple(str(s) if isinstance(s, np.dtype) else s for s in signature))
+        collective, algorithm, shape, dtype, op, root = signature
+        # the count, not the shape: arrays of one size in different shapes make the same call
+        count = math.prod(shape) if isinstance(shape, tuple) else shape
+        text = repr((collective, algorithm, count, str(dtype), op, root))
         name.digest = zlib.crc32(text.encode())
         name.tag = FIRST_CALL_TAG + name.digest % _CALL_TAGS
         if len(_call_names) > 4096:
