@@ -88,8 +88,8 @@ class MPIComm(Communicator, DeviceStaging):
         if mpi_comm is None:  # a program using the library directly: one rank's failure ends all
             mpi_runtime.abort_on_uncaught_exception()
         self._notice: Any = None
-        #: the calls other ranks said they wait in: {(group, seq, phase): {rank: (tag, words)}}
-        self._heard: dict[tuple, dict[int, tuple[int, str]]] = {}
+        #: the calls other ranks said they wait in: {(group, seq, phase): {rank: (key, words)}}
+        self._heard: dict[tuple, dict[int, tuple[Any, str]]] = {}
         #: announcements of this rank's waits still being sent (request, buffer)
         self._announcing: list[tuple[Any, Any]] = []
         if self.flight is not None and mpi_comm is None and self.size > 1:
@@ -297,20 +297,25 @@ class MPIComm(Communicator, DeviceStaging):
         """Seconds a wait lasts before this rank tells the others which call it waits in."""
         return min(ANNOUNCE_AFTER_S, self.timeout / 3)
 
-    def _current_call(self) -> tuple[tuple, int, str, int, str] | None:
-        """(group, sequence number, phase, tag, words) of the call this rank waits in: phase
-        "in" inside the call, "before" in the exchange that checks it; None where it cannot say
+    def _current_call(self) -> tuple[tuple, int, str, Any, str] | None:
+        """(group, sequence number, phase, key, words) of the call this rank waits in: phase
+        "in" inside the call (key: its flight record's collective, algorithm, bytes, dtype and
+        op), "before" in the exchange that checks it (key: its tag); None where it cannot say
         (no flight recorder, or a wait outside a collective)."""
         name = self.collective
-        if not isinstance(name, CallName):
-            return None
-        if name.group is not None:
+        if name.__class__ is CallName and name.group is not None:
             return None if name.position is None else (name.group, name.position, "before",
                                                        name.tag, name.describe())
         entry = self.flight.last if self.flight is not None else None
-        if entry is None or entry.state != "started":
+        if name == "p2p" or entry is None or entry.state != "started" or entry.info[1] == "p2p":
             return None
-        return entry.info[5], entry.seq, "in", name.tag, name.describe()
+        # all from the one record, which another thread's call cannot have half changed
+        collective, algorithm, nbytes, dtype, op, group = entry.info
+        if name.__class__ is CallName and name.signature[:2] == (collective, algorithm):
+            words = name.describe()
+        else:
+            words = f"{collective}/{algorithm}({'op ' + op + ', ' if op else ''}{nbytes} B of {dtype})"
+        return group, entry.seq, "in", (collective, algorithm, nbytes, str(dtype), op), words
 
     def _where(self) -> str:
         """Where this rank is, in words (for a line on its way out)."""
@@ -344,19 +349,19 @@ class MPIComm(Communicator, DeviceStaging):
                 break
             buf = bytearray(status.Get_count(self.MPI.BYTE))
             message.Recv([buf, self.MPI.BYTE])
-            rank, group, seq, phase, tag, words = pickle.loads(buf)
+            rank, group, seq, phase, key, words = pickle.loads(buf)
             if len(self._heard) >= HEARD_KEPT:
                 with contextlib.suppress(RuntimeError, KeyError, StopIteration):
                     self._heard.pop(next(iter(self._heard)))  # the oldest
-            self._heard.setdefault((group, seq, phase), {})[rank] = (tag, words)
+            self._heard.setdefault((group, seq, phase), {})[rank] = (key, words)
         if not check:
             return
         now = self._current_call()
         if now is None:
             return
-        group, seq, phase, tag, words = now
-        others = {r: w for r, (t, w) in self._heard.get((group, seq, phase), {}).items()
-                  if t != tag}
+        group, seq, phase, key, words = now
+        others = {r: w for r, (k, w) in self._heard.get((group, seq, phase), {}).items()
+                  if k != key}
         if others:
             lines = "; ".join([f"rank {self.rank}: {words}",
                                *(f"rank {r}: {w}" for r, w in sorted(others.items()))])
