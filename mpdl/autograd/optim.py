@@ -236,6 +236,7 @@ class Adam(Optimizer):
         fused.adam_(p.data, grad, m, v, (b1, b2), t, lr, group["eps"])
 
     def _decays(self, p: Tensor) -> bool:
+        """Whether the decoupled weight decay applies to p (AdamW chooses)."""
         return True
 
 
