@@ -101,6 +101,12 @@ def test_grad_clip_reports_the_norm_before_clipping():
     ({"optim.lr_schedule": "constant", "optim.lr_decay_steps": 10},
      "optim.lr_decay_steps needs optim.lr_schedule cosine, not constant",
      "--lr-decay-steps needs --lr-schedule cosine, not constant"),
+    ({"optim.deterministic": True, "parallel.zero": 1, "optim.weight_decay": 0.1,
+      "model.dtype": "float32"},
+     "optim.deterministic cannot be combined with optim.optimizer: with parallel.zero, lars and "
+     "lamb need whole-tensor norms and adamw decays whole matrices",
+     "--deterministic cannot be combined with --optimizer: with --zero, lars and lamb need "
+     "whole-tensor norms and adamw decays whole matrices"),
     ({"communication.sync_every": 2, "optim.grad_clip": 1.0},
      "optim.grad_clip cannot be combined with communication.sync_every > 1",
      "--grad-clip cannot be combined with --sync-every > 1"),

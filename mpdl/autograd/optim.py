@@ -72,19 +72,10 @@ class Optimizer:
         self._norm_total = total
 
     def _clip(self, params: list[Tensor]) -> None:
-        """With `max_grad_norm`: set `grad_norm` to the global norm of the gradients and scale
-        them by min(1, max_grad_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_."""
-        if self.max_grad_norm is None:
-            return
-        xp = get_array_module(params[0].grad) if params else np
-        squares = to_host(xp.stack([_sumsq64(p.grad) for p in params])) if params else []
-        sums = [float(v) for v in squares]
-        total = math.fsum(sums) if self._norm_total is None else self._norm_total(params, sums)
-        self.grad_norm = math.sqrt(total)
-        coef = self.max_grad_norm / (self.grad_norm + CLIP_EPS)
-        if coef < 1.0:
-            for p in params:
-                p.grad *= p.grad.dtype.type(coef)
+        """With `max_grad_norm`: clip the gradients (`clip_grad_norm`), their norm in
+        `grad_norm`."""
+        if self.max_grad_norm is not None:
+            self.grad_norm = clip_grad_norm(params, self.max_grad_norm, self._norm_total)
 
     def _ndim(self, p: Tensor) -> int:
         return self._ndims.get(id(p), p.data.ndim)
@@ -275,6 +266,22 @@ class AdamW(Adam):
         if self._flags is not None:
             return self._flags[id(p)]
         return self.decay == "all" or self._ndim(p) >= 2
+
+
+def clip_grad_norm(params: list[Tensor], max_norm: float,
+                   total: Callable[[list[Tensor], list[float]], float] | None = None) -> float:
+    """Scale the gradients of `params` by min(1, max_norm / (norm + 1e-6)), as
+    torch.nn.utils.clip_grad_norm_, and return the norm before clipping: the root of
+    `total(params, sums)` (see `Optimizer.global_norm`), by default of the sums of squares."""
+    xp = get_array_module(params[0].grad) if params else np
+    squares = to_host(xp.stack([_sumsq64(p.grad) for p in params])) if params else []
+    sums = [float(v) for v in squares]
+    norm = math.sqrt(math.fsum(sums) if total is None else total(params, sums))
+    coef = max_norm / (norm + CLIP_EPS)
+    if coef < 1.0:
+        for p in params:
+            p.grad *= p.grad.dtype.type(coef)
+    return norm
 
 
 def _sumsq64(a: Any) -> Any:
