@@ -40,6 +40,10 @@ LAYOUTS = {
     "adamw-dp2": (2, {"optim.optimizer": "adamw", "optim.weight_decay": 0.1, "optim.lr": 0.01}),
     "adamw-zero3-dp3": (3, {"optim.optimizer": "adamw", "optim.weight_decay": 0.1,
                             "optim.lr": 0.01, "parallel.zero": 3}),
+    "adamw-tp2": (2, {"optim.optimizer": "adamw", "optim.weight_decay": 0.1, "optim.lr": 0.01,
+                      "parallel.tp": 2}),
+    "adamw-dp2-pp2-zero1": (4, {"optim.optimizer": "adamw", "optim.weight_decay": 0.1,
+                                "optim.lr": 0.01, "parallel.pp": 2, "parallel.zero": 1}),
 }
 MOE = {"model.moe_experts": 2, "model.moe_top_k": 1}
 MOE_LAYOUTS = {"ep2": (2, {"parallel.ep": 2}), "ep1-dp3": (3, {}),
