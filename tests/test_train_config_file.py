@@ -103,7 +103,8 @@ def test_a_small_file_keeps_the_defaults_and_the_model_defaults(tmp_path):
     ("[optim]\nbatch = 3\n", "run.toml: optim.batch: no such option (the options of [optim]: "
                              "epochs, global_batch_size,"),
     ("[optimisation]\nepochs = 3\n", "run.toml: [optimisation]: no such section"),
-    ('[optim]\nepochs = "3"\n', "run.toml: optim.epochs: expected an integer, got '3'"),
+    ('[optim]\nepochs = "3"\n', "run.toml: optim.epochs: expected a number, got '3'"),
+    ('[optim]\nmax_steps = 2.5\n', "run.toml: optim.max_steps: expected an integer, got 2.5"),
     ("[optim]\nscale_lr = 1\n", "run.toml: optim.scale_lr: expected true or false, got 1"),
     ("epochs = 3\n", "run.toml: epochs: not in a section (the sections: model, data, optim,"),
     ("optim = 3\n", "run.toml: optim: expected a table [optim] of options, got 3"),

@@ -188,6 +188,19 @@ class MixedPrecisionOptimizer:
                           if k in self._master_of},
                          lambda masters, sums: sum_squares([param_of[id(m)] for m in masters], sums))
 
+    def global_norm(self, total: Callable[[list[Tensor], list[float]], float]) -> None:
+        """`Optimizer.global_norm` for the parameters (passed on for their master weights, whose
+        gradients are clipped once unscaled)."""
+        param_of = {id(m): p for p, m in zip(self.params, self.masters, strict=True)}
+        self.inner.global_norm(lambda masters, sums: total([param_of[id(m)] for m in masters],
+                                                           sums))
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The last step's global norm of the unscaled gradients before clipping (None without
+        clipping, or when the step was skipped)."""
+        return getattr(self.inner, "grad_norm", None)
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
@@ -205,6 +218,8 @@ class MixedPrecisionOptimizer:
         else:
             unscale = 1.0
         if not finite:
+            if hasattr(self.inner, "grad_norm"):
+                self.inner.grad_norm = None
             return
         for p, m in zip(self.params, self.masters, strict=True):
             if p.grad is None:

@@ -1,4 +1,5 @@
-"""Optimizers (SGD, Adam, AdamW, LARS, LAMB) and learning-rate schedules.
+"""Optimizers (SGD, Adam, AdamW, LARS, LAMB), clipping by the global gradient norm, and
+learning-rate schedules.
 
 Updates happen in place on ``p.data`` so that references to parameter arrays stay valid, and in
 the parameters' own dtype (hyper-parameters are Python floats, which never upcast float32).
@@ -16,6 +17,9 @@ from mpdl import memory
 from mpdl.autograd import fused
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
+
+#: what torch.nn.utils.clip_grad_norm_ adds to the norm it divides by
+CLIP_EPS = 1e-6
 
 
 class Optimizer:
@@ -43,6 +47,11 @@ class Optimizer:
         self.state: dict[Tensor, dict[str, Any]] = {}
         self._ndims: dict[int, int] = {}
         self._sum_squares: Callable[[list[Tensor], list[list[Any]]], list[list[Any]]] | None = None
+        #: clip the gradients to this global norm before each step (None: no clipping)
+        self.max_grad_norm: float | None = None
+        #: the last step's global gradient norm before clipping (None without clipping)
+        self.grad_norm: float | None = None
+        self._norm_total: Callable[[list[Tensor], list[float]], float] | None = None
 
     def shard(self, ndims: dict[int, int],
               sum_squares: Callable[[list[Tensor], list[list[Any]]], list[list[Any]]]) -> None:
@@ -53,6 +62,20 @@ class Optimizer:
         collective, called once per step by the optimizers that need whole-tensor norms (LARS,
         LAMB), on every rank, even one with nothing to update."""
         self._ndims, self._sum_squares = dict(ndims), sum_squares
+
+    def global_norm(self, total: Callable[[list[Tensor], list[float]], float]) -> None:
+        """Declare how the gradients this optimizer holds make the whole model's, for clipping
+        (`max_grad_norm`): `total(params, sums)` turns the sum of squares of each parameter's
+        gradient on this rank into the whole model's sum of squares, each distinct element
+        counted once. A collective, called once per clipped step on every rank, even one with
+        nothing to update. Without it the parameters are the whole model."""
+        self._norm_total = total
+
+    def _clip(self, params: list[Tensor]) -> None:
+        """With `max_grad_norm`: clip the gradients (`clip_grad_norm`), their norm in
+        `grad_norm`."""
+        if self.max_grad_norm is not None:
+            self.grad_norm = clip_grad_norm(params, self.max_grad_norm, self._norm_total)
 
     def _ndim(self, p: Tensor) -> int:
         return self._ndims.get(id(p), p.data.ndim)
@@ -91,8 +114,10 @@ class Optimizer:
             p.grad = None
 
     def step(self) -> None:
-        """Update every parameter that has a gradient."""
-        for p, state, hyper in self._items():
+        """Update every parameter that has a gradient (clipped first, with `max_grad_norm`)."""
+        items = self._items()
+        self._clip([p for p, _, _ in items])
+        for p, state, hyper in items:
             self._update(p, p.grad, state, hyper)
 
     def _update(self, p: Tensor, grad: Any, state: dict[str, Any], group: dict[str, Any]
@@ -194,22 +219,74 @@ class Adam(Optimizer):
         b1, b2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
         if wd and self.decoupled:
-            p.data *= 1 - lr * wd
+            if self._decays(p):
+                p.data *= 1 - lr * wd
         elif wd:
             grad = grad + wd * p.data
         m, v, t = _advance(state, p.data)
         fused.adam_(p.data, grad, m, v, (b1, b2), t, lr, group["eps"])
 
+    def _decays(self, p: Tensor) -> bool:
+        """Whether the decoupled weight decay applies to p (AdamW chooses)."""
+        return True
+
+
+#: AdamW's choices of the parameters it decays
+DECAY_RULES = ("all", "matrices")
+
 
 class AdamW(Adam):
-    """Adam with decoupled weight decay (Loshchilov & Hutter): w -= lr·λ·w before the step."""
+    """Adam with decoupled weight decay (Loshchilov & Hutter, as torch.optim.AdamW): w -= lr·λ·w
+    before the step, on the parameters `decay` names: "all" (torch's default), "matrices" (those
+    whose whole tensor has at least 2 dimensions, as nanoGPT: weights and embeddings, not biases
+    or norms; a shard follows its whole tensor, see `shard`), or one flag per parameter of
+    `params` (across its groups, in order)."""
 
     decoupled = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2) -> None:
+                 weight_decay: float = 1e-2, decay: str | Sequence[bool] = "all") -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.decay, self._flags = decay, None
+        if isinstance(decay, str) and decay not in DECAY_RULES:
+            raise ValueError(f"AdamW: decay must be one of {', '.join(DECAY_RULES)} or a flag per "
+                             f"parameter, not {decay!r}")
+        if not isinstance(decay, str):
+            flags, params = [bool(f) for f in decay], self._params()
+            if len(flags) != len(params):
+                raise ValueError(f"AdamW: decay has {len(flags)} flags for {len(params)} "
+                                 f"parameters")
+            self._flags = {id(p): f for p, f in zip(params, flags, strict=True)}
+
+    def _decays(self, p: Tensor) -> bool:
+        """Whether the weight decay applies to p."""
+        if self._flags is not None:
+            return self._flags[id(p)]
+        return self.decay == "all" or self._ndim(p) >= 2
+
+
+def clip_grad_norm(params: list[Tensor], max_norm: float,
+                   total: Callable[[list[Tensor], list[float]], float] | None = None) -> float:
+    """Scale the gradients of `params` by min(1, max_norm / (norm + 1e-6)), as
+    torch.nn.utils.clip_grad_norm_, and return the norm before clipping: the root of
+    `total(params, sums)` (see `Optimizer.global_norm`), by default of the sums of squares."""
+    xp = get_array_module(params[0].grad) if params else np
+    squares = to_host(xp.stack([_grad_sumsq(p.grad) for p in params])) if params else []
+    sums = [float(v) for v in squares]
+    norm = math.sqrt(math.fsum(sums) if total is None else total(params, sums))
+    coef = max_norm / (norm + CLIP_EPS)
+    if coef < 1.0:
+        for p in params:
+            p.grad *= p.grad.dtype.type(coef)
+    return norm
+
+
+def _grad_sumsq(a: Any) -> Any:
+    """The sum of squares of a gradient's elements, a dot product in its dtype (one pass, no
+    copy; a 0-d array, no host sync)."""
+    flat = a.reshape(-1)
+    return get_array_module(a).dot(flat, flat)
 
 
 def _sumsq(a: Any) -> Any:
@@ -244,6 +321,7 @@ class LARS(Optimizer):
         """Two passes: the norms of every adapted parameter (one `sum_squares` when sharded),
         then the updates."""
         items = self._items()
+        self._clip([p for p, _, _ in items])
         adapted = [it for it in items if not (it[2]["exclude_1d"] and self._ndim(it[0]) <= 1)]
         sums = self._whole([p for p, _, _ in adapted],
                            [[_sumsq(p.data), _sumsq(p.grad)] for p, _, _ in adapted])
@@ -285,8 +363,9 @@ class LAMB(Optimizer):
     def step(self) -> None:
         """Two passes: the Adam direction of every parameter and the norms of the adapted ones
         (one `sum_squares` when sharded), then the updates."""
-        updates = []
-        for p, state, group in self._items():
+        updates, items = [], self._items()
+        self._clip([p for p, _, _ in items])
+        for p, state, group in items:
             xp = get_array_module(p.data)
             b1, b2 = group["betas"]
             m, v, t = _moments(state, p.data, p.grad, b1, b2)
@@ -334,6 +413,34 @@ class WarmupSchedule:
         span = self.total_steps - self.warmup_steps
         progress = min(step - self.warmup_steps, span) / span
         return self.min_lr + (self.base_lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class CosineSchedule:
+    """Learning rate by step as nanoGPT's get_lr: a linear warmup to ``base_lr`` over
+    ``warmup_steps`` (step s gets base_lr·(s+1)/(warmup_steps+1)), then a cosine from ``base_lr``
+    to ``min_lr`` ending at step ``decay_steps`` (counted from step 0, so the warmup lies inside
+    it), ``min_lr`` after."""
+
+    def __init__(self, base_lr: float, warmup_steps: int, decay_steps: int,
+                 min_lr: float = 0.0) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"CosineSchedule: warmup_steps must be >= 0, not {warmup_steps}")
+        if decay_steps < warmup_steps:
+            raise ValueError(f"CosineSchedule: decay_steps {decay_steps} must not be below "
+                             f"warmup_steps {warmup_steps}")
+        if not 0 <= min_lr <= base_lr:
+            raise ValueError(f"CosineSchedule: min_lr must lie in [0, base_lr {base_lr}], not "
+                             f"{min_lr}")
+        self.base_lr, self.min_lr = float(base_lr), float(min_lr)
+        self.warmup_steps, self.decay_steps = warmup_steps, decay_steps
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.base_lr * (step + 1) / (self.warmup_steps + 1)
+        if step >= self.decay_steps:
+            return self.min_lr
+        progress = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+        return self.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (self.base_lr - self.min_lr)
 
 
 def scale_lr(lr: float, global_batch: int, base_batch: int = 256) -> float:

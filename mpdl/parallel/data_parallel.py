@@ -13,7 +13,15 @@ from mpdl.parallel.ddp import DistributedDataParallel
 from mpdl.parallel.diloco import DiLoCo, allreduce_bytes
 from mpdl.parallel.localsgd import LocalSGD
 from mpdl.parallel.ps import ParameterServer, format_histogram
-from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, microbatches
+from mpdl.parallel.strategy import (
+    Batch,
+    MakeOptimizer,
+    Span,
+    StepResult,
+    Strategy,
+    grad_norm,
+    microbatches,
+)
 
 
 class AllReduceStrategy(Strategy):
@@ -59,7 +67,8 @@ class AllReduceStrategy(Strategy):
         self.ddp.finish()
         self._count_bytes()
         waited = time.perf_counter()
-        self.optimizer.step()
+        self.optimizer.step()  # every replica holds the whole summed gradient: its norm is local
+        result.grad_norm = grad_norm(self.optimizer)
         self.optimizer.zero_grad()
         end = time.perf_counter()
         result.exposed_s, result.comm_s = self.ddp.last_exposed_s, self.ddp.last_comm_s

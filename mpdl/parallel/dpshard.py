@@ -19,6 +19,7 @@ checkpoint that every rank writes its own part of.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -86,6 +87,17 @@ class ShardedOptimizer:
         """The inner optimizer's loss scaler (mixed precision in fp16), else None."""
         return getattr(self.optimizer, "scaler", None)
 
+    @property
+    def grad_norm(self) -> float | None:
+        """The inner optimizer's last global gradient norm before clipping."""
+        return getattr(self.optimizer, "grad_norm", None)
+
+    def global_norm(self, total: Callable[[list[Any], list[float]], float]) -> None:
+        """`Optimizer.global_norm` for `params`: `total` sees the parameter of each piece."""
+        param_of = {id(piece.tensor): piece.param for piece in self.entries}
+        self.optimizer.global_norm(lambda pieces, sums: total([param_of[id(t)] for t in pieces],
+                                                              sums))
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
@@ -94,6 +106,11 @@ class ShardedOptimizer:
     def step(self) -> None:
         """Reduce-scatter the gradients (summed over dp), step on this rank's blocks, all-gather
         the blocks into the parameters."""
+        self.reduce()
+        self.update()
+
+    def reduce(self) -> None:
+        """Reduce-scatter the gradients: each piece's gradient is its block of the sum over dp."""
         shards = []
         for u in self.units:
             grads = flat.pack([p.grad if p.grad is not None else u.xp.zeros_like(p.data)
@@ -103,6 +120,9 @@ class ShardedOptimizer:
         mine = {u.index: s for u, s in zip(self.units, shards, strict=True)}
         for piece in self.entries:
             piece.tensor.grad = mine[piece.unit.index][piece.in_shard]
+
+    def update(self) -> None:
+        """Step on this rank's blocks (after `reduce`), all-gather them into the parameters."""
         self.optimizer.step()
         for u in self.units:
             u.gather_plan()

@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl.autograd import optim
 from mpdl.autograd.amp import compute_dtype
 from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
@@ -72,7 +73,16 @@ from mpdl.parallel import flat
 from mpdl.parallel.ddp import DistributedDataParallel
 from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.shards import placeholder as _placeholder
-from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, microbatches
+from mpdl.parallel.strategy import (
+    Batch,
+    MakeOptimizer,
+    Span,
+    StepResult,
+    Strategy,
+    counted_once,
+    grad_norm,
+    microbatches,
+)
 
 
 class AllToAll(Function):
@@ -299,6 +309,21 @@ class ShardedOptimizers:
         self.parts, self.count = parts, len(params)
         #: for each part, the position in `params` of each of its parameters
         self.positions = [[where[id(p)] for p in part.params] for part in parts]
+        # the parts' gradients are clipped together, by the norm of all of them
+        self.max_grad_norm = getattr(parts[0].optimizer, "max_grad_norm", None)
+        for part in parts:
+            part.optimizer.max_grad_norm = None
+        self.grad_norm: float | None = None
+        self._total: Any = None
+        self._param_of = {id(piece.tensor): piece.param for part in parts
+                          for piece in part.entries}
+
+    def global_norm(self, total: Any) -> None:
+        """`Optimizer.global_norm` for `params`: `total` sees the parameter of each piece."""
+        self._total = total
+
+    def _pieces_total(self, tensors: list[Any], sums: list[float]) -> float:
+        return self._total([self._param_of[id(t)] for t in tensors], sums)
 
     @property
     def lr(self) -> float:
@@ -314,8 +339,17 @@ class ShardedOptimizers:
         return self.parts[0].param_groups
 
     def step(self) -> None:
+        """Every part's reduce-scatter, the clipping of all their pieces by one norm, then
+        every part's update."""
         for part in self.parts:
-            part.step()
+            part.reduce()
+        if self.max_grad_norm is not None:
+            pieces = [piece.tensor for part in self.parts for piece in part.entries
+                      if piece.tensor.grad is not None]
+            self.grad_norm = optim.clip_grad_norm(pieces, self.max_grad_norm,
+                                                  self._total and self._pieces_total)
+        for part in self.parts:
+            part.update()
 
     def zero_grad(self) -> None:
         for part in self.parts:
@@ -421,6 +455,8 @@ class ExpertParallelStrategy(Strategy):
             self.optimizer = ShardedOptimizers(
                 self.trained, ShardedOptimizer(dense, make_optimizer, self.comm, self.algorithm),
                 ShardedOptimizer(owned, make_optimizer, self.replica_comm, self.algorithm))
+            # the dense pieces are disjoint over the ranks, the experts' over their replicas
+            self.optimizer.global_norm(counted_once(self.comm, lambda p: True))
         else:
             common = dict(algorithm=self.algorithm, bucket_mb=self.bucket_mb,
                           first_bucket_mb=self.first_bucket_mb, overlap=False)
@@ -432,6 +468,9 @@ class ExpertParallelStrategy(Strategy):
             self.trained = [p for _, p in named if id(p) in self.groups.owned_ids
                             or id(p) not in self.groups.expert_ids]
             self.optimizer = make_optimizer(self.trained)
+            owned = self.groups.owned_ids  # an expert counts on its first replica, the rest on rank 0
+            self.optimizer.global_norm(counted_once(self.comm, lambda p: (
+                self.replica_comm.rank if id(p) in owned else self.comm.rank) == 0))
             if hasattr(self.optimizer, "agree"):  # mixed precision: skip on every rank alike
                 self.optimizer.agree = self._all_finite
         self.groups.release()
@@ -468,6 +507,7 @@ class ExpertParallelStrategy(Strategy):
             self.expert_ddp.finish()
             waited = time.perf_counter()
         self.optimizer.step()
+        result.grad_norm = grad_norm(self.optimizer)
         self.optimizer.zero_grad()
         end = time.perf_counter()
         exchanges = self.groups.take_spans()

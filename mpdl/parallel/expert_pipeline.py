@@ -86,6 +86,12 @@ class ExpertPipelineStrategy(PipelineStrategy):
             ShardedOptimizer(dense, make_optimizer, self.grid.dp_comm, self.algorithm),
             ShardedOptimizer(experts, make_optimizer, self.groups.replica_comm, self.algorithm))
 
+    def _counted_over_dp(self, p: Any) -> bool:
+        """This rank's experts are summed over their replicas, not over all dp ranks."""
+        if id(p) in self.groups.owned_ids and not self.zero:
+            return self.groups.replica_comm.rank == 0
+        return super()._counted_over_dp(p)
+
     def _sum_data_parallel(self) -> None:
         dense, experts = self.groups.split(self.stage_params)
         self._sum_gradients(dense, self.grid.dp_comm, "dp")

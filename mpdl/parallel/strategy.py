@@ -23,6 +23,7 @@ To add a way of training, subclass `Strategy`, implement these, and let the trai
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ import numpy as np
 
 from mpdl.autograd import functional as F
 from mpdl.autograd.tensor import Tensor
+from mpdl.collectives import allreduce
 from mpdl.comm import Communicator
 
 #: builds the optimizer of a list of parameters (the loop's choice: sgd, adam, lars, lamb)
@@ -70,7 +72,9 @@ class Span:
 class StepResult:
     """What a step did on this rank: summed loss and correct predictions over its `samples`, and
     seconds of compute, of communication (however long it ran, hidden or not) and of exposed
-    communication (what the step waited for it)."""
+    communication (what the step waited for it); `grad_norm`: with clipping, the global norm of
+    the whole model's gradient before clipping, the same on every rank (None without clipping, or
+    on a skipped fp16 step)."""
 
     loss: float = 0.0
     correct: float = 0.0
@@ -79,6 +83,7 @@ class StepResult:
     comm_s: float = 0.0
     exposed_s: float = 0.0
     spans: list[Span] = dataclasses.field(default_factory=list)
+    grad_norm: float | None = None
 
 
 class Strategy:
@@ -194,6 +199,23 @@ class Strategy:
         result.samples += n
         result.spans += [Span("forward", start, forward_end), Span("backward", forward_end, end)]
         return end
+
+
+def grad_norm(optimizer: Any) -> float | None:
+    """The optimizer's last global gradient norm before clipping (None without clipping)."""
+    return getattr(optimizer, "grad_norm", None)
+
+
+def counted_once(comm: Communicator, counted: Callable[[Any], bool]
+                 ) -> Callable[[list[Any], list[float]], float]:
+    """A total for `Optimizer.global_norm`: the sums of squares of the parameters this rank
+    counts (`counted(p)`: each distinct element of the model on one rank only, the other copies
+    left out), summed over comm (one all-reduce of a number)."""
+    def total(params: list[Any], sums: list[float]) -> float:
+        mine = math.fsum(s for p, s in zip(params, sums, strict=True) if counted(p))
+        return float(allreduce(np.array([mine]), op="sum", comm=comm)[0])
+
+    return total
 
 
 def microbatches(batch: Batch, n: int) -> list[tuple[Batch, float]]:

@@ -69,7 +69,14 @@ from mpdl.parallel.shards import (
     optimizer_state_nbytes,
     state_dtype,
 )
-from mpdl.parallel.strategy import Batch, MakeOptimizer, StepResult, Strategy
+from mpdl.parallel.strategy import (
+    Batch,
+    MakeOptimizer,
+    StepResult,
+    Strategy,
+    counted_once,
+    grad_norm,
+)
 from mpdl.parallel.zero_meter import ZeroMeter
 from mpdl.parallel.zero_params import (
     UNITS_PER_MODEL,
@@ -177,6 +184,8 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
         self.pieces, ndims = make_pieces(self.units)
         self.optimizer = make_optimizer([piece.tensor for piece in self.pieces])
         self.optimizer.shard(ndims, self._sum_squares)
+        # the pieces of a shard group are disjoint (a hybrid run's replicas hold the same ones)
+        self.optimizer.global_norm(counted_once(self.shard_comm, lambda piece: True))
         if hasattr(self.optimizer, "agree"):  # mixed precision: skip a step on every rank alike
             self.optimizer.agree = self._all_finite
         self._hooks = [p.register_grad_ready_hook(self._on_grad) for u in self.units
@@ -361,6 +370,7 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
             for piece in self.pieces:
                 piece.tensor.grad = piece.unit.grad_shard[piece.in_shard]
             self.optimizer.step()
+            result.grad_norm = grad_norm(self.optimizer)
             self._count_optimizer_state()
         self.parameters.after_optimizer_step()  # stages 1-2: all-gather the updated shards
         return self.meter.finish(result, self.units)

@@ -6,7 +6,8 @@ output), each a dataclass whose fields are the options. An option is declared on
 its section, with its default, help, allowed values or check, and its flag where that is not
 the field's name with dashes:
 
-    epochs: int = option(15, "total epochs (a resumed run continues up to this)", check=POSITIVE)
+    epochs: float = option(15, "total epochs, a fraction allowed (a resumed run continues up to "
+                           "this)", check=POSITIVE)
 
 From these fields `mpdl train` makes its flags (mpdl.cli.train), reads `--config run.toml` (a
 table per section: `[optim]` then `epochs = 15`; mpdl.training.config_file), prints
@@ -48,20 +49,21 @@ from mpdl.parallel.zero import STAGES as ZERO_STAGES
 from mpdl.training import precision
 from mpdl.training.precision import PRECISIONS
 
-OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
+OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
 DATASETS = ("digits", "mnist", "synthetic", "addition", "text")
 #: the datasets of the GPT (token sequences); the image models take the others
 SEQUENCE_DATASETS = ("addition", "text")
 LR_SCHEDULES = ("constant", "cosine")
 PARALLEL_MODES = ("allreduce", "ps")
 #: the learning rate of each optimizer when --lr is not given ...
-DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "lars": 2.0, "lamb": 1e-2}
+DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "adamw": 1e-3, "lars": 2.0, "lamb": 1e-2}
 #: ... unless the model has its own: LeNet (no batch norm) diverges at sgd 0.2 and learns
 #: faster with adam at 3e-3
-MODEL_LR = {("lenet", "sgd"): 0.03, ("lenet", "adam"): 3e-3, ("gpt", "adam"): 3e-3}
+MODEL_LR = {("lenet", "sgd"): 0.03, ("lenet", "adam"): 3e-3, ("gpt", "adam"): 3e-3,
+            ("lenet", "adamw"): 3e-3, ("gpt", "adamw"): 3e-3}
 #: ... and a GPT with mixture-of-experts blocks, which stalled on 3-digit addition at 3e-3 and
 #: learns it at 2e-3 (docs/results/moe.md#figures)
-MOE_LR = {("gpt", "adam"): 2e-3}
+MOE_LR = {("gpt", "adam"): 2e-3, ("gpt", "adamw"): 2e-3}
 #: what a model's run gets by default where the option is not given: the GPT trains with Adam on
 #: batches of 128 sequences for 8 epochs (3,128 steps on the addition task; with 5 the cosine
 #: decays before the model has learnt the carries), after a warmup of about 100 steps
@@ -161,6 +163,9 @@ POSITIVE_INT = expect(lambda v: _integer(v) and v >= 1, "expected a positive num
 COUNT = expect(lambda v: _integer(v) and v >= 0, "expected a number >= 0")
 OPTIONAL_POSITIVE = expect(lambda v: v is None or (_number(v) and v > 0),
                            "expected a positive number")
+OPTIONAL_COUNT = expect(lambda v: v is None or (_integer(v) and v >= 0),
+                        "expected a number >= 0")
+BETA = expect(lambda v: _number(v) and 0 <= v < 1, "expected a number in [0, 1)")
 OPTIONAL_POSITIVE_INT = expect(lambda v: v is None or (_integer(v) and v >= 1),
                                "expected a positive number")
 
@@ -247,16 +252,19 @@ class DataConfig:
 class OptimConfig:
     """The optimizer, the learning rate and its schedule, the batch, the epochs and the seed."""
 
-    epochs: int = option(15, "total epochs (a resumed run continues up to this)", check=POSITIVE)
+    epochs: float = option(15, "total epochs, a fraction allowed (a resumed run continues up to "
+                           "this)", check=POSITIVE)
     global_batch_size: int = option(64, "samples (sequences) per step over all ranks, split into "
                                     "contiguous per-rank slices", check=POSITIVE, metavar="B")
-    lr: float | None = option(None, "learning rate (default: sgd 0.2, adam 0.001, lars 2, lamb "
-                              "0.01; lenet: sgd 0.03, adam 0.003; gpt: adam 0.003, with "
+    lr: float | None = option(None, "learning rate (default: sgd 0.2, adam and adamw 0.001, lars 2, "
+                              "lamb 0.01; lenet: sgd 0.03, adam 0.003; gpt: adam 0.003, with "
                               "--moe-experts 0.002; x 0.25 under --compression signsgd)",
                               check=expect(lambda v: v is None or (_number(v) and
                                                                    0 < v < math.inf),
                                            "expected a finite learning rate > 0"))
-    optimizer: str = option("sgd", "sgd and lars use --momentum", choices=OPTIMIZERS)
+    optimizer: str = option("sgd", "sgd and lars use --momentum; adamw: decoupled --weight-decay "
+                            "on the parameters of 2 or more dimensions (weights, embeddings), "
+                            "not biases or norms", choices=OPTIMIZERS)
     momentum: float = option(0.9, "in [0, 1)",
                              check=expect(lambda v: _number(v) and 0 <= v < 1,
                                           "expected a momentum in [0, 1)"))
@@ -286,6 +294,28 @@ class OptimConfig:
                         check=POSITIVE_INT, metavar="N")
     grad_accum: int = option(1, "split each rank's batch into N microbatches and accumulate their "
                              "gradients before one update", check=POSITIVE_INT, metavar="N")
+    max_steps: int | None = option(None, "optimizer steps in all, ending the run wherever the epoch "
+                                   "is (in place of --epochs)", check=OPTIONAL_POSITIVE_INT,
+                                   metavar="N")
+    warmup_steps: int | None = option(None, "linear warmup over N steps, then a cosine to --min-lr "
+                                      "ending at --lr-decay-steps, as nanoGPT (in place of "
+                                      "--warmup-epochs)", check=OPTIONAL_COUNT, metavar="N")
+    lr_decay_steps: int | None = option(None, "the cosine reaches --min-lr at step N, counted from "
+                                        "step 0 (default: the last step); --min-lr after",
+                                        check=OPTIONAL_POSITIVE_INT, metavar="N")
+    min_lr: float = option(0.0, "the learning rate the cosine ends at", check=AT_LEAST_ZERO,
+                           metavar="LR")
+    beta1: float = option(0.9, "adam, adamw: the first moment's decay", check=BETA)
+    beta2: float = option(0.999, "adam, adamw: the second moment's decay", check=BETA)
+    eps: float = option(1e-8, "adam, adamw: added to the second moment's root",
+                        check=POSITIVE)
+    grad_clip: float | None = option(None, "scale the gradient to global norm X when it is larger "
+                                     "(the whole model's, on every layout)",
+                                     check=OPTIONAL_POSITIVE, metavar="X")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.epochs, float) and self.epochs.is_integer():
+            self.epochs = int(self.epochs)  # whole epochs print and record as before
 
 
 @dataclasses.dataclass
@@ -597,9 +627,42 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError("{checkpoint.every} cannot be combined with {communication.sync_every} "
                           "H > 1 (between two averages the replicas differ, and a checkpoint "
                           "holds one of them)")
-    if o.lr_schedule == "cosine" and o.warmup_epochs >= o.epochs:
+    by_steps = o.warmup_steps is not None or o.max_steps is not None
+    if o.lr_schedule == "cosine" and o.warmup_epochs >= o.epochs and not by_steps:
         raise ConfigError("{optim.lr_schedule} cosine needs {optim.warmup_epochs} below "
                           "{optim.epochs}")
+    validate_steps(config)
+
+
+def validate_steps(config: TrainConfig) -> None:
+    """The step-based schedule, the optimizer's own options and clipping against the rest."""
+    o, p = config.optim, config.parallel
+    lr = config.base_lr()
+    if o.min_lr > lr:
+        raise ConfigError(f"{{optim.min_lr}} {o.min_lr:g} must not exceed the learning rate "
+                          f"{lr:g}")
+    decay, decay_key = (o.lr_decay_steps, "{optim.lr_decay_steps}") if o.lr_decay_steps \
+        else (o.max_steps, "{optim.max_steps}")
+    if o.warmup_steps is not None and decay is not None and o.warmup_steps > decay:
+        raise ConfigError(f"{{optim.warmup_steps}} {o.warmup_steps} is longer than the decay: "
+                          f"{decay_key} {decay} (the warmup lies inside the decay's steps)")
+    if o.lr_decay_steps is not None and o.lr_schedule != "cosine":
+        raise ConfigError(f"{{optim.lr_decay_steps}} needs {{optim.lr_schedule}} cosine, not "
+                          f"{o.lr_schedule}")
+    adams = ("adam", "adamw")
+    for key in ("optim.beta1", "optim.beta2", "optim.eps"):
+        if o.optimizer not in adams and getattr(o, key[6:]) != OPTIONS[key].default:
+            raise ConfigError(f"{{{key}}} is an option of {{optim.optimizer}} adam or adamw, not "
+                              f"{o.optimizer}")
+    if o.grad_clip is None:
+        return
+    cannot = ("{parallel.mode} ps (the servers update as pushes come)" if p.mode == "ps" else
+              "{communication.sync_every} > 1 (each replica steps on its own gradient)"
+              if config.communication.sync_every > 1 else
+              "{optim.deterministic} (its sums are exact, a norm is not)" if o.deterministic
+              else None)
+    if cannot:
+        raise ConfigError(f"{{optim.grad_clip}} cannot be combined with {cannot}")
 
 
 def validate_grid(config: TrainConfig, world_size: int) -> None:
@@ -875,9 +938,11 @@ def validate_deterministic(config: TrainConfig) -> None:
            "{parallel.zero_hybrid}": (p.zero_hybrid, "it shards over all ranks"),
            "{parallel.zero}": (p.pp > 1 and p.zero > 0, "with {parallel.pp} the update is not "
                                "sharded"),
-           "{optim.optimizer}": (p.zero > 0 and o.optimizer in ("lars", "lamb"),
-                                 "with {parallel.zero}, lars and lamb need whole-tensor norms; "
-                                 "use sgd or adam")}
+           "{optim.optimizer}": (p.zero > 0 and (o.optimizer in ("lars", "lamb") or
+                                               (o.optimizer == "adamw" and o.weight_decay > 0)),
+                                 "with {parallel.zero}, lars and lamb need whole-tensor norms "
+                                 "and adamw decays whole matrices, but the update is one flat "
+                                 "block; use sgd or adam")}
     for key, (bad, reason) in why.items():
         if bad:
             raise ConfigError(f"{{optim.deterministic}} cannot be combined with {key}: {reason}")
@@ -924,7 +989,18 @@ def resume_mismatch(config: TrainConfig, saved: Mapping[str, Any]) -> str | None
             return (f"{{checkpoint.resume}}: the checkpoint in {where} was written with "
                     f"{{{key}}}={literal(repr(saved[key]))}, this run has "
                     f"{literal(repr(mine[key]))}")
+    o = config.optim
+    keys = ["optim.warmup_steps", "optim.lr_decay_steps", "optim.min_lr"]
+    if o.lr_schedule == "cosine" and o.lr_decay_steps is None:  # the steps set the decay's length
+        keys.append("optim.max_steps")
+    for key in keys:
+        if saved.get(key, mine[key]) != mine[key]:
+            return (f"{{checkpoint.resume}}: the checkpoint in {where} was written with "
+                    f"{{{key}}}={literal(repr(saved[key]))}, this run has "
+                    f"{literal(repr(mine[key]))}; the learning rates already used depend on it")
     epochs = config.optim.epochs
+    if config.optim.max_steps is not None:
+        return None  # the steps, not the epochs, set the schedule's length
     if config.optim.lr_schedule == "cosine" and saved.get("optim.epochs", epochs) != epochs:
         return (f"{{checkpoint.resume}}: the checkpoint in {where} was written with "
                 f"{{optim.epochs}}={saved['optim.epochs']!r}, this run has {epochs!r}; the cosine "

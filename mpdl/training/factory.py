@@ -76,13 +76,29 @@ def dgc(config: TrainConfig) -> bool:
 
 
 def make_optimizer(config: TrainConfig) -> Callable[[list[Any]], Any]:
-    """The factory of the configured optimizer at the base learning rate."""
+    """The factory of the configured optimizer at the base learning rate, clipping the gradient
+    to --grad-clip (the strategy says how its gradients make the whole model's:
+    `Optimizer.global_norm`)."""
+    build = _optimizer(config)
+
+    def make(params: list[Any]) -> Any:
+        optimizer = build(params)
+        optimizer.max_grad_norm = config.optim.grad_clip
+        return optimizer
+
+    return make
+
+
+def _optimizer(config: TrainConfig) -> Callable[[list[Any]], Any]:
     c, lr = config.optim, config.base_lr()
     if c.optimizer == "sgd":
         return lambda p: optim.SGD(p, lr=lr, momentum=0.0 if dgc(config) else c.momentum,
                                    weight_decay=c.weight_decay)
+    adam = dict(lr=lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay)
     if c.optimizer == "adam":
-        return lambda p: optim.Adam(p, lr=lr, weight_decay=c.weight_decay)
+        return lambda p: optim.Adam(p, **adam)
+    if c.optimizer == "adamw":
+        return lambda p: optim.AdamW(p, **adam, decay="matrices")
     if c.optimizer == "lars":
         return lambda p: optim.LARS(p, lr=lr, momentum=c.momentum, weight_decay=c.weight_decay)
     return lambda p: optim.LAMB(p, lr=lr, weight_decay=c.weight_decay)

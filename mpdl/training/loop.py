@@ -131,10 +131,8 @@ class Trainer:
                                           seed=o.seed, drop_last=c.data.drop_last,
                                           atoms=o.atoms if o.deterministic else 0)
         self.steps_per_epoch = len(self.sampler)
-        total = o.epochs * self.steps_per_epoch
-        warmup = int(round(o.warmup_epochs * self.steps_per_epoch))
-        self.schedule = optim.WarmupSchedule(self.lr, warmup_steps=min(warmup, total),
-                                             total_steps=total, kind=o.lr_schedule)
+        self.total_steps = total_steps(c, self.steps_per_epoch)
+        self.schedule = make_schedule(c, self.lr, self.steps_per_epoch)
         if ck.init_from:
             agreed(self.comm, self._init_from)
         if ck.resume:
@@ -272,6 +270,8 @@ class Trainer:
         epoch_start = time.perf_counter()
         self.ledger.reset_peaks()
         for idx, global_batch in self.sampler:
+            if self.step >= self.total_steps:  # --max-steps or a fraction of an epoch
+                break
             self.lr = self.schedule(self.step)
             batch = Batch(self._to_device(self.task.xtr[idx]),
                           self._to_device(self.task.ytr[idx]), global_batch, self.lr,
@@ -350,7 +350,7 @@ class Trainer:
             if everyone:
                 self._checked_until = self.step + CHECKED_STEPS
                 check_every_call(True)
-            for epoch in range(self.start_epoch, c.optim.epochs):
+            for epoch in range(self.start_epoch, -(-self.total_steps // self.steps_per_epoch)):
                 s = self.train_epoch(epoch)
                 peaks = memory_fields(self._memory_peaks, trainers)
                 with strategy.gathered(optimizer_state=bool(c.checkpoint.dir) and
@@ -381,7 +381,7 @@ class Trainer:
     def _add_row(self, epoch: int, tot: np.ndarray, ranks: int,
                  memory_peaks: dict[str, Any]) -> None:
         """Record, print and write the epoch's row from the sums over the `ranks` that train."""
-        steps = self.steps_per_epoch
+        steps = min(self.steps_per_epoch, self.total_steps - epoch * self.steps_per_epoch)
         fields = self.strategy.report()
         row = {"epoch": epoch + 1, "loss": tot[0] / tot[2], "train_acc": tot[1] / tot[2],
                **self.task.metrics(tot[7:]), "samples_per_s": tot[2] / (tot[6] / ranks),
@@ -421,3 +421,27 @@ class Trainer:
         if c.optim.precision == "fp16":
             self.report.columns = (*self.report.columns, *FP16_COLUMNS)
         self.report.header(what, [note for note in notes if note])
+
+
+def total_steps(config: TrainConfig, steps_per_epoch: int) -> int:
+    """The optimizer steps of the whole run: --max-steps, else the epochs' (at least one)."""
+    o = config.optim
+    if o.max_steps is not None:
+        return o.max_steps
+    return max(1, round(o.epochs * steps_per_epoch))
+
+
+def make_schedule(config: TrainConfig, lr: float, steps_per_epoch: int) -> Callable[[int], float]:
+    """The learning rate by step: with --warmup-steps or --lr-decay-steps nanoGPT's (warmup,
+    cosine to --min-lr ending at the decay's step, counted from step 0), else the warmup over
+    --warmup-epochs and the cosine over the run's steps."""
+    o, total = config.optim, total_steps(config, steps_per_epoch)
+    warmup = o.warmup_steps if o.warmup_steps is not None else \
+        min(int(round(o.warmup_epochs * steps_per_epoch)), total)
+    if o.lr_schedule == "cosine" and (o.warmup_steps is not None or o.lr_decay_steps is not None):
+        decay = o.lr_decay_steps or total
+        return optim.CosineSchedule(lr, min(warmup, decay), decay, o.min_lr)
+    if o.lr_schedule == "cosine" and warmup >= total:
+        warmup = total - 1
+    return optim.WarmupSchedule(lr, warmup_steps=warmup, total_steps=total, kind=o.lr_schedule,
+                                min_lr=o.min_lr)

@@ -67,7 +67,7 @@ from mpdl.parallel.pipeline.schedule import (
 )
 from mpdl.parallel.pipeline.stage import PipelineStage
 from mpdl.parallel.pipeline.state import PipelineState
-from mpdl.parallel.strategy import Batch, StepResult, Strategy, correct_predictions
+from mpdl.parallel.strategy import Batch, StepResult, Strategy, correct_predictions, grad_norm
 
 
 # -- the strategy --------------------------------------------------------------------------------
@@ -210,6 +210,7 @@ class PipelineStrategy(ScheduleRunner, PipelineStage, PipelineState, Strategy):
         self._update(mb, meter)
         self._share_metrics(meter.result)
         result = meter.close()
+        result.grad_norm = grad_norm(self.optimizer)
         self.last_order = [(op.kind, op.mb) if self.v == 1 else (op.kind, op.mb, op.stage)
                            for op in order]
         self.last_peak, self.last_peak_bytes = meter.peak, meter.peak_bytes

@@ -34,7 +34,7 @@ from mpdl.collectives import allreduce
 from mpdl.parallel.context import context_attention, positions
 from mpdl.parallel.dpshard import ShardedOptimizer
 from mpdl.parallel.shards import placeholder as _placeholder
-from mpdl.parallel.strategy import MakeOptimizer
+from mpdl.parallel.strategy import MakeOptimizer, counted_once
 from mpdl.parallel.tensor_parallel import TensorParallelGPT
 
 
@@ -184,6 +184,10 @@ class PipelineStage:
         if tied is not None and (self.first or self.last):  # every pipeline's two ends
             self.tied_comm = self.grid.pp_comm.sub(ends)
         self.optimizer = self._stage_optimizer(make_optimizer)
+        if hasattr(self.optimizer, "global_norm"):
+            self._tp_shards = {id(shard) for shard, _, _ in (self.tp_model.shards
+                                                             if self.tp_model else [])}
+            self.optimizer.global_norm(counted_once(self.comm, self._counted))
         self._owned = {id(p) for p in self.stage_params}
         self._release_others()
         memory.hold_all([p.data for p in self.stage_params], "parameters")
@@ -205,6 +209,19 @@ class PipelineStage:
         flag over the whole grid)."""
         flags = allreduce(np.array([0 if finite else 1], np.int32), op="max", comm=self.comm)
         return not flags[0]
+
+    def _counted(self, p: Any) -> bool:
+        """Whether this rank counts p's gradient in the global norm, so that each element of
+        the model counts once over the grid: the tied embedding on the first stage, a part
+        replicated over tp on tp rank 0, over cp on cp rank 0, over dp (unless ZeRO shards it)
+        on dp rank 0."""
+        if p is self.tied or (self.grid.t and id(p) not in self._tp_shards) or self.grid.c:
+            return False
+        return self._counted_over_dp(p)
+
+    def _counted_over_dp(self, p: Any) -> bool:
+        """Whether p's gradient, summed over the data-parallel ranks, counts on this one."""
+        return bool(self.zero) or self.grid.d == 0
 
     def _stage_optimizer(self, make_optimizer: MakeOptimizer) -> Any:
         """The optimizer of `stage_params` (with ZeRO-1 its state sharded over dp)."""
