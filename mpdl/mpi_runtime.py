@@ -81,8 +81,31 @@ def wait_for_peers(limit_s: float = 5.0) -> None:
         time.sleep(1e-3)
 
 
+#: whether this process has said its one line on the way out (`say`)
+_said: list[str] = []
+#: called with the failure's one-line reason before a failing rank aborts the job (the flight
+#: recorder dumps its records and tells the other ranks, which say so in a line of their own)
+before_abort: list = []
+
+
+def say(line: str) -> bool:
+    """Write line to stderr, unless this process has said its line already; whether it did.
+    A rank leaving the job says one line: why it fails, or why the job ends for it."""
+    if _said:
+        return False
+    _said.append(line)
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    return True
+
+
 def abort_on_uncaught_exception() -> None:
-    """Make an uncaught exception on any rank abort the whole MPI job instead of hanging its peers."""
+    """Make an uncaught exception on any rank abort the whole MPI job instead of hanging its
+    peers: the rank says one line (mpdl's own errors that name what happened, marked
+    `one_line`, without a traceback), tells the other ranks (`before_abort`), then aborts.
+    Installed once per process (by the `mpdl` command, and by the first MPI communicator)."""
+    if aborts_the_job(sys.excepthook):
+        return
     previous = sys.excepthook
 
     def hook(kind, value, tb) -> None:
@@ -90,10 +113,36 @@ def abort_on_uncaught_exception() -> None:
 
         if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
             rank = MPI.COMM_WORLD.Get_rank()
-            sys.stderr.write(f"mpdl: rank {rank} failed; aborting the job\n")
-            traceback.print_exception(kind, value, tb)
-            sys.stderr.flush()
+            reason = f"{kind.__name__}: {value}"
+            if getattr(value, "one_line", False):
+                say(f"mpdl: rank {rank} failed: {reason}")
+            elif say(f"mpdl: rank {rank} failed; aborting the job"):
+                traceback.print_exception(kind, value, tb)
+                sys.stderr.flush()
+            for callback in before_abort:
+                try:
+                    callback(reason)
+                except Exception:  # noqa: BLE001 - the job is ending either way
+                    pass
             MPI.COMM_WORLD.Abort(1)
+            os._exit(1)  # MPICH's MPI_Abort may return before the launcher ends the process
         previous(kind, value, tb)
 
+    hook._mpdl_abort = True  # type: ignore[attr-defined]
+    hook._mpdl_previous = previous  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def aborts_the_job(hook) -> bool:
+    """Whether the excepthook `hook` is, or wraps, the one `abort_on_uncaught_exception`
+    installs."""
+    return any(getattr(h, "_mpdl_abort", False) for h in _hooks(hook))
+
+
+def _hooks(hook) -> list:
+    """The chain of excepthooks mpdl installed, outermost first (each keeps the one it wraps)."""
+    chain = []
+    while hook is not None:
+        chain.append(hook)
+        hook = getattr(hook, "_mpdl_previous", None)
+    return chain

@@ -40,12 +40,18 @@ LAYOUTS = {
     "adamw-dp2": (2, {"optim.optimizer": "adamw", "optim.weight_decay": 0.1, "optim.lr": 0.01}),
     "adamw-zero3-dp3": (3, {"optim.optimizer": "adamw", "optim.weight_decay": 0.1,
                             "optim.lr": 0.01, "parallel.zero": 3}),
+    "adamw-tp2": (2, {"optim.optimizer": "adamw", "optim.weight_decay": 0.1, "optim.lr": 0.01,
+                      "parallel.tp": 2}),
+    "adamw-dp2-pp2-zero1": (4, {"optim.optimizer": "adamw", "optim.weight_decay": 0.1,
+                                "optim.lr": 0.01, "parallel.pp": 2, "parallel.zero": 1}),
 }
 MOE = {"model.moe_experts": 2, "model.moe_top_k": 1}
 MOE_LAYOUTS = {"ep2": (2, {"parallel.ep": 2}), "ep1-dp3": (3, {}),
-               "ep2-pp2": (4, {"parallel.ep": 2, "parallel.pp": 2})}
-#: a pipeline of mixtures of experts follows its one-replica pipeline (not one rank: the
-#: mixtures' sums go another way, clipped or not)
+               "ep2-zero1": (2, {"parallel.ep": 2, "parallel.zero": 1}),
+               "ep2-pp2": (4, {"parallel.ep": 2, "parallel.pp": 2}),
+               "ep2-pp2-zero1": (4, {"parallel.ep": 2, "parallel.pp": 2, "parallel.zero": 1})}
+#: a pipeline of mixtures of experts without ZeRO follows its one-replica pipeline, not one
+#: rank (it differs from one rank by 1e-2 in 4 steps, clipped or not; with ZeRO-1 it does not)
 REFERENCE = {"ep2-pp2": (2, {"parallel.pp": 2})}
 
 

@@ -128,6 +128,11 @@ RUNS = {
     "--max-bytes 64M":
         "python benchmarks/bench_auto.py --ranks 2 --no-calibration --no-emulated --loop 4 "
         "--iters 1 --min-bytes 1K --max-bytes 1K",
+    "mpiexec -n 2 mpdl train --model gpt --optimizer adamw --lr 1e-3 --weight-decay 0.1 --beta2 "
+    "0.99 --max-steps 2000 --warmup-steps 100 --min-lr 1e-4 --grad-clip 1.0 --zero 3":
+        "mpiexec -n 2 mpdl train --model gpt --optimizer adamw --lr 1e-3 --weight-decay 0.1 "
+        f"--beta2 0.99 --max-steps 4 --warmup-steps 2 --min-lr 1e-4 --grad-clip 1.0 --zero 3 "
+        f"{SMALL_GPT}",
     "mpiexec -n 2 mpdl train --model gpt --precision bf16 --grad-accum 2":
         f"mpiexec -n 2 mpdl train --model gpt --precision bf16 --grad-accum 2 {SMALL_GPT}",
     "mpiexec -n 4 mpdl train --model gpt --precision bf16 --pp 2 --tp 2 --sp --digits 2":

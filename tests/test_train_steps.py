@@ -14,10 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mpdl.autograd import nn, optim
 from mpdl.cli.train import flag
 from mpdl.threadworld import ThreadWorld
 from mpdl.training.config import ConfigError, TrainConfig, validate
 from mpdl.training.config_file import config_toml, read_config_file
+from mpdl.training.factory import make_optimizer
 from mpdl.training.loop import Trainer
 
 #: a tiny GPT on 1-digit addition: 90 training problems, 8 steps an epoch of 12
@@ -104,6 +106,12 @@ def test_grad_clip_reports_the_norm_before_clipping():
     ({"optim.deterministic": True, "optim.grad_clip": 1.0},
      "optim.grad_clip cannot be combined with optim.deterministic",
      "--grad-clip cannot be combined with --deterministic"),
+    ({"optim.deterministic": True, "parallel.zero": 1, "optim.weight_decay": 0.1,
+      "model.dtype": "float32"},
+     "optim.deterministic cannot be combined with optim.optimizer: with parallel.zero, lars and "
+     "lamb need whole-tensor norms and adamw decays whole matrices",
+     "--deterministic cannot be combined with --optimizer: with --zero, lars and lamb need "
+     "whole-tensor norms and adamw decays whole matrices"),
 ])
 def test_bad_steps_and_clipping_are_refused(changes, library, flags):
     with pytest.raises(ConfigError) as caught:
@@ -164,3 +172,17 @@ def test_a_killed_run_resumes_to_the_same_step_count(tmp_path):
                 "--checkpoint", str(part), "--resume")
     assert other.returncode == 2
     assert "written with --max-steps=11, this run has 12" in other.stderr
+
+
+def test_the_configured_adamw_decays_matrices_with_the_given_betas():
+    config = TrainConfig.from_keys({**TINY, "optim.weight_decay": 0.1, "optim.beta1": 0.8,
+                                    "optim.beta2": 0.99, "optim.eps": 1e-6, "optim.lr": 0.5,
+                                    "optim.grad_clip": 2.0})
+    matrix, vector = nn.Parameter(np.ones((2, 2))), nn.Parameter(np.ones(2))
+    opt = make_optimizer(config)([matrix, vector])
+    assert isinstance(opt, optim.AdamW) and opt.max_grad_norm == 2.0
+    assert opt.param_groups[0]["betas"] == (0.8, 0.99) and opt.param_groups[0]["eps"] == 1e-6
+    matrix.grad, vector.grad = np.zeros((2, 2)), np.zeros(2)
+    opt.step()  # a zero gradient: only the decay moves a parameter
+    np.testing.assert_allclose(matrix.data, 1 - 0.5 * 0.1)
+    np.testing.assert_allclose(vector.data, 1.0)

@@ -72,19 +72,10 @@ class Optimizer:
         self._norm_total = total
 
     def _clip(self, params: list[Tensor]) -> None:
-        """With `max_grad_norm`: set `grad_norm` to the global norm of the gradients and scale
-        them by min(1, max_grad_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_."""
-        if self.max_grad_norm is None:
-            return
-        xp = get_array_module(params[0].grad) if params else np
-        squares = to_host(xp.stack([_sumsq64(p.grad) for p in params])) if params else []
-        sums = [float(v) for v in squares]
-        total = math.fsum(sums) if self._norm_total is None else self._norm_total(params, sums)
-        self.grad_norm = math.sqrt(total)
-        coef = self.max_grad_norm / (self.grad_norm + CLIP_EPS)
-        if coef < 1.0:
-            for p in params:
-                p.grad *= p.grad.dtype.type(coef)
+        """With `max_grad_norm`: clip the gradients (`clip_grad_norm`), their norm in
+        `grad_norm`."""
+        if self.max_grad_norm is not None:
+            self.grad_norm = clip_grad_norm(params, self.max_grad_norm, self._norm_total)
 
     def _ndim(self, p: Tensor) -> int:
         return self._ndims.get(id(p), p.data.ndim)
@@ -236,6 +227,7 @@ class Adam(Optimizer):
         fused.adam_(p.data, grad, m, v, (b1, b2), t, lr, group["eps"])
 
     def _decays(self, p: Tensor) -> bool:
+        """Whether the decoupled weight decay applies to p (AdamW chooses)."""
         return True
 
 
@@ -256,18 +248,16 @@ class AdamW(Adam):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, decay: str | Sequence[bool] = "all") -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self._flags: dict[int, bool] | None = None
-        if isinstance(decay, str):
-            if decay not in DECAY_RULES:
-                raise ValueError(f"AdamW: decay must be one of {', '.join(DECAY_RULES)} or a flag "
-                                 f"per parameter, not {decay!r}")
-        else:
+        self.decay, self._flags = decay, None
+        if isinstance(decay, str) and decay not in DECAY_RULES:
+            raise ValueError(f"AdamW: decay must be one of {', '.join(DECAY_RULES)} or a flag per "
+                             f"parameter, not {decay!r}")
+        if not isinstance(decay, str):
             flags, params = [bool(f) for f in decay], self._params()
             if len(flags) != len(params):
                 raise ValueError(f"AdamW: decay has {len(flags)} flags for {len(params)} "
                                  f"parameters")
             self._flags = {id(p): f for p, f in zip(params, flags, strict=True)}
-        self.decay = decay if isinstance(decay, str) else "flags"
 
     def _decays(self, p: Tensor) -> bool:
         """Whether the weight decay applies to p."""
@@ -276,9 +266,27 @@ class AdamW(Adam):
         return self.decay == "all" or self._ndim(p) >= 2
 
 
-def _sumsq64(a: Any) -> Any:
-    """The sum of squares of a's elements in float64 (a 0-d array, no host sync)."""
-    return get_array_module(a).square(a, dtype=np.float64).sum()
+def clip_grad_norm(params: list[Tensor], max_norm: float,
+                   total: Callable[[list[Tensor], list[float]], float] | None = None) -> float:
+    """Scale the gradients of `params` by min(1, max_norm / (norm + 1e-6)), as
+    torch.nn.utils.clip_grad_norm_, and return the norm before clipping: the root of
+    `total(params, sums)` (see `Optimizer.global_norm`), by default of the sums of squares."""
+    xp = get_array_module(params[0].grad) if params else np
+    squares = to_host(xp.stack([_grad_sumsq(p.grad) for p in params])) if params else []
+    sums = [float(v) for v in squares]
+    norm = math.sqrt(math.fsum(sums) if total is None else total(params, sums))
+    coef = max_norm / (norm + CLIP_EPS)
+    if coef < 1.0:
+        for p in params:
+            p.grad *= p.grad.dtype.type(coef)
+    return norm
+
+
+def _grad_sumsq(a: Any) -> Any:
+    """The sum of squares of a gradient's elements, a dot product in its dtype (one pass, no
+    copy; a 0-d array, no host sync)."""
+    flat = a.reshape(-1)
+    return get_array_module(a).dot(flat, flat)
 
 
 def _sumsq(a: Any) -> Any:

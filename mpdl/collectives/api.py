@@ -22,6 +22,7 @@ from mpdl.collectives.checks import agree as _agree
 from mpdl.collectives.checks import pick as _pick
 from mpdl.collectives.ops import check_array, check_op, in_float32, reduced_bytes, reduces_wide
 from mpdl.comm import Communicator, as_communicator
+from mpdl.comm.calls import call_name, call_state
 from mpdl.comm.handles import Handle, comm_thread_for, run_in_order
 
 
@@ -38,13 +39,22 @@ def _flat_copy(x: Any, xp: Any, into: Any) -> Any:
     return flat
 
 
-def _run(comm, algorithm: registry.Algorithm, collective: str, buf: Any, *args,
+def _run(comm, algorithm: registry.Algorithm, signature: tuple, buf: Any, *args,
          called: Any = None, **kwargs) -> None:
     """Run the algorithm in issue order, named for timeouts and recorded by the flight recorder
     (one entry: sequence number, collective, algorithm, bytes, dtype, op, ranks, times, state;
-    the bytes and dtype of `called`, the caller's array, where buf is its float32 copy)."""
+    the bytes and dtype of `called`, the caller's array, where buf is its float32 copy).
+
+    Its messages travel under the tag of its signature (collective, algorithm, shape, dtype, op,
+    root), so that a rank making another call never matches them; MPI's own and the shared-memory
+    algorithms, whose messages carry no tag of ours, and broadcasts (ranks that each take
+    themselves for the root only send: nothing would wait) first compare the signature's hash
+    across the ranks (`checks.precheck`)."""
+    collective = signature[0]
+    name = call_name(signature)
+
     def work() -> None:
-        previous, comm.collective = comm.collective, f"{collective}/{algorithm.name}"
+        previous, comm.collective = comm.collective, name
         flight, entry = comm.flight, None
         if flight is not None:
             group = comm.flight_group()
@@ -56,14 +66,17 @@ def _run(comm, algorithm: registry.Algorithm, collective: str, buf: Any, *args,
             named = buf if called is None else called
             entry = flight.begin(group, collective, algorithm.name, named.nbytes, named.dtype, op,
                                  group)
+        tag, call_state.tag = call_state.tag, name.tag
         try:
+            if algorithm.name in _checks.UNTAGGED or collective == "broadcast":
+                _checks.precheck(comm, name)
             algorithm.run(comm, buf, *args, **kwargs)
         except BaseException:
             if entry is not None:
                 flight.end(entry, "failed")
             raise
         finally:
-            comm.collective = previous
+            comm.collective, call_state.tag = previous, tag
         if entry is not None:
             flight.end(entry)
 
@@ -110,7 +123,7 @@ def _prepare_allreduce(x: Any, op: str, algorithm: str, comm: Any, out: Any):
     if reduces_wide(x.dtype, op):
         def rounded_once() -> Any:
             wide = in_float32(c, x.reshape(-1), xp, op,
-                              lambda w: _run(c, algo, "allreduce", w, op, called=x))
+                              lambda w: _run(c, algo, call.signature, w, op, called=x))
             out.reshape(-1)[...] = wide
             return out
 
@@ -121,7 +134,7 @@ def _prepare_allreduce(x: Any, op: str, algorithm: str, comm: Any, out: Any):
         flat, source = _flat_copy(x, xp, out), {}
 
     def work() -> Any:
-        _run(c, algo, "allreduce", flat, op, **source)
+        _run(c, algo, call.signature, flat, op, **source)
         if op == "avg":
             xp.true_divide(flat, c.size, out=flat)
         return out
@@ -161,8 +174,7 @@ def _prepare_reduce_scatter(x: Any, op: str, algorithm: str, comm: Any, in_place
     def work() -> Any:
         if reduces_wide(dtype, op):
             wide = in_float32(c, x.reshape(-1), xp, op,
-                              lambda w: _run(c, algo, "reduce_scatter", w, op, bounds,
-                                               called=x))
+                              lambda w: _run(c, algo, call.signature, w, op, bounds, called=x))
             mine = wide[bounds[c.rank]:bounds[c.rank + 1]]
             if not in_place:
                 return mine.astype(dtype)
@@ -173,7 +185,7 @@ def _prepare_reduce_scatter(x: Any, op: str, algorithm: str, comm: Any, in_place
         else:
             buf = c.workspace("api.reduce_scatter", x.size, dtype, xp)
             xp.copyto(buf, x.reshape(-1))
-        _run(c, algo, "reduce_scatter", buf, op, bounds)
+        _run(c, algo, call.signature, buf, op, bounds)
         mine = buf[bounds[c.rank]:bounds[c.rank + 1]]
         if not in_place:
             mine = mine.copy()
@@ -216,7 +228,7 @@ def _prepare_allgather(x: Any, algorithm: str, comm: Any, count: int | None, out
 
     def work() -> Any:
         xp.copyto(result[bounds[c.rank]:bounds[c.rank + 1]], x.reshape(-1))
-        _run(c, algo, "allgather", result, bounds)
+        _run(c, algo, call.signature, result, bounds)
         return result
 
     return c, work
@@ -228,12 +240,13 @@ def broadcast(x: Any, root: int = 0, algorithm: str = "auto", comm: Any = None) 
     xp, dtype = check_array(x)
     root = _check_root(root, c)
     algo = _pick("broadcast", algorithm, c, x.nbytes)
-    _agree(c, "broadcast", algo.name, x.shape, dtype, None, root)
+    signature = ("broadcast", algo.name, x.shape, dtype, None, root)
+    _agree(c, *signature)
     result = xp.empty(x.shape, dtype=dtype)
     flat = result.reshape(-1)
     if c.rank == root:
         xp.copyto(flat, x.reshape(-1))
-    _run(c, algo, "broadcast", flat, root)
+    _run(c, algo, signature, flat, root)
     return result
 
 
@@ -245,10 +258,11 @@ def reduce(x: Any, root: int = 0, op: str = "sum", algorithm: str = "auto",
     check_op(op, dtype)
     root = _check_root(root, c)
     algo = _pick("reduce", algorithm, c, reduced_bytes(x, op))
-    _agree(c, "reduce", algo.name, x.shape, dtype, op, root)
+    signature = ("reduce", algo.name, x.shape, dtype, op, root)
+    _agree(c, *signature)
     if reduces_wide(dtype, op):
         wide = in_float32(c, x.reshape(-1), xp, op,
-                          lambda w: _run(c, algo, "reduce", w, op, root, called=x))
+                          lambda w: _run(c, algo, signature, w, op, root, called=x))
         return wide.reshape(x.shape).astype(dtype) if c.rank == root else None
     if c.rank == root:
         result = xp.empty(x.shape, dtype=dtype)
@@ -257,7 +271,7 @@ def reduce(x: Any, root: int = 0, op: str = "sum", algorithm: str = "auto",
         result = None
         flat = c.workspace("api.reduce", x.size, dtype, xp)
     xp.copyto(flat, x.reshape(-1))
-    _run(c, algo, "reduce", flat, op, root)
+    _run(c, algo, signature, flat, op, root)
     if result is not None and op == "avg":
         xp.true_divide(flat, c.size, out=flat)
     return result
@@ -301,7 +315,7 @@ def _prepare_alltoall(x: Any, comm: Any, algorithm: str, out: Any):
         send = send.copy()
 
     def work() -> Any:
-        _run(c, algo, "alltoall", flat, send, layout)
+        _run(c, algo, call.signature, flat, send, layout)
         return out
 
     return c, work
@@ -330,11 +344,12 @@ def alltoallv(x: Any, send_counts: Any, comm: Any = None, algorithm: str = "auto
         algo = _pick("alltoall", "auto", c, mean_bytes)
     else:
         algo = named
-    _agree(c, "alltoallv", algo.name, x.shape[1:], dtype, None, None)
+    signature = ("alltoallv", algo.name, x.shape[1:], dtype, None, None)
+    _agree(c, *signature)
     layout = _blocks.varying([n * row for n in sends], [n * row for n in exchanged],
                              None if matrix is None else [[n * row for n in r] for r in matrix])
     out = xp.empty((sum(exchanged), *x.shape[1:]), dtype=dtype)
-    _run(c, algo, "alltoallv", out.reshape(-1), x.reshape(-1), layout)
+    _run(c, algo, signature, out.reshape(-1), x.reshape(-1), layout)
     return out, exchanged
 
 

@@ -17,6 +17,11 @@ from mpdl import backend
 from mpdl.collectives import blocks, hook, registry
 from mpdl.collectives.ops import block_bounds, check_array, check_op, reduced_bytes
 from mpdl.comm import CollectiveMismatch, Communicator, as_communicator
+from mpdl.comm.calls import PRECHECK_TAG, CallName, call_name, tagged
+
+#: the algorithms whose messages carry no tag of ours (MPI's own collectives, shared memory): a
+#: call of one compares its signature across the ranks first (`precheck`)
+UNTAGGED = frozenset({"mpi", "shm"})
 
 
 @dataclass(frozen=True)
@@ -128,12 +133,40 @@ def agree(comm: Communicator, *signature: Any, always: bool = False) -> None:
     (tens of microseconds)."""
     if not (comm.check or always) or comm.size == 1:
         return
-    everyone = comm.allgather_object(signature)
+    group = comm.flight_group()
+    position = comm.flight.next_seq(group) if comm.flight is not None else None
+    previous, comm.collective = comm.collective, call_name(signature).before(group, position)
+    try:
+        everyone = comm.allgather_object(signature)
+    finally:
+        comm.collective = previous
     if any(s != everyone[0] for s in everyone):
         lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
         seq = f" #{comm.flight.next_seq(comm.flight_group())}" if comm.flight is not None else ""
         raise CollectiveMismatch(f"{signature[0]}{seq}: ranks disagree on the call "
                                  f"(collective, algorithm, shape, dtype, op, root): {lines}")
+
+
+def precheck(comm: Communicator, name: CallName) -> None:
+    """Before a call whose messages carry no tag of ours (`UNTAGGED`), make sure every rank makes
+    the same call: the maximum of (hash, -hash) of its signature over the ranks, by recursive
+    doubling under a tag of its own (lg p exchanges of 16 bytes). Where the hashes differ, every
+    rank raises CollectiveMismatch naming each rank's call."""
+    if comm.size == 1:
+        return
+    word = comm.workspace("precheck", 2, np.int64, np)
+    word[0], word[1] = name.digest, -name.digest
+    with tagged(PRECHECK_TAG):
+        _PRECHECK.run(comm, word, "max")
+    if word[0] == -word[1]:
+        return
+    everyone = comm.allgather_object(name.describe())
+    seq = f" #{comm.flight.next_seq(comm.flight_group()) - 1}" if comm.flight is not None else ""
+    lines = "; ".join(f"rank {comm.world_rank(r)}: {s}" for r, s in enumerate(everyone))
+    raise CollectiveMismatch(f"{name}{seq}: the ranks called different collectives: {lines}")
+
+
+_PRECHECK = registry.resolve("allreduce", "recursive_doubling")
 
 
 def check_out(out: Any, x: Any, xp: Any) -> None:

@@ -21,12 +21,16 @@ from typing import Any
 import numpy as np
 
 from mpdl import backend, memory, settings
+from mpdl.comm.calls import OBJECT_TAG, CallName, call_state, is_check_tag, tagged
 
 DEFAULT_TIMEOUT_S = settings.Settings.timeout
 
 
 class CollectiveTimeout(RuntimeError):
     """A point-to-point wait inside a collective took longer than MPDL_TIMEOUT seconds."""
+
+    #: an uncaught one ends the job with its message alone, no traceback (mpdl.mpi_runtime)
+    one_line = True
 
 
 #: whether `check_every_call` is on, per thread (the ranks of an in-process world are threads)
@@ -41,7 +45,9 @@ def check_every_call(on: bool) -> None:
 
 
 class CollectiveMismatch(ValueError):
-    """Ranks called a collective with different arguments (detected with MPDL_CHECK=1)."""
+    """Ranks called different collectives, or one with different arguments."""
+
+    one_line = True
 
 
 #: threads of this process now blocked until background communication finishes, and its lock
@@ -162,6 +168,7 @@ class Communicator:
     #: the collective now running, for error messages and the message log (set by mpdl.collectives)
     collective: str = "p2p"
     #: when a list, every message sent is appended as (collective, step, src, dst, nbytes)
+    #: (the algorithms' messages: not mpdl's own exchanges that check calls, `is_check_tag`)
     message_log: list | None = None
     #: the flight recorder of this process (mpdl.comm.flight), or None
     flight: Any = None
@@ -210,7 +217,7 @@ class Communicator:
     # -- point to point ------------------------------------------------------------------------
     def isend(self, buf: Any, dest: int, step: Any = None) -> Request:
         """Start sending the contiguous array buf to rank dest."""
-        if self.message_log is not None:
+        if self.message_log is not None and not is_check_tag(call_state.tag):
             self.message_log.append((self.collective, step, self.world_rank(self.rank),
                                   self.world_rank(dest), buf.nbytes))
         request = self._isend(buf, dest, step)
@@ -373,9 +380,18 @@ class Communicator:
         else:
             what = "receiving from" if r.kind == "recv" else "sending to"
             peer = f"{what} rank {self.world_rank(r.peer)} at step {r.step}"
+        heard = self.heard_text()
+        if heard:
+            name = self.collective
+            mine = name.describe() if isinstance(name, CallName) else name
+            heard = f"; this rank is in {mine}, {heard}"
         return CollectiveTimeout(
             f"{self.collective}: rank {self.world_rank(self.rank)} waited more than "
-            f"{self.timeout:g} s {peer} (MPDL_TIMEOUT sets the limit)")
+            f"{self.timeout:g} s {peer} (MPDL_TIMEOUT sets the limit){heard}")
+
+    def heard_text(self) -> str:
+        """What the other ranks said they wait in, for a timeout's message ("" if nothing)."""
+        return ""
 
     def _ranks_text(self) -> str:
         ranks = [self.world_rank(r) for r in range(self.size)]
@@ -427,6 +443,29 @@ class Communicator:
         """Every rank's obj, in rank order (small Python objects; used for argument checks)."""
         raise NotImplementedError
 
+    def _exchange_objects(self, obj: Any, tag: int) -> list[Any]:
+        """Every rank's obj, in rank order: pickled and exchanged point to point under `tag`
+        (its size, then its bytes), so that it matches only the same exchange on the others;
+        named for timeouts, and no send or receive of a program in the flight records."""
+        payload = np.frombuffer(pickle.dumps(obj), np.uint8).copy()
+        length = np.array([payload.size], np.int64)
+        others = [r for r in range(self.size) if r != self.rank]
+        lengths = {r: np.zeros(1, np.int64) for r in others}
+        previous = self.collective
+        if previous == "p2p":
+            self.collective = "allgather_object"
+        try:
+            with tagged(tag):
+                self.waitall([q for r in others for q in (
+                    self.isend(length, r, "object size"), self.irecv(lengths[r], r, "object size"))])
+                bodies = {r: np.empty(int(lengths[r][0]), np.uint8) for r in others}
+                self.waitall([q for r in others for q in (self.isend(payload, r, "object"),
+                                                           self.irecv(bodies[r], r, "object"))])
+        finally:
+            self.collective = previous
+        return [obj if r == self.rank else pickle.loads(bodies[r].tobytes())
+                for r in range(self.size)]
+
     # -- buffers -------------------------------------------------------------------------------
     def workspace(self, name: str, count: int, dtype: Any, xp: Any) -> Any:
         """A reusable 1-D buffer of at least `count` elements, owned by this communicator.
@@ -474,6 +513,9 @@ class SubComm(Communicator):
     def world_rank(self, rank: int) -> int:
         return self.parent.world_rank(self.ranks[rank])
 
+    def heard_text(self) -> str:
+        return self.parent.heard_text()
+
     def isend(self, buf: Any, dest: int, step: Any = None) -> Request:
         return self.parent.isend(buf, self.ranks[dest], step)
 
@@ -497,16 +539,5 @@ class SubComm(Communicator):
         return [parent_nodes[r] for r in self.ranks]
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        """Every member's obj, in member order: pickled and exchanged point to point (its size,
-        then its bytes), since only the members call it."""
-        payload = np.frombuffer(pickle.dumps(obj), np.uint8).copy()
-        length = np.array([payload.size], np.int64)
-        others = [r for r in range(self.size) if r != self.rank]
-        lengths = {r: np.zeros(1, np.int64) for r in others}
-        self.waitall([q for r in others for q in (self.isend(length, r, "object size"),
-                                                   self.irecv(lengths[r], r, "object size"))])
-        bodies = {r: np.empty(int(lengths[r][0]), np.uint8) for r in others}
-        self.waitall([q for r in others for q in (self.isend(payload, r, "object"),
-                                                   self.irecv(bodies[r], r, "object"))])
-        return [obj if r == self.rank else pickle.loads(bodies[r].tobytes())
-                for r in range(self.size)]
+        """Every member's obj, in member order (only the members call it)."""
+        return self._exchange_objects(obj, OBJECT_TAG)

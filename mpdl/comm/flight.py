@@ -30,7 +30,7 @@ from pathlib import Path
 from time import time
 from typing import Any
 
-from mpdl import settings
+from mpdl import mpi_runtime, settings
 from mpdl.fileio import write_atomic
 
 #: the fields of an entry, in the order they are kept
@@ -139,8 +139,11 @@ class FlightRecorder:
 _recorder: list[FlightRecorder | None] = []
 _default_directory: list[str] = []
 _dumped: set[str] = set()
-#: called after a fatal dump to tell the other ranks (MPIComm sets it for its world)
-notify_peers: list[Callable[[], None]] = []
+#: the reason this rank told the others it fails (they are told once)
+_notified: list[str] = []
+#: called with the reason after a fatal dump to tell the other ranks (MPIComm sets it for its
+#: world)
+notify_peers: list[Callable[[str], None]] = []
 
 
 def recorder(rank: int = 0, size: int = 1) -> FlightRecorder | None:
@@ -189,21 +192,26 @@ def dump(reason: str = "requested", once: bool = False) -> Path | None:
 
 
 def fatal(reason: str) -> None:
-    """Dump once for a failure of this rank and tell the other ranks to dump theirs."""
-    if dump(f"fatal: {reason}", once=True) is not None:
+    """Dump once for a failure of this rank and tell the other ranks (once) why it fails."""
+    dump(f"fatal: {reason}", once=True)
+    if not _notified:
+        _notified.append(reason)
         for notify in notify_peers:
             with contextlib.suppress(Exception):
-                notify()
+                notify(reason)
 
 
 def _install_hooks() -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb) -> None:
-        fatal(f"{kind.__name__}: {value}")
+        if not mpi_runtime.aborts_the_job(previous):  # else it does this after its own line
+            fatal(f"{kind.__name__}: {value}")
         previous(kind, value, tb)
 
+    hook._mpdl_previous = previous  # type: ignore[attr-defined]
     sys.excepthook = hook
+    mpi_runtime.before_abort.append(fatal)
     if threading.current_thread() is threading.main_thread() \
             and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
         signal.signal(signal.SIGUSR1, lambda signum, frame: dump("SIGUSR1"))

@@ -22,21 +22,46 @@ import numpy as np
 
 from mpdl import backend, emulation, mpi_runtime
 from mpdl.comm import flight, nodes
-from mpdl.comm.base import Communicator, PersistentRequest, Request, background_is_awaited
+from mpdl.comm.base import (
+    CollectiveMismatch,
+    Communicator,
+    PersistentRequest,
+    Request,
+    background_is_awaited,
+)
+from mpdl.comm.calls import (
+    ANNOUNCE_TAG,
+    NODES_TAG,
+    NOTICE_ACK_TAG,
+    NOTICE_TAG,
+    OBJECT_TAG,
+    P2P_TAG,
+    SHM_SETUP_TAG,
+    CallName,
+    call_state,
+)
 from mpdl.comm.cuda import cuda_aware_mpi
 from mpdl.comm.staging import DeviceStaging, StagingPool
 
 #: polls of the lean first loop of `MPIComm._wait_all` where ranks outnumber cores
 LEAN_POLLS = 256
 _MAIN_THREAD = threading.main_thread().ident
+#: the longest wait after which a rank tells the others which call it waits in (sooner under a
+#: short MPDL_TIMEOUT: a third of it), and the bytes of a failing rank's word to the others
+ANNOUNCE_AFTER_S = 10.0
+NOTICE_BYTES = 1024
+#: the longest a failing rank waits for the others to have said their line
+NOTICE_WAIT_S = 5.0
+#: the other ranks' announced calls kept, by (group, sequence number)
+HEARD_KEPT = 256
 
 
 class MPIComm(Communicator, DeviceStaging):
     """The mpi4py transport. Device arrays are staged through host buffers unless MPI is CUDA-aware."""
 
-    _TAG = 7331
-    #: the tag of the word a failing rank sends the others (dump your flight records)
-    _NOTICE_TAG = 7332
+    _TAG = P2P_TAG
+    #: the tag of the word a failing rank sends the others (say why, dump your flight records)
+    _NOTICE_TAG = NOTICE_TAG
 
     def __init__(self, mpi_comm: Any = None):
         super().__init__()
@@ -60,10 +85,17 @@ class MPIComm(Communicator, DeviceStaging):
         if self.settings.emulation is not None:
             emulation.install(self, self.settings.emulation)
         self.flight = flight.recorder(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+        if mpi_comm is None:  # a program using the library directly: one rank's failure ends all
+            mpi_runtime.abort_on_uncaught_exception()
         self._notice: Any = None
+        #: the calls other ranks said they wait in: {(group, seq, phase): {rank: (key, words)}}
+        self._heard: dict[tuple, dict[int, tuple[Any, str]]] = {}
+        #: announcements of this rank's waits still being sent (request, buffer)
+        self._announcing: list[tuple[Any, Any]] = []
         if self.flight is not None and mpi_comm is None and self.size > 1:
-            self._notice_buf = np.zeros(1, np.int64)
-            self._notice = self.mpi.Irecv([self._notice_buf, MPI.INT64_T], MPI.ANY_SOURCE,
+            self._notice_buf = np.zeros(NOTICE_BYTES, np.uint8)
+            self._notice_status = MPI.Status()
+            self._notice = self.mpi.Irecv([self._notice_buf, MPI.BYTE], MPI.ANY_SOURCE,
                                           self._NOTICE_TAG)
             self._stop = threading.Event()
             self._watcher = threading.Thread(target=self._watch_notice, daemon=True,
@@ -73,23 +105,38 @@ class MPIComm(Communicator, DeviceStaging):
             atexit.register(self._cancel_notice)
 
     # -- failure notices -----------------------------------------------------------------------
-    def _tell_peers(self) -> None:
-        """Tell every other rank that this one fails (they dump their flight records at their
-        next long poll), and give them a moment to do it before the job is taken down."""
-        word = np.array([self.rank], np.int64)
-        for peer in range(self.size):
-            if peer != self.rank:
-                self.mpi.Isend([word, self.MPI.INT64_T], peer, self._NOTICE_TAG)
-        time.sleep(1.0)
+    def _tell_peers(self, reason: str = "") -> None:
+        """Tell every other rank that this one fails and why (each says so in one line and dumps
+        its flight records), and wait until each has (at most NOTICE_WAIT_S) before the job is
+        taken down."""
+        word = np.frombuffer(reason.encode()[:NOTICE_BYTES], np.uint8).copy()
+        peers = [peer for peer in range(self.size) if peer != self.rank]
+        acks = np.zeros(len(peers), np.uint8)
+        requests = [self.mpi.Irecv([acks[i:i + 1], self.MPI.BYTE], peer, NOTICE_ACK_TAG)
+                    for i, peer in enumerate(peers)]
+        requests += [self.mpi.Isend([word, self.MPI.BYTE], peer, self._NOTICE_TAG)
+                     for peer in peers]
+        deadline = time.monotonic() + NOTICE_WAIT_S
+        while not self.MPI.Request.Testall(requests) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _watch_notice(self) -> None:
-        """A thread that looks for a failing peer's word 20 times a second and dumps this rank's
-        flight records when it comes (whatever the rank is doing: waiting, computing, or inside
-        a blocking MPI call)."""
+        """A thread that looks for a failing peer's word 20 times a second (whatever the rank is
+        doing: waiting, computing, or inside a blocking MPI call): then this rank says in one
+        line which rank failed, why, and where this one is, and dumps its flight records. It
+        also takes in the other ranks' announced waits, so that none pile up unread."""
         while not self._stop.wait(0.05):
-            if self._notice.Test():
-                flight.dump(f"peer failed: rank {int(self._notice_buf[0])}", once=True)
+            if self._notice.Test(self._notice_status):
+                source = self._notice_status.Get_source()
+                size = self._notice_status.Get_count(self.MPI.BYTE)
+                reason = bytes(self._notice_buf[:size]).decode(errors="replace")
+                mpi_runtime.say(f"mpdl: rank {self.rank}: ending because rank {source} failed"
+                                f"{': ' + reason if reason else ''} ({self._where()})")
+                flight.dump(f"peer failed: rank {source}", once=True)
+                self.mpi.Send([np.ones(1, np.uint8), self.MPI.BYTE], source, NOTICE_ACK_TAG)
                 return
+            with contextlib.suppress(Exception):
+                self._hear()
 
     def _cancel_notice(self) -> None:
         self._stop.set()
@@ -106,10 +153,10 @@ class MPIComm(Communicator, DeviceStaging):
         return self._cuda_aware
 
     def _post_send(self, host: np.ndarray, dest: int) -> Any:
-        return self.mpi.Isend([backend.as_bytes(host), self.MPI.BYTE], dest, self._TAG)
+        return self.mpi.Isend([backend.as_bytes(host), self.MPI.BYTE], dest, call_state.tag)
 
     def _post_recv(self, host: np.ndarray, source: int) -> Any:
-        return self.mpi.Irecv([backend.as_bytes(host), self.MPI.BYTE], source, self._TAG)
+        return self.mpi.Irecv([backend.as_bytes(host), self.MPI.BYTE], source, call_state.tag)
 
     def _handle_done(self, handle: Any) -> bool:
         return handle.Test()
@@ -156,7 +203,8 @@ class MPIComm(Communicator, DeviceStaging):
                     return
                 os.sched_yield()
         spins = 0
-        deadline = warn = None
+        deadline = warn = announce = None
+        hearing = False
         # On the communication thread, pause between polls so the GIL goes to the compute thread.
         background = threading.current_thread() is not threading.main_thread()
         while not testall(handles):
@@ -177,7 +225,13 @@ class MPIComm(Communicator, DeviceStaging):
                 now = time.monotonic()
                 if deadline is None:
                     deadline, warn = now + self.timeout, now + self.settings.stall_warn
-                elif now > deadline or (warn is not None and now > warn):
+                    announce = now + self.announce_after()
+                    continue
+                if announce is not None and now > announce:
+                    announce, hearing = None, self._announce()
+                if hearing:
+                    self._hear(check=True)
+                if now > deadline or (warn is not None and now > warn):
                     pending = [r for r in requests if not all(
                         h.Get_status()
                         for h in (r.handle if isinstance(r.handle, list) else (r.handle,)))]
@@ -200,7 +254,7 @@ class MPIComm(Communicator, DeviceStaging):
             return
         init = self.mpi.Send_init if request.kind == "send" else self.mpi.Recv_init
         request.persistent = request.handle = init([backend.as_bytes(request.buf), self.MPI.BYTE],
-                                                   request.peer, self._TAG)
+                                                   request.peer, call_state.tag)
         free_before_finalize(request)
 
     def _start(self, request: PersistentRequest) -> None:
@@ -232,27 +286,110 @@ class MPIComm(Communicator, DeviceStaging):
             self._wait_mpi(self.mpi.Ibarrier(), "barrier")
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        """Every rank's obj, in rank order: pickled, and the sizes and bytes gathered by
-        nonblocking MPI calls waited for under the wait policy, so that a rank that died ends the
-        wait after MPDL_TIMEOUT instead of leaving it blocked in MPI."""
-        payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-        mine, sizes = np.array([payload.size], np.int64), np.empty(self.size, np.int64)
-        self._wait_mpi(self.mpi.Iallgather([mine, self.MPI.INT64_T], [sizes, self.MPI.INT64_T]),
-                       "object size")
-        displs = np.zeros(self.size, np.int64)
-        np.cumsum(sizes[:-1], out=displs[1:])
-        data = np.empty(int(sizes.sum()), np.uint8)
-        self._wait_mpi(self.mpi.Iallgatherv([payload, self.MPI.BYTE],
-                                            [data, sizes, displs, self.MPI.BYTE]), "object")
-        return [pickle.loads(data[d:d + n].tobytes())
-                for d, n in zip(displs.tolist(), sizes.tolist(), strict=True)]
+        """Every rank's obj, in rank order: exchanged point to point under a tag of its own
+        (never matched by a collective's messages or MPI's own collectives) and waited for under
+        the wait policy, so that a rank that died or called something else ends the wait after
+        MPDL_TIMEOUT instead of leaving it blocked in MPI."""
+        return self._exchange_objects(obj, OBJECT_TAG)
+
+    # -- what a stalled wait tells the others ---------------------------------------------------
+    def announce_after(self) -> float:
+        """Seconds a wait lasts before this rank tells the others which call it waits in."""
+        return min(ANNOUNCE_AFTER_S, self.timeout / 3)
+
+    def _current_call(self) -> tuple[tuple, int, str, Any, str] | None:
+        """(group, sequence number, phase, key, words) of the call this rank waits in: phase
+        "in" inside the call (key: its flight record's collective, algorithm, bytes, dtype and
+        op), "before" in the exchange that checks it (key: its tag); None where it cannot say
+        (no flight recorder, or a wait outside a collective)."""
+        name = self.collective
+        if name.__class__ is CallName and name.group is not None:
+            return None if name.position is None else (name.group, name.position, "before",
+                                                       name.tag, name.describe())
+        entry = self.flight.last if self.flight is not None else None
+        if name == "p2p" or entry is None or entry.state != "started" or entry.info[1] == "p2p":
+            return None
+        # all from the one record, which another thread's call cannot have half changed
+        collective, algorithm, nbytes, dtype, op, group = entry.info
+        if name.__class__ is CallName and name.signature[:2] == (collective, algorithm):
+            words = name.describe()
+        else:
+            words = f"{collective}/{algorithm}({'op ' + op + ', ' if op else ''}{nbytes} B of {dtype})"
+        return group, entry.seq, "in", (collective, algorithm, nbytes, str(dtype), op), words
+
+    def _where(self) -> str:
+        """Where this rank is, in words (for a line on its way out)."""
+        now = self._current_call()
+        if now is not None:
+            return f"this rank was in {now[4]} #{now[1]}"
+        if self.collective == "p2p":
+            return "this rank was in no collective"
+        return f"this rank was in {self.collective}"
+
+    def _announce(self) -> bool:
+        """Tell every other rank which call this rank waits in; whether it could say."""
+        now = self._current_call()
+        if now is None or self._notice is None:
+            return False
+        self._announcing = [(r, b) for r, b in self._announcing if not r.Test()]
+        payload = np.frombuffer(pickle.dumps((self.rank, *now)), np.uint8).copy()
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._announcing.append((self.mpi.Isend([payload, self.MPI.BYTE], peer,
+                                                        ANNOUNCE_TAG), payload))
+        return True
+
+    def _hear(self, check: bool = False) -> None:
+        """Take in the calls other ranks announced; with `check`, raise CollectiveMismatch when
+        one waits in another call at this rank's place in the same group."""
+        status = self.MPI.Status()
+        while True:
+            message = self.mpi.Improbe(self.MPI.ANY_SOURCE, ANNOUNCE_TAG, status)
+            if message is None:
+                break
+            buf = bytearray(status.Get_count(self.MPI.BYTE))
+            message.Recv([buf, self.MPI.BYTE])
+            rank, group, seq, phase, key, words = pickle.loads(buf)
+            if len(self._heard) >= HEARD_KEPT:
+                with contextlib.suppress(RuntimeError, KeyError, StopIteration):
+                    self._heard.pop(next(iter(self._heard)))  # the oldest
+            self._heard.setdefault((group, seq, phase), {})[rank] = (key, words)
+        if not check:
+            return
+        now = self._current_call()
+        if now is None:
+            return
+        group, seq, phase, key, words = now
+        others = {r: w for r, (k, w) in self._heard.get((group, seq, phase), {}).items()
+                  if k != key}
+        if others:
+            lines = "; ".join([f"rank {self.rank}: {words}",
+                               *(f"rank {r}: {w}" for r, w in sorted(others.items()))])
+            raise CollectiveMismatch(f"{self.collective} #{seq}: the ranks called different "
+                                     f"collectives: {lines}")
+
+    def heard_text(self) -> str:
+        """What the other ranks said they wait in, for a timeout's message ("" if nothing)."""
+        latest: dict[int, tuple[int, str]] = {}
+        for (_, seq, _), ranks in self._heard.items():
+            for rank, (_, words) in ranks.items():
+                latest[rank] = (seq, words)
+        return "; ".join(f"rank {r} waits in {w} #{s}" for r, (s, w) in sorted(latest.items()))
 
     # -- nodes ---------------------------------------------------------------------------------
     def node_of_rank(self) -> list[int]:
         if self._nodes is None:
-            self._nodes = nodes.node_of_rank(self.mpi, self.MPI, self.settings.ranks_per_node,
-                                             self._wait_mpi)
+            self._nodes = nodes.node_of_rank(self.size, self.settings.ranks_per_node,
+                                             self._exchange_names)
         return self._nodes
+
+    def _exchange_names(self) -> list[str]:
+        """Every rank's host name, exchanged under the wait policy (the node lookup)."""
+        previous, self.collective = self.collective, "the node lookup"
+        try:
+            return self._exchange_objects(self.MPI.Get_processor_name(), NODES_TAG)
+        finally:
+            self.collective = previous
 
     def shared_segments(self, nbytes: int, own: bool = False) -> tuple[list[np.ndarray],
                                                                         Callable[[], None]]:
@@ -260,8 +397,12 @@ class MPIComm(Communicator, DeviceStaging):
             # a real MPI communicator over this rank's node (real shared memory, emulated split),
             # after a barrier under the deadline: the splits below block in MPI
             node = self.node_of_rank()[self.rank]
-            self._wait_mpi(self.mpi.Ibarrier(), "the shared-memory setup (before "
-                           "MPI_Comm_split_type)")
+            previous, self.collective = (self.collective, "the shared-memory setup (before "
+                                         "MPI_Comm_split_type)")
+            try:
+                self._exchange_objects(None, SHM_SETUP_TAG)
+            finally:
+                self.collective = previous
             shared = self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
             node_comm = shared.Split(node, key=self.rank)
             shared.Free()

@@ -1,7 +1,9 @@
 """Which ranks share a node, and shared-memory windows among them (over an mpi4py communicator).
 
-Nodes are the real shared-memory nodes (MPI's COMM_TYPE_SHARED split), or, with the settings'
-ranks_per_node k (MPDL_RANKS_PER_NODE), emulated nodes of k consecutive ranks.
+Nodes are the hosts (the ranks of one host name share memory), or, with the settings'
+ranks_per_node k (MPDL_RANKS_PER_NODE), emulated nodes of k consecutive ranks. Finding them is an
+exchange of host names point to point, under the deadline: no rank ever blocks in MPI's
+MPI_Comm_split_type for a peer that is in another call.
 """
 
 from __future__ import annotations
@@ -19,22 +21,15 @@ def ranks_per_node_override() -> int | None:
     return settings.current().ranks_per_node
 
 
-def node_of_rank(mpi: Any, MPI: Any, ranks_per_node: int | None,
-                 wait: Callable[[Any, str], None]) -> list[int]:
-    """The node index of every rank of the mpi4py communicator `mpi` (nodes numbered by their
-    lowest rank's order). Collective over mpi unless ranks_per_node is given: first a barrier
-    waited for by `wait(request, step)` (under a deadline), so that a rank whose peers are in
-    another call never enters the blocking MPI_Comm_split_type."""
-    rank, size = mpi.Get_rank(), mpi.Get_size()
+def node_of_rank(size: int, ranks_per_node: int | None,
+                 exchange_names: Callable[[], list[str]]) -> list[int]:
+    """The node index of each of `size` ranks (nodes numbered by their lowest rank's order): the
+    ranks that share a host name, from `exchange_names()` (every rank's, exchanged point to point
+    under a deadline), or emulated nodes of ranks_per_node consecutive ranks (no exchange)."""
     if ranks_per_node is not None:
         return [r // ranks_per_node for r in range(size)]
-    wait(mpi.Ibarrier(), "the node lookup (before MPI_Comm_split_type)")
-    shared = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    leader = shared.allreduce(rank, op=MPI.MIN)
-    shared.Free()
-    leaders = mpi.allgather(leader)
-    order = {lead: i for i, lead in enumerate(sorted(set(leaders)))}
-    return [order[lead] for lead in leaders]
+    order: dict[str, int] = {}
+    return [order.setdefault(name, len(order)) for name in exchange_names()]
 
 
 class SharedWindows:

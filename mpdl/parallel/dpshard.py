@@ -106,6 +106,11 @@ class ShardedOptimizer:
     def step(self) -> None:
         """Reduce-scatter the gradients (summed over dp), step on this rank's blocks, all-gather
         the blocks into the parameters."""
+        self.reduce()
+        self.update()
+
+    def reduce(self) -> None:
+        """Reduce-scatter the gradients: each piece's gradient is its block of the sum over dp."""
         shards = []
         for u in self.units:
             grads = flat.pack([p.grad if p.grad is not None else u.xp.zeros_like(p.data)
@@ -115,6 +120,9 @@ class ShardedOptimizer:
         mine = {u.index: s for u, s in zip(self.units, shards, strict=True)}
         for piece in self.entries:
             piece.tensor.grad = mine[piece.unit.index][piece.in_shard]
+
+    def update(self) -> None:
+        """Step on this rank's blocks (after `reduce`), all-gather them into the parameters."""
         self.optimizer.step()
         for u in self.units:
             u.gather_plan()

@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from mpdl.autograd import optim
 from mpdl.autograd.amp import compute_dtype
 from mpdl.autograd.tensor import Function, Tensor
 from mpdl.backend import get_array_module
@@ -308,6 +309,21 @@ class ShardedOptimizers:
         self.parts, self.count = parts, len(params)
         #: for each part, the position in `params` of each of its parameters
         self.positions = [[where[id(p)] for p in part.params] for part in parts]
+        # the parts' gradients are clipped together, by the norm of all of them
+        self.max_grad_norm = getattr(parts[0].optimizer, "max_grad_norm", None)
+        for part in parts:
+            part.optimizer.max_grad_norm = None
+        self.grad_norm: float | None = None
+        self._total: Any = None
+        self._param_of = {id(piece.tensor): piece.param for part in parts
+                          for piece in part.entries}
+
+    def global_norm(self, total: Any) -> None:
+        """`Optimizer.global_norm` for `params`: `total` sees the parameter of each piece."""
+        self._total = total
+
+    def _pieces_total(self, tensors: list[Any], sums: list[float]) -> float:
+        return self._total([self._param_of[id(t)] for t in tensors], sums)
 
     @property
     def lr(self) -> float:
@@ -323,8 +339,17 @@ class ShardedOptimizers:
         return self.parts[0].param_groups
 
     def step(self) -> None:
+        """Every part's reduce-scatter, the clipping of all their pieces by one norm, then
+        every part's update."""
         for part in self.parts:
-            part.step()
+            part.reduce()
+        if self.max_grad_norm is not None:
+            pieces = [piece.tensor for part in self.parts for piece in part.entries
+                      if piece.tensor.grad is not None]
+            self.grad_norm = optim.clip_grad_norm(pieces, self.max_grad_norm,
+                                                  self._total and self._pieces_total)
+        for part in self.parts:
+            part.update()
 
     def zero_grad(self) -> None:
         for part in self.parts:
@@ -430,6 +455,8 @@ class ExpertParallelStrategy(Strategy):
             self.optimizer = ShardedOptimizers(
                 self.trained, ShardedOptimizer(dense, make_optimizer, self.comm, self.algorithm),
                 ShardedOptimizer(owned, make_optimizer, self.replica_comm, self.algorithm))
+            # the dense pieces are disjoint over the ranks, the experts' over their replicas
+            self.optimizer.global_norm(counted_once(self.comm, lambda p: True))
         else:
             common = dict(algorithm=self.algorithm, bucket_mb=self.bucket_mb,
                           first_bucket_mb=self.first_bucket_mb, overlap=False)

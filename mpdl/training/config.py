@@ -690,9 +690,8 @@ def validate_steps(config: TrainConfig) -> None:
         return
     # under local SGD and DiLoCo each worker clips the gradient it steps on, its own
     cannot = ("{parallel.mode} ps (the servers update as pushes come)" if p.mode == "ps" else
-              "{optim.deterministic} (its sums are exact, a norm is not)" if o.deterministic else
-              "{model.moe_experts} and {parallel.zero} (two sharded optimizers) yet"
-              if config.model.moe_experts and p.zero else None)
+              "{optim.deterministic} (its sums are exact, a norm is not)" if o.deterministic
+              else None)
     if cannot:
         raise ConfigError(f"{{optim.grad_clip}} cannot be combined with {cannot}")
 
@@ -970,9 +969,11 @@ def validate_deterministic(config: TrainConfig) -> None:
            "{parallel.zero_hybrid}": (p.zero_hybrid, "it shards over all ranks"),
            "{parallel.zero}": (p.pp > 1 and p.zero > 0, "with {parallel.pp} the update is not "
                                "sharded"),
-           "{optim.optimizer}": (p.zero > 0 and o.optimizer in ("lars", "lamb"),
-                                 "with {parallel.zero}, lars and lamb need whole-tensor norms; "
-                                 "use sgd or adam")}
+           "{optim.optimizer}": (p.zero > 0 and (o.optimizer in ("lars", "lamb") or
+                                               (o.optimizer == "adamw" and o.weight_decay > 0)),
+                                 "with {parallel.zero}, lars and lamb need whole-tensor norms "
+                                 "and adamw decays whole matrices, but the update is one flat "
+                                 "block; use sgd or adam")}
     for key, (bad, reason) in why.items():
         if bad:
             raise ConfigError(f"{{optim.deterministic}} cannot be combined with {key}: {reason}")

@@ -39,6 +39,7 @@ from mpdl.collectives.ops import in_float32, reducer, reduces_wide, segment_elem
 from mpdl.collectives.pairwise import partners
 from mpdl.collectives.scattered import THROTTLE
 from mpdl.comm import Communicator, Request, as_communicator, polling
+from mpdl.comm.calls import call_name, call_state
 from mpdl.comm.mpi import MPIComm, free_before_finalize
 from mpdl.mpi_runtime import library_version
 from mpdl.tuning import capture, verify
@@ -68,7 +69,8 @@ class Plan:
     plan was made for. A plan whose communicator keeps a flight recorder comes wrapped in a
     `FlightPlan` (`watched`), which notes its runs; a bare plan only runs."""
 
-    __slots__ = ("comm", "x", "result", "signature", "trial", "_name", "_schedule", "_finish",
+    __slots__ = ("comm", "x", "result", "signature", "trial", "_name", "_call", "_schedule",
+                 "_finish", "_precheck",
                  "shape", "dtype", "_started", "_held", "__weakref__")
 
     #: the flight recorder that notes the runs: none (`FlightPlan.flight` where one does)
@@ -82,7 +84,10 @@ class Plan:
         #: the call it stands for (collective, algorithm, shape, dtype, op, root or count), which
         #: the ranks compare under MPDL_CHECK
         self.signature = signature
-        self._name = f"{signature[0]}/{signature[1]}"
+        self._name = self._call = call_name(signature)
+        #: a run through `go` of an algorithm whose messages carry no tag of ours compares the
+        #: signature across the ranks first, as the one-shot call does
+        self._precheck = signature[1] in checks.UNTAGGED
         #: (go, fast, requests): what a run does, the fast schedule where there is one, and the
         #: persistent requests they hold
         self._schedule = (go, fast, requests or [])
@@ -184,14 +189,21 @@ class Plan:
         """Run the schedule once (the fast one, unless a message log or link emulation is
         installed), named for timeouts."""
         comm = self.comm
-        previous, comm.collective = comm.collective, self._name
+        previous, comm.collective = comm.collective, self._call
         try:
             go, fast, _ = self._schedule
-            # (a fast schedule exists only on an MPIComm, which always has link_delay)
+            # (a fast schedule exists only on an MPIComm, which always has link_delay); its
+            # persistent requests carry the call's tag already
             if fast is not None and comm.message_log is None and comm.link_delay is None:
                 fast()
             else:
-                go()
+                tag, call_state.tag = call_state.tag, self._call.tag
+                try:
+                    if self._precheck:
+                        checks.precheck(comm, self._call)
+                    go()
+                finally:
+                    call_state.tag = tag
         finally:
             comm.collective = previous
 
@@ -208,7 +220,8 @@ class Plan:
         verification's verdict."""
         self._schedule = (go, fast, self._schedule[2])
         self.signature = (self.signature[0], name, *self.signature[2:])
-        self._name = f"{self.collective}/{name}"
+        self._name = self._call = call_name(self.signature)
+        self._precheck = name in checks.UNTAGGED
 
     def run_trial(self, trial: Any, requests: list) -> None:
         """Run `trial` (a `verify.Trial`) on the next runs, holding every contender's persistent
@@ -240,18 +253,18 @@ class _PersistentRounds:
     all-to-all's steps), each followed by an optional reduction `f(a, b, out=o)`; runs them in
     order under the communicator's wait policy."""
 
-    def __init__(self, comm) -> None:
-        self.comm, self.mpi, self.MPI = comm, comm.mpi, comm.MPI
+    def __init__(self, comm, tag: int) -> None:
+        self.comm, self.mpi, self.MPI, self.tag = comm, comm.mpi, comm.MPI, tag
         self.rounds: list[tuple] = []
         self.requests: list[Any] = []
         self._pending: list[tuple] = []
 
     def send(self, buf: np.ndarray, dest: int, step: Any) -> None:
-        r = self.mpi.Send_init([buf, self.MPI.BYTE], dest, self.comm._TAG)
+        r = self.mpi.Send_init([buf, self.MPI.BYTE], dest, self.tag)
         self._pending.append((r, Request(r, dest, step, "send")))
 
     def recv(self, buf: np.ndarray, source: int, step: Any) -> None:
-        r = self.mpi.Recv_init([buf, self.MPI.BYTE], source, self.comm._TAG)
+        r = self.mpi.Recv_init([buf, self.MPI.BYTE], source, self.tag)
         self._pending.append((r, Request(r, source, step, "recv")))
 
     def then(self, f=None, a=None, b=None, o=None) -> None:
@@ -450,10 +463,10 @@ def _fast_path_possible(comm, *arrays) -> bool:
 
 
 def _replay(comm, captured: capture.CapturedSchedule, arrays: dict[str, np.ndarray],
-            f: Callable) -> _PersistentRounds:
-    """A captured schedule (`mpdl.tuning.capture`) as persistent requests on the arrays its
-    regions name, each reduction f(a, b, out=o)."""
-    s = _PersistentRounds(comm)
+            f: Callable, tag: int) -> _PersistentRounds:
+    """A captured schedule (`mpdl.tuning.capture`) as persistent requests under `tag` on the
+    arrays its regions name, each reduction f(a, b, out=o)."""
+    s = _PersistentRounds(comm, tag)
     for r in captured.rounds:
         for m in r.messages:
             (s.send if m.kind == "send" else s.recv)(m.region.view(arrays), m.peer, m.step)
@@ -470,7 +483,12 @@ _REPLAYED = {"recursive_doubling": lambda count, seg, p: count <= seg,
              "ring": lambda count, seg, p: -(-count // p) <= seg}
 
 
-def _replayed_allreduce(call: checks.Call, algorithm: Callable, f: Callable,
+def _tag(call: checks.Call, algorithm: str) -> int:
+    """The message tag of the call run by `algorithm` (its own, or a contender of verify's)."""
+    return call_name((call.signature[0], algorithm, *call.signature[2:])).tag
+
+
+def _replayed_allreduce(call: checks.Call, algorithm: Callable, f: Callable, tag: int,
                         compiled_after: int = 0) -> tuple[Callable, list]:
     """(run, requests): the captured schedule of algorithm(comm, buf, reduce) on the call's
     arrays, reducing with f; it reads x where the schedule reads out before writing it (no copy of
@@ -484,7 +502,7 @@ def _replayed_allreduce(call: checks.Call, algorithm: Callable, f: Callable,
     for name, count in captured.scratch.items():
         arrays[name] = np.empty(count, flat.dtype)
         memory.hold(arrays[name], "communication")
-    schedule = _replay(c, reading or captured, arrays, f)
+    schedule = _replay(c, reading or captured, arrays, f, tag)
     run = schedule.runner(compiled_after=compiled_after)
     if out is x or reading is not None:
         return run, schedule.requests
@@ -610,7 +628,8 @@ def _allreduce_runner(call: checks.Call, algo: registry.Algorithm, persistent: b
             requests = [request]
             fast = _start_and_poll(c, request, "allreduce")
         elif replayed is not None and replayed(x.size, segment_elements(x.itemsize), c.size):
-            fast, requests = _replayed_allreduce(call, inner, reducer(op, np), compiled_after)
+            fast, requests = _replayed_allreduce(call, inner, reducer(op, np),
+                                                 _tag(call, algo.name), compiled_after)
     return go, fast, requests
 
 
@@ -735,9 +754,10 @@ def _alltoall_plan(x: Any, comm: Any, algorithm: str, out: Any, persistent: bool
         if algo.name == "mpi":
             fast, requests = _mpi_alltoall_fast(c, flat, send, persistent)
         elif algo.name in ("pairwise", "scattered"):
-            fast, requests = _direct_alltoall_fast(c, flat, send, layout, algo.name)
+            fast, requests = _direct_alltoall_fast(c, flat, send, layout, algo.name,
+                                                   _tag(call, algo.name))
         elif algo.name == "bruck" and block:
-            fast, requests = _bruck_alltoall_fast(c, flat, send, block)
+            fast, requests = _bruck_alltoall_fast(c, flat, send, block, _tag(call, algo.name))
         if fast is not None and refresh is not None:
             fast = _after(refresh, fast)
     return Plan(c, x, out, call.signature, go, None, fast, requests)
@@ -753,27 +773,28 @@ def _after(first: Callable[[], Any], then: Callable[[], None]) -> Callable[[], N
 
 
 def _mpi_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, persistent: bool):
-    """(MPI_Alltoall called with no Python frame of ours between, or a persistent request's
-    start and wait; its requests)."""
+    """(a persistent MPI_Alltoall_init's start and wait, its requests), or (None, None) where the
+    plan runs the one-shot call's own nonblocking MPI_Ialltoall, under the deadline and after its
+    signature check (a cached plan, or a library without persistent collectives)."""
     MPI = c.MPI
     source = MPI.IN_PLACE if send is flat else [send, MPI.BYTE]
     init = getattr(c.mpi, "Alltoall_init", None)
     if not persistent or init is None:
-        return functools.partial(c.mpi.Alltoall, source, [flat, MPI.BYTE]), None
+        return None, None
     try:
         request = init(source, [flat, MPI.BYTE])
     except NotImplementedError:
-        return functools.partial(c.mpi.Alltoall, source, [flat, MPI.BYTE]), None
+        return None, None
     return _start_and_poll(c, request, "alltoall"), [request]
 
 
-def _direct_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, layout, name: str):
+def _direct_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, layout, name: str, tag: int):
     """The pairwise or scattered algorithm's messages as persistent requests (in place: from a
     kept copy of the input, refreshed each run)."""
     p, r = c.size, c.rank
     in_place = send is flat
     source = np.empty_like(flat) if in_place else send
-    s = _PersistentRounds(c)
+    s = _PersistentRounds(c, tag)
     if name == "pairwise":
         batches = [[partners(r, p, step) + (step,)] for step in range(1, p)]
     else:
@@ -799,7 +820,7 @@ def _direct_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, layout, name: s
     return fast, s.requests
 
 
-def _bruck_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, b: int):
+def _bruck_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, b: int, tag: int):
     """Bruck's steps as persistent requests between kept buffers; the rotations, packs and unpacks
     run after each step's messages (`bruck.bruck_alltoall`'s order, bit for bit)."""
     p, r = c.size, c.rank
@@ -833,7 +854,7 @@ def _bruck_alltoall_fast(c, flat: np.ndarray, send: np.ndarray, b: int):
 
         return run
 
-    s = _PersistentRounds(c)
+    s = _PersistentRounds(c, tag)
     s.then(rotate_and_pack)
     for k, (distance, _, outgoing, incoming) in enumerate(steps):
         s.recv(incoming, (r - distance) % p, distance)

@@ -37,7 +37,9 @@ LAYOUTS = {
         "pp2": {"parallel.pp": 2, "parallel.microbatches": 2},
         "pp2-zero1": {"parallel.pp": 2, "parallel.zero": 1},
         "cp2": {"parallel.cp": 2},
-        "ep2": {"model.moe_experts": 2, "model.moe_top_k": 1, "parallel.ep": 2}} if EVEN else {}),
+        "ep2": {"model.moe_experts": 2, "model.moe_top_k": 1, "parallel.ep": 2},
+        "ep2-zero1": {"model.moe_experts": 2, "model.moe_top_k": 1, "parallel.ep": 2,
+                      "parallel.zero": 1}} if EVEN else {}),
     **({f"pp{P}": {"parallel.pp": P}} if P > 2 else {}),
     **({"pp2-tp2": {"parallel.pp": 2, "parallel.tp": 2}} if P == 4 else {}),
 }
