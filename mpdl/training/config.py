@@ -47,14 +47,14 @@ from mpdl.parallel.zero import STAGES as ZERO_STAGES
 from mpdl.training import precision
 from mpdl.training.precision import PRECISIONS
 
-OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
+OPTIMIZERS = ("sgd", "adam", "lars", "lamb", "muon")
 DATASETS = ("digits", "mnist", "synthetic", "addition", "text")
 #: the datasets of the GPT (token sequences); the image models take the others
 SEQUENCE_DATASETS = ("addition", "text")
 LR_SCHEDULES = ("constant", "cosine")
 PARALLEL_MODES = ("allreduce", "ps")
 #: the learning rate of each optimizer when --lr is not given ...
-DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "lars": 2.0, "lamb": 1e-2}
+DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "lars": 2.0, "lamb": 1e-2, "muon": 1e-3}
 #: ... unless the model has its own: LeNet (no batch norm) diverges at sgd 0.2 and learns
 #: faster with adam at 3e-3
 MODEL_LR = {("lenet", "sgd"): 0.03, ("lenet", "adam"): 3e-3, ("gpt", "adam"): 3e-3}
@@ -250,7 +250,7 @@ class OptimConfig:
     global_batch_size: int = option(64, "samples (sequences) per step over all ranks, split into "
                                     "contiguous per-rank slices", check=POSITIVE, metavar="B")
     lr: float | None = option(None, "learning rate (default: sgd 0.2, adam 0.001, lars 2, lamb "
-                              "0.01; lenet: sgd 0.03, adam 0.003; gpt: adam 0.003, with "
+                              "0.01, muon 0.001; lenet: sgd 0.03, adam 0.003; gpt: adam 0.003, with "
                               "--moe-experts 0.002; x 0.25 under --compression signsgd)",
                               check=expect(lambda v: v is None or (_number(v) and
                                                                    0 < v < math.inf),

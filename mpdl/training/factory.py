@@ -74,6 +74,8 @@ def make_optimizer(config: TrainConfig) -> Callable[[list[Any]], Any]:
                                    weight_decay=c.weight_decay)
     if c.optimizer == "adam":
         return lambda p: optim.Adam(p, lr=lr, weight_decay=c.weight_decay)
+    if c.optimizer == "muon":
+        return lambda p: optim.Muon(p, lr=lr, weight_decay=c.weight_decay)
     if c.optimizer == "lars":
         return lambda p: optim.LARS(p, lr=lr, momentum=c.momentum, weight_decay=c.weight_decay)
     return lambda p: optim.LAMB(p, lr=lr, weight_decay=c.weight_decay)

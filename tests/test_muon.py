@@ -1,0 +1,119 @@
+"""Muon: one step against a NumPy reference built on the SVD (the quintic acts on each singular
+value on its own), the naive version against the optimizer on a GPT, and which parameters are
+hidden matrices."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from mpdl.autograd import functional as F
+from mpdl.autograd import nn, optim
+from mpdl.autograd.muon import NaiveMuon, is_hidden_matrix
+from mpdl.autograd.tensor import Tensor
+from mpdl.models.gpt import GPT
+
+LR, MU, WD, BETAS, EPS = 0.02, 0.95, 0.1, (0.9, 0.95), 1e-8
+
+
+def reference_orthogonalize(u: np.ndarray) -> np.ndarray:
+    """P·f⁵(Σ/‖U‖_F)·Qᵀ in float64, f(σ) = 3.4445σ - 4.7750σ³ + 2.0315σ⁵: what five quintic
+    Newton-Schulz iterations do to U = PΣQᵀ."""
+    p, sigma, qt = np.linalg.svd(u.astype(np.float64), full_matrices=False)
+    s = sigma / np.sqrt((sigma**2).sum())
+    for _ in range(5):
+        s = 3.4445 * s - 4.7750 * s**3 + 2.0315 * s**5
+    return (p * s) @ qt
+
+
+def reference_steps(weights: dict[str, np.ndarray], grads: list[dict[str, np.ndarray]],
+                    hidden: set[str]) -> dict[str, np.ndarray]:
+    """The weights after Muon's steps (hidden matrices) and AdamW's (the rest), in float64."""
+    w = {k: v.astype(np.float64) for k, v in weights.items()}
+    buf = {k: np.zeros_like(v) for k, v in w.items()}
+    m = {k: np.zeros_like(v) for k, v in w.items()}
+    v2 = {k: np.zeros_like(v) for k, v in w.items()}
+    for t, step in enumerate(grads, start=1):
+        for k, g in step.items():
+            if w[k].ndim == 2:
+                w[k] = w[k] * (1 - LR * WD)
+            if k in hidden:
+                buf[k] = MU * buf[k] + g
+                o = reference_orthogonalize(g + MU * buf[k])
+                w[k] = w[k] - LR * 0.2 * math.sqrt(max(w[k].shape)) * o
+            else:
+                m[k] = BETAS[0] * m[k] + (1 - BETAS[0]) * g
+                v2[k] = BETAS[1] * v2[k] + (1 - BETAS[1]) * g * g
+                mhat, vhat = m[k] / (1 - BETAS[0]**t), v2[k] / (1 - BETAS[1]**t)
+                w[k] = w[k] - LR * mhat / (np.sqrt(vhat) + EPS)
+    return w
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: optim.Muon(ps, lr=LR, momentum=MU, betas=BETAS, eps=EPS, weight_decay=WD),
+    lambda ps: NaiveMuon(ps, lr=LR, momentum=MU, betas=BETAS, eps=EPS, weight_decay=WD)],
+    ids=["optim", "naive"])
+def test_steps_follow_the_svd_reference(make):
+    rng = np.random.default_rng(0)
+    shapes = {"wide": (12, 20), "tall": (24, 8), "table": (10, 6), "bias": (7,)}
+    weights = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    params = {k: (nn.TableParameter if k == "table" else nn.Parameter)(v.copy())
+              for k, v in weights.items()}
+    grads = [{k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+             for _ in range(3)]
+    opt = make(list(params.values()))
+    for step in grads:
+        for k, p in params.items():
+            p.grad = step[k].copy()
+        opt.step()
+    want = reference_steps(weights, grads, hidden={"wide", "tall"})
+    for k, p in params.items():
+        moved = np.abs(want[k] - weights[k]).max()
+        assert moved > 1e-2, k
+        np.testing.assert_allclose(p.data, want[k], rtol=0, atol=2e-5 * max(1.0, moved), err_msg=k)
+
+
+def test_the_quintic_leaves_singular_values_near_one():
+    u = np.random.default_rng(1).standard_normal((32, 48)).astype(np.float32)
+    spread = np.linalg.svd(u, compute_uv=False)
+    assert spread.max() > 5 * spread.min()
+    p = nn.Parameter(np.zeros_like(u))
+    p.grad = u
+    opt = optim.Muon([p], lr=1.0, momentum=0.0)
+    opt.step()
+    sigma = np.linalg.svd(-p.data / (0.2 * math.sqrt(48)), compute_uv=False)
+    assert 0.5 < sigma.min() and sigma.max() < 1.5
+
+
+def test_hidden_matrices_of_the_gpt():
+    model = GPT(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16, seed=0)
+    hidden = sorted(n for n, p in model.named_parameters() if is_hidden_matrix(p))
+    assert hidden == sorted(f"blocks.{i}.{w}.weight" for i in range(2)
+                            for w in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"))
+
+
+def test_naive_and_optim_follow_each_other_on_a_gpt():
+    def losses(make):
+        model = GPT(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16, seed=3)
+        opt = make(model.parameters())
+        x = np.random.default_rng(4).integers(0, 11, (6, 8))
+        out = []
+        for _ in range(8):
+            loss = F.cross_entropy(model(Tensor(x[:, :-1])), x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(float(loss.item()))
+        return out
+
+    naive = losses(lambda ps: NaiveMuon(ps, lr=1e-2, weight_decay=0.1))
+    full = losses(lambda ps: optim.Muon(ps, lr=1e-2, weight_decay=0.1))
+    assert naive[-1] < naive[0] - 0.3
+    np.testing.assert_allclose(full, naive, rtol=1e-5)
+
+
+def test_bad_momentum_is_named():
+    with pytest.raises(ValueError, match="momentum"):
+        optim.Muon([nn.Parameter(np.zeros((2, 2), np.float32))], momentum=1.0)
