@@ -14,6 +14,13 @@ from mpdl.autograd import nn, optim
 from mpdl.autograd.muon import NaiveMuon, is_hidden_matrix
 from mpdl.autograd.tensor import Tensor
 from mpdl.models.gpt import GPT
+from mpdl.parallel import DistributedSampler
+from mpdl.parallel.data_parallel import AllReduceStrategy
+from mpdl.parallel.owners import MatrixOwners, balanced_owners
+from mpdl.parallel.shards import Unit, make_pieces
+from mpdl.parallel.strategy import Batch
+from mpdl.parallel.zero import ZeroStrategy
+from mpdl.threadworld import run_world
 
 LR, MU, WD, BETAS, EPS = 0.02, 0.95, 0.1, (0.9, 0.95), 1e-8
 
@@ -117,3 +124,76 @@ def test_naive_and_optim_follow_each_other_on_a_gpt():
 def test_bad_momentum_is_named():
     with pytest.raises(ValueError, match="momentum"):
         optim.Muon([nn.Parameter(np.zeros((2, 2), np.float32))], momentum=1.0)
+
+
+def test_owners_are_balanced_by_size():
+    sizes = [100, 7, 64, 64, 3, 50, 50, 1]
+    for ranks in (1, 2, 3, 5, 9):
+        owners = balanced_owners(sizes, ranks)
+        load = [sum(s for s, o in zip(sizes, owners, strict=True) if o == r)
+                for r in range(ranks)]
+        assert max(load) - min(load) <= max(sizes), (ranks, load)
+        assert len(set(owners)) == min(ranks, len(sizes))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+def test_owners_apply_fn_to_whole_matrices(p):
+    """Each rank's pieces come back as its pieces of fn(whole matrix), for a non-local fn."""
+    rng = np.random.default_rng(p)
+    whole = [nn.Parameter(rng.standard_normal(s).astype(np.float32))
+             for s in [(5, 3), (7,), (4, 6), (1, 1), (3, 3)]]
+    fn = lambda m: m @ m.T @ m + 1  # noqa: E731
+
+    def run(comm):
+        unit = Unit(0, whole, comm.rank, comm.size)
+        unit.shard = np.concatenate([w.data.ravel() for w in whole])[unit.lo:unit.hi].copy()
+        pieces, _ = make_pieces([unit])
+        owners = MatrixOwners([unit], pieces, comm)
+        parts = {id(pc.tensor): pc.tensor.data for pc in pieces if pc.end > pc.start}
+        out = owners(parts, fn, lambda w: w.shape != (1, 1))
+        got = {}
+        for pc in pieces:
+            if id(pc.tensor) in out:
+                got[id(pc.param)] = (pc.in_param, out[id(pc.tensor)])
+        return got
+
+    covered = {id(w): 0 for w in whole}
+    for got in run_world(p, run):
+        for w in whole:
+            if id(w) in got:
+                where, value = got[id(w)]
+                np.testing.assert_allclose(value, fn(w.data).ravel()[where], rtol=1e-5)
+                covered[id(w)] += value.size
+    assert [covered[id(w)] for w in whole] == [15, 0, 24, 0, 9]
+
+
+def gpt_losses(comm, make_strategy, steps: int = 6):
+    """Parameters (whole) and losses of `steps` Muon steps of a small GPT under the strategy."""
+    model = GPT(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=10, seed=0,
+                dtype=np.float64)
+    rng = np.random.default_rng(5)
+    x, y = rng.integers(0, 13, (14, 8)), rng.integers(0, 13, (14, 8))
+    strategy = make_strategy(comm)
+    strategy.setup(model, lambda ps: optim.Muon(ps, lr=2e-2, weight_decay=0.1))
+    sampler = DistributedSampler(14, 7, rank=comm.rank, num_replicas=comm.size, seed=1)
+    losses = []
+    for epoch in range(steps // 2):
+        sampler.set_epoch(epoch)
+        for idx, global_batch in sampler:
+            losses.append(strategy.step(Batch(x[idx], y[idx], global_batch,
+                                              strategy.optimizer.lr)).loss)
+    with strategy.gathered():
+        params = np.concatenate([p.data.ravel().copy() for p in model.parameters()])
+    return params, losses
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("p", [3, 4])
+def test_zero_follows_one_rank(stage, p):
+    ref, ref_losses = run_world(1, lambda c: gpt_losses(c, AllReduceStrategy))[0]
+    assert ref_losses[-1] < ref_losses[0] - 0.2
+    out = run_world(p, lambda c: gpt_losses(c, lambda comm: ZeroStrategy(
+        comm, stage, first_bucket_mb=1e-3, bucket_mb=2e-3)))
+    for params, _ in out:
+        assert np.array_equal(params, out[0][0]), "ranks disagree"
+    np.testing.assert_allclose(out[0][0], ref, rtol=0, atol=1e-6)

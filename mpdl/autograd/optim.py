@@ -63,12 +63,13 @@ class Optimizer:
         LAMB), on every rank, even one with nothing to update."""
         self._ndims, self._sum_squares = dict(ndims), sum_squares
 
-    def split(self, whole_map: WholeMap, parents: dict[int, Tensor] | None = None) -> None:
+    def split(self, whole_map: WholeMap | None, parents: dict[int, Tensor] | None = None
+              ) -> None:
         """Declare the parameters to be parts of whole matrices held over several ranks (ZeRO's
         flat pieces, tensor parallelism's slices): `whole_map` (see WholeMap) runs a function on
         whole matrices, called once per step by the optimizers that need them (Muon) on every
         rank, even one with nothing to update; `parents[id(p)]` is the whole parameter p is a
-        piece of (absent: p itself)."""
+        piece of (absent: p itself; whole_map None: only that)."""
         self._whole_map, self._parents = whole_map, dict(parents or {})
 
     def _ndim(self, p: Tensor) -> int:

@@ -61,6 +61,7 @@ from mpdl.comm.handles import Handle, comm_thread_for
 from mpdl.parallel import buckets, flat
 from mpdl.parallel.buckets import MB
 from mpdl.parallel.flat import broadcast_model
+from mpdl.parallel.owners import MatrixOwners
 from mpdl.parallel.shards import (
     Piece,
     Unit,
@@ -177,6 +178,9 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
         self.pieces, ndims = make_pieces(self.units)
         self.optimizer = make_optimizer([piece.tensor for piece in self.pieces])
         self.optimizer.shard(ndims, self._sum_squares)
+        if hasattr(self.optimizer, "split"):  # whole matrices (Muon): on their owners
+            self.owners = MatrixOwners(self.units, self.pieces, self.shard_comm)
+            self.optimizer.split(self.owners, self.owners.parents)
         if hasattr(self.optimizer, "agree"):  # mixed precision: skip a step on every rank alike
             self.optimizer.agree = self._all_finite
         self._hooks = [p.register_grad_ready_hook(self._on_grad) for u in self.units

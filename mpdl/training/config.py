@@ -827,8 +827,8 @@ def validate_deterministic(config: TrainConfig) -> None:
            "{parallel.zero_hybrid}": (p.zero_hybrid, "it shards over all ranks"),
            "{parallel.zero}": (p.pp > 1 and p.zero > 0, "with {parallel.pp} the update is not "
                                "sharded"),
-           "{optim.optimizer}": (p.zero > 0 and o.optimizer in ("lars", "lamb"),
-                                 "with {parallel.zero}, lars and lamb need whole-tensor norms; "
+           "{optim.optimizer}": (p.zero > 0 and o.optimizer in ("lars", "lamb", "muon"),
+                                 "with {parallel.zero}, lars, lamb and muon need whole tensors; "
                                  "use sgd or adam")}
     for key, (bad, reason) in why.items():
         if bad:
@@ -864,6 +864,9 @@ def validate_zero(config: TrainConfig) -> None:
     if not p.prefetch and p.zero != 3:
         raise ConfigError("{parallel.prefetch} needs {parallel.zero} 3 (prefetch of the next "
                           "unit's parameters)")
+    if config.optim.optimizer == "muon" and p.tp > 1:
+        raise ConfigError("{optim.optimizer} muon with {parallel.tp} cannot be combined with "
+                          "{parallel.zero}: the dp shards of a tp slice are not whole matrices")
 
 
 def resume_mismatch(config: TrainConfig, saved: Mapping[str, Any]) -> str | None:

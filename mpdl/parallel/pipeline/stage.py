@@ -184,6 +184,9 @@ class PipelineStage:
         if tied is not None and (self.first or self.last):  # every pipeline's two ends
             self.tied_comm = self.grid.pp_comm.sub(ends)
         self.optimizer = self._stage_optimizer(make_optimizer)
+        if self.tp_model is not None and not self.zero and hasattr(self.optimizer, "split"):
+            self.optimizer.split(self.tp_model.whole_map,  # Muon: the split matrices gathered
+                                 {id(shard): full for shard, full, _ in self.tp_model.shards})
         self._owned = {id(p) for p in self.stage_params}
         self._release_others()
         memory.hold_all([p.data for p in self.stage_params], "parameters")
