@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
+from mpdl.autograd import amp, nn, optim
 from mpdl.autograd import functional as F
-from mpdl.autograd import nn, optim
 from mpdl.autograd.muon import NaiveMuon, is_hidden_matrix
 from mpdl.autograd.tensor import Tensor
 from mpdl.models.gpt import GPT
@@ -21,6 +21,7 @@ from mpdl.parallel.shards import Unit, make_pieces
 from mpdl.parallel.strategy import Batch
 from mpdl.parallel.zero import ZeroStrategy
 from mpdl.threadworld import run_world
+from mpdl.training.config import ConfigError, TrainConfig, validate
 
 LR, MU, WD, BETAS, EPS = 0.02, 0.95, 0.1, (0.9, 0.95), 1e-8
 
@@ -197,3 +198,26 @@ def test_zero_follows_one_rank(stage, p):
     for params, _ in out:
         assert np.array_equal(params, out[0][0]), "ranks disagree"
     np.testing.assert_allclose(out[0][0], ref, rtol=0, atol=1e-6)
+
+
+def test_mixed_precision_leaves_tables_to_adamw():
+    rng = np.random.default_rng(2)
+    table = nn.TableParameter(rng.standard_normal((6, 4)).astype(np.float16))
+    weight = nn.Parameter(rng.standard_normal((5, 4)).astype(np.float16))
+    opt = amp.MixedPrecisionOptimizer([table, weight], lambda ps: optim.Muon(ps, lr=1e-2))
+    for p in (table, weight):
+        p.grad = rng.standard_normal(p.shape).astype(np.float16)
+    opt.step()
+    assert "exp_avg" in opt.state[table] and "momentum_buffer" not in opt.state[table]
+    assert "momentum_buffer" in opt.state[weight]
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"optim.deterministic": True, "parallel.zero": 1},
+     r"optim\.deterministic cannot be combined with optim\.optimizer"),
+    ({"parallel.zero": 1, "parallel.tp": 3, "model.name": "gpt"},
+     r"optim\.optimizer muon with parallel\.tp cannot be combined with parallel\.zero"),
+])
+def test_config_errors(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(TrainConfig.from_keys({"optim.optimizer": "muon", **flags}), 3)

@@ -6,9 +6,9 @@ the owner applies a function to the whole matrix and sends each rank its piece o
 
 Owners are balanced over the ranks by size (largest matrix first, to the least loaded rank), the
 same on every rank. Both exchanges are one `alltoallv` each, in float32, of every matrix's pieces
-at once: a rank sends its pieces of the others' matrices, (p-1)/p of the matrices' elements on
-average, and receives as much back, so the matrices cross the wire twice, as a reduce-scatter and
-all-gather move them.
+at once. A matrix of n elements crosses the wire twice, less the part its owner holds: spread
+evenly, 2n(p-1)/p in all, 2Ψ_m(p-1)/p² per rank for Ψ_m matrix elements, beside the 2Ψ(p-1)/p
+of ZeRO's reduce-scatter and all-gather: 1 + Ψ_m/(pΨ) times AdamW's bytes.
 """
 
 from __future__ import annotations
