@@ -1,13 +1,13 @@
 """Steps to a validation loss: Muon decaying over fewer steps against AdamW, one process.
 
     python benchmarks/muon_vs_adamw.py [--text FILE] [--adamw-steps 2000] [--muon-steps 1400]
-                                       [--muon-lr 1e-3[,2e-3...]]
+                                       [--adamw-lr 1e-3] [--muon-lr 1e-3[,2e-3...]]
 
 A character GPT (2 blocks of width 64, block 64; vocabulary: the text's characters) trains on
 the first 90% of a text (default: mpdl's own docs and README, concatenated) with the same seed,
 batches and schedule shape for both optimizers: 100 warmup steps (a tenth of a shorter run),
-then a cosine to lr/10 at the run's last step (AdamW at --adamw-steps, Muon at --muon-steps; lr
-1e-3 (Muon: each of --muon-lr), weight decay 0.1, AdamW's betas (0.9, 0.99) for both). The
+then a cosine to lr/10 at the run's last step (AdamW at --adamw-steps and --adamw-lr, Muon at
+--muon-steps and each of --muon-lr; weight decay 0.1, AdamW's betas (0.9, 0.99) for both). The
 validation loss on the last 10% (the same 16 batches) is taken every --every steps; per Muon
 learning rate the last lines give the first step at which Muon reaches AdamW's final validation
 loss, and the first step at which AdamW reaches Muon's final one.
@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--adamw-steps", type=int, default=2000)
     parser.add_argument("--muon-steps", type=int, default=1400)
     parser.add_argument("--every", type=int, default=100, help="steps between validations")
+    parser.add_argument("--adamw-lr", type=float, default=LR, help="AdamW's learning rate")
     parser.add_argument("--muon-lr", default="1e-3", help="Muon's learning rates, commas")
     parser.add_argument("--json", metavar="PATH", help="the curves and the step counts")
     args = parser.parse_args()
@@ -83,7 +84,7 @@ def main() -> None:
     ids = np.array([chars.index(c) for c in text], dtype=np.int64)
     cut = int(0.9 * len(ids))
     data = (ids[:cut], ids[cut:], len(chars), args.every)
-    adamw = run("adamw", LR, args.adamw_steps, *data)
+    adamw = run("adamw", args.adamw_lr, args.adamw_steps, *data)
     rows = []
     for lr in (float(v) for v in args.muon_lr.split(",")):
         muon = run("muon", lr, args.muon_steps, *data)
