@@ -13,6 +13,7 @@ from mpdl.autograd import amp, nn, optim
 from mpdl.autograd import functional as F
 from mpdl.autograd.muon import NaiveMuon, is_hidden_matrix
 from mpdl.autograd.tensor import Tensor
+from mpdl.collectives.ops import block_bounds
 from mpdl.models.gpt import GPT
 from mpdl.parallel import DistributedSampler
 from mpdl.parallel.data_parallel import AllReduceStrategy
@@ -156,10 +157,21 @@ def test_owners_apply_fn_to_whole_matrices(p):
         for pc in pieces:
             if id(pc.tensor) in out:
                 got[id(pc.param)] = (pc.in_param, out[id(pc.tensor)])
-        return got
+        return got, owners.sent_bytes
 
+    results = run_world(p, run)
+    # each matrix travels to its owner and back, less the block the owner holds (float32)
+    matrices = [(o, w) for o, w in zip(np.cumsum([0] + [w.size for w in whole])[:-1], whole,
+                                                  strict=True)
+                if w.data.ndim == 2 and w.shape != (1, 1)]
+    bounds = block_bounds(sum(w.size for w in whole), p)
+    owner = balanced_owners([w.size for _, w in matrices], p)
+    held = [max(0, min(bounds[r + 1], o + w.size) - max(bounds[r], o))
+            for (o, w), r in zip(matrices, owner, strict=True)]
+    assert sum(sent for _, sent in results) == sum(
+        8 * (w.size - h) for (_, w), h in zip(matrices, held, strict=True))
     covered = {id(w): 0 for w in whole}
-    for got in run_world(p, run):
+    for got, _ in results:
         for w in whole:
             if id(w) in got:
                 where, value = got[id(w)]

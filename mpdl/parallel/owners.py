@@ -74,25 +74,20 @@ class MatrixOwners:
             return ranges[k][q][1] - ranges[k][q][0]
 
         by_owner = [[k for k in range(len(matrices)) if owners[k] == r] for r in range(size)]
+        to_owners = [sum(span(k, me) for k in by_owner[r]) for r in range(size)]
+        of_mine = [sum(span(k, q) for k in mine) for q in range(size)]  # rank q's share of mine
         send = [my_part(k) for r in range(size) for k in by_owner[r]]
-        counts = [sum(span(k, me) for k in by_owner[r]) for r in range(size)]
-        received, _ = alltoallv(_join(xp, send), counts, comm=self.comm,
-                                recv_counts=[sum(span(k, q) for k in mine) for q in range(size)])
-        results, at = {}, 0
-        wholes = {k: xp.empty(math.prod(matrices[k][2].shape), np.float32) for k in mine}
+        received, _ = alltoallv(_join(xp, send), to_owners, comm=self.comm, recv_counts=of_mine)
+        wholes, at = {k: xp.empty(math.prod(matrices[k][2].shape), np.float32) for k in mine}, 0
         for q in range(size):
             for k in mine:
                 lo, hi = ranges[k][q]
                 wholes[k][lo:hi] = received[at:at + hi - lo]
                 at += hi - lo
-        for k in mine:
-            results[k] = fn(wholes[k].reshape(matrices[k][2].shape)).reshape(-1)
+        results = {k: fn(wholes[k].reshape(matrices[k][2].shape)).reshape(-1) for k in mine}
         back = [results[k][slice(*ranges[k][q])] for q in range(size) for k in mine]
-        returned, _ = alltoallv(_join(xp, back), [sum(span(k, q) for k in mine)
-                                                  for q in range(size)], comm=self.comm,
-                                recv_counts=counts)
-        self.sent_bytes = 4 * (sum(counts) - counts[me] + sum(
-            span(k, q) for k in mine for q in range(size) if q != me))
+        returned, _ = alltoallv(_join(xp, back), of_mine, comm=self.comm, recv_counts=to_owners)
+        self.sent_bytes = 4 * (sum(to_owners) - to_owners[me] + sum(of_mine) - of_mine[me])
         out, at = {}, 0
         for r in range(size):
             for k in by_owner[r]:
