@@ -52,6 +52,8 @@ RUNS = {
     # its runs train 2,000 steps three times, for an hour: the options it takes
     "python benchmarks/bench_recipe.py --together": "python benchmarks/bench_recipe.py --help",
     "mpiexec -n 4 mpdl train --zero 3": "mpiexec -n 4 mpdl train --zero 3 --epochs 1",
+    "mpiexec -n 2 mpdl train --model gpt --optimizer muon --zero 1":
+        f"mpiexec -n 2 mpdl train --model gpt --optimizer muon --zero 1 {SMALL_GPT}",
     "mpiexec -n 2 mpdl train --model gpt --n-layer 4 --pp 2 --microbatches 8 --schedule zb-h1":
         f"mpiexec -n 2 mpdl train --model gpt --n-layer 4 --pp 2 --microbatches 8 --schedule zb-h1 "
         f"{SMALL_GPT}",

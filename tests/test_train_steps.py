@@ -98,8 +98,8 @@ def test_grad_clip_reports_the_norm_before_clipping():
     ({"optim.beta2": 1.0}, "optim.beta2: expected a number in [0, 1), got 1.0",
      "--beta2: expected a number in [0, 1), got 1.0"),
     ({"optim.optimizer": "sgd", "optim.beta2": 0.99},
-     "optim.beta2 is an option of optim.optimizer adam or adamw, not sgd",
-     "--beta2 is an option of --optimizer adam or adamw, not sgd"),
+     "optim.beta2 is an option of optim.optimizer adam, adamw or muon (its AdamW part), not sgd",
+     "--beta2 is an option of --optimizer adam, adamw or muon (its AdamW part), not sgd"),
     ({"optim.lr_schedule": "constant", "optim.lr_decay_steps": 10},
      "optim.lr_decay_steps needs optim.lr_schedule cosine, not constant",
      "--lr-decay-steps needs --lr-schedule cosine, not constant"),
@@ -108,10 +108,10 @@ def test_grad_clip_reports_the_norm_before_clipping():
      "--grad-clip cannot be combined with --deterministic"),
     ({"optim.deterministic": True, "parallel.zero": 1, "optim.weight_decay": 0.1,
       "model.dtype": "float32"},
-     "optim.deterministic cannot be combined with optim.optimizer: with parallel.zero, lars and "
-     "lamb need whole-tensor norms and adamw decays whole matrices",
-     "--deterministic cannot be combined with --optimizer: with --zero, lars and lamb need "
-     "whole-tensor norms and adamw decays whole matrices"),
+     "optim.deterministic cannot be combined with optim.optimizer: with parallel.zero, lars, "
+     "lamb and muon need whole tensors and adamw decays whole matrices",
+     "--deterministic cannot be combined with --optimizer: with --zero, lars, lamb and muon need "
+     "whole tensors and adamw decays whole matrices"),
 ])
 def test_bad_steps_and_clipping_are_refused(changes, library, flags):
     with pytest.raises(ConfigError) as caught:

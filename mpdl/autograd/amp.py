@@ -145,6 +145,8 @@ class MixedPrecisionOptimizer:
         memory.hold_all([m.data for m in self.masters], "master_weights")
         self._master_of = {id(p): m for p, m in zip(self.params, self.masters, strict=True)}
         self.inner = make_optimizer(self.masters)
+        if hasattr(self.inner, "split"):  # a master's whole parameter is its parameter
+            self.split()
         self.scaler = scaler
         self.agree: Callable[[bool], bool] = lambda finite: finite
         self._state = _MasterState(self)
@@ -200,6 +202,21 @@ class MixedPrecisionOptimizer:
         """The last step's global norm of the unscaled gradients before clipping (None without
         clipping, or when the step was skipped)."""
         return getattr(self.inner, "grad_norm", None)
+
+    def split(self, whole_map: Callable[..., dict[int, Any]] | None = None,
+              parents: dict[int, Any] | None = None) -> None:
+        """`Optimizer.split` for the parameters (passed on for their master weights, whose
+        whole parameters are the parameters' own)."""
+        param_of = {id(m): p for p, m in zip(self.params, self.masters, strict=True)}
+
+        def masters_map(parts: dict[int, Any], fn: Any, select: Any) -> dict[int, Any]:
+            out = whole_map({id(param_of[k]): v for k, v in parts.items()}, fn, select)
+            return {id(self._master_of[k]): v for k, v in out.items()}
+
+        whole = parents or {}
+        self.inner.split(None if whole_map is None else masters_map,
+                         {id(m): whole.get(id(p), p) for p, m in
+                          zip(self.params, self.masters, strict=True)})
 
     def zero_grad(self) -> None:
         for p in self.params:

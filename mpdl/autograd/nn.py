@@ -27,6 +27,14 @@ class Parameter(Tensor):
         return f"Parameter(shape={self.shape}, dtype={self.dtype})"
 
 
+class TableParameter(Parameter):
+    """A lookup table's weight (`Embedding`): 2-D, but read by rows, so that matrix optimizers
+    (Muon) leave it to AdamW."""
+
+    __slots__ = ()
+    lookup_table = True
+
+
 def make_rng(rng: np.random.Generator | None = None, seed: int | None = None
              ) -> np.random.Generator:
     """The generator to initialise from: ``rng`` if given, else one seeded with ``seed``."""
@@ -408,7 +416,8 @@ class Embedding(Module):
                 raise ValueError(f"Embedding: {name} must be a positive int, not {n!r}")
         g = make_rng(rng, seed)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight = Parameter(g.standard_normal((num_embeddings, embedding_dim)).astype(dtype))
+        self.weight = TableParameter(
+            g.standard_normal((num_embeddings, embedding_dim)).astype(dtype))
 
     def forward(self, indices: Any) -> Tensor:
         return F.embedding(indices, self.weight)

@@ -1,5 +1,5 @@
-"""Optimizers (SGD, Adam, AdamW, LARS, LAMB), clipping by the global gradient norm, and
-learning-rate schedules.
+"""Optimizers (SGD, Adam, AdamW, LARS, LAMB, Muon), clipping by the global gradient norm,
+and learning-rate schedules.
 
 Updates happen in place on ``p.data`` so that references to parameter arrays stay valid, and in
 the parameters' own dtype (hyper-parameters are Python floats, which never upcast float32).
@@ -15,11 +15,17 @@ import numpy as np
 
 from mpdl import memory
 from mpdl.autograd import fused
+from mpdl.autograd.muon import is_hidden_matrix, newton_schulz, rms_scale
 from mpdl.autograd.tensor import Tensor
 from mpdl.backend import get_array_module, to_host
 
 #: what torch.nn.utils.clip_grad_norm_ adds to the norm it divides by
 CLIP_EPS = 1e-6
+#: whole_map(parts, fn, select): for each of this rank's parts of a matrix ({id(parameter): its
+#: array}), its part of fn(the whole matrix); `select(whole parameter)` names the matrices taking
+#: part. A collective over the ranks that hold the parts (see `Optimizer.split`).
+WholeMap = Callable[[dict[int, Any], Callable[[Any], Any], Callable[[Tensor], bool]],
+                    dict[int, Any]]
 
 
 class Optimizer:
@@ -52,6 +58,8 @@ class Optimizer:
         #: the last step's global gradient norm before clipping (None without clipping)
         self.grad_norm: float | None = None
         self._norm_total: Callable[[list[Tensor], list[float]], float] | None = None
+        self._parents: dict[int, Tensor] = {}
+        self._whole_map: WholeMap | None = None
 
     def shard(self, ndims: dict[int, int],
               sum_squares: Callable[[list[Tensor], list[list[Any]]], list[list[Any]]]) -> None:
@@ -76,6 +84,15 @@ class Optimizer:
         `grad_norm`."""
         if self.max_grad_norm is not None:
             self.grad_norm = clip_grad_norm(params, self.max_grad_norm, self._norm_total)
+
+    def split(self, whole_map: WholeMap | None, parents: dict[int, Tensor] | None = None
+              ) -> None:
+        """Declare the parameters to be parts of whole matrices held over several ranks (ZeRO's
+        flat pieces, tensor parallelism's slices): `whole_map` (see WholeMap) runs a function on
+        whole matrices, called once per step by the optimizers that need them (Muon) on every
+        rank, even one with nothing to update; `parents[id(p)]` is the whole parameter p is a
+        piece of (absent: p itself; whole_map None: only that)."""
+        self._whole_map, self._parents = whole_map, dict(parents or {})
 
     def _ndim(self, p: Tensor) -> int:
         return self._ndims.get(id(p), p.data.ndim)
@@ -382,6 +399,56 @@ class LAMB(Optimizer):
             xp = get_array_module(p.data)
             trust = _trust(xp, xp.sqrt(w_sq), xp.sqrt(u_sq)).astype(p.dtype)
             p.data -= group["lr"] * trust * update
+
+
+class Muon(Optimizer):
+    """Muon on the 2-D hidden weights, AdamW on the other parameters (`mpdl.autograd.muon`:
+    Nesterov momentum, NS₅, Moonlight's 0.2·√max(A, B), decoupled weight decay λ on every 2-D
+    parameter). On parts of matrices (`split`) the orthogonalization runs on whole matrices."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.95,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        _check_adam(lr, eps, weight_decay, betas)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must lie in [0, 1), not {momentum!r}")
+        super().__init__(params, dict(lr=lr, momentum=momentum, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay))
+
+    def _whole(self, p: Tensor) -> Tensor:
+        return self._parents.get(id(p), p)
+
+    def step(self) -> None:
+        """Two passes: AdamW's steps and the Nesterov directions of the matrices, then their
+        orthogonalized steps (one `whole_map` when split)."""
+        matrices, directions = [], {}
+        items = self._items()
+        self._clip([p for p, _, _ in items])
+        for p, state, group in items:
+            whole = self._whole(p)
+            if len(whole.shape) >= 2:
+                p.data *= 1 - group["lr"] * group["weight_decay"]
+            if not is_hidden_matrix(whole):
+                m, v, t = _advance(state, p.data)
+                fused.adam_(p.data, p.grad, m, v, group["betas"], t, group["lr"], group["eps"])
+                continue
+            if self._whole_map is None and p.data.ndim != 2:
+                raise ValueError("Muon: a matrix arrived flattened (a shard) without the "
+                                 "strategy's whole_map; this layout does not support muon")
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = get_array_module(p.data).zeros_like(p.data)
+                memory.hold(buf, "optimizer_state")
+            buf *= group["momentum"]
+            buf += p.grad
+            matrices.append((p, group, rms_scale(whole.shape)))
+            directions[id(p)] = p.grad + group["momentum"] * buf
+        if self._whole_map is None:
+            updates = {k: newton_schulz(u) for k, u in directions.items()}
+        else:
+            updates = self._whole_map(directions, newton_schulz, is_hidden_matrix)
+        for p, group, scale in matrices:
+            p.data -= (group["lr"] * scale * updates[id(p)]).astype(p.dtype, copy=False)
 
 
 class WarmupSchedule:

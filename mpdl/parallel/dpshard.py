@@ -29,6 +29,7 @@ from mpdl.backend import get_array_module
 from mpdl.collectives import allreduce, reduce_scatter
 from mpdl.comm import Communicator
 from mpdl.parallel import flat
+from mpdl.parallel.owners import MatrixOwners
 from mpdl.parallel.shards import (
     Piece,
     Unit,
@@ -62,6 +63,9 @@ class ShardedOptimizer:
         self.entries, ndims = make_pieces(self.units)
         self.optimizer = make_optimizer([piece.tensor for piece in self.entries])
         self.optimizer.shard(ndims, self._sum_squares)
+        if hasattr(self.optimizer, "split"):  # whole matrices (Muon): on their owners
+            self.owners = MatrixOwners(self.units, self.entries, comm)
+            self.optimizer.split(self.owners, self.owners.parents)
 
     # -- what a plain optimizer offers -----------------------------------------------------------
     @property

@@ -211,8 +211,10 @@ class ZeroCheckpoint:
         """Within the block every rank holds the whole model (stage 3 gathers it; values
         written into it are kept); with `optimizer_state`, `state_dict()` gives the whole
         optimizer state. Collective over comm; also agrees on the accounting figures."""
-        figures = allreduce(np.array([self.step_peak_bytes, self.meter.sent_bytes_per_step()],
-                                     dtype=np.float64), op="max", comm=self.comm)
+        owners = getattr(self, "owners", None)  # Muon's exchanges with the matrices' owners
+        sent = self.meter.sent_bytes_per_step() + (owners.sent_bytes if owners else 0)
+        figures = allreduce(np.array([self.step_peak_bytes, sent], dtype=np.float64), op="max",
+                            comm=self.comm)
         self.model_state_bytes, self.sent_bytes_per_step = int(figures[0]), float(figures[1])
         self._full_state = self.gather_optimizer_state() if optimizer_state else None
         with self.parameters.whole():

@@ -349,6 +349,18 @@ class TensorParallelGPT(nn.Module):
         return [entry for b in self.blocks for m in (b.attn, b.mlp)
                 for entry in getattr(m, "shards", [])]
 
+    def whole_map(self, parts: dict[int, Any], fn: Any, select: Any) -> dict[int, Any]:
+        """`Optimizer.split`'s whole_map: each split matrix of `parts` all-gathered over tp, fn
+        applied to it on every tp rank alike and this rank's slice kept; fn applied to the
+        replicated ones as they are (collective over tp)."""
+        out, split = {}, {id(shard) for shard, _, _ in self.shards}
+        for shard, full, index in self.shards:  # in the same order on every tp rank
+            if id(shard) in parts and len(full.shape) == 2 and select(full):
+                whole = gather_array(parts[id(shard)], full.shape, index, self.comm)
+                out[id(shard)] = fn(whole)[index(self.comm.rank)]
+        out.update({k: fn(part) for k, part in parts.items() if k not in split})
+        return out
+
     def gather_into_model(self) -> None:
         """All-gather every shard into the wrapped GPT's parameters (collective over tp)."""
         for shard, full, index in self.shards:

@@ -61,6 +61,7 @@ from mpdl.comm.handles import Handle, comm_thread_for
 from mpdl.parallel import buckets, flat
 from mpdl.parallel.buckets import MB
 from mpdl.parallel.flat import broadcast_model
+from mpdl.parallel.owners import MatrixOwners
 from mpdl.parallel.shards import (
     Piece,
     Unit,
@@ -186,6 +187,9 @@ class ZeroStrategy(ZeroCheckpoint, Strategy):
         self.optimizer.shard(ndims, self._sum_squares)
         # the pieces of a shard group are disjoint (a hybrid run's replicas hold the same ones)
         self.optimizer.global_norm(counted_once(self.shard_comm, lambda piece: True))
+        if hasattr(self.optimizer, "split"):  # whole matrices (Muon): on their owners
+            self.owners = MatrixOwners(self.units, self.pieces, self.shard_comm)
+            self.optimizer.split(self.owners, self.owners.parents)
         if hasattr(self.optimizer, "agree"):  # mixed precision: skip a step on every rank alike
             self.optimizer.agree = self._all_finite
         self._hooks = [p.register_grad_ready_hook(self._on_grad) for u in self.units

@@ -49,7 +49,7 @@ from mpdl.parallel.zero import STAGES as ZERO_STAGES
 from mpdl.training import precision
 from mpdl.training.precision import PRECISIONS
 
-OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
+OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb", "muon")
 DATASETS = ("digits", "mnist", "synthetic", "addition", "text", "shakespeare")
 #: the datasets of the GPT (token sequences); the image models take the others
 SEQUENCE_DATASETS = ("addition", "text", "shakespeare")
@@ -60,7 +60,7 @@ BATCH_SAMPLINGS = ("epoch", "random")
 LR_SCHEDULES = ("constant", "cosine")
 PARALLEL_MODES = ("allreduce", "ps")
 #: the learning rate of each optimizer when --lr is not given ...
-DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "adamw": 1e-3, "lars": 2.0, "lamb": 1e-2}
+DEFAULT_LR = {"sgd": 0.2, "adam": 1e-3, "adamw": 1e-3, "lars": 2.0, "lamb": 1e-2, "muon": 1e-3}
 #: ... unless the model has its own: LeNet (no batch norm) diverges at sgd 0.2 and learns
 #: faster with adam at 3e-3
 MODEL_LR = {("lenet", "sgd"): 0.03, ("lenet", "adam"): 3e-3, ("gpt", "adam"): 3e-3,
@@ -272,8 +272,8 @@ class OptimConfig:
                            "this)", check=POSITIVE)
     global_batch_size: int = option(64, "samples (sequences) per step over all ranks, split into "
                                     "contiguous per-rank slices", check=POSITIVE, metavar="B")
-    lr: float | None = option(None, "learning rate (default: sgd 0.2, adam and adamw 0.001, lars 2, "
-                              "lamb 0.01; lenet: sgd 0.03, adam 0.003; gpt: adam 0.003, with "
+    lr: float | None = option(None, "learning rate (default: sgd 0.2, adam, adamw and muon 0.001, "
+                              "lars 2, lamb 0.01; lenet: sgd 0.03, adam 0.003; gpt: adam 0.003, with "
                               "--moe-experts 0.002; x 0.25 under --compression signsgd)",
                               check=expect(lambda v: v is None or (_number(v) and
                                                                    0 < v < math.inf),
@@ -321,9 +321,11 @@ class OptimConfig:
                                         check=OPTIONAL_POSITIVE_INT, metavar="N")
     min_lr: float = option(0.0, "the learning rate the cosine ends at", check=AT_LEAST_ZERO,
                            metavar="LR")
-    beta1: float = option(0.9, "adam, adamw: the first moment's decay", check=BETA)
-    beta2: float = option(0.999, "adam, adamw: the second moment's decay", check=BETA)
-    eps: float = option(1e-8, "adam, adamw: added to the second moment's root",
+    beta1: float = option(0.9, "adam, adamw, muon's AdamW part: the first moment's decay",
+                          check=BETA)
+    beta2: float = option(0.999, "adam, adamw, muon's AdamW part: the second moment's decay",
+                          check=BETA)
+    eps: float = option(1e-8, "adam, adamw, muon's AdamW part: added to the second moment's root",
                         check=POSITIVE)
     grad_clip: float | None = option(None, "scale the gradient to global norm X when it is larger "
                                      "(the whole model's, on every layout)",
@@ -681,11 +683,11 @@ def validate_steps(config: TrainConfig) -> None:
     if o.lr_decay_steps is not None and o.lr_schedule != "cosine":
         raise ConfigError(f"{{optim.lr_decay_steps}} needs {{optim.lr_schedule}} cosine, not "
                           f"{o.lr_schedule}")
-    adams = ("adam", "adamw")
+    adams = ("adam", "adamw", "muon")
     for key in ("optim.beta1", "optim.beta2", "optim.eps"):
         if o.optimizer not in adams and getattr(o, key[6:]) != OPTIONS[key].default:
-            raise ConfigError(f"{{{key}}} is an option of {{optim.optimizer}} adam or adamw, not "
-                              f"{o.optimizer}")
+            raise ConfigError(f"{{{key}}} is an option of {{optim.optimizer}} adam, adamw or muon "
+                              f"(its AdamW part), not {o.optimizer}")
     if o.grad_clip is None:
         return
     # under local SGD and DiLoCo each worker clips the gradient it steps on, its own
@@ -969,9 +971,9 @@ def validate_deterministic(config: TrainConfig) -> None:
            "{parallel.zero_hybrid}": (p.zero_hybrid, "it shards over all ranks"),
            "{parallel.zero}": (p.pp > 1 and p.zero > 0, "with {parallel.pp} the update is not "
                                "sharded"),
-           "{optim.optimizer}": (p.zero > 0 and (o.optimizer in ("lars", "lamb") or
+           "{optim.optimizer}": (p.zero > 0 and (o.optimizer in ("lars", "lamb", "muon") or
                                                (o.optimizer == "adamw" and o.weight_decay > 0)),
-                                 "with {parallel.zero}, lars and lamb need whole-tensor norms "
+                                 "with {parallel.zero}, lars, lamb and muon need whole tensors "
                                  "and adamw decays whole matrices, but the update is one flat "
                                  "block; use sgd or adam")}
     for key, (bad, reason) in why.items():
@@ -1008,6 +1010,9 @@ def validate_zero(config: TrainConfig) -> None:
     if not p.prefetch and p.zero != 3:
         raise ConfigError("{parallel.prefetch} needs {parallel.zero} 3 (prefetch of the next "
                           "unit's parameters)")
+    if config.optim.optimizer == "muon" and p.tp > 1:
+        raise ConfigError("{optim.optimizer} muon with {parallel.tp} cannot be combined with "
+                          "{parallel.zero}: the dp shards of a tp slice are not whole matrices")
 
 
 def resume_mismatch(config: TrainConfig, saved: Mapping[str, Any]) -> str | None:

@@ -99,6 +99,8 @@ def _optimizer(config: TrainConfig) -> Callable[[list[Any]], Any]:
         return lambda p: optim.Adam(p, **adam)
     if c.optimizer == "adamw":
         return lambda p: optim.AdamW(p, **adam, decay="matrices")
+    if c.optimizer == "muon":
+        return lambda p: optim.Muon(p, **adam)
     if c.optimizer == "lars":
         return lambda p: optim.LARS(p, lr=lr, momentum=c.momentum, weight_decay=c.weight_decay)
     return lambda p: optim.LAMB(p, lr=lr, weight_decay=c.weight_decay)

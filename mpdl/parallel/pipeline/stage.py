@@ -188,6 +188,9 @@ class PipelineStage:
             self._tp_shards = {id(shard) for shard, _, _ in (self.tp_model.shards
                                                              if self.tp_model else [])}
             self.optimizer.global_norm(counted_once(self.comm, self._counted))
+        if self.tp_model is not None and not self.zero and hasattr(self.optimizer, "split"):
+            self.optimizer.split(self.tp_model.whole_map,  # Muon: the split matrices gathered
+                                 {id(shard): full for shard, full, _ in self.tp_model.shards})
         self._owned = {id(p) for p in self.stage_params}
         self._release_others()
         memory.hold_all([p.data for p in self.stage_params], "parameters")
