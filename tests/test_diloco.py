@@ -40,6 +40,19 @@ def params(model) -> np.ndarray:
     return np.concatenate([p.data.reshape(-1) for p in model.parameters()])
 
 
+def trained(p: int, make_sync, steps: int) -> list[np.ndarray]:
+    """Each rank's parameters after `steps` inner steps, `make_sync(model, comm).step()` after
+    each."""
+    def fn(comm):
+        model = make_model()
+        sync = make_sync(model, comm)
+        for s in range(1, steps + 1):
+            inner_step(model, comm.rank, s)
+            sync.step()
+        return params(model)
+    return run_world(p, fn)
+
+
 def test_outer_step_is_pytorch_nesterov_sgd():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(0)
@@ -87,18 +100,9 @@ def test_outer_steps_match_a_numpy_reference(p):
 
 @pytest.mark.parametrize("p", [2, 3])
 def test_outer_lr_one_without_momentum_is_local_sgd(p):
-    def run(averager):
-        def fn(comm):
-            model = make_model()
-            sync = averager(model, comm)
-            for s in range(1, 10):
-                inner_step(model, comm.rank, s)
-                sync.step()
-            return params(model)
-        return run_world(p, fn)
-
-    ours = run(lambda m, c: DiLoCo(m, comm=c, sync_every=3, outer_lr=1.0, outer_momentum=0.0))
-    local = run(lambda m, c: LocalSGD(m, comm=c, sync_every=3))
+    ours = trained(p, lambda m, c: DiLoCo(m, comm=c, sync_every=3, outer_lr=1.0,
+                                          outer_momentum=0.0), 9)
+    local = trained(p, lambda m, c: LocalSGD(m, comm=c, sync_every=3), 9)
     for a, b in zip(ours, local, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
@@ -121,18 +125,8 @@ def test_one_rank_with_outer_lr_one_is_the_inner_optimizer_alone(fragments_, com
 
 
 def test_naive_and_packed_diloco_agree():
-    def run(make):
-        def fn(comm):
-            model = make_model()
-            sync = make(model, comm)
-            for s in range(1, 13):
-                inner_step(model, comm.rank, s)
-                sync.step()
-            return params(model)
-        return run_world(3, fn)
-
-    naive = run(lambda m, c: NaiveDiLoCo(m, comm=c, sync_every=4, algorithm="ring"))
-    packed = run(lambda m, c: DiLoCo(m, comm=c, sync_every=4, algorithm="ring"))
+    naive = trained(3, lambda m, c: NaiveDiLoCo(m, comm=c, sync_every=4, algorithm="ring"), 12)
+    packed = trained(3, lambda m, c: DiLoCo(m, comm=c, sync_every=4, algorithm="ring"), 12)
     for a, b in zip(naive, packed, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
