@@ -132,7 +132,7 @@ def test_gpt_pipeline_has_one_ranks_hash():
      "parallel.tp: tensor parallelism splits each GEMM"),
     ({"communication.compression": "fp16"}, "communication.compression: compression is lossy"),
     ({"optim.precision": "bf16"}, "optim.precision: it needs fp32"),
-    ({"parallel.zero": 1, "optim.optimizer": "lars"}, "lars and lamb need whole-tensor norms"),
+    ({"parallel.zero": 1, "optim.optimizer": "lars"}, "lars, lamb and muon need whole tensors"),
 ])
 def test_what_deterministic_does_not_cover_is_refused_in_one_line(changes, words):
     with pytest.raises(ConfigError) as info:

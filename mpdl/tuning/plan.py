@@ -35,7 +35,13 @@ import numpy as np
 from mpdl import backend, memory, settings
 from mpdl.collectives import checks, registry, shm
 from mpdl.collectives.bruck import moving
-from mpdl.collectives.ops import in_float32, reducer, reduces_wide, segment_elements
+from mpdl.collectives.ops import (
+    in_float32,
+    reduced_bytes,
+    reducer,
+    reduces_wide,
+    segment_elements,
+)
 from mpdl.collectives.pairwise import partners
 from mpdl.collectives.scattered import THROTTLE
 from mpdl.comm import Communicator, Request, as_communicator, polling
@@ -542,7 +548,8 @@ def _allreduce_plan(x: Any, op: str, algorithm: str, comm: Any, out: Any,
               and shm.in_shared_memory(as_communicator(comm), x))
     call = checks.allreduce_call(x, op, algorithm, comm, out, plan=True, shared=shared)
     c, algo, xp, out = call.comm, call.algorithm, call.xp, call.out
-    names = verify.candidates("allreduce", x.nbytes, c, shared) if algorithm == "auto" else None
+    names = (verify.candidates("allreduce", reduced_bytes(x, op), c, shared)
+             if algorithm == "auto" else None)
     go, fast, requests = _allreduce_runner(call, algo, persistent,
                                            TRIAL_COMPILED_AFTER if names is not None else 0)
     if op == "avg" and not reduces_wide(x.dtype, op):  # (a widened avg is divided in float32)
@@ -567,9 +574,10 @@ def _verifying(plan: Plan, names: tuple[str, ...],
     plan's arrays."""
     c, collective = plan.comm, plan.collective
     built = {plan.algorithm: plan.schedule()}
-    for name in names[1:]:
+    for name in names:  # auto's pick for the bytes that travel may differ from names[0]
         other = registry.resolve(collective, name)
-        built[other.name] = runner_of(other)
+        if other.name not in built:
+            built[other.name] = runner_of(other)
     requests = [r for _, _, rs in built.values() for r in rs or []]
 
     def runner(name: str):
@@ -658,7 +666,8 @@ def _reduce_scatter_plan(x: Any, op: str, algorithm: str, comm: Any, in_place: b
 
     go = _reduce_scatter_runner(call, algo, buf, in_place)[0]
     plan = Plan(c, x, mine, call.signature, go, finish)
-    names = verify.candidates("reduce_scatter", x.nbytes, c) if algorithm == "auto" else None
+    names = (verify.candidates("reduce_scatter", reduced_bytes(x, op), c)
+             if algorithm == "auto" else None)
     if names is not None:
         _verifying(plan, names, lambda other: _reduce_scatter_runner(call, other, buf, in_place))
     return plan
