@@ -102,7 +102,7 @@ def test_zero_follows_one_rank(reference, stage):
     c = comm()
     strategy = ZeroStrategy(c, stage, first_bucket_mb=1e-3, bucket_mb=2e-3)
     check(train(strategy), reference)
-    assert strategy.owners.sent_bytes > 0
+    assert (strategy.owners.sent_bytes > 0) == (c.size > 1)  # one rank owns every matrix
 
 
 def test_deterministic_is_the_one_rank_run_bit_for_bit():
