@@ -203,8 +203,8 @@ def _agree(comm) -> Model:
     found, path = comm.allgather_object(mine)[0]
     if found is not None:  # a model of this process (its serial keys its cache)
         note = ""
-        if found.origin == "derived" and comm.rank == 0:
-            note = _save(found.path, comm, found.params)
+        if found.origin == "derived":
+            note = _saved_by_rank_0(found.path, comm, found.params)
         return Model(found.params, found.origin, found.path, found.note or note,
                      dict(found.verified), dict(found.unsettled), set(found.recheck))
     if comm.rank == 0:  # the user never waits silently
@@ -213,8 +213,13 @@ def _agree(comm) -> Model:
               f"in {path}; to skip: MPDL_AUTO_CACHE=off, or `mpdl calibrate` once",
               file=sys.stderr, flush=True)
     params = firstuse.measure_quick(comm)
-    note = _save(path, comm, params) if comm.rank == 0 else ""
-    return Model(params, "measured", path, note)
+    return Model(params, "measured", path, _saved_by_rank_0(path, comm, params))
+
+
+def _saved_by_rank_0(path: str, comm, params: costmodel.Params) -> str:
+    """Collective over comm: rank 0 writes the file, and every rank returns once it is there (a
+    part of comm whose rank 0 is another rank reads it next); "" or why it could not."""
+    return comm.allgather_object(_save(path, comm, params) if comm.rank == 0 else None)[0]
 
 
 def _save(path: str, comm, params: costmodel.Params) -> str:
