@@ -125,9 +125,37 @@ def test_gpt_pipeline_has_one_ranks_hash():
     assert gpt_digest(1, {"optim.atoms": 4})[0] != one  # other atoms, other roundings
 
 
+#: the GPT with a MoE layer (4 experts, top-2, dropless) in each block, trained by Adam for 2 epochs
+MOE = {**GPT, "model.moe_experts": 4, "optim.optimizer": "adam", "optim.lr": 0.01,
+       "optim.epochs": 2, "output.log_interval": 1}
+
+
+def moe_steps(p: int, changes: dict) -> list[tuple[list[float], str]]:
+    """Per rank: (rank 0's loss of every step, the final parameter hash)."""
+    def body(comm):
+        trainer = Trainer(TrainConfig.from_keys({**MOE, **changes}), comm=comm, out=io.StringIO())
+        trainer.setup()
+        digest = trainer.run()[-1]["param_sha256"]
+        return [f["loss"] for _, f in trainer.report.events if "loss" in f], digest
+    return run_world(p, body)
+
+
+def test_experts_over_ranks_have_one_ranks_losses_and_hash():
+    (losses, digest), = moe_steps(1, {})
+    assert len(losses) == 6 and len(set(losses)) == 6
+    for p, ep in ((2, 2), (3, 1), (4, 4), (4, 2)):
+        runs = moe_steps(p, {"parallel.ep": ep})
+        assert runs[0][0] == losses, (p, ep)  # every step's loss to the bit
+        assert {d for _, d in runs} == {digest}, (p, ep)
+    assert moe_steps(1, {"model.moe_aux_loss_coef": 0.0})[0][1] != digest  # the aux loss trains
+
+
 @pytest.mark.parametrize("changes, words", [
     ({"parallel.pp": 2, "parallel.schedule": "afab"}, "parallel.schedule: only the 1f1b"),
-    ({"parallel.pp": 2, "parallel.zero": 1}, "parallel.zero: with parallel.pp the update is not"),
+    ({**MOE, "parallel.ep": 2, "parallel.zero": 1},
+     "parallel.zero: with parallel.pp or parallel.ep the update is not"),
+    ({**MOE, "parallel.pp": 2}, "model.moe_experts: a pipeline's stages do not run experts"),
+    ({"parallel.pp": 2, "parallel.zero": 1}, "parallel.zero: with parallel.pp or parallel.ep"),
     ({"parallel.tp": 2, "model.name": "gpt", "data.dataset": "addition"},
      "parallel.tp: tensor parallelism splits each GEMM"),
     ({"communication.compression": "fp16"}, "communication.compression: compression is lossy"),

@@ -40,6 +40,7 @@ from mpdl.autograd.tensor import Tensor
 from mpdl.collectives import allgather, allreduce, broadcast, reduce_scatter
 from mpdl.collectives.ops import block_bounds
 from mpdl.comm import Communicator
+from mpdl.models.moe import aux_loss_scale
 from mpdl.parallel import flat
 from mpdl.parallel.strategy import Batch, MakeOptimizer, Span, StepResult, Strategy, correct_predictions
 
@@ -143,12 +144,14 @@ class DeterministicStrategy(Strategy):
         return np.concatenate([p.data.reshape(-1) for p in self.params])
 
     def _atom_gradient(self, batch: Batch, result: StepResult) -> np.ndarray:
-        """Forward and backward of one atom: its flat gradient of sum-of-losses / count."""
+        """Forward and backward of one atom: its flat gradient of sum-of-losses / count (and of
+        its MoE layers' load-balancing losses times the atom's share of the batch)."""
         start = time.perf_counter()
-        logits = self.model(Tensor(batch.x))
-        loss = F.cross_entropy(logits, batch.y, reduction="sum")
-        forward_end = time.perf_counter()
-        loss.backward(1.0 / batch.count)
+        with aux_loss_scale(len(batch.y) / batch.global_size):  # MoE layers: the atom's share
+            logits = self.model(Tensor(batch.x))
+            loss = F.cross_entropy(logits, batch.y, reduction="sum")
+            forward_end = time.perf_counter()
+            loss.backward(1.0 / batch.count)
         end = time.perf_counter()
         result.loss += float(loss.item()) * batch.global_size / batch.count
         result.correct += correct_predictions(logits.data, batch.y)

@@ -160,15 +160,20 @@ class AllToAllExperts:
                                   comm=self.ep_comm, algorithm=self.algorithm,
                                   grad_scale=1.0 / w if w else 0.0, scale_output=False,
                                   name="dispatch", spans=self.spans, wire_dtype=wire)
-        xp = get_array_module(rows.data)
-        by_expert = xp.asarray(_source_to_expert_order(from_source))
-        outputs = run_experts(self.experts, GatherRows.apply(received, index=by_expert),
-                              from_source.sum(axis=0))
-        back = ScatterRows.apply(outputs, index=by_expert, rows=int(recv.sum()))
+        back = self.run(received, from_source)
         return AllToAll.apply(back, send_counts=recv.tolist(), recv_counts=send.tolist(),
                               comm=self.ep_comm, algorithm=self.algorithm, grad_scale=w,
                               scale_output=True, name="combine", spans=self.spans,
                               wire_dtype=wire)
+
+    def run(self, received: Tensor, from_source: np.ndarray) -> Tensor:
+        """The expert outputs of the received rows (from_source[s, l] rows of source s for
+        local expert l, by source then expert), in the same order."""
+        xp = get_array_module(received.data)
+        by_expert = xp.asarray(_source_to_expert_order(from_source))
+        outputs = run_experts(self.experts, GatherRows.apply(received, index=by_expert),
+                              from_source.sum(axis=0))
+        return ScatterRows.apply(outputs, index=by_expert, rows=int(from_source.sum()))
 
     def wire_dtype(self) -> Any:
         """The 16-bit dtype the experts compute in (their parameters' under mixed precision),
@@ -189,10 +194,12 @@ class ExpertGroups:
     """The experts of `moes` spread over groups of `ep` ranks of `dp_comm` (ranks d = g·ep + j;
     see the module docstring): the experts this rank holds, the dispatchers that bring it the
     rows of its group, and the all-gather that makes every layer whole again. A list of no
-    layers (a pipeline stage without MoE blocks) holds nothing."""
+    layers (a pipeline stage without MoE blocks) holds nothing. `dispatcher` is the class of
+    the layers' dispatchers (`AllToAllExperts` by default)."""
 
     def __init__(self, moes: list[MoE], dp_comm: Communicator, ep: int,
-                 alltoall: str = "auto") -> None:
+                 alltoall: str = "auto", dispatcher: type[AllToAllExperts] | None = None
+                 ) -> None:
         check_ep(ep, dp_comm.size)
         for moe in moes:
             if moe.num_experts % ep:
@@ -206,7 +213,8 @@ class ExpertGroups:
         self.expert_ids = {id(p) for moe in moes for p in moe.experts.parameters()}
         self.owned_ids = {id(p) for group in self.local_experts for ex in group
                           for p in ex.parameters()}
-        self.dispatchers = [AllToAllExperts(group, self.ep_comm, dp_comm, alltoall)
+        make = dispatcher or AllToAllExperts
+        self.dispatchers = [make(group, self.ep_comm, dp_comm, alltoall)
                             for group in self.local_experts]
 
     def _experts_of(self, moe: MoE, j: int) -> list[Any]:

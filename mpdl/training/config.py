@@ -948,9 +948,9 @@ def validate_communication(config: TrainConfig, world_size: int) -> None:
 
 
 def validate_deterministic(config: TrainConfig) -> None:
-    """What --deterministic covers: data parallelism (any algorithm, ZeRO 1-3) and a 1f1b
-    pipeline (without ZeRO) in fp32 on the CPU; every other way of training sums in floating
-    point or splits the GEMMs' own sums."""
+    """What --deterministic covers: data parallelism (any algorithm, ZeRO 1-3), experts split
+    over --ep ranks (without ZeRO) and a 1f1b pipeline (without ZeRO) in fp32 on the CPU; every
+    other way of training sums in floating point or splits the GEMMs' own sums."""
     if not config.optim.deterministic:
         return
     p, c, o, m = config.parallel, config.communication, config.optim, config.model
@@ -961,7 +961,8 @@ def validate_deterministic(config: TrainConfig) -> None:
            "{parallel.virtual_stages}": (p.pp > 1 and p.virtual_stages > 1, "a rank holds one "
                                          "stage"),
            "{parallel.cp}": (p.cp > 1, "context parallelism splits the attention sums over ranks"),
-           "{model.moe_experts}": (m.moe_experts > 0, "expert routing sums in floating point"),
+           "{model.moe_experts}": (m.moe_experts > 0 and p.pp > 1, "a pipeline's stages do "
+                                   "not run experts atom by atom"),
            "{parallel.mode}": (p.mode == "ps", "the parameter server adds pushes as they come"),
            "{communication.sync_every}": (c.sync_every > 1, "local SGD averages in floating point"),
            "{communication.compression}": (c.compression != "none", "compression is lossy"),
@@ -969,8 +970,8 @@ def validate_deterministic(config: TrainConfig) -> None:
                                  "rounding are not covered)"),
            "{model.device}": (m.device != "cpu", "it runs on the CPU only"),
            "{parallel.zero_hybrid}": (p.zero_hybrid, "it shards over all ranks"),
-           "{parallel.zero}": (p.pp > 1 and p.zero > 0, "with {parallel.pp} the update is not "
-                               "sharded"),
+           "{parallel.zero}": ((p.pp > 1 or p.ep > 1) and p.zero > 0, "with {parallel.pp} or "
+                               "{parallel.ep} the update is not sharded"),
            "{optim.optimizer}": (p.zero > 0 and (o.optimizer in ("lars", "lamb", "muon") or
                                                (o.optimizer == "adamw" and o.weight_decay > 0)),
                                  "with {parallel.zero}, lars, lamb and muon need whole tensors "

@@ -15,6 +15,7 @@ from mpdl.parallel.data_parallel import (
     ParameterServerStrategy,
 )
 from mpdl.parallel.deterministic import DeterministicStrategy
+from mpdl.parallel.exact_expert import ExactExpertStrategy
 from mpdl.parallel.expert import ExpertParallelStrategy
 from mpdl.parallel.expert_pipeline import ExpertPipelineStrategy
 from mpdl.parallel.pipeline import PipelineStrategy
@@ -31,6 +32,8 @@ def make_strategy(config: TrainConfig, comm: Communicator) -> Strategy:
     if o.deterministic and p.pp > 1:
         return ExactPipeline(comm, dp=p.data_ranks(comm.size), pp=p.pp,
                              microbatches=p.microbatches, algorithm=c.algorithm, atoms=o.atoms)
+    if o.deterministic and p.ep > 1:
+        return ExactExpertStrategy(comm, ep=p.ep, algorithm=c.algorithm, atoms=o.atoms)
     if o.deterministic:
         return DeterministicStrategy(comm, algorithm=c.algorithm, zero=p.zero, atoms=o.atoms)
     if p.mode == "ps":
