@@ -303,8 +303,8 @@ class OptimConfig:
                                "gradient is NaN or inf (fp16: counting only steps at the loss "
                                "scale's floor)", check=POSITIVE_INT, metavar="N")
     deterministic: bool = option(False, "the same parameters to the last bit on any number of "
-                                 "ranks, algorithm and ZeRO stage: each batch cut into --atoms "
-                                 "atoms, their gradients summed exactly in int64 "
+                                 "ranks, algorithm, ZeRO stage and --ep: each batch cut into "
+                                 "--atoms atoms, their gradients summed exactly in int64 "
                                  "(docs/training.md)")
     atoms: int = option(8, "--deterministic: atoms per global batch (the same on any layout)",
                         check=POSITIVE_INT, metavar="N")
