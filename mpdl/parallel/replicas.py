@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -180,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--kill-every", type=int, default=0, metavar="K",
+                        help="SIGKILL the first rank of group (s/K mod G) after every step s divisible by K")
     args = parser.parse_args(argv)
     from mpdl import faults  # noqa: PLC0415
     try:
@@ -206,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(event), flush=True)
         rg.events.clear()
         faults.after_step(rg.slot, step, joined_at, iter(()))
+        if args.kill_every and step % args.kill_every == 0 and step < args.steps \
+                and rg.slot == step // args.kill_every % rg.groups * rg.group_size:
+            os.kill(os.getpid(), signal.SIGKILL)
     digests = rg.comm.allgather(hashlib.sha256(w.tobytes()).hexdigest())
     if rg.slot == 0:
         print(json.dumps({"step": step, "seconds": round(time.monotonic() - started, 3),
