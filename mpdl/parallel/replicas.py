@@ -52,7 +52,7 @@ def require_ulfm(MPI: Any) -> None:
 
 class ReplicaGroups:
     """`groups` replica groups over the ranks of `comm` (an mpi4py communicator, COMM_WORLD
-    unless given); `start()` in a process spawned to replace a dead one joins the survivors."""
+    unless given); built in a process spawned to replace a dead one, it joins the survivors."""
 
     def __init__(self, groups: int, comm: Any = None, argv: list[str] | None = None) -> None:
         self.MPI = MPI = load_mpi()
@@ -121,6 +121,8 @@ class ReplicaGroups:
         before = set(self.quorum())
         self.live = sorted(self.comm.allgather(self.slot))
         self.pending = sorted(set(range(self.groups * self.group_size)) - set(self.live))
+        if not self.quorum():
+            raise RuntimeError("every replica group lost a rank: no live group to copy the state from")
         self.reporter = self.quorum()[0] * self.group_size
         for g in sorted(before - set(self.quorum())):
             self.lost_groups.append(g)
@@ -136,7 +138,7 @@ class ReplicaGroups:
         merged.bcast({"pending": self.pending, "groups": self.groups, "group_size": self.group_size}, root=0)
         received = self._reorder(merged, state)
         inter.Disconnect()  # MPI_Finalize waits for connected processes
-        seconds = time.monotonic() - self.fault_time
+        seconds = time.monotonic() - self.fault_time  # from the survivors' first error
         for g in self.lost_groups:
             self.events.append({"event": "group_rejoined", "group": g, "step": step,
                                 "seconds": round(seconds, 3)})
