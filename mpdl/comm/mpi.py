@@ -380,14 +380,20 @@ class MPIComm(Communicator, DeviceStaging):
     def node_of_rank(self) -> list[int]:
         if self._nodes is None:
             self._nodes = nodes.node_of_rank(self.size, self.settings.ranks_per_node,
-                                             self._exchange_names)
+                                             self._exchange_leaders)
         return self._nodes
 
-    def _exchange_names(self) -> list[str]:
-        """Every rank's host name, exchanged under the wait policy (the node lookup)."""
+    def _exchange_leaders(self) -> list[int]:
+        """Every rank's lowest peer in MPI's shared-memory split (the node lookup): the split
+        runs once every rank has shown, under the wait policy, that it is here."""
         previous, self.collective = self.collective, "the node lookup"
         try:
-            return self._exchange_objects(self.MPI.Get_processor_name(), NODES_TAG)
+            self._exchange_objects(None, NODES_TAG)
+            shared = self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
+            peers = shared.Get_group().Translate_ranks(list(range(shared.Get_size())),
+                                                       self.mpi.Get_group())
+            shared.Free()
+            return self._exchange_objects(min(peers), NODES_TAG)
         finally:
             self.collective = previous
 

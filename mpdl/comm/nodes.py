@@ -1,9 +1,10 @@
 """Which ranks share a node, and shared-memory windows among them (over an mpi4py communicator).
 
-Nodes are the hosts (the ranks of one host name share memory), or, with the settings'
-ranks_per_node k (MPDL_RANKS_PER_NODE), emulated nodes of k consecutive ranks. Finding them is an
-exchange of host names point to point, under the deadline: no rank ever blocks in MPI's
-MPI_Comm_split_type for a peer that is in another call.
+Nodes are MPI's shared-memory nodes (the launcher's hosts: MPI_Comm_split_type's
+COMM_TYPE_SHARED), or, with the settings' ranks_per_node k (MPDL_RANKS_PER_NODE), emulated nodes
+of k consecutive ranks. The blocking split runs only after every rank has shown, point to point
+under the deadline, that it is in the node lookup: no rank ever blocks in it for a peer that is
+in another call.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ def ranks_per_node_override() -> int | None:
 
 
 def node_of_rank(size: int, ranks_per_node: int | None,
-                 exchange_names: Callable[[], list[str]]) -> list[int]:
-    """The node index of each of `size` ranks (nodes numbered by their lowest rank's order): the
-    ranks that share a host name, from `exchange_names()` (every rank's, exchanged point to point
-    under a deadline), or emulated nodes of ranks_per_node consecutive ranks (no exchange)."""
+                 exchange_leaders: Callable[[], list[int]]) -> list[int]:
+    """The node index of each of `size` ranks (nodes numbered by their lowest rank's order): from
+    `exchange_leaders()` (every rank's lowest node peer, exchanged point to point under a
+    deadline), or emulated nodes of ranks_per_node consecutive ranks (no exchange)."""
     if ranks_per_node is not None:
         return [r // ranks_per_node for r in range(size)]
-    order: dict[str, int] = {}
-    return [order.setdefault(name, len(order)) for name in exchange_names()]
+    order: dict[int, int] = {}
+    return [order.setdefault(leader, len(order)) for leader in exchange_leaders()]
 
 
 class SharedWindows:
