@@ -40,7 +40,8 @@ LAYOUTS = {
         "ep2": {"model.moe_experts": 2, "model.moe_top_k": 1, "parallel.ep": 2},
         "ep2-zero1": {"model.moe_experts": 2, "model.moe_top_k": 1, "parallel.ep": 2,
                       "parallel.zero": 1}} if EVEN else {}),
-    **({f"pp{P}": {"parallel.pp": P}} if P > 2 else {}),
+    # a stage per rank: n_layer + 2 pieces to cut (the embedding and the head are pieces too)
+    **({f"pp{P}": {"parallel.pp": P, "model.n_layer": max(2, P - 2)}} if P > 2 else {}),
     **({"pp2-tp2": {"parallel.pp": 2, "parallel.tp": 2}} if P == 4 else {}),
 }
 
