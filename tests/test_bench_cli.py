@@ -137,7 +137,7 @@ def test_a_bad_flag_is_reported_with_one_line_from_rank_0_alone():
     assert out.stderr == BAD_LR
 
 
-def test_a_mistyped_flag_points_to_the_verbs_own_help():
+def test_a_mistyped_flag_points_to_the_verbs_own_help_with_one_line():
     for verb, flag in (("train", "--epochz"), ("simulate", "--nodez")):
         out = run(2, [verb, flag, "2"])
         assert out.returncode == 2 and out.stdout == ""

@@ -129,7 +129,7 @@ def _zero_weights_unchecked(d: Path) -> None:
     _edit(d, edit)
 
 
-def test_train_refuses_a_state_json_without_its_checksum_and_reports_the_loaded_weights(tmp_path):
+def test_train_refuses_a_checksumless_state_json_with_one_line_and_reports_loaded_weights(tmp_path):
     """Deleting the checksum does not turn the check off; accepted once with the flag, the
     checksum is written, and the closing line of a run resumed at its end gives the accuracy of
     the loaded (zeroed: one class for every digit) weights, not the saved history's."""
@@ -153,7 +153,7 @@ def test_train_refuses_a_state_json_without_its_checksum_and_reports_the_loaded_
     assert _train("--checkpoint", str(d), "--resume").returncode == 0
 
 
-def test_train_refuses_to_overwrite_another_runs_checkpoint_unless_forced(tmp_path):
+def test_train_refuses_with_one_line_to_overwrite_another_runs_checkpoint_unless_forced(tmp_path):
     d = tmp_path / "D"
     assert _train("--checkpoint", str(d), "--model", "mlp").returncode == 0
     before = (d / "model.npz").read_bytes()

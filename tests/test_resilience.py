@@ -200,12 +200,14 @@ def test_launch_without_restarts_gives_up_and_says_why(tmp_path):
 
 
 def _rank_process(rank: int, module: str) -> int | None:
-    """The pid of the process running `python -m module` with PMI_RANK=rank."""
+    """The pid of the process running `python -m module` as that rank (MPICH's launcher says it
+    in PMI_RANK, Open MPI's in OMPI_COMM_WORLD_RANK)."""
+    marks = {f"{name}={rank}".encode() for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK")}
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and \
                     (entry / "cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", module.encode()] \
-                    and f"PMI_RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    and marks & set((entry / "environ").read_bytes().split(b"\0")):
                 return int(entry.name)
         except OSError:
             continue

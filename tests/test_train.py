@@ -187,7 +187,7 @@ def test_malformed_data_gets_a_clear_error(tmp_path):
     assert out.returncode == 2 and "not a readable .npz" in out.stderr
 
 
-def test_bad_labels_or_images_in_an_npz_are_named_up_front(tmp_path):
+def test_bad_labels_or_images_in_an_npz_are_named_up_front_with_one_line(tmp_path):
     arrays = fake_mnist(tmp_path / "mnist", compress=False)
     arrays["y_train"] = arrays["y_train"].astype(np.int64)
     arrays["y_train"][[5, 7]] = -1
